@@ -1,0 +1,6 @@
+"""jaxserve: an LLM inference engine in JAX."""
+from jaxserve.engine import LLM
+from jaxserve.outputs import CompletionOutput, Logprob, RequestOutput
+from jaxserve.sampling_params import SamplingParams
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]

@@ -1,0 +1,1 @@
+"""Host-side loop: sequences, step batches, and the loop that drives the steps."""

@@ -1,0 +1,74 @@
+"""Host-side construction of a step's batch: numpy arrays padded to a bucket, copied to the device in one go."""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from jaxserve.cache import SCRATCH_PAGE, pages_needed
+from jaxserve.sampling_params import MAX_BANNED_TOKENS
+
+
+@dataclasses.dataclass
+class RowSampling:
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int = 0
+    step: int = 0
+    banned: tuple[int, ...] = ()
+    want_top_logprobs: bool = False
+
+
+@dataclasses.dataclass
+class Row:
+    """One sequence's part of a step."""
+    token_ids: list[int]  # new tokens this step
+    start_pos: int  # tokens of this sequence already in the cache
+    pages: list[int]  # its pages, covering at least start_pos + len(token_ids) tokens (any beyond are left out)
+
+    @property
+    def end(self) -> int:
+        return self.start_pos + len(self.token_ids)
+    sampling: RowSampling = dataclasses.field(default_factory=RowSampling)
+
+
+def build_batch(rows: list[Row], page_size: int, vocab_size: int, num_rows: int, tokens_per_row: int,
+                pages_per_row: int) -> dict:
+    """Pads `rows` to [num_rows, tokens_per_row] tokens and [num_rows, pages_per_row] pages."""
+    S, Q, P = num_rows, tokens_per_row, pages_per_row
+    if len(rows) > S:
+        raise ValueError(f"{len(rows)} rows do not fit a batch of {S}")
+    token_ids = np.zeros((S, Q), np.int32)
+    positions = np.full((S, Q), -1, np.int32)
+    # Padding writes land in the scratch page, spread over its slots.
+    slot_mapping = np.tile(SCRATCH_PAGE * page_size + np.arange(Q, dtype=np.int32) % page_size, (S, 1))
+    page_table = np.full((S, P), SCRATCH_PAGE, np.int32)
+    context_lens = np.zeros(S, np.int32)
+    logits_index = np.zeros(S, np.int32)
+    sampling = {
+        "temperature": np.zeros(S, np.float32), "top_k": np.zeros(S, np.int32), "top_p": np.ones(S, np.float32),
+        "min_p": np.zeros(S, np.float32), "seed": np.zeros(S, np.uint32), "step": np.zeros(S, np.int32),
+        "banned": np.full((S, MAX_BANNED_TOKENS), vocab_size, np.int32), "want_top_logprobs": np.zeros(S, bool),
+    }
+    for i, row in enumerate(rows):
+        n, end = len(row.token_ids), row.end
+        if not 1 <= n <= Q:
+            raise ValueError(f"row {i} has {n} new tokens; a row holds 1..{Q}")
+        pages = np.asarray(row.pages[:pages_needed(end, page_size)], np.int32)
+        if len(pages) > P or len(pages) * page_size < end:
+            raise ValueError(f"row {i}: {len(row.pages)} pages cannot hold {end} tokens in a table of width {P}")
+        pos = np.arange(row.start_pos, end, dtype=np.int32)
+        token_ids[i, :n] = row.token_ids
+        positions[i, :n] = pos
+        slot_mapping[i, :n] = pages[pos // page_size] * page_size + pos % page_size
+        page_table[i, :len(pages)] = pages
+        context_lens[i] = end
+        logits_index[i] = n - 1
+        s = row.sampling
+        for key in ("temperature", "top_k", "top_p", "min_p", "seed", "step", "want_top_logprobs"):
+            sampling[key][i] = getattr(s, key)
+        sampling["banned"][i, :len(s.banned)] = s.banned
+    return {"token_ids": token_ids, "positions": positions, "slot_mapping": slot_mapping, "page_table": page_table,
+            "context_lens": context_lens, "logits_index": logits_index, "sampling": sampling}

@@ -1,0 +1,45 @@
+"""Shape buckets: every step input is padded up to one of a few sizes, so serving compiles a bounded, known set."""
+from __future__ import annotations
+
+import dataclasses
+
+
+def geometric(lo: int, hi: int, factor: int = 2) -> tuple[int, ...]:
+    """lo, lo*factor, ... and finally hi itself (hi need not be a power)."""
+    out, b = [], lo
+    while b < hi:
+        out.append(b)
+        b *= factor
+    return tuple(out) + (hi,)
+
+
+def round_up(n: int, buckets: tuple[int, ...]) -> int:
+    for b in buckets:
+        if n <= b:
+            return b
+    raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Buckets:
+    num_seqs: tuple[int, ...]  # decode batch sizes
+    prefill_tokens: tuple[int, ...]  # tokens of one prefill chunk
+    num_pages: tuple[int, ...]  # page-table width (pages attended per sequence)
+
+    @classmethod
+    def for_limits(cls, max_num_seqs: int, max_chunk_tokens: int, max_pages_per_seq: int) -> "Buckets":
+        # Batch sizes double (decode cost grows with every padded row); token and page counts grow 4x, which
+        # keeps the program count small while attention over padded pages is cheap next to the weights.
+        return cls(num_seqs=geometric(1, max_num_seqs),
+                   prefill_tokens=geometric(min(16, max_chunk_tokens), max_chunk_tokens, 4),
+                   num_pages=geometric(min(8, max_pages_per_seq), max_pages_per_seq, 4))
+
+    def shapes(self, page_size: int):
+        """Every (kind, rows, tokens per row, pages per row) a step can take."""
+        for p in self.num_pages:
+            for i, t in enumerate(self.prefill_tokens):
+                # A chunk in the next token bucket up has more tokens than the previous bucket: it needs more pages.
+                if i == 0 or p * page_size > self.prefill_tokens[i - 1]:
+                    yield ("prefill", 1, t, p)
+            for s in self.num_seqs:
+                yield ("decode", s, 1, p)

@@ -1,0 +1,177 @@
+"""LLM: the offline API (vLLM-shaped). Requests in, finished outputs out."""
+from __future__ import annotations
+
+import itertools
+import logging
+import random
+from typing import Iterable
+
+import jax
+
+from jaxserve.batching.model_runner import ModelRunner
+from jaxserve.batching.scheduler import Scheduler
+from jaxserve.batching.sequence import Sequence
+from jaxserve.buckets import Buckets
+from jaxserve.cache import PageAllocator, bytes_per_page, num_pages_for_budget, pages_needed
+from jaxserve.outputs import RequestOutput
+from jaxserve.sampling_params import SamplingParams
+from jaxserve.weights import load_model, resolve_dtype
+from jaxserve.weights.params import param_bytes
+
+logger = logging.getLogger("jaxserve")
+
+_CPU_KV_CACHE_BYTES = 2 << 30
+
+
+class LLM:
+    """An engine over one model.
+
+    model: None (SmolLM2-135M-Instruct, fetched once), a .gguf file, a HF directory or a jaxserve checkpoint.
+    max_model_len: longest prompt + output (default: the model's context length).
+    max_num_seqs: most sequences decoded together. max_num_batched_tokens: prompt tokens per prefill chunk.
+    block_size: tokens per KV-cache page. kv_cache_memory_bytes: the KV budget (default: 2 GiB on CPU,
+    gpu_memory_utilization of device memory less the weights on an accelerator).
+    warmup: compile every step bucket now rather than on first use.
+    """
+
+    def __init__(self, model: str | None = None, *, max_model_len: int | None = None, dtype: str = "auto",
+                 max_num_seqs: int = 64, max_num_batched_tokens: int = 512, block_size: int = 16,
+                 kv_cache_memory_bytes: int | None = None, gpu_memory_utilization: float = 0.9, seed: int = 0,
+                 warmup: bool = True):
+        for name, value in [("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
+                            ("block_size", block_size)]:
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        dtype = resolve_dtype(dtype)
+        loaded = load_model(model, dtype)
+        self.model_name, self.config, self.tokenizer = loaded.name, loaded.config, loaded.tokenizer
+        limit = self.config.max_position_embeddings
+        if max_model_len is not None and not (isinstance(max_model_len, int) and 1 < max_model_len <= limit):
+            raise ValueError(f"max_model_len must be an integer in [2, {limit}] for this model, got {max_model_len!r}")
+        self.max_model_len = max_model_len or limit
+        kv_bytes = kv_cache_memory_bytes or _default_kv_budget(param_bytes(loaded.params), gpu_memory_utilization)
+        num_pages = num_pages_for_budget(self.config, block_size, dtype, kv_bytes)
+        # Never more pages than max_num_seqs full-length sequences can use (+1 for the scratch page).
+        num_pages = min(num_pages, max_num_seqs * pages_needed(self.max_model_len, block_size) + 1)
+        logger.info("KV cache: %d pages of %d tokens (%.1f MB)", num_pages, block_size,
+                    num_pages * bytes_per_page(self.config, block_size, dtype) / 1e6)
+        buckets = Buckets.for_limits(max_num_seqs, max_num_batched_tokens, pages_needed(self.max_model_len, block_size))
+        self.runner = ModelRunner(self.config, loaded.params, dtype, num_pages, block_size, buckets)
+        self.scheduler = Scheduler(self.runner, PageAllocator(num_pages), max_num_seqs, max_num_batched_tokens)
+        self._rng = random.Random(seed)
+        self._request_ids = itertools.count()
+        if warmup:
+            self.runner.warmup()
+
+    # ---- requests in ----
+
+    def _prompt_ids(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            ids, text = prompt["prompt_token_ids"], prompt.get("prompt")
+        elif isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass {'prompt_token_ids': [...]} prompts")
+            ids, text = self.tokenizer.encode(prompt), prompt
+        else:
+            raise TypeError(f"a prompt is a str or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
+        if not ids:
+            raise ValueError("the prompt is empty")
+        if not all(isinstance(t, int) and 0 <= t < self.config.vocab_size for t in ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {self.config.vocab_size})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(ids)} tokens but max_model_len is {self.max_model_len}: "
+                             "it leaves no room to generate")
+        return text, list(ids)
+
+    def _sequences(self, prompt, params: SamplingParams) -> tuple[str, str | None, list[Sequence]]:
+        text, ids = self._prompt_ids(prompt)
+        request_id = str(next(self._request_ids))
+        base_seed = params.seed if params.seed is not None else self._rng.getrandbits(32)
+        eos = self.tokenizer.eos_token_ids if self.tokenizer is not None else []
+        seqs = []
+        for i in range(params.n):
+            detok = None
+            if self.tokenizer is not None:
+                from jaxserve.tokenizer import IncrementalDetokenizer
+                detok = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
+            seed = (base_seed + i * 0x9E3779B1) % (1 << 32)  # distinct streams for the n samples of one seed
+            seqs.append(Sequence(request_id, i, ids, params, seed, self.max_model_len, eos, detok))
+        return request_id, text, seqs
+
+    # ---- generation ----
+
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """prompts: a str, a {'prompt_token_ids': [...]} dict, or a list of them. Returns one output per prompt."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params_list = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError(f"{len(params_list)} sampling params for {len(prompts)} prompts")
+        # Validate every prompt before any runs, so a bad one never leaves others half-done.
+        requests = [self._sequences(p, sp) for p, sp in zip(prompts, params_list)]
+        try:
+            for _, _, seqs in requests:
+                for s in seqs:
+                    self.scheduler.add(s)
+            self._run_until_done(sum(len(s) for _, _, s in requests), use_tqdm)
+        except BaseException:
+            for request_id, _, _ in requests:
+                self.scheduler.abort(request_id)
+            raise
+        return [RequestOutput(rid, text, seqs[0].prompt_token_ids, [s.completion_output() for s in seqs], True)
+                for rid, text, seqs in requests]
+
+    def _run_until_done(self, total: int, use_tqdm: bool) -> None:
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+            bar = tqdm(total=total, desc="generating", unit="seq")
+        while self.scheduler.has_unfinished():
+            changed = self.scheduler.step()
+            if bar is not None:
+                bar.update(sum(1 for s, _ in changed if s.finish_reason is not None))
+        if bar is not None:
+            bar.close()
+
+    def stream(self, prompt, sampling_params: SamplingParams | None = None) -> Iterable[str]:
+        """Yields text pieces of one prompt's first completion as they are generated."""
+        params = sampling_params or SamplingParams()
+        request_id, _, seqs = self._sequences(prompt, params)
+        for s in seqs:
+            self.scheduler.add(s)
+        try:
+            while self.scheduler.has_unfinished():
+                for seq, delta in self.scheduler.step():
+                    if seq.request_id == request_id and seq.index == 0 and delta:
+                        yield delta
+        finally:
+            self.scheduler.abort(request_id)
+
+    def chat(self, messages, sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
+             add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """messages: one conversation (a list of {'role', 'content'} dicts) or a list of conversations."""
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer, so it has no chat template")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        texts = [self.tokenizer.apply_chat_template(c, add_generation_prompt) for c in conversations]
+        # The template writes any BOS itself, so encoding must not add another.
+        prompts = [{"prompt": t, "prompt_token_ids": self.tokenizer.encode(t, add_special_tokens=False)} for t in texts]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+
+def _default_kv_budget(weight_bytes: int, utilization: float) -> int:
+    device = jax.devices()[0]
+    if device.platform == "cpu":
+        return _CPU_KV_CACHE_BYTES
+    limit = (device.memory_stats() or {}).get("bytes_limit")
+    if not limit:
+        return _CPU_KV_CACHE_BYTES
+    # Leave a tenth of the remainder for activations and compiled programs.
+    return int((limit * utilization - weight_bytes) * 0.9)

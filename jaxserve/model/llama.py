@@ -1,0 +1,97 @@
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM) as Flax modules over a paged KV cache.
+
+The modules only define structure; what crosses `jit` is the plain params pytree and the cache. The model knows the
+page table it is handed and nothing else about pages.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+from jaxserve.attention import paged_attention, write_kv
+from jaxserve.config import ModelConfig
+from jaxserve.model.rope import apply_rope, inverse_frequencies
+
+
+class Linear(nn.Module):
+    features: int
+    use_bias: bool = False
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        kernel = self.param("kernel", nn.initializers.normal(0.02), (x.shape[-1], self.features), self.dtype)
+        y = x @ kernel  # kernel: [in, out]
+        if self.use_bias:
+            y = y + self.param("bias", nn.initializers.zeros, (self.features,), self.dtype)
+        return y
+
+
+class RMSNorm(nn.Module):
+    eps: float
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        weight = self.param("weight", nn.initializers.ones, (x.shape[-1],), self.dtype)
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jnp.reciprocal(jnp.sqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps))
+        return (x32 * weight.astype(jnp.float32)).astype(self.dtype)
+
+
+class DecoderLayer(nn.Module):
+    config: ModelConfig
+    dtype: Any
+
+    @nn.compact
+    def __call__(self, x, kv, batch):
+        c, dt = self.config, self.dtype
+        S, Q, _ = x.shape  # x: [S, Q, hidden]
+        h = RMSNorm(c.rms_norm_eps, dt, name="input_layernorm")(x)
+        q = Linear(c.num_heads * c.head_dim, c.attention_bias, dt, name="q_proj")(h)
+        k = Linear(c.num_kv_heads * c.head_dim, c.attention_bias, dt, name="k_proj")(h)
+        v = Linear(c.num_kv_heads * c.head_dim, c.attention_bias, dt, name="v_proj")(h)
+        inv_freq = inverse_frequencies(c.head_dim, c.rope_theta, c.rope_scaling)
+        q = apply_rope(q.reshape(S, Q, c.num_heads, c.head_dim), batch["positions"], inv_freq)
+        k = apply_rope(k.reshape(S, Q, c.num_kv_heads, c.head_dim), batch["positions"], inv_freq)
+        v = v.reshape(S, Q, c.num_kv_heads, c.head_dim)
+        k_pages, v_pages = write_kv(kv[0], kv[1], k, v, batch["slot_mapping"])
+        attn = paged_attention(q, k_pages, v_pages, batch["page_table"], batch["positions"], batch["context_lens"],
+                               sliding_window=c.sliding_window)
+        x = x + Linear(c.hidden_size, False, dt, name="o_proj")(attn.reshape(S, Q, -1))
+        h = RMSNorm(c.rms_norm_eps, dt, name="post_attention_layernorm")(x)
+        gate = Linear(c.intermediate_size, False, dt, name="gate_proj")(h)
+        up = Linear(c.intermediate_size, False, dt, name="up_proj")(h)
+        x = x + Linear(c.hidden_size, False, dt, name="down_proj")(nn.silu(gate) * up)
+        return x, (k_pages, v_pages)
+
+
+class LlamaModel(nn.Module):
+    config: ModelConfig
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, token_ids, kv_cache, batch, logits_index=None):
+        """token_ids: [S, Q]; kv_cache: per layer (k_pages, v_pages); batch: the step's attention inputs.
+
+        logits_index: [S] which new token of each row gets logits (None: all of them).
+        Returns (logits [S, V] or [S, Q, V] in float32, updated kv_cache).
+        """
+        c = self.config
+        embedding = self.param("embed_tokens", nn.initializers.normal(0.02), (c.vocab_size, c.hidden_size), self.dtype)
+        x = embedding[token_ids]  # [S, Q, hidden]
+        new_cache = []
+        # A Python loop over per-layer weights: on XLA:CPU a scan over stacked layers copies each weight slice.
+        for i in range(c.num_layers):
+            x, kv = DecoderLayer(c, self.dtype, name=f"layers_{i}")(x, kv_cache[i], batch)
+            new_cache.append(kv)
+        if logits_index is not None:
+            x = jnp.take_along_axis(x, logits_index[:, None, None], axis=1)[:, 0]  # [S, hidden]
+        x = RMSNorm(c.rms_norm_eps, self.dtype, name="norm")(x)
+        if c.tie_word_embeddings:
+            logits = x @ embedding.T
+        else:
+            logits = Linear(c.vocab_size, False, self.dtype, name="lm_head")(x)
+        return logits.astype(jnp.float32), new_cache

@@ -1,0 +1,55 @@
+"""Sampling on device: one call turns a batch of logits into tokens (and logprobs) under per-row parameters."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxserve.sampling_params import MAX_LOGPROBS
+
+
+def sample(logits, p):
+    """logits: [S, V] float32. p: per-row arrays
+        temperature [S] f32 (0: greedy), top_k [S] i32 (0: off), top_p [S] f32, min_p [S] f32,
+        seed [S] u32, step [S] i32 (tokens generated so far; with seed it makes the draw reproducible),
+        banned [S, B] i32 (token ids that may not be sampled now; padded with vocab_size).
+    Returns a dict of tokens [S], logprobs [S], ranks [S] (1: most likely), top_ids [S, MAX_LOGPROBS], top_logprobs [S, MAX_LOGPROBS].
+    """
+    S, V = logits.shape
+    # Logprobs are those of the model's own distribution, before any sampling transform (as vLLM reports them).
+    logprobs = jax.nn.log_softmax(logits, axis=-1)
+    rows = jnp.arange(S)[:, None]
+    logits = logits.at[rows, p["banned"]].set(-jnp.inf, mode="drop")
+    greedy = jnp.argmax(logits, axis=-1)
+
+    x = logits / jnp.maximum(p["temperature"], 1e-6)[:, None]
+    needs_sort = jnp.any((p["top_k"] > 0) | (p["top_p"] < 1.0))
+    x = jax.lax.cond(needs_sort, _top_k_top_p, lambda x, k, tp: x, x, p["top_k"], p["top_p"])
+    probs = jax.nn.softmax(x, axis=-1)
+    x = jnp.where(probs >= p["min_p"][:, None] * jnp.max(probs, axis=-1, keepdims=True), x, -jnp.inf)
+    keys = jax.vmap(lambda seed, step: jax.random.fold_in(jax.random.key(seed), step))(p["seed"], p["step"])
+    gumbel = jax.vmap(lambda key: jax.random.gumbel(key, (V,)))(keys)
+    sampled = jnp.argmax(x + gumbel, axis=-1)
+    tokens = jnp.where(p["temperature"] == 0, greedy, sampled).astype(jnp.int32)
+
+    top_logprobs, top_ids = jax.lax.cond(
+        jnp.any(p["want_top_logprobs"]),
+        lambda lp: tuple(jax.lax.top_k(lp, MAX_LOGPROBS)),
+        lambda lp: (jnp.zeros((S, MAX_LOGPROBS), lp.dtype), jnp.zeros((S, MAX_LOGPROBS), jnp.int32)),
+        logprobs)
+    chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=1)  # [S, 1]
+    return {"tokens": tokens, "logprobs": chosen[:, 0], "ranks": 1 + jnp.sum(logprobs > chosen, axis=-1),
+            "top_ids": top_ids, "top_logprobs": top_logprobs}
+
+
+def _top_k_top_p(x, top_k, top_p):
+    """Mask all but the top-k, then all but the smallest set whose probability reaches top_p (as vLLM orders them)."""
+    V = x.shape[-1]
+    desc = -jnp.sort(-x, axis=-1)  # [S, V]
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, V), V)
+    desc = jnp.where(jnp.arange(V)[None, :] < k[:, None], desc, -jnp.inf)
+    probs = jax.nn.softmax(desc, axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs  # probability mass strictly above each candidate
+    keep = (before < top_p[:, None]) & (desc > -jnp.inf)
+    last = jnp.maximum(jnp.sum(keep, axis=-1) - 1, 0)
+    threshold = jnp.take_along_axis(desc, last[:, None], axis=1)
+    return jnp.where(x >= threshold, x, -jnp.inf)

@@ -1,0 +1,66 @@
+"""SamplingParams: what a request asks of generation, validated up front (vLLM names and defaults)."""
+from __future__ import annotations
+
+import dataclasses
+
+# Top-n logprobs are computed on device for a fixed n (one program for every request), as OpenAI's cap.
+MAX_LOGPROBS = 20
+# Tokens that min_tokens keeps from ending a sequence, per row, in a fixed-size device array.
+MAX_BANNED_TOKENS = 16
+
+
+@dataclasses.dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16  # None: up to max_model_len
+    min_tokens: int = 0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None  # number of top logprobs per generated token (the chosen token's is always given)
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self):
+        self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        _check(isinstance(self.n, int) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}")
+        _check(_is_number(self.temperature) and self.temperature >= 0,
+               f"temperature must be a number >= 0, got {self.temperature!r}")
+        _check(_is_number(self.top_p) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}")
+        _check(isinstance(self.top_k, int) and self.top_k >= 0, f"top_k must be an integer >= 0 (or -1), got {self.top_k!r}")
+        _check(_is_number(self.min_p) and 0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p!r}")
+        _check(self.seed is None or isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}")
+        _check(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
+               f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        _check(isinstance(self.min_tokens, int) and self.min_tokens >= 0,
+               f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        _check(self.max_tokens is None or self.min_tokens <= self.max_tokens,
+               f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        _check(all(isinstance(s, str) and s for s in self.stop), f"stop must be non-empty strings, got {self.stop!r}")
+        _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+               f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+        _check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS),
+               f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        _check(self.min_tokens == 0 or len(self.stop_token_ids) + 1 <= MAX_BANNED_TOKENS,
+               f"min_tokens with more than {MAX_BANNED_TOKENS - 1} stop_token_ids is not supported")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)

@@ -1,0 +1,26 @@
+"""Tiny random HF checkpoints (written with save_pretrained) for comparing jaxserve with transformers."""
+from __future__ import annotations
+
+import torch
+import transformers
+
+TINY = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5, initializer_range=0.25,
+            bos_token_id=None, eos_token_id=None, pad_token_id=None)
+
+VARIANTS = {
+    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(rope_theta=10000.0)),
+    "llama3-rope-tied": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(
+        tie_word_embeddings=True, num_key_value_heads=1, rope_theta=500000.0,
+        rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                          original_max_position_embeddings=64))),
+    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, dict(rope_theta=1000000.0)),
+}
+
+
+def save_tiny_model(kind: str, path, seed: int = 0):
+    config_cls, model_cls, extra = VARIANTS[kind]
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**{**TINY, **extra})).eval()
+    model.save_pretrained(path, safe_serialization=True)
+    return model
