@@ -15,6 +15,7 @@ class PageAllocator:
         self.num_pages = num_pages
         # Popped from the end: low page ids go out first, which keeps small runs easy to read in a debugger.
         self._free = [p for p in range(num_pages - 1, -1, -1) if p != SCRATCH_PAGE]
+        self._held: set[int] = set()
 
     @property
     def num_free(self) -> int:
@@ -31,11 +32,15 @@ class PageAllocator:
     def allocate(self, n: int) -> list[int]:
         if n > len(self._free):
             raise OutOfPages(f"asked for {n} pages, {len(self._free)} free")
-        pages = self._free[len(self._free) - n:]
+        pages = self._free[len(self._free) - n:][::-1]
         del self._free[len(self._free) - n:]
-        return pages[::-1]
+        self._held.update(pages)
+        return pages
 
     def free(self, pages: list[int]) -> None:
+        if not self._held.issuperset(pages) or len(set(pages)) != len(pages):
+            raise ValueError(f"freeing pages that are not held: {sorted(set(pages) - self._held)}")
+        self._held.difference_update(pages)
         self._free.extend(reversed(pages))
 
 

@@ -1,0 +1,131 @@
+"""The `jaxserve` command: generate, chat, convert."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from jaxserve.weights.default_model import DEFAULT_MODEL
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None,
+                   help=f"a .gguf file, a HF model directory, or a jaxserve checkpoint (default: {DEFAULT_MODEL}, "
+                        "fetched once into ~/.cache/jaxserve or $JAXSERVE_CACHE)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="parameter and activation dtype (auto: float32 on CPU, bfloat16 on GPU/TPU)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt + output in tokens (default: the model's context length)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache page")
+    p.add_argument("--warmup", action="store_true", help="compile every shape bucket before generating")
+    p.add_argument("-v", "--verbose", action="store_true", help="log loading and compilation")
+
+
+def _sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
+    p.add_argument("--max-tokens", type=int, default=max_tokens, help="most tokens to generate")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy; higher is more random")
+    p.add_argument("--top-p", type=float, default=1.0, help="sample from the smallest set with this much probability")
+    p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0: all)")
+    p.add_argument("--min-p", type=float, default=0.0, help="drop tokens less likely than min_p x the most likely")
+    p.add_argument("--seed", type=int, default=None, help="seed for sampling: same seed and prompt, same text")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="jaxserve", description="LLM inference in JAX.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="complete one prompt, streaming tokens as they come",
+                         description="Complete one prompt, streaming the text to the terminal.")
+    gen.add_argument("--prompt", required=True, help="the text to complete")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    _engine_args(gen)
+    _sampling_args(gen, 128)
+    chat = sub.add_parser("chat", help="an interactive chat using the model's chat template",
+                          description="Interactive chat. Empty line or Ctrl-D quits.")
+    chat.add_argument("--system", default=None, help="a system prompt (default: the template's own, if any)")
+    _engine_args(chat)
+    _sampling_args(chat, 512)
+    conv = sub.add_parser("convert", help="write a model as a jaxserve (orbax) checkpoint that loads faster",
+                          description="Load SRC (a .gguf, a HF directory, or the default model name) and write a "
+                                      "jaxserve checkpoint to DST: params (orbax), config and tokenizer.")
+    conv.add_argument("src", help=f"the model to convert ({DEFAULT_MODEL} for the default model)")
+    conv.add_argument("dst", help="a new directory to write")
+    conv.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                      help="dtype of the saved params")
+    conv.add_argument("-v", "--verbose", action="store_true", help="log loading")
+    return parser
+
+
+def _sampling_params(args):
+    from jaxserve import SamplingParams
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                          top_k=args.top_k, min_p=args.min_p, seed=args.seed)
+
+
+def _llm(args):
+    from jaxserve import LLM
+    # One prompt at a time: a single decode row keeps the set of compiled programs (and start-up) small.
+    return LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, block_size=args.block_size,
+               max_num_seqs=1, warmup=args.warmup)
+
+
+def cmd_generate(args) -> None:
+    params = _sampling_params(args)  # invalid values fail before the model loads
+    llm = _llm(args)
+    prompt = args.prompt
+    if args.chat:
+        ids = llm.tokenizer.encode(llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}]),
+                                   add_special_tokens=False)
+        prompt = {"prompt_token_ids": ids}
+    for piece in llm.stream(prompt, params):
+        print(piece, end="", flush=True)
+    print()
+
+
+def cmd_chat(args) -> None:
+    params = _sampling_params(args)
+    llm = _llm(args)
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            break
+        if not line.strip():
+            break
+        messages.append({"role": "user", "content": line})
+        text = llm.tokenizer.apply_chat_template(messages)
+        reply = ""
+        for piece in llm.stream({"prompt_token_ids": llm.tokenizer.encode(text, add_special_tokens=False)}, params):
+            print(piece, end="", flush=True)
+            reply += piece
+        print()
+        messages.append({"role": "assistant", "content": reply})
+
+
+def cmd_convert(args) -> None:
+    from pathlib import Path
+
+    from jaxserve.weights import load_model, resolve_dtype
+    from jaxserve.weights.orbax_ckpt import save_checkpoint
+    loaded = load_model(args.src, resolve_dtype(args.dtype))
+    save_checkpoint(Path(args.dst), loaded.config, loaded.params, loaded.tokenizer)
+    print(f"wrote {args.dst}")
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
+    handler = {"generate": cmd_generate, "chat": cmd_chat, "convert": cmd_convert}[args.command]
+    try:
+        handler(args)
+    except (ValueError, RuntimeError, OSError) as e:
+        # User errors (bad model path, bad parameter, prompt too long) get one line, not a traceback.
+        print(f"jaxserve: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

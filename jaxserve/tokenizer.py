@@ -1,0 +1,220 @@
+"""Tokenizer (byte-level BPE on the `tokenizers` library), chat templates and streaming detokenization.
+
+One class serves GGUF files (vocabulary in the metadata) and HF directories (tokenizer.json); `save` writes the
+latter so a converted checkpoint carries its tokenizer.
+"""
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+
+import jinja2
+import jinja2.ext
+import jinja2.sandbox
+import tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
+
+# Split regexes of the pre-tokenizers named by `tokenizer.ggml.pre`, as in llama.cpp and the models' tokenizer.json.
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+def _split_then_bytes(regex: str):
+    return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(regex), behavior="isolated"),
+                                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+
+
+# pre name -> (pre-tokenizer factory, normalizer factory or None, BPE ignore_merges)
+_PRE_TOKENIZERS = {
+    "default": (lambda: pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True), None, False),
+    "gpt2": (lambda: pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True), None, False),
+    "smollm": (lambda: pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]),
+               None, False),
+    # Llama 3's tokenizer.json sets ignore_merges: a whole pre-token found in the vocabulary is taken as is.
+    "llama-bpe": (lambda: _split_then_bytes(_LLAMA3_SPLIT), None, True),
+    "llama3": (lambda: _split_then_bytes(_LLAMA3_SPLIT), None, True),
+    "qwen2": (lambda: _split_then_bytes(_QWEN2_SPLIT), normalizers.NFC, False),
+}
+
+# Control tokens llama.cpp treats as end of generation whatever eos_token_id says (chat turns end with them).
+_END_OF_TURN = {"<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>",
+                "<|end_of_text|>", "<EOT>"}
+_CONTROL, _USER_DEFINED = 3, 4  # gguf token_type values
+
+
+def _raise_exception(message):
+    raise jinja2.TemplateError(message)
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    # Jinja's own tojson HTML-escapes; templates expect plain JSON (as HF renders them).
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _jinja_env() -> jinja2.Environment:
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                       extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env
+
+
+def _read_json(path: Path) -> dict:
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+
+
+class Tokenizer:
+    def __init__(self, tok: tokenizers.Tokenizer, *, bos_token_id: int | None, eos_token_ids: list[int],
+                 add_bos: bool, chat_template: str | None):
+        self._tok = tok
+        self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
+        self.bos_token_id = bos_token_id
+        self.eos_token_ids = list(dict.fromkeys(eos_token_ids))
+        self.add_bos = add_bos
+        self.chat_template = chat_template
+        self._template = None
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._tok.id_to_token(token_id)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`; control tokens written in the text (`<|im_start|>`) become their single ids.
+
+        Encode a rendered chat template with add_special_tokens=False: templates write their own BOS.
+        """
+        ids = self._tok.encode(text, add_special_tokens=False).ids
+        if add_special_tokens and self.add_bos and self.bos_token_id is not None:
+            ids.insert(0, self.bos_token_id)
+        return ids
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
+        """Render `messages` with the model's template; extra keyword arguments (tools=...) become template variables."""
+        if not self.chat_template:
+            raise ValueError("this model has no chat template; send a plain completion prompt instead")
+        try:
+            if self._template is None:
+                self._template = _jinja_env().from_string(self.chat_template)
+            bos = self.id_to_token(self.bos_token_id) if self.bos_token_id is not None else None
+            eos = self.id_to_token(self.eos_token_ids[0]) if self.eos_token_ids else None
+            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                         bos_token=bos or "", eos_token=eos or "", **kwargs)
+        except jinja2.TemplateError as e:
+            raise ValueError(f"chat template failed: {e}") from None
+
+    @classmethod
+    def from_gguf_fields(cls, reader) -> "Tokenizer":
+        """Build from a `gguf.GGUFReader`'s `tokenizer.*` metadata (byte-level BPE only)."""
+        def get(key, default=None):
+            field = reader.fields.get(key)
+            return default if field is None else field.contents()
+
+        kind = get("tokenizer.ggml.model")
+        if kind != "gpt2":
+            raise ValueError(f"unsupported GGUF tokenizer model {kind!r}: jaxserve reads byte-level BPE ('gpt2') "
+                             "vocabularies only, not SentencePiece ('llama') or others")
+        pre = get("tokenizer.ggml.pre", "default")
+        if pre not in _PRE_TOKENIZERS:
+            raise ValueError(f"unsupported GGUF pre-tokenizer {pre!r}; supported: {', '.join(_PRE_TOKENIZERS)}")
+        make_pre, make_norm, ignore_merges = _PRE_TOKENIZERS[pre]
+        tokens = get("tokenizer.ggml.tokens")
+        types = get("tokenizer.ggml.token_type") or [1] * len(tokens)
+        merges = [tuple(m.split(" ", 1)) for m in get("tokenizer.ggml.merges", [])]
+        tok = tokenizers.Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges,
+                                              ignore_merges=ignore_merges))
+        tok.pre_tokenizer = make_pre()
+        if make_norm:
+            tok.normalizer = make_norm()
+        tok.decoder = decoders.ByteLevel()
+        # Without these, control tokens written in a prompt would be cut into ordinary pieces.
+        tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                for t, ty in zip(tokens, types) if ty == _CONTROL])
+        tok.add_tokens([AddedToken(t, special=False, normalized=False)
+                        for t, ty in zip(tokens, types) if ty == _USER_DEFINED])
+        eos = [get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+        eos += [i for i, (t, ty) in enumerate(zip(tokens, types)) if ty == _CONTROL and t in _END_OF_TURN]
+        return cls(tok, bos_token_id=get("tokenizer.ggml.bos_token_id"),
+                   eos_token_ids=[i for i in eos if i is not None],
+                   add_bos=bool(get("tokenizer.ggml.add_bos_token", False)),
+                   chat_template=get("tokenizer.chat_template"))
+
+    @classmethod
+    def from_hf_dir(cls, path) -> "Tokenizer":
+        """Build from a HF model directory: tokenizer.json, tokenizer_config.json, generation_config.json."""
+        path = Path(path)
+        if not (path / "tokenizer.json").is_file():
+            raise ValueError(f"{path} has no tokenizer.json")
+        tok = tokenizers.Tokenizer.from_file(str(path / "tokenizer.json"))
+        cfg = _read_json(path / "tokenizer_config.json")
+        gen = _read_json(path / "generation_config.json")
+
+        def token_id(token):  # tokenizer_config writes special tokens as strings or as AddedToken dicts
+            token = token.get("content") if isinstance(token, dict) else token
+            return tok.token_to_id(token) if token else None
+
+        bos = token_id(cfg.get("bos_token"))
+        if bos is None:
+            bos = gen.get("bos_token_id")
+        gen_eos = gen.get("eos_token_id")
+        eos = [token_id(cfg.get("eos_token"))] + (gen_eos if isinstance(gen_eos, list) else [gen_eos])
+        add_bos = cfg.get("add_bos_token")
+        if add_bos is None:  # no flag: BOS is added iff tokenizer.json's post-processor adds it
+            add_bos = bos is not None and tok.encode("", add_special_tokens=True).ids[:1] == [bos]
+        template = cfg.get("chat_template")
+        if (path / "chat_template.jinja").is_file():  # newer transformers save the template beside the config
+            template = (path / "chat_template.jinja").read_text(encoding="utf-8")
+        elif isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
+            template = {t["name"]: t["template"] for t in template}.get("default")
+        return cls(tok, bos_token_id=bos, eos_token_ids=[i for i in eos if i is not None],
+                   add_bos=bool(add_bos), chat_template=template)
+
+    def save(self, path) -> None:
+        """Write tokenizer.json, tokenizer_config.json and generation_config.json (the eos ids) into `path`."""
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        self._tok.save(str(path / "tokenizer.json"))
+        name = lambda i: self.id_to_token(i) if i is not None else None
+        cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": name(self.bos_token_id),
+               "eos_token": name(self.eos_token_ids[0]) if self.eos_token_ids else None,
+               "add_bos_token": self.add_bos, "add_eos_token": False,
+               # HF's default space clean-up would make its decode differ from ours.
+               "clean_up_tokenization_spaces": False, "chat_template": self.chat_template}
+        (path / "tokenizer_config.json").write_text(json.dumps(cfg, indent=1, ensure_ascii=False), encoding="utf-8")
+        gen = {"bos_token_id": self.bos_token_id, "eos_token_id": self.eos_token_ids}
+        (path / "generation_config.json").write_text(json.dumps(gen, indent=1), encoding="utf-8")
+
+
+class IncrementalDetokenizer:
+    """Turns a stream of token ids into text deltas; never emits half a UTF-8 character (vLLM-style prefix/read offsets).
+
+    Each step decodes only the ids since the last emitted text (plus the window before it, so that decoders that
+    depend on context, like spaces after a word, see it) instead of the whole sequence.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self._skip = skip_special_tokens
+        self._ids: list[int] = []
+        self._prefix = 0  # start of the decode window
+        self._read = 0  # ids before this are already in `text`
+        self.text = ""
+
+    def add(self, token_id: int) -> str:
+        self._ids.append(int(token_id))
+        decode = self.tokenizer.decode
+        prefix_text = decode(self._ids[self._prefix:self._read], self._skip)
+        new_text = decode(self._ids[self._prefix:], self._skip)
+        # A trailing U+FFFD means the last token ended inside a multi-byte character: wait for the rest of it.
+        if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
+            return ""
+        delta = new_text[len(prefix_text):]
+        self._prefix, self._read = self._read, len(self._ids)
+        self.text += delta
+        return delta

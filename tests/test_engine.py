@@ -1,0 +1,147 @@
+"""The LLM loop on a tiny random model: paging, batching, compilation, limits and bad input."""
+import numpy as np
+import pytest
+
+from hf_models import save_tiny_model
+from jaxserve import LLM, SamplingParams
+from jaxserve.steps import steps_for
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-llama")
+    save_tiny_model("llama", path)
+    return str(path)
+
+
+def make_llm(tiny_dir, **kw):
+    args = dict(max_model_len=96, block_size=4, max_num_seqs=4, max_num_batched_tokens=16, warmup=False)
+    return LLM(tiny_dir, **{**args, **kw})
+
+
+def prompts(rng, lengths):
+    return [{"prompt_token_ids": rng.integers(0, 320, n).tolist()} for n in lengths]
+
+
+def all_pages_free(llm):
+    alloc = llm.scheduler.allocator
+    return alloc.num_free == alloc.num_usable and not llm.scheduler.running and not llm.scheduler.waiting
+
+
+def test_page_size_does_not_change_tokens(tiny_dir):
+    ps = prompts(np.random.default_rng(), [1, 3, 4, 5, 15, 16, 17, 33])  # around page and chunk boundaries
+    results = []
+    for block_size in (1, 4, 16):
+        llm = make_llm(tiny_dir, block_size=block_size)
+        results.append([o.outputs[0].token_ids for o in llm.generate(ps, GREEDY, use_tqdm=False)])
+        assert all_pages_free(llm)
+    assert results[0] == results[1] == results[2]
+
+
+def test_batching_does_not_change_greedy_tokens(tiny_dir):
+    ps = prompts(np.random.default_rng(), [7, 30, 2, 19, 11, 25])
+    llm = make_llm(tiny_dir)
+    together = [o.outputs[0].token_ids for o in llm.generate(ps, GREEDY, use_tqdm=False)]
+    alone = [llm.generate(p, GREEDY, use_tqdm=False)[0].outputs[0].token_ids for p in ps]
+    assert together == alone
+
+
+def test_no_compilation_after_warmup(tiny_dir):
+    steps_for.cache_clear()  # jitted steps are shared per model config; start from none compiled
+    llm = make_llm(tiny_dir, warmup=True)
+    compiled = llm.runner.steps.num_compiled()
+    assert compiled == len(list(llm.runner.buckets.shapes(llm.runner.page_size)))
+    rng = np.random.default_rng()
+    ps = prompts(rng, rng.integers(1, 60, 9))
+    mixed = [SamplingParams(temperature=0, max_tokens=int(rng.integers(1, 30)), ignore_eos=True),
+             SamplingParams(temperature=0.8, top_k=5, top_p=0.9, min_p=0.05, seed=3, max_tokens=20, logprobs=2,
+                            min_tokens=2)] * 5
+    llm.generate(ps, mixed[:len(ps)], use_tqdm=False)
+    assert llm.runner.steps.num_compiled() == compiled
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(tiny_dir):
+    ps = prompts(np.random.default_rng(), [9, 21])
+    llm = make_llm(tiny_dir)
+    sp = SamplingParams(temperature=1.0, seed=1234, max_tokens=16, ignore_eos=True)
+    a = llm.generate(ps, sp, use_tqdm=False)
+    b = llm.generate(ps[:1], sp, use_tqdm=False)
+    assert a[0].outputs[0].token_ids == b[0].outputs[0].token_ids
+    other = llm.generate(ps[:1], SamplingParams(temperature=1.0, seed=99, max_tokens=16), use_tqdm=False)
+    assert other[0].outputs[0].token_ids != a[0].outputs[0].token_ids
+
+
+def test_n_samples_and_limits(tiny_dir):
+    llm = make_llm(tiny_dir)
+    p = prompts(np.random.default_rng(), [10])
+    out = llm.generate(p, SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=8, ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert all(len(c.token_ids) == 8 and c.finish_reason == "length" for c in out.outputs)
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+    # max_tokens=None runs to max_model_len.
+    out = llm.generate(p, SamplingParams(temperature=0, max_tokens=None, ignore_eos=True), use_tqdm=False)[0]
+    assert len(out.prompt_token_ids) + len(out.outputs[0].token_ids) == 96
+    assert all_pages_free(llm)
+
+
+def test_stop_token_ids_and_min_tokens(tiny_dir):
+    llm = make_llm(tiny_dir)
+    p = prompts(np.random.default_rng(), [6])
+    free = llm.generate(p, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    stop = free[4]
+    first = free.index(stop)
+    out = llm.generate(p, SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop]), use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == free[:first + 1]
+    assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == stop
+    # min_tokens keeps the stop token from being sampled before it is reached.
+    out = llm.generate(p, SamplingParams(temperature=0, max_tokens=12, min_tokens=first + 3, stop_token_ids=[stop]),
+                       use_tqdm=False)[0]
+    assert stop not in out.outputs[0].token_ids[:first + 3]
+    assert len(out.outputs[0].token_ids) >= first + 3
+
+
+def test_logprobs_returned_on_request(tiny_dir):
+    llm = make_llm(tiny_dir)
+    out = llm.generate(prompts(np.random.default_rng(), [5]),
+                       SamplingParams(temperature=0, max_tokens=4, logprobs=3, ignore_eos=True), use_tqdm=False)[0]
+    c = out.outputs[0]
+    assert len(c.logprobs) == 4
+    for tok, entry in zip(c.token_ids, c.logprobs):
+        assert entry[tok].rank == 1 and len(entry) == 3  # greedy: the chosen token is the top one
+        assert max(e.logprob for e in entry.values()) == entry[tok].logprob <= 0
+    assert c.cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in zip(c.token_ids, c.logprobs)))
+
+
+def test_bad_prompts_raise_and_leave_no_pages(tiny_dir):
+    llm = make_llm(tiny_dir)
+    good = prompts(np.random.default_rng(), [5])[0]
+    for bad in [{"prompt_token_ids": []}, {"prompt_token_ids": [1] * 96}, {"prompt_token_ids": [320]},
+                {"prompt_token_ids": [-1]}, "text but no tokenizer", 42]:
+        with pytest.raises((ValueError, TypeError)):
+            llm.generate([good, bad], GREEDY, use_tqdm=False)
+        assert all_pages_free(llm)
+    assert llm.generate(good, GREEDY, use_tqdm=False)[0].outputs[0].token_ids  # still serving
+
+
+def test_bad_engine_arguments(tiny_dir, tmp_path):
+    with pytest.raises(ValueError, match="unknown model"):
+        LLM(str(tmp_path / "missing"), warmup=False)
+    with pytest.raises(ValueError, match="max_model_len"):
+        make_llm(tiny_dir, max_model_len=100000)
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        make_llm(tiny_dir, max_num_seqs=0)
+    (tmp_path / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"], "vocab_size": 10, '
+                                          '"hidden_size": 8, "intermediate_size": 8, "num_hidden_layers": 1, '
+                                          '"num_attention_heads": 2}')
+    with pytest.raises(ValueError, match="unsupported architecture"):
+        LLM(str(tmp_path), warmup=False)
+
+
+def test_request_larger_than_the_cache_is_refused(tiny_dir):
+    llm = make_llm(tiny_dir, kv_cache_memory_bytes=12 * 2 * 2 * 4 * 2 * 16 * 4)  # 12 pages of 4 tokens
+    with pytest.raises(ValueError, match="KV pages"):
+        llm.generate(prompts(np.random.default_rng(), [10]), SamplingParams(max_tokens=80), use_tqdm=False)
+    assert all_pages_free(llm)
