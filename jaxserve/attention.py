@@ -27,29 +27,38 @@ def write_kv(k_pages, v_pages, k, v, slot_mapping):
     return k_pages.reshape(shape), v_pages.reshape(shape)
 
 
-def paged_attention(q, k_pages, v_pages, page_table, positions, context_lens, *, sliding_window=None):
-    """Causal grouped-query attention of new queries against each sequence's cached pages.
+def paged_attention(q, k, v, k_pages, v_pages, page_table, positions, *, sliding_window=None):
+    """Causal grouped-query attention of this step's queries over each sequence's cached pages and its new keys.
 
-    q:            [S, Q, num_heads, head_dim]  new queries (already rotated), Q tokens per sequence row
-    k_pages:      [num_pages, page_size, kv_heads, head_dim] (already holding this step's keys)
-    page_table:   [S, P] pages of each sequence, in order; key j of a row sits at position j
-    positions:    [S, Q] position of each query in its sequence
-    context_lens: [S] tokens of each sequence in the cache (keys at j >= context_len are stale or foreign)
-    returns       [S, Q, num_heads, head_dim]
+    q:          [S, Q, num_heads, head_dim]  new queries (already rotated), Q tokens per sequence row
+    k, v:       [S, Q, kv_heads, head_dim]   this step's keys/values, not yet in the cache
+    k_pages:    [num_pages, page_size, kv_heads, head_dim]  the cache before this step
+    page_table: [S, P] pages of each sequence, in order; cached key j of a row sits at position j
+    positions:  [S, Q] position of each query (-1: padding); a row's new tokens are contiguous, so the cache holds
+                exactly the keys before positions[:, 0] and nothing beyond it is ever read
+    returns     [S, Q, num_heads, head_dim]
+
+    The cache is read before this step writes to it: on XLA:CPU a read after the in-place write forces a copy
+    of the whole cache array every layer.
     """
     S, Q, H, D = q.shape
     _, page_size, KVH, _ = k_pages.shape
     L = page_table.shape[1] * page_size
-    k = k_pages[page_table].reshape(S, L, KVH, D)  # [S, L, kv_heads, head_dim]
-    v = v_pages[page_table].reshape(S, L, KVH, D)
+    cached_k = k_pages[page_table].reshape(S, L, KVH, D)  # [S, L, kv_heads, head_dim]
+    cached_v = v_pages[page_table].reshape(S, L, KVH, D)
+    keys = jnp.concatenate([cached_k, k.astype(cached_k.dtype)], axis=1)  # [S, L + Q, kv_heads, head_dim]
+    values = jnp.concatenate([cached_v, v.astype(cached_v.dtype)], axis=1)
+    key_pos = jnp.concatenate([jnp.broadcast_to(jnp.arange(L), (S, L)), positions], axis=1)  # [S, L + Q]
+    start = positions[:, :1]  # [S, 1]
+    is_cached = jnp.arange(L + Q)[None, :] < L
+    valid = jnp.where(is_cached, key_pos < start, key_pos >= 0)  # [S, L + Q]
+    visible = valid[:, None, :] & (key_pos[:, None, :] <= positions[:, :, None])  # [S, Q, L + Q]
+    if sliding_window is not None:
+        visible &= key_pos[:, None, :] > positions[:, :, None] - sliding_window
     # Group query heads by the KV head they share, so K/V are never repeated.
     q = q.reshape(S, Q, KVH, H // KVH, D)
-    scores = jnp.einsum("sqkgd,slkd->skgql", q, k, preferred_element_type=jnp.float32) * (D ** -0.5)
-    key_pos = jnp.arange(L)
-    visible = (key_pos[None, None, :] <= positions[:, :, None]) & (key_pos[None, None, :] < context_lens[:, None, None])
-    if sliding_window is not None:
-        visible &= key_pos[None, None, :] > positions[:, :, None] - sliding_window
-    scores = jnp.where(visible[:, None, None], scores, _MASKED)  # [S, kv_heads, group, Q, L]
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("skgql,slkd->sqkgd", probs, v, preferred_element_type=jnp.float32)
+    scores = jnp.einsum("sqkgd,slkd->skgql", q, keys, preferred_element_type=jnp.float32) * (D ** -0.5)
+    scores = jnp.where(visible[:, None, None], scores, _MASKED)  # [S, kv_heads, group, Q, L + Q]
+    probs = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
+    out = jnp.einsum("skgql,slkd->sqkgd", probs, values, preferred_element_type=jnp.float32)
     return out.reshape(S, Q, H, D).astype(q.dtype)

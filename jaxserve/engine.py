@@ -42,6 +42,7 @@ class LLM:
                             ("block_size", block_size)]:
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        _enable_compilation_cache()
         dtype = resolve_dtype(dtype)
         loaded = load_model(model, dtype)
         self.model_name, self.config, self.tokenizer = loaded.name, loaded.config, loaded.tokenizer
@@ -164,6 +165,14 @@ class LLM:
 
     def get_tokenizer(self):
         return self.tokenizer
+
+
+def _enable_compilation_cache() -> None:
+    """Keep compiled steps on disk, so a second start skips most compilation (unless the user chose a cache)."""
+    if jax.config.jax_compilation_cache_dir is None:
+        from jaxserve.weights.default_model import cache_dir
+        jax.config.update("jax_compilation_cache_dir", str(cache_dir() / "xla"))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
 def _default_kv_budget(weight_bytes: int, utilization: float) -> int:

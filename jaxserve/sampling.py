@@ -21,14 +21,7 @@ def sample(logits, p):
     logits = logits.at[rows, p["banned"]].set(-jnp.inf, mode="drop")
     greedy = jnp.argmax(logits, axis=-1)
 
-    x = logits / jnp.maximum(p["temperature"], 1e-6)[:, None]
-    needs_sort = jnp.any((p["top_k"] > 0) | (p["top_p"] < 1.0))
-    x = jax.lax.cond(needs_sort, _top_k_top_p, lambda x, k, tp: x, x, p["top_k"], p["top_p"])
-    probs = jax.nn.softmax(x, axis=-1)
-    x = jnp.where(probs >= p["min_p"][:, None] * jnp.max(probs, axis=-1, keepdims=True), x, -jnp.inf)
-    keys = jax.vmap(lambda seed, step: jax.random.fold_in(jax.random.key(seed), step))(p["seed"], p["step"])
-    gumbel = jax.vmap(lambda key: jax.random.gumbel(key, (V,)))(keys)
-    sampled = jnp.argmax(x + gumbel, axis=-1)
+    sampled = jax.lax.cond(jnp.any(p["temperature"] > 0), _sample_rows, lambda x, p: greedy, logits, p)
     tokens = jnp.where(p["temperature"] == 0, greedy, sampled).astype(jnp.int32)
 
     top_logprobs, top_ids = jax.lax.cond(
@@ -39,6 +32,20 @@ def sample(logits, p):
     chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=1)  # [S, 1]
     return {"tokens": tokens, "logprobs": chosen[:, 0], "ranks": 1 + jnp.sum(logprobs > chosen, axis=-1),
             "top_ids": top_ids, "top_logprobs": top_logprobs}
+
+
+def _sample_rows(logits, p):
+    x = logits / jnp.maximum(p["temperature"], 1e-6)[:, None]
+    needs_sort = jnp.any((p["top_k"] > 0) | (p["top_p"] < 1.0))
+    x = jax.lax.cond(needs_sort, _top_k_top_p, lambda x, k, tp: x, x, p["top_k"], p["top_p"])
+    probs = jax.nn.softmax(x, axis=-1)
+    probs = jnp.where(probs >= p["min_p"][:, None] * jnp.max(probs, axis=-1, keepdims=True), probs, 0.0)
+    # Inverse-CDF draw: one uniform number per row (Gumbel noise over the vocabulary costs a random number per
+    # token, which dominated small decode steps on CPU).
+    cdf = jnp.cumsum(probs, axis=-1)  # [S, V]
+    keys = jax.vmap(lambda seed, step: jax.random.fold_in(jax.random.key(seed), step))(p["seed"], p["step"])
+    u = jax.vmap(lambda key: jax.random.uniform(key))(keys) * cdf[:, -1]
+    return jnp.minimum(jnp.sum(cdf <= u[:, None], axis=-1), x.shape[-1] - 1)
 
 
 def _top_k_top_p(x, top_k, top_p):

@@ -1,7 +1,8 @@
 """Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM) as Flax modules over a paged KV cache.
 
 The modules only define structure; what crosses `jit` is the plain params pytree and the cache. The model knows the
-page table it is handed and nothing else about pages.
+page table it is handed and nothing else about pages. It only reads the cache: it returns this step's keys and
+values, and the step writes them (see `jaxserve.steps`).
 """
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Any
 import flax.linen as nn
 import jax.numpy as jnp
 
-from jaxserve.attention import paged_attention, write_kv
+from jaxserve.attention import paged_attention
 from jaxserve.config import ModelConfig
 from jaxserve.model.rope import apply_rope, inverse_frequencies
 
@@ -57,15 +58,14 @@ class DecoderLayer(nn.Module):
         q = apply_rope(q.reshape(S, Q, c.num_heads, c.head_dim), batch["positions"], inv_freq)
         k = apply_rope(k.reshape(S, Q, c.num_kv_heads, c.head_dim), batch["positions"], inv_freq)
         v = v.reshape(S, Q, c.num_kv_heads, c.head_dim)
-        k_pages, v_pages = write_kv(kv[0], kv[1], k, v, batch["slot_mapping"])
-        attn = paged_attention(q, k_pages, v_pages, batch["page_table"], batch["positions"], batch["context_lens"],
+        attn = paged_attention(q, k, v, kv[0], kv[1], batch["page_table"], batch["positions"],
                                sliding_window=c.sliding_window)
         x = x + Linear(c.hidden_size, False, dt, name="o_proj")(attn.reshape(S, Q, -1))
         h = RMSNorm(c.rms_norm_eps, dt, name="post_attention_layernorm")(x)
         gate = Linear(c.intermediate_size, False, dt, name="gate_proj")(h)
         up = Linear(c.intermediate_size, False, dt, name="up_proj")(h)
         x = x + Linear(c.hidden_size, False, dt, name="down_proj")(nn.silu(gate) * up)
-        return x, (k_pages, v_pages)
+        return x, (k, v)
 
 
 class LlamaModel(nn.Module):
@@ -74,24 +74,23 @@ class LlamaModel(nn.Module):
 
     @nn.compact
     def __call__(self, token_ids, kv_cache, batch, logits_index=None):
-        """token_ids: [S, Q]; kv_cache: per layer (k_pages, v_pages); batch: the step's attention inputs.
+        """token_ids: [S, Q]; kv_cache: per layer (k_pages, v_pages), as before this step; batch: attention inputs.
 
         logits_index: [S] which new token of each row gets logits (None: all of them).
-        Returns (logits [S, V] or [S, Q, V] in float32, updated kv_cache).
+        Returns (logits [S, V] or [S, Q, V] in float32, per layer this step's (k, v), each [S, Q, kv_heads, head_dim]).
         """
         c = self.config
         embedding = self.param("embed_tokens", nn.initializers.normal(0.02), (c.vocab_size, c.hidden_size), self.dtype)
         x = embedding[token_ids]  # [S, Q, hidden]
-        new_cache = []
+        new_kv = []
         # A Python loop over per-layer weights: on XLA:CPU a scan over stacked layers copies each weight slice.
         for i in range(c.num_layers):
             x, kv = DecoderLayer(c, self.dtype, name=f"layers_{i}")(x, kv_cache[i], batch)
-            new_cache.append(kv)
+            new_kv.append(kv)
         if logits_index is not None:
             x = jnp.take_along_axis(x, logits_index[:, None, None], axis=1)[:, 0]  # [S, hidden]
         x = RMSNorm(c.rms_norm_eps, self.dtype, name="norm")(x)
-        if c.tie_word_embeddings:
-            logits = x @ embedding.T
-        else:
-            logits = Linear(c.vocab_size, False, self.dtype, name="lm_head")(x)
-        return logits.astype(jnp.float32), new_cache
+        # Always a separate [hidden, vocab] head, even for tied embeddings (the loader copies it): XLA:CPU multiplies
+        # by it faster than by the transposed embedding, and a step reads the same bytes either way.
+        logits = Linear(c.vocab_size, False, self.dtype, name="lm_head")(x)
+        return logits.astype(jnp.float32), new_kv

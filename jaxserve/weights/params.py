@@ -20,8 +20,8 @@ def params_from_hf_tensors(config: ModelConfig, tensors: dict[str, np.ndarray], 
         return jnp.asarray(np.asarray(tensors[name], dtype=np.float32), dtype=dtype)
 
     params = {"embed_tokens": take("model.embed_tokens.weight"), "norm": {"weight": take("model.norm.weight")}}
-    if not config.tie_word_embeddings:
-        params["lm_head"] = {"kernel": take("lm_head.weight").T}
+    head = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
+    params["lm_head"] = {"kernel": take(head).T}  # [hidden, vocab]
     for i in range(config.num_layers):
         prefix = f"model.layers.{i}."
         layer = {
