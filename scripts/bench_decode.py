@@ -1,0 +1,109 @@
+"""Decode and prefill speed of jaxserve on the default model, beside llama.cpp and HF transformers in the same run.
+
+    python scripts/bench_decode.py [--batch-sizes 1,8,32,64] [--peers llamacpp,hf] [--out bench_results/decode.json]
+
+jaxserve: decode tok/s = B x steps / time of `steps` engine decode steps with B sequences after a 512-token prompt
+(host loop included: batch building, the step, the one device-to-host copy, stop checks); prefill tok/s = tokens /
+time of one 512-token prefill step. Peers come from scripts/peers.py. The table ends with the memory-bandwidth floor:
+a batch-1 decode step reads every weight once, so tok/s <= bandwidth / weight bytes.
+"""
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent))
+import peers  # noqa: E402
+
+from jaxserve import LLM, SamplingParams  # noqa: E402
+from jaxserve.batching.batch_builder import Row  # noqa: E402
+from jaxserve.batching.sequence import Sequence  # noqa: E402
+from jaxserve.weights.default_model import default_model_path  # noqa: E402
+from jaxserve.weights.params import param_bytes  # noqa: E402
+
+
+def bench_jaxserve(batch_sizes, prompt_len=512, decode_steps=32, repeats=3):
+    llm = LLM(max_model_len=1024, max_num_seqs=max(batch_sizes), max_num_batched_tokens=prompt_len, warmup=False)
+    sched, runner = llm.scheduler, llm.runner
+    prompt = peers._prompt_ids(prompt_len, llm.config.vocab_size)
+
+    def prefill_time():
+        row = Row(prompt, 0, list(range(1, 1 + prompt_len // runner.page_size)))
+        t = time.perf_counter()
+        runner.prefill(row)
+        return time.perf_counter() - t
+
+    prefill_time()  # compile
+    prefill = statistics.median(prefill_time() for _ in range(repeats))
+
+    decode = {}
+    for b in batch_sizes:
+        params = SamplingParams(temperature=0, max_tokens=decode_steps * (repeats + 1) + 2, ignore_eos=True)
+        # Every sequence decodes after the same 512-token prompt, as in the peers' decode figures.
+        for i in range(b):
+            sched.add(Sequence(f"b{b}-{i}", 0, prompt, params, 0, llm.max_model_len, []))
+        while any(s.in_prefill for s in sched.running) or sched.waiting:
+            sched.step()
+        sched.step()  # compile this batch's decode bucket
+        runs = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            for _ in range(decode_steps):
+                sched.step()
+            runs.append(b * decode_steps / (time.perf_counter() - t))
+        decode[b] = round(statistics.median(runs), 1)
+        for s in list(sched.running):
+            sched.abort(s.request_id)
+    return {"engine": "jaxserve (float32, XLA:CPU)", "prefill_tok_s": round(prompt_len / prefill, 1),
+            # Bytes a decode step reads: every weight but the embedding table, of which it reads only B rows.
+            "decode_tok_s": decode, "weight_bytes": param_bytes(runner.params) - runner.params["params"][
+                "embed_tokens"].nbytes, "prompt_len": prompt_len,
+            "compiled_programs": runner.steps.num_compiled()}
+
+
+def machine() -> dict:
+    import os
+    import platform
+
+    import jax
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+               platform.processor())
+    return {"cpu": cpu, "cores": os.cpu_count(), "jax": jax.__version__, "backend": jax.default_backend()}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch-sizes", default="1,8,32,64")
+    ap.add_argument("--peers", default="llamacpp,hf", help="comma list of llamacpp, hf (empty: none)")
+    ap.add_argument("--out", default="bench_results/decode.json")
+    args = ap.parse_args()
+    bs = tuple(int(b) for b in args.batch_sizes.split(","))
+    gguf = default_model_path()
+    results = {"date": time.strftime("%Y-%m-%d"), "machine": machine(),
+               "bandwidth": peers.measure_bandwidth(), "jaxserve": bench_jaxserve(bs)}
+    which = [p for p in args.peers.split(",") if p]
+    if "llamacpp" in which:
+        results["llamacpp"] = peers.bench_llamacpp(str(gguf), batch_sizes=bs)
+    if "hf" in which:
+        results["hf"] = peers.bench_hf(str(gguf.parent), gguf.name, batch_sizes=bs)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=1))
+    rows = [results[k] for k in ("jaxserve", "llamacpp", "hf") if k in results]
+    peers._table(rows, bs)
+    bw = results["bandwidth"]["read_GBps"] * 1e9
+    print(f"\nmemory bandwidth (read): {bw / 1e9:.1f} GB/s")
+    for r in rows:
+        floor = bw / r["weight_bytes"]
+        got = r["decode_tok_s"].get(1, float("nan"))
+        print(f"{r['engine'][:40]:<40} {r['weight_bytes'] / 1e6:6.0f} MB weights/step -> batch-1 floor "
+              f"{floor:5.0f} tok/s; measured {got:5.1f} ({100 * got / floor:3.0f}% of floor)")
+    print(f"\nwrote {out}")
+
+
+if __name__ == "__main__":
+    main()
