@@ -57,8 +57,8 @@ def paged_attention(q, k, v, k_pages, v_pages, page_table, positions, *, sliding
         visible &= key_pos[:, None, :] > positions[:, :, None] - sliding_window
     # Group query heads by the KV head they share, so K/V are never repeated.
     q = q.reshape(S, Q, KVH, H // KVH, D)
-    scores = jnp.einsum("sqkgd,slkd->skgql", q, keys, preferred_element_type=jnp.float32) * (D ** -0.5)
-    scores = jnp.where(visible[:, None, None], scores, _MASKED)  # [S, kv_heads, group, Q, L + Q]
+    scores = jnp.einsum("sqkgd,slkd->sqkgl", q, keys, preferred_element_type=jnp.float32) * (D ** -0.5)
+    scores = jnp.where(visible[:, :, None, None], scores, _MASKED)  # [S, Q, kv_heads, group, L + Q]
     probs = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
-    out = jnp.einsum("skgql,slkd->sqkgd", probs, values, preferred_element_type=jnp.float32)
+    out = jnp.einsum("sqkgl,slkd->sqkgd", probs, values, preferred_element_type=jnp.float32)
     return out.reshape(S, Q, H, D).astype(q.dtype)

@@ -15,6 +15,8 @@ VARIANTS = {
         rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                           original_max_position_embeddings=64))),
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, dict(rope_theta=1000000.0)),
+    # A window shorter than the test prompts, so the sliding-window mask is exercised.
+    "mistral-sliding": (transformers.MistralConfig, transformers.MistralForCausalLM, dict(sliding_window=12)),
 }
 
 
