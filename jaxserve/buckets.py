@@ -24,22 +24,20 @@ def round_up(n: int, buckets: tuple[int, ...]) -> int:
 class Buckets:
     num_seqs: tuple[int, ...]  # decode batch sizes
     prefill_tokens: tuple[int, ...]  # tokens of one prefill chunk
-    num_pages: tuple[int, ...]  # page-table width (pages attended per sequence)
+    num_pages: tuple[int, ...]  # page-table width (pages of tokens cached before the step)
 
     @classmethod
     def for_limits(cls, max_num_seqs: int, max_chunk_tokens: int, max_pages_per_seq: int) -> "Buckets":
         # Batch sizes double (decode cost grows with every padded row); token and page counts grow 4x, which
-        # keeps the program count small while attention over padded pages is cheap next to the weights.
+        # keeps the program count small.
         return cls(num_seqs=geometric(1, max_num_seqs),
                    prefill_tokens=geometric(min(16, max_chunk_tokens), max_chunk_tokens, 4),
                    num_pages=geometric(min(8, max_pages_per_seq), max_pages_per_seq, 4))
 
-    def shapes(self, page_size: int):
-        """Every (kind, rows, tokens per row, pages per row) a step can take."""
+    def shapes(self):
+        """Every (kind, rows, tokens per row, page-table width) a step can take."""
         for p in self.num_pages:
-            for i, t in enumerate(self.prefill_tokens):
-                # A chunk in the next token bucket up has more tokens than the previous bucket: it needs more pages.
-                if i == 0 or p * page_size > self.prefill_tokens[i - 1]:
-                    yield ("prefill", 1, t, p)
+            for t in self.prefill_tokens:
+                yield ("prefill", 1, t, p)
             for s in self.num_seqs:
                 yield ("decode", s, 1, p)

@@ -4,7 +4,8 @@ A batch is a dict of arrays, every one padded to its bucket (see `jaxserve.batch
     token_ids     int32[S, Q]   new tokens, Q per sequence row (decode: Q = 1)
     positions     int32[S, Q]   their positions in their sequences (-1 for padding)
     slot_mapping  int32[S, Q]   flat cache slot (page * page_size + offset) each new K/V is written to
-    page_table    int32[S, P]   pages of each sequence, in order
+    page_table    int32[S, P]   pages holding each sequence's tokens cached before this step, in order (this step's
+                                keys reach attention directly, so a fresh prompt needs none)
     context_lens  int32[S]      tokens of each sequence in the cache after this step
     logits_index  int32[S]      which of the Q new tokens gets logits (the last real one)
     sampling      dict of per-row arrays (see `jaxserve.sampling.sample`)

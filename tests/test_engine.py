@@ -52,7 +52,7 @@ def test_no_compilation_after_warmup(tiny_dir):
     steps_for.cache_clear()  # jitted steps are shared per model config; start from none compiled
     llm = make_llm(tiny_dir, warmup=True)
     compiled = llm.runner.steps.num_compiled()
-    shapes = list(llm.runner.buckets.shapes(llm.runner.page_size))
+    shapes = list(llm.runner.buckets.shapes())
     # A forward per shape, and a cache write per distinct (rows, tokens per row).
     assert compiled == len(shapes) + len({(rows, tokens) for _, rows, tokens, _ in shapes})
     rng = np.random.default_rng()

@@ -26,7 +26,7 @@ class Row:
     """One sequence's part of a step."""
     token_ids: list[int]  # new tokens this step
     start_pos: int  # tokens of this sequence already in the cache
-    pages: list[int]  # its pages, covering at least start_pos + len(token_ids) tokens (any beyond are left out)
+    pages: list[int]  # its pages, covering at least start_pos + len(token_ids) tokens
 
     @property
     def end(self) -> int:
@@ -36,7 +36,7 @@ class Row:
 
 def build_batch(rows: list[Row], page_size: int, vocab_size: int, num_rows: int, tokens_per_row: int,
                 pages_per_row: int) -> dict:
-    """Pads `rows` to [num_rows, tokens_per_row] tokens and [num_rows, pages_per_row] pages."""
+    """Pads `rows` to [num_rows, tokens_per_row] tokens and a [num_rows, pages_per_row] page table."""
     S, Q, P = num_rows, tokens_per_row, pages_per_row
     if len(rows) > S:
         raise ValueError(f"{len(rows)} rows do not fit a batch of {S}")
@@ -56,14 +56,19 @@ def build_batch(rows: list[Row], page_size: int, vocab_size: int, num_rows: int,
         n, end = len(row.token_ids), row.end
         if not 1 <= n <= Q:
             raise ValueError(f"row {i} has {n} new tokens; a row holds 1..{Q}")
-        pages = np.asarray(row.pages[:pages_needed(end, page_size)], np.int32)
-        if len(pages) > P or len(pages) * page_size < end:
-            raise ValueError(f"row {i}: {len(row.pages)} pages cannot hold {end} tokens in a table of width {P}")
+        if len(row.pages) * page_size < end:
+            raise ValueError(f"row {i}: {len(row.pages)} pages cannot hold {end} tokens")
+        # The table lists only the pages of tokens cached before this step: the new tokens' keys reach attention
+        # directly, so a fresh prompt attends through an empty table.
+        cached = row.pages[:pages_needed(row.start_pos, page_size)]
+        if len(cached) > P:
+            raise ValueError(f"row {i}: {row.start_pos} cached tokens need {len(cached)} pages, the table holds {P}")
         pos = np.arange(row.start_pos, end, dtype=np.int32)
+        pages = np.asarray(row.pages, np.int32)
         token_ids[i, :n] = row.token_ids
         positions[i, :n] = pos
         slot_mapping[i, :n] = pages[pos // page_size] * page_size + pos % page_size
-        page_table[i, :len(pages)] = pages
+        page_table[i, :len(cached)] = cached
         context_lens[i] = end
         logits_index[i] = n - 1
         s = row.sampling

@@ -27,13 +27,13 @@ class ModelRunner:
     def prefill(self, row: Row) -> dict:
         """One chunk of one sequence's prompt; returns the host copy of what the step sampled (row 0)."""
         tokens = round_up(len(row.token_ids), self.buckets.prefill_tokens)
-        pages = round_up(pages_needed(row.end, self.page_size), self.buckets.num_pages)
+        pages = round_up(pages_needed(row.start_pos, self.page_size), self.buckets.num_pages)
         return self._run(self.steps.prefill, [row], 1, tokens, pages)
 
     def decode(self, rows: list[Row]) -> dict:
         """One new token for each row; returns host arrays, one entry per row."""
         seqs = round_up(len(rows), self.buckets.num_seqs)
-        pages = round_up(pages_needed(max(r.end for r in rows), self.page_size), self.buckets.num_pages)
+        pages = round_up(pages_needed(max(r.start_pos for r in rows), self.page_size), self.buckets.num_pages)
         return self._run(self.steps.decode, rows, seqs, 1, pages)
 
     def _run(self, step, rows, num_rows, tokens_per_row, pages_per_row) -> dict:
@@ -44,7 +44,7 @@ class ModelRunner:
 
     def warmup(self, progress: bool = True) -> int:
         """Compiles every bucket before serving; returns how many programs were compiled."""
-        shapes = list(self.buckets.shapes(self.page_size))
+        shapes = list(self.buckets.shapes())
         before = self.steps.num_compiled()
         start = time.perf_counter()
         iterator = shapes
@@ -53,7 +53,7 @@ class ModelRunner:
             iterator = tqdm(shapes, desc="compiling step buckets", unit="program")
         for kind, num_rows, tokens, pages in iterator:
             # Rows whose pages are all the scratch page: real shapes, no cache content touched.
-            row = Row([0] * min(tokens, pages * self.page_size), 0, [0] * pages)
+            row = Row([0] * tokens, 0, [0] * pages_needed(tokens, self.page_size))
             step = self.steps.prefill if kind == "prefill" else self.steps.decode
             self._run(step, [row] * num_rows, num_rows, tokens, pages)
         compiled = self.steps.num_compiled() - before
