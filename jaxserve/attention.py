@@ -1,7 +1,8 @@
-"""Attention over the paged KV cache: the one entry point the model calls.
+"""Attention over the paged KV cache, in plain `jax.numpy`.
 
-The implementation here is the plain `jax.numpy` reference (the CPU path and the test oracle for the Pallas
-kernels, which plug in behind `paged_attention` with the same arguments).
+`paged_attention` is the one entry point the model calls (the CPU path; the Pallas kernels will plug in behind it
+with the same arguments). `paged_attention_reference` is the same function written as directly as possible: the
+oracle for every other implementation in the tests.
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ def write_kv(k_pages, v_pages, k, v, slot_mapping):
     return k_pages.reshape(shape), v_pages.reshape(shape)
 
 
-def paged_attention(q, k, v, k_pages, v_pages, page_table, positions, *, sliding_window=None):
+def paged_attention_reference(q, k, v, k_pages, v_pages, page_table, positions, *, sliding_window=None):
     """Causal grouped-query attention of this step's queries over each sequence's cached pages and its new keys.
 
     q:          [S, Q, num_heads, head_dim]  new queries (already rotated), Q tokens per sequence row
@@ -62,3 +63,53 @@ def paged_attention(q, k, v, k_pages, v_pages, page_table, positions, *, sliding
     probs = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
     out = jnp.einsum("sqkgl,slkd->sqkgd", probs, values, preferred_element_type=jnp.float32)
     return out.reshape(S, Q, H, D).astype(q.dtype)
+
+
+def paged_attention(q, k, v, k_pages, v_pages, page_table, positions, *, sliding_window=None, block_pages=8):
+    """`paged_attention_reference` computed block by block over the cached pages, with an online softmax.
+
+    Same arguments and result. Only the blocks holding cached tokens of the longest row are visited (a dynamic
+    trip count), and no block larger than `block_pages` pages is ever materialised, so a step reads each
+    cached K/V about once instead of gathering a whole padded page table (which dominated batched decode on
+    XLA:CPU).
+    """
+    S, Q, H, D = q.shape
+    _, page_size, KVH, _ = k_pages.shape
+    block = block_pages * page_size
+    num_blocks = -(-page_table.shape[1] // block_pages)
+    page_table = jnp.pad(page_table, ((0, 0), (0, num_blocks * block_pages - page_table.shape[1])))
+    q = q.reshape(S, Q, KVH, H // KVH, D) * (D ** -0.5)
+    start = positions[:, :1]  # [S, 1]: the row's cached tokens are exactly those before its first new one
+
+    def masked_scores(keys, key_pos, visible):
+        s = jnp.einsum("sqkgd,slkd->sqkgl", q, keys.astype(q.dtype), preferred_element_type=jnp.float32)
+        if sliding_window is not None:
+            visible &= key_pos[:, None, :] > positions[:, :, None] - sliding_window
+        return jnp.where(visible[:, :, None, None], s, _MASKED)  # [S, Q, kv_heads, group, keys]
+
+    def accumulate(carry, s, values):
+        m, l, acc = carry
+        m_new = jnp.maximum(m, s.max(-1))
+        p = jnp.exp(s - m_new[..., None])
+        corr = jnp.exp(m - m_new)
+        acc = acc * corr[..., None] + jnp.einsum("sqkgl,slkd->sqkgd", p.astype(values.dtype), values,
+                                                 preferred_element_type=jnp.float32)
+        return m_new, l * corr + p.sum(-1), acc
+
+    # This step's own keys first: every real query sees at least itself, so the running max starts finite.
+    new_visible = (positions[:, None, :] >= 0) & (positions[:, None, :] <= positions[:, :, None])  # [S, Q, Q]
+    s = masked_scores(k, positions, new_visible)
+    init = (jnp.full(s.shape[:-1], _MASKED, jnp.float32), jnp.zeros(s.shape[:-1], jnp.float32),
+            jnp.zeros((S, Q, KVH, H // KVH, D), jnp.float32))
+    carry = accumulate(init, s, v)
+
+    def visit_block(i, carry):
+        pages = jax.lax.dynamic_slice_in_dim(page_table, i * block_pages, block_pages, axis=1)  # [S, block_pages]
+        keys = k_pages[pages].reshape(S, block, KVH, D)
+        values = v_pages[pages].reshape(S, block, KVH, D)
+        key_pos = jnp.broadcast_to(i * block + jnp.arange(block), (S, block))
+        return accumulate(carry, masked_scores(keys, key_pos, (key_pos < start)[:, None, :]), values)
+
+    blocks_used = jnp.minimum(-(-jnp.max(start) // block), num_blocks)
+    _, l, acc = jax.lax.fori_loop(0, blocks_used, visit_block, carry)
+    return (acc / l[..., None]).reshape(S, Q, H, D).astype(k_pages.dtype)

@@ -28,11 +28,12 @@ class Buckets:
 
     @classmethod
     def for_limits(cls, max_num_seqs: int, max_chunk_tokens: int, max_pages_per_seq: int) -> "Buckets":
-        # Batch sizes double (decode cost grows with every padded row); token and page counts grow 4x, which
-        # keeps the program count small.
+        # Batch sizes double (decode cost grows with every padded row); chunk sizes grow 4x, which keeps the
+        # program count small. The page table is always full width: attention visits only the blocks of pages
+        # that hold cached tokens (a dynamic trip count), so a wider table costs nothing but its transfer.
         return cls(num_seqs=geometric(1, max_num_seqs),
                    prefill_tokens=geometric(min(16, max_chunk_tokens), max_chunk_tokens, 4),
-                   num_pages=geometric(min(8, max_pages_per_seq), max_pages_per_seq, 4))
+                   num_pages=(max_pages_per_seq,))
 
     def shapes(self):
         """Every (kind, rows, tokens per row, page-table width) a step can take."""

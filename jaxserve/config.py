@@ -5,6 +5,7 @@ import dataclasses
 import json
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ROPE_SCALING = ("linear", "llama3")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +33,10 @@ class ModelConfig:
             object.__setattr__(self, "rope_scaling", tuple(sorted(self.rope_scaling.items())))
         elif self.rope_scaling is not None:
             object.__setattr__(self, "rope_scaling", tuple(tuple(kv) for kv in self.rope_scaling))
+        if self.rope_scaling is not None:
+            kind = dict(self.rope_scaling).get("rope_type", dict(self.rope_scaling).get("type"))
+            if kind not in SUPPORTED_ROPE_SCALING:
+                raise ValueError(f"unsupported rope scaling {kind!r}; jaxserve supports {', '.join(SUPPORTED_ROPE_SCALING)}")
         if self.architecture not in SUPPORTED_ARCHITECTURES:
             raise ValueError(
                 f"unsupported architecture {self.architecture!r}; jaxserve supports {', '.join(SUPPORTED_ARCHITECTURES)}")

@@ -3,7 +3,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.attention import paged_attention, write_kv
+from jaxserve.attention import paged_attention, paged_attention_reference, write_kv
 
 
 def dense_attention(q, k, v, positions, window=None):
@@ -26,9 +26,9 @@ def dense_attention(q, k, v, positions, window=None):
                                                                 (4, 6, 3, 5)])
 def test_matches_dense_attention(page_size, heads, kv_heads, window):
     rng = np.random.default_rng()
-    D, num_pages = 16, 64
+    D, num_pages = 16, 700
     # Two sequences in one batch: one mid-prompt chunk (cached prefix + several new tokens), one decoding.
-    lengths = [(rng.integers(0, 40), rng.integers(2, 9)), (rng.integers(1, 40), 1)]
+    lengths = [(rng.integers(0, 300), rng.integers(2, 9)), (rng.integers(1, 300), 1)]  # several blocks of pages
     Q = max(n for _, n in lengths)
     k_pages = rng.normal(size=(num_pages, page_size, kv_heads, D)).astype(np.float32)  # stale data everywhere
     v_pages = rng.normal(size=(num_pages, page_size, kv_heads, D)).astype(np.float32)
@@ -54,12 +54,13 @@ def test_matches_dense_attention(page_size, heads, kv_heads, window):
         positions[row, :n] = np.arange(start, start + n)
         slots[row, :n] = [pages[t // page_size] * page_size + t % page_size for t in range(start, start + n)]
         full.append((k_all, v_all))
-    got = np.asarray(paged_attention(q, k_new, v_new, k_pages, v_pages, page_table, positions,
-                                     sliding_window=window))
-    assert np.isfinite(got).all()
-    for row, (start, n) in enumerate(lengths):
-        want = dense_attention(q[row, :n], *full[row], positions[row, :n], window)
-        np.testing.assert_allclose(got[row, :n], want, rtol=2e-4, atol=2e-5)
+    for attention in (paged_attention_reference, paged_attention):
+        got = np.asarray(attention(q, k_new, v_new, jnp.asarray(k_pages), jnp.asarray(v_pages), page_table, positions,
+                                   sliding_window=window))
+        assert np.isfinite(got).all()
+        for row, (start, n) in enumerate(lengths):
+            want = dense_attention(q[row, :n], *full[row], positions[row, :n], window)
+            np.testing.assert_allclose(got[row, :n], want, rtol=2e-4, atol=2e-5)
     # The write puts exactly the new tokens where the slots say and nothing else changes.
     k_after, _ = write_kv(jnp.asarray(k_pages), jnp.asarray(v_pages), k_new, v_new, slots)
     k_after = np.asarray(k_after).reshape(-1, kv_heads, D)

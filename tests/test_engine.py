@@ -1,4 +1,7 @@
 """The LLM loop on a tiny random model: paging, batching, compilation, limits and bad input."""
+import json
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -139,6 +142,11 @@ def test_bad_engine_arguments(tiny_dir, tmp_path):
                                           '"hidden_size": 8, "intermediate_size": 8, "num_hidden_layers": 1, '
                                           '"num_attention_heads": 2}')
     with pytest.raises(ValueError, match="unsupported architecture"):
+        LLM(str(tmp_path), warmup=False)
+    yarn = json.loads((Path(tiny_dir) / "config.json").read_text())
+    yarn["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+    (tmp_path / "config.json").write_text(json.dumps(yarn))
+    with pytest.raises(ValueError, match="unsupported rope scaling 'yarn'"):
         LLM(str(tmp_path), warmup=False)
 
 
