@@ -15,6 +15,7 @@ from jaxserve.buckets import Buckets
 from jaxserve.cache import PageAllocator, bytes_per_page, num_pages_for_budget, pages_needed
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.tokenizer import IncrementalDetokenizer
 from jaxserve.weights import load_model, resolve_dtype
 from jaxserve.weights.params import param_bytes
 
@@ -93,7 +94,6 @@ class LLM:
         for i in range(params.n):
             detok = None
             if self.tokenizer is not None:
-                from jaxserve.tokenizer import IncrementalDetokenizer
                 detok = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
             seed = (base_seed + i * 0x9E3779B1) % (1 << 32)  # distinct streams for the n samples of one seed
             seqs.append(Sequence(request_id, i, ids, params, seed, self.max_model_len, eos, detok))
