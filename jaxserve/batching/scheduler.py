@@ -81,7 +81,7 @@ class Scheduler:
     def _append(self, seqs: list[Sequence], out: dict) -> list[tuple[Sequence, str]]:
         changed = []
         for i, seq in enumerate(seqs):
-            top = list(zip(out["top_ids"][i].tolist(), out["top_logprobs"][i].tolist()))
+            top = list(zip(out["top_ids"][i].tolist(), out["top_logprobs"][i].tolist())) if seq.params.logprobs else []
             delta = seq.append_token(int(out["tokens"][i]), float(out["logprobs"][i]), int(out["ranks"][i]), top)
             changed.append((seq, delta))
             if seq.finish_reason is not None:
