@@ -1,11 +1,8 @@
 import math
-import shutil
 
 import gguf
 import numpy as np
 import pytest
-import torch
-import transformers
 
 from jaxserve.weights.gguf import load_gguf
 

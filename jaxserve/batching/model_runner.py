@@ -5,7 +5,6 @@ import logging
 import time
 
 import jax
-import numpy as np
 
 from jaxserve.batching.batch_builder import Row, build_batch
 from jaxserve.buckets import Buckets, round_up
@@ -50,7 +49,7 @@ class ModelRunner:
         iterator = shapes
         if progress:
             from tqdm import tqdm
-            iterator = tqdm(shapes, desc="compiling step buckets", unit="program")
+            iterator = tqdm(shapes, desc="compiling step buckets", unit="shape")
         for kind, num_rows, tokens, pages in iterator:
             # Rows whose pages are all the scratch page: real shapes, no cache content touched.
             row = Row([0] * tokens, 0, [0] * pages_needed(tokens, self.page_size))

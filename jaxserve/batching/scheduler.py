@@ -72,7 +72,8 @@ class Scheduler:
         return self._append([seq], out)
 
     def _decode(self, seqs: list[Sequence]) -> list[tuple[Sequence, str]]:
-        rows = [Row([s.all_token_ids[-1]], s.num_tokens - 1, s.pages, s.sampling_row()) for s in seqs]
+        # A decoding sequence has sampled at least once (its last prefill chunk did): its newest token is an output.
+        rows = [Row([s.output_token_ids[-1]], s.num_tokens - 1, s.pages, s.sampling_row()) for s in seqs]
         out = self.runner.decode(rows)
         for s in seqs:
             s.num_cached += 1

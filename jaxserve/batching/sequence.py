@@ -36,10 +36,6 @@ class Sequence:
         self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
 
     @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
-
-    @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
