@@ -80,3 +80,12 @@ def test_seeded_sampling_gives_the_same_text(default_llm):
     a = default_llm.generate("Write a haiku about the sea.", sp, use_tqdm=False)[0].outputs[0].text
     b = default_llm.generate(["Write a haiku about the sea.", "Hello"], sp, use_tqdm=False)[0].outputs[0].text
     assert a == b
+
+
+def test_skip_special_tokens(default_llm):
+    case = next(c for c in REFS if c["name"] == "capital")
+    kept = default_llm.generate(case["prompt"], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True,
+                                                               skip_special_tokens=False), use_tqdm=False)[0]
+    skipped = default_llm.generate(case["prompt"], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+                                   use_tqdm=False)[0]
+    assert "<|im_end|>" in kept.outputs[0].text and "<|im_end|>" not in skipped.outputs[0].text
