@@ -8,11 +8,13 @@ from typing import Iterable
 
 import jax
 
+from jaxserve.batching.engine_core import EngineCore, EngineStats
 from jaxserve.batching.model_runner import ModelRunner
 from jaxserve.batching.scheduler import Scheduler
 from jaxserve.batching.sequence import Sequence
+from jaxserve.batching.slo import SloController
 from jaxserve.buckets import Buckets
-from jaxserve.cache import PageAllocator, bytes_per_page, num_pages_for_budget, pages_needed
+from jaxserve.cache import PageAllocator, PrefixCache, bytes_per_page, num_pages_for_budget, pages_needed
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.tokenizer import IncrementalDetokenizer
@@ -29,20 +31,30 @@ class LLM:
 
     model: None (SmolLM2-135M-Instruct, fetched once), a .gguf file, a HF directory or a jaxserve checkpoint.
     max_model_len: longest prompt + output (default: the model's context length).
-    max_num_seqs: most sequences decoded together. max_num_batched_tokens: prompt tokens per prefill chunk.
+    max_num_seqs: most sequences running together.
+    max_num_batched_tokens: tokens computed per step, one per decoding sequence and the rest prompt chunks: the
+        chunk size of chunked prefill, so the knob between TTFT (bigger) and TPOT under load (smaller).
     block_size: tokens per KV-cache page. kv_cache_memory_bytes: the KV budget (default: 2 GiB on CPU,
     gpu_memory_utilization of device memory less the weights on an accelerator).
+    enable_prefix_caching: reuse the KV pages of prompt prefixes seen before.
+    scheduling_policy: "fcfs", or "priority" (lower `priority` first; a better one may preempt a worse one).
+    ttft_slo, tpot_slo: latency targets in seconds; with them the running batch is sized from measured step times
+        (see jaxserve.batching.slo).
     warmup: compile every step bucket now rather than on first use.
     """
 
     def __init__(self, model: str | None = None, *, max_model_len: int | None = None, dtype: str = "auto",
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 512, block_size: int = 16,
                  kv_cache_memory_bytes: int | None = None, gpu_memory_utilization: float = 0.9, seed: int = 0,
-                 warmup: bool = True):
+                 enable_prefix_caching: bool = True, scheduling_policy: str = "fcfs",
+                 ttft_slo: float | None = None, tpot_slo: float | None = None, warmup: bool = True):
         for name, value in [("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
                             ("block_size", block_size)]:
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if max_num_batched_tokens < max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be at least max_num_seqs "
+                             f"({max_num_seqs}): every running sequence decodes a token per step")
         _enable_compilation_cache()
         dtype = resolve_dtype(dtype)
         loaded = load_model(model, dtype)
@@ -58,8 +70,13 @@ class LLM:
         logger.info("KV cache: %d pages of %d tokens (%.1f MB)", num_pages, block_size,
                     num_pages * bytes_per_page(self.config, block_size, dtype) / 1e6)
         buckets = Buckets.for_limits(max_num_seqs, max_num_batched_tokens, pages_needed(self.max_model_len, block_size))
-        self.runner = ModelRunner(self.config, loaded.params, dtype, num_pages, block_size, buckets)
-        self.scheduler = Scheduler(self.runner, PageAllocator(num_pages), max_num_seqs, max_num_batched_tokens)
+        self.runner = ModelRunner(self.config, loaded.params, dtype, num_pages, block_size, buckets, max_num_seqs)
+        slo = None
+        if ttft_slo is not None or tpot_slo is not None:
+            slo = SloController(buckets.num_seqs, max_num_seqs, tpot_slo=tpot_slo, ttft_slo=ttft_slo)
+        cache = PrefixCache(PageAllocator(num_pages), block_size, enable_prefix_caching)
+        self.scheduler = Scheduler(cache, max_num_seqs, max_num_batched_tokens, scheduling_policy, slo)
+        self.core = EngineCore(self.scheduler, self.runner)
         self._rng = random.Random(seed)
         self._request_ids = itertools.count()
         if warmup:
@@ -85,7 +102,9 @@ class LLM:
                              "it leaves no room to generate")
         return text, list(ids)
 
-    def _sequences(self, prompt, params: SamplingParams) -> tuple[str, str | None, list[Sequence]]:
+    def _sequences(self, prompt, params: SamplingParams, priority: int = 0) -> tuple[str, str | None, list[Sequence]]:
+        if not isinstance(priority, int):
+            raise TypeError(f"priority must be an int, got {type(priority).__name__}")
         text, ids = self._prompt_ids(prompt)
         request_id = str(next(self._request_ids))
         base_seed = params.seed if params.seed is not None else self._rng.getrandbits(32)
@@ -96,14 +115,18 @@ class LLM:
             if self.tokenizer is not None:
                 detok = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
             seed = (base_seed + i * 0x9E3779B1) % (1 << 32)  # distinct streams for the n samples of one seed
-            seqs.append(Sequence(request_id, i, ids, params, seed, self.max_model_len, eos, detok))
+            seqs.append(Sequence(request_id, i, ids, params, seed, self.max_model_len, eos, detok, priority))
         return request_id, text, seqs
 
     # ---- generation ----
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """prompts: a str, a {'prompt_token_ids': [...]} dict, or a list of them. Returns one output per prompt."""
+                 use_tqdm: bool = True, priority: list[int] | None = None) -> list[RequestOutput]:
+        """prompts: a str, a {'prompt_token_ids': [...]} dict, or a list of them. Returns one output per prompt.
+
+        All prompts are submitted at once and batched continuously. priority: one per prompt (with the "priority"
+        scheduling policy; lower runs first).
+        """
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -113,15 +136,18 @@ class LLM:
         if len(params_list) != len(prompts):
             raise ValueError(f"{len(params_list)} sampling params for {len(prompts)} prompts")
         # Validate every prompt before any runs, so a bad one never leaves others half-done.
-        requests = [self._sequences(p, sp) for p, sp in zip(prompts, params_list)]
+        priority = [0] * len(prompts) if priority is None else list(priority)
+        if len(priority) != len(prompts):
+            raise ValueError(f"{len(priority)} priorities for {len(prompts)} prompts")
+        requests = [self._sequences(p, sp, pr) for p, sp, pr in zip(prompts, params_list, priority)]
         try:
             for _, _, seqs in requests:
                 for s in seqs:
-                    self.scheduler.add(s)
+                    self.core.add(s)
             self._run_until_done(sum(len(s) for _, _, s in requests), use_tqdm)
         except BaseException:
             for request_id, _, _ in requests:
-                self.scheduler.abort(request_id)
+                self.core.abort(request_id)
             raise
         return [RequestOutput(rid, text, seqs[0].prompt_token_ids, [s.completion_output() for s in seqs], True)
                 for rid, text, seqs in requests]
@@ -131,8 +157,8 @@ class LLM:
         if use_tqdm:
             from tqdm import tqdm
             bar = tqdm(total=total, desc="generating", unit="seq")
-        while self.scheduler.has_unfinished():
-            changed = self.scheduler.step()
+        while self.core.has_unfinished():
+            changed = self.core.step()
             if bar is not None:
                 bar.update(sum(1 for s, _ in changed if s.finish_reason is not None))
         if bar is not None:
@@ -143,14 +169,14 @@ class LLM:
         params = sampling_params or SamplingParams()
         request_id, _, seqs = self._sequences(prompt, params)
         for s in seqs:
-            self.scheduler.add(s)
+            self.core.add(s)
         try:
-            while self.scheduler.has_unfinished():
-                for seq, delta in self.scheduler.step():
+            while self.core.has_unfinished():
+                for seq, delta in self.core.step():
                     if seq.request_id == request_id and seq.index == 0 and delta:
                         yield delta
         finally:
-            self.scheduler.abort(request_id)
+            self.core.abort(request_id)
 
     def chat(self, messages, sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
              add_generation_prompt: bool = True) -> list[RequestOutput]:
@@ -165,6 +191,10 @@ class LLM:
 
     def get_tokenizer(self):
         return self.tokenizer
+
+    def stats(self) -> EngineStats:
+        """A snapshot: running and waiting sequences, pages, prefix-cache hit rate, preemptions, tokens/s."""
+        return self.core.stats()
 
 
 def _enable_compilation_cache() -> None:

@@ -27,7 +27,7 @@ from jaxserve.weights.params import param_bytes  # noqa: E402
 
 def bench_jaxserve(batch_sizes, prompt_len=512, decode_steps=32, repeats=3):
     llm = LLM(max_model_len=1024, max_num_seqs=max(batch_sizes), max_num_batched_tokens=prompt_len, warmup=False)
-    sched, runner = llm.scheduler, llm.runner
+    core, runner = llm.core, llm.runner
     prompt = peers._prompt_ids(prompt_len, llm.config.vocab_size)
 
     def prefill_time():
@@ -44,19 +44,21 @@ def bench_jaxserve(batch_sizes, prompt_len=512, decode_steps=32, repeats=3):
         params = SamplingParams(temperature=0, max_tokens=decode_steps * (repeats + 1) + 2, ignore_eos=True)
         # Every sequence decodes after the same 512-token prompt, as in the peers' decode figures.
         for i in range(b):
-            sched.add(Sequence(f"b{b}-{i}", 0, prompt, params, 0, llm.max_model_len, []))
-        while any(s.in_prefill for s in sched.running) or sched.waiting:
-            sched.step()
-        sched.step()  # compile this batch's decode bucket
+            core.add(Sequence(f"b{b}-{i}", 0, prompt, params, 0, llm.max_model_len, []))
+        while any(s.num_to_compute > 1 for s in llm.scheduler.running) or llm.scheduler.waiting:
+            core.step()
+        core.step()  # compile this batch's decode bucket
         runs = []
         for _ in range(repeats):
             t = time.perf_counter()
             for _ in range(decode_steps):
-                sched.step()
+                core.step()
             runs.append(b * decode_steps / (time.perf_counter() - t))
         decode[b] = round(statistics.median(runs), 1)
-        for s in list(sched.running):
-            sched.abort(s.request_id)
+        for s in list(llm.scheduler.running):
+            core.abort(s.request_id)
+        while core.has_unfinished():
+            core.step()
     return {"engine": "jaxserve (float32, XLA:CPU)", "prefill_tok_s": round(prompt_len / prefill, 1),
             # Bytes a decode step reads: every weight but the embedding table, of which it reads only B rows.
             "decode_tok_s": decode, "weight_bytes": param_bytes(runner.params) - runner.params["params"][

@@ -72,7 +72,7 @@ def test_stop_strings_and_streaming_text(default_llm):
     assert out.text == " Paris.\n\nThe answer"
     pieces = list(default_llm.stream("The capital of France is", SamplingParams(temperature=0, max_tokens=12)))
     assert len(pieces) > 3 and "".join(pieces) == full.text
-    assert default_llm.scheduler.allocator.num_free == default_llm.scheduler.allocator.num_usable
+    default_llm.core.assert_idle_and_clean()
 
 
 def test_seeded_sampling_gives_the_same_text(default_llm):

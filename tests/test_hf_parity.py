@@ -62,4 +62,4 @@ def test_greedy_continuation_matches_hf(tiny):
     for (prompt, want), out in zip(cases, outs):
         assert out.outputs[0].token_ids == want
         assert out.outputs[0].finish_reason == "length"
-    assert llm.scheduler.allocator.num_free == llm.scheduler.allocator.num_usable
+    llm.core.assert_idle_and_clean()

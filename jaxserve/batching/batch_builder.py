@@ -27,11 +27,13 @@ class Row:
     token_ids: list[int]  # new tokens this step
     start_pos: int  # tokens of this sequence already in the cache
     pages: list[int]  # its pages, covering at least start_pos + len(token_ids) tokens
+    sampling: RowSampling = dataclasses.field(default_factory=RowSampling)
+    slot: int = -1  # where the device keeps the token this row samples (-1: the padding slot)
+    chained: bool = False  # token_ids[0] is a placeholder for the token last sampled into `slot`, still on device
 
     @property
     def end(self) -> int:
         return self.start_pos + len(self.token_ids)
-    sampling: RowSampling = dataclasses.field(default_factory=RowSampling)
 
 
 def build_batch(rows: list[Row], page_size: int, vocab_size: int, num_rows: int, tokens_per_row: int,
@@ -47,6 +49,8 @@ def build_batch(rows: list[Row], page_size: int, vocab_size: int, num_rows: int,
     page_table = np.full((S, P), SCRATCH_PAGE, np.int32)
     context_lens = np.zeros(S, np.int32)
     logits_index = np.zeros(S, np.int32)
+    token_slot = np.full(S, -1, np.int32)
+    out_slot = np.full(S, -1, np.int32)
     sampling = {
         "temperature": np.zeros(S, np.float32), "top_k": np.zeros(S, np.int32), "top_p": np.ones(S, np.float32),
         "min_p": np.zeros(S, np.float32), "seed": np.zeros(S, np.uint32), "step": np.zeros(S, np.int32),
@@ -71,9 +75,13 @@ def build_batch(rows: list[Row], page_size: int, vocab_size: int, num_rows: int,
         page_table[i, :len(cached)] = cached
         context_lens[i] = end
         logits_index[i] = n - 1
+        out_slot[i] = row.slot
+        if row.chained:
+            token_slot[i] = row.slot
         s = row.sampling
         for key in ("temperature", "top_k", "top_p", "min_p", "seed", "step", "want_top_logprobs"):
             sampling[key][i] = getattr(s, key)
         sampling["banned"][i, :len(s.banned)] = s.banned
     return {"token_ids": token_ids, "positions": positions, "slot_mapping": slot_mapping, "page_table": page_table,
-            "context_lens": context_lens, "logits_index": logits_index, "sampling": sampling}
+            "context_lens": context_lens, "logits_index": logits_index, "token_slot": token_slot, "out_slot": out_slot,
+            "sampling": sampling}

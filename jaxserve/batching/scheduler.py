@@ -1,96 +1,217 @@
-"""The host loop's decisions: which sequences run, and whether this step prefills or decodes.
+"""The host loop's decisions, re-made every step: who decodes, whose prompt advances by how much, who waits.
 
-Policy (plain FCFS): admit waiting sequences while a slot (`max_num_seqs`) and the pages for their whole length are
-free; then prefill one chunk of the oldest sequence still in prefill, or else decode every running sequence.
-Reserving pages for the whole length means a running sequence never runs out of pages.
+Each step, under a token budget (`max_num_batched_tokens`) and a sequence cap (`max_num_seqs`, or less when an SLO
+policy says so):
+  1. every running sequence past its prompt decodes one token, best priority first; one that needs a new page when
+     none is left preempts the worst-priority, newest running sequence (perhaps itself): its pages go back (full ones
+     stay in the prefix cache) and it is later recomputed from its tokens;
+  2. the budget left goes to prompt chunks: running sequences still in prefill first, then waiting ones admitted in
+     priority order once a slot and the pages for their whole prompt (less what the prefix cache holds) are free.
+A step is planned before the previous one's tokens are known (see `jaxserve.batching.engine_core`): a sequence may
+carry one in-flight token (`Sequence.pending`), which a decode row then takes straight from the device.
 """
 from __future__ import annotations
 
-from collections import deque
+import dataclasses
 
 from jaxserve.batching.batch_builder import Row
-from jaxserve.batching.model_runner import ModelRunner
 from jaxserve.batching.sequence import Sequence, Status
-from jaxserve.cache import PageAllocator, pages_needed
+from jaxserve.batching.slo import SloController
+from jaxserve.cache import PrefixCache, page_keys, pages_needed
+
+# A waiting sequence gains one priority level per this many steps it waits, so a steady stream of better-priority
+# requests cannot starve it.
+AGING_STEPS = 64
+POLICIES = ("fcfs", "priority")
+
+
+@dataclasses.dataclass
+class Chunk:
+    seq: Sequence
+    start: int  # first token of the chunk (tokens before it are cached)
+    length: int
+
+    @property
+    def is_last(self) -> bool:
+        """The chunk reaches the sequence's end, so its sampled token is the next one."""
+        return self.start + self.length == len(self.seq.token_ids)
+
+
+@dataclasses.dataclass
+class StepPlan:
+    decode: list[Sequence]
+    prefill: list[Chunk]
+    decode_rows: list[Row] = dataclasses.field(default_factory=list)
+    prefill_rows: list[Row] = dataclasses.field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.decode or self.prefill)
+
+    def build_rows(self) -> None:
+        """The step's inputs, from the sequences as they stand before the plan is counted in."""
+        # A row whose token the step before sampled takes it straight from the device (token 0 is a placeholder).
+        self.decode_rows = [Row([0 if s.pending else s.last_token], s.num_tokens - 1, s.pages, s.sampling_row(),
+                                s.slot, chained=bool(s.pending)) for s in self.decode]
+        self.prefill_rows = [Row(c.seq.token_ids[c.start:c.start + c.length], c.start, c.seq.pages,
+                                 c.seq.sampling_row(), c.seq.slot) for c in self.prefill]
 
 
 class Scheduler:
-    def __init__(self, runner: ModelRunner, allocator: PageAllocator, max_num_seqs: int, chunk_size: int):
-        self.runner = runner
-        self.allocator = allocator
+    def __init__(self, cache: PrefixCache, max_num_seqs: int, max_num_batched_tokens: int, policy: str = "fcfs",
+                 slo: SloController | None = None):
+        if policy not in POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {POLICIES}, got {policy!r}")
+        self.cache = cache
+        self.page_size = cache.page_size
         self.max_num_seqs = max_num_seqs
-        self.chunk_size = chunk_size
-        self.waiting: deque[Sequence] = deque()
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.policy = policy
+        self.slo = slo
+        self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
+        self._free_slots = list(range(max_num_seqs - 1, -1, -1))
+        self.num_preemptions = 0
 
-    def pages_for(self, seq: Sequence) -> int:
-        return pages_needed(seq.max_total_tokens, self.runner.page_size)
+    # ---- requests ----
 
     def add(self, seq: Sequence) -> None:
-        if self.pages_for(seq) > self.allocator.num_usable:
-            raise ValueError(f"a sequence of up to {seq.max_total_tokens} tokens needs {self.pages_for(seq)} KV pages "
-                             f"but the cache has {self.allocator.num_usable}; lower max_tokens or raise the KV budget")
+        need = pages_needed(seq.max_total_tokens, self.page_size)
+        if need > self.cache.allocator.num_usable:
+            raise ValueError(f"a sequence of up to {seq.max_total_tokens} tokens needs {need} KV pages "
+                             f"but the cache has {self.cache.allocator.num_usable}; lower max_tokens or raise the "
+                             "KV budget")
+        seq.status = Status.WAITING
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def abort(self, request_id: str) -> None:
-        for seq in [s for s in self.waiting if s.request_id == request_id]:
+    def abort(self, request_id: str) -> list[Sequence]:
+        aborted = [s for s in self.waiting + self.running if s.request_id == request_id]
+        for seq in aborted:
+            self.finish(seq)
+        return aborted
+
+    def finish(self, seq: Sequence) -> None:
+        """Takes a sequence out for good (done or aborted); its pages and slot are free for the next step."""
+        if seq.status is Status.RUNNING:
+            self._take_out(seq)
+            self.running.remove(seq)
+        elif seq.status is Status.WAITING:
             self.waiting.remove(seq)
-            seq.status = Status.FINISHED
-        for seq in [s for s in self.running if s.request_id == request_id]:
-            self._release(seq)
-
-    def step(self) -> list[tuple[Sequence, str]]:
-        """Runs one device step; returns (sequence, new text) for every sequence that got a token."""
-        self._admit()
-        if not self.running:
-            return []
-        prefilling = next((s for s in self.running if s.in_prefill), None)
-        if prefilling is not None:
-            return self._prefill_chunk(prefilling)
-        return self._decode(list(self.running))
-
-    def _admit(self) -> None:
-        while self.waiting and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
-            if self.pages_for(seq) > self.allocator.num_free:
-                break
-            self.waiting.popleft()
-            seq.pages = self.allocator.allocate(self.pages_for(seq))
-            seq.status = Status.RUNNING
-            self.running.append(seq)
-
-    def _prefill_chunk(self, seq: Sequence) -> list[tuple[Sequence, str]]:
-        start = seq.num_cached
-        chunk = seq.prompt_token_ids[start:start + self.chunk_size]
-        out = self.runner.prefill(Row(chunk, start, seq.pages, seq.sampling_row()))
-        seq.num_cached += len(chunk)
-        if seq.in_prefill:
-            return []  # a middle chunk: its sampled token is not a prediction anyone asked for
-        return self._append([seq], out)
-
-    def _decode(self, seqs: list[Sequence]) -> list[tuple[Sequence, str]]:
-        # A decoding sequence has sampled at least once (its last prefill chunk did): its newest token is an output.
-        rows = [Row([s.output_token_ids[-1]], s.num_tokens - 1, s.pages, s.sampling_row()) for s in seqs]
-        out = self.runner.decode(rows)
-        for s in seqs:
-            s.num_cached += 1
-        return self._append(seqs, out)
-
-    def _append(self, seqs: list[Sequence], out: dict) -> list[tuple[Sequence, str]]:
-        changed = []
-        for i, seq in enumerate(seqs):
-            top = list(zip(out["top_ids"][i].tolist(), out["top_logprobs"][i].tolist())) if seq.params.logprobs else []
-            delta = seq.append_token(int(out["tokens"][i]), float(out["logprobs"][i]), int(out["ranks"][i]), top)
-            changed.append((seq, delta))
-            if seq.finish_reason is not None:
-                self._release(seq)
-        return changed
-
-    def _release(self, seq: Sequence) -> None:
-        self.allocator.free(seq.pages)
-        seq.pages = []
         seq.status = Status.FINISHED
+
+    # ---- planning a step ----
+
+    def priority(self, seq: Sequence):
+        return seq.effective_priority if self.policy == "priority" else (0, seq.arrival)
+
+    def schedule(self) -> StepPlan:
+        plan = StepPlan([], [])
+        budget = self.max_num_batched_tokens
+        for seq in sorted(self.running, key=self.priority):
+            if seq.status is not Status.RUNNING or seq.num_to_compute != 1 or seq.reached_length_limit:
+                continue  # preempted just now, still in prefill, or ends when its in-flight token lands
+            if self._grow(seq, seq.num_tokens):
+                plan.decode.append(seq)
+                budget -= 1
+        for seq in sorted(self.running, key=self.priority):
+            if budget > 0 and seq.num_to_compute > 1:
+                budget -= self._add_chunk(plan, seq, budget)
+        cap = self.slo.batch_cap(self.waiting) if self.slo is not None else self.max_num_seqs
+        for seq in sorted(self.waiting, key=self.priority):
+            if budget <= 0:
+                break
+            if seq.pending:
+                continue  # preempted with a token in flight: resumable once it lands
+            if not self._admit(seq, cap):
+                break
+            budget -= self._add_chunk(plan, seq, budget)
+        # A priority preemption above may have taken out a sequence already planned.
+        plan.decode = [s for s in plan.decode if s.status is Status.RUNNING]
+        plan.prefill = [c for c in plan.prefill if c.seq.status is Status.RUNNING]
+        for seq in self.waiting:
+            seq.waited_steps += 1
+            seq.boost = seq.waited_steps // AGING_STEPS
+        plan.build_rows()
+        for seq in plan.decode:
+            seq.num_cached += 1
+            seq.pending += 1
+        for chunk in plan.prefill:
+            chunk.seq.num_cached += chunk.length
+            chunk.seq.pending += chunk.is_last
+        return plan
+
+    def publish(self, seq: Sequence) -> None:
+        """Tells the prefix cache about the sequence's pages that are now full of known tokens."""
+        known = len(seq.prompt_token_ids) + len(seq.output_token_ids)
+        full = min(seq.num_cached, known) // self.page_size
+        if full > seq.num_published:
+            keys = page_keys(seq.token_ids[:full * self.page_size], self.page_size, seq.page_keys)
+            self.cache.publish(seq.pages, seq.token_ids, keys[:full], seq.num_published)
+            seq.num_published = full
+
+    def _add_chunk(self, plan: StepPlan, seq: Sequence, budget: int) -> int:
+        n = min(seq.num_to_compute, budget)
+        plan.prefill.append(Chunk(seq, seq.num_cached, n))
+        return n
+
+    def _grow(self, seq: Sequence, num_tokens: int) -> bool:
+        """Gives `seq` pages for num_tokens, preempting worse sequences (or `seq`) if none are free."""
+        need = pages_needed(num_tokens, self.page_size) - len(seq.pages)
+        while need > self.cache.num_available:
+            victim = max(self.running, key=self.priority)
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        if need > 0:
+            seq.pages += self.cache.allocate(need)
+        return True
+
+    def _admit(self, seq: Sequence, cap: int) -> bool:
+        """Gives a waiting sequence a slot, its cached prefix, and pages for all its tokens; False if it must wait."""
+        while True:
+            if len(self.running) < cap:
+                tokens = seq.token_ids
+                keys = page_keys(tokens[:len(tokens) - 1], self.page_size, seq.page_keys)
+                # At least the last token is computed, whatever is cached: its logits give the next token.
+                hit = self.cache.match(tokens, keys, (len(tokens) - 1) // self.page_size)
+                need = pages_needed(len(tokens), self.page_size) - len(hit)
+                if need <= self.cache.num_available:
+                    break
+                self.cache.release(hit)
+            if not self._preempt_for(seq):
+                return False
+        seq.pages = hit + self.cache.allocate(need)
+        seq.num_cached, seq.num_published = len(hit) * self.page_size, len(hit)
+        self.cache.count_lookup(len(tokens), len(hit) * self.page_size)
+        seq.status = Status.RUNNING
+        seq.slot = self._free_slots.pop()
+        self.waiting.remove(seq)
+        self.running.append(seq)
+        return True
+
+    def _preempt_for(self, seq: Sequence) -> bool:
+        """Under the priority policy, a waiting sequence displaces a strictly worse running one."""
+        if self.policy != "priority" or not self.running:
+            return False
+        victim = max(self.running, key=self.priority)
+        if self.priority(victim)[0] <= self.priority(seq)[0]:
+            return False
+        self._preempt(victim)
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self._take_out(seq)
         self.running.remove(seq)
+        seq.status = Status.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.append(seq)
+
+    def _take_out(self, seq: Sequence) -> None:
+        self.publish(seq)
+        self.cache.release(seq.pages)
+        seq.pages, seq.num_cached, seq.num_published = [], 0, 0
+        self._free_slots.append(seq.slot)
+        seq.slot = None

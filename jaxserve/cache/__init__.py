@@ -1,6 +1,7 @@
-"""KV-cache pages: the device-side cache pytree and the host-side allocator."""
+"""KV-cache pages: the device-side cache pytree, the host-side allocator and the prefix cache over it."""
 from jaxserve.cache.kv_cache import SCRATCH_PAGE, bytes_per_page, init_kv_cache, num_pages_for_budget
 from jaxserve.cache.page_allocator import OutOfPages, PageAllocator, pages_needed
+from jaxserve.cache.prefix_cache import PrefixCache, page_keys
 
 __all__ = ["SCRATCH_PAGE", "bytes_per_page", "init_kv_cache", "num_pages_for_budget", "OutOfPages", "PageAllocator",
-           "pages_needed"]
+           "pages_needed", "PrefixCache", "page_keys"]

@@ -1,0 +1,118 @@
+"""Reference-counted pages, and full pages remembered by content so a later request can reuse them.
+
+A full page is keyed by a chained hash: its tokens and the key of the page before it, so one key names a whole
+prefix. A page whose last holder lets go keeps its key and waits in an LRU; it is evicted (forgotten, returned to
+the free list) only when a fresh page is needed and none is free. Only full pages are shared, and a sequence only
+ever writes past the pages it matched, so a shared page is never written again.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from jaxserve.cache.page_allocator import OutOfPages, PageAllocator
+
+
+def page_keys(token_ids: list[int], page_size: int, keys: list[int]) -> list[int]:
+    """Extends `keys` (the keys of the first len(keys) pages) to every full page of `token_ids`; returns it."""
+    for i in range(len(keys), len(token_ids) // page_size):
+        parent = keys[i - 1] if i else 0
+        keys.append(hash((parent, tuple(token_ids[i * page_size:(i + 1) * page_size]))))
+    return keys
+
+
+class PrefixCache:
+    def __init__(self, allocator: PageAllocator, page_size: int, enabled: bool = True):
+        self.allocator = allocator
+        self.page_size = page_size
+        self.enabled = enabled
+        self._refs: dict[int, int] = {}  # page -> holders (absent: free or evictable)
+        self._by_key: dict[int, int] = {}  # key -> page
+        self._content: dict[int, tuple[int, tuple[int, ...]]] = {}  # page -> (key, tokens): a hit compares tokens
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # pages nobody holds that keep a key, oldest first
+        self.queries = 0  # prompt tokens looked up
+        self.hits = 0  # of those, tokens found cached
+
+    @property
+    def num_available(self) -> int:
+        """Pages `allocate` can hand out: free ones and evictable cached ones."""
+        return self.allocator.num_free + len(self._evictable)
+
+    @property
+    def num_cached(self) -> int:
+        """Pages holding a remembered prefix (held or evictable)."""
+        return len(self._content)
+
+    def refcount(self, page: int) -> int:
+        return self._refs.get(page, 0)
+
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+    def allocate(self, n: int) -> list[int]:
+        if n > self.num_available:
+            raise OutOfPages(f"asked for {n} pages, {self.num_available} available")
+        while self.allocator.num_free < n:
+            self._evict(next(iter(self._evictable)))
+        pages = self.allocator.allocate(n)
+        for p in pages:
+            self._refs[p] = 1
+        return pages
+
+    def match(self, token_ids: list[int], keys: list[int], max_pages: int) -> list[int]:
+        """Holds and returns the cached pages of the longest cached prefix of `token_ids`, at most max_pages.
+
+        `keys` are the token_ids' page keys (see page_keys).
+        """
+        pages = []
+        if self.enabled:
+            for i, key in enumerate(keys[:max_pages]):
+                page = self._by_key.get(key)
+                tokens = tuple(token_ids[i * self.page_size:(i + 1) * self.page_size])
+                if page is None or self._content[page] != (key, tokens):
+                    break
+                pages.append(page)
+        for p in pages:
+            self._evictable.pop(p, None)
+            self._refs[p] = self._refs.get(p, 0) + 1
+        return pages
+
+    def count_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """Counts one admitted request's lookup in the hit rate (a lookup undone for lack of pages does not count)."""
+        self.queries += num_tokens
+        self.hits += num_hit_tokens
+
+    def publish(self, pages: list[int], token_ids: list[int], keys: list[int], start: int) -> None:
+        """Remembers pages[start:len(keys)], now full of token_ids, under their keys (a held page's content)."""
+        if not self.enabled:
+            return
+        for i in range(start, len(keys)):
+            page, key = pages[i], keys[i]
+            if key in self._by_key or page in self._content:
+                continue  # the same prefix computed twice at once: the first copy stays the cached one
+            self._by_key[key] = page
+            self._content[page] = (key, tuple(token_ids[i * self.page_size:(i + 1) * self.page_size]))
+
+    def release(self, pages: list[int]) -> None:
+        for p in pages:
+            n = self._refs.get(p, 0)
+            if n <= 0:
+                raise ValueError(f"releasing page {p}, which nobody holds")
+            if n > 1:
+                self._refs[p] = n - 1
+                continue
+            del self._refs[p]
+            if p in self._content:
+                self._evictable[p] = None
+            else:
+                self.allocator.free([p])
+
+    def reset(self) -> None:
+        """Forgets every evictable page (held pages keep their keys until released)."""
+        for p in list(self._evictable):
+            self._evict(p)
+
+    def _evict(self, page: int) -> None:
+        del self._evictable[page]
+        key, _ = self._content.pop(page)
+        del self._by_key[key]
+        self.allocator.free([page])
