@@ -102,11 +102,14 @@ class LLM:
                              "it leaves no room to generate")
         return text, list(ids)
 
-    def _sequences(self, prompt, params: SamplingParams, priority: int = 0) -> tuple[str, str | None, list[Sequence]]:
+    def _sequences(self, prompt, params: SamplingParams, priority: int = 0,
+                   request_id: str | None = None) -> tuple[str, str | None, list[Sequence]]:
         if not isinstance(priority, int):
             raise TypeError(f"priority must be an int, got {type(priority).__name__}")
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         text, ids = self._prompt_ids(prompt)
-        request_id = str(next(self._request_ids))
+        request_id = str(next(self._request_ids)) if request_id is None else request_id
         base_seed = params.seed if params.seed is not None else self._rng.getrandbits(32)
         eos = self.tokenizer.eos_token_ids if self.tokenizer is not None else []
         seqs = []

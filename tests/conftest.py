@@ -23,3 +23,12 @@ def default_llm():
     """The default model in an engine sized for tests (compiles lazily, shared by every test that needs it)."""
     from jaxserve import LLM
     return LLM(max_model_len=512, max_num_seqs=4, max_num_batched_tokens=256, warmup=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    """A tiny random Llama (HF format, no tokenizer): fast engines for the batching tests."""
+    from hf_models import save_tiny_model
+    path = tmp_path_factory.mktemp("tiny-llama")
+    save_tiny_model("llama", path)
+    return str(path)

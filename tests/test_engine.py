@@ -5,27 +5,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hf_models import save_tiny_model
 from jaxserve import LLM, SamplingParams
 from jaxserve.steps import steps_for
+from tiny import TINY_PAGE_BYTES, make_llm, prompts
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-llama")
-    save_tiny_model("llama", path)
-    return str(path)
-
-
-def make_llm(tiny_dir, **kw):
-    args = dict(max_model_len=96, block_size=4, max_num_seqs=4, max_num_batched_tokens=16, warmup=False)
-    return LLM(tiny_dir, **{**args, **kw})
-
-
-def prompts(rng, lengths):
-    return [{"prompt_token_ids": rng.integers(0, 320, n).tolist()} for n in lengths]
 
 
 def all_pages_free(llm):
@@ -152,7 +136,7 @@ def test_bad_engine_arguments(tiny_dir, tmp_path):
 
 
 def test_request_larger_than_the_cache_is_refused(tiny_dir):
-    llm = make_llm(tiny_dir, kv_cache_memory_bytes=12 * 2 * 2 * 4 * 2 * 16 * 4)  # 12 pages of 4 tokens
+    llm = make_llm(tiny_dir, kv_cache_memory_bytes=12 * TINY_PAGE_BYTES)  # 12 pages of 4 tokens
     with pytest.raises(ValueError, match="KV pages"):
         llm.generate(prompts(np.random.default_rng(), [10]), SamplingParams(max_tokens=80), use_tqdm=False)
     assert all_pages_free(llm)

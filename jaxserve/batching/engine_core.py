@@ -50,6 +50,12 @@ class EngineCore:
     def abort(self, request_id: str) -> list[Sequence]:
         return self.scheduler.abort(request_id)
 
+    def abort_all(self) -> None:
+        """After a failed step: every sequence out, nothing in flight (its results are lost with it)."""
+        for seq in self.scheduler.waiting + self.scheduler.running:
+            self.scheduler.finish(seq)
+        self._in_flight = None
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._in_flight is not None
 

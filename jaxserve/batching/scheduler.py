@@ -74,12 +74,15 @@ class Scheduler:
 
     # ---- requests ----
 
-    def add(self, seq: Sequence) -> None:
+    def check_fits(self, seq: Sequence) -> None:
         need = pages_needed(seq.max_total_tokens, self.page_size)
         if need > self.cache.allocator.num_usable:
             raise ValueError(f"a sequence of up to {seq.max_total_tokens} tokens needs {need} KV pages "
                              f"but the cache has {self.cache.allocator.num_usable}; lower max_tokens or raise the "
                              "KV budget")
+
+    def add(self, seq: Sequence) -> None:
+        self.check_fits(seq)
         seq.status = Status.WAITING
         self.waiting.append(seq)
 

@@ -1,0 +1,165 @@
+"""AsyncEngine: the engine for asyncio code (the server). Requests in from any task, incremental outputs out.
+
+The engine loop runs in one background thread (device calls block; the event loop must not), taking requests and
+aborts from a queue between steps and handing each step's new tokens to the requests' asyncio queues.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import uuid
+from typing import AsyncIterator
+
+from jaxserve.batching.engine_core import EngineStats
+from jaxserve.engine import LLM
+from jaxserve.outputs import CompletionOutput, RequestOutput
+from jaxserve.sampling_params import SamplingParams
+
+logger = logging.getLogger("jaxserve")
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+class _Stream:
+    def __init__(self, loop: asyncio.AbstractEventLoop, prompt: str | None, prompt_token_ids: list[int], n: int):
+        self.loop = loop
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.prompt, self.prompt_token_ids = prompt, prompt_token_ids
+        self.unfinished = n
+
+    def put(self, item) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:
+            pass  # its event loop is closed: nobody is listening (the abort it sent is on its way)
+
+
+class AsyncEngine:
+    def __init__(self, llm: LLM):
+        self.llm = llm
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}
+        self._stats = llm.stats()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="jaxserve-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_args(cls, model: str | None = None, **llm_args) -> "AsyncEngine":
+        return cls(LLM(model, **llm_args))
+
+    async def add_request(self, prompt, sampling_params: SamplingParams | None = None, request_id: str | None = None,
+                          priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """Submits a request; returns an async iterator of its incremental outputs.
+
+        Each output holds, for the completions that advanced, only what is new (text, token ids, logprobs: vLLM's
+        DELTA output kind); the last has finished=True. Bad input raises here, before anything is queued.
+        Leaving the iteration early (a client gone) aborts the request.
+        """
+        if self._stopping or not self._thread.is_alive():
+            raise EngineDeadError("the engine is shut down")
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already running")
+        params = sampling_params or SamplingParams()
+        request_id, text, seqs = self.llm._sequences(prompt, params, priority, request_id)
+        for seq in seqs:
+            self.llm.scheduler.check_fits(seq)
+        stream = _Stream(asyncio.get_running_loop(), text, seqs[0].prompt_token_ids, len(seqs))
+        self._streams[request_id] = stream
+        self._commands.put(("add", seqs))
+        return self._iterate(request_id, stream)
+
+    async def _iterate(self, request_id: str, stream: _Stream) -> AsyncIterator[RequestOutput]:
+        finished = False
+        try:
+            while not finished:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Stops a request and frees its pages before the next step (no-op if it already finished)."""
+        self._commands.put(("abort", request_id))
+
+    def stats(self) -> EngineStats:
+        """The snapshot taken after the latest step."""
+        return self._stats
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Aborts whatever runs and stops the engine thread."""
+        self._stopping = True
+        self._commands.put(("stop", None))
+        self._thread.join(timeout)
+
+    # ---- the engine thread ----
+
+    def _run(self) -> None:
+        core = self.llm.core
+        while True:
+            # Block for a command only when there is nothing to step.
+            block = not core.has_unfinished()
+            try:
+                while True:
+                    command, arg = self._commands.get(block=block)
+                    block = False
+                    if command == "stop":
+                        self._fail_all(EngineDeadError("the engine shut down"))
+                        return
+                    self._apply(command, arg)
+            except queue.Empty:
+                pass
+            if not core.has_unfinished():
+                continue
+            try:
+                changed = core.step()
+            except Exception as e:  # noqa: BLE001 - the step's requests fail; the engine goes on for new ones
+                logger.exception("engine step failed")
+                self._fail_all(e)
+                continue
+            self._publish(changed)
+            self._stats = core.stats()
+
+    def _apply(self, command: str, arg) -> None:
+        if command == "add":
+            if arg[0].request_id not in self._streams:
+                return  # failed or aborted before it was ever added
+            for seq in arg:
+                self.llm.core.add(seq)
+        elif command == "abort":
+            self.llm.core.abort(arg)
+            stream = self._streams.pop(arg, None)
+            if stream is not None:
+                stream.put(RequestOutput(arg, stream.prompt, stream.prompt_token_ids, [], True))
+
+    def _publish(self, changed) -> None:
+        by_request: dict[str, list[CompletionOutput]] = {}
+        for seq, delta in changed:
+            new = CompletionOutput(seq.index, delta, seq.output_token_ids[-1:],
+                                   seq.cumulative_logprob if seq.logprobs is not None else None,
+                                   seq.logprobs[-1:] if seq.logprobs is not None else None,
+                                   seq.finish_reason, seq.stop_reason)
+            by_request.setdefault(seq.request_id, []).append(new)
+        for request_id, outputs in by_request.items():
+            stream = self._streams.get(request_id)
+            if stream is None:
+                continue  # aborted since
+            stream.unfinished -= sum(o.finish_reason is not None for o in outputs)
+            done = stream.unfinished == 0
+            if done:
+                del self._streams[request_id]
+            stream.put(RequestOutput(request_id, stream.prompt, stream.prompt_token_ids, outputs, done))
+
+    def _fail_all(self, error: BaseException) -> None:
+        self.llm.core.abort_all()
+        for request_id in list(self._streams):
+            self._streams.pop(request_id).put(error)

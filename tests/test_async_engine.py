@@ -1,0 +1,111 @@
+"""AsyncEngine on the tiny model: concurrent streams, abort by leaving the stream, bad input, stats."""
+import asyncio
+import time
+
+import numpy as np
+import pytest
+
+from jaxserve import AsyncEngine, SamplingParams
+from tiny import make_llm, prompts
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_dir):
+    engine = AsyncEngine(make_llm(tiny_dir))
+    yield engine
+    engine.shutdown()
+
+
+async def collect(stream):
+    """Joins a request's incremental outputs into (token ids, finish reason) per completion."""
+    tokens, reasons = {}, {}
+    async for out in stream:
+        for c in out.outputs:
+            tokens.setdefault(c.index, []).extend(c.token_ids)
+            reasons[c.index] = c.finish_reason
+    return [tokens[i] for i in sorted(tokens)], [reasons[i] for i in sorted(reasons)], out.finished
+
+
+def wait_idle(engine, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while engine.llm.core.has_unfinished() or engine.stats().num_running:
+        assert time.monotonic() < deadline, "engine never went idle"
+        time.sleep(0.01)
+
+
+def test_concurrent_requests_stream_what_generate_returns(engine, tiny_dir):
+    ps = prompts(np.random.default_rng(), [3, 17, 9, 30])
+    want = [o.outputs[0].token_ids for o in make_llm(tiny_dir).generate(ps, GREEDY, use_tqdm=False)]
+
+    async def main():
+        streams = [await engine.add_request(p, GREEDY) for p in ps]
+        return await asyncio.gather(*(collect(s) for s in streams))
+
+    results = asyncio.run(main())
+    assert [r[0][0] for r in results] == want
+    assert all(r[1] == ["length"] and r[2] for r in results)
+    wait_idle(engine)
+    engine.llm.core.assert_idle_and_clean()
+    assert engine.stats().generation_tokens >= 4 * 12
+
+
+def test_n_completions_arrive_on_one_stream(engine):
+    sp = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=5, ignore_eos=True)
+
+    async def main():
+        return await collect(await engine.add_request(prompts(np.random.default_rng(), [6])[0], sp))
+
+    tokens, reasons, finished = asyncio.run(main())
+    assert len(tokens) == 3 and all(len(t) == 5 for t in tokens) and finished
+
+
+def test_leaving_a_stream_aborts_it_and_frees_its_pages(engine):
+    long = SamplingParams(temperature=0, max_tokens=80, ignore_eos=True)
+
+    async def main():
+        stream = await engine.add_request(prompts(np.random.default_rng(), [8])[0], long)
+        got = 0
+        async for _ in stream:
+            got += 1
+            if got == 3:
+                break  # a client gone mid-stream
+        await stream.aclose()
+        return got
+
+    assert asyncio.run(main()) == 3
+    wait_idle(engine)
+    engine.llm.core.assert_idle_and_clean()
+
+
+def test_abort_by_id_ends_the_stream(engine):
+    long = SamplingParams(temperature=0, max_tokens=80, ignore_eos=True)
+
+    async def main():
+        stream = await engine.add_request(prompts(np.random.default_rng(), [8])[0], long, request_id="to-abort")
+        first = await stream.__anext__()
+        engine.abort("to-abort")
+        rest = [out async for out in stream]
+        return first, rest
+
+    first, rest = asyncio.run(main())
+    assert not first.finished and rest[-1].finished
+    assert sum(len(c.token_ids) for out in [first] + rest for c in out.outputs) < 80
+    wait_idle(engine)
+    engine.llm.core.assert_idle_and_clean()
+
+
+def test_bad_requests_raise_before_queueing(engine):
+    async def main():
+        for bad in [{"prompt_token_ids": []}, {"prompt_token_ids": [999]}, 42]:
+            with pytest.raises((ValueError, TypeError)):
+                await engine.add_request(bad, GREEDY)
+        with pytest.raises(ValueError, match="max_model_len"):
+            await engine.add_request({"prompt_token_ids": [1] * 96}, GREEDY)
+        with pytest.raises(TypeError):
+            await engine.add_request({"prompt_token_ids": [1, 2]}, {"max_tokens": 3})
+        # Still serving.
+        return await collect(await engine.add_request({"prompt_token_ids": [1, 2]}, GREEDY))
+
+    assert len(asyncio.run(main())[0][0]) == 12

@@ -1,0 +1,193 @@
+"""Continuous batching on the tiny model: batch invariance under chunking, prefix caching and preemption; page
+accounting under aborts; priorities; the SLO batch cap; and the overlap of host and device work."""
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from jaxserve import SamplingParams
+from jaxserve.batching.slo import SloController
+from tiny import TINY_PAGE_BYTES, make_llm, prompts
+
+VOCAB = 320
+
+
+def workload(rng, n=10):
+    """Greedy and seeded-sampling requests of random lengths, half of them sharing a prefix of several pages."""
+    prefix = rng.integers(0, VOCAB, 14).tolist()
+    reqs = []
+    for i in range(n):
+        tail = rng.integers(0, VOCAB, int(rng.integers(1, 20))).tolist()
+        ids = prefix + tail if i % 2 else rng.integers(0, VOCAB, int(rng.integers(1, 36))).tolist()
+        max_tokens = int(rng.integers(1, 25))
+        if i % 3 == 2:  # seeded sampling is batch-independent too
+            sp = SamplingParams(temperature=0.8, seed=int(rng.integers(1 << 30)), max_tokens=max_tokens,
+                                ignore_eos=True)
+        else:
+            sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        reqs.append(({"prompt_token_ids": ids}, sp))
+    return reqs
+
+
+def token_ids(outputs):
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+@pytest.fixture(scope="module")
+def one_at_a_time(tiny_dir):
+    reqs = workload(np.random.default_rng())
+    llm = make_llm(tiny_dir, max_num_seqs=1, enable_prefix_caching=False, max_num_batched_tokens=128)
+    return reqs, [llm.generate(p, sp, use_tqdm=False)[0].outputs[0].token_ids for p, sp in reqs]
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+@pytest.mark.parametrize("chunk,pool", [(4, None), (12, None), (128, None), (12, 16)],
+                         ids=["chunk=1page", "chunk=3pages", "unchunked", "preempting"])
+def test_all_at_once_equals_one_at_a_time(tiny_dir, one_at_a_time, prefix_caching, chunk, pool):
+    reqs, want = one_at_a_time
+    kv_bytes = pool * TINY_PAGE_BYTES if pool else None  # 15 usable pages of 4 tokens: 60 tokens among 4 sequences
+    llm = make_llm(tiny_dir, max_num_batched_tokens=chunk, enable_prefix_caching=prefix_caching,
+                   kv_cache_memory_bytes=kv_bytes)
+    got = token_ids(llm.generate([p for p, _ in reqs], [sp for _, sp in reqs], use_tqdm=False))
+    assert got == want
+    stats = llm.stats()
+    if pool:
+        assert stats.num_preemptions > 0
+    assert (stats.prefix_cache_hits > 0) == prefix_caching
+    llm.core.assert_idle_and_clean()
+
+
+def test_shared_prefix_is_computed_once(tiny_dir):
+    rng = np.random.default_rng()
+    prefix = rng.integers(0, VOCAB, 40).tolist()  # 10 pages of 4 tokens
+    a, b = prefix + rng.integers(0, VOCAB, 5).tolist(), prefix + rng.integers(0, VOCAB, 7).tolist()
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    llm = make_llm(tiny_dir)
+    llm.generate({"prompt_token_ids": a}, sp, use_tqdm=False)
+    before = llm.stats()
+    out = llm.generate({"prompt_token_ids": b}, sp, use_tqdm=False)
+    after = llm.stats()
+    assert after.prompt_tokens - before.prompt_tokens == len(b) - len(prefix)  # only the suffix was prefilled
+    assert after.prefix_cache_hits - before.prefix_cache_hits == len(prefix)
+    fresh = make_llm(tiny_dir, enable_prefix_caching=False)
+    assert token_ids(out) == token_ids(fresh.generate({"prompt_token_ids": b}, sp, use_tqdm=False))
+    # A prompt that is entirely cached still computes its last token (its logits give the first output).
+    before = llm.stats()
+    llm.generate({"prompt_token_ids": prefix}, sp, use_tqdm=False)
+    assert llm.stats().prompt_tokens - before.prompt_tokens == 4  # the last page, recomputed
+    llm.core.assert_idle_and_clean()
+
+
+@pytest.fixture(scope="module")
+def small_pool_llm(tiny_dir):
+    return make_llm(tiny_dir, max_num_seqs=3, max_num_batched_tokens=8, kv_cache_memory_bytes=17 * TINY_PAGE_BYTES)
+
+
+@settings(max_examples=12, deadline=None)
+@given(data=st.data())
+def test_pages_are_accounted_for_after_aborts_and_preemptions(small_pool_llm, data):
+    llm, core, sched = small_pool_llm, small_pool_llm.core, small_pool_llm.scheduler
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    shared = rng.integers(0, 4, 12).tolist()  # few distinct tokens: prefixes collide often
+    ids = []
+    for i in range(data.draw(st.integers(1, 7))):
+        n = int(rng.integers(1, 30))
+        prompt = (shared + rng.integers(0, VOCAB, n).tolist())[:max(n, 2)] if i % 2 else \
+            rng.integers(0, VOCAB, n).tolist()
+        sp = SamplingParams(temperature=0, max_tokens=int(rng.integers(1, 30)), ignore_eos=True)
+        request_id, _, seqs = llm._sequences({"prompt_token_ids": prompt}, sp)
+        for s in seqs:
+            core.add(s)
+        ids.append(request_id)
+    for _ in range(400):
+        if not core.has_unfinished():
+            break
+        if data.draw(st.integers(0, 9)) == 0:  # abort anything, at any point: waiting, mid-prefill, decoding
+            core.abort(ids[data.draw(st.integers(0, len(ids) - 1))])
+        core.step()
+        holders: dict[int, int] = {}
+        for s in sched.running:
+            assert s.num_cached <= len(s.pages) * sched.page_size
+            for p in s.pages:
+                holders[p] = holders.get(p, 0) + 1
+        for p in range(1, sched.cache.allocator.num_pages):
+            assert sched.cache.refcount(p) == holders.get(p, 0), f"page {p}"
+        held = len(holders)
+        assert held + sched.cache.num_available == sched.cache.allocator.num_usable
+    core.assert_idle_and_clean()
+
+
+def test_interactive_requests_run_before_batch_ones(tiny_dir):
+    ps = prompts(np.random.default_rng(), [6, 6, 6, 6])
+    sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    for policy, interactive_first in [("priority", True), ("fcfs", False)]:
+        llm = make_llm(tiny_dir, max_num_seqs=1, scheduling_policy=policy)
+        request_ids = []
+        for p, priority in zip(ps, [1, 1, 1, 0]):  # the interactive request arrives last
+            rid, _, seqs = llm._sequences(p, sp, priority)
+            llm.core.add(seqs[0])
+            request_ids.append((rid, seqs[0]))
+        order = []
+        while llm.core.has_unfinished():
+            order += [s.request_id for s, _ in llm.core.step() if s.finish_reason]
+        assert (order[0] == request_ids[-1][0]) == interactive_first, (policy, order)
+
+
+def test_a_batch_request_is_not_starved_by_interactive_ones(tiny_dir):
+    rng = np.random.default_rng()
+    llm = make_llm(tiny_dir, max_num_seqs=2, scheduling_policy="priority")
+    core = llm.core
+    _, _, (batch,) = llm._sequences({"prompt_token_ids": rng.integers(0, VOCAB, 10).tolist()},
+                                    SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), priority=1)
+    core.add(batch)
+    interactive = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    for step in range(3000):
+        while len(core.scheduler.waiting) < 3:  # a steady stream of better-priority requests
+            _, _, seqs = llm._sequences(prompts(rng, [5])[0], interactive, priority=0)
+            core.add(seqs[0])
+        core.step()
+        if batch.finished:
+            break
+    assert batch.finished and len(batch.output_token_ids) == 40
+
+
+def test_slo_controller_sizes_the_batch_from_step_times():
+    slo = SloController((1, 2, 4, 8, 16), 16, tpot_slo=0.05, ttft_slo=1.0)
+    assert slo.batch_cap([], now=0) == 1  # nothing measured: start small
+    slo.observe(1, 0.01)
+    assert slo.batch_cap([], now=0) == 2  # then try the next size
+    for b, t in [(2, 0.02), (4, 0.03), (8, 0.08)]:
+        slo.observe(b, t)
+    assert slo.batch_cap([], now=0) == 4  # 8 breaks the TPOT target
+    class Waiting:
+        arrival_time = 0.0
+    assert slo.batch_cap([Waiting()], now=0.2) == 4
+    assert slo.batch_cap([Waiting()], now=0.6) == 16  # the queue is eating the TTFT budget: throughput first
+    with pytest.raises(ValueError):
+        SloController((1,), 1, tpot_slo=-1)
+
+
+def test_slo_policy_keeps_outputs_and_runs(tiny_dir, one_at_a_time):
+    reqs, want = one_at_a_time
+    llm = make_llm(tiny_dir, tpot_slo=10.0, ttft_slo=100.0)
+    assert token_ids(llm.generate([p for p, _ in reqs], [sp for _, sp in reqs], use_tqdm=False)) == want
+    assert llm.scheduler.slo.step_seconds  # step times were measured
+    llm.core.assert_idle_and_clean()
+
+
+def test_next_step_is_dispatched_before_the_previous_is_read(tiny_dir):
+    llm = make_llm(tiny_dir)
+    events = []
+    runner = llm.runner
+    for name in ("dispatch_prefill", "dispatch_decode", "fetch"):
+        def wrapped(*a, _f=getattr(runner, name), _n=name, **kw):
+            events.append("fetch" if _n == "fetch" else "dispatch")
+            return _f(*a, **kw)
+        setattr(runner, name, wrapped)
+    out = llm.generate(prompts(np.random.default_rng(), [5]), SamplingParams(max_tokens=30, ignore_eos=True),
+                       use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 30
+    fetches = [i for i, e in enumerate(events) if e == "fetch"]
+    assert len(fetches) == 30  # one blocking copy per step
+    waited = [i for i in fetches if events[i - 1] != "dispatch"]
+    assert len(waited) == 1  # only the last step had no successor to overlap with
