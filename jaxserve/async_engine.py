@@ -13,7 +13,7 @@ import uuid
 from typing import AsyncIterator
 
 from jaxserve.batching.engine_core import EngineStats
-from jaxserve.engine import LLM
+from jaxserve.engine import LLM, request_metrics
 from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.sampling_params import SamplingParams
 
@@ -25,11 +25,12 @@ class EngineDeadError(RuntimeError):
 
 
 class _Stream:
-    def __init__(self, loop: asyncio.AbstractEventLoop, prompt: str | None, prompt_token_ids: list[int], n: int):
+    def __init__(self, loop: asyncio.AbstractEventLoop, prompt: str | None, seqs):
         self.loop = loop
         self.queue: asyncio.Queue = asyncio.Queue()
-        self.prompt, self.prompt_token_ids = prompt, prompt_token_ids
-        self.unfinished = n
+        self.prompt, self.prompt_token_ids = prompt, seqs[0].prompt_token_ids
+        self.seqs = seqs
+        self.unfinished = len(seqs)
 
     def put(self, item) -> None:
         try:
@@ -69,7 +70,7 @@ class AsyncEngine:
         request_id, text, seqs = self.llm._sequences(prompt, params, priority, request_id)
         for seq in seqs:
             self.llm.scheduler.check_fits(seq)
-        stream = _Stream(asyncio.get_running_loop(), text, seqs[0].prompt_token_ids, len(seqs))
+        stream = _Stream(asyncio.get_running_loop(), text, seqs)
         self._streams[request_id] = stream
         self._commands.put(("add", seqs))
         return self._iterate(request_id, stream)
@@ -157,7 +158,8 @@ class AsyncEngine:
             done = stream.unfinished == 0
             if done:
                 del self._streams[request_id]
-            stream.put(RequestOutput(request_id, stream.prompt, stream.prompt_token_ids, outputs, done))
+            metrics = request_metrics(stream.seqs) if done else None
+            stream.put(RequestOutput(request_id, stream.prompt, stream.prompt_token_ids, outputs, done, metrics))
 
     def _fail_all(self, error: BaseException) -> None:
         self.llm.core.abort_all()

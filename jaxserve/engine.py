@@ -15,7 +15,7 @@ from jaxserve.batching.sequence import Sequence
 from jaxserve.batching.slo import SloController
 from jaxserve.buckets import Buckets
 from jaxserve.cache import PageAllocator, PrefixCache, bytes_per_page, num_pages_for_budget, pages_needed
-from jaxserve.outputs import RequestOutput
+from jaxserve.outputs import RequestMetrics, RequestOutput
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.tokenizer import IncrementalDetokenizer
 from jaxserve.weights import load_model, resolve_dtype
@@ -152,8 +152,8 @@ class LLM:
             for request_id, _, _ in requests:
                 self.core.abort(request_id)
             raise
-        return [RequestOutput(rid, text, seqs[0].prompt_token_ids, [s.completion_output() for s in seqs], True)
-                for rid, text, seqs in requests]
+        return [RequestOutput(rid, text, seqs[0].prompt_token_ids, [s.completion_output() for s in seqs], True,
+                              request_metrics(seqs)) for rid, text, seqs in requests]
 
     def _run_until_done(self, total: int, use_tqdm: bool) -> None:
         bar = None
@@ -195,9 +195,24 @@ class LLM:
     def get_tokenizer(self):
         return self.tokenizer
 
+    def reset_prefix_cache(self) -> None:
+        """Forgets every cached prefix no running sequence holds (benchmarks: runs that must not share hits)."""
+        self.scheduler.cache.reset()
+
     def stats(self) -> EngineStats:
         """A snapshot: running and waiting sequences, pages, prefix-cache hit rate, preemptions, tokens/s."""
         return self.core.stats()
+
+
+def request_metrics(seqs: list[Sequence]) -> RequestMetrics:
+    """One request's timestamps, over its n sequences: the first start and first token, the last finish."""
+    def first(values):
+        values = [v for v in values if v is not None]
+        return min(values) if values else None
+    finished = [s.finish_time for s in seqs]
+    return RequestMetrics(seqs[0].arrival_time, first(s.first_scheduled_time for s in seqs),
+                          first(s.first_token_time for s in seqs),
+                          None if None in finished else max(finished), sum(s.num_preemptions for s in seqs))
 
 
 def _enable_compilation_cache() -> None:

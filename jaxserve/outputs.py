@@ -27,9 +27,24 @@ class CompletionOutput:
 
 
 @dataclasses.dataclass
+class RequestMetrics:
+    """Timestamps (time.monotonic seconds) of a request's life, as vLLM reports them."""
+    arrival_time: float
+    first_scheduled_time: float | None
+    first_token_time: float | None
+    finished_time: float | None
+    num_preemptions: int = 0
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+
+@dataclasses.dataclass
 class RequestOutput:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
+    metrics: RequestMetrics | None = None

@@ -180,6 +180,78 @@ def _llamacpp_batched(L, model, prompt, B, steps, threads, repeats):
         L.llama_free(ctx)
 
 
+def llamacpp_serve(gguf_path, requests, slots, n_batch=512, threads=2):
+    """llama.cpp serving `requests` (prompt_token_ids, max_tokens pairs) with continuous batching, as llama-server
+    does with `slots` parallel slots: each llama_decode carries one token per decoding slot plus prompt chunks of
+    newly admitted requests (up to n_batch tokens in all); a finished request's slot is cleared and refilled at
+    once. Greedy (numpy argmax), every request generates exactly max_tokens. One KV stream per slot
+    (kv_unified=False), each sized for the longest request. Returns wall time and per-request timestamps.
+    """
+    import llama_cpp as L
+    from llama_cpp._utils import suppress_stdout_stderr
+
+    longest = max(len(p) + m for p, m in requests)
+    with suppress_stdout_stderr():
+        model = L.llama_load_model_from_file(gguf_path.encode(), L.llama_model_default_params())
+    cp = L.llama_context_default_params()
+    cp.n_ctx = slots * -(-longest // 256) * 256
+    cp.n_batch = cp.n_ubatch = n_batch
+    cp.n_seq_max = slots
+    cp.kv_unified = False
+    cp.n_threads = cp.n_threads_batch = threads
+    with suppress_stdout_stderr():
+        ctx = L.llama_init_from_model(model, cp)
+    if not ctx:
+        raise RuntimeError("llama_init_from_model failed")
+    mem = L.llama_get_memory(ctx)
+    n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(model))
+    batch = L.llama_batch_init(n_batch, 0, 1)
+    queue = list(range(len(requests)))
+    free = list(range(slots))
+    active = {}  # slot -> [request index, prompt tokens done, last token, generated]
+    first, done = [None] * len(requests), [None] * len(requests)
+    t0 = time.perf_counter()
+    try:
+        while queue or active:
+            while queue and free:
+                active[free.pop()] = [queue.pop(0), 0, None, 0]
+            rows = []  # (token, pos, slot, wants logits)
+            for s, (r, fed, last, gen) in active.items():
+                if fed == len(requests[r][0]):
+                    rows.append((last, fed + gen - 1, s, True))
+            for s, st in active.items():
+                prompt = requests[st[0]][0]
+                n = min(len(prompt) - st[1], n_batch - len(rows))
+                rows += [(prompt[st[1] + i], st[1] + i, s, st[1] + i == len(prompt) - 1) for i in range(max(n, 0))]
+                st[1] += max(n, 0)
+            batch.n_tokens = len(rows)
+            for i, (t, p, s, lg) in enumerate(rows):
+                batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.seq_id[i][0], batch.logits[i] = t, p, 1, s, lg
+            if L.llama_decode(ctx, batch) != 0:
+                raise RuntimeError("llama_decode failed")
+            now = time.perf_counter() - t0
+            for i, (_, _, s, lg) in enumerate(rows):
+                if not lg:
+                    continue
+                st = active[s]
+                st[2] = int(np.ctypeslib.as_array(L.llama_get_logits_ith(ctx, i), shape=(n_vocab,)).argmax())
+                st[3] += 1
+                if first[st[0]] is None:
+                    first[st[0]] = now
+                if st[3] == requests[st[0]][1]:
+                    done[st[0]] = now
+                    del active[s]
+                    L.llama_memory_seq_rm(mem, s, -1, -1)
+                    free.append(s)
+    finally:
+        L.llama_batch_free(batch)
+        L.llama_free(ctx)
+        L.llama_free_model(model)
+    return {"engine": f"llama.cpp {L.__version__} (llama-cpp-python), {slots} slots, continuous",
+            "weights": os.path.basename(gguf_path), "threads": threads, "seconds": time.perf_counter() - t0,
+            "first_token_s": first, "finish_s": done}
+
+
 def bench_hf(gguf_dir, gguf_file, prompt_len=512, decode_tokens=64, batch_sizes=(1, 8, 32, 64), threads=2,
              repeats=3, seed=0):
     """HF transformers, float32 weights dequantized from the GGUF, default (sdpa) attention.

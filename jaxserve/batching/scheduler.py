@@ -13,6 +13,7 @@ carry one in-flight token (`Sequence.pending`), which a decode row then takes st
 from __future__ import annotations
 
 import dataclasses
+import time
 
 from jaxserve.batching.batch_builder import Row
 from jaxserve.batching.sequence import Sequence, Status
@@ -189,6 +190,8 @@ class Scheduler:
         seq.num_cached, seq.num_published = len(hit) * self.page_size, len(hit)
         self.cache.count_lookup(len(tokens), len(hit) * self.page_size)
         seq.status = Status.RUNNING
+        if seq.first_scheduled_time is None:
+            seq.first_scheduled_time = time.monotonic()
         seq.slot = self._free_slots.pop()
         self.waiting.remove(seq)
         self.running.append(seq)
