@@ -191,7 +191,7 @@ def llamacpp_serve(gguf_path, requests, slots, n_batch=512, threads=2):
     from llama_cpp._utils import suppress_stdout_stderr
 
     longest = max(len(p) + m for p, m in requests)
-    with suppress_stdout_stderr():
+    with suppress_stdout_stderr(disable=False):
         model = L.llama_load_model_from_file(gguf_path.encode(), L.llama_model_default_params())
     cp = L.llama_context_default_params()
     cp.n_ctx = slots * -(-longest // 256) * 256
@@ -199,7 +199,7 @@ def llamacpp_serve(gguf_path, requests, slots, n_batch=512, threads=2):
     cp.n_seq_max = slots
     cp.kv_unified = False
     cp.n_threads = cp.n_threads_batch = threads
-    with suppress_stdout_stderr():
+    with suppress_stdout_stderr(disable=False):
         ctx = L.llama_init_from_model(model, cp)
     if not ctx:
         raise RuntimeError("llama_init_from_model failed")
