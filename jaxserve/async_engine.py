@@ -72,6 +72,9 @@ class AsyncEngine:
             self.llm.scheduler.check_fits(seq)
         stream = _Stream(asyncio.get_running_loop(), text, seqs)
         self._streams[request_id] = stream
+        if self._stopping:  # shut down while this request was being checked
+            self._streams.pop(request_id, None)
+            raise EngineDeadError("the engine is shut down")
         self._commands.put(("add", seqs))
         return self._iterate(request_id, stream)
 
@@ -105,30 +108,32 @@ class AsyncEngine:
     # ---- the engine thread ----
 
     def _run(self) -> None:
-        core = self.llm.core
         while True:
-            # Block for a command only when there is nothing to step.
-            block = not core.has_unfinished()
             try:
-                while True:
-                    command, arg = self._commands.get(block=block)
-                    block = False
-                    if command == "stop":
-                        self._fail_all(EngineDeadError("the engine shut down"))
-                        return
-                    self._apply(command, arg)
-            except queue.Empty:
-                pass
-            if not core.has_unfinished():
-                continue
-            try:
-                changed = core.step()
-            except Exception as e:  # noqa: BLE001 - the step's requests fail; the engine goes on for new ones
+                if self._loop_once():
+                    return
+            except Exception as e:  # noqa: BLE001 - the requests in flight fail; the engine goes on for new ones
                 logger.exception("engine step failed")
                 self._fail_all(e)
-                continue
-            self._publish(changed)
+
+    def _loop_once(self) -> bool:
+        """Applies queued commands, then runs one step if there is work; True when told to stop."""
+        core = self.llm.core
+        block = not core.has_unfinished()  # wait for a command only when there is nothing to step
+        try:
+            while True:
+                command, arg = self._commands.get(block=block)
+                block = False
+                if command == "stop":
+                    self._fail_all(EngineDeadError("the engine shut down"))
+                    return True
+                self._apply(command, arg)
+        except queue.Empty:
+            pass
+        if core.has_unfinished():
+            self._publish(core.step())
             self._stats = core.stats()
+        return False
 
     def _apply(self, command: str, arg) -> None:
         if command == "add":

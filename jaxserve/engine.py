@@ -75,7 +75,8 @@ class LLM:
         if ttft_slo is not None or tpot_slo is not None:
             slo = SloController(buckets.num_seqs, max_num_seqs, tpot_slo=tpot_slo, ttft_slo=ttft_slo)
         cache = PrefixCache(PageAllocator(num_pages), block_size, enable_prefix_caching)
-        self.scheduler = Scheduler(cache, max_num_seqs, max_num_batched_tokens, scheduling_policy, slo)
+        self.scheduler = Scheduler(cache, max_num_seqs, max_num_batched_tokens, buckets.prefill_tokens,
+                                   scheduling_policy, slo)
         self.core = EngineCore(self.scheduler, self.runner)
         self._rng = random.Random(seed)
         self._request_ids = itertools.count()
@@ -149,8 +150,7 @@ class LLM:
                     self.core.add(s)
             self._run_until_done(sum(len(s) for _, _, s in requests), use_tqdm)
         except BaseException:
-            for request_id, _, _ in requests:
-                self.core.abort(request_id)
+            self.core.abort_all()  # whatever failed (or was interrupted), the engine is clean for the next call
             raise
         return [RequestOutput(rid, text, seqs[0].prompt_token_ids, [s.completion_output() for s in seqs], True,
                               request_metrics(seqs)) for rid, text, seqs in requests]

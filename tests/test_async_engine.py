@@ -109,3 +109,27 @@ def test_bad_requests_raise_before_queueing(engine):
         return await collect(await engine.add_request({"prompt_token_ids": [1, 2]}, GREEDY))
 
     assert len(asyncio.run(main())[0][0]) == 12
+
+
+def test_a_failed_step_fails_its_requests_and_the_engine_goes_on(engine):
+    dispatch = engine.llm.runner.dispatch_decode
+    failed = []
+
+    def failing(rows):
+        if not failed:
+            failed.append(1)
+            raise RuntimeError("device lost")
+        return dispatch(rows)
+
+    async def main():
+        engine.llm.runner.dispatch_decode = failing
+        try:
+            with pytest.raises(RuntimeError, match="device lost"):
+                await collect(await engine.add_request({"prompt_token_ids": [5, 6, 7]}, GREEDY))
+        finally:
+            engine.llm.runner.dispatch_decode = dispatch
+        return await collect(await engine.add_request({"prompt_token_ids": [5, 6, 7]}, GREEDY))
+
+    assert len(asyncio.run(main())[0][0]) == 12
+    wait_idle(engine)
+    engine.llm.core.assert_idle_and_clean()

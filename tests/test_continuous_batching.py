@@ -48,11 +48,14 @@ def test_all_at_once_equals_one_at_a_time(tiny_dir, one_at_a_time, prefix_cachin
     kv_bytes = pool * TINY_PAGE_BYTES if pool else None  # 15 usable pages of 4 tokens: 60 tokens among 4 sequences
     llm = make_llm(tiny_dir, max_num_batched_tokens=chunk, enable_prefix_caching=prefix_caching,
                    kv_cache_memory_bytes=kv_bytes)
-    got = token_ids(llm.generate([p for p, _ in reqs], [sp for _, sp in reqs], use_tqdm=False))
-    assert got == want
+    outs = llm.generate([p for p, _ in reqs], [sp for _, sp in reqs], use_tqdm=False)
+    assert token_ids(outs) == want
     stats = llm.stats()
     if pool:
         assert stats.num_preemptions > 0
+    assert sum(o.metrics.num_preemptions for o in outs) == stats.num_preemptions
+    assert all(o.metrics.arrival_time <= o.metrics.first_scheduled_time <= o.metrics.first_token_time
+               <= o.metrics.finished_time for o in outs)
     assert (stats.prefix_cache_hits > 0) == prefix_caching
     llm.core.assert_idle_and_clean()
 
@@ -159,6 +162,11 @@ def test_slo_controller_sizes_the_batch_from_step_times():
     for b, t in [(2, 0.02), (4, 0.03), (8, 0.08)]:
         slo.observe(b, t)
     assert slo.batch_cap([], now=0) == 4  # 8 breaks the TPOT target
+    for _ in range(slo.stale_after + 1):  # a long run at 4: the old verdict on 8 goes stale and 8 is tried again
+        slo.observe(4, 0.03)
+    assert slo.batch_cap([], now=0) == 8
+    slo.observe(8, 0.2)
+    assert slo.batch_cap([], now=0) == 4
     class Waiting:
         arrival_time = 0.0
     assert slo.batch_cap([Waiting()], now=0.2) == 4
@@ -191,3 +199,25 @@ def test_next_step_is_dispatched_before_the_previous_is_read(tiny_dir):
     assert len(fetches) == 30  # one blocking copy per step
     waited = [i for i in fetches if events[i - 1] != "dispatch"]
     assert len(waited) == 1  # only the last step had no successor to overlap with
+
+
+def test_a_failed_step_leaves_the_engine_clean(tiny_dir):
+    llm = make_llm(tiny_dir)
+    ps = prompts(np.random.default_rng(), [9, 14])
+    sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    want = token_ids(llm.generate(ps, sp, use_tqdm=False))
+    dispatch = llm.runner.dispatch_decode
+    calls = []
+
+    def failing(rows):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("device lost")
+        return dispatch(rows)
+
+    llm.runner.dispatch_decode = failing
+    with pytest.raises(RuntimeError, match="device lost"):
+        llm.generate(ps, sp, use_tqdm=False)
+    llm.core.assert_idle_and_clean()
+    # Nothing half-written was published to the prefix cache: the same prompts give the same tokens.
+    assert token_ids(llm.generate(ps, sp, use_tqdm=False)) == want

@@ -18,6 +18,7 @@ import time
 from jaxserve.batching.batch_builder import Row
 from jaxserve.batching.sequence import Sequence, Status
 from jaxserve.batching.slo import SloController
+from jaxserve.buckets import round_up
 from jaxserve.cache import PrefixCache, page_keys, pages_needed
 
 # A waiting sequence gains one priority level per this many steps it waits, so a steady stream of better-priority
@@ -58,14 +59,15 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, cache: PrefixCache, max_num_seqs: int, max_num_batched_tokens: int, policy: str = "fcfs",
-                 slo: SloController | None = None):
+    def __init__(self, cache: PrefixCache, max_num_seqs: int, max_num_batched_tokens: int,
+                 chunk_sizes: tuple[int, ...], policy: str = "fcfs", slo: SloController | None = None):
         if policy not in POLICIES:
             raise ValueError(f"scheduling_policy must be one of {POLICIES}, got {policy!r}")
         self.cache = cache
         self.page_size = cache.page_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.chunk_sizes = chunk_sizes  # the prefill step's token buckets, ascending
         self.policy = policy
         self.slo = slo
         self.waiting: list[Sequence] = []
@@ -113,24 +115,27 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         plan = StepPlan([], [])
         budget = self.max_num_batched_tokens
+        preemptions = self.num_preemptions
         for seq in sorted(self.running, key=self.priority):
             if seq.status is not Status.RUNNING or seq.num_to_compute != 1 or seq.reached_length_limit:
                 continue  # preempted just now, still in prefill, or ends when its in-flight token lands
             if self._grow(seq, seq.num_tokens):
                 plan.decode.append(seq)
                 budget -= 1
+        # Short of pages: a sequence admitted now would only be the next victim.
+        admit = self.num_preemptions == preemptions
         for seq in sorted(self.running, key=self.priority):
             if budget > 0 and seq.num_to_compute > 1:
-                budget -= self._add_chunk(plan, seq, budget)
-        cap = self.slo.batch_cap(self.waiting) if self.slo is not None else self.max_num_seqs
-        for seq in sorted(self.waiting, key=self.priority):
+                budget -= self._add_chunks(plan, seq, budget)
+        cap = self.max_num_seqs if self.slo is None else min(self.max_num_seqs, self.slo.batch_cap(self.waiting))
+        for seq in sorted(self.waiting, key=self.priority) if admit else []:
             if budget <= 0:
                 break
             if seq.pending:
                 continue  # preempted with a token in flight: resumable once it lands
             if not self._admit(seq, cap):
                 break
-            budget -= self._add_chunk(plan, seq, budget)
+            budget -= self._add_chunks(plan, seq, budget)
         # A priority preemption above may have taken out a sequence already planned.
         plan.decode = [s for s in plan.decode if s.status is Status.RUNNING]
         plan.prefill = [c for c in plan.prefill if c.seq.status is Status.RUNNING]
@@ -155,10 +160,25 @@ class Scheduler:
             self.cache.publish(seq.pages, seq.token_ids, keys[:full], seq.num_published)
             seq.num_published = full
 
-    def _add_chunk(self, plan: StepPlan, seq: Sequence, budget: int) -> int:
-        n = min(seq.num_to_compute, budget)
-        plan.prefill.append(Chunk(seq, seq.num_cached, n))
-        return n
+    def _add_chunks(self, plan: StepPlan, seq: Sequence, budget: int) -> int:
+        """Plans up to `budget` of the sequence's next prompt tokens; returns how many."""
+        start, left = seq.num_cached, min(seq.num_to_compute, budget)
+        while left > 0:
+            n = self._chunk_length(left)
+            plan.prefill.append(Chunk(seq, start, n))
+            start, left = start + n, left - n
+        return start - seq.num_cached
+
+    def _chunk_length(self, n: int) -> int:
+        """Cuts n tokens to a chunk that pads little: n itself if its bucket wastes at most the smallest bucket,
+        else the largest bucket below n (135 tokens become 64 + 64 + 7, computing 144 rather than 256). Chunks of
+        one sequence in one step run in order, each reading what the one before wrote."""
+        sizes = self.chunk_sizes
+        if n >= sizes[-1]:
+            return sizes[-1]
+        if round_up(n, sizes) - n <= sizes[0]:
+            return n
+        return max(b for b in sizes if b <= n)
 
     def _grow(self, seq: Sequence, num_tokens: int) -> bool:
         """Gives `seq` pages for num_tokens, preempting worse sequences (or `seq`) if none are free."""
@@ -184,7 +204,7 @@ class Scheduler:
                 if need <= self.cache.num_available:
                     break
                 self.cache.release(hit)
-            if not self._preempt_for(seq):
+            if not self._preempt_for(seq, cap):
                 return False
         seq.pages = hit + self.cache.allocate(need)
         seq.num_cached, seq.num_published = len(hit) * self.page_size, len(hit)
@@ -197,9 +217,9 @@ class Scheduler:
         self.running.append(seq)
         return True
 
-    def _preempt_for(self, seq: Sequence) -> bool:
-        """Under the priority policy, a waiting sequence displaces a strictly worse running one."""
-        if self.policy != "priority" or not self.running:
+    def _preempt_for(self, seq: Sequence, cap: int) -> bool:
+        """Under the priority policy, a waiting sequence displaces a strictly worse running one, if one is enough."""
+        if self.policy != "priority" or not self.running or len(self.running) > cap:
             return False
         victim = max(self.running, key=self.priority)
         if self.priority(victim)[0] <= self.priority(seq)[0]:
@@ -216,7 +236,8 @@ class Scheduler:
         self.waiting.append(seq)
 
     def _take_out(self, seq: Sequence) -> None:
-        self.publish(seq)
+        # No publishing here: what is full was published after dispatch, and after a failed step the cached count
+        # may run ahead of what was ever written.
         self.cache.release(seq.pages)
         seq.pages, seq.num_cached, seq.num_published = [], 0, 0
         self._free_slots.append(seq.slot)
