@@ -1,13 +1,50 @@
-"""Attention over the paged KV cache, in plain `jax.numpy`.
+"""Attention over the paged KV cache: the one entry point the model calls, and its plain `jax.numpy` versions.
 
-`paged_attention` is the one entry point the model calls (the CPU path; the Pallas kernels will plug in behind it
-with the same arguments). `paged_attention_reference` is the same function written as directly as possible: the
-oracle for every other implementation in the tests.
+`attention` picks the implementation by backend, resolved once (`resolve_attention_backend`): "reference" is
+`paged_attention` below (blocked jnp, the CPU path); "pallas" runs the Pallas kernels (paged attention over the
+cached pages, flash attention over the step's own keys, merged by log-sum-exp). `paged_attention_reference` is the
+same function written as directly as possible: the oracle for every other implementation in the tests.
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+from jaxserve import pallas_kernels as pk
+
+BACKENDS = ("auto", "reference", "pallas")
+
+
+def resolve_attention_backend(name: str, platform: str | None = None) -> str:
+    """auto | reference | pallas -> "reference", "pallas" (compiled) or "pallas-interpret" (CPU)."""
+    if name not in BACKENDS:
+        raise ValueError(f"attention_backend must be one of {BACKENDS}, got {name!r}")
+    platform = platform or jax.devices()[0].platform
+    if name == "auto":
+        return "pallas" if platform == "gpu" else "reference"
+    if name == "pallas" and platform == "cpu":
+        return "pallas-interpret"  # correct but slow: for tests and debugging
+    if name == "pallas" and platform not in ("gpu",):
+        raise ValueError(f"the Pallas attention kernels have no {platform} version yet; use attention_backend="
+                         "'reference' (or 'auto')")
+    return name
+
+
+def attention(q, k, v, k_pages, v_pages, page_table, positions, *, sliding_window=None, backend="reference"):
+    """Same arguments and result as `paged_attention_reference`, by the resolved backend."""
+    if backend == "reference":
+        return paged_attention(q, k, v, k_pages, v_pages, page_table, positions, sliding_window=sliding_window)
+    interpret = backend == "pallas-interpret"
+    sizes = pk.BLOCK_SIZES["interpret" if interpret else "gpu"]
+    start = positions[:, 0]  # [S]: cached keys of a row are exactly those before its first new token
+    num_new = (positions >= 0).sum(axis=1)
+    cached, cached_lse = pk.paged_attention(q, k_pages, v_pages, page_table, start, positions,
+                                            sliding_window=sliding_window, block_pages=sizes["paged_block_pages"],
+                                            interpret=interpret)
+    new, new_lse = pk.flash_attention(q, k.astype(q.dtype), v.astype(q.dtype), start, start, num_new, num_new,
+                                      sliding_window=sliding_window, block_q=sizes["flash_block_q"],
+                                      block_k=sizes["flash_block_k"], interpret=interpret)
+    return pk.merge_attention(cached, cached_lse, new, new_lse)[0].astype(k_pages.dtype)
 
 # Finite, so a row with nothing to attend to (a padding row) softmaxes to a harmless uniform instead of NaN.
 _MASKED = -1e30

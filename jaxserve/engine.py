@@ -8,6 +8,7 @@ from typing import Iterable
 
 import jax
 
+from jaxserve.attention import resolve_attention_backend
 from jaxserve.batching.engine_core import EngineCore, EngineStats
 from jaxserve.batching.model_runner import ModelRunner
 from jaxserve.batching.scheduler import Scheduler
@@ -40,6 +41,8 @@ class LLM:
     scheduling_policy: "fcfs", or "priority" (lower `priority` first; a better one may preempt a worse one).
     ttft_slo, tpot_slo: latency targets in seconds; with them the running batch is sized from measured step times
         (see jaxserve.batching.slo).
+    attention_backend: "auto" (Pallas kernels on GPU, jnp reference elsewhere), "reference" or "pallas" (on CPU
+        the kernels run in Pallas interpret mode: correct, slow).
     warmup: compile every step bucket now rather than on first use.
     """
 
@@ -47,7 +50,8 @@ class LLM:
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 512, block_size: int = 16,
                  kv_cache_memory_bytes: int | None = None, gpu_memory_utilization: float = 0.9, seed: int = 0,
                  enable_prefix_caching: bool = True, scheduling_policy: str = "fcfs",
-                 ttft_slo: float | None = None, tpot_slo: float | None = None, warmup: bool = True):
+                 ttft_slo: float | None = None, tpot_slo: float | None = None, attention_backend: str = "auto",
+                 warmup: bool = True):
         for name, value in [("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
                             ("block_size", block_size)]:
             if not isinstance(value, int) or value < 1:
@@ -55,6 +59,7 @@ class LLM:
         if max_num_batched_tokens < max_num_seqs:
             raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be at least max_num_seqs "
                              f"({max_num_seqs}): every running sequence decodes a token per step")
+        backend = resolve_attention_backend(attention_backend)
         _enable_compilation_cache()
         dtype = resolve_dtype(dtype)
         loaded = load_model(model, dtype)
@@ -70,7 +75,8 @@ class LLM:
         logger.info("KV cache: %d pages of %d tokens (%.1f MB)", num_pages, block_size,
                     num_pages * bytes_per_page(self.config, block_size, dtype) / 1e6)
         buckets = Buckets.for_limits(max_num_seqs, max_num_batched_tokens, pages_needed(self.max_model_len, block_size))
-        self.runner = ModelRunner(self.config, loaded.params, dtype, num_pages, block_size, buckets, max_num_seqs)
+        self.runner = ModelRunner(self.config, loaded.params, dtype, num_pages, block_size, buckets, max_num_seqs,
+                                  backend)
         slo = None
         if ttft_slo is not None or tpot_slo is not None:
             slo = SloController(buckets.num_seqs, max_num_seqs, tpot_slo=tpot_slo, ttft_slo=ttft_slo)

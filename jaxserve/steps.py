@@ -55,8 +55,8 @@ def input_tokens(batch):
 class Steps:
     """The steps for one model architecture and dtype."""
 
-    def __init__(self, config: ModelConfig, dtype):
-        self.model = LlamaModel(config, dtype)
+    def __init__(self, config: ModelConfig, dtype, attention_backend: str = "reference"):
+        self.model = LlamaModel(config, dtype, attention_backend)
         self._prefill = jax.jit(self._forward_and_sample)
         self._decode = jax.jit(self._forward_and_sample)
         self._logits = jax.jit(self._forward_logits)
@@ -103,5 +103,5 @@ class Steps:
 
 
 @functools.cache
-def steps_for(config: ModelConfig, dtype) -> Steps:
-    return Steps(config, dtype)
+def steps_for(config: ModelConfig, dtype, attention_backend: str = "reference") -> Steps:
+    return Steps(config, dtype, attention_backend)

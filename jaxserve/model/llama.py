@@ -11,7 +11,7 @@ from typing import Any
 import flax.linen as nn
 import jax.numpy as jnp
 
-from jaxserve.attention import paged_attention
+from jaxserve.attention import attention
 from jaxserve.config import ModelConfig
 from jaxserve.model.rope import apply_rope, inverse_frequencies
 
@@ -45,6 +45,7 @@ class RMSNorm(nn.Module):
 class DecoderLayer(nn.Module):
     config: ModelConfig
     dtype: Any
+    attention_backend: str = "reference"  # resolved (see jaxserve.attention.resolve_attention_backend)
 
     @nn.compact
     def __call__(self, x, kv, batch):
@@ -58,8 +59,8 @@ class DecoderLayer(nn.Module):
         q = apply_rope(q.reshape(S, Q, c.num_heads, c.head_dim), batch["positions"], inv_freq)
         k = apply_rope(k.reshape(S, Q, c.num_kv_heads, c.head_dim), batch["positions"], inv_freq)
         v = v.reshape(S, Q, c.num_kv_heads, c.head_dim)
-        attn = paged_attention(q, k, v, kv[0], kv[1], batch["page_table"], batch["positions"],
-                               sliding_window=c.sliding_window)
+        attn = attention(q, k, v, kv[0], kv[1], batch["page_table"], batch["positions"],
+                         sliding_window=c.sliding_window, backend=self.attention_backend)
         x = x + Linear(c.hidden_size, False, dt, name="o_proj")(attn.reshape(S, Q, -1))
         h = RMSNorm(c.rms_norm_eps, dt, name="post_attention_layernorm")(x)
         gate = Linear(c.intermediate_size, False, dt, name="gate_proj")(h)
@@ -71,6 +72,7 @@ class DecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     config: ModelConfig
     dtype: Any = jnp.float32
+    attention_backend: str = "reference"
 
     @nn.compact
     def __call__(self, token_ids, kv_cache, batch, logits_index=None):
@@ -85,7 +87,7 @@ class LlamaModel(nn.Module):
         new_kv = []
         # A Python loop over per-layer weights: on XLA:CPU a scan over stacked layers copies each weight slice.
         for i in range(c.num_layers):
-            x, kv = DecoderLayer(c, self.dtype, name=f"layers_{i}")(x, kv_cache[i], batch)
+            x, kv = DecoderLayer(c, self.dtype, self.attention_backend, name=f"layers_{i}")(x, kv_cache[i], batch)
             new_kv.append(kv)
         if logits_index is not None:
             x = jnp.take_along_axis(x, logits_index[:, None, None], axis=1)[:, 0]  # [S, hidden]

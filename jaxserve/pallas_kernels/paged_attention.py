@@ -1,0 +1,166 @@
+"""Paged attention (decode and verification): each sequence's queries attend to its K/V through its page table.
+
+The kernel is written for the GPU (Pallas' Triton lowering): one program per (sequence, KV head) holds every query
+row of that sequence for the query heads sharing the KV head (GQA without repeating K/V), and walks the
+sequence's pages a block at a time with an online softmax, gathering each block of pages through the page table.
+It visits only the blocks below the sequence's length (a dynamic trip count), so ragged lengths cost what they
+hold. Several query tokens per sequence are causal among themselves when their keys are already in the pages
+(speculative verification); with keys not yet written (jaxserve's steps) every query sees all `kv_lens` keys.
+Mosaic GPU is where JAX's GPU Pallas is going (the Triton lowering is deprecated in 0.11), but its kernels are
+written per warpgroup with explicit async copies; a gather of pages chosen at run time is direct in Triton, so
+this kernel stays there until Mosaic GPU has an equivalent. Returns the log-sum-exp beside the output, so partial
+attentions (cached pages here, the step's own keys in flash_attention) merge exactly (see `merge_attention`).
+
+Every kernel has its `jax.numpy` reference beside it: the oracle in the tests (which run the kernel in Pallas
+interpret mode on CPU).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+MASKED = -1e30  # finite: a row that sees nothing stays NaN-free
+
+
+def dot_t(a, b):
+    """a @ b.T, float32: [m, d] x [n, d] -> [m, n]."""
+    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def _pow2(n: int, lo: int = 1) -> int:
+    return max(lo, 1 << (max(n, 1) - 1).bit_length())
+
+
+def _paged_kernel(kv_len_ref, q_pos_ref, table_ref, q_ref, k_ref, v_ref, *refs, page_size, block_pages,
+                  sliding_window, soft_cap, scale):
+    o_ref, lse_ref = refs[-2:]  # (with `poison`, the aliased output buffers come first, unread)
+    # q_ref [rows, D]; q_pos_ref [rows]; table_ref [pages_per_seq]; k_ref, v_ref [num_pages, page_size, D]
+    rows, head_dim = q_ref.shape
+    block = block_pages * page_size
+    q = q_ref[...].astype(jnp.float32) * scale
+    q_pos = q_pos_ref[...]
+    kv_len = kv_len_ref[0, 0]
+
+    def visit(i, carry):
+        m, l, acc = carry
+        pages = table_ref[pl.ds(i * block_pages, block_pages)]
+        k = k_ref[pages].reshape(block, head_dim)  # [block, D]: a gather through the page table
+        v = v_ref[pages].reshape(block, head_dim)
+        s = dot_t(q, k.astype(jnp.float32))  # [rows, block]
+        if soft_cap is not None:
+            s = soft_cap * jnp.tanh(s / soft_cap)
+        key_pos = i * block + jnp.arange(block)[None, :]
+        visible = (key_pos < kv_len) & (key_pos <= q_pos[:, None])
+        if sliding_window is not None:
+            visible &= key_pos > q_pos[:, None] - sliding_window
+        s = jnp.where(visible, s, MASKED)
+        m_new = jnp.maximum(m, s.max(axis=-1))
+        p = jnp.where(visible, jnp.exp(s - m_new[:, None]), 0.0)
+        corr = jnp.exp(m - m_new)
+        acc = acc * corr[:, None] + jnp.dot(p, v.astype(jnp.float32))
+        return m_new, l * corr + p.sum(axis=-1), acc
+
+    init = (jnp.full((rows,), MASKED, jnp.float32), jnp.zeros((rows,), jnp.float32),
+            jnp.zeros((rows, head_dim), jnp.float32))
+    num_blocks = jnp.minimum(pl.cdiv(kv_len, block), table_ref.shape[0] // block_pages)
+    m, l, acc = jax.lax.fori_loop(0, num_blocks, visit, init)
+    seen = l > 0
+    o_ref[...] = (acc / jnp.where(seen, l, 1.0)[:, None]).astype(o_ref.dtype)
+    lse_ref[...] = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), MASKED)
+
+
+@functools.partial(jax.jit, static_argnames=("sliding_window", "soft_cap", "block_pages", "interpret", "poison"))
+def paged_attention(q, k_pages, v_pages, page_table, kv_lens, q_positions, *, sliding_window=None, soft_cap=None,
+                    block_pages=8, interpret=False, poison=False):
+    """q [S, Q, H, D]; k_pages, v_pages [num_pages, page_size, KVH, D]; page_table [S, P]; kv_lens [S] (keys at
+    positions < kv_lens[s] are in the pages); q_positions [S, Q] (-1: padding, sees nothing).
+
+    Returns (out [S, Q, H, D] in q's dtype, lse [S, Q, H] float32; MASKED where a query saw no key).
+    poison: tests only, the outputs start as NaN (aliased) so any element the kernel skips shows.
+    """
+    S, Q, H, D = q.shape
+    num_pages, page_size, KVH, _ = k_pages.shape
+    G = H // KVH
+    rows = _pow2(Q * G, 16)  # the GPU lowering wants power-of-two blocks, and dots want >= 16 rows
+    block_pages = min(block_pages, _pow2(page_table.shape[1]))
+    P = _pow2(page_table.shape[1], block_pages)
+    # [S, KVH, Q * G, D]: a program's rows are its sequence's queries for the heads sharing one KV head.
+    q_rows = q.reshape(S, Q, KVH, G, D).transpose(0, 2, 1, 3, 4).reshape(S, KVH, Q * G, D)
+    q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, rows - Q * G), (0, 0)))
+    pos_rows = jnp.pad(jnp.repeat(q_positions, G, axis=1), ((0, 0), (0, rows - Q * G)), constant_values=-1)
+    table = jnp.pad(page_table, ((0, 0), (0, P - page_table.shape[1])))
+    kernel = functools.partial(_paged_kernel, page_size=page_size, block_pages=block_pages,
+                               sliding_window=sliding_window, soft_cap=soft_cap, scale=D ** -0.5)
+    out_shape = [jax.ShapeDtypeStruct((S, KVH, rows, D), q.dtype), jax.ShapeDtypeStruct((S, KVH, rows), jnp.float32)]
+    extra, aliases = [], {}
+    if poison:
+        extra = [jnp.full(s.shape, jnp.nan, s.dtype) for s in out_shape]
+        aliases = {6: 0, 7: 1}
+    o, lse = pl.pallas_call(
+        kernel,
+        grid=(S, KVH),
+        in_specs=[
+            pl.BlockSpec((1, 1), lambda s, h: (s, 0)),  # kv_lens
+            pl.BlockSpec((None, rows), lambda s, h: (s, 0)),  # query positions
+            pl.BlockSpec((None, P), lambda s, h: (s, 0)),  # page table row
+            pl.BlockSpec((None, None, rows, D), lambda s, h: (s, h, 0, 0)),  # queries
+            pl.BlockSpec((num_pages, page_size, None, D), lambda s, h: (0, 0, h, 0)),  # K pages of this head
+            pl.BlockSpec((num_pages, page_size, None, D), lambda s, h: (0, 0, h, 0)),  # V pages of this head
+        ] + [pl.BlockSpec(memory_space=pl.ANY)] * len(extra),
+        out_specs=[pl.BlockSpec((None, None, rows, D), lambda s, h: (s, h, 0, 0)),
+                   pl.BlockSpec((None, None, rows), lambda s, h: (s, h, 0))],
+        out_shape=out_shape,
+        input_output_aliases=aliases,
+        interpret=interpret,
+        name="paged_attention",
+    )(kv_lens.reshape(S, 1).astype(jnp.int32), pos_rows.astype(jnp.int32), table.astype(jnp.int32), q_rows,
+      k_pages, v_pages, *extra)
+    o = o[:, :, :Q * G].reshape(S, KVH, Q, G, D).transpose(0, 2, 1, 3, 4).reshape(S, Q, H, D)
+    lse = lse[:, :, :Q * G].reshape(S, KVH, Q, G).transpose(0, 2, 1, 3).reshape(S, Q, H)
+    return o, lse
+
+
+def paged_attention_reference(q, k_pages, v_pages, page_table, kv_lens, q_positions, *, sliding_window=None,
+                              soft_cap=None):
+    """The same function, directly: gather every page of the table, mask, softmax."""
+    S, Q, H, D = q.shape
+    _, page_size, KVH, _ = k_pages.shape
+    L = page_table.shape[1] * page_size
+    k = k_pages[page_table].reshape(S, L, KVH, D).astype(jnp.float32)
+    v = v_pages[page_table].reshape(S, L, KVH, D).astype(jnp.float32)
+    q = q.reshape(S, Q, KVH, H // KVH, D).astype(jnp.float32)
+    s = jnp.einsum("sqkgd,slkd->sqkgl", q, k) * D ** -0.5
+    if soft_cap is not None:
+        s = soft_cap * jnp.tanh(s / soft_cap)
+    key_pos = jnp.arange(L)[None, None, :]
+    visible = (key_pos < kv_lens[:, None, None]) & (key_pos <= q_positions[:, :, None])  # [S, Q, L]
+    if sliding_window is not None:
+        visible &= key_pos > q_positions[:, :, None] - sliding_window
+    return masked_softmax_attention(s, visible[:, :, None, None, :], v, (S, Q, H, D), q.dtype)
+
+
+def masked_softmax_attention(scores, visible, v, out_shape, dtype):
+    """softmax(scores) @ v over visible keys, and the log-sum-exp; rows that see nothing give 0 and MASKED.
+
+    scores [S, Q, KVH, G, L] float32; visible broadcastable to it; v [S, L, KVH, D].
+    """
+    scores = jnp.where(visible, scores, -jnp.inf)
+    m = scores.max(axis=-1, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.exp(scores - m)
+    l = p.sum(axis=-1)
+    out = jnp.einsum("sqkgl,slkd->sqkgd", p, v) / jnp.where(l > 0, l, 1.0)[..., None]
+    lse = jnp.where(l > 0, m[..., 0] + jnp.log(jnp.where(l > 0, l, 1.0)), MASKED)
+    S, Q, H, D = out_shape
+    return out.reshape(S, Q, H, D).astype(dtype), lse.reshape(S, Q, H)
+
+
+def merge_attention(o1, lse1, o2, lse2):
+    """Attention over two disjoint key sets, from each one's output and log-sum-exp (float32 math)."""
+    m = jnp.maximum(lse1, lse2)
+    w1, w2 = jnp.exp(lse1 - m)[..., None], jnp.exp(lse2 - m)[..., None]
+    out = (o1.astype(jnp.float32) * w1 + o2.astype(jnp.float32) * w2) / (w1 + w2)
+    return out.astype(o1.dtype), m + jnp.log(w1[..., 0] + w2[..., 0])

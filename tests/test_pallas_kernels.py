@@ -1,0 +1,120 @@
+"""The Pallas kernels in interpret mode on CPU against their jnp references, on fresh random inputs: odd lengths
+crossing page and block boundaries, page sizes 8/16/32, GQA ratios 1/3/8, head dims 64/128, float32 and bfloat16,
+sliding window and soft-cap; outputs start poisoned with NaN and must be fully overwritten."""
+import numpy as np
+import jax.numpy as jnp
+import pytest
+
+from jaxserve.attention import attention, paged_attention_reference as model_attention_reference
+from jaxserve.attention import resolve_attention_backend
+from jaxserve.pallas_kernels import (flash_attention, flash_attention_reference, paged_attention,
+                                     paged_attention_reference)
+
+TOL = {jnp.float32: dict(atol=3e-5, rtol=3e-5), jnp.bfloat16: dict(atol=3e-2, rtol=3e-2)}
+CASES = [  # (page_size, kv_heads, group, head_dim, dtype, sliding_window, soft_cap)
+    (8, 2, 1, 64, jnp.float32, None, None),
+    (16, 1, 3, 128, jnp.float32, None, None),
+    (32, 1, 8, 64, jnp.bfloat16, None, None),
+    (16, 2, 3, 64, jnp.bfloat16, 20, None),
+    (8, 1, 8, 128, jnp.float32, None, 30.0),
+    (32, 2, 1, 128, jnp.float32, 37, 50.0),
+]
+
+
+def check(got, want, dtype):
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    assert not np.isnan(got).any(), "NaN in the output (an element never written, or a bad mask)"
+    np.testing.assert_allclose(got, want, **TOL[dtype])
+
+
+@pytest.mark.parametrize("page_size,kvh,group,head_dim,dtype,window,soft_cap", CASES)
+@pytest.mark.parametrize("queries", [1, 3])
+def test_paged_attention_matches_reference(page_size, kvh, group, head_dim, dtype, window, soft_cap, queries):
+    rng = np.random.default_rng()
+    S, pages_per_seq = 4, 7
+    num_pages = S * pages_per_seq + 1
+    k_pages = jnp.asarray(rng.standard_normal((num_pages, page_size, kvh, head_dim)), dtype)
+    v_pages = jnp.asarray(rng.standard_normal((num_pages, page_size, kvh, head_dim)), dtype)
+    q = jnp.asarray(rng.standard_normal((S, queries, kvh * group, head_dim)), dtype)
+    table = jnp.asarray(rng.permutation(np.arange(1, num_pages))[:S * pages_per_seq].reshape(S, pages_per_seq))
+    # Ragged lengths, odd and crossing pages and blocks; one row is padding (sees nothing).
+    kv_lens = rng.integers(1, pages_per_seq * page_size - queries, S)
+    kv_lens[-1] = 0
+    # Queries whose keys are already in the pages (verification): causal among themselves.
+    positions = kv_lens[:, None] - queries + np.arange(queries)[None, :]
+    positions[-1] = -1
+    kv_lens, positions = jnp.asarray(kv_lens, jnp.int32), jnp.asarray(np.maximum(positions, -1), jnp.int32)
+    kw = dict(sliding_window=window, soft_cap=soft_cap)
+    out, lse = paged_attention(q, k_pages, v_pages, table, kv_lens, positions, block_pages=2, interpret=True,
+                               poison=True, **kw)
+    want_out, want_lse = paged_attention_reference(q, k_pages, v_pages, table, kv_lens, positions, **kw)
+    check(out, want_out, dtype)
+    check(lse, want_lse, jnp.float32)
+
+
+@pytest.mark.parametrize("page_size,kvh,group,head_dim,dtype,window,soft_cap", CASES)
+def test_flash_attention_matches_reference(page_size, kvh, group, head_dim, dtype, window, soft_cap):
+    rng = np.random.default_rng()
+    B, T, L = 3, int(rng.integers(17, 60)), 0
+    # Row 0: a fresh prompt; row 1: a chunk after a contiguous prefix; row 2: shorter than the padded shapes.
+    prefix = int(rng.integers(1, 40))
+    L = T + prefix
+    q_start = jnp.asarray([0, prefix, 0])
+    k_start = jnp.asarray([0, 0, 0])
+    q_lens = jnp.asarray([T, T, T // 2])
+    k_lens = jnp.asarray([T, L, T // 2])
+    q = jnp.asarray(rng.standard_normal((B, T, kvh * group, head_dim)), dtype)
+    k = jnp.asarray(rng.standard_normal((B, L, kvh, head_dim)), dtype)
+    v = jnp.asarray(rng.standard_normal((B, L, kvh, head_dim)), dtype)
+    kw = dict(sliding_window=window, soft_cap=soft_cap)
+    out, lse = flash_attention(q, k, v, q_start, k_start, q_lens, k_lens, block_q=16, block_k=16, interpret=True,
+                               poison=True, **kw)
+    want_out, want_lse = flash_attention_reference(q, k, v, q_start, k_start, q_lens, k_lens, **kw)
+    check(out, want_out, dtype)
+    check(lse, want_lse, jnp.float32)
+
+
+@pytest.mark.parametrize("window", [None, 11])
+def test_model_attention_through_the_kernels_matches_the_reference(window):
+    """The engine's call: cached pages by the paged kernel, the step's own keys by flash, merged."""
+    rng = np.random.default_rng()
+    S, Q, KVH, G, D, page_size, P = 3, 9, 2, 3, 64, 8, 6
+    num_pages = S * P + 1
+    k_pages = jnp.asarray(rng.standard_normal((num_pages, page_size, KVH, D)), jnp.float32)
+    v_pages = jnp.asarray(rng.standard_normal((num_pages, page_size, KVH, D)), jnp.float32)
+    table = jnp.asarray(rng.permutation(np.arange(1, num_pages)).reshape(S, P))
+    q = jnp.asarray(rng.standard_normal((S, Q, KVH * G, D)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((S, Q, KVH, D)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((S, Q, KVH, D)), jnp.float32)
+    starts, counts = [0, 21, 30], [9, 5, 1]  # fresh prompt, chunk after a cached prefix, decode-like; padding
+    positions = np.full((S, Q), -1)
+    for i, (s, n) in enumerate(zip(starts, counts)):
+        positions[i, :n] = np.arange(s, s + n)
+    positions = jnp.asarray(positions, jnp.int32)
+    args = (q, k, v, k_pages, v_pages, table, positions)
+    got = attention(*args, sliding_window=window, backend="pallas-interpret")
+    want = model_attention_reference(*args, sliding_window=window)
+    real = np.asarray(positions) >= 0  # padding queries' outputs are unused
+    np.testing.assert_allclose(np.asarray(got)[real], np.asarray(want)[real], atol=3e-5, rtol=3e-5)
+
+
+def test_backend_resolution():
+    assert resolve_attention_backend("auto", "cpu") == "reference"
+    assert resolve_attention_backend("auto", "gpu") == "pallas"
+    assert resolve_attention_backend("pallas", "cpu") == "pallas-interpret"
+    with pytest.raises(ValueError, match="no tpu version"):
+        resolve_attention_backend("pallas", "tpu")
+    with pytest.raises(ValueError, match="attention_backend"):
+        resolve_attention_backend("flash", "cpu")
+
+
+def test_engine_with_the_pallas_backend_gives_the_reference_tokens(tmp_path):
+    from hf_models import save_tiny_model
+    from jaxserve import SamplingParams
+    from tiny import make_llm, prompts
+    save_tiny_model("mistral-sliding", tmp_path)  # GQA 2:1 and a 12-token sliding window
+    ps = prompts(np.random.default_rng(), [5, 23, 40])
+    sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in make_llm(str(tmp_path)).generate(ps, sp, use_tqdm=False)]
+    llm = make_llm(str(tmp_path), attention_backend="pallas")
+    assert [o.outputs[0].token_ids for o in llm.generate(ps, sp, use_tqdm=False)] == want
