@@ -118,3 +118,15 @@ def test_engine_with_the_pallas_backend_gives_the_reference_tokens(tmp_path):
     want = [o.outputs[0].token_ids for o in make_llm(str(tmp_path)).generate(ps, sp, use_tqdm=False)]
     llm = make_llm(str(tmp_path), attention_backend="pallas")
     assert [o.outputs[0].token_ids for o in llm.generate(ps, sp, use_tqdm=False)] == want
+
+
+def test_kernel_benchmark_script_runs(tmp_path):
+    import json
+    import subprocess
+    import sys
+    out = tmp_path / "kernels.json"
+    r = subprocess.run([sys.executable, "scripts/bench_kernels.py", "--smoke", "--out", str(out)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    results = json.loads(out.read_text())
+    assert results["paged"][0]["max_abs_err"] < 1e-4 and results["flash"][0]["max_abs_err"] < 1e-4
