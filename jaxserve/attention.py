@@ -12,21 +12,25 @@ import jax.numpy as jnp
 
 from jaxserve import pallas_kernels as pk
 
-BACKENDS = ("auto", "reference", "pallas")
+BACKENDS = ("auto", "reference", "pallas", "pallas-gpu", "pallas-tpu")
 
 
 def resolve_attention_backend(name: str, platform: str | None = None) -> str:
-    """auto | reference | pallas -> "reference", "pallas" (compiled) or "pallas-interpret" (CPU)."""
+    """auto | reference | pallas | pallas-gpu | pallas-tpu -> what runs: "reference", "pallas-gpu", "pallas-tpu",
+    or on CPU "pallas-gpu-interpret" / "pallas-tpu-interpret" (the kernels interpreted: correct, slow)."""
     if name not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {BACKENDS}, got {name!r}")
     platform = platform or jax.devices()[0].platform
     if name == "auto":
-        return "pallas" if platform == "gpu" else "reference"
-    if name == "pallas" and platform == "cpu":
-        return "pallas-interpret"  # correct but slow: for tests and debugging
-    if name == "pallas" and platform not in ("gpu",):
-        raise ValueError(f"the Pallas attention kernels have no {platform} version yet; use attention_backend="
-                         "'reference' (or 'auto')")
+        return "pallas-" + platform if platform in ("gpu", "tpu") else "reference"
+    if name == "reference":
+        return name
+    if name == "pallas":
+        name = "pallas-" + (platform if platform in ("gpu", "tpu") else "gpu")
+    if platform == "cpu":
+        return name + "-interpret"
+    if name != "pallas-" + platform:
+        raise ValueError(f"attention_backend {name!r} cannot run on {platform}")
     return name
 
 
@@ -34,17 +38,14 @@ def attention(q, k, v, k_pages, v_pages, page_table, positions, *, sliding_windo
     """Same arguments and result as `paged_attention_reference`, by the resolved backend."""
     if backend == "reference":
         return paged_attention(q, k, v, k_pages, v_pages, page_table, positions, sliding_window=sliding_window)
-    interpret = backend == "pallas-interpret"
-    sizes = pk.BLOCK_SIZES["interpret" if interpret else "gpu"]
+    paged, flash = pk.kernels_for(backend)
     start = positions[:, 0]  # [S]: cached keys of a row are exactly those before its first new token
     num_new = (positions >= 0).sum(axis=1)
-    cached, cached_lse = pk.paged_attention(q, k_pages, v_pages, page_table, start, positions,
-                                            sliding_window=sliding_window, block_pages=sizes["paged_block_pages"],
-                                            interpret=interpret)
-    new, new_lse = pk.flash_attention(q, k.astype(q.dtype), v.astype(q.dtype), start, start, num_new, num_new,
-                                      sliding_window=sliding_window, block_q=sizes["flash_block_q"],
-                                      block_k=sizes["flash_block_k"], interpret=interpret)
+    cached, cached_lse = paged(q, k_pages, v_pages, page_table, start, positions, sliding_window=sliding_window)
+    new, new_lse = flash(q, k.astype(q.dtype), v.astype(q.dtype), start, start, num_new, num_new,
+                         sliding_window=sliding_window)
     return pk.merge_attention(cached, cached_lse, new, new_lse)[0].astype(k_pages.dtype)
+
 
 # Finite, so a row with nothing to attend to (a padding row) softmaxes to a harmless uniform instead of NaN.
 _MASKED = -1e30

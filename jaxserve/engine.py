@@ -64,6 +64,7 @@ class LLM:
         dtype = resolve_dtype(dtype)
         loaded = load_model(model, dtype)
         self.model_name, self.config, self.tokenizer = loaded.name, loaded.config, loaded.tokenizer
+        self.attention_backend = _checked_backend(backend, attention_backend, self.config, block_size, dtype)
         limit = self.config.max_position_embeddings
         if max_model_len is not None and not (isinstance(max_model_len, int) and 1 < max_model_len <= limit):
             raise ValueError(f"max_model_len must be an integer in [2, {limit}] for this model, got {max_model_len!r}")
@@ -76,7 +77,7 @@ class LLM:
                     num_pages * bytes_per_page(self.config, block_size, dtype) / 1e6)
         buckets = Buckets.for_limits(max_num_seqs, max_num_batched_tokens, pages_needed(self.max_model_len, block_size))
         self.runner = ModelRunner(self.config, loaded.params, dtype, num_pages, block_size, buckets, max_num_seqs,
-                                  backend)
+                                  self.attention_backend)
         slo = None
         if ttft_slo is not None or tpot_slo is not None:
             slo = SloController(buckets.num_seqs, max_num_seqs, tpot_slo=tpot_slo, ttft_slo=ttft_slo)
@@ -219,6 +220,23 @@ def request_metrics(seqs: list[Sequence]) -> RequestMetrics:
     return RequestMetrics(seqs[0].arrival_time, first(s.first_scheduled_time for s in seqs),
                           first(s.first_token_time for s in seqs),
                           None if None in finished else max(finished), sum(s.num_preemptions for s in seqs))
+
+
+def _checked_backend(backend: str, asked: str, config, page_size: int, dtype) -> str:
+    """The Pallas kernels only if they compile and agree with their references here (see self_check)."""
+    if backend == "reference" or backend.endswith("interpret"):
+        return backend
+    from jaxserve.pallas_kernels.self_check import check_kernels
+    problem = check_kernels(backend, config.num_heads, config.num_kv_heads, config.head_dim, page_size, dtype,
+                            config.sliding_window)
+    if problem is None:
+        logger.info("attention: %s kernels", backend)
+        return backend
+    if asked != "auto":
+        raise RuntimeError(f"the {backend} attention kernels failed their start-up check: {problem}")
+    logger.warning("attention: the %s kernels failed their start-up check (%s); using the jnp reference", backend,
+                   problem)
+    return "reference"
 
 
 def _enable_compilation_cache() -> None:

@@ -1,7 +1,8 @@
 """The Pallas attention kernels against their XLA references at serving sizes, with achieved bandwidth and FLOP/s.
 
-    python scripts/bench_kernels.py [--out bench_results/kernels.json]     # on a GPU
-    python scripts/bench_kernels.py --smoke                                # tiny sizes, interpret mode: CPU check
+    python scripts/bench_kernels.py [--out bench_results/kernels.json]     # on a GPU or TPU
+    python scripts/bench_kernels.py --smoke                                # tiny sizes, both kernel sets
+                                                                           # interpreted: a CPU check
 
 Paged decode: 8 KV heads, 32 query heads, head dim 128, bfloat16, page size 16, one query per sequence, every
 sequence at the full context. Bytes = the K and V a step must read (batch x context x 8 x 128 x 2 x 2 B); achieved
@@ -20,16 +21,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.pallas_kernels import (BLOCK_SIZES, flash_attention, flash_attention_reference, paged_attention,
-                                     paged_attention_reference)
+from jaxserve.attention import resolve_attention_backend
+from jaxserve.pallas_kernels import flash_attention_reference, kernels_for, paged_attention_reference
 
 KVH, H, D, PAGE = 8, 32, 128, 16
+REPEATS = 10  # --smoke: 1
 
 
-def timed(fn, *args, repeats=10):
+def timed(fn, *args):
     jax.block_until_ready(fn(*args))
     runs = []
-    for _ in range(repeats):
+    for _ in range(REPEATS):
         t = time.perf_counter()
         jax.block_until_ready(fn(*args))
         runs.append(time.perf_counter() - t)
@@ -49,7 +51,7 @@ def try_time(fn, *args):
         return None, f"{type(e).__name__}: {str(e)[:200]}"
 
 
-def bench_paged(batch, context, dtype, interpret, block_pages):
+def bench_paged(batch, context, dtype, paged):
     rng = np.random.default_rng(0)
     pages_per_seq = context // PAGE
     num_pages = batch * pages_per_seq + 1
@@ -59,7 +61,7 @@ def bench_paged(batch, context, dtype, interpret, block_pages):
     q = jnp.asarray(rng.standard_normal((batch, 1, H, D), np.float32), dtype)
     kv_lens = jnp.full((batch,), context, jnp.int32)
     pos = jnp.full((batch, 1), context, jnp.int32)
-    kernel = jax.jit(lambda *a: paged_attention(*a, block_pages=block_pages, interpret=interpret))
+    kernel = jax.jit(paged)
     reference = jax.jit(paged_attention_reference)
     args = (q, k_pages, v_pages, table, kv_lens, pos)
     got, want = kernel(*args), reference(*args)
@@ -73,13 +75,13 @@ def bench_paged(batch, context, dtype, interpret, block_pages):
             "xla_GBps": t_ref and round(n_bytes / t_ref / 1e9, 1), "errors": [kernel_error, ref_error]}
 
 
-def bench_flash(tokens, dtype, interpret, block_q, block_k):
+def bench_flash(tokens, dtype, flash):
     rng = np.random.default_rng(0)
     q = jnp.asarray(rng.standard_normal((1, tokens, H, D), np.float32), dtype)
     k = jnp.asarray(rng.standard_normal((1, tokens, KVH, D), np.float32), dtype)
     v = jnp.asarray(rng.standard_normal((1, tokens, KVH, D), np.float32), dtype)
     zero, n = jnp.zeros(1, jnp.int32), jnp.full((1,), tokens, jnp.int32)
-    kernel = jax.jit(lambda *a: flash_attention(*a, block_q=block_q, block_k=block_k, interpret=interpret))
+    kernel = jax.jit(flash)
     reference = jax.jit(flash_attention_reference)
     args = (q, k, v, zero, zero, n, n)
     t_kernel, kernel_error = try_time(kernel, *args)
@@ -98,33 +100,37 @@ def main():
     ap.add_argument("--smoke", action="store_true", help="tiny sizes in interpret mode (checks the script on CPU)")
     ap.add_argument("--out", default="bench_results/kernels.json")
     args = ap.parse_args()
+    global REPEATS
+    REPEATS = 1 if args.smoke else REPEATS
     device = jax.devices()[0]
     if args.smoke:
-        interpret, sizes, dtype = True, BLOCK_SIZES["interpret"], jnp.float32
+        backends, dtype = ["pallas-gpu-interpret", "pallas-tpu-interpret"], jnp.float32
         paged_cases, flash_cases = [(2, 64)], [48]
     else:
-        if device.platform != "gpu":
-            raise SystemExit("the kernels compile for GPU only (use --smoke on CPU)")
-        interpret, sizes, dtype = False, BLOCK_SIZES["gpu"], jnp.bfloat16
+        if device.platform not in ("gpu", "tpu"):
+            raise SystemExit("the kernels compile for GPU and TPU only (use --smoke on CPU)")
+        backends, dtype = [resolve_attention_backend("pallas")], jnp.bfloat16
         paged_cases = [(1, 2048), (1, 32768), (8, 8192), (32, 4096), (64, 2048), (128, 2048), (256, 2048),
                        (32, 32768)]
         flash_cases = [1024, 2048, 8192, 16384, 32768]
     results = {"date": time.strftime("%Y-%m-%d"), "device": str(device.device_kind), "jax": jax.__version__,
                "copy_GBps": round(copy_bandwidth(8 << 20 if args.smoke else 2 << 30), 1), "paged": [], "flash": []}
     print(f"{device.device_kind}: copy bandwidth {results['copy_GBps']} GB/s")
-    print(f"{'paged decode':<22}{'kernel ms':>11}{'GB/s':>8}{'% peak':>8}{'XLA ms':>10}{'GB/s':>8}")
-    for batch, context in paged_cases:
-        r = bench_paged(batch, context, dtype, interpret, sizes["paged_block_pages"])
-        results["paged"].append(r)
-        share = r["kernel_GBps"] and 100 * r["kernel_GBps"] / results["copy_GBps"]
-        print(f"b{batch:<4} ctx {context:<11}{r['kernel_ms'] or float('nan'):>11.3f}{r['kernel_GBps'] or 0:>8.0f}"
-              f"{share or 0:>7.0f}%{r['xla_ms'] or float('nan'):>10.3f}{r['xla_GBps'] or 0:>8.0f}")
-    print(f"{'flash prefill':<22}{'kernel ms':>11}{'TFLOP/s':>8}{'XLA ms':>10}{'TFLOP/s':>8}")
-    for tokens in flash_cases:
-        r = bench_flash(tokens, dtype, interpret, sizes["flash_block_q"], sizes["flash_block_k"])
-        results["flash"].append(r)
-        print(f"T {tokens:<19}{r['kernel_ms'] or float('nan'):>11.3f}{r['kernel_TFLOPs'] or 0:>8.1f}"
-              f"{r['xla_ms'] or float('nan'):>10.3f}{r['xla_TFLOPs'] or 0:>8.1f}")
+    for backend in backends:
+        paged, flash = kernels_for(backend)
+        print(f"{backend + ' paged decode':<34}{'kernel ms':>11}{'GB/s':>8}{'% peak':>8}{'XLA ms':>10}{'GB/s':>8}")
+        for batch, context in paged_cases:
+            r = {"backend": backend, **bench_paged(batch, context, dtype, paged)}
+            results["paged"].append(r)
+            share = r["kernel_GBps"] and 100 * r["kernel_GBps"] / results["copy_GBps"]
+            print(f"  b{batch:<4} ctx {context:<23}{r['kernel_ms'] or float('nan'):>11.3f}{r['kernel_GBps'] or 0:>8.0f}"
+                  f"{share or 0:>7.0f}%{r['xla_ms'] or float('nan'):>10.3f}{r['xla_GBps'] or 0:>8.0f}")
+        print(f"{backend + ' flash prefill':<34}{'kernel ms':>11}{'TFLOP/s':>8}{'XLA ms':>10}{'TFLOP/s':>8}")
+        for tokens in flash_cases:
+            r = {"backend": backend, **bench_flash(tokens, dtype, flash)}
+            results["flash"].append(r)
+            print(f"  T {tokens:<31}{r['kernel_ms'] or float('nan'):>11.3f}{r['kernel_TFLOPs'] or 0:>8.1f}"
+                  f"{r['xla_ms'] or float('nan'):>10.3f}{r['xla_TFLOPs'] or 0:>8.1f}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=1))

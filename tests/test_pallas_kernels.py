@@ -7,8 +7,17 @@ import pytest
 
 from jaxserve.attention import attention, paged_attention_reference as model_attention_reference
 from jaxserve.attention import resolve_attention_backend
-from jaxserve.pallas_kernels import (flash_attention, flash_attention_reference, paged_attention,
-                                     paged_attention_reference)
+from jax.experimental.pallas import tpu as pltpu
+from jaxserve.pallas_kernels import (flash_attention, flash_attention_reference, flash_attention_tpu,
+                                     paged_attention, paged_attention_reference, paged_attention_tpu)
+
+# The GPU kernels start from outputs poisoned with NaN (aliased); the TPU interpreter fills every uninitialised
+# buffer with NaN itself. Either way an element the kernel does not write shows.
+NAN_MEMORY = pltpu.InterpretParams(uninitialized_memory="nan")
+PAGED = {"gpu": lambda *a, **kw: paged_attention(*a, block_pages=2, interpret=True, poison=True, **kw),
+         "tpu": lambda *a, **kw: paged_attention_tpu(*a, interpret=NAN_MEMORY, **kw)}
+FLASH = {"gpu": lambda *a, **kw: flash_attention(*a, block_q=16, block_k=16, interpret=True, poison=True, **kw),
+         "tpu": lambda *a, **kw: flash_attention_tpu(*a, block_q=16, block_k=16, interpret=NAN_MEMORY, **kw)}
 
 TOL = {jnp.float32: dict(atol=3e-5, rtol=3e-5), jnp.bfloat16: dict(atol=3e-2, rtol=3e-2)}
 CASES = [  # (page_size, kv_heads, group, head_dim, dtype, sliding_window, soft_cap)
@@ -27,9 +36,11 @@ def check(got, want, dtype):
     np.testing.assert_allclose(got, want, **TOL[dtype])
 
 
+@pytest.mark.parametrize("target", ["gpu", "tpu"])
 @pytest.mark.parametrize("page_size,kvh,group,head_dim,dtype,window,soft_cap", CASES)
 @pytest.mark.parametrize("queries", [1, 3])
-def test_paged_attention_matches_reference(page_size, kvh, group, head_dim, dtype, window, soft_cap, queries):
+def test_paged_attention_matches_reference(target, page_size, kvh, group, head_dim, dtype, window, soft_cap,
+                                           queries):
     rng = np.random.default_rng()
     S, pages_per_seq = 4, 7
     num_pages = S * pages_per_seq + 1
@@ -45,15 +56,15 @@ def test_paged_attention_matches_reference(page_size, kvh, group, head_dim, dtyp
     positions[-1] = -1
     kv_lens, positions = jnp.asarray(kv_lens, jnp.int32), jnp.asarray(np.maximum(positions, -1), jnp.int32)
     kw = dict(sliding_window=window, soft_cap=soft_cap)
-    out, lse = paged_attention(q, k_pages, v_pages, table, kv_lens, positions, block_pages=2, interpret=True,
-                               poison=True, **kw)
+    out, lse = PAGED[target](q, k_pages, v_pages, table, kv_lens, positions, **kw)
     want_out, want_lse = paged_attention_reference(q, k_pages, v_pages, table, kv_lens, positions, **kw)
     check(out, want_out, dtype)
     check(lse, want_lse, jnp.float32)
 
 
+@pytest.mark.parametrize("target", ["gpu", "tpu"])
 @pytest.mark.parametrize("page_size,kvh,group,head_dim,dtype,window,soft_cap", CASES)
-def test_flash_attention_matches_reference(page_size, kvh, group, head_dim, dtype, window, soft_cap):
+def test_flash_attention_matches_reference(target, page_size, kvh, group, head_dim, dtype, window, soft_cap):
     rng = np.random.default_rng()
     B, T, L = 3, int(rng.integers(17, 60)), 0
     # Row 0: a fresh prompt; row 1: a chunk after a contiguous prefix; row 2: shorter than the padded shapes.
@@ -67,15 +78,15 @@ def test_flash_attention_matches_reference(page_size, kvh, group, head_dim, dtyp
     k = jnp.asarray(rng.standard_normal((B, L, kvh, head_dim)), dtype)
     v = jnp.asarray(rng.standard_normal((B, L, kvh, head_dim)), dtype)
     kw = dict(sliding_window=window, soft_cap=soft_cap)
-    out, lse = flash_attention(q, k, v, q_start, k_start, q_lens, k_lens, block_q=16, block_k=16, interpret=True,
-                               poison=True, **kw)
+    out, lse = FLASH[target](q, k, v, q_start, k_start, q_lens, k_lens, **kw)
     want_out, want_lse = flash_attention_reference(q, k, v, q_start, k_start, q_lens, k_lens, **kw)
     check(out, want_out, dtype)
     check(lse, want_lse, jnp.float32)
 
 
+@pytest.mark.parametrize("backend", ["pallas-gpu-interpret", "pallas-tpu-interpret"])
 @pytest.mark.parametrize("window", [None, 11])
-def test_model_attention_through_the_kernels_matches_the_reference(window):
+def test_model_attention_through_the_kernels_matches_the_reference(backend, window):
     """The engine's call: cached pages by the paged kernel, the step's own keys by flash, merged."""
     rng = np.random.default_rng()
     S, Q, KVH, G, D, page_size, P = 3, 9, 2, 3, 64, 8, 6
@@ -92,7 +103,7 @@ def test_model_attention_through_the_kernels_matches_the_reference(window):
         positions[i, :n] = np.arange(s, s + n)
     positions = jnp.asarray(positions, jnp.int32)
     args = (q, k, v, k_pages, v_pages, table, positions)
-    got = attention(*args, sliding_window=window, backend="pallas-interpret")
+    got = attention(*args, sliding_window=window, backend=backend)
     want = model_attention_reference(*args, sliding_window=window)
     real = np.asarray(positions) >= 0  # padding queries' outputs are unused
     np.testing.assert_allclose(np.asarray(got)[real], np.asarray(want)[real], atol=3e-5, rtol=3e-5)
@@ -100,15 +111,19 @@ def test_model_attention_through_the_kernels_matches_the_reference(window):
 
 def test_backend_resolution():
     assert resolve_attention_backend("auto", "cpu") == "reference"
-    assert resolve_attention_backend("auto", "gpu") == "pallas"
-    assert resolve_attention_backend("pallas", "cpu") == "pallas-interpret"
-    with pytest.raises(ValueError, match="no tpu version"):
-        resolve_attention_backend("pallas", "tpu")
+    assert resolve_attention_backend("auto", "gpu") == "pallas-gpu"
+    assert resolve_attention_backend("auto", "tpu") == "pallas-tpu"
+    assert resolve_attention_backend("pallas", "tpu") == "pallas-tpu"
+    assert resolve_attention_backend("pallas", "cpu") == "pallas-gpu-interpret"
+    assert resolve_attention_backend("pallas-tpu", "cpu") == "pallas-tpu-interpret"
+    with pytest.raises(ValueError, match="cannot run on gpu"):
+        resolve_attention_backend("pallas-tpu", "gpu")
     with pytest.raises(ValueError, match="attention_backend"):
         resolve_attention_backend("flash", "cpu")
 
 
-def test_engine_with_the_pallas_backend_gives_the_reference_tokens(tmp_path):
+@pytest.mark.parametrize("backend", ["pallas-gpu", "pallas-tpu"])
+def test_engine_with_the_pallas_backend_gives_the_reference_tokens(tmp_path, backend):
     from hf_models import save_tiny_model
     from jaxserve import SamplingParams
     from tiny import make_llm, prompts
@@ -116,7 +131,7 @@ def test_engine_with_the_pallas_backend_gives_the_reference_tokens(tmp_path):
     ps = prompts(np.random.default_rng(), [5, 23, 40])
     sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     want = [o.outputs[0].token_ids for o in make_llm(str(tmp_path)).generate(ps, sp, use_tqdm=False)]
-    llm = make_llm(str(tmp_path), attention_backend="pallas")
+    llm = make_llm(str(tmp_path), attention_backend=backend)
     assert [o.outputs[0].token_ids for o in llm.generate(ps, sp, use_tqdm=False)] == want
 
 
@@ -129,4 +144,25 @@ def test_kernel_benchmark_script_runs(tmp_path):
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
     results = json.loads(out.read_text())
-    assert results["paged"][0]["max_abs_err"] < 1e-4 and results["flash"][0]["max_abs_err"] < 1e-4
+    assert len(results["paged"]) == len(results["flash"]) == 2  # both kernel sets
+    assert all(r["max_abs_err"] < 1e-4 for r in results["paged"] + results["flash"])
+
+
+def test_start_up_check_accepts_good_kernels_and_reports_failures(monkeypatch):
+    from jaxserve.pallas_kernels import self_check
+    assert self_check.check_kernels("pallas-gpu-interpret", 6, 2, 64, 8, jnp.float32, sliding_window=5) is None
+    broken = (lambda *a, **kw: (_ for _ in ()).throw(RuntimeError("cannot lower")), None)
+    monkeypatch.setattr(self_check, "kernels_for", lambda backend: broken)
+    assert "cannot lower" in self_check.check_kernels("pallas-gpu", 6, 2, 64, 8, jnp.float32)
+
+
+def test_auto_falls_back_to_the_reference_when_the_check_fails(monkeypatch, caplog):
+    from jaxserve import engine
+    from jaxserve.pallas_kernels import self_check
+    from jaxserve.config import ModelConfig
+    config = ModelConfig("LlamaForCausalLM", 320, 64, 128, 2, 4, 2, 16)
+    monkeypatch.setattr(self_check, "check_kernels", lambda *a, **kw: "cannot lower")
+    assert engine._checked_backend("pallas-gpu", "auto", config, 16, jnp.bfloat16) == "reference"
+    assert "cannot lower" in caplog.text
+    with pytest.raises(RuntimeError, match="cannot lower"):
+        engine._checked_backend("pallas-gpu", "pallas", config, 16, jnp.bfloat16)

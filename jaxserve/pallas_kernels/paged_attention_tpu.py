@@ -1,0 +1,110 @@
+"""Paged attention for TPU (Pallas Mosaic): same contract as `paged_attention.paged_attention`.
+
+TPU Pallas moves blocks with BlockSpecs, and an index map may read scalars prefetched into SMEM: here the page
+table. The grid is (sequence, page); each step's K/V block is one whole page, all KV heads (the cache's trailing
+[kv_heads, head_dim] is one tile, so no head is sliced out of it), fetched straight from the page the table names,
+and an online softmax accumulates in VMEM scratch across the page axis. Pages past a sequence's length are
+neither fetched (the index map repeats the last real page, so the pipeline skips the copy) nor computed.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from jaxserve.pallas_kernels.paged_attention import MASKED, dot_t
+
+
+def _paged_tpu_kernel(lens_ref, table_ref, q_pos_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, m_sc, l_sc, acc_sc, *,
+                      page_size, sliding_window, soft_cap, scale):
+    # q_pos_ref [rows]; q_ref [KVH, rows, D]; k_ref, v_ref [page_size, KVH, D]; scratch [KVH, rows, 1 | D]
+    s, p = pl.program_id(0), pl.program_id(1)
+    kvh = q_ref.shape[0]
+
+    @pl.when(p == 0)
+    def _init():
+        m_sc[...] = jnp.full(m_sc.shape, MASKED, jnp.float32)
+        l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
+        acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
+
+    kv_len = lens_ref[s]
+
+    @pl.when(p * page_size < kv_len)
+    def _visit():
+        q_pos = q_pos_ref[...][:, None]  # [rows, 1]
+        key_pos = p * page_size + jax.lax.broadcasted_iota(jnp.int32, (1, page_size), 1)
+        visible = (key_pos < kv_len) & (key_pos <= q_pos)
+        if sliding_window is not None:
+            visible &= key_pos > q_pos - sliding_window
+        for h in range(kvh):  # static: each KV head with the query rows that share it
+            q = q_ref[h].astype(jnp.float32) * scale
+            s_ = dot_t(q, k_ref[:, h, :].astype(jnp.float32))  # [rows, page_size]
+            if soft_cap is not None:
+                s_ = soft_cap * jnp.tanh(s_ / soft_cap)
+            s_ = jnp.where(visible, s_, MASKED)
+            m_prev, l_prev = m_sc[h], l_sc[h]  # [rows, 1]
+            m_new = jnp.maximum(m_prev, s_.max(axis=-1, keepdims=True))
+            probs = jnp.where(visible, jnp.exp(s_ - m_new), 0.0)
+            corr = jnp.exp(m_prev - m_new)
+            m_sc[h] = m_new
+            l_sc[h] = l_prev * corr + probs.sum(axis=-1, keepdims=True)
+            acc_sc[h] = acc_sc[h] * corr + jnp.dot(probs, v_ref[:, h, :].astype(jnp.float32),
+                                                   preferred_element_type=jnp.float32)
+
+    @pl.when(p == pl.num_programs(1) - 1)
+    def _finish():
+        l = l_sc[...]
+        seen = l > 0
+        o_ref[...] = (acc_sc[...] / jnp.where(seen, l, 1.0)).astype(o_ref.dtype)
+        lse_ref[...] = jnp.where(seen, m_sc[...] + jnp.log(jnp.where(seen, l, 1.0)), MASKED)
+
+
+@functools.partial(jax.jit, static_argnames=("sliding_window", "soft_cap", "interpret"))
+def paged_attention_tpu(q, k_pages, v_pages, page_table, kv_lens, q_positions, *, sliding_window=None,
+                        soft_cap=None, interpret=False):
+    """Arguments and result as `paged_attention.paged_attention` (q [S, Q, H, D] -> out, lse [S, Q, H])."""
+    S, Q, H, D = q.shape
+    num_pages, page_size, KVH, _ = k_pages.shape
+    G = H // KVH
+    P = page_table.shape[1]
+    rows = -(-Q * G // 8) * 8  # sublane multiple
+    q_rows = q.reshape(S, Q, KVH, G, D).transpose(0, 2, 1, 3, 4).reshape(S, KVH, Q * G, D)
+    q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, rows - Q * G), (0, 0)))
+    pos_rows = jnp.pad(jnp.repeat(q_positions, G, axis=1), ((0, 0), (0, rows - Q * G)), constant_values=-1)
+    kv_lens = kv_lens.astype(jnp.int32)
+
+    def page_index(s, p, lens, table):
+        last = jnp.maximum(pl.cdiv(lens[s], page_size) - 1, 0)
+        return table[s * P + jnp.minimum(p, last)]
+
+    kernel = functools.partial(_paged_tpu_kernel, page_size=page_size, sliding_window=sliding_window,
+                               soft_cap=soft_cap, scale=D ** -0.5)
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=2,  # kv_lens [S], page table [S * P]
+        grid=(S, P),
+        in_specs=[
+            pl.BlockSpec((None, rows), lambda s, p, lens, table: (s, 0)),
+            pl.BlockSpec((None, KVH, rows, D), lambda s, p, lens, table: (s, 0, 0, 0)),
+            pl.BlockSpec((None, page_size, KVH, D), lambda s, p, lens, table: (page_index(s, p, lens, table), 0, 0, 0)),
+            pl.BlockSpec((None, page_size, KVH, D), lambda s, p, lens, table: (page_index(s, p, lens, table), 0, 0, 0)),
+        ],
+        out_specs=[pl.BlockSpec((None, KVH, rows, D), lambda s, p, lens, table: (s, 0, 0, 0)),
+                   pl.BlockSpec((None, KVH, rows, 1), lambda s, p, lens, table: (s, 0, 0, 0))],
+        scratch_shapes=[pltpu.VMEM((KVH, rows, 1), jnp.float32), pltpu.VMEM((KVH, rows, 1), jnp.float32),
+                        pltpu.VMEM((KVH, rows, D), jnp.float32)],
+    )
+    o, lse = pl.pallas_call(
+        kernel,
+        grid_spec=grid_spec,
+        out_shape=[jax.ShapeDtypeStruct((S, KVH, rows, D), q.dtype),
+                   jax.ShapeDtypeStruct((S, KVH, rows, 1), jnp.float32)],
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
+        interpret=interpret,
+        name="paged_attention_tpu",
+    )(kv_lens, page_table.reshape(-1).astype(jnp.int32), pos_rows.astype(jnp.int32), q_rows, k_pages, v_pages)
+    o = o[:, :, :Q * G].reshape(S, KVH, Q, G, D).transpose(0, 2, 1, 3, 4).reshape(S, Q, H, D)
+    lse = lse[:, :, :Q * G, 0].reshape(S, KVH, Q, G).transpose(0, 2, 1, 3).reshape(S, Q, H)
+    return o, lse

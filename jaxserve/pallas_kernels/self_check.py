@@ -1,0 +1,45 @@
+"""A start-up check of the kernels on the device at hand: compile both at the model's head shapes and compare them
+with their references on small random inputs. `attention_backend="auto"` uses the kernels only if this passes
+(and says so in the log when it does not), so a kernel that a new backend version cannot lower never takes the
+engine down with it; `"pallas"` asked for explicitly raises instead.
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.pallas_kernels import kernels_for
+from jaxserve.pallas_kernels.flash_attention import flash_attention_reference
+from jaxserve.pallas_kernels.paged_attention import paged_attention_reference
+
+
+def check_kernels(backend: str, num_heads: int, kv_heads: int, head_dim: int, page_size: int, dtype,
+                  sliding_window: int | None = None) -> str | None:
+    """None if both kernels of `backend` compile and agree with their references; else what went wrong."""
+    paged, flash = kernels_for(backend)
+    rng = np.random.default_rng(0)
+    tol = 2e-2 if jnp.dtype(dtype) == jnp.bfloat16 else 1e-3
+    S, Q, pages = 2, 3, 4
+    try:
+        k_pages = jnp.asarray(rng.standard_normal((S * pages + 1, page_size, kv_heads, head_dim)), dtype)
+        v_pages = jnp.asarray(rng.standard_normal((S * pages + 1, page_size, kv_heads, head_dim)), dtype)
+        table = jnp.asarray(1 + np.arange(S * pages).reshape(S, pages), jnp.int32)
+        q = jnp.asarray(rng.standard_normal((S, Q, num_heads, head_dim)), dtype)
+        kv_lens = jnp.asarray([page_size + 3, 2 * page_size], jnp.int32)
+        positions = kv_lens[:, None] + jnp.arange(Q)[None, :]
+        got = paged(q, k_pages, v_pages, table, kv_lens, positions, sliding_window=sliding_window)[0]
+        want = paged_attention_reference(q, k_pages, v_pages, table, kv_lens, positions,
+                                         sliding_window=sliding_window)[0]
+        if not np.allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=tol, rtol=tol):
+            return "paged attention disagrees with its reference"
+        k = jnp.asarray(rng.standard_normal((1, 21, kv_heads, head_dim)), dtype)
+        v = jnp.asarray(rng.standard_normal((1, 21, kv_heads, head_dim)), dtype)
+        q = jnp.asarray(rng.standard_normal((1, 21, num_heads, head_dim)), dtype)
+        zero, n = jnp.zeros(1, jnp.int32), jnp.full((1,), 21, jnp.int32)
+        got = flash(q, k, v, zero, zero, n, n, sliding_window=sliding_window)[0]
+        want = flash_attention_reference(q, k, v, zero, zero, n, n, sliding_window=sliding_window)[0]
+        if not np.allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=tol, rtol=tol):
+            return "flash attention disagrees with its reference"
+    except Exception as e:  # noqa: BLE001 - any failure to lower or run is the answer
+        return f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+    return None
