@@ -14,6 +14,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 
 from jaxserve.pallas_kernels.paged_attention import MASKED, dot_t, masked_softmax_attention
 
@@ -102,6 +103,7 @@ def flash_attention(q, k, v, q_start, k_start, q_lens, k_lens, *, causal=True, s
                    pl.BlockSpec((None, None, block_q), lambda b, h, i: (b, h, i))],
         out_shape=out_shape,
         input_output_aliases=aliases,
+        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2),  # Triton: see paged_attention.py
         interpret=interpret,
         name="flash_attention",
     )(lens, q, k, v, *extra)

@@ -21,6 +21,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 
 MASKED = -1e30  # finite: a row that sees nothing stays NaN-free
 
@@ -114,6 +115,8 @@ def paged_attention(q, k_pages, v_pages, page_table, kv_lens, q_positions, *, sl
                    pl.BlockSpec((None, None, rows), lambda s, h: (s, h, 0))],
         out_shape=out_shape,
         input_output_aliases=aliases,
+        # Triton explicitly: JAX now lowers GPU Pallas to Mosaic GPU unless told otherwise.
+        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2),
         interpret=interpret,
         name="paged_attention",
     )(kv_lens.reshape(S, 1).astype(jnp.int32), pos_rows.astype(jnp.int32), table.astype(jnp.int32), q_rows,

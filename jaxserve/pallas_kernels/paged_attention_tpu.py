@@ -20,7 +20,7 @@ from jaxserve.pallas_kernels.paged_attention import MASKED, dot_t
 
 def _paged_tpu_kernel(lens_ref, table_ref, q_pos_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, m_sc, l_sc, acc_sc, *,
                       page_size, sliding_window, soft_cap, scale):
-    # q_pos_ref [rows]; q_ref [KVH, rows, D]; k_ref, v_ref [page_size, KVH, D]; scratch [KVH, rows, 1 | D]
+    # q_pos_ref [rows, 1]; q_ref [KVH, rows, D]; k_ref, v_ref [page_size, KVH, D]; scratch [KVH, rows, 1 | D]
     s, p = pl.program_id(0), pl.program_id(1)
     kvh = q_ref.shape[0]
 
@@ -34,7 +34,7 @@ def _paged_tpu_kernel(lens_ref, table_ref, q_pos_ref, q_ref, k_ref, v_ref, o_ref
 
     @pl.when(p * page_size < kv_len)
     def _visit():
-        q_pos = q_pos_ref[...][:, None]  # [rows, 1]
+        q_pos = q_pos_ref[...]  # [rows, 1]
         key_pos = p * page_size + jax.lax.broadcasted_iota(jnp.int32, (1, page_size), 1)
         visible = (key_pos < kv_len) & (key_pos <= q_pos)
         if sliding_window is not None:
@@ -86,7 +86,7 @@ def paged_attention_tpu(q, k_pages, v_pages, page_table, kv_lens, q_positions, *
         num_scalar_prefetch=2,  # kv_lens [S], page table [S * P]
         grid=(S, P),
         in_specs=[
-            pl.BlockSpec((None, rows), lambda s, p, lens, table: (s, 0)),
+            pl.BlockSpec((None, rows, 1), lambda s, p, lens, table: (s, 0, 0)),  # query positions, one per sublane
             pl.BlockSpec((None, KVH, rows, D), lambda s, p, lens, table: (s, 0, 0, 0)),
             pl.BlockSpec((None, page_size, KVH, D), lambda s, p, lens, table: (page_index(s, p, lens, table), 0, 0, 0)),
             pl.BlockSpec((None, page_size, KVH, D), lambda s, p, lens, table: (page_index(s, p, lens, table), 0, 0, 0)),
@@ -104,7 +104,8 @@ def paged_attention_tpu(q, k_pages, v_pages, page_table, kv_lens, q_positions, *
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
         interpret=interpret,
         name="paged_attention_tpu",
-    )(kv_lens, page_table.reshape(-1).astype(jnp.int32), pos_rows.astype(jnp.int32), q_rows, k_pages, v_pages)
+    )(kv_lens, page_table.reshape(-1).astype(jnp.int32), pos_rows.astype(jnp.int32)[:, :, None], q_rows, k_pages,
+      v_pages)
     o = o[:, :, :Q * G].reshape(S, KVH, Q, G, D).transpose(0, 2, 1, 3, 4).reshape(S, Q, H, D)
     lse = lse[:, :, :Q * G, 0].reshape(S, KVH, Q, G).transpose(0, 2, 1, 3).reshape(S, Q, H)
     return o, lse
