@@ -64,7 +64,6 @@ class LLM:
         dtype = resolve_dtype(dtype)
         loaded = load_model(model, dtype)
         self.model_name, self.config, self.tokenizer = loaded.name, loaded.config, loaded.tokenizer
-        self.attention_backend = _checked_backend(backend, attention_backend, self.config, block_size, dtype)
         limit = self.config.max_position_embeddings
         if max_model_len is not None and not (isinstance(max_model_len, int) and 1 < max_model_len <= limit):
             raise ValueError(f"max_model_len must be an integer in [2, {limit}] for this model, got {max_model_len!r}")
@@ -76,6 +75,9 @@ class LLM:
         logger.info("KV cache: %d pages of %d tokens (%.1f MB)", num_pages, block_size,
                     num_pages * bytes_per_page(self.config, block_size, dtype) / 1e6)
         buckets = Buckets.for_limits(max_num_seqs, max_num_batched_tokens, pages_needed(self.max_model_len, block_size))
+        serving = dict(num_pages=num_pages, pages_per_seq=buckets.num_pages[-1], max_num_seqs=max_num_seqs,
+                       max_chunk=buckets.prefill_tokens[-1])
+        self.attention_backend = _checked_backend(backend, attention_backend, self.config, block_size, dtype, serving)
         self.runner = ModelRunner(self.config, loaded.params, dtype, num_pages, block_size, buckets, max_num_seqs,
                                   self.attention_backend)
         slo = None
@@ -222,13 +224,13 @@ def request_metrics(seqs: list[Sequence]) -> RequestMetrics:
                           None if None in finished else max(finished), sum(s.num_preemptions for s in seqs))
 
 
-def _checked_backend(backend: str, asked: str, config, page_size: int, dtype) -> str:
+def _checked_backend(backend: str, asked: str, config, page_size: int, dtype, serving: dict | None = None) -> str:
     """The Pallas kernels only if they compile and agree with their references here (see self_check)."""
     if backend == "reference" or backend.endswith("interpret"):
         return backend
     from jaxserve.pallas_kernels.self_check import check_kernels
     problem = check_kernels(backend, config.num_heads, config.num_kv_heads, config.head_dim, page_size, dtype,
-                            config.sliding_window)
+                            config.sliding_window, serving)
     if problem is None:
         logger.info("attention: %s kernels", backend)
         return backend

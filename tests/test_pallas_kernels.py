@@ -14,8 +14,9 @@ from jaxserve.pallas_kernels import (flash_attention, flash_attention_reference,
 # The GPU kernels start from outputs poisoned with NaN (aliased); the TPU interpreter fills every uninitialised
 # buffer with NaN itself. Either way an element the kernel does not write shows.
 NAN_MEMORY = pltpu.InterpretParams(uninitialized_memory="nan")
-PAGED = {"gpu": lambda *a, **kw: paged_attention(*a, block_pages=2, interpret=True, poison=True, **kw),
-         "tpu": lambda *a, **kw: paged_attention_tpu(*a, interpret=NAN_MEMORY, **kw)}
+# Small row blocks, so a verification batch of 3 queries x 8 heads spans several.
+PAGED = {"gpu": lambda *a, **kw: paged_attention(*a, block_pages=2, max_rows=16, interpret=True, poison=True, **kw),
+         "tpu": lambda *a, **kw: paged_attention_tpu(*a, max_rows=8, interpret=NAN_MEMORY, **kw)}
 FLASH = {"gpu": lambda *a, **kw: flash_attention(*a, block_q=16, block_k=16, interpret=True, poison=True, **kw),
          "tpu": lambda *a, **kw: flash_attention_tpu(*a, block_q=16, block_k=16, interpret=NAN_MEMORY, **kw)}
 
@@ -30,10 +31,16 @@ CASES = [  # (page_size, kv_heads, group, head_dim, dtype, sliding_window, soft_
 ]
 
 
-def check(got, want, dtype):
+def fresh_rng():
+    """New inputs every run; the seed goes into failure messages so a failure can be replayed."""
+    seed = int(np.random.SeedSequence().entropy % (1 << 32))
+    return np.random.default_rng(seed), seed
+
+
+def check(got, want, dtype, seed):
     got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
-    assert not np.isnan(got).any(), "NaN in the output (an element never written, or a bad mask)"
-    np.testing.assert_allclose(got, want, **TOL[dtype])
+    assert not np.isnan(got).any(), f"NaN in the output (an element never written, or a bad mask); seed {seed}"
+    np.testing.assert_allclose(got, want, err_msg=f"seed {seed}", **TOL[dtype])
 
 
 @pytest.mark.parametrize("target", ["gpu", "tpu"])
@@ -41,7 +48,7 @@ def check(got, want, dtype):
 @pytest.mark.parametrize("queries", [1, 3])
 def test_paged_attention_matches_reference(target, page_size, kvh, group, head_dim, dtype, window, soft_cap,
                                            queries):
-    rng = np.random.default_rng()
+    rng, seed = fresh_rng()
     S, pages_per_seq = 4, 7
     num_pages = S * pages_per_seq + 1
     k_pages = jnp.asarray(rng.standard_normal((num_pages, page_size, kvh, head_dim)), dtype)
@@ -58,30 +65,31 @@ def test_paged_attention_matches_reference(target, page_size, kvh, group, head_d
     kw = dict(sliding_window=window, soft_cap=soft_cap)
     out, lse = PAGED[target](q, k_pages, v_pages, table, kv_lens, positions, **kw)
     want_out, want_lse = paged_attention_reference(q, k_pages, v_pages, table, kv_lens, positions, **kw)
-    check(out, want_out, dtype)
-    check(lse, want_lse, jnp.float32)
+    check(out, want_out, dtype, seed)
+    check(lse, want_lse, jnp.float32, seed)
 
 
 @pytest.mark.parametrize("target", ["gpu", "tpu"])
 @pytest.mark.parametrize("page_size,kvh,group,head_dim,dtype,window,soft_cap", CASES)
 def test_flash_attention_matches_reference(target, page_size, kvh, group, head_dim, dtype, window, soft_cap):
-    rng = np.random.default_rng()
-    B, T, L = 3, int(rng.integers(17, 60)), 0
-    # Row 0: a fresh prompt; row 1: a chunk after a contiguous prefix; row 2: shorter than the padded shapes.
+    rng, seed = fresh_rng()
+    B, T = 4, int(rng.integers(17, 60))
+    # Rows: a fresh prompt; a chunk after a contiguous prefix; shorter than the padded shapes; queries far past
+    # every key (with a window they see nothing).
     prefix = int(rng.integers(1, 40))
     L = T + prefix
-    q_start = jnp.asarray([0, prefix, 0])
-    k_start = jnp.asarray([0, 0, 0])
-    q_lens = jnp.asarray([T, T, T // 2])
-    k_lens = jnp.asarray([T, L, T // 2])
+    q_start = jnp.asarray([0, prefix, 0, L + 30])
+    k_start = jnp.asarray([0, 0, 0, 0])
+    q_lens = jnp.asarray([T, T, T // 2, T])
+    k_lens = jnp.asarray([T, L, T // 2, L])
     q = jnp.asarray(rng.standard_normal((B, T, kvh * group, head_dim)), dtype)
     k = jnp.asarray(rng.standard_normal((B, L, kvh, head_dim)), dtype)
     v = jnp.asarray(rng.standard_normal((B, L, kvh, head_dim)), dtype)
     kw = dict(sliding_window=window, soft_cap=soft_cap)
     out, lse = FLASH[target](q, k, v, q_start, k_start, q_lens, k_lens, **kw)
     want_out, want_lse = flash_attention_reference(q, k, v, q_start, k_start, q_lens, k_lens, **kw)
-    check(out, want_out, dtype)
-    check(lse, want_lse, jnp.float32)
+    check(out, want_out, dtype, seed)
+    check(lse, want_lse, jnp.float32, seed)
 
 
 @pytest.mark.parametrize("backend", ["pallas-gpu-interpret", "pallas-tpu-interpret"])
@@ -150,7 +158,8 @@ def test_kernel_benchmark_script_runs(tmp_path):
 
 def test_start_up_check_accepts_good_kernels_and_reports_failures(monkeypatch):
     from jaxserve.pallas_kernels import self_check
-    assert self_check.check_kernels("pallas-gpu-interpret", 6, 2, 64, 8, jnp.float32, sliding_window=5) is None
+    serving = dict(num_pages=40, pages_per_seq=8, max_num_seqs=4, max_chunk=32)
+    assert self_check.check_kernels("pallas-gpu-interpret", 6, 2, 64, 8, jnp.float32, 5, serving) is None
     broken = (lambda *a, **kw: (_ for _ in ()).throw(RuntimeError("cannot lower")), None)
     monkeypatch.setattr(self_check, "kernels_for", lambda backend: broken)
     assert "cannot lower" in self_check.check_kernels("pallas-gpu", 6, 2, 64, 8, jnp.float32)
@@ -180,13 +189,16 @@ def test_kernels_lower_for_their_hardware(monkeypatch, target, platform, heads, 
     monkeypatch.setattr(tpu_info, "get_device_kind", lambda: "TPU v5 lite")  # Mosaic asks which chip it targets
     monkeypatch.setattr(tpu_info, "get_num_device_cores", lambda: 1)
     sds, i32, bf16 = jax.ShapeDtypeStruct, jnp.int32, jnp.bfloat16
-    S, P, num_pages, T = 4, 8, 64, 256
-    paged_args = (sds((S, 1, heads, head_dim), bf16), sds((num_pages, 16, kv_heads, head_dim), bf16),
-                  sds((num_pages, 16, kv_heads, head_dim), bf16), sds((S, P), i32), sds((S,), i32), sds((S, 1), i32))
-    flash_args = (sds((1, T, heads, head_dim), bf16), sds((1, T, kv_heads, head_dim), bf16),
-                  sds((1, T, kv_heads, head_dim), bf16)) + (sds((1,), i32),) * 4
+    num_pages, T = 1024, 512
+    pages = sds((num_pages, 16, kv_heads, head_dim), bf16)
+    paged, flash = kernels_for(target)
+    calls = [(flash, (sds((1, T, heads, head_dim), bf16), sds((1, T, kv_heads, head_dim), bf16),
+                      sds((1, T, kv_heads, head_dim), bf16)) + (sds((1,), i32),) * 4)]
+    for S, Q, P in [(64, 1, 512), (1, T, 512)]:  # a decode step and a prefill chunk, 8k-token page tables
+        calls.append((paged, (sds((S, Q, heads, head_dim), bf16), pages, pages, sds((S, P), i32), sds((S,), i32),
+                              sds((S, Q), i32))))
     # Triton kernels carry no serialization guarantee; lowering them is what is checked.
     unchecked = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
-    for fn, args in zip(kernels_for(target), (paged_args, flash_args)):
+    for fn, args in calls:
         lowered = export.export(jax.jit(fn), platforms=[platform], disabled_checks=unchecked)(*args)
         assert "custom_call" in lowered.mlir_module()

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from jaxserve.pallas_kernels.paged_attention import MASKED, dot_t, masked_softmax_attention
+from jaxserve.pallas_kernels.paged_attention import MASKED, dot, dot_t, masked_softmax_attention
 
 
 def _flash_kernel(lens_ref, q_ref, k_ref, v_ref, *refs, block_q, block_k, causal, sliding_window, soft_cap,
@@ -26,15 +26,15 @@ def _flash_kernel(lens_ref, q_ref, k_ref, v_ref, *refs, block_q, block_k, causal
     head_dim = q_ref.shape[-1]
     q_start, k_start, q_len, k_len = lens_ref[0, 0], lens_ref[0, 1], lens_ref[0, 2], lens_ref[0, 3]
     first = pl.program_id(2) * block_q
-    q = q_ref[...].astype(jnp.float32) * scale
+    q = q_ref[...]
     q_idx = first + jnp.arange(block_q)
     q_pos = jnp.where(q_idx < q_len, q_start + q_idx, -(2 ** 30))[:, None]  # [block_q, 1]; padding sees nothing
 
     def visit(j, carry):
         m, l, acc = carry
-        k = k_ref[pl.ds(j * block_k, block_k), :].astype(jnp.float32)
-        v = v_ref[pl.ds(j * block_k, block_k), :].astype(jnp.float32)
-        s = dot_t(q, k)  # [block_q, block_k]
+        k = k_ref[pl.ds(j * block_k, block_k), :].astype(q.dtype)
+        v = v_ref[pl.ds(j * block_k, block_k), :].astype(q.dtype)
+        s = dot_t(q, k) * scale  # [block_q, block_k]
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
         k_idx = j * block_k + jnp.arange(block_k)[None, :]
@@ -48,7 +48,7 @@ def _flash_kernel(lens_ref, q_ref, k_ref, v_ref, *refs, block_q, block_k, causal
         m_new = jnp.maximum(m, s.max(axis=-1))
         p = jnp.where(visible, jnp.exp(s - m_new[:, None]), 0.0)
         corr = jnp.exp(m - m_new)
-        return m_new, l * corr + p.sum(axis=-1), acc * corr[:, None] + jnp.dot(p, v)
+        return m_new, l * corr + p.sum(axis=-1), acc * corr[:, None] + dot(p, v)
 
     # Only the key blocks some query of this block can see.
     last_q_pos = q_start + jnp.minimum(first + block_q, q_len) - 1

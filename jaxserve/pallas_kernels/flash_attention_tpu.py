@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from jaxserve.pallas_kernels.paged_attention import MASKED, dot_t
+from jaxserve.pallas_kernels.paged_attention import MASKED, dot, dot_t
 
 
 def _visible_blocks(b, i, lens, block_q, block_k, causal, sliding_window):
@@ -54,7 +54,7 @@ def _flash_tpu_kernel(lens_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, m_sc, l_sc,
             visible &= k_pos <= q_pos
         if sliding_window is not None:
             visible &= k_pos > q_pos - sliding_window
-        s = dot_t(q_ref[...].astype(jnp.float32) * scale, k_ref[...].astype(jnp.float32))  # [block_q, block_k]
+        s = dot_t(q_ref[...], k_ref[...].astype(q_ref.dtype)) * scale  # [block_q, block_k]
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
         s = jnp.where(visible, s, MASKED)
@@ -64,8 +64,7 @@ def _flash_tpu_kernel(lens_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, m_sc, l_sc,
         corr = jnp.exp(m_prev - m_new)
         m_sc[...] = m_new
         l_sc[...] = l_sc[...] * corr + p.sum(axis=-1, keepdims=True)
-        acc_sc[...] = acc_sc[...] * corr + jnp.dot(p, v_ref[...].astype(jnp.float32),
-                                                   preferred_element_type=jnp.float32)
+        acc_sc[...] = acc_sc[...] * corr + dot(p, v_ref[...].astype(q_ref.dtype))
 
     @pl.when(j == pl.num_programs(3) - 1)
     def _finish():
@@ -93,7 +92,8 @@ def flash_attention_tpu(q, k, v, q_start, k_start, q_lens, k_lens, *, causal=Tru
 
     def kv_index(b, h, i, j, lens):
         lo, hi = _visible_blocks(b, i, lens, block_q, block_k, causal, sliding_window)
-        return b, h // G, jnp.clip(j, lo, jnp.maximum(hi - 1, lo)), 0
+        # Skipped blocks repeat a visible one (no fetch); never past the last block, even when nothing is visible.
+        return b, h // G, jnp.minimum(jnp.clip(j, lo, jnp.maximum(hi - 1, lo)), Lp // block_k - 1), 0
 
     kernel = functools.partial(_flash_tpu_kernel, block_q=block_q, block_k=block_k, causal=causal,
                                sliding_window=sliding_window, soft_cap=soft_cap, scale=D ** -0.5)

@@ -27,8 +27,14 @@ MASKED = -1e30  # finite: a row that sees nothing stays NaN-free
 
 
 def dot_t(a, b):
-    """a @ b.T, float32: [m, d] x [n, d] -> [m, n]."""
+    """a @ b.T accumulated in float32: [m, d] x [n, d] -> [m, n]. Operands stay in their dtype (bf16 on tensor
+    cores / the MXU; a float32 dot would run multi-pass or without tensor cores)."""
     return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def dot(a, b):
+    """a @ b accumulated in float32, operands in b's dtype."""
+    return jax.lax.dot_general(a.astype(b.dtype), b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
 
 
 def _pow2(n: int, lo: int = 1) -> int:
@@ -41,7 +47,7 @@ def _paged_kernel(kv_len_ref, q_pos_ref, table_ref, q_ref, k_ref, v_ref, *refs, 
     # q_ref [rows, D]; q_pos_ref [rows]; table_ref [pages_per_seq]; k_ref, v_ref [num_pages, page_size, D]
     rows, head_dim = q_ref.shape
     block = block_pages * page_size
-    q = q_ref[...].astype(jnp.float32) * scale
+    q = q_ref[...]
     q_pos = q_pos_ref[...]
     kv_len = kv_len_ref[0, 0]
 
@@ -50,7 +56,7 @@ def _paged_kernel(kv_len_ref, q_pos_ref, table_ref, q_ref, k_ref, v_ref, *refs, 
         pages = table_ref[pl.ds(i * block_pages, block_pages)]
         k = k_ref[pages].reshape(block, head_dim)  # [block, D]: a gather through the page table
         v = v_ref[pages].reshape(block, head_dim)
-        s = dot_t(q, k.astype(jnp.float32))  # [rows, block]
+        s = dot_t(q, k.astype(q.dtype)) * scale  # [rows, block]
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
         key_pos = i * block + jnp.arange(block)[None, :]
@@ -61,7 +67,7 @@ def _paged_kernel(kv_len_ref, q_pos_ref, table_ref, q_ref, k_ref, v_ref, *refs, 
         m_new = jnp.maximum(m, s.max(axis=-1))
         p = jnp.where(visible, jnp.exp(s - m_new[:, None]), 0.0)
         corr = jnp.exp(m - m_new)
-        acc = acc * corr[:, None] + jnp.dot(p, v.astype(jnp.float32))
+        acc = acc * corr[:, None] + dot(p, v.astype(q.dtype))
         return m_new, l * corr + p.sum(axis=-1), acc
 
     init = (jnp.full((rows,), MASKED, jnp.float32), jnp.zeros((rows,), jnp.float32),
@@ -73,9 +79,10 @@ def _paged_kernel(kv_len_ref, q_pos_ref, table_ref, q_ref, k_ref, v_ref, *refs, 
     lse_ref[...] = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), MASKED)
 
 
-@functools.partial(jax.jit, static_argnames=("sliding_window", "soft_cap", "block_pages", "interpret", "poison"))
+@functools.partial(jax.jit, static_argnames=("sliding_window", "soft_cap", "block_pages", "max_rows", "interpret",
+                                             "poison"))
 def paged_attention(q, k_pages, v_pages, page_table, kv_lens, q_positions, *, sliding_window=None, soft_cap=None,
-                    block_pages=8, interpret=False, poison=False):
+                    block_pages=8, max_rows=64, interpret=False, poison=False):
     """q [S, Q, H, D]; k_pages, v_pages [num_pages, page_size, KVH, D]; page_table [S, P]; kv_lens [S] (keys at
     positions < kv_lens[s] are in the pages); q_positions [S, Q] (-1: padding, sees nothing).
 
@@ -85,7 +92,10 @@ def paged_attention(q, k_pages, v_pages, page_table, kv_lens, q_positions, *, sl
     S, Q, H, D = q.shape
     num_pages, page_size, KVH, _ = k_pages.shape
     G = H // KVH
-    rows = _pow2(Q * G, 16)  # the GPU lowering wants power-of-two blocks, and dots want >= 16 rows
+    # A program takes a block of its sequence's query rows (all of them for decode; a prefill chunk is split, so
+    # registers hold the accumulator). Power-of-two blocks for the GPU lowering, >= 16 rows for the dots.
+    block_rows = min(_pow2(Q * G, 16), max_rows)
+    rows = -(-Q * G // block_rows) * block_rows
     block_pages = min(block_pages, _pow2(page_table.shape[1]))
     P = _pow2(page_table.shape[1], block_pages)
     # [S, KVH, Q * G, D]: a program's rows are its sequence's queries for the heads sharing one KV head.
@@ -102,17 +112,17 @@ def paged_attention(q, k_pages, v_pages, page_table, kv_lens, q_positions, *, sl
         aliases = {6: 0, 7: 1}
     o, lse = pl.pallas_call(
         kernel,
-        grid=(S, KVH),
+        grid=(S, KVH, rows // block_rows),
         in_specs=[
-            pl.BlockSpec((1, 1), lambda s, h: (s, 0)),  # kv_lens
-            pl.BlockSpec((None, rows), lambda s, h: (s, 0)),  # query positions
-            pl.BlockSpec((None, P), lambda s, h: (s, 0)),  # page table row
-            pl.BlockSpec((None, None, rows, D), lambda s, h: (s, h, 0, 0)),  # queries
-            pl.BlockSpec((num_pages, page_size, None, D), lambda s, h: (0, 0, h, 0)),  # K pages of this head
-            pl.BlockSpec((num_pages, page_size, None, D), lambda s, h: (0, 0, h, 0)),  # V pages of this head
+            pl.BlockSpec((1, 1), lambda s, h, r: (s, 0)),  # kv_lens
+            pl.BlockSpec((None, block_rows), lambda s, h, r: (s, r)),  # query positions
+            pl.BlockSpec((None, P), lambda s, h, r: (s, 0)),  # page table row
+            pl.BlockSpec((None, None, block_rows, D), lambda s, h, r: (s, h, r, 0)),  # queries
+            pl.BlockSpec((num_pages, page_size, None, D), lambda s, h, r: (0, 0, h, 0)),  # K pages of this head
+            pl.BlockSpec((num_pages, page_size, None, D), lambda s, h, r: (0, 0, h, 0)),  # V pages of this head
         ] + [pl.BlockSpec(memory_space=pl.ANY)] * len(extra),
-        out_specs=[pl.BlockSpec((None, None, rows, D), lambda s, h: (s, h, 0, 0)),
-                   pl.BlockSpec((None, None, rows), lambda s, h: (s, h, 0))],
+        out_specs=[pl.BlockSpec((None, None, block_rows, D), lambda s, h, r: (s, h, r, 0)),
+                   pl.BlockSpec((None, None, block_rows), lambda s, h, r: (s, h, r))],
         out_shape=out_shape,
         input_output_aliases=aliases,
         # Triton explicitly: JAX now lowers GPU Pallas to Mosaic GPU unless told otherwise.
@@ -134,8 +144,8 @@ def paged_attention_reference(q, k_pages, v_pages, page_table, kv_lens, q_positi
     L = page_table.shape[1] * page_size
     k = k_pages[page_table].reshape(S, L, KVH, D).astype(jnp.float32)
     v = v_pages[page_table].reshape(S, L, KVH, D).astype(jnp.float32)
-    q = q.reshape(S, Q, KVH, H // KVH, D).astype(jnp.float32)
-    s = jnp.einsum("sqkgd,slkd->sqkgl", q, k) * D ** -0.5
+    q32 = q.reshape(S, Q, KVH, H // KVH, D).astype(jnp.float32)
+    s = jnp.einsum("sqkgd,slkd->sqkgl", q32, k) * D ** -0.5
     if soft_cap is not None:
         s = soft_cap * jnp.tanh(s / soft_cap)
     key_pos = jnp.arange(L)[None, None, :]

@@ -1,10 +1,11 @@
 """Paged attention for TPU (Pallas Mosaic): same contract as `paged_attention.paged_attention`.
 
 TPU Pallas moves blocks with BlockSpecs, and an index map may read scalars prefetched into SMEM: here the page
-table. The grid is (sequence, page); each step's K/V block is one whole page, all KV heads (the cache's trailing
-[kv_heads, head_dim] is one tile, so no head is sliced out of it), fetched straight from the page the table names,
-and an online softmax accumulates in VMEM scratch across the page axis. Pages past a sequence's length are
-neither fetched (the index map repeats the last real page, so the pipeline skips the copy) nor computed.
+table. The grid is (sequence, block of query rows, page); each step's K/V block is one whole page with all KV heads
+side by side in the lanes ([page_size, kv_heads * head_dim], a free reshape of the cache), fetched straight from the
+page the table names, and an online softmax accumulates in VMEM scratch across the page axis. Pages past a
+sequence's length are neither fetched (the index map repeats the last real page, so the pipeline skips the copy)
+nor computed.
 """
 from __future__ import annotations
 
@@ -15,14 +16,14 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from jaxserve.pallas_kernels.paged_attention import MASKED, dot_t
+from jaxserve.pallas_kernels.paged_attention import MASKED, dot, dot_t
 
 
 def _paged_tpu_kernel(lens_ref, table_ref, q_pos_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, m_sc, l_sc, acc_sc, *,
                       page_size, sliding_window, soft_cap, scale):
-    # q_pos_ref [rows, 1]; q_ref [KVH, rows, D]; k_ref, v_ref [page_size, KVH, D]; scratch [KVH, rows, 1 | D]
-    s, p = pl.program_id(0), pl.program_id(1)
-    kvh = q_ref.shape[0]
+    # q_pos_ref [rows, 1]; q_ref [KVH, rows, D]; k_ref, v_ref [page_size, KVH * D]; scratch [KVH, rows, 1 | D]
+    s, p = pl.program_id(0), pl.program_id(2)
+    kvh, _, head_dim = q_ref.shape
 
     @pl.when(p == 0)
     def _init():
@@ -40,8 +41,8 @@ def _paged_tpu_kernel(lens_ref, table_ref, q_pos_ref, q_ref, k_ref, v_ref, o_ref
         if sliding_window is not None:
             visible &= key_pos > q_pos - sliding_window
         for h in range(kvh):  # static: each KV head with the query rows that share it
-            q = q_ref[h].astype(jnp.float32) * scale
-            s_ = dot_t(q, k_ref[:, h, :].astype(jnp.float32))  # [rows, page_size]
+            heads = slice(h * head_dim, (h + 1) * head_dim)
+            s_ = dot_t(q_ref[h], k_ref[:, heads]) * scale  # [rows, page_size]
             if soft_cap is not None:
                 s_ = soft_cap * jnp.tanh(s_ / soft_cap)
             s_ = jnp.where(visible, s_, MASKED)
@@ -51,10 +52,9 @@ def _paged_tpu_kernel(lens_ref, table_ref, q_pos_ref, q_ref, k_ref, v_ref, o_ref
             corr = jnp.exp(m_prev - m_new)
             m_sc[h] = m_new
             l_sc[h] = l_prev * corr + probs.sum(axis=-1, keepdims=True)
-            acc_sc[h] = acc_sc[h] * corr + jnp.dot(probs, v_ref[:, h, :].astype(jnp.float32),
-                                                   preferred_element_type=jnp.float32)
+            acc_sc[h] = acc_sc[h] * corr + dot(probs, v_ref[:, heads])
 
-    @pl.when(p == pl.num_programs(1) - 1)
+    @pl.when(p == pl.num_programs(2) - 1)
     def _finish():
         l = l_sc[...]
         seen = l > 0
@@ -62,21 +62,22 @@ def _paged_tpu_kernel(lens_ref, table_ref, q_pos_ref, q_ref, k_ref, v_ref, o_ref
         lse_ref[...] = jnp.where(seen, m_sc[...] + jnp.log(jnp.where(seen, l, 1.0)), MASKED)
 
 
-@functools.partial(jax.jit, static_argnames=("sliding_window", "soft_cap", "interpret"))
+@functools.partial(jax.jit, static_argnames=("sliding_window", "soft_cap", "max_rows", "interpret"))
 def paged_attention_tpu(q, k_pages, v_pages, page_table, kv_lens, q_positions, *, sliding_window=None,
-                        soft_cap=None, interpret=False):
+                        soft_cap=None, max_rows=128, interpret=False):
     """Arguments and result as `paged_attention.paged_attention` (q [S, Q, H, D] -> out, lse [S, Q, H])."""
     S, Q, H, D = q.shape
     num_pages, page_size, KVH, _ = k_pages.shape
     G = H // KVH
     P = page_table.shape[1]
-    rows = -(-Q * G // 8) * 8  # sublane multiple
+    block_rows = min(-(-Q * G // 8) * 8, max_rows)  # a sublane multiple; a prefill chunk is split into blocks
+    rows = -(-Q * G // block_rows) * block_rows
     q_rows = q.reshape(S, Q, KVH, G, D).transpose(0, 2, 1, 3, 4).reshape(S, KVH, Q * G, D)
     q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, rows - Q * G), (0, 0)))
     pos_rows = jnp.pad(jnp.repeat(q_positions, G, axis=1), ((0, 0), (0, rows - Q * G)), constant_values=-1)
     kv_lens = kv_lens.astype(jnp.int32)
 
-    def page_index(s, p, lens, table):
+    def page_index(s, r, p, lens, table):
         last = jnp.maximum(pl.cdiv(lens[s], page_size) - 1, 0)
         return table[s * P + jnp.minimum(p, last)]
 
@@ -84,28 +85,28 @@ def paged_attention_tpu(q, k_pages, v_pages, page_table, kv_lens, q_positions, *
                                soft_cap=soft_cap, scale=D ** -0.5)
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=2,  # kv_lens [S], page table [S * P]
-        grid=(S, P),
+        grid=(S, rows // block_rows, P),
         in_specs=[
-            pl.BlockSpec((None, rows, 1), lambda s, p, lens, table: (s, 0, 0)),  # query positions, one per sublane
-            pl.BlockSpec((None, KVH, rows, D), lambda s, p, lens, table: (s, 0, 0, 0)),
-            pl.BlockSpec((None, page_size, KVH, D), lambda s, p, lens, table: (page_index(s, p, lens, table), 0, 0, 0)),
-            pl.BlockSpec((None, page_size, KVH, D), lambda s, p, lens, table: (page_index(s, p, lens, table), 0, 0, 0)),
+            pl.BlockSpec((None, block_rows, 1), lambda s, r, p, *_: (s, r, 0)),  # query positions, one per sublane
+            pl.BlockSpec((None, KVH, block_rows, D), lambda s, r, p, *_: (s, 0, r, 0)),
+            pl.BlockSpec((None, page_size, KVH * D), lambda *a: (page_index(*a), 0, 0)),
+            pl.BlockSpec((None, page_size, KVH * D), lambda *a: (page_index(*a), 0, 0)),
         ],
-        out_specs=[pl.BlockSpec((None, KVH, rows, D), lambda s, p, lens, table: (s, 0, 0, 0)),
-                   pl.BlockSpec((None, KVH, rows, 1), lambda s, p, lens, table: (s, 0, 0, 0))],
-        scratch_shapes=[pltpu.VMEM((KVH, rows, 1), jnp.float32), pltpu.VMEM((KVH, rows, 1), jnp.float32),
-                        pltpu.VMEM((KVH, rows, D), jnp.float32)],
+        out_specs=[pl.BlockSpec((None, KVH, block_rows, D), lambda s, r, p, *_: (s, 0, r, 0)),
+                   pl.BlockSpec((None, KVH, block_rows, 1), lambda s, r, p, *_: (s, 0, r, 0))],
+        scratch_shapes=[pltpu.VMEM((KVH, block_rows, 1), jnp.float32), pltpu.VMEM((KVH, block_rows, 1), jnp.float32),
+                        pltpu.VMEM((KVH, block_rows, D), jnp.float32)],
     )
     o, lse = pl.pallas_call(
         kernel,
         grid_spec=grid_spec,
         out_shape=[jax.ShapeDtypeStruct((S, KVH, rows, D), q.dtype),
                    jax.ShapeDtypeStruct((S, KVH, rows, 1), jnp.float32)],
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
         interpret=interpret,
         name="paged_attention_tpu",
-    )(kv_lens, page_table.reshape(-1).astype(jnp.int32), pos_rows.astype(jnp.int32)[:, :, None], q_rows, k_pages,
-      v_pages)
+    )(kv_lens, page_table.reshape(-1).astype(jnp.int32), pos_rows.astype(jnp.int32)[:, :, None], q_rows,
+      k_pages.reshape(num_pages, page_size, KVH * D), v_pages.reshape(num_pages, page_size, KVH * D))
     o = o[:, :, :Q * G].reshape(S, KVH, Q, G, D).transpose(0, 2, 1, 3, 4).reshape(S, Q, H, D)
     lse = lse[:, :, :Q * G, 0].reshape(S, KVH, Q, G).transpose(0, 2, 1, 3).reshape(S, Q, H)
     return o, lse

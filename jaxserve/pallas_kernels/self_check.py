@@ -1,10 +1,12 @@
-"""A start-up check of the kernels on the device at hand: compile both at the model's head shapes and compare them
-with their references on small random inputs. `attention_backend="auto"` uses the kernels only if this passes
+"""A start-up check of the kernels on the device at hand: compare both with their references on small random inputs
+at the model's head shapes, then compile them at the largest shapes serving will use (resource limits: registers,
+shared memory, VMEM, SMEM for the page table show only there). `attention_backend="auto"` uses the kernels only if this passes
 (and says so in the log when it does not), so a kernel that a new backend version cannot lower never takes the
 engine down with it; `"pallas"` asked for explicitly raises instead.
 """
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -14,8 +16,11 @@ from jaxserve.pallas_kernels.paged_attention import paged_attention_reference
 
 
 def check_kernels(backend: str, num_heads: int, kv_heads: int, head_dim: int, page_size: int, dtype,
-                  sliding_window: int | None = None) -> str | None:
-    """None if both kernels of `backend` compile and agree with their references; else what went wrong."""
+                  sliding_window: int | None = None, serving: dict | None = None) -> str | None:
+    """None if both kernels of `backend` compile and agree with their references; else what went wrong.
+
+    serving: {num_pages, pages_per_seq, max_num_seqs, max_chunk}, the largest shapes to compile (not run).
+    """
     paged, flash = kernels_for(backend)
     rng = np.random.default_rng(0)
     tol = 2e-2 if jnp.dtype(dtype) == jnp.bfloat16 else 1e-3
@@ -40,6 +45,22 @@ def check_kernels(backend: str, num_heads: int, kv_heads: int, head_dim: int, pa
         want = flash_attention_reference(q, k, v, zero, zero, n, n, sliding_window=sliding_window)[0]
         if not np.allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=tol, rtol=tol):
             return "flash attention disagrees with its reference"
+        if serving is not None:
+            _compile_serving_shapes(paged, flash, num_heads, kv_heads, head_dim, page_size, dtype, sliding_window,
+                                    **serving)
     except Exception as e:  # noqa: BLE001 - any failure to lower or run is the answer
         return f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
     return None
+
+
+def _compile_serving_shapes(paged, flash, num_heads, kv_heads, head_dim, page_size, dtype, sliding_window, *,
+                            num_pages, pages_per_seq, max_num_seqs, max_chunk):
+    sds, i32 = jax.ShapeDtypeStruct, jnp.int32
+    pages = sds((num_pages, page_size, kv_heads, head_dim), dtype)
+    for seqs, tokens in [(max_num_seqs, 1), (1, max_chunk)]:  # the largest decode and prefill steps
+        jax.jit(lambda *a: paged(*a, sliding_window=sliding_window)).lower(
+            sds((seqs, tokens, num_heads, head_dim), dtype), pages, pages, sds((seqs, pages_per_seq), i32),
+            sds((seqs,), i32), sds((seqs, tokens), i32)).compile()
+    new = sds((1, max_chunk, kv_heads, head_dim), dtype)
+    jax.jit(lambda *a: flash(*a, sliding_window=sliding_window)).lower(
+        sds((1, max_chunk, num_heads, head_dim), dtype), new, new, *[sds((1,), i32)] * 4).compile()
