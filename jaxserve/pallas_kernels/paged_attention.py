@@ -73,7 +73,11 @@ def _paged_kernel(kv_len_ref, q_pos_ref, table_ref, q_ref, k_ref, v_ref, *refs, 
     init = (jnp.full((rows,), MASKED, jnp.float32), jnp.zeros((rows,), jnp.float32),
             jnp.zeros((rows, head_dim), jnp.float32))
     num_blocks = jnp.minimum(pl.cdiv(kv_len, block), table_ref.shape[0] // block_pages)
-    m, l, acc = jax.lax.fori_loop(0, num_blocks, visit, init)
+    first_block = 0
+    if sliding_window is not None:  # blocks wholly before every query's window are skipped
+        lowest = jnp.min(jnp.where(q_pos >= 0, q_pos, 2 ** 30))
+        first_block = jnp.minimum(jnp.maximum(lowest - sliding_window + 1, 0) // block, num_blocks)
+    m, l, acc = jax.lax.fori_loop(first_block, num_blocks, visit, init)
     seen = l > 0
     o_ref[...] = (acc / jnp.where(seen, l, 1.0)[:, None]).astype(o_ref.dtype)
     lse_ref[...] = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), MASKED)
