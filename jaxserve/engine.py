@@ -41,8 +41,9 @@ class LLM:
     scheduling_policy: "fcfs", or "priority" (lower `priority` first; a better one may preempt a worse one).
     ttft_slo, tpot_slo: latency targets in seconds; with them the running batch is sized from measured step times
         (see jaxserve.batching.slo).
-    attention_backend: "auto" (Pallas kernels on GPU, jnp reference elsewhere), "reference" or "pallas" (on CPU
-        the kernels run in Pallas interpret mode: correct, slow).
+    attention_backend: "auto" (the Pallas kernels on GPU and TPU if they pass a start-up check, else and on CPU
+        the jnp reference), "reference", or "pallas" / "pallas-gpu" / "pallas-tpu" (insist; on CPU the kernels run
+        in Pallas interpret mode: correct, slow).
     warmup: compile every step bucket now rather than on first use.
     """
 
