@@ -17,6 +17,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None,
                    help="longest prompt + output in tokens (default: the model's context length)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache page")
+    p.add_argument("--quantization", default=None, choices=["int8"],
+                   help="weight-only quantization of the linear layers (int8: a quarter of float32's bytes)")
     p.add_argument("--warmup", action="store_true", help="compile every shape bucket before generating")
     p.add_argument("-v", "--verbose", action="store_true", help="log loading and compilation")
 
@@ -65,7 +67,7 @@ def _llm(args):
     from jaxserve import LLM
     # One prompt at a time: a single decode row keeps the set of compiled programs (and start-up) small.
     return LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, block_size=args.block_size,
-               max_num_seqs=1, warmup=args.warmup)
+               max_num_seqs=1, quantization=args.quantization, warmup=args.warmup)
 
 
 def cmd_generate(args) -> None:

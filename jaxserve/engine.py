@@ -17,6 +17,7 @@ from jaxserve.batching.slo import SloController
 from jaxserve.buckets import Buckets
 from jaxserve.cache import PageAllocator, PrefixCache, bytes_per_page, num_pages_for_budget, pages_needed
 from jaxserve.outputs import RequestMetrics, RequestOutput
+from jaxserve.quant import QUANTIZATIONS, quantize_params
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.tokenizer import IncrementalDetokenizer
 from jaxserve.weights import load_model, resolve_dtype
@@ -44,6 +45,7 @@ class LLM:
     attention_backend: "auto" (the Pallas kernels on GPU and TPU if they pass a start-up check, else and on CPU
         the jnp reference), "reference", or "pallas" / "pallas-gpu" / "pallas-tpu" (insist; on CPU the kernels run
         in Pallas interpret mode: correct, slow).
+    quantization: None or "int8" (weight-only, per output channel, every linear layer but the LM head).
     warmup: compile every step bucket now rather than on first use.
     """
 
@@ -52,7 +54,7 @@ class LLM:
                  kv_cache_memory_bytes: int | None = None, gpu_memory_utilization: float = 0.9, seed: int = 0,
                  enable_prefix_caching: bool = True, scheduling_policy: str = "fcfs",
                  ttft_slo: float | None = None, tpot_slo: float | None = None, attention_backend: str = "auto",
-                 warmup: bool = True):
+                 quantization: str | None = None, warmup: bool = True):
         for name, value in [("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
                             ("block_size", block_size)]:
             if not isinstance(value, int) or value < 1:
@@ -63,13 +65,19 @@ class LLM:
         backend = resolve_attention_backend(attention_backend)
         _enable_compilation_cache()
         dtype = resolve_dtype(dtype)
+        if quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS[1:]} or None, got {quantization!r}")
         loaded = load_model(model, dtype)
         self.model_name, self.config, self.tokenizer = loaded.name, loaded.config, loaded.tokenizer
+        params = quantize_params(loaded.params, quantization)
+        if quantization is not None:
+            logger.info("%s weights: %.1f MB -> %.1f MB", quantization, param_bytes(loaded.params) / 1e6,
+                        param_bytes(params) / 1e6)
         limit = self.config.max_position_embeddings
         if max_model_len is not None and not (isinstance(max_model_len, int) and 1 < max_model_len <= limit):
             raise ValueError(f"max_model_len must be an integer in [2, {limit}] for this model, got {max_model_len!r}")
         self.max_model_len = max_model_len or limit
-        kv_bytes = kv_cache_memory_bytes or _default_kv_budget(param_bytes(loaded.params), gpu_memory_utilization)
+        kv_bytes = kv_cache_memory_bytes or _default_kv_budget(param_bytes(params), gpu_memory_utilization)
         num_pages = num_pages_for_budget(self.config, block_size, dtype, kv_bytes)
         # Never more pages than max_num_seqs full-length sequences can use (+1 for the scratch page).
         num_pages = min(num_pages, max_num_seqs * pages_needed(self.max_model_len, block_size) + 1)
@@ -79,7 +87,7 @@ class LLM:
         serving = dict(num_pages=num_pages, pages_per_seq=buckets.num_pages[-1], max_num_seqs=max_num_seqs,
                        max_chunk=buckets.prefill_tokens[-1])
         self.attention_backend = _checked_backend(backend, attention_backend, self.config, block_size, dtype, serving)
-        self.runner = ModelRunner(self.config, loaded.params, dtype, num_pages, block_size, buckets, max_num_seqs,
+        self.runner = ModelRunner(self.config, params, dtype, num_pages, block_size, buckets, max_num_seqs,
                                   self.attention_backend)
         slo = None
         if ttft_slo is not None or tpot_slo is not None:

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from jaxserve.attention import attention
 from jaxserve.config import ModelConfig
 from jaxserve.model.rope import apply_rope, inverse_frequencies
+from jaxserve.quant import matmul
 
 
 class Linear(nn.Module):
@@ -23,8 +24,9 @@ class Linear(nn.Module):
 
     @nn.compact
     def __call__(self, x):
+        # kernel: [in, out], float or an Int8Weight (jaxserve.quant)
         kernel = self.param("kernel", nn.initializers.normal(0.02), (x.shape[-1], self.features), self.dtype)
-        y = x @ kernel  # kernel: [in, out]
+        y = matmul(x, kernel)
         if self.use_bias:
             y = y + self.param("bias", nn.initializers.zeros, (self.features,), self.dtype)
         return y

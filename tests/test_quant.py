@@ -1,0 +1,71 @@
+"""int8 weight-only quantization: the quantized pytree, the matmul, and its cost in quality on the default model."""
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxserve import LLM, SamplingParams
+from jaxserve.batching.batch_builder import Row, build_batch
+from jaxserve.quant import Int8Weight, matmul, quantize_int8, quantize_params
+from jaxserve.cache import init_kv_cache, pages_needed
+from jaxserve.steps import Steps
+from jaxserve.weights import load_model
+from jaxserve.weights.params import param_bytes
+
+TEXT = (Path(__file__).parent / "data" / "gettysburg.txt").read_text()  # public domain (Lincoln, 1863)
+
+
+def test_int8_matmul_is_close_and_the_bytes_are_a_quarter():
+    rng = np.random.default_rng()
+    w = jnp.asarray(rng.standard_normal((256, 96)) * rng.uniform(0.01, 2.0, 96), jnp.float32)  # uneven columns
+    x = jnp.asarray(rng.standard_normal((5, 256)), jnp.float32)
+    q = quantize_int8(w)
+    assert q.values.dtype == jnp.int8 and q.scale.shape == (96,)
+    err = np.abs(np.asarray(matmul(x, q)) - np.asarray(x @ w))
+    # Per-column rounding error: at most half a step (scale / 2) per weight, summed over 256 inputs.
+    assert (err <= 0.5 * np.asarray(q.scale) * np.abs(np.asarray(x)).sum(axis=1, keepdims=True) + 1e-5).all()
+    assert param_bytes(q) < 0.26 * w.nbytes + 96 * 4 + 1
+
+
+def test_quantize_params_skips_norms_embeddings_and_the_head():
+    params = {"params": {"embed_tokens": jnp.ones((10, 4)), "lm_head": {"kernel": jnp.ones((4, 10))},
+                         "layers_0": {"q_proj": {"kernel": jnp.ones((4, 4)), "bias": jnp.zeros(4)},
+                                      "input_layernorm": {"weight": jnp.ones(4)}}}}
+    out = quantize_params(params, "int8")["params"]
+    assert isinstance(out["layers_0"]["q_proj"]["kernel"], Int8Weight)
+    assert not isinstance(out["lm_head"]["kernel"], Int8Weight)
+    assert out["layers_0"]["q_proj"]["bias"] is params["params"]["layers_0"]["q_proj"]["bias"]
+    assert isinstance(quantize_params(params, "int8", quantize_lm_head=True)["params"]["lm_head"]["kernel"],
+                      Int8Weight)
+    with pytest.raises(ValueError, match="quantization"):
+        quantize_params(params, "int3")
+
+
+def perplexity(loaded, params, text):
+    ids = loaded.tokenizer.encode(text)
+    page = 16
+    pages = list(range(1, 1 + pages_needed(len(ids), page)))
+    steps = Steps(loaded.config, jnp.float32)
+    batch = build_batch([Row(ids, 0, pages)], page, loaded.config.vocab_size, 1, len(ids), len(pages))
+    logits, _ = steps.forward_logits(params, init_kv_cache(loaded.config, len(pages) + 1, page, jnp.float32), batch)
+    logp = np.asarray(jax.nn.log_softmax(logits[0, :-1], axis=-1))
+    return float(np.exp(-logp[np.arange(len(ids) - 1), ids[1:]].mean())), len(ids)
+
+
+def test_int8_costs_under_one_percent_of_perplexity(default_gguf_path):
+    loaded = load_model(str(default_gguf_path), jnp.float32)
+    fp32, n = perplexity(loaded, loaded.params, TEXT)
+    int8, _ = perplexity(loaded, quantize_params(loaded.params, "int8"), TEXT)
+    assert n > 300 and fp32 < 30  # a real text the model reads well
+    assert abs(int8 - fp32) / fp32 < 0.01, (fp32, int8)
+
+
+def test_engine_generates_with_int8_weights(default_gguf_path):
+    llm = LLM(str(default_gguf_path), max_model_len=256, max_num_seqs=2, max_num_batched_tokens=64,
+              quantization="int8", warmup=False)
+    out = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    assert "Paris" in out[0].outputs[0].text
+    with pytest.raises(ValueError, match="quantization"):
+        LLM(str(default_gguf_path), quantization="fp4", warmup=False)
