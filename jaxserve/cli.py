@@ -17,7 +17,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None,
                    help="longest prompt + output in tokens (default: the model's context length)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache page")
-    p.add_argument("--quantization", default=None, choices=["int8"],
+    p.add_argument("--quantization", default=None, choices=["int8", "int4"],
                    help="weight-only quantization of the linear layers (int8: a quarter of float32's bytes)")
     p.add_argument("--warmup", action="store_true", help="compile every shape bucket before generating")
     p.add_argument("-v", "--verbose", action="store_true", help="log loading and compilation")

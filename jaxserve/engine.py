@@ -45,7 +45,8 @@ class LLM:
     attention_backend: "auto" (the Pallas kernels on GPU and TPU if they pass a start-up check, else and on CPU
         the jnp reference), "reference", or "pallas" / "pallas-gpu" / "pallas-tpu" (insist; on CPU the kernels run
         in Pallas interpret mode: correct, slow).
-    quantization: None or "int8" (weight-only, per output channel, every linear layer but the LM head).
+    quantization: None, "int8" (weight-only, per output channel) or "int4" (groups of 128 input rows, packed),
+        for every linear layer but the LM head.
     warmup: compile every step bucket now rather than on first use.
     """
 

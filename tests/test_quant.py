@@ -8,7 +8,7 @@ import pytest
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.batching.batch_builder import Row, build_batch
-from jaxserve.quant import Int8Weight, matmul, quantize_int8, quantize_params
+from jaxserve.quant import Int4Weight, Int8Weight, matmul, quantize_int4, quantize_int8, quantize_params
 from jaxserve.cache import init_kv_cache, pages_needed
 from jaxserve.steps import Steps
 from jaxserve.weights import load_model
@@ -27,6 +27,20 @@ def test_int8_matmul_is_close_and_the_bytes_are_a_quarter():
     # Per-column rounding error: at most half a step (scale / 2) per weight, summed over 256 inputs.
     assert (err <= 0.5 * np.asarray(q.scale) * np.abs(np.asarray(x)).sum(axis=1, keepdims=True) + 1e-5).all()
     assert param_bytes(q) < 0.26 * w.nbytes + 96 * 4 + 1
+
+
+def test_int4_packs_two_values_per_byte_within_half_a_step():
+    rng = np.random.default_rng()
+    w = jnp.asarray(rng.standard_normal((200, 48)), jnp.float32)  # 200 rows: not a whole number of 128-groups
+    q = quantize_int4(w, group_size=128)
+    assert q.packed.dtype == jnp.uint8 and q.packed.shape == (128, 48) and q.scale.shape == (2, 48)
+    assert q.shape == (200, 48)
+    groups = np.repeat(np.asarray(q.scale), 128, axis=0)[:200]  # each row's group scale
+    assert (np.abs(np.asarray(q.dequantize(jnp.float32)) - np.asarray(w)) <= groups / 2 + 1e-6).all()
+    x = jnp.asarray(rng.standard_normal((3, 200)), jnp.float32)
+    np.testing.assert_allclose(np.asarray(matmul(x, q)), np.asarray(x @ q.dequantize(jnp.float32)), rtol=1e-5,
+                               atol=1e-5)
+    assert isinstance(quantize_params({"a": {"kernel": w}}, "int4")["a"]["kernel"], Int4Weight)
 
 
 def test_quantize_params_skips_norms_embeddings_and_the_head():

@@ -24,8 +24,12 @@ class Linear(nn.Module):
 
     @nn.compact
     def __call__(self, x):
-        # kernel: [in, out], float or an Int8Weight (jaxserve.quant)
-        kernel = self.param("kernel", nn.initializers.normal(0.02), (x.shape[-1], self.features), self.dtype)
+        # kernel: [in, out], float or quantized (jaxserve.quant). A quantized kernel's leaves do not have the float
+        # kernel's shape, so an existing kernel is read as is rather than through param()'s shape check.
+        if self.has_variable("params", "kernel"):
+            kernel = self.get_variable("params", "kernel")
+        else:
+            kernel = self.param("kernel", nn.initializers.normal(0.02), (x.shape[-1], self.features), self.dtype)
         y = matmul(x, kernel)
         if self.use_bias:
             y = y + self.param("bias", nn.initializers.zeros, (self.features,), self.dtype)
