@@ -1,16 +1,13 @@
 """int8 weight-only quantization: the quantized pytree, the matmul, and its cost in quality on the default model."""
 from pathlib import Path
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.batching.batch_builder import Row, build_batch
 from jaxserve.quant import Int4Weight, Int8Weight, matmul, quantize_int4, quantize_int8, quantize_params
-from jaxserve.cache import init_kv_cache, pages_needed
-from jaxserve.steps import Steps
+from jaxserve.perplexity import next_token_logits, perplexity
 from jaxserve.weights import load_model
 from jaxserve.weights.params import param_bytes
 
@@ -57,21 +54,15 @@ def test_quantize_params_skips_norms_embeddings_and_the_head():
         quantize_params(params, "int3")
 
 
-def perplexity(loaded, params, text):
+def text_perplexity(loaded, params, text):
     ids = loaded.tokenizer.encode(text)
-    page = 16
-    pages = list(range(1, 1 + pages_needed(len(ids), page)))
-    steps = Steps(loaded.config, jnp.float32)
-    batch = build_batch([Row(ids, 0, pages)], page, loaded.config.vocab_size, 1, len(ids), len(pages))
-    logits, _ = steps.forward_logits(params, init_kv_cache(loaded.config, len(pages) + 1, page, jnp.float32), batch)
-    logp = np.asarray(jax.nn.log_softmax(logits[0, :-1], axis=-1))
-    return float(np.exp(-logp[np.arange(len(ids) - 1), ids[1:]].mean())), len(ids)
+    return perplexity(next_token_logits(loaded.config, params, ids), ids), len(ids)
 
 
 def test_int8_costs_under_one_percent_of_perplexity(default_gguf_path):
     loaded = load_model(str(default_gguf_path), jnp.float32)
-    fp32, n = perplexity(loaded, loaded.params, TEXT)
-    int8, _ = perplexity(loaded, quantize_params(loaded.params, "int8"), TEXT)
+    fp32, n = text_perplexity(loaded, loaded.params, TEXT)
+    int8, _ = text_perplexity(loaded, quantize_params(loaded.params, "int8"), TEXT)
     assert n > 300 and fp32 < 30  # a real text the model reads well
     assert abs(int8 - fp32) / fp32 < 0.01, (fp32, int8)
 
@@ -83,3 +74,16 @@ def test_engine_generates_with_int8_weights(default_gguf_path):
     assert "Paris" in out[0].outputs[0].text
     with pytest.raises(ValueError, match="quantization"):
         LLM(str(default_gguf_path), quantization="fp4", warmup=False)
+
+
+def test_quality_script_runs(default_gguf_path, tmp_path):
+    import json
+    import subprocess
+    import sys
+    out = tmp_path / "quality.json"
+    r = subprocess.run([sys.executable, "scripts/eval_quality.py", "--out", str(out)], capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    rows = {row["format"]: row for row in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"float32", "bfloat16", "int8", "int4"} and rows["float32"]["top1_agreement"] == 1.0
+    assert rows["int8"]["weight_bytes"] < 0.6 * rows["float32"]["weight_bytes"]
