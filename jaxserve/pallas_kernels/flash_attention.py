@@ -16,7 +16,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from jaxserve.pallas_kernels.paged_attention import MASKED, dot, dot_t, masked_softmax_attention
+from jaxserve.pallas_kernels.paged_attention import (masked_softmax_attention, poisoned, scores, softmax_block,
+                                                     softmax_init, softmax_result)
 
 
 def _flash_kernel(lens_ref, q_ref, k_ref, v_ref, *refs, block_q, block_k, causal, sliding_window, soft_cap,
@@ -31,12 +32,8 @@ def _flash_kernel(lens_ref, q_ref, k_ref, v_ref, *refs, block_q, block_k, causal
     q_pos = jnp.where(q_idx < q_len, q_start + q_idx, -(2 ** 30))[:, None]  # [block_q, 1]; padding sees nothing
 
     def visit(j, carry):
-        m, l, acc = carry
-        k = k_ref[pl.ds(j * block_k, block_k), :].astype(q.dtype)
+        k = k_ref[pl.ds(j * block_k, block_k), :]
         v = v_ref[pl.ds(j * block_k, block_k), :].astype(q.dtype)
-        s = dot_t(q, k) * scale  # [block_q, block_k]
-        if soft_cap is not None:
-            s = soft_cap * jnp.tanh(s / soft_cap)
         k_idx = j * block_k + jnp.arange(block_k)[None, :]
         k_pos = k_start + k_idx
         visible = (k_idx < k_len) & (q_pos > -(2 ** 30))
@@ -44,11 +41,7 @@ def _flash_kernel(lens_ref, q_ref, k_ref, v_ref, *refs, block_q, block_k, causal
             visible &= k_pos <= q_pos
         if sliding_window is not None:
             visible &= k_pos > q_pos - sliding_window
-        s = jnp.where(visible, s, MASKED)
-        m_new = jnp.maximum(m, s.max(axis=-1))
-        p = jnp.where(visible, jnp.exp(s - m_new[:, None]), 0.0)
-        corr = jnp.exp(m - m_new)
-        return m_new, l * corr + p.sum(axis=-1), acc * corr[:, None] + dot(p, v)
+        return softmax_block(*carry, scores(q, k, scale, soft_cap), visible, v)
 
     # Only the key blocks some query of this block can see.
     last_q_pos = q_start + jnp.minimum(first + block_q, q_len) - 1
@@ -56,12 +49,10 @@ def _flash_kernel(lens_ref, q_ref, k_ref, v_ref, *refs, block_q, block_k, causal
     lo = 0
     if sliding_window is not None:
         lo = jnp.maximum(q_start + first - sliding_window + 1 - k_start, 0) // block_k
-    init = (jnp.full((block_q,), MASKED, jnp.float32), jnp.zeros((block_q,), jnp.float32),
-            jnp.zeros((block_q, head_dim), jnp.float32))
-    m, l, acc = jax.lax.fori_loop(lo, jnp.maximum(hi, lo), visit, init)
-    seen = l > 0
-    o_ref[...] = (acc / jnp.where(seen, l, 1.0)[:, None]).astype(o_ref.dtype)
-    lse_ref[...] = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), MASKED)
+    carry = jax.lax.fori_loop(lo, jnp.maximum(hi, lo), visit, softmax_init(block_q, head_dim))
+    out, lse = softmax_result(*carry)
+    o_ref[...] = out.astype(o_ref.dtype)
+    lse_ref[...] = lse[:, 0]
 
 
 @functools.partial(jax.jit, static_argnames=("causal", "sliding_window", "soft_cap", "block_q", "block_k",
@@ -86,10 +77,7 @@ def flash_attention(q, k, v, q_start, k_start, q_lens, k_lens, *, causal=True, s
     kernel = functools.partial(_flash_kernel, block_q=block_q, block_k=block_k, causal=causal,
                                sliding_window=sliding_window, soft_cap=soft_cap, scale=D ** -0.5)
     out_shape = [jax.ShapeDtypeStruct((B, Tp, H, D), q.dtype), jax.ShapeDtypeStruct((B, H, Tp), jnp.float32)]
-    extra, aliases = [], {}
-    if poison:  # tests only: outputs start as NaN, so any element the kernel skips shows
-        extra = [jnp.full(s.shape, jnp.nan, s.dtype) for s in out_shape]
-        aliases = {4: 0, 5: 1}
+    extra, aliases = poisoned(out_shape, 4) if poison else ([], {})
     o, lse = pl.pallas_call(
         kernel,
         grid=(B, H, Tp // block_q),
@@ -117,8 +105,7 @@ def flash_attention_reference(q, k, v, q_start, k_start, q_lens, k_lens, *, caus
     _, L, KVH, _ = k.shape
     qf = q.reshape(B, T, KVH, H // KVH, D).astype(jnp.float32)
     s = jnp.einsum("bqkgd,blkd->bqkgl", qf, k.astype(jnp.float32)) * D ** -0.5
-    if soft_cap is not None:
-        s = soft_cap * jnp.tanh(s / soft_cap)
+    s = s if soft_cap is None else soft_cap * jnp.tanh(s / soft_cap)
     q_idx, k_idx = jnp.arange(T)[None, :, None], jnp.arange(L)[None, None, :]
     q_pos, k_pos = q_start[:, None, None] + q_idx, k_start[:, None, None] + k_idx
     visible = (q_idx < q_lens[:, None, None]) & (k_idx < k_lens[:, None, None])  # [B, T, L]

@@ -16,7 +16,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from jaxserve.pallas_kernels.paged_attention import MASKED, dot, dot_t
+from jaxserve.pallas_kernels.paged_attention import scores, softmax_block
+from jaxserve.pallas_kernels.paged_attention_tpu import reset_softmax, write_softmax
 
 
 def _visible_blocks(b, i, lens, block_q, block_k, causal, sliding_window):
@@ -38,11 +39,7 @@ def _flash_tpu_kernel(lens_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, m_sc, l_sc,
     q_start, k_start, q_len, k_len = lens_ref[4 * b], lens_ref[4 * b + 1], lens_ref[4 * b + 2], lens_ref[4 * b + 3]
     lo, hi = _visible_blocks(b, i, lens_ref, block_q, block_k, causal, sliding_window)
 
-    @pl.when(j == 0)
-    def _init():
-        m_sc[...] = jnp.full(m_sc.shape, MASKED, jnp.float32)
-        l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
-        acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
+    pl.when(j == 0)(lambda: reset_softmax(m_sc, l_sc, acc_sc))
 
     @pl.when((j >= lo) & (j < hi))
     def _visit():
@@ -54,24 +51,11 @@ def _flash_tpu_kernel(lens_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, m_sc, l_sc,
             visible &= k_pos <= q_pos
         if sliding_window is not None:
             visible &= k_pos > q_pos - sliding_window
-        s = dot_t(q_ref[...], k_ref[...].astype(q_ref.dtype)) * scale  # [block_q, block_k]
-        if soft_cap is not None:
-            s = soft_cap * jnp.tanh(s / soft_cap)
-        s = jnp.where(visible, s, MASKED)
-        m_prev = m_sc[...]
-        m_new = jnp.maximum(m_prev, s.max(axis=-1, keepdims=True))
-        p = jnp.where(visible, jnp.exp(s - m_new), 0.0)
-        corr = jnp.exp(m_prev - m_new)
-        m_sc[...] = m_new
-        l_sc[...] = l_sc[...] * corr + p.sum(axis=-1, keepdims=True)
-        acc_sc[...] = acc_sc[...] * corr + dot(p, v_ref[...].astype(q_ref.dtype))
+        m, l, acc = softmax_block(m_sc[...], l_sc[...], acc_sc[...], scores(q_ref[...], k_ref[...], scale, soft_cap),
+                                  visible, v_ref[...].astype(q_ref.dtype))
+        m_sc[...], l_sc[...], acc_sc[...] = m, l, acc
 
-    @pl.when(j == pl.num_programs(3) - 1)
-    def _finish():
-        l = l_sc[...]
-        seen = l > 0
-        o_ref[...] = (acc_sc[...] / jnp.where(seen, l, 1.0)).astype(o_ref.dtype)
-        lse_ref[...] = jnp.where(seen, m_sc[...] + jnp.log(jnp.where(seen, l, 1.0)), MASKED)
+    pl.when(j == pl.num_programs(3) - 1)(lambda: write_softmax(o_ref, lse_ref, m_sc, l_sc, acc_sc))
 
 
 @functools.partial(jax.jit, static_argnames=("causal", "sliding_window", "soft_cap", "block_q", "block_k",

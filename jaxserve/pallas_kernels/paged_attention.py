@@ -37,6 +37,40 @@ def dot(a, b):
     return jax.lax.dot_general(a.astype(b.dtype), b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
 
 
+def scores(q, k, scale, soft_cap):
+    """Scaled (and soft-capped) q @ k.T in float32: [rows, D] x [keys, D] -> [rows, keys]."""
+    s = dot_t(q, k.astype(q.dtype)) * scale
+    return s if soft_cap is None else soft_cap * jnp.tanh(s / soft_cap)
+
+
+def softmax_init(rows: int, head_dim: int):
+    """An empty running softmax: max, sum [rows, 1] and weighted values [rows, D], float32."""
+    return (jnp.full((rows, 1), MASKED, jnp.float32), jnp.zeros((rows, 1), jnp.float32),
+            jnp.zeros((rows, head_dim), jnp.float32))
+
+
+def softmax_block(m, l, acc, s, visible, v):
+    """Adds one block of keys (scores s [rows, keys], values v [keys, D]) to a running softmax."""
+    s = jnp.where(visible, s, MASKED)
+    m_new = jnp.maximum(m, s.max(axis=-1, keepdims=True))
+    p = jnp.where(visible, jnp.exp(s - m_new), 0.0)  # not exp(s - m): a row that saw nothing would sum to 1
+    corr = jnp.exp(m - m_new)
+    return m_new, l * corr + p.sum(axis=-1, keepdims=True), acc * corr + dot(p, v)
+
+
+def softmax_result(m, l, acc):
+    """(out [rows, D], lse [rows, 1]); a row that saw nothing gets 0 and MASKED, never NaN."""
+    seen = l > 0
+    safe = jnp.where(seen, l, 1.0)
+    return acc / safe, jnp.where(seen, m + jnp.log(safe), MASKED)
+
+
+def poisoned(out_shape, first_input: int):
+    """Tests only: NaN buffers aliased to the outputs (inputs first_input, ...), so any element a kernel skips shows."""
+    return ([jnp.full(o.shape, jnp.nan, o.dtype) for o in out_shape],
+            {first_input + i: i for i in range(len(out_shape))})
+
+
 def _pow2(n: int, lo: int = 1) -> int:
     return max(lo, 1 << (max(n, 1) - 1).bit_length())
 
@@ -52,35 +86,23 @@ def _paged_kernel(kv_len_ref, q_pos_ref, table_ref, q_ref, k_ref, v_ref, *refs, 
     kv_len = kv_len_ref[0, 0]
 
     def visit(i, carry):
-        m, l, acc = carry
         pages = table_ref[pl.ds(i * block_pages, block_pages)]
         k = k_ref[pages].reshape(block, head_dim)  # [block, D]: a gather through the page table
         v = v_ref[pages].reshape(block, head_dim)
-        s = dot_t(q, k.astype(q.dtype)) * scale  # [rows, block]
-        if soft_cap is not None:
-            s = soft_cap * jnp.tanh(s / soft_cap)
         key_pos = i * block + jnp.arange(block)[None, :]
         visible = (key_pos < kv_len) & (key_pos <= q_pos[:, None])
         if sliding_window is not None:
             visible &= key_pos > q_pos[:, None] - sliding_window
-        s = jnp.where(visible, s, MASKED)
-        m_new = jnp.maximum(m, s.max(axis=-1))
-        p = jnp.where(visible, jnp.exp(s - m_new[:, None]), 0.0)
-        corr = jnp.exp(m - m_new)
-        acc = acc * corr[:, None] + dot(p, v.astype(q.dtype))
-        return m_new, l * corr + p.sum(axis=-1), acc
+        return softmax_block(*carry, scores(q, k, scale, soft_cap), visible, v.astype(q.dtype))
 
-    init = (jnp.full((rows,), MASKED, jnp.float32), jnp.zeros((rows,), jnp.float32),
-            jnp.zeros((rows, head_dim), jnp.float32))
     num_blocks = jnp.minimum(pl.cdiv(kv_len, block), table_ref.shape[0] // block_pages)
     first_block = 0
     if sliding_window is not None:  # blocks wholly before every query's window are skipped
         lowest = jnp.min(jnp.where(q_pos >= 0, q_pos, 2 ** 30))
         first_block = jnp.minimum(jnp.maximum(lowest - sliding_window + 1, 0) // block, num_blocks)
-    m, l, acc = jax.lax.fori_loop(first_block, num_blocks, visit, init)
-    seen = l > 0
-    o_ref[...] = (acc / jnp.where(seen, l, 1.0)[:, None]).astype(o_ref.dtype)
-    lse_ref[...] = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), MASKED)
+    out, lse = softmax_result(*jax.lax.fori_loop(first_block, num_blocks, visit, softmax_init(rows, head_dim)))
+    o_ref[...] = out.astype(o_ref.dtype)
+    lse_ref[...] = lse[:, 0]
 
 
 @functools.partial(jax.jit, static_argnames=("sliding_window", "soft_cap", "block_pages", "max_rows", "interpret",
@@ -110,10 +132,7 @@ def paged_attention(q, k_pages, v_pages, page_table, kv_lens, q_positions, *, sl
     kernel = functools.partial(_paged_kernel, page_size=page_size, block_pages=block_pages,
                                sliding_window=sliding_window, soft_cap=soft_cap, scale=D ** -0.5)
     out_shape = [jax.ShapeDtypeStruct((S, KVH, rows, D), q.dtype), jax.ShapeDtypeStruct((S, KVH, rows), jnp.float32)]
-    extra, aliases = [], {}
-    if poison:
-        extra = [jnp.full(s.shape, jnp.nan, s.dtype) for s in out_shape]
-        aliases = {6: 0, 7: 1}
+    extra, aliases = poisoned(out_shape, 6) if poison else ([], {})
     o, lse = pl.pallas_call(
         kernel,
         grid=(S, KVH, rows // block_rows),
@@ -150,8 +169,7 @@ def paged_attention_reference(q, k_pages, v_pages, page_table, kv_lens, q_positi
     v = v_pages[page_table].reshape(S, L, KVH, D).astype(jnp.float32)
     q32 = q.reshape(S, Q, KVH, H // KVH, D).astype(jnp.float32)
     s = jnp.einsum("sqkgd,slkd->sqkgl", q32, k) * D ** -0.5
-    if soft_cap is not None:
-        s = soft_cap * jnp.tanh(s / soft_cap)
+    s = s if soft_cap is None else soft_cap * jnp.tanh(s / soft_cap)
     key_pos = jnp.arange(L)[None, None, :]
     visible = (key_pos < kv_lens[:, None, None]) & (key_pos <= q_positions[:, :, None])  # [S, Q, L]
     if sliding_window is not None:

@@ -16,7 +16,20 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from jaxserve.pallas_kernels.paged_attention import MASKED, dot, dot_t
+from jaxserve.pallas_kernels.paged_attention import MASKED, scores, softmax_block, softmax_result
+
+
+def reset_softmax(m_sc, l_sc, acc_sc) -> None:
+    """Empties a running softmax kept in VMEM scratch across a sequential grid axis."""
+    m_sc[...] = jnp.full(m_sc.shape, MASKED, jnp.float32)
+    l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
+    acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
+
+
+def write_softmax(o_ref, lse_ref, m_sc, l_sc, acc_sc) -> None:
+    out, lse = softmax_result(m_sc[...], l_sc[...], acc_sc[...])
+    o_ref[...] = out.astype(o_ref.dtype)
+    lse_ref[...] = lse
 
 
 def _paged_tpu_kernel(lens_ref, table_ref, q_pos_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, m_sc, l_sc, acc_sc, *,
@@ -25,11 +38,7 @@ def _paged_tpu_kernel(lens_ref, table_ref, q_pos_ref, q_ref, k_ref, v_ref, o_ref
     s, p = pl.program_id(0), pl.program_id(2)
     kvh, _, head_dim = q_ref.shape
 
-    @pl.when(p == 0)
-    def _init():
-        m_sc[...] = jnp.full(m_sc.shape, MASKED, jnp.float32)
-        l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
-        acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
+    pl.when(p == 0)(lambda: reset_softmax(m_sc, l_sc, acc_sc))
 
     kv_len = lens_ref[s]
 
@@ -42,24 +51,11 @@ def _paged_tpu_kernel(lens_ref, table_ref, q_pos_ref, q_ref, k_ref, v_ref, o_ref
             visible &= key_pos > q_pos - sliding_window
         for h in range(kvh):  # static: each KV head with the query rows that share it
             heads = slice(h * head_dim, (h + 1) * head_dim)
-            s_ = dot_t(q_ref[h], k_ref[:, heads]) * scale  # [rows, page_size]
-            if soft_cap is not None:
-                s_ = soft_cap * jnp.tanh(s_ / soft_cap)
-            s_ = jnp.where(visible, s_, MASKED)
-            m_prev, l_prev = m_sc[h], l_sc[h]  # [rows, 1]
-            m_new = jnp.maximum(m_prev, s_.max(axis=-1, keepdims=True))
-            probs = jnp.where(visible, jnp.exp(s_ - m_new), 0.0)
-            corr = jnp.exp(m_prev - m_new)
-            m_sc[h] = m_new
-            l_sc[h] = l_prev * corr + probs.sum(axis=-1, keepdims=True)
-            acc_sc[h] = acc_sc[h] * corr + dot(probs, v_ref[:, heads])
+            m, l, acc = softmax_block(m_sc[h], l_sc[h], acc_sc[h], scores(q_ref[h], k_ref[:, heads], scale, soft_cap),
+                                      visible, v_ref[:, heads].astype(q_ref.dtype))
+            m_sc[h], l_sc[h], acc_sc[h] = m, l, acc
 
-    @pl.when(p == pl.num_programs(2) - 1)
-    def _finish():
-        l = l_sc[...]
-        seen = l > 0
-        o_ref[...] = (acc_sc[...] / jnp.where(seen, l, 1.0)).astype(o_ref.dtype)
-        lse_ref[...] = jnp.where(seen, m_sc[...] + jnp.log(jnp.where(seen, l, 1.0)), MASKED)
+    pl.when(p == pl.num_programs(2) - 1)(lambda: write_softmax(o_ref, lse_ref, m_sc, l_sc, acc_sc))
 
 
 @functools.partial(jax.jit, static_argnames=("sliding_window", "soft_cap", "max_rows", "interpret"))
