@@ -123,6 +123,14 @@ def test_bad_engine_arguments(tiny_dir, tmp_path):
         make_llm(tiny_dir, max_model_len=100000)
     with pytest.raises(ValueError, match="max_num_seqs"):
         make_llm(tiny_dir, max_num_seqs=0)
+    with pytest.raises(ValueError, match="at least max_num_seqs"):
+        make_llm(tiny_dir, max_num_seqs=8, max_num_batched_tokens=4)
+    with pytest.raises(ValueError, match="scheduling_policy"):
+        make_llm(tiny_dir, scheduling_policy="lifo")
+    with pytest.raises(ValueError, match="attention_backend"):
+        make_llm(tiny_dir, attention_backend="flash")
+    with pytest.raises(ValueError, match="tpot_slo"):
+        make_llm(tiny_dir, tpot_slo=0)
     (tmp_path / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"], "vocab_size": 10, '
                                           '"hidden_size": 8, "intermediate_size": 8, "num_hidden_layers": 1, '
                                           '"num_attention_heads": 2}')
@@ -133,6 +141,16 @@ def test_bad_engine_arguments(tiny_dir, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(yarn))
     with pytest.raises(ValueError, match="unsupported rope scaling 'yarn'"):
         LLM(str(tmp_path), warmup=False)
+
+
+def test_bad_priorities_are_refused(tiny_dir):
+    llm = make_llm(tiny_dir)
+    ps = prompts(np.random.default_rng(), [4, 5])
+    with pytest.raises(ValueError, match="priorities"):
+        llm.generate(ps, GREEDY, use_tqdm=False, priority=[0])
+    with pytest.raises(TypeError, match="priority"):
+        llm.generate(ps, GREEDY, use_tqdm=False, priority=[0, "high"])
+    assert all_pages_free(llm)
 
 
 def test_request_larger_than_the_cache_is_refused(tiny_dir):

@@ -72,6 +72,12 @@ def test_engine_generates_with_int8_weights(default_gguf_path):
               quantization="int8", warmup=False)
     out = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
     assert "Paris" in out[0].outputs[0].text
+    int4 = LLM(str(default_gguf_path), max_model_len=256, max_num_seqs=2, max_num_batched_tokens=64,
+               quantization="int4", warmup=False)
+    out = int4.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                        use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 8
+    assert isinstance(int4.runner.params["params"]["layers_0"]["q_proj"]["kernel"], Int4Weight)
     with pytest.raises(ValueError, match="quantization"):
         LLM(str(default_gguf_path), quantization="fp4", warmup=False)
 
