@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve import pallas_kernels as pk
+from jaxserve.cache.kv_cache import Int8Pages, read_pages, write_pages
 
 BACKENDS = ("auto", "reference", "pallas", "pallas-gpu", "pallas-tpu")
 
@@ -38,13 +39,16 @@ def attention(q, k, v, k_pages, v_pages, page_table, positions, *, sliding_windo
     """Same arguments and result as `paged_attention_reference`, by the resolved backend."""
     if backend == "reference":
         return paged_attention(q, k, v, k_pages, v_pages, page_table, positions, sliding_window=sliding_window)
+    if isinstance(k_pages, Int8Pages):
+        raise ValueError("int8 KV pages are read by the reference attention only; the Pallas kernels read the "
+                         "model's dtype")
     paged, flash = pk.kernels_for(backend)
     start = positions[:, 0]  # [S]: cached keys of a row are exactly those before its first new token
     num_new = (positions >= 0).sum(axis=1)
     cached, cached_lse = paged(q, k_pages, v_pages, page_table, start, positions, sliding_window=sliding_window)
     new, new_lse = flash(q, k.astype(q.dtype), v.astype(q.dtype), start, start, num_new, num_new,
                          sliding_window=sliding_window)
-    return pk.merge_attention(cached, cached_lse, new, new_lse)[0].astype(k_pages.dtype)
+    return pk.merge_attention(cached, cached_lse, new, new_lse)[0].astype(q.dtype)
 
 
 # Finite, so a row with nothing to attend to (a padding row) softmaxes to a harmless uniform instead of NaN.
@@ -54,16 +58,13 @@ _MASKED = -1e30
 def write_kv(k_pages, v_pages, k, v, slot_mapping):
     """Scatter new keys/values into their cache slots.
 
-    k_pages, v_pages: [num_pages, page_size, kv_heads, head_dim]
+    k_pages, v_pages: [num_pages, page_size, kv_heads, head_dim] (or Int8Pages: quantized as they are written)
     k, v:             [S, Q, kv_heads, head_dim]
     slot_mapping:     [S, Q] flat slot (page * page_size + offset); padding tokens point into the scratch page 0.
     """
-    num_pages, page_size, kv_heads, head_dim = k_pages.shape
     flat = slot_mapping.reshape(-1)
-    k_pages = k_pages.reshape(-1, kv_heads, head_dim).at[flat].set(k.reshape(-1, kv_heads, head_dim).astype(k_pages.dtype))
-    v_pages = v_pages.reshape(-1, kv_heads, head_dim).at[flat].set(v.reshape(-1, kv_heads, head_dim).astype(v_pages.dtype))
-    shape = (num_pages, page_size, kv_heads, head_dim)
-    return k_pages.reshape(shape), v_pages.reshape(shape)
+    return (write_pages(k_pages, k.reshape(-1, *k.shape[2:]), flat),
+            write_pages(v_pages, v.reshape(-1, *v.shape[2:]), flat))
 
 
 def paged_attention_reference(q, k, v, k_pages, v_pages, page_table, positions, *, sliding_window=None):
@@ -83,8 +84,8 @@ def paged_attention_reference(q, k, v, k_pages, v_pages, page_table, positions, 
     S, Q, H, D = q.shape
     _, page_size, KVH, _ = k_pages.shape
     L = page_table.shape[1] * page_size
-    cached_k = k_pages[page_table].reshape(S, L, KVH, D)  # [S, L, kv_heads, head_dim]
-    cached_v = v_pages[page_table].reshape(S, L, KVH, D)
+    cached_k = read_pages(k_pages, page_table, q.dtype).reshape(S, L, KVH, D)  # [S, L, kv_heads, head_dim]
+    cached_v = read_pages(v_pages, page_table, q.dtype).reshape(S, L, KVH, D)
     keys = jnp.concatenate([cached_k, k.astype(cached_k.dtype)], axis=1)  # [S, L + Q, kv_heads, head_dim]
     values = jnp.concatenate([cached_v, v.astype(cached_v.dtype)], axis=1)
     key_pos = jnp.concatenate([jnp.broadcast_to(jnp.arange(L), (S, L)), positions], axis=1)  # [S, L + Q]
@@ -143,11 +144,11 @@ def paged_attention(q, k, v, k_pages, v_pages, page_table, positions, *, sliding
 
     def visit_block(i, carry):
         pages = jax.lax.dynamic_slice_in_dim(page_table, i * block_pages, block_pages, axis=1)  # [S, block_pages]
-        keys = k_pages[pages].reshape(S, block, KVH, D)
-        values = v_pages[pages].reshape(S, block, KVH, D)
+        keys = read_pages(k_pages, pages, q.dtype).reshape(S, block, KVH, D)
+        values = read_pages(v_pages, pages, q.dtype).reshape(S, block, KVH, D)
         key_pos = jnp.broadcast_to(i * block + jnp.arange(block), (S, block))
         return accumulate(carry, masked_scores(keys, key_pos, (key_pos < start)[:, None, :]), values)
 
     blocks_used = jnp.minimum(-(-jnp.max(start) // block), num_blocks)
     _, l, acc = jax.lax.fori_loop(0, blocks_used, visit_block, carry)
-    return (acc / l[..., None]).reshape(S, Q, H, D).astype(k_pages.dtype)
+    return (acc / l[..., None]).reshape(S, Q, H, D).astype(v.dtype)

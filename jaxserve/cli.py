@@ -17,10 +17,23 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None,
                    help="longest prompt + output in tokens (default: the model's context length)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache page")
-    p.add_argument("--quantization", default=None, choices=["int8", "int4"],
-                   help="weight-only quantization of the linear layers (int8: a quarter of float32's bytes)")
+    _quantization_args(p)
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"],
+                   help="KV-cache pages: auto (the model's dtype) or int8 (about twice the sequences per byte)")
     p.add_argument("--warmup", action="store_true", help="compile every shape bucket before generating")
     p.add_argument("-v", "--verbose", action="store_true", help="log loading and compilation")
+
+
+def _quantization_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quantization", default=None, choices=["int8", "int4", "awq"],
+                   help="weight-only quantization of the linear layers: int8 (a scale per output channel), int4 "
+                        "(groups of input rows, two values a byte), awq (int4 with calibrated input scales)")
+    p.add_argument("--quantization-group-size", type=int, default=None,
+                   help="input rows per int4 group (default: 32 for int4, as llama.cpp's Q4_1; 128 for awq)")
+    p.add_argument("--quantize-embeddings", action="store_true",
+                   help="also quantize the LM head and the embedding table")
+    p.add_argument("--calibration-file", default=None,
+                   help="text to calibrate awq on (default: a public-domain text the package ships)")
 
 
 def _sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -53,6 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("dst", help="a new directory to write")
     conv.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                       help="dtype of the saved params")
+    _quantization_args(conv)
     conv.add_argument("-v", "--verbose", action="store_true", help="log loading")
     return parser
 
@@ -67,7 +81,14 @@ def _llm(args):
     from jaxserve import LLM
     # One prompt at a time: a single decode row keeps the set of compiled programs (and start-up) small.
     return LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, block_size=args.block_size,
-               max_num_seqs=1, quantization=args.quantization, warmup=args.warmup)
+               max_num_seqs=1, kv_cache_dtype=args.kv_cache_dtype, warmup=args.warmup, **_quantization(args))
+
+
+def _quantization(args) -> dict:
+    from pathlib import Path
+    text = Path(args.calibration_file).read_text() if args.calibration_file else None
+    return dict(quantization=args.quantization, quantization_group_size=args.quantization_group_size,
+                quantize_embeddings=args.quantize_embeddings, calibration_text=text)
 
 
 def cmd_generate(args) -> None:
@@ -109,8 +130,10 @@ def cmd_convert(args) -> None:
 
     from jaxserve.weights import load_model, resolve_dtype
     from jaxserve.weights.orbax_ckpt import save_checkpoint
-    loaded = load_model(args.src, resolve_dtype(args.dtype))
-    save_checkpoint(Path(args.dst), loaded.config, loaded.params, loaded.tokenizer)
+    q = _quantization(args)
+    loaded = load_model(args.src, resolve_dtype(args.dtype), q["quantization"], group_size=q["quantization_group_size"],
+                        quantize_embeddings=q["quantize_embeddings"], calibration_text=q["calibration_text"])
+    save_checkpoint(Path(args.dst), loaded.config, loaded.params, loaded.tokenizer, loaded.quantization)
     print(f"wrote {args.dst}")
 
 

@@ -7,6 +7,7 @@ import random
 from typing import Iterable
 
 import jax
+import jax.numpy as jnp
 
 from jaxserve.attention import resolve_attention_backend
 from jaxserve.batching.engine_core import EngineCore, EngineStats
@@ -15,9 +16,9 @@ from jaxserve.batching.scheduler import Scheduler
 from jaxserve.batching.sequence import Sequence
 from jaxserve.batching.slo import SloController
 from jaxserve.buckets import Buckets
-from jaxserve.cache import PageAllocator, PrefixCache, bytes_per_page, num_pages_for_budget, pages_needed
+from jaxserve.cache import (PageAllocator, PrefixCache, bytes_per_page, check_kv_cache_dtype, num_pages_for_budget,
+                            pages_needed)
 from jaxserve.outputs import RequestMetrics, RequestOutput
-from jaxserve.quant import QUANTIZATIONS, quantize_params
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.tokenizer import IncrementalDetokenizer
 from jaxserve.weights import load_model, resolve_dtype
@@ -45,8 +46,14 @@ class LLM:
     attention_backend: "auto" (the Pallas kernels on GPU and TPU if they pass a start-up check, else and on CPU
         the jnp reference), "reference", or "pallas" / "pallas-gpu" / "pallas-tpu" (insist; on CPU the kernels run
         in Pallas interpret mode: correct, slow).
-    quantization: None, "int8" (weight-only, per output channel) or "int4" (groups of 128 input rows, packed),
-        for every linear layer but the LM head.
+    quantization: weight-only, of every linear layer: None, "int8" (a scale per output channel), "int4" (a scale
+        and minimum per group of input rows, two values a byte) or "awq" (int4 with activation-aware input scales
+        calibrated on `calibration_text`, by default a text the package ships). A checkpoint written quantized
+        (`jaxserve convert --quantization`) loads quantized without it.
+    quantization_group_size: input rows per int4 group (default 32 for int4, llama.cpp's Q4_1; 128 for awq).
+    quantize_embeddings: also the LM head (same method) and the embedding table (int8 rows).
+    kv_cache_dtype: "auto" (the model's dtype) or "int8" (a float32 scale per token and KV head beside the pages:
+        about twice the sequences in the same memory as bfloat16; read by the reference attention only).
     warmup: compile every step bucket now rather than on first use.
     """
 
@@ -55,7 +62,9 @@ class LLM:
                  kv_cache_memory_bytes: int | None = None, gpu_memory_utilization: float = 0.9, seed: int = 0,
                  enable_prefix_caching: bool = True, scheduling_policy: str = "fcfs",
                  ttft_slo: float | None = None, tpot_slo: float | None = None, attention_backend: str = "auto",
-                 quantization: str | None = None, warmup: bool = True):
+                 quantization: str | None = None, quantization_group_size: int | None = None,
+                 quantize_embeddings: bool = False, calibration_text: str | None = None,
+                 kv_cache_dtype: str = "auto", warmup: bool = True):
         for name, value in [("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
                             ("block_size", block_size)]:
             if not isinstance(value, int) or value < 1:
@@ -64,32 +73,36 @@ class LLM:
             raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be at least max_num_seqs "
                              f"({max_num_seqs}): every running sequence decodes a token per step")
         backend = resolve_attention_backend(attention_backend)
+        self.kv_cache_dtype = check_kv_cache_dtype(kv_cache_dtype)
+        if kv_cache_dtype == "int8" and backend != "reference":
+            if attention_backend != "auto":
+                raise ValueError(f"kv_cache_dtype='int8' needs attention_backend 'reference' or 'auto' (the Pallas "
+                                 f"kernels read pages of the model's dtype), got {attention_backend!r}")
+            logger.warning("int8 KV cache: attention by the jnp reference (the Pallas kernels read the model's dtype)")
+            backend = "reference"
         _enable_compilation_cache()
         dtype = resolve_dtype(dtype)
-        if quantization not in QUANTIZATIONS:
-            raise ValueError(f"quantization must be one of {QUANTIZATIONS[1:]} or None, got {quantization!r}")
-        loaded = load_model(model, dtype)
+        loaded = load_model(model, dtype, quantization, group_size=quantization_group_size,
+                            quantize_embeddings=quantize_embeddings, calibration_text=calibration_text)
         self.model_name, self.config, self.tokenizer = loaded.name, loaded.config, loaded.tokenizer
-        params = quantize_params(loaded.params, quantization)
-        if quantization is not None:
-            logger.info("%s weights: %.1f MB -> %.1f MB", quantization, param_bytes(loaded.params) / 1e6,
-                        param_bytes(params) / 1e6)
+        self.quantization, params = loaded.quantization, loaded.params
         limit = self.config.max_position_embeddings
         if max_model_len is not None and not (isinstance(max_model_len, int) and 1 < max_model_len <= limit):
             raise ValueError(f"max_model_len must be an integer in [2, {limit}] for this model, got {max_model_len!r}")
         self.max_model_len = max_model_len or limit
         kv_bytes = kv_cache_memory_bytes or _default_kv_budget(param_bytes(params), gpu_memory_utilization)
-        num_pages = num_pages_for_budget(self.config, block_size, dtype, kv_bytes)
+        num_pages = num_pages_for_budget(self.config, block_size, dtype, kv_bytes, kv_cache_dtype)
         # Never more pages than max_num_seqs full-length sequences can use (+1 for the scratch page).
         num_pages = min(num_pages, max_num_seqs * pages_needed(self.max_model_len, block_size) + 1)
-        logger.info("KV cache: %d pages of %d tokens (%.1f MB)", num_pages, block_size,
-                    num_pages * bytes_per_page(self.config, block_size, dtype) / 1e6)
+        logger.info("KV cache: %d pages of %d tokens (%.1f MB, %s)", num_pages, block_size,
+                    num_pages * bytes_per_page(self.config, block_size, dtype, kv_cache_dtype) / 1e6,
+                    "int8" if kv_cache_dtype == "int8" else jnp.dtype(dtype).name)
         buckets = Buckets.for_limits(max_num_seqs, max_num_batched_tokens, pages_needed(self.max_model_len, block_size))
         serving = dict(num_pages=num_pages, pages_per_seq=buckets.num_pages[-1], max_num_seqs=max_num_seqs,
                        max_chunk=buckets.prefill_tokens[-1])
         self.attention_backend = _checked_backend(backend, attention_backend, self.config, block_size, dtype, serving)
         self.runner = ModelRunner(self.config, params, dtype, num_pages, block_size, buckets, max_num_seqs,
-                                  self.attention_backend)
+                                  self.attention_backend, kv_cache_dtype)
         slo = None
         if ttft_slo is not None or tpot_slo is not None:
             slo = SloController(buckets.num_seqs, max_num_seqs, tpot_slo=tpot_slo, ttft_slo=ttft_slo)

@@ -10,13 +10,26 @@ from jaxserve.cache import init_kv_cache, pages_needed
 from jaxserve.steps import steps_for
 
 
-def next_token_logits(config, params, token_ids: list[int], dtype=jnp.float32, page_size: int = 16) -> np.ndarray:
-    """Logits [len - 1, vocab] float32 predicting token_ids[1:], from one prefill of the whole text."""
-    pages = list(range(1, 1 + pages_needed(len(token_ids), page_size)))
-    batch = build_batch([Row(token_ids, 0, pages)], page_size, config.vocab_size, 1, len(token_ids), len(pages))
-    cache = init_kv_cache(config, len(pages) + 1, page_size, dtype)
-    logits, _ = steps_for(config, dtype).forward_logits(params, cache, batch)
-    return np.asarray(logits[0, :-1])
+def next_token_logits(config, params, token_ids: list[int], dtype=jnp.float32, page_size: int = 16,
+                      kv_cache_dtype: str = "auto", chunk: int | None = None) -> np.ndarray:
+    """Logits [len - 1, vocab] float32 predicting token_ids[1:].
+
+    chunk=None: one prefill of the whole text (every key is this step's own, so the cache's format plays no
+    part). chunk=n: prefills of n tokens one after another, each attending to the earlier ones through the cache,
+    as a served sequence does.
+    """
+    n = len(token_ids)
+    chunk = chunk or n
+    pages = list(range(1, 1 + pages_needed(n, page_size)))
+    cache = init_kv_cache(config, len(pages) + 1, page_size, dtype, kv_cache_dtype)
+    steps = steps_for(config, dtype)
+    out = []
+    for start in range(0, n, chunk):
+        row = Row(token_ids[start:start + chunk], start, pages)
+        batch = build_batch([row], page_size, config.vocab_size, 1, chunk, len(pages))
+        logits, cache = steps.forward_logits(params, cache, batch)
+        out.append(np.asarray(logits[0, :len(row.token_ids)]))
+    return np.concatenate(out)[:-1]
 
 
 def perplexity(logits: np.ndarray, token_ids: list[int]) -> float:

@@ -1,20 +1,23 @@
-"""Weight-only quantization as pytree nodes: int8 with a scale per output channel, int4 with a scale per group of
-input rows per output channel, two values packed per byte.
+"""Weight-only quantization as pytree nodes: int8 with a scale per output channel, int4 with a scale and an offset
+per group of input rows per output channel (two values packed per byte), int8 embedding rows.
 
 A quantized weight replaces its float kernel in the params pytree, so params stay a plain pytree (jit, donation,
-sharding and checkpoints see arrays). `matmul` takes any kind. Decode reads every weight once per step, so fewer
-bytes per weight is a direct cut in what bounds its speed.
+sharding and checkpoints see arrays). `matmul` and `embed` take any kind. Decode reads every weight once per step,
+so fewer bytes per weight is a direct cut in what bounds its speed.
 """
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
 
-QUANTIZATIONS = (None, "int8", "int4")
-INT4_GROUP_SIZE = 128
+# "awq" is int4 with activation-aware input scales (jaxserve.awq).
+QUANTIZATIONS = (None, "int8", "int4", "awq")
+# int4's default is llama.cpp's Q4_1 layout (groups of 32, f16 scale and minimum: 5 bits a weight), which the
+# default model already ships in, so it costs that model nothing; groups of 128 (4.25 bits, AutoAWQ's default) cost
+# it +150% perplexity plain and are what AWQ is for (BENCHMARKS.md, quality).
+DEFAULT_GROUP_SIZE = {"int4": 32, "awq": 128}
 
 
 @jax.tree_util.register_dataclass
@@ -23,39 +26,35 @@ class Int8Weight:
     values: jax.Array  # int8 [in, out]
     scale: jax.Array  # float32 [out]: weight ~= values * scale
 
-    @property
-    def shape(self):
-        return self.values.shape
 
-
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["packed", "scale"], meta_fields=["in_features"])
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class Int4Weight:
-    packed: jax.Array  # uint8 [in_padded / 2, out]: input rows 2i (low nibble) and 2i+1 (high), offset by 8
-    scale: jax.Array  # float32 [in_padded / group, out]: weight ~= value * scale of its group
-    in_features: int  # rows before padding to a whole number of groups
+    packed: jax.Array  # uint8 [in_padded / 2, out]: input rows 2i (low nibble) and 2i+1 (high), values 0..15
+    scale: jax.Array  # float16 [in_padded / group, out]
+    offset: jax.Array  # float16 [in_padded / group, out]: weight ~= value * scale + offset of its group
+    # float32 [in] or None. AWQ: the kernel holds W with salient input rows scaled up before rounding, so
+    # x @ W ~= (x * input_scale) @ dequantize().
+    input_scale: jax.Array | None = None
 
     @property
-    def shape(self):
-        return (self.in_features, self.packed.shape[1])
+    def group_size(self) -> int:
+        return 2 * self.packed.shape[0] // self.scale.shape[0]
 
     def dequantize(self, dtype) -> jax.Array:
+        """[in_padded, out]: rows past the float kernel's are the zero padding of the last group."""
         q = jnp.stack([self.packed & 15, self.packed >> 4], axis=1).reshape(-1, self.packed.shape[1])  # [in_p, out]
         groups = self.scale.shape[0]
-        w = (q.astype(dtype) - 8).reshape(groups, -1, q.shape[1]) * self.scale[:, None, :].astype(dtype)
-        return w.reshape(-1, q.shape[1])[:self.in_features]
+        w = q.astype(dtype).reshape(groups, -1, q.shape[1]) * self.scale[:, None, :].astype(dtype)
+        return (w + self.offset[:, None, :].astype(dtype)).reshape(-1, q.shape[1])
 
 
-def quantize_int4(w: jax.Array, group_size: int = INT4_GROUP_SIZE) -> Int4Weight:
-    """Symmetric per (group of `group_size` input rows, output channel): values -8..7, |w| max of a group -> 7.
-    Input rows are zero-padded to whole groups (SmolLM2's 576 is 4.5 groups of 128)."""
-    n_in, n_out = w.shape
-    padded = -(-n_in // group_size) * group_size
-    w32 = jnp.pad(w.astype(jnp.float32), ((0, padded - n_in), (0, 0))).reshape(-1, group_size, n_out)
-    scale = jnp.max(jnp.abs(w32), axis=1) / 7.0  # [groups, out]
-    scale = jnp.where(scale > 0, scale, 1.0)
-    q = (jnp.clip(jnp.round(w32 / scale[:, None, :]), -8, 7) + 8).astype(jnp.uint8).reshape(padded, n_out)
-    return Int4Weight(q[0::2] | (q[1::2] << 4), scale, n_in)
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Int8Rows:
+    """An embedding table, int8 with a scale per row: a lookup reads only its rows."""
+    values: jax.Array  # int8 [vocab, hidden]
+    scale: jax.Array  # float32 [vocab]
 
 
 def quantize_int8(w: jax.Array) -> Int8Weight:
@@ -66,30 +65,104 @@ def quantize_int8(w: jax.Array) -> Int8Weight:
     return Int8Weight(jnp.clip(jnp.round(w32 / scale), -127, 127).astype(jnp.int8), scale)
 
 
+def quantize_int4(w: jax.Array, group_size: int = DEFAULT_GROUP_SIZE["int4"],
+                  input_scale: jax.Array | None = None) -> Int4Weight:
+    """Asymmetric per (group of `group_size` input rows, output channel): the group's minimum -> 0, maximum -> 15.
+    With input_scale, W / input_scale (per input row) is what gets rounded. Input rows are zero-padded to whole
+    groups (SmolLM2's 576 is 4.5 groups of 128)."""
+    n_in, n_out = w.shape
+    if group_size < 2 or group_size % 2:
+        raise ValueError(f"int4 group size must be an even number >= 2, got {group_size!r}")
+    w32 = w.astype(jnp.float32)
+    if input_scale is not None:
+        w32 = w32 / input_scale[:, None]
+    padded = -(-n_in // group_size) * group_size
+    w32 = jnp.pad(w32, ((0, padded - n_in), (0, 0))).reshape(-1, group_size, n_out)
+    lo, hi = jnp.min(w32, axis=1), jnp.max(w32, axis=1)  # [groups, out]
+    # Rounded with the float16 scale and offset it will be read back with.
+    scale, offset = ((hi - lo) / 15).astype(jnp.float16), lo.astype(jnp.float16)
+    step = jnp.where(scale > 0, scale.astype(jnp.float32), 1.0)
+    q = jnp.clip(jnp.round((w32 - offset.astype(jnp.float32)[:, None]) / step[:, None]), 0, 15)
+    q = q.astype(jnp.uint8).reshape(padded, n_out)
+    return Int4Weight(q[0::2] | (q[1::2] << 4), scale, offset, input_scale)
+
+
+def quantize_rows_int8(table: jax.Array) -> Int8Rows:
+    w32 = table.astype(jnp.float32)
+    scale = jnp.max(jnp.abs(w32), axis=1) / 127.0
+    scale = jnp.where(scale > 0, scale, 1.0)
+    return Int8Rows(jnp.clip(jnp.round(w32 / scale[:, None]), -127, 127).astype(jnp.int8), scale)
+
+
 def matmul(x, w):
-    """x @ w for a float kernel or an Int8Weight (the scale applies to the output columns, after the sum)."""
+    """x @ w for a float kernel [in, out] or a quantized one (float32 accumulation either way on x's dtype)."""
     if isinstance(w, Int8Weight):
-        return (x @ w.values.astype(x.dtype)) * w.scale.astype(x.dtype)
+        return (x @ w.values.astype(x.dtype)) * w.scale.astype(x.dtype)  # the scale is per output column
     if isinstance(w, Int4Weight):
-        return x @ w.dequantize(x.dtype)
+        if w.input_scale is not None:
+            x = x * w.input_scale.astype(x.dtype)
+        return x @ w.dequantize(x.dtype)[:x.shape[-1]]
     return x @ w
 
 
-def quantize_params(params: dict, method: str | None, quantize_lm_head: bool = False) -> dict:
-    """Every linear layer's kernel quantized (the LM head only if asked); norms and embeddings stay as they are."""
+def embed(table, token_ids, dtype):
+    """Rows of an embedding table [vocab, hidden], float or Int8Rows; returns [*token_ids.shape, hidden]."""
+    if isinstance(table, Int8Rows):
+        return (table.values[token_ids].astype(dtype) * table.scale[token_ids][..., None].astype(dtype))
+    return table[token_ids]
+
+
+def quantize_params(params: dict, method: str | None, *, quantize_embeddings: bool = False,
+                    group_size: int | None = None, input_scales: dict | None = None) -> dict:
+    """Every linear layer's kernel quantized; with quantize_embeddings also the LM head (same method) and the
+    embedding table (int8 rows). Norms stay as they are.
+
+    input_scales: {(module path, ...): float32 [in]} for "awq" (jaxserve.awq.find_input_scales), keyed by the path
+    of the module holding the kernel, e.g. ("params", "layers_0", "q_proj").
+    """
     if method not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS[1:]} or None, got {method!r}")
     if method is None:
         return params
+    if method == "awq" and input_scales is None:
+        raise ValueError("awq quantization needs input scales from calibration (jaxserve.awq.quantize_awq)")
+    group_size = group_size or DEFAULT_GROUP_SIZE.get(method)
 
-    def walk(tree: dict, module: str) -> dict:
+    def quantize(kernel, path):
+        if method == "int8":
+            return quantize_int8(kernel)
+        scale = input_scales.get(path) if input_scales is not None else None
+        return quantize_int4(kernel, group_size, scale)
+
+    def walk(tree: dict, path: tuple) -> dict:
         out = {}
         for key, value in tree.items():
             if isinstance(value, dict):
-                out[key] = walk(value, key)
-            elif key == "kernel" and (module != "lm_head" or quantize_lm_head):
-                out[key] = quantize_int8(value) if method == "int8" else quantize_int4(value)
+                out[key] = walk(value, path + (key,))
+            elif key == "kernel" and (path[-1] != "lm_head" or quantize_embeddings):
+                out[key] = quantize(value, path)
+            elif key == "embed_tokens" and quantize_embeddings:
+                out[key] = quantize_rows_int8(value)
             else:
                 out[key] = value
         return out
-    return walk(params, "")
+    return walk(params, ())
+
+
+_NODES = {("scale", "values"): Int8Weight, ("offset", "packed", "scale"): Int4Weight,
+          ("input_scale", "offset", "packed", "scale"): Int4Weight}
+
+
+def restore_nodes(tree, row_tables=("embed_tokens",)):
+    """A params tree read back as plain dicts (a checkpoint) -> with its quantized nodes rebuilt."""
+    if not isinstance(tree, dict):
+        return tree
+    kind = _NODES.get(tuple(sorted(tree)))
+    if kind is not None:
+        return kind(**tree)
+    return {key: (Int8Rows(**value) if key in row_tables and isinstance(value, dict) else restore_nodes(value))
+            for key, value in tree.items()}
+
+
+def is_quantized(x) -> bool:
+    return isinstance(x, (Int8Weight, Int4Weight, Int8Rows))

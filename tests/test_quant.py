@@ -1,17 +1,27 @@
-"""int8 weight-only quantization: the quantized pytree, the matmul, and its cost in quality on the default model."""
+"""Weight quantization (int8, int4, AWQ) and the int8 KV cache: the formats, and their cost in quality on the
+default model."""
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.quant import Int4Weight, Int8Weight, matmul, quantize_int4, quantize_int8, quantize_params
+from jaxserve.awq import CALIBRATION_TEXT, quantize_awq, search_input_scale
+from jaxserve.cache import Int8Pages, bytes_per_page, init_kv_cache
+from jaxserve.cache.kv_cache import read_pages, write_pages
 from jaxserve.perplexity import next_token_logits, perplexity
+from jaxserve.quant import (Int4Weight, Int8Rows, Int8Weight, embed, matmul, quantize_int4, quantize_int8,
+                            quantize_params, quantize_rows_int8)
 from jaxserve.weights import load_model
 from jaxserve.weights.params import param_bytes
+from tiny import make_llm
 
-TEXT = (Path(__file__).parent / "data" / "gettysburg.txt").read_text()  # public domain (Lincoln, 1863)
+# Chapter I of Alice's Adventures in Wonderland (Lewis Carroll, 1865; public domain), ~2.7k tokens. The tests read
+# its first 1024 (scripts/eval_quality.py all of it); AWQ calibrates on a different chapter.
+TEXT = (Path(__file__).parent / "data" / "alice_ch1.txt").read_text()
+TEST_TOKENS = 1024
 
 
 def test_int8_matmul_is_close_and_the_bytes_are_a_quarter():
@@ -26,70 +36,199 @@ def test_int8_matmul_is_close_and_the_bytes_are_a_quarter():
     assert param_bytes(q) < 0.26 * w.nbytes + 96 * 4 + 1
 
 
-def test_int4_packs_two_values_per_byte_within_half_a_step():
+@pytest.mark.parametrize("group_size", [32, 128])
+def test_int4_packs_two_values_per_byte_within_half_a_step(group_size):
     rng = np.random.default_rng()
-    w = jnp.asarray(rng.standard_normal((200, 48)), jnp.float32)  # 200 rows: not a whole number of 128-groups
-    q = quantize_int4(w, group_size=128)
-    assert q.packed.dtype == jnp.uint8 and q.packed.shape == (128, 48) and q.scale.shape == (2, 48)
-    assert q.shape == (200, 48)
-    groups = np.repeat(np.asarray(q.scale), 128, axis=0)[:200]  # each row's group scale
-    assert (np.abs(np.asarray(q.dequantize(jnp.float32)) - np.asarray(w)) <= groups / 2 + 1e-6).all()
+    w = jnp.asarray(rng.standard_normal((200, 48)) + rng.standard_normal(48), jnp.float32)  # not centred on 0
+    q = quantize_int4(w, group_size=group_size)  # 200 rows: not a whole number of groups
+    groups = -(-200 // group_size)
+    assert q.packed.dtype == jnp.uint8 and q.packed.shape == (groups * group_size // 2, 48)
+    assert q.scale.shape == q.offset.shape == (groups, 48) and q.scale.dtype == jnp.float16
+    assert q.group_size == group_size
+    step = np.repeat(np.asarray(q.scale, np.float32), group_size, axis=0)[:200]  # each row's group step
+    err = np.abs(np.asarray(q.dequantize(jnp.float32))[:200] - np.asarray(w))
+    assert (err <= 0.55 * step).all()  # half a step, and a little for float16 steps at the top of the range
     x = jnp.asarray(rng.standard_normal((3, 200)), jnp.float32)
-    np.testing.assert_allclose(np.asarray(matmul(x, q)), np.asarray(x @ q.dequantize(jnp.float32)), rtol=1e-5,
-                               atol=1e-5)
-    assert isinstance(quantize_params({"a": {"kernel": w}}, "int4")["a"]["kernel"], Int4Weight)
+    np.testing.assert_allclose(np.asarray(matmul(x, q)), np.asarray(x @ q.dequantize(jnp.float32)[:200]),
+                               rtol=1e-5, atol=1e-4)
 
 
-def test_quantize_params_skips_norms_embeddings_and_the_head():
+def test_int4_keeps_a_q4_1_grid_exactly():
+    """Weights already on llama.cpp's Q4_1 grid (groups of 32, float16 step and minimum) come back unchanged:
+    the default model ships so, which is why int4 costs it nothing."""
+    rng = np.random.default_rng()
+    step = rng.uniform(1e-3, 5e-2, (6, 1, 40)).astype(np.float16).astype(np.float32)
+    low = rng.uniform(-0.5, 0.0, (6, 1, 40)).astype(np.float16).astype(np.float32)
+    q = rng.integers(0, 16, (6, 32, 40))
+    q[:, 0], q[:, 1] = 0, 15  # each group spans the grid, as a Q4_1 block of real weights does
+    w = (q * step + low).reshape(192, 40)
+    got = np.asarray(quantize_int4(jnp.asarray(w), group_size=32).dequantize(jnp.float32))
+    np.testing.assert_allclose(got, w, rtol=0, atol=1e-7)
+
+
+def test_awq_scales_protect_salient_input_channels():
+    rng = np.random.default_rng()
+    n_in, n_out = 256, 64
+    x = rng.standard_normal((512, n_in)).astype(np.float32)
+    x[:, rng.choice(n_in, 8, replace=False)] *= 30  # a few channels carry large activations, as in real models
+    w = jnp.asarray(rng.standard_normal((n_in, n_out)) * 0.02, jnp.float32)
+    scale, errors = search_input_scale(jnp.asarray(x), w, 128)
+    errors = np.asarray(errors)
+    assert errors.argmin() > 0 and errors.min() < 0.7 * errors[0]  # errors[0]: alpha 0, plain rounding
+    ref = x @ np.asarray(w)
+    plain = np.mean((np.asarray(matmul(jnp.asarray(x), quantize_int4(w, 128))) - ref) ** 2)
+    awq = np.mean((np.asarray(matmul(jnp.asarray(x), quantize_int4(w, 128, scale))) - ref) ** 2)
+    assert awq < 0.7 * plain
+
+
+def test_quantize_params_skips_norms_and_quantizes_embeddings_only_when_asked():
     params = {"params": {"embed_tokens": jnp.ones((10, 4)), "lm_head": {"kernel": jnp.ones((4, 10))},
                          "layers_0": {"q_proj": {"kernel": jnp.ones((4, 4)), "bias": jnp.zeros(4)},
                                       "input_layernorm": {"weight": jnp.ones(4)}}}}
     out = quantize_params(params, "int8")["params"]
     assert isinstance(out["layers_0"]["q_proj"]["kernel"], Int8Weight)
-    assert not isinstance(out["lm_head"]["kernel"], Int8Weight)
+    assert not isinstance(out["lm_head"]["kernel"], Int8Weight) and not isinstance(out["embed_tokens"], Int8Rows)
     assert out["layers_0"]["q_proj"]["bias"] is params["params"]["layers_0"]["q_proj"]["bias"]
-    assert isinstance(quantize_params(params, "int8", quantize_lm_head=True)["params"]["lm_head"]["kernel"],
-                      Int8Weight)
+    both = quantize_params(params, "int4", quantize_embeddings=True)["params"]
+    assert isinstance(both["lm_head"]["kernel"], Int4Weight) and isinstance(both["embed_tokens"], Int8Rows)
     with pytest.raises(ValueError, match="quantization"):
         quantize_params(params, "int3")
+    with pytest.raises(ValueError, match="calibration"):
+        quantize_params(params, "awq")
 
 
-def text_perplexity(loaded, params, text):
-    ids = loaded.tokenizer.encode(text)
-    return perplexity(next_token_logits(loaded.config, params, ids), ids), len(ids)
+def test_int8_embedding_rows():
+    rng = np.random.default_rng()
+    table = jnp.asarray(rng.standard_normal((50, 16)) * rng.uniform(0.1, 3, (50, 1)), jnp.float32)
+    q = quantize_rows_int8(table)
+    ids = jnp.asarray(rng.integers(0, 50, (3, 5)))
+    got, want = np.asarray(embed(q, ids, jnp.float32)), np.asarray(table[ids])
+    assert got.shape == (3, 5, 16)
+    assert (np.abs(got - want) <= 0.5 * np.asarray(q.scale)[np.asarray(ids)][..., None] + 1e-6).all()
 
 
-def test_int8_costs_under_one_percent_of_perplexity(default_gguf_path):
-    loaded = load_model(str(default_gguf_path), jnp.float32)
-    fp32, n = text_perplexity(loaded, loaded.params, TEXT)
-    int8, _ = text_perplexity(loaded, quantize_params(loaded.params, "int8"), TEXT)
-    assert n > 300 and fp32 < 30  # a real text the model reads well
+def test_int8_kv_pages_round_trip_and_bytes():
+    rng = np.random.default_rng()
+    pages = Int8Pages(jnp.zeros((4, 8, 2, 16), jnp.int8), jnp.zeros((4, 8, 2), jnp.float32))
+    x = jnp.asarray(rng.standard_normal((5, 2, 16)) * rng.uniform(0.1, 10, (5, 2, 1)), jnp.float32)
+    slots = jnp.asarray([8, 9, 10, 30, 31])
+    pages = write_pages(pages, x, slots)
+    flat = read_pages(pages, jnp.arange(4), jnp.float32).reshape(-1, 2, 16)
+    scale = np.asarray(pages.scale).reshape(-1, 2)[np.asarray(slots)]
+    assert (np.abs(np.asarray(flat[slots]) - np.asarray(x)) <= 0.5 * scale[..., None] + 1e-6).all()
+    assert not np.asarray(flat[:8]).any()  # nothing written outside the slots
+
+    class Config:
+        num_layers, num_kv_heads, head_dim = 30, 3, 64
+    ratio = bytes_per_page(Config, 16, jnp.float32, "int8") / bytes_per_page(Config, 16, jnp.bfloat16)
+    assert ratio == (64 + 4) / 128  # 1.88x the sequences of bfloat16 pages, 3.8x float32's
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        init_kv_cache(Config, 4, 16, jnp.float32, "fp8")
+
+
+def test_engine_with_int8_kv_cache_matches_float_pages(tiny_dir):
+    """Greedy tokens of a tiny model through chunked prefill, decode and preemption with int8 pages are those
+    of float pages, or part ways only where float pages' top two logits nearly tie."""
+    rng = np.random.default_rng()
+    prompt = {"prompt_token_ids": rng.integers(0, 320, 40).tolist()}
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
+    float_out = make_llm(tiny_dir).generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    llm = make_llm(tiny_dir, kv_cache_dtype="int8")
+    assert isinstance(llm.runner.kv_cache[0][0], Int8Pages)
+    out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    for i, (a, b) in enumerate(zip(float_out.token_ids, out.token_ids)):
+        if a != b:
+            top = sorted(float_out.logprobs[i].values(), key=lambda lp: -lp.logprob)
+            assert top[0].logprob - top[1].logprob < 0.05, (i, a, b)
+            break
+    llm.core.assert_idle_and_clean()
+    with pytest.raises(ValueError, match="int8"):
+        make_llm(tiny_dir, kv_cache_dtype="int8", attention_backend="pallas")
+
+
+@pytest.fixture(scope="module")
+def model():
+    loaded = load_model(None, jnp.float32)
+    ids = loaded.tokenizer.encode(TEXT)[:TEST_TOKENS]
+    fp32 = perplexity(next_token_logits(loaded.config, loaded.params, ids), ids)
+    assert fp32 < 40  # a real text the model reads well
+    return loaded, ids, fp32
+
+
+def text_perplexity(model, params, **kw):
+    loaded, ids, _ = model
+    return perplexity(next_token_logits(loaded.config, params, ids, **kw), ids)
+
+
+def test_int8_costs_under_one_percent_of_perplexity(model):
+    loaded, _, fp32 = model
+    int8 = text_perplexity(model, quantize_params(loaded.params, "int8"))
     assert abs(int8 - fp32) / fp32 < 0.01, (fp32, int8)
 
 
-def test_engine_generates_with_int8_weights(default_gguf_path):
-    llm = LLM(str(default_gguf_path), max_model_len=256, max_num_seqs=2, max_num_batched_tokens=64,
-              quantization="int8", warmup=False)
-    out = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
-    assert "Paris" in out[0].outputs[0].text
-    int4 = LLM(str(default_gguf_path), max_model_len=256, max_num_seqs=2, max_num_batched_tokens=64,
-               quantization="int4", warmup=False)
-    out = int4.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
-                        use_tqdm=False)
-    assert len(out[0].outputs[0].token_ids) == 8
-    assert isinstance(int4.runner.params["params"]["layers_0"]["q_proj"]["kernel"], Int4Weight)
+def test_int4_costs_under_ten_percent_and_awq_beats_plain_int4(model):
+    loaded, _, fp32 = model
+    int4 = text_perplexity(model, quantize_params(loaded.params, "int4"))  # groups of 32
+    assert abs(int4 - fp32) / fp32 < 0.10, (fp32, int4)
+    plain = text_perplexity(model, quantize_params(loaded.params, "int4", group_size=128))
+    calibration = loaded.tokenizer.encode(CALIBRATION_TEXT.read_text())[:512]
+    awq = text_perplexity(model, quantize_awq(loaded.config, loaded.params, calibration, 128))
+    assert fp32 < awq < 0.9 * plain, (fp32, awq, plain)
+
+
+def test_int8_kv_cache_costs_under_one_percent_of_perplexity(model):
+    loaded, _, fp32 = model
+    # A page at a time, so nearly every key is read back from the int8 pages (one prefill would see none).
+    int8_kv = text_perplexity(model, loaded.params, kv_cache_dtype="int8", chunk=16)
+    assert int8_kv != fp32 and abs(int8_kv - fp32) / fp32 < 0.01, (fp32, int8_kv)
+
+
+def test_engine_generates_with_quantized_weights(default_gguf_path):
+    for method in ("int8", "int4"):
+        llm = LLM(str(default_gguf_path), max_model_len=256, max_num_seqs=2, max_num_batched_tokens=64,
+                  quantization=method, warmup=False)
+        out = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+        assert "Paris" in out[0].outputs[0].text, method
+    assert isinstance(llm.runner.params["params"]["layers_0"]["q_proj"]["kernel"], Int4Weight)
     with pytest.raises(ValueError, match="quantization"):
         LLM(str(default_gguf_path), quantization="fp4", warmup=False)
+    with pytest.raises(ValueError, match="group size"):
+        LLM(str(default_gguf_path), quantization="int8", quantization_group_size=64, warmup=False)
 
 
-def test_quality_script_runs(default_gguf_path, tmp_path):
+@pytest.mark.parametrize("method", ["int8", "awq"])
+def test_convert_writes_a_quantized_checkpoint_that_loads_directly(default_gguf_path, tmp_path, method):
+    from jaxserve.cli import main
+    dst = tmp_path / "ckpt"
+    args = ["convert", str(default_gguf_path), str(dst), "--quantization", method, "--quantize-embeddings"]
+    if method == "awq":
+        cal = tmp_path / "cal.txt"
+        cal.write_text(CALIBRATION_TEXT.read_text()[:1500])
+        args += ["--calibration-file", str(cal), "--quantization-group-size", "64"]
+    assert main(args) == 0
+    loaded = load_model(str(dst), jnp.float32)
+    assert loaded.quantization["method"] == method and isinstance(loaded.params["params"]["embed_tokens"], Int8Rows)
+    leaves = jax.tree.leaves(loaded.params["params"]["layers_3"]["down_proj"], is_leaf=lambda x: x is None)
+    assert {leaf.dtype for leaf in leaves if leaf is not None} >= {jnp.dtype(jnp.int8 if method == "int8" else jnp.uint8)}
+    assert param_bytes(loaded.params) < 0.4 * param_bytes(load_model(str(default_gguf_path), jnp.float32).params)
+    # Served as written: quantized again only if asked the same way, refused otherwise.
+    assert load_model(str(dst), jnp.float32, method, quantize_embeddings=True,
+                      group_size=64 if method == "awq" else None).quantization == loaded.quantization
+    with pytest.raises(ValueError, match="already quantized"):
+        load_model(str(dst), jnp.float32, "int4")
+    llm = LLM(str(dst), max_model_len=128, max_num_seqs=1, max_num_batched_tokens=32, warmup=False)
+    out = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
+    assert "Paris" in out[0].outputs[0].text
+
+
+def test_quality_script_runs(tmp_path):
     import json
     import subprocess
     import sys
     out = tmp_path / "quality.json"
-    r = subprocess.run([sys.executable, "scripts/eval_quality.py", "--out", str(out)], capture_output=True,
-                       text=True, timeout=600)
+    r = subprocess.run([sys.executable, "scripts/eval_quality.py", "--tokens", "256", "--formats", "float32,int8,int8-kv",
+                        "--out", str(out)], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
     rows = {row["format"]: row for row in json.loads(out.read_text())["rows"]}
-    assert set(rows) == {"float32", "bfloat16", "int8", "int4"} and rows["float32"]["top1_agreement"] == 1.0
+    assert set(rows) == {"float32", "int8", "int8-kv"} and rows["float32"]["top1_agreement"] == 1.0
     assert rows["int8"]["weight_bytes"] < 0.6 * rows["float32"]["weight_bytes"]

@@ -23,13 +23,13 @@ logger = logging.getLogger("jaxserve")
 
 class ModelRunner:
     def __init__(self, config, params, dtype, num_pages: int, page_size: int, buckets: Buckets, num_slots: int,
-                 attention_backend: str = "reference"):
+                 attention_backend: str = "reference", kv_cache_dtype: str = "auto"):
         self.config = config
         self.params = params
         self.page_size = page_size
         self.buckets = buckets
         self.steps = steps_for(config, dtype, attention_backend)
-        self.kv_cache = init_kv_cache(config, num_pages, page_size, dtype)
+        self.kv_cache = init_kv_cache(config, num_pages, page_size, dtype, kv_cache_dtype)
         self.last_tokens = jnp.zeros(num_slots + 1, jnp.int32)  # [slots + 1]: the last one takes padding rows
 
     def dispatch_prefill(self, row: Row) -> tuple[int, dict]:

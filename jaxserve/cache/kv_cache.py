@@ -1,6 +1,13 @@
-"""The paged KV cache: per layer a K and a V page array, a plain pytree donated through every step."""
+"""The paged KV cache: per layer a K and a V page array, a plain pytree donated through every step.
+
+Pages hold the model's dtype, or int8 with a float32 scale per token and KV head beside them (`Int8Pages`): about
+half of bfloat16's bytes (a quarter of float32's), so a memory budget holds about twice the sequences.
+"""
 from __future__ import annotations
 
+import dataclasses
+
+import jax
 import jax.numpy as jnp
 
 from jaxserve.config import ModelConfig
@@ -8,20 +15,69 @@ from jaxserve.config import ModelConfig
 # Page 0 is never handed to a sequence: padding tokens write their K/V there, so a padded step needs no masking
 # of writes and no real page is ever touched by padding.
 SCRATCH_PAGE = 0
+KV_CACHE_DTYPES = ("auto", "int8")  # auto: the model's dtype
 
 
-def bytes_per_page(config: ModelConfig, page_size: int, dtype) -> int:
-    return 2 * config.num_layers * page_size * config.num_kv_heads * config.head_dim * jnp.dtype(dtype).itemsize
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Int8Pages:
+    values: jax.Array  # int8 [num_pages, page_size, kv_heads, head_dim]
+    scale: jax.Array  # float32 [num_pages, page_size, kv_heads]: a token's head ~= values * scale
+
+    @property
+    def shape(self):
+        return self.values.shape
 
 
-def num_pages_for_budget(config: ModelConfig, page_size: int, dtype, memory_bytes: int) -> int:
-    n = memory_bytes // bytes_per_page(config, page_size, dtype)
+def check_kv_cache_dtype(kv_cache_dtype: str) -> str:
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
+    return kv_cache_dtype
+
+
+def bytes_per_page(config: ModelConfig, page_size: int, dtype, kv_cache_dtype: str = "auto") -> int:
+    per_head = (config.head_dim + 4 if kv_cache_dtype == "int8"
+                else config.head_dim * jnp.dtype(dtype).itemsize)  # int8: a byte per value and a float32 scale
+    return 2 * config.num_layers * page_size * config.num_kv_heads * per_head
+
+
+def num_pages_for_budget(config: ModelConfig, page_size: int, dtype, memory_bytes: int,
+                         kv_cache_dtype: str = "auto") -> int:
+    n = memory_bytes // bytes_per_page(config, page_size, dtype, kv_cache_dtype)
     if n < 2:
         raise ValueError(f"a KV-cache budget of {memory_bytes} bytes holds fewer than 2 pages of {page_size} tokens")
     return int(n)
 
 
-def init_kv_cache(config: ModelConfig, num_pages: int, page_size: int, dtype) -> list[tuple]:
-    """Returns per layer (k_pages, v_pages), each [num_pages, page_size, kv_heads, head_dim], zeroed."""
+def init_kv_cache(config: ModelConfig, num_pages: int, page_size: int, dtype, kv_cache_dtype: str = "auto"):
+    """Returns per layer (k_pages, v_pages), each [num_pages, page_size, kv_heads, head_dim] (or Int8Pages), zeroed."""
     shape = (num_pages, page_size, config.num_kv_heads, config.head_dim)
-    return [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(config.num_layers)]
+    if check_kv_cache_dtype(kv_cache_dtype) == "int8":
+        def pages():
+            return Int8Pages(jnp.zeros(shape, jnp.int8), jnp.zeros(shape[:-1], jnp.float32))
+    else:
+        def pages():
+            return jnp.zeros(shape, dtype)
+    return [(pages(), pages()) for _ in range(config.num_layers)]
+
+
+def read_pages(pages, page_ids, dtype) -> jax.Array:
+    """pages[page_ids] in dtype: [*page_ids.shape, page_size, kv_heads, head_dim]."""
+    if isinstance(pages, Int8Pages):
+        return pages.values[page_ids].astype(dtype) * pages.scale[page_ids][..., None].astype(dtype)
+    return pages[page_ids].astype(dtype)
+
+
+def write_pages(pages, x, slots):
+    """Scatters x [tokens, kv_heads, head_dim] into flat slots [tokens] (page * page_size + offset)."""
+    if isinstance(pages, Int8Pages):
+        num_pages, page_size, kv_heads, head_dim = pages.values.shape
+        x32 = x.astype(jnp.float32)
+        scale = jnp.max(jnp.abs(x32), axis=-1) / 127.0  # [tokens, kv_heads]: per token and head
+        scale = jnp.where(scale > 0, scale, 1.0)
+        q = jnp.clip(jnp.round(x32 / scale[..., None]), -127, 127).astype(jnp.int8)
+        values = pages.values.reshape(-1, kv_heads, head_dim).at[slots].set(q)
+        scales = pages.scale.reshape(-1, kv_heads).at[slots].set(scale)
+        return Int8Pages(values.reshape(pages.values.shape), scales.reshape(pages.scale.shape))
+    shape = pages.shape
+    return pages.reshape(-1, *shape[2:]).at[slots].set(x.astype(pages.dtype)).reshape(shape)

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jaxserve.attention import attention
 from jaxserve.config import ModelConfig
 from jaxserve.model.rope import apply_rope, inverse_frequencies
-from jaxserve.quant import matmul
+from jaxserve.quant import embed, matmul
 
 
 class Linear(nn.Module):
@@ -88,8 +88,12 @@ class LlamaModel(nn.Module):
         Returns (logits [S, V] or [S, Q, V] in float32, per layer this step's (k, v), each [S, Q, kv_heads, head_dim]).
         """
         c = self.config
-        embedding = self.param("embed_tokens", nn.initializers.normal(0.02), (c.vocab_size, c.hidden_size), self.dtype)
-        x = embedding[token_ids]  # [S, Q, hidden]
+        if self.has_variable("params", "embed_tokens"):  # float or int8 rows (jaxserve.quant)
+            embedding = self.get_variable("params", "embed_tokens")
+        else:
+            embedding = self.param("embed_tokens", nn.initializers.normal(0.02), (c.vocab_size, c.hidden_size),
+                                   self.dtype)
+        x = embed(embedding, token_ids, self.dtype)  # [S, Q, hidden]
         new_kv = []
         # A Python loop over per-layer weights: on XLA:CPU a scan over stacked layers copies each weight slice.
         for i in range(c.num_layers):

@@ -1,6 +1,7 @@
 """Pallas kernels: flash attention (prefill) and paged attention (decode, verification), for GPU (Triton lowering)
 and TPU (Mosaic), each beside its `jax.numpy` reference. `jaxserve.attention.attention` reaches them through
-`kernels_for`, by the resolved backend; on CPU they run in Pallas interpret mode (tests).
+`kernels_for`, by the resolved backend; on CPU they run in Pallas interpret mode (tests). Also weight-only int8 /
+int4 matmuls that dequantize in the kernel (GPU; `quantized_matmul`).
 """
 import functools
 
@@ -9,6 +10,7 @@ from jaxserve.pallas_kernels.flash_attention_tpu import flash_attention_tpu
 from jaxserve.pallas_kernels.paged_attention import (MASKED, merge_attention, paged_attention,
                                                      paged_attention_reference)
 from jaxserve.pallas_kernels.paged_attention_tpu import paged_attention_tpu
+from jaxserve.pallas_kernels.quantized_matmul import int4_matmul, int8_matmul
 
 # Block sizes per backend, in one place. gpu: 64 x 64 flash tiles and 8-page (128 tokens at page size 16) paged
 # blocks keep a head_dim-128 float32 accumulator within an SM's shared memory; tpu: 128 x 128 flash tiles match the
@@ -42,4 +44,4 @@ def kernels_for(backend: str):
 
 __all__ = ["flash_attention", "flash_attention_reference", "flash_attention_tpu", "paged_attention",
            "paged_attention_reference", "paged_attention_tpu", "merge_attention", "MASKED", "BLOCK_SIZES",
-           "kernels_for"]
+           "kernels_for", "int8_matmul", "int4_matmul"]

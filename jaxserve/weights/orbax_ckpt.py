@@ -3,19 +3,23 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import json
+
 import jax
 import jax.numpy as jnp
 
 from jaxserve.config import ModelConfig
+from jaxserve.quant import is_quantized, restore_nodes
 
 MARKER = "jaxserve_config.json"
+QUANTIZATION = "jaxserve_quantization.json"  # present when the params were saved quantized
 
 
 def is_orbax_checkpoint(path: Path) -> bool:
     return (path / MARKER).is_file()
 
 
-def save_checkpoint(path: Path, config: ModelConfig, params, tokenizer) -> None:
+def save_checkpoint(path: Path, config: ModelConfig, params, tokenizer, quantization: dict | None = None) -> None:
     import orbax.checkpoint as ocp
     path = path.absolute()
     if path.exists() and any(path.iterdir()):
@@ -25,12 +29,17 @@ def save_checkpoint(path: Path, config: ModelConfig, params, tokenizer) -> None:
         ckpt.save(path / "params", params)
     if tokenizer is not None:
         tokenizer.save(path)
+    if quantization is not None:
+        (path / QUANTIZATION).write_text(json.dumps(quantization))
     (path / MARKER).write_text(config.to_json())  # written last: its presence means the checkpoint is complete
 
 
-def load_checkpoint(path: Path, dtype) -> tuple[ModelConfig, dict]:
+def load_checkpoint(path: Path, dtype) -> tuple[ModelConfig, dict, dict | None]:
+    """Returns config, params (float leaves cast to dtype; quantized nodes as saved) and the quantization."""
     import orbax.checkpoint as ocp
     config = ModelConfig.from_json((path / MARKER).read_text())
+    quantization = json.loads((path / QUANTIZATION).read_text()) if (path / QUANTIZATION).is_file() else None
     with ocp.StandardCheckpointer() as ckpt:
-        params = ckpt.restore(path.absolute() / "params")
-    return config, jax.tree.map(lambda x: jnp.asarray(x, dtype), params)
+        params = restore_nodes(ckpt.restore(path.absolute() / "params"))
+    cast = lambda x: x if is_quantized(x) else jnp.asarray(x, dtype)  # noqa: E731
+    return config, jax.tree.map(cast, params, is_leaf=is_quantized), quantization
