@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve import pallas_kernels as pk
-from jaxserve.cache.kv_cache import Int8Pages, read_pages, write_pages
+from jaxserve.cache.kv_cache import read_pages, write_pages
 
 BACKENDS = ("auto", "reference", "pallas", "pallas-gpu", "pallas-tpu")
 
@@ -39,9 +39,6 @@ def attention(q, k, v, k_pages, v_pages, page_table, positions, *, sliding_windo
     """Same arguments and result as `paged_attention_reference`, by the resolved backend."""
     if backend == "reference":
         return paged_attention(q, k, v, k_pages, v_pages, page_table, positions, sliding_window=sliding_window)
-    if isinstance(k_pages, Int8Pages):
-        raise ValueError("int8 KV pages are read by the reference attention only; the Pallas kernels read the "
-                         "model's dtype")
     paged, flash = pk.kernels_for(backend)
     start = positions[:, 0]  # [S]: cached keys of a row are exactly those before its first new token
     num_new = (positions >= 0).sum(axis=1)

@@ -53,7 +53,7 @@ class LLM:
     quantization_group_size: input rows per int4 group (default 32 for int4, llama.cpp's Q4_1; 128 for awq).
     quantize_embeddings: also the LM head (same method) and the embedding table (int8 rows).
     kv_cache_dtype: "auto" (the model's dtype) or "int8" (a float32 scale per token and KV head beside the pages:
-        about twice the sequences in the same memory as bfloat16; read by the reference attention only).
+        about twice the sequences in the same memory as bfloat16; dequantized as the attention reads them).
     warmup: compile every step bucket now rather than on first use.
     """
 
@@ -74,12 +74,6 @@ class LLM:
                              f"({max_num_seqs}): every running sequence decodes a token per step")
         backend = resolve_attention_backend(attention_backend)
         self.kv_cache_dtype = check_kv_cache_dtype(kv_cache_dtype)
-        if kv_cache_dtype == "int8" and backend != "reference":
-            if attention_backend != "auto":
-                raise ValueError(f"kv_cache_dtype='int8' needs attention_backend 'reference' or 'auto' (the Pallas "
-                                 f"kernels read pages of the model's dtype), got {attention_backend!r}")
-            logger.warning("int8 KV cache: attention by the jnp reference (the Pallas kernels read the model's dtype)")
-            backend = "reference"
         _enable_compilation_cache()
         dtype = resolve_dtype(dtype)
         loaded = load_model(model, dtype, quantization, group_size=quantization_group_size,
@@ -100,7 +94,8 @@ class LLM:
         buckets = Buckets.for_limits(max_num_seqs, max_num_batched_tokens, pages_needed(self.max_model_len, block_size))
         serving = dict(num_pages=num_pages, pages_per_seq=buckets.num_pages[-1], max_num_seqs=max_num_seqs,
                        max_chunk=buckets.prefill_tokens[-1])
-        self.attention_backend = _checked_backend(backend, attention_backend, self.config, block_size, dtype, serving)
+        self.attention_backend = _checked_backend(backend, attention_backend, self.config, block_size, dtype, serving,
+                                                 kv_cache_dtype)
         self.runner = ModelRunner(self.config, params, dtype, num_pages, block_size, buckets, max_num_seqs,
                                   self.attention_backend, kv_cache_dtype)
         slo = None
@@ -247,13 +242,14 @@ def request_metrics(seqs: list[Sequence]) -> RequestMetrics:
                           None if None in finished else max(finished), sum(s.num_preemptions for s in seqs))
 
 
-def _checked_backend(backend: str, asked: str, config, page_size: int, dtype, serving: dict | None = None) -> str:
+def _checked_backend(backend: str, asked: str, config, page_size: int, dtype, serving: dict | None = None,
+                     kv_cache_dtype: str = "auto") -> str:
     """The Pallas kernels only if they compile and agree with their references here (see self_check)."""
     if backend == "reference" or backend.endswith("interpret"):
         return backend
     from jaxserve.pallas_kernels.self_check import check_kernels
     problem = check_kernels(backend, config.num_heads, config.num_kv_heads, config.head_dim, page_size, dtype,
-                            config.sliding_window, serving)
+                            config.sliding_window, serving, kv_cache_dtype=kv_cache_dtype)
     if problem is None:
         logger.info("attention: %s kernels", backend)
         return backend

@@ -12,6 +12,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jaxserve.pallas_kernels.quantized_matmul import int4_dequantize
+
 # "awq" is int4 with activation-aware input scales (jaxserve.awq).
 QUANTIZATIONS = (None, "int8", "int4", "awq")
 # int4's default is llama.cpp's Q4_1 layout (groups of 32, f16 scale and minimum: 5 bits a weight), which the
@@ -43,10 +45,7 @@ class Int4Weight:
 
     def dequantize(self, dtype) -> jax.Array:
         """[in_padded, out]: rows past the float kernel's are the zero padding of the last group."""
-        q = jnp.stack([self.packed & 15, self.packed >> 4], axis=1).reshape(-1, self.packed.shape[1])  # [in_p, out]
-        groups = self.scale.shape[0]
-        w = q.astype(dtype).reshape(groups, -1, q.shape[1]) * self.scale[:, None, :].astype(dtype)
-        return (w + self.offset[:, None, :].astype(dtype)).reshape(-1, q.shape[1])
+        return int4_dequantize(self.packed, self.scale, self.offset, self.group_size, dtype)
 
 
 @jax.tree_util.register_dataclass

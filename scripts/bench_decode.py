@@ -1,11 +1,13 @@
 """Decode and prefill speed of jaxserve on the default model, beside llama.cpp and HF transformers in the same run.
 
-    python scripts/bench_decode.py [--batch-sizes 1,8,32,64] [--peers llamacpp,hf] [--out bench_results/decode.json]
+    python scripts/bench_decode.py [--batch-sizes 1,8,32,64] [--formats float32,int8,int4,int8-kv]
+                                   [--format-batch-sizes 1,8] [--peers llamacpp,hf] [--out bench_results/decode.json]
 
 jaxserve: decode tok/s = B x steps / time of `steps` engine decode steps with B sequences after a 512-token prompt
 (host loop included: batch building, the step, the one device-to-host copy, stop checks); prefill tok/s = tokens /
 time of one 512-token prefill step. Peers come from scripts/peers.py. The table ends with the memory-bandwidth floor:
-a batch-1 decode step reads every weight once, so tok/s <= bandwidth / weight bytes.
+a batch-1 decode step reads every weight once, so tok/s <= bandwidth / weight bytes. --formats adds a row per
+weight / KV-cache format (quantized weights, int8 KV pages), at --format-batch-sizes.
 """
 import argparse
 import json
@@ -25,8 +27,14 @@ from jaxserve.weights.default_model import default_model_path  # noqa: E402
 from jaxserve.weights.params import param_bytes  # noqa: E402
 
 
-def bench_jaxserve(batch_sizes, prompt_len=512, decode_steps=32, repeats=3):
-    llm = LLM(max_model_len=1024, max_num_seqs=max(batch_sizes), max_num_batched_tokens=prompt_len, warmup=False)
+# name: LLM options. Weights: linear layers quantized (the LM head and embeddings stay float32).
+FORMATS = {"float32": {}, "int8": {"quantization": "int8"}, "int4": {"quantization": "int4"},
+           "awq": {"quantization": "awq"}, "int8-kv": {"kv_cache_dtype": "int8"}}
+
+
+def bench_jaxserve(batch_sizes, fmt="float32", prompt_len=512, decode_steps=32, repeats=3):
+    llm = LLM(max_model_len=1024, max_num_seqs=max(batch_sizes), max_num_batched_tokens=prompt_len, warmup=False,
+              **FORMATS[fmt])
     core, runner = llm.core, llm.runner
     prompt = peers._prompt_ids(prompt_len, llm.config.vocab_size)
 
@@ -59,10 +67,11 @@ def bench_jaxserve(batch_sizes, prompt_len=512, decode_steps=32, repeats=3):
             core.abort(s.request_id)
         while core.has_unfinished():
             core.step()
-    return {"engine": "jaxserve (float32, XLA:CPU)", "prefill_tok_s": round(prompt_len / prefill, 1),
+    return {"engine": f"jaxserve ({fmt}, XLA:CPU)", "format": fmt, "prefill_tok_s": round(prompt_len / prefill, 1),
             # Bytes a decode step reads: every weight but the embedding table, of which it reads only B rows.
-            "decode_tok_s": decode, "weight_bytes": param_bytes(runner.params) - runner.params["params"][
-                "embed_tokens"].nbytes, "prompt_len": prompt_len,
+            "decode_tok_s": decode, "param_bytes": param_bytes(runner.params),
+            "weight_bytes": param_bytes(runner.params) - param_bytes(runner.params["params"]["embed_tokens"]),
+            "prompt_len": prompt_len,
             "compiled_programs": runner.steps.num_compiled()}
 
 
@@ -79,13 +88,20 @@ def machine() -> dict:
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch-sizes", default="1,8,32,64")
+    ap.add_argument("--formats", default="float32,int8,int4,int8-kv", help="comma list of " + ", ".join(FORMATS))
+    ap.add_argument("--format-batch-sizes", default="1,8", help="batch sizes for the formats other than float32")
     ap.add_argument("--peers", default="llamacpp,hf", help="comma list of llamacpp, hf (empty: none)")
     ap.add_argument("--out", default="bench_results/decode.json")
     args = ap.parse_args()
     bs = tuple(int(b) for b in args.batch_sizes.split(","))
     gguf = default_model_path()
+    formats = [f for f in args.formats.split(",") if f]
+    if unknown := set(formats) - set(FORMATS):
+        ap.error(f"unknown formats {sorted(unknown)}")
+    fbs = tuple(int(b) for b in args.format_batch_sizes.split(","))
     results = {"date": time.strftime("%Y-%m-%d"), "machine": machine(),
-               "bandwidth": peers.measure_bandwidth(), "jaxserve": bench_jaxserve(bs)}
+               "bandwidth": peers.measure_bandwidth(), "jaxserve": bench_jaxserve(bs),
+               "formats": [bench_jaxserve(fbs, f) for f in formats if f != "float32"]}
     which = [p for p in args.peers.split(",") if p]
     if "llamacpp" in which:
         results["llamacpp"] = peers.bench_llamacpp(str(gguf), batch_sizes=bs)
@@ -94,7 +110,7 @@ def main():
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=1))
-    rows = [results[k] for k in ("jaxserve", "llamacpp", "hf") if k in results]
+    rows = [results[k] for k in ("jaxserve", "llamacpp", "hf") if k in results] + results["formats"]
     peers._table(rows, bs)
     bw = results["bandwidth"]["read_GBps"] * 1e9
     print(f"\nmemory bandwidth (read): {bw / 1e9:.1f} GB/s")

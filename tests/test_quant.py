@@ -16,7 +16,9 @@ from jaxserve.quant import (Int4Weight, Int8Rows, Int8Weight, embed, matmul, qua
                             quantize_params, quantize_rows_int8)
 from jaxserve.weights import load_model
 from jaxserve.weights.params import param_bytes
-from tiny import make_llm
+from tiny import make_llm, prompts
+
+INT8_PAGE_BYTES = 2 * 2 * 4 * 2 * (16 + 4)  # K and V, 2 layers, 4 tokens, 2 KV heads, 16 int8 + a float32 scale
 
 # Chapter I of Alice's Adventures in Wonderland (Lewis Carroll, 1865; public domain), ~2.7k tokens. The tests read
 # its first 1024 (scripts/eval_quality.py all of it); AWQ calibrates on a different chapter.
@@ -126,24 +128,29 @@ def test_int8_kv_pages_round_trip_and_bytes():
         init_kv_cache(Config, 4, 16, jnp.float32, "fp8")
 
 
-def test_engine_with_int8_kv_cache_matches_float_pages(tiny_dir):
-    """Greedy tokens of a tiny model through chunked prefill, decode and preemption with int8 pages are those
-    of float pages, or part ways only where float pages' top two logits nearly tie."""
+def test_engine_with_int8_kv_cache(tiny_dir):
+    """int8 pages through chunked prefill, batched decode and preemption: each token's log-probability stays near
+    float pages' until their greedy paths part, and no page is left held. (Not token-exact across batchings, as
+    float pages are: a recomputed key that differs in its last bit can round to another int8 step, and this
+    random model's near-ties flip. The real model's cost is its perplexity, below.)"""
     rng = np.random.default_rng()
-    prompt = {"prompt_token_ids": rng.integers(0, 320, 40).tolist()}
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
-    float_out = make_llm(tiny_dir).generate([prompt], params, use_tqdm=False)[0].outputs[0]
-    llm = make_llm(tiny_dir, kv_cache_dtype="int8")
-    assert isinstance(llm.runner.kv_cache[0][0], Int8Pages)
-    out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
-    for i, (a, b) in enumerate(zip(float_out.token_ids, out.token_ids)):
-        if a != b:
-            top = sorted(float_out.logprobs[i].values(), key=lambda lp: -lp.logprob)
-            assert top[0].logprob - top[1].logprob < 0.05, (i, a, b)
-            break
+    ps = prompts(rng, [40, 7, 25])
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=1)
+    # 20 pages of 4 tokens: three sequences of up to 64 tokens (16 pages each) cannot all fit: some are preempted.
+    llm = make_llm(tiny_dir, kv_cache_dtype="int8", kv_cache_memory_bytes=21 * INT8_PAGE_BYTES)
+    assert isinstance(llm.runner.kv_cache[0][0], Int8Pages) and llm.runner.kv_cache[0][0].shape[0] == 21
+    together = [o.outputs[0] for o in llm.generate(ps, sp, use_tqdm=False)]
+    assert llm.stats().num_preemptions > 0
     llm.core.assert_idle_and_clean()
-    with pytest.raises(ValueError, match="int8"):
-        make_llm(tiny_dir, kv_cache_dtype="int8", attention_backend="pallas")
+    floats = [o.outputs[0] for o in make_llm(tiny_dir).generate(ps, sp, use_tqdm=False)]
+    for f, q in zip(floats, together):
+        same = next((i for i, (a, b) in enumerate(zip(f.token_ids, q.token_ids)) if a != b), len(f.token_ids))
+        assert same > 0
+        for i in range(same):
+            token = f.token_ids[i]
+            assert abs(f.logprobs[i][token].logprob - q.logprobs[i][token].logprob) < 0.5
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        make_llm(tiny_dir, kv_cache_dtype="fp8")
 
 
 @pytest.fixture(scope="module")
@@ -209,7 +216,8 @@ def test_convert_writes_a_quantized_checkpoint_that_loads_directly(default_gguf_
     loaded = load_model(str(dst), jnp.float32)
     assert loaded.quantization["method"] == method and isinstance(loaded.params["params"]["embed_tokens"], Int8Rows)
     leaves = jax.tree.leaves(loaded.params["params"]["layers_3"]["down_proj"], is_leaf=lambda x: x is None)
-    assert {leaf.dtype for leaf in leaves if leaf is not None} >= {jnp.dtype(jnp.int8 if method == "int8" else jnp.uint8)}
+    stored = jnp.dtype(jnp.int8 if method == "int8" else jnp.uint8)
+    assert stored in {leaf.dtype for leaf in leaves if leaf is not None}
     assert param_bytes(loaded.params) < 0.4 * param_bytes(load_model(str(default_gguf_path), jnp.float32).params)
     # Served as written: quantized again only if asked the same way, refused otherwise.
     assert load_model(str(dst), jnp.float32, method, quantize_embeddings=True,
@@ -226,8 +234,8 @@ def test_quality_script_runs(tmp_path):
     import subprocess
     import sys
     out = tmp_path / "quality.json"
-    r = subprocess.run([sys.executable, "scripts/eval_quality.py", "--tokens", "256", "--formats", "float32,int8,int8-kv",
-                        "--out", str(out)], capture_output=True, text=True, timeout=600)
+    r = subprocess.run([sys.executable, "scripts/eval_quality.py", "--tokens", "256", "--formats",
+                        "float32,int8,int8-kv", "--out", str(out)], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
     rows = {row["format"]: row for row in json.loads(out.read_text())["rows"]}
     assert set(rows) == {"float32", "int8", "int8-kv"} and rows["float32"]["top1_agreement"] == 1.0

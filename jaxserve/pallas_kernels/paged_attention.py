@@ -8,8 +8,10 @@ hold. Several query tokens per sequence are causal among themselves when their k
 (speculative verification); with keys not yet written (jaxserve's steps) every query sees all `kv_lens` keys.
 Mosaic GPU is where JAX's GPU Pallas is going (the Triton lowering is deprecated in 0.11), but its kernels are
 written per warpgroup with explicit async copies; a gather of pages chosen at run time is direct in Triton, so
-this kernel stays there until Mosaic GPU has an equivalent. Returns the log-sum-exp beside the output, so partial
-attentions (cached pages here, the step's own keys in flash_attention) merge exactly (see `merge_attention`).
+this kernel stays there until Mosaic GPU has an equivalent. int8 pages (`Int8Pages`: values and a float32 scale
+per token and KV head) go in as two inputs each and are dequantized to the queries' dtype as they are loaded,
+exactly as `read_pages` does, so the rest of the kernel is the same. Returns the log-sum-exp beside the output, so
+partial attentions (cached pages here, the step's own keys in flash_attention) merge exactly (see `merge_attention`).
 
 Every kernel has its `jax.numpy` reference beside it: the oracle in the tests (which run the kernel in Pallas
 interpret mode on CPU).
@@ -22,6 +24,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
+
+from jaxserve.cache.kv_cache import Int8Pages, read_pages
 
 MASKED = -1e30  # finite: a row that sees nothing stays NaN-free
 
@@ -65,6 +69,17 @@ def softmax_result(m, l, acc):
     return acc / safe, jnp.where(seen, m + jnp.log(safe), MASKED)
 
 
+def split_pages(pages):
+    """(values, scale): an Int8Pages' two arrays, or a float page array and None."""
+    return (pages.values, pages.scale) if isinstance(pages, Int8Pages) else (pages, None)
+
+
+def dequantize(values, scale, dtype):
+    """Loaded page values in dtype; int8 ones times their scale (broadcastable: [..., 1]), as `read_pages` does."""
+    values = values.astype(dtype)
+    return values if scale is None else values * scale.astype(dtype)
+
+
 def poisoned(out_shape, first_input: int):
     """Tests only: NaN buffers aliased to the outputs (inputs first_input, ...), so any element a kernel skips shows."""
     return ([jnp.full(o.shape, jnp.nan, o.dtype) for o in out_shape],
@@ -76,9 +91,11 @@ def _pow2(n: int, lo: int = 1) -> int:
 
 
 def _paged_kernel(kv_len_ref, q_pos_ref, table_ref, q_ref, k_ref, v_ref, *refs, page_size, block_pages,
-                  sliding_window, soft_cap, scale):
-    o_ref, lse_ref = refs[-2:]  # (with `poison`, the aliased output buffers come first, unread)
+                  sliding_window, soft_cap, scale, quantized):
+    o_ref, lse_ref = refs[-2:]  # (with `poison`, the aliased output buffers come before them, unread)
+    k_scale_ref, v_scale_ref = refs[:2] if quantized else (None, None)
     # q_ref [rows, D]; q_pos_ref [rows]; table_ref [pages_per_seq]; k_ref, v_ref [num_pages, page_size, D]
+    # (int8 when quantized, with k_scale_ref, v_scale_ref [num_pages, page_size] float32)
     rows, head_dim = q_ref.shape
     block = block_pages * page_size
     q = q_ref[...]
@@ -89,6 +106,9 @@ def _paged_kernel(kv_len_ref, q_pos_ref, table_ref, q_ref, k_ref, v_ref, *refs, 
         pages = table_ref[pl.ds(i * block_pages, block_pages)]
         k = k_ref[pages].reshape(block, head_dim)  # [block, D]: a gather through the page table
         v = v_ref[pages].reshape(block, head_dim)
+        if quantized:  # the scales gathered alike, [block, 1]
+            k = dequantize(k, k_scale_ref[pages].reshape(block, 1), q.dtype)
+            v = dequantize(v, v_scale_ref[pages].reshape(block, 1), q.dtype)
         key_pos = i * block + jnp.arange(block)[None, :]
         visible = (key_pos < kv_len) & (key_pos <= q_pos[:, None])
         if sliding_window is not None:
@@ -109,8 +129,8 @@ def _paged_kernel(kv_len_ref, q_pos_ref, table_ref, q_ref, k_ref, v_ref, *refs, 
                                              "poison"))
 def paged_attention(q, k_pages, v_pages, page_table, kv_lens, q_positions, *, sliding_window=None, soft_cap=None,
                     block_pages=8, max_rows=64, interpret=False, poison=False):
-    """q [S, Q, H, D]; k_pages, v_pages [num_pages, page_size, KVH, D]; page_table [S, P]; kv_lens [S] (keys at
-    positions < kv_lens[s] are in the pages); q_positions [S, Q] (-1: padding, sees nothing).
+    """q [S, Q, H, D]; k_pages, v_pages [num_pages, page_size, KVH, D] (or Int8Pages); page_table [S, P]; kv_lens
+    [S] (keys at positions < kv_lens[s] are in the pages); q_positions [S, Q] (-1: padding, sees nothing).
 
     Returns (out [S, Q, H, D] in q's dtype, lse [S, Q, H] float32; MASKED where a query saw no key).
     poison: tests only, the outputs start as NaN (aliased) so any element the kernel skips shows.
@@ -129,10 +149,13 @@ def paged_attention(q, k_pages, v_pages, page_table, kv_lens, q_positions, *, sl
     q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, rows - Q * G), (0, 0)))
     pos_rows = jnp.pad(jnp.repeat(q_positions, G, axis=1), ((0, 0), (0, rows - Q * G)), constant_values=-1)
     table = jnp.pad(page_table, ((0, 0), (0, P - page_table.shape[1])))
+    (k_values, k_scale), (v_values, v_scale) = split_pages(k_pages), split_pages(v_pages)
+    quantized = k_scale is not None
+    scales = [k_scale, v_scale] if quantized else []
     kernel = functools.partial(_paged_kernel, page_size=page_size, block_pages=block_pages,
-                               sliding_window=sliding_window, soft_cap=soft_cap, scale=D ** -0.5)
+                               sliding_window=sliding_window, soft_cap=soft_cap, scale=D ** -0.5, quantized=quantized)
     out_shape = [jax.ShapeDtypeStruct((S, KVH, rows, D), q.dtype), jax.ShapeDtypeStruct((S, KVH, rows), jnp.float32)]
-    extra, aliases = poisoned(out_shape, 6) if poison else ([], {})
+    extra, aliases = poisoned(out_shape, 6 + len(scales)) if poison else ([], {})
     o, lse = pl.pallas_call(
         kernel,
         grid=(S, KVH, rows // block_rows),
@@ -143,7 +166,8 @@ def paged_attention(q, k_pages, v_pages, page_table, kv_lens, q_positions, *, sl
             pl.BlockSpec((None, None, block_rows, D), lambda s, h, r: (s, h, r, 0)),  # queries
             pl.BlockSpec((num_pages, page_size, None, D), lambda s, h, r: (0, 0, h, 0)),  # K pages of this head
             pl.BlockSpec((num_pages, page_size, None, D), lambda s, h, r: (0, 0, h, 0)),  # V pages of this head
-        ] + [pl.BlockSpec(memory_space=pl.ANY)] * len(extra),
+        ] + [pl.BlockSpec((num_pages, page_size, None), lambda s, h, r: (0, 0, h))] * len(scales)  # their scales
+        + [pl.BlockSpec(memory_space=pl.ANY)] * len(extra),
         out_specs=[pl.BlockSpec((None, None, block_rows, D), lambda s, h, r: (s, h, r, 0)),
                    pl.BlockSpec((None, None, block_rows), lambda s, h, r: (s, h, r))],
         out_shape=out_shape,
@@ -153,7 +177,7 @@ def paged_attention(q, k_pages, v_pages, page_table, kv_lens, q_positions, *, sl
         interpret=interpret,
         name="paged_attention",
     )(kv_lens.reshape(S, 1).astype(jnp.int32), pos_rows.astype(jnp.int32), table.astype(jnp.int32), q_rows,
-      k_pages, v_pages, *extra)
+      k_values, v_values, *scales, *extra)
     o = o[:, :, :Q * G].reshape(S, KVH, Q, G, D).transpose(0, 2, 1, 3, 4).reshape(S, Q, H, D)
     lse = lse[:, :, :Q * G].reshape(S, KVH, Q, G).transpose(0, 2, 1, 3).reshape(S, Q, H)
     return o, lse
@@ -161,12 +185,17 @@ def paged_attention(q, k_pages, v_pages, page_table, kv_lens, q_positions, *, sl
 
 def paged_attention_reference(q, k_pages, v_pages, page_table, kv_lens, q_positions, *, sliding_window=None,
                               soft_cap=None):
-    """The same function, directly: gather every page of the table, mask, softmax."""
+    """The same function, directly: gather every page of the table, mask, softmax. Int8 pages are dequantized to
+    q's dtype (as the kernels do), float pages are read as they are."""
     S, Q, H, D = q.shape
     _, page_size, KVH, _ = k_pages.shape
     L = page_table.shape[1] * page_size
-    k = k_pages[page_table].reshape(S, L, KVH, D).astype(jnp.float32)
-    v = v_pages[page_table].reshape(S, L, KVH, D).astype(jnp.float32)
+
+    def gather(pages):
+        dtype = q.dtype if isinstance(pages, Int8Pages) else pages.dtype
+        return read_pages(pages, page_table, dtype).reshape(S, L, KVH, D).astype(jnp.float32)
+
+    k, v = gather(k_pages), gather(v_pages)
     q32 = q.reshape(S, Q, KVH, H // KVH, D).astype(jnp.float32)
     s = jnp.einsum("sqkgd,slkd->sqkgl", q32, k) * D ** -0.5
     s = s if soft_cap is None else soft_cap * jnp.tanh(s / soft_cap)

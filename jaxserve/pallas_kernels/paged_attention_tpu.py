@@ -5,7 +5,9 @@ table. The grid is (sequence, block of query rows, page); each step's K/V block 
 side by side in the lanes ([page_size, kv_heads * head_dim], a free reshape of the cache), fetched straight from the
 page the table names, and an online softmax accumulates in VMEM scratch across the page axis. Pages past a
 sequence's length are neither fetched (the index map repeats the last real page, so the pipeline skips the copy)
-nor computed.
+nor computed. int8 pages (`Int8Pages`) come as int8 values in the same layout plus each page's float32 scales,
+[page_size, kv_heads] (whole last two dims of the scale array, so any kv_heads tiles), fetched by the same index
+map; each head's keys and values are dequantized to the queries' dtype as they are loaded.
 """
 from __future__ import annotations
 
@@ -16,7 +18,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from jaxserve.pallas_kernels.paged_attention import MASKED, scores, softmax_block, softmax_result
+from jaxserve.pallas_kernels.paged_attention import (MASKED, dequantize, scores, softmax_block, softmax_result,
+                                                     split_pages)
 
 
 def reset_softmax(m_sc, l_sc, acc_sc) -> None:
@@ -32,9 +35,12 @@ def write_softmax(o_ref, lse_ref, m_sc, l_sc, acc_sc) -> None:
     lse_ref[...] = lse
 
 
-def _paged_tpu_kernel(lens_ref, table_ref, q_pos_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, m_sc, l_sc, acc_sc, *,
-                      page_size, sliding_window, soft_cap, scale):
+def _paged_tpu_kernel(lens_ref, table_ref, q_pos_ref, q_ref, k_ref, v_ref, *refs, page_size, sliding_window,
+                      soft_cap, scale, quantized):
     # q_pos_ref [rows, 1]; q_ref [KVH, rows, D]; k_ref, v_ref [page_size, KVH * D]; scratch [KVH, rows, 1 | D]
+    # (quantized: k_ref, v_ref int8, then k_scale_ref, v_scale_ref [page_size, KVH] float32)
+    k_scale_ref, v_scale_ref = refs[:2] if quantized else (None, None)
+    o_ref, lse_ref, m_sc, l_sc, acc_sc = refs[-5:]
     s, p = pl.program_id(0), pl.program_id(2)
     kvh, _, head_dim = q_ref.shape
 
@@ -49,10 +55,13 @@ def _paged_tpu_kernel(lens_ref, table_ref, q_pos_ref, q_ref, k_ref, v_ref, o_ref
         visible = (key_pos < kv_len) & (key_pos <= q_pos)
         if sliding_window is not None:
             visible &= key_pos > q_pos - sliding_window
+        dtype = q_ref.dtype
         for h in range(kvh):  # static: each KV head with the query rows that share it
             heads = slice(h * head_dim, (h + 1) * head_dim)
-            m, l, acc = softmax_block(m_sc[h], l_sc[h], acc_sc[h], scores(q_ref[h], k_ref[:, heads], scale, soft_cap),
-                                      visible, v_ref[:, heads].astype(q_ref.dtype))
+            k_scale, v_scale = (k_scale_ref[:, h:h + 1], v_scale_ref[:, h:h + 1]) if quantized else (None, None)
+            k = dequantize(k_ref[:, heads], k_scale, dtype)  # [page_size, D]
+            v = dequantize(v_ref[:, heads], v_scale, dtype)
+            m, l, acc = softmax_block(m_sc[h], l_sc[h], acc_sc[h], scores(q_ref[h], k, scale, soft_cap), visible, v)
             m_sc[h], l_sc[h], acc_sc[h] = m, l, acc
 
     pl.when(p == pl.num_programs(2) - 1)(lambda: write_softmax(o_ref, lse_ref, m_sc, l_sc, acc_sc))
@@ -77,8 +86,11 @@ def paged_attention_tpu(q, k_pages, v_pages, page_table, kv_lens, q_positions, *
         last = jnp.maximum(pl.cdiv(lens[s], page_size) - 1, 0)
         return table[s * P + jnp.minimum(p, last)]
 
+    (k_values, k_scale), (v_values, v_scale) = split_pages(k_pages), split_pages(v_pages)
+    quantized = k_scale is not None
+    scales = [k_scale, v_scale] if quantized else []
     kernel = functools.partial(_paged_tpu_kernel, page_size=page_size, sliding_window=sliding_window,
-                               soft_cap=soft_cap, scale=D ** -0.5)
+                               soft_cap=soft_cap, scale=D ** -0.5, quantized=quantized)
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=2,  # kv_lens [S], page table [S * P]
         grid=(S, rows // block_rows, P),
@@ -87,7 +99,7 @@ def paged_attention_tpu(q, k_pages, v_pages, page_table, kv_lens, q_positions, *
             pl.BlockSpec((None, KVH, block_rows, D), lambda s, r, p, *_: (s, 0, r, 0)),
             pl.BlockSpec((None, page_size, KVH * D), lambda *a: (page_index(*a), 0, 0)),
             pl.BlockSpec((None, page_size, KVH * D), lambda *a: (page_index(*a), 0, 0)),
-        ],
+        ] + [pl.BlockSpec((None, page_size, KVH), lambda *a: (page_index(*a), 0, 0))] * len(scales),
         out_specs=[pl.BlockSpec((None, KVH, block_rows, D), lambda s, r, p, *_: (s, 0, r, 0)),
                    pl.BlockSpec((None, KVH, block_rows, 1), lambda s, r, p, *_: (s, 0, r, 0))],
         scratch_shapes=[pltpu.VMEM((KVH, block_rows, 1), jnp.float32), pltpu.VMEM((KVH, block_rows, 1), jnp.float32),
@@ -102,7 +114,7 @@ def paged_attention_tpu(q, k_pages, v_pages, page_table, kv_lens, q_positions, *
         interpret=interpret,
         name="paged_attention_tpu",
     )(kv_lens, page_table.reshape(-1).astype(jnp.int32), pos_rows.astype(jnp.int32)[:, :, None], q_rows,
-      k_pages.reshape(num_pages, page_size, KVH * D), v_pages.reshape(num_pages, page_size, KVH * D))
+      k_values.reshape(num_pages, page_size, KVH * D), v_values.reshape(num_pages, page_size, KVH * D), *scales)
     o = o[:, :, :Q * G].reshape(S, KVH, Q, G, D).transpose(0, 2, 1, 3, 4).reshape(S, Q, H, D)
     lse = lse[:, :, :Q * G, 0].reshape(S, KVH, Q, G).transpose(0, 2, 1, 3).reshape(S, Q, H)
     return o, lse
