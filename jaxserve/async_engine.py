@@ -95,6 +95,9 @@ class AsyncEngine:
         """Stops a request and frees its pages before the next step (no-op if it already finished)."""
         self._commands.put(("abort", request_id))
 
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._stopping
+
     def stats(self) -> EngineStats:
         """The snapshot taken after the latest step."""
         return self._stats

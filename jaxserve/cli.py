@@ -1,4 +1,4 @@
-"""The `jaxserve` command: generate, chat, convert."""
+"""The `jaxserve` command: generate, chat, serve, convert."""
 from __future__ import annotations
 
 import argparse
@@ -8,7 +8,7 @@ import sys
 from jaxserve.weights.default_model import DEFAULT_MODEL
 
 
-def _engine_args(p: argparse.ArgumentParser) -> None:
+def _engine_args(p: argparse.ArgumentParser, serving: bool = False) -> None:
     p.add_argument("--model", default=None,
                    help=f"a .gguf file, a HF model directory, or a jaxserve checkpoint (default: {DEFAULT_MODEL}, "
                         "fetched once into ~/.cache/jaxserve or $JAXSERVE_CACHE)")
@@ -20,7 +20,21 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     _quantization_args(p)
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"],
                    help="KV-cache pages: auto (the model's dtype) or int8 (about twice the sequences per byte)")
-    p.add_argument("--warmup", action="store_true", help="compile every shape bucket before generating")
+    if serving:
+        p.add_argument("--max-num-seqs", type=int, default=64, help="most sequences decoding together")
+        p.add_argument("--max-num-batched-tokens", type=int, default=512,
+                       help="tokens per step: one per decoding sequence, the rest prompt chunks")
+        p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                       help="do not reuse the KV pages of prompt prefixes seen before")
+        p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
+        p.add_argument("--ttft-slo", type=float, default=None, help="time-to-first-token target, seconds")
+        p.add_argument("--tpot-slo", type=float, default=None, help="time-per-output-token target, seconds")
+        p.add_argument("--attention-backend", default="auto",
+                       choices=["auto", "reference", "pallas", "pallas-gpu", "pallas-tpu"])
+        p.add_argument("--no-warmup", dest="warmup", action="store_false",
+                       help="compile shapes on first use instead of before serving")
+    else:
+        p.add_argument("--warmup", action="store_true", help="compile every shape bucket before generating")
     p.add_argument("-v", "--verbose", action="store_true", help="log loading and compilation")
 
 
@@ -59,6 +73,18 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--system", default=None, help="a system prompt (default: the template's own, if any)")
     _engine_args(chat)
     _sampling_args(chat, 512)
+    srv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server",
+                         description="Serve the model over HTTP with the OpenAI API (/v1/completions, "
+                                     "/v1/chat/completions, /v1/models), /health and /metrics (Prometheus).")
+    srv.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 requests")
+    srv.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
+    srv.add_argument("--max-queued-requests", type=int, default=256,
+                     help="sequences waiting beyond the running batch before new requests get 429")
+    srv.add_argument("--shutdown-grace-period", type=float, default=30.0,
+                     help="seconds running requests get to finish after SIGTERM")
+    _engine_args(srv, serving=True)
     conv = sub.add_parser("convert", help="write a model as a jaxserve (orbax) checkpoint that loads faster",
                           description="Load SRC (a .gguf, a HF directory, or the default model name) and write a "
                                       "jaxserve checkpoint to DST: params (orbax), config and tokenizer.")
@@ -125,6 +151,26 @@ def cmd_chat(args) -> None:
         messages.append({"role": "assistant", "content": reply})
 
 
+def cmd_serve(args) -> None:
+    import asyncio
+
+    from jaxserve import LLM
+    from jaxserve.async_engine import AsyncEngine
+    from jaxserve.server import Server, serve
+    if not 0 < args.port < 65536:
+        raise ValueError(f"--port must be in 1-65535, got {args.port}")
+    if args.max_queued_requests < 0:
+        raise ValueError(f"--max-queued-requests must be >= 0, got {args.max_queued_requests}")
+    llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, block_size=args.block_size,
+              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+              enable_prefix_caching=args.enable_prefix_caching, scheduling_policy=args.scheduling_policy,
+              ttft_slo=args.ttft_slo, tpot_slo=args.tpot_slo, attention_backend=args.attention_backend,
+              kv_cache_dtype=args.kv_cache_dtype, warmup=args.warmup, **_quantization(args))
+    name = args.served_model_name or args.model or DEFAULT_MODEL
+    server = Server(AsyncEngine(llm), name, api_key=args.api_key, max_queued_requests=args.max_queued_requests)
+    asyncio.run(serve(server, args.host, args.port, args.shutdown_grace_period))
+
+
 def cmd_convert(args) -> None:
     from pathlib import Path
 
@@ -140,7 +186,7 @@ def cmd_convert(args) -> None:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
-    handler = {"generate": cmd_generate, "chat": cmd_chat, "convert": cmd_convert}[args.command]
+    handler = {"generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve, "convert": cmd_convert}[args.command]
     try:
         handler(args)
     except (ValueError, RuntimeError, OSError) as e:

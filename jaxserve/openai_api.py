@@ -1,0 +1,194 @@
+"""The OpenAI wire format: request bodies checked and turned into (prompt, SamplingParams), outputs into response
+and stream-chunk bodies. Pure functions, no HTTP: `jaxserve.server` moves the bytes.
+
+A field the API defines but the engine does not implement is refused unless it has its no-op value (a penalty of
+0, `echo` false), and an unknown field is refused: a client never gets silently different sampling.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+
+from jaxserve.outputs import CompletionOutput
+from jaxserve.sampling_params import MAX_LOGPROBS, SamplingParams
+
+MAX_N = 16
+MAX_STOP = 16
+
+
+class ApiError(Exception):
+    """An error answered with an OpenAI-style body: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.type = type or {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
+                             429: "rate_limit_error", 503: "service_unavailable"}.get(status, "server_error")
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+# field: (accepted types, check or None). Sampling fields common to both endpoints, then each endpoint's own.
+_NUMBER = (int, float)
+_COMMON = {
+    "model": (str,), "max_tokens": (int,), "max_completion_tokens": (int,), "temperature": _NUMBER,
+    "top_p": _NUMBER, "top_k": (int,), "min_p": _NUMBER, "seed": (int,), "stop": (str, list), "n": (int,),
+    "stream": (bool,), "stream_options": (dict,), "user": (str,), "ignore_eos": (bool,), "min_tokens": (int,),
+    "stop_token_ids": (list,), "include_stop_str_in_output": (bool,), "skip_special_tokens": (bool,),
+    "presence_penalty": _NUMBER, "frequency_penalty": _NUMBER, "logit_bias": (dict,), "best_of": (int,),
+}
+_COMPLETION = {**_COMMON, "prompt": (str, list), "logprobs": (int,), "echo": (bool,), "suffix": (str,)}
+_CHAT = {**_COMMON, "messages": (list,), "logprobs": (bool,), "top_logprobs": (int,)}
+
+
+def _check_fields(body, fields: dict) -> None:
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    for key, value in body.items():
+        if key not in fields:
+            raise ApiError(400, f"unknown field {key!r}", key)
+        if value is None:
+            continue  # null means "the default", as OpenAI's SDKs send it
+        types = fields[key]
+        if isinstance(value, bool) and bool not in types or not isinstance(value, types):
+            names = " or ".join({str: "a string", int: "an integer", float: "a number", bool: "a boolean",
+                                 list: "an array", dict: "an object"}[t] for t in types)
+            raise ApiError(400, f"{key} must be {names}, got {type(value).__name__}", key)
+    # Defined by the API, not implemented here: refused unless harmless.
+    for key, neutral in [("presence_penalty", 0), ("frequency_penalty", 0), ("echo", False), ("suffix", None)]:
+        if body.get(key) not in (None, neutral):
+            raise ApiError(400, f"{key} is not supported by this server", key)
+    if body.get("logit_bias"):
+        raise ApiError(400, "logit_bias is not supported by this server", "logit_bias")
+    if body.get("best_of") not in (None, body.get("n") or 1):
+        raise ApiError(400, "best_of other than n is not supported by this server", "best_of")
+
+
+def _sampling_params(body: dict, max_tokens_default: int | None, logprobs: int | None) -> SamplingParams:
+    max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
+    if max_tokens is None:
+        max_tokens = max_tokens_default
+    stop = body.get("stop")
+    if isinstance(stop, list) and len(stop) > MAX_STOP:
+        raise ApiError(400, f"at most {MAX_STOP} stop sequences", "stop")
+    n = body.get("n") or 1
+    if isinstance(n, int) and n > MAX_N:
+        raise ApiError(400, f"n must be at most {MAX_N}", "n")
+    temperature = body.get("temperature")
+    if isinstance(temperature, _NUMBER) and temperature > 2:
+        raise ApiError(400, f"temperature must be in [0, 2], got {temperature}", "temperature")
+    args = dict(n=n, temperature=1.0 if temperature is None else temperature, max_tokens=max_tokens, stop=stop,
+                logprobs=logprobs)
+    for key in ("top_p", "top_k", "min_p", "seed", "ignore_eos", "min_tokens", "stop_token_ids",
+                "include_stop_str_in_output", "skip_special_tokens"):
+        if body.get(key) is not None:
+            args[key] = body[key]
+    try:
+        return SamplingParams(**args)
+    except ValueError as e:
+        raise ApiError(400, str(e)) from None
+
+
+def parse_completion(body) -> tuple[str | dict, SamplingParams]:
+    """-> (prompt: text or {"prompt_token_ids": [...]}, params)."""
+    _check_fields(body, _COMPLETION)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        prompt = {"prompt_token_ids": prompt}
+    elif not isinstance(prompt, str) or not prompt:
+        raise ApiError(400, "prompt must be a non-empty string or an array of token ids (one prompt per request)",
+                       "prompt")
+    logprobs = body.get("logprobs")
+    if logprobs is not None and not 0 <= logprobs <= 5:
+        raise ApiError(400, f"logprobs must be in [0, 5], got {logprobs}", "logprobs")  # OpenAI's bound
+    return prompt, _sampling_params(body, 16, logprobs)  # 16: OpenAI's default max_tokens for completions
+
+
+def parse_chat(body, tokenizer) -> tuple[dict, SamplingParams]:
+    """-> ({"prompt_token_ids": the rendered chat template}, params)."""
+    _check_fields(body, _CHAT)
+    messages = body.get("messages")
+    if not messages:
+        raise ApiError(400, "messages must be a non-empty array", "messages")
+    for i, m in enumerate(messages):
+        if not (isinstance(m, dict) and m.get("role") in ("system", "user", "assistant", "developer")
+                and isinstance(m.get("content"), (str, list))):
+            raise ApiError(400, f"messages[{i}] must be an object with a role (system, user, assistant) and "
+                                f"content", "messages")
+        if isinstance(m["content"], list):  # content parts: text only
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in m["content"]):
+                raise ApiError(400, f"messages[{i}]: only text content parts are supported", "messages")
+            messages[i] = {**m, "content": "".join(p["text"] for p in m["content"])}
+        if m["role"] == "developer":
+            messages[i] = {**messages[i], "role": "system"}
+    top = body.get("top_logprobs")
+    if top is not None and not 0 <= top <= MAX_LOGPROBS:
+        raise ApiError(400, f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {top}", "top_logprobs")
+    if top and not body.get("logprobs"):
+        raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+    try:
+        text = tokenizer.apply_chat_template(messages)
+    except ValueError as e:
+        raise ApiError(400, str(e), "messages") from None
+    prompt = {"prompt_token_ids": tokenizer.encode(text, add_special_tokens=False), "prompt": text}
+    return prompt, _sampling_params(body, None, (top or 0) if body.get("logprobs") else None)
+
+
+def wants_usage_in_stream(body: dict) -> bool:
+    options = body.get("stream_options") or {}
+    if set(options) - {"include_usage"}:
+        raise ApiError(400, f"unknown stream_options {sorted(set(options) - {'include_usage'})}", "stream_options")
+    return bool(options.get("include_usage"))
+
+
+# ---- responses ----
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def completion_logprobs(out: CompletionOutput, token_text, offset: int) -> dict | None:
+    """Legacy completions logprobs: tokens, token_logprobs, top_logprobs, text_offset (from `offset`)."""
+    if out.logprobs is None:
+        return None
+    tokens, lps, tops, offsets = [], [], [], []
+    for token_id, entry in zip(out.token_ids, out.logprobs):
+        text = token_text(token_id)
+        tokens.append(text)
+        lps.append(entry[token_id].logprob)
+        tops.append({token_text(t): lp.logprob for t, lp in entry.items()})
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def chat_logprobs(out: CompletionOutput, token_text, top: int) -> dict | None:
+    if out.logprobs is None:
+        return None
+    content = []
+    for token_id, entry in zip(out.token_ids, out.logprobs):
+        def item(t, lp):
+            text = token_text(t)
+            return {"token": text, "logprob": lp.logprob, "bytes": list(text.encode())}
+        ranked = sorted(entry.items(), key=lambda kv: -kv[1].logprob)[:top]
+        content.append({**item(token_id, entry[token_id]), "top_logprobs": [item(t, lp) for t, lp in ranked]})
+    return {"content": content}
+
+
+def completion_body(request_id: str, model: str, choices: list[dict], usage_: dict | None, chat: bool,
+                    chunk: bool) -> dict:
+    kind = ("chat.completion.chunk" if chunk else "chat.completion") if chat else "text_completion"
+    body = {"id": request_id, "object": kind, "created": int(time.time()), "model": model, "choices": choices}
+    if usage_ is not None:
+        body["usage"] = usage_
+    return body

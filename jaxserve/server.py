@@ -1,0 +1,293 @@
+"""`jaxserve serve`: an OpenAI-compatible HTTP server (aiohttp) over an AsyncEngine.
+
+/v1/completions and /v1/chat/completions (streamed as server-sent events or whole), /v1/models, /health and
+/metrics (Prometheus). Every error is an OpenAI-style body with a 4xx/5xx status; a bad request never reaches
+the engine. A client that goes away aborts its request (its pages are freed before the next step). When more
+sequences are admitted than the engine runs plus `max_queued_requests`, the answer is 429 with Retry-After. On
+SIGTERM the server stops accepting, lets running requests finish for a grace period, aborts the rest, exits 0.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import signal
+import time
+
+from aiohttp import web
+
+from jaxserve.async_engine import AsyncEngine, EngineDeadError
+from jaxserve.metrics import ServerMetrics
+from jaxserve.openai_api import (ApiError, chat_logprobs, completion_body, completion_logprobs, new_id,
+                                 parse_chat, parse_completion, usage, wants_usage_in_stream)
+
+logger = logging.getLogger("jaxserve")
+
+
+class Server:
+    def __init__(self, engine: AsyncEngine, model_name: str, *, api_key: str | None = None,
+                 max_queued_requests: int = 256):
+        self.engine, self.model_name = engine, model_name
+        self.tokenizer = engine.llm.tokenizer
+        self._api_key = api_key.encode() if api_key else None
+        # Sequences (n per request) admitted and not finished: bounded, so a burst gets 429s, not an endless queue.
+        self.capacity = engine.llm.scheduler.max_num_seqs + max_queued_requests
+        self.in_flight = 0
+        self.draining = False
+        self.metrics = ServerMetrics(engine.stats, model_name)
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[self._errors, self._auth])
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.prometheus)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        return app
+
+    # ---- middleware ----
+
+    @web.middleware
+    async def _errors(self, request, handler):
+        try:
+            return await handler(request)
+        except ApiError as e:
+            return self._error_response(e)
+        except web.HTTPException as e:  # aiohttp's own (unknown route, wrong method, body too large)
+            if e.status < 400:
+                raise
+            return self._error_response(ApiError(e.status, e.reason or "error"))
+        except Exception:  # noqa: BLE001 - a bug answers 500 and the server goes on
+            logger.exception("request %s %s failed", request.method, request.path)
+            return self._error_response(ApiError(500, "internal server error"))
+
+    @staticmethod
+    def _error_response(e: ApiError) -> web.Response:
+        headers = {"Retry-After": "1"} if e.status in (429, 503) else None
+        return web.json_response(e.body(), status=e.status, headers=headers)
+
+    @web.middleware
+    async def _auth(self, request, handler):
+        if self._api_key is not None and request.path.startswith("/v1/"):
+            given = request.headers.get("Authorization", "")
+            token = given[len("Bearer "):].encode() if given.startswith("Bearer ") else b""
+            if not hmac.compare_digest(token, self._api_key):  # constant time
+                raise ApiError(401, "invalid or missing API key (Authorization: Bearer KEY)", code="invalid_api_key")
+        return await handler(request)
+
+    # ---- plain endpoints ----
+
+    async def health(self, request):
+        alive = self.engine.alive() and not self.draining
+        return web.json_response({"status": "ok" if alive else "unavailable"}, status=200 if alive else 503)
+
+    async def prometheus(self, request):
+        return web.Response(body=self.metrics.exposition(), content_type="text/plain", charset="utf-8")
+
+    async def models(self, request):
+        return web.json_response({"object": "list", "data": [{
+            "id": self.model_name, "object": "model", "created": int(time.time()), "owned_by": "jaxserve",
+            "max_model_len": self.engine.llm.max_model_len}]})
+
+    # ---- generation ----
+
+    async def completions(self, request):
+        body = await self._body(request)
+        prompt, params = parse_completion(body)
+        return await self._generate(request, body, prompt, params, chat=False)
+
+    async def chat_completions(self, request):
+        body = await self._body(request)
+        if self.tokenizer is None:
+            raise ApiError(400, "this model has no tokenizer: use /v1/completions with token ids")
+        prompt, params = parse_chat(body, self.tokenizer)
+        return await self._generate(request, body, prompt, params, chat=True)
+
+    async def _body(self, request) -> dict:
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+        if not isinstance(body, dict):
+            raise ApiError(400, "the request body must be a JSON object")
+        model = body.get("model")
+        if model is not None and model != self.model_name:
+            raise ApiError(404, f"model {model!r} does not exist; this server serves {self.model_name!r}", "model",
+                           "model_not_found")
+        return body
+
+    def _tokenized(self, prompt, params) -> dict:
+        """{"prompt_token_ids", "prompt"}, refused when prompt + max_tokens cannot fit max_model_len (as vLLM)."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ApiError(400, "this model has no tokenizer: send the prompt as an array of token ids", "prompt")
+            prompt = {"prompt_token_ids": self.tokenizer.encode(prompt), "prompt": prompt}
+        n, limit = len(prompt["prompt_token_ids"]), self.engine.llm.max_model_len
+        if n + (params.max_tokens or 1) > limit:
+            raise ApiError(400, f"this model's maximum context length is {limit} tokens; the request asks for "
+                                f"{n + (params.max_tokens or 1)} ({n} in the prompt, {params.max_tokens or 1} to "
+                                f"generate)")
+        return prompt
+
+    async def _generate(self, request, body, prompt, params, chat: bool):
+        stream = body.get("stream") is True
+        include_usage = wants_usage_in_stream(body)
+        if self.draining:
+            raise ApiError(503, "the server is shutting down")
+        prompt = self._tokenized(prompt, params)
+        if self.in_flight + params.n > self.capacity:
+            raise ApiError(429, "too many requests are queued; retry later", code="rate_limit_exceeded")
+        self.in_flight += params.n
+        try:
+            try:
+                outputs = await self.engine.add_request(prompt, params)
+            except (ValueError, TypeError) as e:  # bad token ids, a request the cache can never hold, ...
+                raise ApiError(400, str(e)) from None
+            except EngineDeadError as e:
+                raise ApiError(503, str(e)) from None
+            # aclosing: leaving early (a client gone, a cancelled handler) closes the iterator, which aborts.
+            async with contextlib.aclosing(outputs):
+                run = _Run(self, body, params, chat, outputs)
+                return await (run.stream(request, include_usage) if stream else run.whole())
+        finally:
+            self.in_flight -= params.n
+
+
+class _Run:
+    """One request's outputs as they come: per choice its text, tokens and timing, and the bodies built from them."""
+
+    def __init__(self, server: Server, body: dict, params, chat: bool, outputs):
+        self.server, self.params, self.chat, self.outputs = server, params, chat, outputs
+        self.id = new_id("chatcmpl" if chat else "cmpl")
+        self.top = body.get("top_logprobs") or 0
+        self.prompt_tokens = 0
+        self.text = [""] * params.n
+        self.tokens = [0] * params.n
+        self.last_token_at = [None] * params.n
+        self.finish = [None] * params.n
+        self.logprobs = [[] for _ in range(params.n)]
+
+    def _token_text(self, token_id: int) -> str:
+        tok = self.server.tokenizer
+        return tok.decode([token_id], skip_special_tokens=False) if tok is not None else str(token_id)
+
+    def _logprobs(self, out, offset: int):
+        if self.chat:
+            return chat_logprobs(out, self._token_text, self.top)
+        return completion_logprobs(out, self._token_text, offset)
+
+    async def _each(self):
+        """Yields each RequestOutput delta, after recording it (metrics included)."""
+        metrics = self.server.metrics
+        try:
+            async for out in self.outputs:
+                now = time.monotonic()
+                self.prompt_tokens = len(out.prompt_token_ids)
+                for c in out.outputs:
+                    if c.token_ids and self.last_token_at[c.index] is not None:
+                        metrics.itl.observe(now - self.last_token_at[c.index])
+                    if c.token_ids:
+                        self.last_token_at[c.index] = now
+                    self.tokens[c.index] += len(c.token_ids)
+                    if c.finish_reason is not None:
+                        self.finish[c.index] = c.finish_reason
+                        metrics.finished(c.finish_reason)
+                if out.finished and out.metrics is not None:
+                    metrics.observe_request(out.metrics)
+                yield out
+        except EngineDeadError as e:
+            raise ApiError(503, str(e)) from None
+        except ApiError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a failed engine step fails this request only
+            raise ApiError(500, f"generation failed: {type(e).__name__}: {e}") from None
+
+    def _usage(self) -> dict:
+        return usage(self.prompt_tokens, sum(self.tokens))
+
+    async def whole(self) -> web.Response:
+        async for out in self._each():
+            for c in out.outputs:
+                lp = self._logprobs(c, len(self.text[c.index]))
+                self.text[c.index] += c.text
+                if lp is not None:
+                    self.logprobs[c.index].append(lp)
+        choices = []
+        for i in range(self.params.n):
+            lp = _merge_logprobs(self.logprobs[i]) if self.params.logprobs is not None else None
+            if self.chat:
+                choices.append({"index": i, "message": {"role": "assistant", "content": self.text[i]},
+                                "logprobs": lp, "finish_reason": self.finish[i]})
+            else:
+                choices.append({"index": i, "text": self.text[i], "logprobs": lp, "finish_reason": self.finish[i]})
+        return web.json_response(completion_body(self.id, self.server.model_name, choices, self._usage(),
+                                                 self.chat, chunk=False))
+
+    async def stream(self, request, include_usage: bool) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        name = self.server.model_name
+
+        async def send(body) -> None:
+            await resp.write(b"data: " + json.dumps(body).encode() + b"\n\n")
+
+        if self.chat:  # the role first, as OpenAI sends it
+            await send(completion_body(self.id, name, [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                                         "logprobs": None, "finish_reason": None}
+                                                        for i in range(self.params.n)], None, True, chunk=True))
+        try:
+            async for out in self._each():
+                choices = []
+                for c in out.outputs:
+                    lp = self._logprobs(c, len(self.text[c.index]))
+                    self.text[c.index] += c.text
+                    if self.chat:
+                        choices.append({"index": c.index, "delta": {"content": c.text} if c.text else {},
+                                        "logprobs": lp, "finish_reason": c.finish_reason})
+                    else:
+                        choices.append({"index": c.index, "text": c.text, "logprobs": lp,
+                                        "finish_reason": c.finish_reason})
+                if choices:
+                    await send(completion_body(self.id, name, choices, None, self.chat, chunk=True))
+            if include_usage:
+                await send(completion_body(self.id, name, [], self._usage(), self.chat, chunk=True))
+        except ApiError as e:  # the status line is gone: the error goes in the stream, as vLLM sends it
+            await send(e.body())
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+
+def _merge_logprobs(parts: list[dict]) -> dict | None:
+    """Per-delta logprobs objects -> one (lists concatenated)."""
+    if not parts:
+        return None
+    merged = {k: [] for k in parts[0]}
+    for part in parts:
+        for k, v in part.items():
+            merged[k] += v
+    return merged
+
+
+async def serve(server: Server, host: str, port: int, grace_period_s: float = 30.0,
+                ready: asyncio.Event | None = None) -> None:
+    """Serves until SIGTERM/SIGINT; then stops accepting, gives running requests grace_period_s to finish
+    (cancelling the rest aborts them), and shuts the engine down."""
+    runner = web.AppRunner(server.app(), handler_cancellation=True, shutdown_timeout=grace_period_s)
+    await runner.setup()
+    await web.TCPSite(runner, host, port).start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    logger.warning("serving %s on http://%s:%d", server.model_name, host, port)
+    if ready is not None:
+        ready.set()
+    await stop.wait()
+    logger.warning("shutting down: finishing %d running sequences (at most %.0f s)", server.in_flight,
+                   grace_period_s)
+    server.draining = True
+    await runner.cleanup()  # stops listening, waits for handlers up to shutdown_timeout, cancels the rest
+    server.engine.shutdown()

@@ -1,0 +1,42 @@
+"""A jaxserve server on a free loopback port, its event loop in a background thread, for tests."""
+import asyncio
+import socket
+import threading
+
+from aiohttp import web
+
+from jaxserve.async_engine import AsyncEngine
+from jaxserve.server import Server
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerThread:
+    def __init__(self, llm, name="test-model", **server_args):
+        self.engine = AsyncEngine(llm)
+        self.server = Server(self.engine, name, **server_args)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._loop = asyncio.new_event_loop()
+        started = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(started,), daemon=True)
+        self._thread.start()
+        started.wait(30)
+
+    def _run(self, started):
+        asyncio.set_event_loop(self._loop)
+        self._runner = web.AppRunner(self.server.app(), handler_cancellation=True, shutdown_timeout=5)
+        self._loop.run_until_complete(self._runner.setup())
+        self._loop.run_until_complete(web.TCPSite(self._runner, "127.0.0.1", self.port).start())
+        started.set()
+        self._loop.run_forever()
+
+    def stop(self):
+        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(30)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(30)
+        self.engine.shutdown(30)
