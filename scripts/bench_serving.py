@@ -11,9 +11,11 @@ prompt and output lengths (MEDIAN,MIN,MAX; one number = fixed length) and Poisso
 tokenizer, so a prompt is N words drawn from common English words that are one token each (with their leading
 space) in GPT-2-style BPE vocabularies, so about N tokens (the server's usage.prompt_tokens is reported beside the
 target); --tokenizer-model (a jaxserve model: GGUF, HF directory, checkpoint) trims the text to exactly N tokens of
-that tokenizer. Words are drawn afresh for every load (seed, load index): no run hits a prefix cache left by an
-earlier one. Every request is greedy (temperature 0), asks for max_tokens = its sampled output length with
-ignore_eos (vLLM and llama-server both accept it; --no-ignore-eos drops it), and streams with usage.
+that tokenizer. Words are drawn afresh for every load and every invocation (--prompt-seed, random by default and
+recorded, and the load's index): no run hits a prefix cache (vLLM's, llama-server's cached slots) left by an earlier
+one; the server's usage.prompt_tokens_details.cached_tokens, where it reports them, are summed per load. Every
+request is greedy (temperature 0), asks for max_tokens = its sampled output length with ignore_eos (vLLM and
+llama-server both accept it; --no-ignore-eos drops it), and streams with usage.
 
 Loads: --request-rate(s) R sends each request at its Poisson arrival time (R requests/s; inf = all at once);
 --concurrency C keeps C requests in flight (a new one is sent as one finishes). One row per load.
@@ -53,14 +55,14 @@ me even most made after also did many before must through back years where much 
 each just those people how too little state good very make world still own see men work long get here between both
 life being under never day same another know while last might us great old year off come since against go came
 right used take three states himself few house use during without again place around however home small found
-mrs thought went say part once general high upon school every does got united left number course war until always
+thought went say part once general high upon school every does got united left number course war until always
 away something fact though water less public put think almost hand enough far took head yet government system
 better set told nothing night end why called didn find going look asked later point knew city next program give
 group toward young days let room president side social given present several order national possible rather second
 face per among form important often things looked early white case john become large big need four within felt
 along children saw best church ever least power development light thing seemed family interest want members mind
 country area others done turned although open god service problem certain kind different thus began door help means
-sense whole matter perhaps itself york times law human line above name example action company hands local show
+sense whole matter perhaps itself times law human line above name example action company hands local show
 five history whether gave either today act feet across taken past quite anything seen having death week experience
 word field car words money body""".split()
 
@@ -78,6 +80,7 @@ class Result:
     output_tokens: int = 0
     usage_tokens: bool = False  # output_tokens came from the server's usage (else: text chunks counted)
     prompt_tokens: int | None = None  # the server's usage.prompt_tokens
+    cached_tokens: int = 0  # the server's usage.prompt_tokens_details.cached_tokens
     max_tokens: int = 0
     finish_reason: str | None = None
 
@@ -192,6 +195,7 @@ async def send(session: aiohttp.ClientSession, url: str, body: dict, t0: float) 
                 if chunk.get("usage"):
                     r.output_tokens = int(chunk["usage"].get("completion_tokens") or 0)
                     r.prompt_tokens = chunk["usage"].get("prompt_tokens")
+                    r.cached_tokens = int((chunk["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
                     r.usage_tokens = True
             end = time.perf_counter()
     except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError, ValueError) as e:
@@ -238,8 +242,9 @@ def summarize(load: dict, results: list[Result], seconds: float, ttft_slo, tpot_
            "short_outputs": sum(r.output_tokens < r.max_tokens for r in ok),  # stopped before max_tokens
            "tokens_from_usage": sum(r.usage_tokens for r in ok),
            "tokens_per_text_chunk": round(out_tokens / max(1, sum(r.text_chunks for r in ok)), 3),
-           "prompt_tokens_target": sum(prompt_targets),
+           "prompt_tokens_target": sum(n for n, r in zip(prompt_targets, results) if r.ok),
            "prompt_tokens_server": sum(prompt_tokens) if prompt_tokens else None,
+           "prompt_tokens_cached": sum(r.cached_tokens for r in ok),
            "send_span_s": round(max(r.sent for r in results) - min(r.sent for r in results), 2),
            "ttft_s": percentiles([r.ttft for r in ok]), "tpot_s": percentiles(tpot),
            "itl_s": percentiles([x for r in ok for x in r.itl]), "e2e_s": percentiles([r.e2e for r in ok]),
@@ -285,6 +290,9 @@ def table(rows, slo: bool) -> None:
               f"{r['output_tok_s']:>10.1f}{good}{'/'.join(p(t, k) for k in ('p50', 'p95', 'p99')):>22}"
               f"{'/'.join(p(o, k) for k in ('p50', 'p95', 'p99')):>22}"
               f"{'/'.join(p(i, k) for k in ('p50', 'p99')):>16}{e2e:>16}")
+        if r["prompt_tokens_cached"] > 0.05 * (r["prompt_tokens_server"] or 1):
+            print(f"{'':>8}note: the server reused {r['prompt_tokens_cached']} cached prompt tokens "
+                  f"of {r['prompt_tokens_server']}")
         for err in r.get("errors", []):
             print(f"{'':>8}error: {err}")
 
@@ -345,15 +353,15 @@ async def amain(args) -> dict:
     else:
         loads = [{"request_rate": r} for r in (args.request_rates or [args.request_rate])]
     timeout = aiohttp.ClientTimeout(total=args.timeout)
-    async with aiohttp.ClientSession(headers=headers, timeout=timeout,
-                                     connector=aiohttp.TCPConnector(limit=0)) as session:
+    connector = aiohttp.TCPConnector(limit=0, force_close=not args.keep_alive)
+    async with aiohttp.ClientSession(headers=headers, timeout=timeout, connector=connector) as session:
         models = None
         model = args.model
         if model is None:
             models = await get_json(session, f"{base}/models")
             model = models["data"][0]["id"]
         print(f"{url}  model {model}")
-        warm_rng = np.random.default_rng([args.seed, 1 << 20])
+        warm_rng = np.random.default_rng([args.prompt_seed, 1 << 20])
         for _ in range(args.warmup):  # checks the endpoint, and takes any first-request costs out of the runs
             r = await send(session, url, request_body(args, model, make_prompt(warm_rng, 16, tokenizer), 8),
                            time.perf_counter())
@@ -363,12 +371,13 @@ async def amain(args) -> dict:
         for i, load in enumerate(loads):
             reqs = synth_requests(args.num_requests, args.seed, prompt=args.prompt_len, output=args.output_len,
                                   request_rate=load.get("request_rate", float("inf")))
-            rng = np.random.default_rng([args.seed, i])  # fresh words per load: no prefix-cache reuse across loads
+            rng = np.random.default_rng([args.prompt_seed, i])  # fresh words per load: no prefix-cache reuse
             targets = [len(q.prompt_token_ids) for q in reqs]
             bodies = [request_body(args, model, make_prompt(rng, n, tokenizer), q.max_tokens)
                       for n, q in zip(targets, reqs)]
             results, seconds = await run_load(session, url, bodies, [q.arrival for q in reqs], load.get("concurrency"))
             rows.append(summarize(load, results, seconds, args.ttft_slo, args.tpot_slo, targets))
+            rows[-1]["loadavg_1m_after"] = round(os.getloadavg()[0], 2)  # other load on a shared host shows here
             print(f"  {load_label(rows[-1])}: {rows[-1]['completed']}/{len(results)} ok in {seconds:.1f} s", flush=True)
     return {"date": time.strftime("%Y-%m-%d %H:%M"), "command": " ".join(sys.argv),
             "client": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()},
@@ -393,18 +402,25 @@ def main():
     ap.add_argument("--prompt-len", type=parse_lengths, default=(128, 16, 512), help="MEDIAN,MIN,MAX or N tokens")
     ap.add_argument("--output-len", type=parse_lengths, default=(64, 8, 256), help="MEDIAN,MIN,MAX or N tokens")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--prompt-seed", type=int, default=None,
+                    help="seeds the prompts' words (default: random, so a rerun misses the server's prefix cache)")
     ap.add_argument("--tokenizer-model", default=None, help="jaxserve model whose tokenizer sizes prompts exactly")
     ap.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false")
     ap.add_argument("--extra-body", type=json.loads, default={}, help="JSON merged into every request body")
     ap.add_argument("--ttft-slo", type=float, default=None, help="seconds")
     ap.add_argument("--tpot-slo", type=float, default=None, help="seconds")
     ap.add_argument("--warmup", type=int, default=1, help="short unmeasured requests first")
+    ap.add_argument("--keep-alive", action="store_true",
+                    help="reuse connections (default: one per request; llama-server closes idle kept-alive ones, "
+                         "and a request written into a closing connection fails)")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per request")
     ap.add_argument("--out", default="bench_results/serving.json")
     ap.add_argument("--plot", action="store_true", help="PNG beside --out (needs matplotlib)")
     args = ap.parse_args()
     if args.concurrency and any(c < 1 or c != int(c) for c in args.concurrency):
         ap.error("--concurrency wants positive integers")
+    if args.prompt_seed is None:
+        args.prompt_seed = int.from_bytes(os.urandom(4), "little")
     results = asyncio.run(amain(args))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
