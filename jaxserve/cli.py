@@ -174,11 +174,13 @@ def cmd_serve(args) -> None:
 def cmd_convert(args) -> None:
     from pathlib import Path
 
+    from jaxserve.quantize import quantize_model
     from jaxserve.weights import load_model, resolve_dtype
     from jaxserve.weights.orbax_ckpt import save_checkpoint
     q = _quantization(args)
-    loaded = load_model(args.src, resolve_dtype(args.dtype), q["quantization"], group_size=q["quantization_group_size"],
-                        quantize_embeddings=q["quantize_embeddings"], calibration_text=q["calibration_text"])
+    loaded = quantize_model(load_model(args.src, resolve_dtype(args.dtype)), q["quantization"],
+                            group_size=q["quantization_group_size"], quantize_embeddings=q["quantize_embeddings"],
+                            calibration_text=q["calibration_text"])
     save_checkpoint(Path(args.dst), loaded.config, loaded.params, loaded.tokenizer, loaded.quantization)
     print(f"wrote {args.dst}")
 

@@ -19,6 +19,7 @@ from jaxserve.buckets import Buckets
 from jaxserve.cache import (PageAllocator, PrefixCache, bytes_per_page, check_kv_cache_dtype, num_pages_for_budget,
                             pages_needed)
 from jaxserve.outputs import RequestMetrics, RequestOutput
+from jaxserve.quantize import quantize_model
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.tokenizer import IncrementalDetokenizer
 from jaxserve.weights import load_model, resolve_dtype
@@ -76,8 +77,8 @@ class LLM:
         self.kv_cache_dtype = check_kv_cache_dtype(kv_cache_dtype)
         _enable_compilation_cache()
         dtype = resolve_dtype(dtype)
-        loaded = load_model(model, dtype, quantization, group_size=quantization_group_size,
-                            quantize_embeddings=quantize_embeddings, calibration_text=calibration_text)
+        loaded = quantize_model(load_model(model, dtype), quantization, group_size=quantization_group_size,
+                                quantize_embeddings=quantize_embeddings, calibration_text=calibration_text)
         self.model_name, self.config, self.tokenizer = loaded.name, loaded.config, loaded.tokenizer
         self.quantization, params = loaded.quantization, loaded.params
         limit = self.config.max_position_embeddings

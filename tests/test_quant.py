@@ -14,6 +14,7 @@ from jaxserve.cache.kv_cache import read_pages, write_pages
 from jaxserve.perplexity import next_token_logits, perplexity
 from jaxserve.quant import (Int4Weight, Int8Rows, Int8Weight, embed, matmul, quantize_int4, quantize_int8,
                             quantize_params, quantize_rows_int8)
+from jaxserve.quantize import quantize_model
 from jaxserve.weights import load_model
 from jaxserve.weights.params import param_bytes
 from tiny import make_llm, prompts
@@ -220,10 +221,10 @@ def test_convert_writes_a_quantized_checkpoint_that_loads_directly(default_gguf_
     assert stored in {leaf.dtype for leaf in leaves if leaf is not None}
     assert param_bytes(loaded.params) < 0.4 * param_bytes(load_model(str(default_gguf_path), jnp.float32).params)
     # Served as written: quantized again only if asked the same way, refused otherwise.
-    assert load_model(str(dst), jnp.float32, method, quantize_embeddings=True,
-                      group_size=64 if method == "awq" else None).quantization == loaded.quantization
+    assert quantize_model(loaded, method, quantize_embeddings=True,
+                          group_size=64 if method == "awq" else None).quantization == loaded.quantization
     with pytest.raises(ValueError, match="already quantized"):
-        load_model(str(dst), jnp.float32, "int4")
+        quantize_model(loaded, "int4")
     llm = LLM(str(dst), max_model_len=128, max_num_seqs=1, max_num_batched_tokens=32, warmup=False)
     out = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
     assert "Paris" in out[0].outputs[0].text

@@ -10,7 +10,6 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.config import ModelConfig
-from jaxserve.quant import DEFAULT_GROUP_SIZE, QUANTIZATIONS, quantize_params
 from jaxserve.weights.params import param_bytes, params_from_hf_tensors
 
 logger = logging.getLogger("jaxserve")
@@ -47,16 +46,10 @@ def resolve_model_path(model: str | None) -> Path:
     return path
 
 
-def load_model(model: str | None, dtype, quantization: str | None = None, *, group_size: int | None = None,
-               quantize_embeddings: bool = False, calibration_text: str | None = None) -> LoadedModel:
-    """model: None (the default model), a known name, a .gguf file, a HF directory, or a jaxserve checkpoint.
-
-    quantization (see jaxserve.quant): None, "int8", "int4" or "awq" (int4 calibrated on calibration_text, by
-    default the text the package ships). A checkpoint written quantized loads as it was written.
-    """
+def load_model(model: str | None, dtype) -> LoadedModel:
+    """model: None (the default model), a known name, a .gguf file, a HF directory, or a jaxserve checkpoint (which
+    may hold quantized weights: they load as they were written; see jaxserve.quantize)."""
     from jaxserve.weights.orbax_ckpt import is_orbax_checkpoint, load_checkpoint
-    if quantization not in QUANTIZATIONS:
-        raise ValueError(f"quantization must be one of {QUANTIZATIONS[1:]} or None, got {quantization!r}")
     path = resolve_model_path(model)
     start = time.perf_counter()
     saved = None
@@ -75,41 +68,7 @@ def load_model(model: str | None, dtype, quantization: str | None = None, *, gro
     logger.info("loaded %s (%s, %d layers) in %.1f s: %.1f MB of %s parameters%s", path.name, config.architecture,
                 config.num_layers, time.perf_counter() - start, param_bytes(params) / 1e6, jnp.dtype(dtype).name,
                 f" ({saved['method']})" if saved else "")
-    loaded = LoadedModel(path.name, config, params, tokenizer, saved)
-    wanted = dict(method=quantization, group_size=group_size or DEFAULT_GROUP_SIZE.get(quantization),
-                  quantize_embeddings=quantize_embeddings)
-    if saved is not None:
-        if quantization is not None and wanted != saved:
-            raise ValueError(f"{path} is already quantized ({saved}); load it without asking for {wanted}")
-        return loaded
-    return quantize_model(loaded, quantization, group_size=group_size, quantize_embeddings=quantize_embeddings,
-                          calibration_text=calibration_text)
-
-
-def quantize_model(loaded: LoadedModel, method: str | None, *, group_size: int | None = None,
-                   quantize_embeddings: bool = False, calibration_text: str | None = None) -> LoadedModel:
-    if method is None:
-        return loaded
-    if group_size is not None and method == "int8":
-        raise ValueError("a quantization group size applies to int4 and awq; int8 has a scale per output channel")
-    group_size = group_size or DEFAULT_GROUP_SIZE.get(method)
-    start = time.perf_counter()
-    if method == "awq":
-        from jaxserve.awq import CALIBRATION_TEXT, quantize_awq
-        if loaded.tokenizer is None:
-            raise ValueError("awq needs the model's tokenizer to read its calibration text")
-        token_ids = loaded.tokenizer.encode(calibration_text or CALIBRATION_TEXT.read_text())
-        if len(token_ids) < 64:
-            raise ValueError(f"awq calibration text is {len(token_ids)} tokens; give it at least 64")
-        params = quantize_awq(loaded.config, loaded.params, token_ids[:loaded.config.max_position_embeddings],
-                              group_size, quantize_embeddings)
-    else:
-        params = quantize_params(loaded.params, method, quantize_embeddings=quantize_embeddings,
-                                 group_size=group_size)
-    logger.info("%s%s weights: %.1f MB -> %.1f MB in %.1f s", method, f" (groups of {group_size})" if group_size
-                else "", param_bytes(loaded.params) / 1e6, param_bytes(params) / 1e6, time.perf_counter() - start)
-    return dataclasses.replace(loaded, params=params, quantization=dict(
-        method=method, group_size=group_size, quantize_embeddings=quantize_embeddings))
+    return LoadedModel(path.name, config, params, tokenizer, saved)
 
 
 def _hf_tokenizer_or_none(path: Path):
