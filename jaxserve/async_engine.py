@@ -115,9 +115,9 @@ class AsyncEngine:
             try:
                 if self._loop_once():
                     return
-            except Exception as e:  # noqa: BLE001 - the requests in flight fail; the engine goes on for new ones
+            except Exception as e:  # noqa: BLE001 - the step's requests fail; the engine goes on for the others
                 logger.exception("engine step failed")
-                self._fail_all(e)
+                self._fail_running(e)
 
     def _loop_once(self) -> bool:
         """Applies queued commands, then runs one step if there is work; True when told to stop."""
@@ -135,7 +135,7 @@ class AsyncEngine:
             pass
         if core.has_unfinished():
             self._publish(core.step())
-            self._stats = core.stats()
+        self._stats = core.stats()
         return False
 
     def _apply(self, command: str, arg) -> None:
@@ -169,7 +169,23 @@ class AsyncEngine:
             metrics = request_metrics(stream.seqs) if done else None
             stream.put(RequestOutput(request_id, stream.prompt, stream.prompt_token_ids, outputs, done, metrics))
 
+    def _fail_running(self, error: BaseException) -> None:
+        try:
+            failed = self.llm.core.fail_running()
+        except Exception:  # noqa: BLE001 - state too broken to tell: everything fails, but nobody hangs
+            logger.exception("cleaning up after the failed step failed; failing every request")
+            self._fail_all(error)
+            return
+        for request_id in failed:
+            stream = self._streams.pop(request_id, None)
+            if stream is not None:
+                stream.put(error)
+        self._stats = self.llm.core.stats()
+
     def _fail_all(self, error: BaseException) -> None:
-        self.llm.core.abort_all()
-        for request_id in list(self._streams):
-            self._streams.pop(request_id).put(error)
+        streams = [self._streams.pop(request_id) for request_id in list(self._streams)]
+        try:
+            self.llm.core.abort_all()
+        finally:  # the streams hear of it even if the abort fails
+            for stream in streams:
+                stream.put(error)

@@ -38,6 +38,9 @@ _COMMON = {
     "stream": (bool,), "stream_options": (dict,), "user": (str,), "ignore_eos": (bool,), "min_tokens": (int,),
     "stop_token_ids": (list,), "include_stop_str_in_output": (bool,), "skip_special_tokens": (bool,),
     "presence_penalty": _NUMBER, "frequency_penalty": _NUMBER, "logit_bias": (dict,), "best_of": (int,),
+    # Accepted only at their neutral values (below), so common wrappers that always send them still work.
+    "response_format": (dict,), "tools": (list,), "tool_choice": (str, dict), "parallel_tool_calls": (bool,),
+    "metadata": (dict,), "store": (bool,), "service_tier": (str,),
 }
 _COMPLETION = {**_COMMON, "prompt": (str, list), "logprobs": (int,), "echo": (bool,), "suffix": (str,)}
 _CHAT = {**_COMMON, "messages": (list,), "logprobs": (bool,), "top_logprobs": (int,)}
@@ -57,23 +60,29 @@ def _check_fields(body, fields: dict) -> None:
                                  list: "an array", dict: "an object"}[t] for t in types)
             raise ApiError(400, f"{key} must be {names}, got {type(value).__name__}", key)
     # Defined by the API, not implemented here: refused unless harmless.
-    for key, neutral in [("presence_penalty", 0), ("frequency_penalty", 0), ("echo", False), ("suffix", None)]:
+    for key, neutral in [("presence_penalty", 0), ("frequency_penalty", 0), ("echo", False), ("suffix", None),
+                         ("response_format", {"type": "text"}), ("tool_choice", "none"), ("store", False),
+                         ("service_tier", "auto")]:
         if body.get(key) not in (None, neutral):
-            raise ApiError(400, f"{key} is not supported by this server", key)
+            raise ApiError(400, f"{key} {body[key]!r} is not supported by this server", key)
+    if body.get("tools"):
+        raise ApiError(400, "tools are not supported by this server", "tools")
     if body.get("logit_bias"):
         raise ApiError(400, "logit_bias is not supported by this server", "logit_bias")
-    if body.get("best_of") not in (None, body.get("n") or 1):
+    if body.get("best_of") not in (None, 1 if body.get("n") is None else body["n"]):
         raise ApiError(400, "best_of other than n is not supported by this server", "best_of")
 
 
 def _sampling_params(body: dict, max_tokens_default: int | None, logprobs: int | None) -> SamplingParams:
-    max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
+    max_tokens = body.get("max_completion_tokens")
+    if max_tokens is None:
+        max_tokens = body.get("max_tokens")
     if max_tokens is None:
         max_tokens = max_tokens_default
     stop = body.get("stop")
     if isinstance(stop, list) and len(stop) > MAX_STOP:
         raise ApiError(400, f"at most {MAX_STOP} stop sequences", "stop")
-    n = body.get("n") or 1
+    n = 1 if body.get("n") is None else body["n"]
     if isinstance(n, int) and n > MAX_N:
         raise ApiError(400, f"n must be at most {MAX_N}", "n")
     temperature = body.get("temperature")

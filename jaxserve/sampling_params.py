@@ -7,6 +7,8 @@ import dataclasses
 MAX_LOGPROBS = 20
 # Tokens that min_tokens keeps from ending a sequence, per row, in a fixed-size device array.
 MAX_BANNED_TOKENS = 16
+# Integers a step's int32 device arrays hold: a larger top_k or token id must fail here, not in the engine loop.
+INT32_LIMIT = 2 ** 31
 
 
 @dataclasses.dataclass
@@ -35,17 +37,18 @@ class SamplingParams:
         _check(_is_number(self.temperature) and self.temperature >= 0,
                f"temperature must be a number >= 0, got {self.temperature!r}")
         _check(_is_number(self.top_p) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}")
-        _check(isinstance(self.top_k, int) and self.top_k >= 0, f"top_k must be an integer >= 0 (or -1), got {self.top_k!r}")
+        _check(isinstance(self.top_k, int) and 0 <= self.top_k < INT32_LIMIT,
+               f"top_k must be an integer >= 0 (or -1), got {self.top_k!r}")
         _check(_is_number(self.min_p) and 0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p!r}")
         _check(self.seed is None or isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}")
         _check(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
                f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        _check(isinstance(self.min_tokens, int) and self.min_tokens >= 0,
+        _check(isinstance(self.min_tokens, int) and 0 <= self.min_tokens < INT32_LIMIT,
                f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
         _check(self.max_tokens is None or self.min_tokens <= self.max_tokens,
                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         _check(all(isinstance(s, str) and s for s in self.stop), f"stop must be non-empty strings, got {self.stop!r}")
-        _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+        _check(all(isinstance(t, int) and 0 <= t < INT32_LIMIT for t in self.stop_token_ids),
                f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
         _check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS),
                f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")

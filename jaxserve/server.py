@@ -17,6 +17,7 @@ import signal
 import time
 
 from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from jaxserve.async_engine import AsyncEngine, EngineDeadError
 from jaxserve.metrics import ServerMetrics
@@ -72,7 +73,8 @@ class Server:
     async def _auth(self, request, handler):
         if self._api_key is not None and request.path.startswith("/v1/"):
             given = request.headers.get("Authorization", "")
-            token = given[len("Bearer "):].encode() if given.startswith("Bearer ") else b""
+            # surrogateescape: aiohttp decodes non-UTF-8 header bytes that way; they must compare, not raise.
+            token = given[len("Bearer "):].encode("utf-8", "surrogateescape") if given.startswith("Bearer ") else b""
             if not hmac.compare_digest(token, self._api_key):  # constant time
                 raise ApiError(401, "invalid or missing API key (Authorization: Bearer KEY)", code="invalid_api_key")
         return await handler(request)
@@ -84,7 +86,7 @@ class Server:
         return web.json_response({"status": "ok" if alive else "unavailable"}, status=200 if alive else 503)
 
     async def prometheus(self, request):
-        return web.Response(body=self.metrics.exposition(), content_type="text/plain", charset="utf-8")
+        return web.Response(body=self.metrics.exposition(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def models(self, request):
         return web.json_response({"object": "list", "data": [{
@@ -108,8 +110,8 @@ class Server:
     async def _body(self, request) -> dict:
         try:
             body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+        except (ValueError, LookupError, RecursionError) as e:  # bad JSON, bad UTF-8, bad charset, too deep
+            raise ApiError(400, f"the request body is not valid JSON: {type(e).__name__}: {e}") from None
         if not isinstance(body, dict):
             raise ApiError(400, "the request body must be a JSON object")
         model = body.get("model")
@@ -137,29 +139,38 @@ class Server:
         if self.draining:
             raise ApiError(503, "the server is shutting down")
         prompt = self._tokenized(prompt, params)
+        if params.n > self.capacity:
+            raise ApiError(400, f"n={params.n} is more sequences than this server admits at once ({self.capacity})",
+                           "n")
         if self.in_flight + params.n > self.capacity:
             raise ApiError(429, "too many requests are queued; retry later", code="rate_limit_exceeded")
         self.in_flight += params.n
+        run, admitted = _Run(self, body, params, chat), False
         try:
             try:
-                outputs = await self.engine.add_request(prompt, params)
+                outputs = await self.engine.add_request(prompt, params, run.id)
+                admitted = True
             except (ValueError, TypeError) as e:  # bad token ids, a request the cache can never hold, ...
                 raise ApiError(400, str(e)) from None
             except EngineDeadError as e:
                 raise ApiError(503, str(e)) from None
-            # aclosing: leaving early (a client gone, a cancelled handler) closes the iterator, which aborts.
             async with contextlib.aclosing(outputs):
-                run = _Run(self, body, params, chat, outputs)
-                return await (run.stream(request, include_usage) if stream else run.whole())
+                return await (run.stream(request, outputs, include_usage) if stream else run.whole(outputs))
         finally:
             self.in_flight -= params.n
+            # However it ended (a client gone, a cancelled handler, an error): a no-op for a finished request.
+            if admitted:
+                self.engine.abort(run.id)
+                for reason in run.finish:
+                    if reason is None:
+                        self.metrics.finished("abort")
 
 
 class _Run:
     """One request's outputs as they come: per choice its text, tokens and timing, and the bodies built from them."""
 
-    def __init__(self, server: Server, body: dict, params, chat: bool, outputs):
-        self.server, self.params, self.chat, self.outputs = server, params, chat, outputs
+    def __init__(self, server: Server, body: dict, params, chat: bool):
+        self.server, self.params, self.chat = server, params, chat
         self.id = new_id("chatcmpl" if chat else "cmpl")
         self.top = body.get("top_logprobs") or 0
         self.prompt_tokens = 0
@@ -178,11 +189,11 @@ class _Run:
             return chat_logprobs(out, self._token_text, self.top)
         return completion_logprobs(out, self._token_text, offset)
 
-    async def _each(self):
+    async def _each(self, outputs):
         """Yields each RequestOutput delta, after recording it (metrics included)."""
         metrics = self.server.metrics
         try:
-            async for out in self.outputs:
+            async for out in outputs:
                 now = time.monotonic()
                 self.prompt_tokens = len(out.prompt_token_ids)
                 for c in out.outputs:
@@ -207,8 +218,8 @@ class _Run:
     def _usage(self) -> dict:
         return usage(self.prompt_tokens, sum(self.tokens))
 
-    async def whole(self) -> web.Response:
-        async for out in self._each():
+    async def whole(self, outputs) -> web.Response:
+        async for out in self._each(outputs):
             for c in out.outputs:
                 lp = self._logprobs(c, len(self.text[c.index]))
                 self.text[c.index] += c.text
@@ -225,7 +236,7 @@ class _Run:
         return web.json_response(completion_body(self.id, self.server.model_name, choices, self._usage(),
                                                  self.chat, chunk=False))
 
-    async def stream(self, request, include_usage: bool) -> web.StreamResponse:
+    async def stream(self, request, outputs, include_usage: bool) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
         name = self.server.model_name
@@ -233,12 +244,12 @@ class _Run:
         async def send(body) -> None:
             await resp.write(b"data: " + json.dumps(body).encode() + b"\n\n")
 
-        if self.chat:  # the role first, as OpenAI sends it
-            await send(completion_body(self.id, name, [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                                         "logprobs": None, "finish_reason": None}
-                                                        for i in range(self.params.n)], None, True, chunk=True))
         try:
-            async for out in self._each():
+            if self.chat:  # the role first, as OpenAI sends it
+                await send(completion_body(self.id, name, [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                                             "logprobs": None, "finish_reason": None}
+                                                            for i in range(self.params.n)], None, True, chunk=True))
+            async for out in self._each(outputs):
                 choices = []
                 for c in out.outputs:
                     lp = self._logprobs(c, len(self.text[c.index]))
@@ -253,7 +264,12 @@ class _Run:
                     await send(completion_body(self.id, name, choices, None, self.chat, chunk=True))
             if include_usage:
                 await send(completion_body(self.id, name, [], self._usage(), self.chat, chunk=True))
-        except ApiError as e:  # the status line is gone: the error goes in the stream, as vLLM sends it
+        except ConnectionError:  # the client is gone: nothing to tell it (the caller aborts the request)
+            return resp
+        except Exception as e:  # noqa: BLE001 - the status line is gone: the error goes in the stream, as vLLM's
+            if not isinstance(e, ApiError):
+                logger.exception("streaming %s failed", self.id)
+                e = ApiError(500, f"internal server error: {type(e).__name__}")
             await send(e.body())
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
@@ -275,7 +291,7 @@ async def serve(server: Server, host: str, port: int, grace_period_s: float = 30
                 ready: asyncio.Event | None = None) -> None:
     """Serves until SIGTERM/SIGINT; then stops accepting, gives running requests grace_period_s to finish
     (cancelling the rest aborts them), and shuts the engine down."""
-    runner = web.AppRunner(server.app(), handler_cancellation=True, shutdown_timeout=grace_period_s)
+    runner = web.AppRunner(server.app(), handler_cancellation=True, shutdown_timeout=5.0)
     await runner.setup()
     await web.TCPSite(runner, host, port).start()
     stop = asyncio.Event()
@@ -289,5 +305,11 @@ async def serve(server: Server, host: str, port: int, grace_period_s: float = 30
     logger.warning("shutting down: finishing %d running sequences (at most %.0f s)", server.in_flight,
                    grace_period_s)
     server.draining = True
-    await runner.cleanup()  # stops listening, waits for handlers up to shutdown_timeout, cancels the rest
-    server.engine.shutdown()
+    for site in list(runner.sites):
+        await site.stop()  # no new connections
+    deadline = time.monotonic() + grace_period_s
+    while server.in_flight and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    # What still runs ends now: its streams get an error event and [DONE], its pages go back.
+    await asyncio.get_running_loop().run_in_executor(None, server.engine.shutdown, 30.0)
+    await runner.cleanup()

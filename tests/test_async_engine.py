@@ -133,3 +133,35 @@ def test_a_failed_step_fails_its_requests_and_the_engine_goes_on(engine):
     assert len(asyncio.run(main())[0][0]) == 12
     wait_idle(engine)
     engine.llm.core.assert_idle_and_clean()
+
+
+def test_a_failed_step_spares_the_requests_still_waiting(tiny_dir):
+    """One sequence runs at a time: the running request fails with its step, the waiting one was in no step and
+    completes."""
+    engine = AsyncEngine(make_llm(tiny_dir, max_num_seqs=1, max_num_batched_tokens=16))
+    try:
+        runner = engine.llm.runner
+        dispatch = runner.dispatch_decode
+        failed = []
+
+        def failing(rows):
+            if not failed:
+                failed.append(1)
+                raise RuntimeError("device lost")
+            return dispatch(rows)
+
+        async def main():
+            runner.dispatch_decode = failing
+            first = await engine.add_request({"prompt_token_ids": [5, 6, 7]}, GREEDY)
+            second = await engine.add_request({"prompt_token_ids": [8, 9]}, GREEDY)
+            results = await asyncio.gather(collect(first), collect(second), return_exceptions=True)
+            runner.dispatch_decode = dispatch
+            return results
+
+        first, second = asyncio.run(main())
+        assert isinstance(first, RuntimeError) and "device lost" in str(first)
+        assert len(second[0][0]) == 12 and second[2]
+        wait_idle(engine)
+        engine.llm.core.assert_idle_and_clean()
+    finally:
+        engine.shutdown()

@@ -131,12 +131,12 @@ def test_int8_kv_pages_round_trip_and_bytes():
 
 def test_engine_with_int8_kv_cache(tiny_dir):
     """int8 pages through chunked prefill, batched decode and preemption: each token's log-probability stays near
-    float pages' until their greedy paths part, and no page is left held. (Not token-exact across batchings, as
+    float pages' until their greedy paths part (only at a near-tie), and no page is left held. (Not token-exact across batchings, as
     float pages are: a recomputed key that differs in its last bit can round to another int8 step, and this
     random model's near-ties flip. The real model's cost is its perplexity, below.)"""
     rng = np.random.default_rng()
     ps = prompts(rng, [40, 7, 25])
-    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=1)
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
     # 20 pages of 4 tokens: three sequences of up to 64 tokens (16 pages each) cannot all fit: some are preempted.
     llm = make_llm(tiny_dir, kv_cache_dtype="int8", kv_cache_memory_bytes=21 * INT8_PAGE_BYTES)
     assert isinstance(llm.runner.kv_cache[0][0], Int8Pages) and llm.runner.kv_cache[0][0].shape[0] == 21
@@ -146,10 +146,12 @@ def test_engine_with_int8_kv_cache(tiny_dir):
     floats = [o.outputs[0] for o in make_llm(tiny_dir).generate(ps, sp, use_tqdm=False)]
     for f, q in zip(floats, together):
         same = next((i for i, (a, b) in enumerate(zip(f.token_ids, q.token_ids)) if a != b), len(f.token_ids))
-        assert same > 0
         for i in range(same):
             token = f.token_ids[i]
             assert abs(f.logprobs[i][token].logprob - q.logprobs[i][token].logprob) < 0.5
+        if same < len(f.token_ids):  # they part only where float pages' top two nearly tie
+            top = sorted(lp.logprob for lp in f.logprobs[same].values())[-2:]
+            assert top[1] - top[0] < 0.5, (same, top)
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         make_llm(tiny_dir, kv_cache_dtype="fp8")
 

@@ -50,6 +50,15 @@ class EngineCore:
     def abort(self, request_id: str) -> list[Sequence]:
         return self.scheduler.abort(request_id)
 
+    def fail_running(self) -> set[str]:
+        """After a failed step: the requests with a running sequence out (all their sequences), nothing in flight
+        (its results are lost with it). Waiting requests were in no step and stay. Returns the failed request ids."""
+        failed = {s.request_id for s in self.scheduler.running}
+        for request_id in failed:
+            self.scheduler.abort(request_id)
+        self._in_flight = None
+        return failed
+
     def abort_all(self) -> None:
         """After a failed step: every sequence out, nothing in flight (its results are lost with it)."""
         for seq in self.scheduler.waiting + self.scheduler.running:
