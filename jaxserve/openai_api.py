@@ -13,6 +13,7 @@ from jaxserve.outputs import CompletionOutput
 from jaxserve.sampling_params import MAX_LOGPROBS, SamplingParams
 
 MAX_N = 16
+MAX_PROMPTS = 64
 MAX_STOP = 16
 
 
@@ -100,21 +101,32 @@ def _sampling_params(body: dict, max_tokens_default: int | None, logprobs: int |
         raise ApiError(400, str(e)) from None
 
 
-def parse_completion(body) -> tuple[str | dict, SamplingParams]:
-    """-> (prompt: text or {"prompt_token_ids": [...]}, params)."""
+def parse_completion(body) -> tuple[list, SamplingParams]:
+    """-> (prompts: each a text or {"prompt_token_ids": [...]}, params). A list of texts or of token-id lists is a
+    batch: one engine request per prompt."""
     _check_fields(body, _COMPLETION)
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        prompt = {"prompt_token_ids": prompt}
-    elif not isinstance(prompt, str) or not prompt:
-        raise ApiError(400, "prompt must be a non-empty string or an array of token ids (one prompt per request)",
-                       "prompt")
+    if isinstance(prompt, str) or _is_token_ids(prompt):
+        prompt = [prompt]
+    if not (isinstance(prompt, list) and 0 < len(prompt) <= MAX_PROMPTS):
+        raise ApiError(400, f"prompt must be a string, an array of token ids, or an array of up to {MAX_PROMPTS} "
+                            f"of either", "prompt")
+    prompts = []
+    for p in prompt:
+        if _is_token_ids(p):
+            prompts.append({"prompt_token_ids": p})
+        elif isinstance(p, str) and p:
+            prompts.append(p)
+        else:
+            raise ApiError(400, "each prompt must be a non-empty string or a non-empty array of token ids", "prompt")
     logprobs = body.get("logprobs")
     if logprobs is not None and not 0 <= logprobs <= 5:
         raise ApiError(400, f"logprobs must be in [0, 5], got {logprobs}", "logprobs")  # OpenAI's bound
-    return prompt, _sampling_params(body, 16, logprobs)  # 16: OpenAI's default max_tokens for completions
+    return prompts, _sampling_params(body, 16, logprobs)  # 16: OpenAI's default max_tokens for completions
+
+
+def _is_token_ids(x) -> bool:
+    return isinstance(x, list) and bool(x) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
 
 
 def parse_chat(body, tokenizer) -> tuple[dict, SamplingParams]:

@@ -97,15 +97,15 @@ class Server:
 
     async def completions(self, request):
         body = await self._body(request)
-        prompt, params = parse_completion(body)
-        return await self._generate(request, body, prompt, params, chat=False)
+        prompts, params = parse_completion(body)
+        return await self._generate(request, body, prompts, params, chat=False)
 
     async def chat_completions(self, request):
         body = await self._body(request)
         if self.tokenizer is None:
             raise ApiError(400, "this model has no tokenizer: use /v1/completions with token ids")
         prompt, params = parse_chat(body, self.tokenizer)
-        return await self._generate(request, body, prompt, params, chat=True)
+        return await self._generate(request, body, [prompt], params, chat=True)
 
     async def _body(self, request) -> dict:
         try:
@@ -133,52 +133,95 @@ class Server:
                                 f"generate)")
         return prompt
 
-    async def _generate(self, request, body, prompt, params, chat: bool):
+    async def _generate(self, request, body, prompts: list, params, chat: bool):
+        """prompts: one engine request each (a completions batch); choice k * n + i is prompt k's i-th sample."""
         stream = body.get("stream") is True
         include_usage = wants_usage_in_stream(body)
         if self.draining:
             raise ApiError(503, "the server is shutting down")
-        prompt = self._tokenized(prompt, params)
-        if params.n > self.capacity:
-            raise ApiError(400, f"n={params.n} is more sequences than this server admits at once ({self.capacity})",
-                           "n")
-        if self.in_flight + params.n > self.capacity:
+        prompts = [self._tokenized(p, params) for p in prompts]
+        seqs = params.n * len(prompts)
+        if seqs > self.capacity:
+            raise ApiError(400, f"{seqs} sequences (n x prompts) are more than this server admits at once "
+                                f"({self.capacity})", "n")
+        if self.in_flight + seqs > self.capacity:
             raise ApiError(429, "too many requests are queued; retry later", code="rate_limit_exceeded")
-        self.in_flight += params.n
-        run, admitted = _Run(self, body, params, chat), False
+        self.in_flight += seqs
+        run, admitted = _Run(self, body, params, chat, len(prompts)), []
         try:
-            try:
-                outputs = await self.engine.add_request(prompt, params, run.id)
-                admitted = True
-            except (ValueError, TypeError) as e:  # bad token ids, a request the cache can never hold, ...
-                raise ApiError(400, str(e)) from None
-            except EngineDeadError as e:
-                raise ApiError(503, str(e)) from None
-            async with contextlib.aclosing(outputs):
+            streams = []
+            for k, prompt in enumerate(prompts):
+                try:
+                    streams.append(await self.engine.add_request(prompt, params, f"{run.id}-{k}"))
+                    admitted.append(f"{run.id}-{k}")
+                except (ValueError, TypeError) as e:  # bad token ids, a request the cache can never hold, ...
+                    raise ApiError(400, str(e)) from None
+                except EngineDeadError as e:
+                    raise ApiError(503, str(e)) from None
+            async with contextlib.aclosing(_merged(streams)) as outputs:
                 return await (run.stream(request, outputs, include_usage) if stream else run.whole(outputs))
         finally:
-            self.in_flight -= params.n
+            self.in_flight -= seqs
             # However it ended (a client gone, a cancelled handler, an error): a no-op for a finished request.
+            for request_id in admitted:
+                self.engine.abort(request_id)
             if admitted:
-                self.engine.abort(run.id)
                 for reason in run.finish:
                     if reason is None:
                         self.metrics.finished("abort")
 
 
+async def _merged(streams):
+    """(k, output) from several requests' output iterators as they come; each is closed (= aborted if unfinished)
+    when this is."""
+    async with contextlib.AsyncExitStack() as stack:
+        for s in streams:
+            await stack.enter_async_context(contextlib.aclosing(s))
+        if len(streams) == 1:
+            async for out in streams[0]:
+                yield 0, out
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(k, s):
+            try:
+                async for out in s:
+                    queue.put_nowait((k, out))
+                queue.put_nowait((k, None))
+            except Exception as e:  # noqa: BLE001 - re-raised by the reader
+                queue.put_nowait((k, e))
+
+        tasks = [asyncio.create_task(pump(k, s)) for k, s in enumerate(streams)]
+        try:
+            left = len(streams)
+            while left:
+                k, item = await queue.get()
+                if item is None:
+                    left -= 1
+                elif isinstance(item, Exception):
+                    raise item
+                else:
+                    yield k, item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
 class _Run:
     """One request's outputs as they come: per choice its text, tokens and timing, and the bodies built from them."""
 
-    def __init__(self, server: Server, body: dict, params, chat: bool):
+    def __init__(self, server: Server, body: dict, params, chat: bool, num_prompts: int = 1):
         self.server, self.params, self.chat = server, params, chat
         self.id = new_id("chatcmpl" if chat else "cmpl")
         self.top = body.get("top_logprobs") or 0
-        self.prompt_tokens = 0
-        self.text = [""] * params.n
-        self.tokens = [0] * params.n
-        self.last_token_at = [None] * params.n
-        self.finish = [None] * params.n
-        self.logprobs = [[] for _ in range(params.n)]
+        self.prompt_tokens = [0] * num_prompts
+        choices = params.n * num_prompts
+        self.text = [""] * choices
+        self.tokens = [0] * choices
+        self.last_token_at = [None] * choices
+        self.finish = [None] * choices
+        self.logprobs = [[] for _ in range(choices)]
 
     def _token_text(self, token_id: int) -> str:
         tok = self.server.tokenizer
@@ -190,24 +233,25 @@ class _Run:
         return completion_logprobs(out, self._token_text, offset)
 
     async def _each(self, outputs):
-        """Yields each RequestOutput delta, after recording it (metrics included)."""
+        """Yields (choice index, CompletionOutput delta) for each new piece, after recording it (metrics too)."""
         metrics = self.server.metrics
         try:
-            async for out in outputs:
+            async for k, out in outputs:
                 now = time.monotonic()
-                self.prompt_tokens = len(out.prompt_token_ids)
+                self.prompt_tokens[k] = len(out.prompt_token_ids)
                 for c in out.outputs:
-                    if c.token_ids and self.last_token_at[c.index] is not None:
-                        metrics.itl.observe(now - self.last_token_at[c.index])
+                    i = k * self.params.n + c.index
+                    if c.token_ids and self.last_token_at[i] is not None:
+                        metrics.itl.observe(now - self.last_token_at[i])
                     if c.token_ids:
-                        self.last_token_at[c.index] = now
-                    self.tokens[c.index] += len(c.token_ids)
+                        self.last_token_at[i] = now
+                    self.tokens[i] += len(c.token_ids)
                     if c.finish_reason is not None:
-                        self.finish[c.index] = c.finish_reason
+                        self.finish[i] = c.finish_reason
                         metrics.finished(c.finish_reason)
+                    yield i, c
                 if out.finished and out.metrics is not None:
                     metrics.observe_request(out.metrics)
-                yield out
         except EngineDeadError as e:
             raise ApiError(503, str(e)) from None
         except ApiError:
@@ -216,17 +260,24 @@ class _Run:
             raise ApiError(500, f"generation failed: {type(e).__name__}: {e}") from None
 
     def _usage(self) -> dict:
-        return usage(self.prompt_tokens, sum(self.tokens))
+        return usage(sum(self.prompt_tokens), sum(self.tokens))
+
+    def _choice(self, i: int, c) -> dict:
+        """The chunk (stream) entry of choice i for the delta c."""
+        lp = self._logprobs(c, len(self.text[i]))
+        self.text[i] += c.text
+        if self.chat:
+            return {"index": i, "delta": {"content": c.text} if c.text else {}, "logprobs": lp,
+                    "finish_reason": c.finish_reason}
+        return {"index": i, "text": c.text, "logprobs": lp, "finish_reason": c.finish_reason}
 
     async def whole(self, outputs) -> web.Response:
-        async for out in self._each(outputs):
-            for c in out.outputs:
-                lp = self._logprobs(c, len(self.text[c.index]))
-                self.text[c.index] += c.text
-                if lp is not None:
-                    self.logprobs[c.index].append(lp)
+        async for i, c in self._each(outputs):
+            lp = self._choice(i, c)["logprobs"]
+            if lp is not None:
+                self.logprobs[i].append(lp)
         choices = []
-        for i in range(self.params.n):
+        for i in range(len(self.text)):
             lp = _merge_logprobs(self.logprobs[i]) if self.params.logprobs is not None else None
             if self.chat:
                 choices.append({"index": i, "message": {"role": "assistant", "content": self.text[i]},
@@ -248,20 +299,9 @@ class _Run:
             if self.chat:  # the role first, as OpenAI sends it
                 await send(completion_body(self.id, name, [{"index": i, "delta": {"role": "assistant", "content": ""},
                                                              "logprobs": None, "finish_reason": None}
-                                                            for i in range(self.params.n)], None, True, chunk=True))
-            async for out in self._each(outputs):
-                choices = []
-                for c in out.outputs:
-                    lp = self._logprobs(c, len(self.text[c.index]))
-                    self.text[c.index] += c.text
-                    if self.chat:
-                        choices.append({"index": c.index, "delta": {"content": c.text} if c.text else {},
-                                        "logprobs": lp, "finish_reason": c.finish_reason})
-                    else:
-                        choices.append({"index": c.index, "text": c.text, "logprobs": lp,
-                                        "finish_reason": c.finish_reason})
-                if choices:
-                    await send(completion_body(self.id, name, choices, None, self.chat, chunk=True))
+                                                            for i in range(len(self.text))], None, True, chunk=True))
+            async for i, c in self._each(outputs):
+                await send(completion_body(self.id, name, [self._choice(i, c)], None, self.chat, chunk=True))
             if include_usage:
                 await send(completion_body(self.id, name, [], self._usage(), self.chat, chunk=True))
         except ConnectionError:  # the client is gone: nothing to tell it (the caller aborts the request)

@@ -92,6 +92,26 @@ def test_stop_strings_n_seed_and_logprobs(real):
     assert [ch.text for ch in again.choices] == [ch.text for ch in r.choices]  # seeded: reproducible
 
 
+def test_a_batch_of_prompts(real):
+    """A list of prompts is a batch: choice k * n + i is prompt k's i-th sample, usage sums them, streamed or not."""
+    c = client(real)
+    prompts = ["The capital of France is", "Two plus two equals"]
+    alone = [c.completions.create(model="SmolLM2-135M-Instruct", prompt=p, max_tokens=6, temperature=0)
+             for p in prompts]
+    r = c.completions.create(model="SmolLM2-135M-Instruct", prompt=prompts, max_tokens=6, temperature=0, n=2)
+    assert [ch.index for ch in r.choices] == [0, 1, 2, 3]
+    assert [ch.text for ch in r.choices] == [a.choices[0].text for a in alone for _ in range(2)]
+    assert r.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)  # once per prompt, as OpenAI
+    assert r.usage.completion_tokens == 2 * sum(a.usage.completion_tokens for a in alone)
+    texts = ["", ""]
+    for chunk in c.completions.create(model="SmolLM2-135M-Instruct", prompt=prompts, max_tokens=6, temperature=0,
+                                      stream=True):
+        for ch in chunk.choices:
+            texts[ch.index] += ch.text
+    assert texts == [a.choices[0].text for a in alone]
+    wait_idle(real)
+
+
 def test_chat_with_the_openai_client(real):
     c = client(real)
     messages = [{"role": "user", "content": "What is the capital of France?"}]
@@ -163,7 +183,8 @@ def post(st, path, body=None, key=KEY):
     ({"prompt": [1, 2, 3], "temprature": 0.5}, 400, "temprature"),  # unknown field
     ({"prompt": [1, 2, 3], "stream_options": {"include_usage": True, "x": 1}}, 400, "stream_options"),
     ({"prompt": ""}, 400, "prompt"),
-    ({"prompt": ["a", "b"]}, 400, "prompt"),
+    ({"prompt": [[1, 2], "b", []]}, 400, "prompt"),
+    ({"prompt": [[1, 2]] * 65}, 400, "prompt"),
     ({"prompt": [1] * 70}, 400, None),  # longer than max_model_len (64)
     ({"prompt": [1, 2, 3], "max_tokens": 100}, 400, None),  # prompt + max_tokens past max_model_len
     ({"prompt": [999999]}, 400, None),  # not a token of this vocabulary
