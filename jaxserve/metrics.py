@@ -40,9 +40,8 @@ class ServerMetrics:
         self._success.labels(model_name=self._model_name, finished_reason=reason).inc()
 
     def observe_request(self, metrics) -> None:
-        """A finished request's RequestMetrics (time.monotonic stamps)."""
-        if metrics.first_token_time is not None:
-            self.ttft.observe(metrics.first_token_time - metrics.arrival_time)
+        """A finished request's RequestMetrics (time.monotonic stamps). (TTFT is observed by the server as the first
+        token reaches it.)"""
         if metrics.first_scheduled_time is not None:
             self.queue.observe(metrics.first_scheduled_time - metrics.arrival_time)
         if metrics.finished_time is not None:

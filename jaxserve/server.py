@@ -214,6 +214,8 @@ class _Run:
     def __init__(self, server: Server, body: dict, params, chat: bool, num_prompts: int = 1):
         self.server, self.params, self.chat = server, params, chat
         self.id = new_id("chatcmpl" if chat else "cmpl")
+        self.arrival = time.monotonic()
+        self.first_token_seen = False
         self.top = body.get("top_logprobs") or 0
         self.prompt_tokens = [0] * num_prompts
         choices = params.n * num_prompts
@@ -239,6 +241,10 @@ class _Run:
             async for k, out in outputs:
                 now = time.monotonic()
                 self.prompt_tokens[k] = len(out.prompt_token_ids)
+                if not self.first_token_seen and any(c.token_ids for c in out.outputs):
+                    # When it happens (as vLLM), so a request aborted later still counts; from the server's receipt.
+                    self.first_token_seen = True
+                    metrics.ttft.observe(now - self.arrival)
                 for c in out.outputs:
                     i = k * self.params.n + c.index
                     if c.token_ids and self.last_token_at[i] is not None:
