@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# The GPU checks and timings this repository wants, as one device-machine call (about 5-8 minutes on an H200).
+# Nothing here has run on a GPU yet: read the first failure before tuning anything.
+#
+# Before the call, here (the device machine reaches no registry and lacks gguf):
+#   echo /.whl/ >> .git/info/exclude
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#       --platform manylinux_2_17_x86_64 -d .whl gguf
+# Then: run(command="bash scripts/gpu_check.sh", carry=[".whl"], timeout_s=600). Results come back under $OUT.
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-bench_results}
+mkdir -p "$OUT"
+if ls .whl/*.whl > /dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        && export PYTHONPATH=/tmp/site || exit 1
+fi
+export PYTHONPATH="$PWD:${PYTHONPATH:-}"  # the package from this checkout, no install (no registry there)
+nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
+
+# 1. The kernels compiled by Triton for real, against their references (the engine's start-up check), at the
+#    default model's heads and at a serving shape, float and int8 KV pages.
+python3 - <<'PY' 2>&1 | tee "$OUT/self_check.log"
+import jax.numpy as jnp
+from jaxserve.pallas_kernels.self_check import check_kernels
+serving = dict(num_pages=4096, pages_per_seq=512, max_num_seqs=64, max_chunk=512)
+for heads, kv_heads, head_dim in [(9, 3, 64), (32, 8, 128)]:
+    for kv in ("auto", "int8"):
+        problem = check_kernels("pallas-gpu", heads, kv_heads, head_dim, 16, jnp.bfloat16, None, serving,
+                                kv_cache_dtype=kv)
+        print(f"self-check heads {heads}/{kv_heads} d{head_dim} kv {kv}: {problem or 'ok'}")
+PY
+
+# 2. The quantized matmuls on the device against their references.
+python3 - <<'PY' 2>&1 | tee "$OUT/quantized_matmul_check.log"
+import jax, jax.numpy as jnp, numpy as np
+from jaxserve.pallas_kernels import quantized_matmul as qm
+from jaxserve.quant import quantize_int4, quantize_int8
+rng = np.random.default_rng()
+for M, K, N in [(1, 4096, 4096), (8, 4096, 14336), (32, 14336, 4096)]:
+    x = jnp.asarray(rng.standard_normal((M, K)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((K, N)) * 0.02, jnp.float32)
+    q8, q4 = quantize_int8(w), quantize_int4(w, 32)
+    for name, got, want in [
+            ("int8", lambda: qm.int8_matmul(x, q8.values, q8.scale), lambda: qm.int8_matmul_reference(x, q8.values, q8.scale)),
+            ("int4", lambda: qm.int4_matmul(x, q4.packed, q4.scale, q4.offset, group_size=32),
+             lambda: qm.int4_matmul_reference(x, q4.packed, q4.scale, q4.offset, group_size=32))]:
+        try:
+            g, r = np.asarray(got(), np.float32), np.asarray(want(), np.float32)
+            print(f"{name} {M}x{K}x{N}: rel err {np.linalg.norm(g - r) / np.linalg.norm(r):.2e}")
+        except Exception as e:
+            print(f"{name} {M}x{K}x{N}: FAILED {type(e).__name__}: {str(e)[:300]}")
+PY
+
+# 3. Timings: paged decode and flash prefill against XLA, the quantized matmuls against XLA and bf16.
+timeout 420 python3 scripts/bench_kernels.py --out "$OUT/kernels.json" 2>&1 | tee "$OUT/bench_kernels.log" | tail -40
