@@ -31,7 +31,7 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
-# field: (accepted types, check or None). Sampling fields common to both endpoints, then each endpoint's own.
+# field: the JSON types it accepts. Sampling fields common to both endpoints, then each endpoint's own.
 _NUMBER = (int, float)
 _COMMON = {
     "model": (str,), "max_tokens": (int,), "max_completion_tokens": (int,), "temperature": _NUMBER,
