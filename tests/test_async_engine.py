@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from jaxserve import AsyncEngine, SamplingParams
-from tiny import make_llm, prompts
+from tiny import first_decode_fails, make_llm, prompts
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
@@ -112,22 +112,10 @@ def test_bad_requests_raise_before_queueing(engine):
 
 
 def test_a_failed_step_fails_its_requests_and_the_engine_goes_on(engine):
-    dispatch = engine.llm.runner.dispatch_decode
-    failed = []
-
-    def failing(rows):
-        if not failed:
-            failed.append(1)
-            raise RuntimeError("device lost")
-        return dispatch(rows)
-
     async def main():
-        engine.llm.runner.dispatch_decode = failing
-        try:
+        with first_decode_fails(engine.llm.runner):
             with pytest.raises(RuntimeError, match="device lost"):
                 await collect(await engine.add_request({"prompt_token_ids": [5, 6, 7]}, GREEDY))
-        finally:
-            engine.llm.runner.dispatch_decode = dispatch
         return await collect(await engine.add_request({"prompt_token_ids": [5, 6, 7]}, GREEDY))
 
     assert len(asyncio.run(main())[0][0]) == 12
@@ -140,23 +128,11 @@ def test_a_failed_step_spares_the_requests_still_waiting(tiny_dir):
     completes."""
     engine = AsyncEngine(make_llm(tiny_dir, max_num_seqs=1, max_num_batched_tokens=16))
     try:
-        runner = engine.llm.runner
-        dispatch = runner.dispatch_decode
-        failed = []
-
-        def failing(rows):
-            if not failed:
-                failed.append(1)
-                raise RuntimeError("device lost")
-            return dispatch(rows)
-
         async def main():
-            runner.dispatch_decode = failing
-            first = await engine.add_request({"prompt_token_ids": [5, 6, 7]}, GREEDY)
-            second = await engine.add_request({"prompt_token_ids": [8, 9]}, GREEDY)
-            results = await asyncio.gather(collect(first), collect(second), return_exceptions=True)
-            runner.dispatch_decode = dispatch
-            return results
+            with first_decode_fails(engine.llm.runner):
+                first = await engine.add_request({"prompt_token_ids": [5, 6, 7]}, GREEDY)
+                second = await engine.add_request({"prompt_token_ids": [8, 9]}, GREEDY)
+                return await asyncio.gather(collect(first), collect(second), return_exceptions=True)
 
         first, second = asyncio.run(main())
         assert isinstance(first, RuntimeError) and "device lost" in str(first)

@@ -71,6 +71,11 @@ def test_paged_attention_matches_reference(target, page_size, kvh, group, head_d
     rng, seed = fresh_rng()
     q, k_pages, v_pages, table, kv_lens, positions = paged_inputs(rng, page_size, kvh, group, head_dim, dtype,
                                                                   queries)
+    check_paged(target, seed, dtype, q, k_pages, v_pages, table, kv_lens, positions, window, soft_cap)
+
+
+def check_paged(target, seed, dtype, q, k_pages, v_pages, table, kv_lens, positions, window, soft_cap):
+    """The paged kernel of `target` against the reference on the same inputs: output and log-sum-exp."""
     kw = dict(sliding_window=window, soft_cap=soft_cap)
     out, lse = PAGED[target](q, k_pages, v_pages, table, kv_lens, positions, **kw)
     want_out, want_lse = paged_attention_reference(q, k_pages, v_pages, table, kv_lens, positions, **kw)
@@ -92,11 +97,7 @@ def test_paged_attention_reads_int8_pages(target, page_size, kvh, group, head_di
     q, k_pages, v_pages, table, kv_lens, positions = paged_inputs(rng, page_size, kvh, group, head_dim,
                                                                   jnp.float32, queries)
     k_pages, v_pages, q = quantize_pages(k_pages), quantize_pages(v_pages), q.astype(dtype)
-    kw = dict(sliding_window=window, soft_cap=soft_cap)
-    out, lse = PAGED[target](q, k_pages, v_pages, table, kv_lens, positions, **kw)
-    want_out, want_lse = paged_attention_reference(q, k_pages, v_pages, table, kv_lens, positions, **kw)
-    check(out, want_out, dtype, seed)
-    check(lse, want_lse, jnp.float32, seed)
+    check_paged(target, seed, dtype, q, k_pages, v_pages, table, kv_lens, positions, window, soft_cap)
 
 
 @pytest.mark.parametrize("target", ["gpu", "tpu"])

@@ -243,3 +243,10 @@ def test_quality_script_runs(tmp_path):
     rows = {row["format"]: row for row in json.loads(out.read_text())["rows"]}
     assert set(rows) == {"float32", "int8", "int8-kv"} and rows["float32"]["top1_agreement"] == 1.0
     assert rows["int8"]["weight_bytes"] < 0.6 * rows["float32"]["weight_bytes"]
+
+
+def test_awq_refuses_what_it_cannot_calibrate_on(tiny_dir, default_gguf_path):
+    with pytest.raises(ValueError, match="tokenizer"):
+        quantize_model(load_model(tiny_dir, jnp.float32), "awq")  # no tokenizer to read the text with
+    with pytest.raises(ValueError, match="at least 64"):
+        quantize_model(load_model(str(default_gguf_path), jnp.float32), "awq", calibration_text="Too short.")

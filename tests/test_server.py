@@ -14,7 +14,7 @@ import pytest
 
 from jaxserve import LLM
 from serving import ServerThread, free_port
-from tiny import make_llm
+from tiny import first_decode_fails, make_llm
 
 KEY = "sk-test-key"
 
@@ -298,21 +298,8 @@ def test_429_when_the_queue_is_full(tiny):
 
 
 def test_a_failed_step_answers_500_and_the_server_goes_on(tiny):
-    runner = tiny.engine.llm.runner
-    dispatch = runner.dispatch_decode
-    failed = []
-
-    def failing(rows):
-        if not failed:
-            failed.append(1)
-            raise RuntimeError("device lost")
-        return dispatch(rows)
-
-    runner.dispatch_decode = failing
-    try:
+    with first_decode_fails(tiny.engine.llm.runner):
         r = post(tiny, "/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 5})
-    finally:
-        runner.dispatch_decode = dispatch
     assert r.status_code == 500 and "device lost" in r.json()["error"]["message"]
     r = post(tiny, "/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 5, "ignore_eos": True})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5

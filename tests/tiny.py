@@ -1,4 +1,6 @@
 """Engines over the tiny random model, sized so tests cross page, chunk and batch boundaries."""
+import contextlib
+
 from jaxserve import LLM
 
 TINY_PAGE_BYTES = 2 * 2 * 4 * 2 * 16 * 4  # K and V, 2 layers, 4 tokens, 2 KV heads, head dim 16, float32
@@ -11,3 +13,21 @@ def make_llm(tiny_dir, **kw):
 
 def prompts(rng, lengths, vocab_size=320):
     return [{"prompt_token_ids": rng.integers(0, vocab_size, n).tolist()} for n in lengths]
+
+
+@contextlib.contextmanager
+def first_decode_fails(runner, message="device lost"):
+    """Within the block the runner's next decode dispatch raises RuntimeError(message); later ones run."""
+    dispatch, failed = runner.dispatch_decode, []
+
+    def failing(rows):
+        if not failed:
+            failed.append(1)
+            raise RuntimeError(message)
+        return dispatch(rows)
+
+    runner.dispatch_decode = failing
+    try:
+        yield
+    finally:
+        runner.dispatch_decode = dispatch

@@ -275,23 +275,31 @@ def _int8_tpu_kernel(x_ref, w_ref, s_ref, o_ref, acc_ref, *, precision):
 def int8_matmul_tpu(x, values, scale, *, block_n=512, block_k=512, max_block_m=256, interpret=False):
     """Arguments and result as `int8_matmul` (x [M, K], values int8 [K, N], scale float32 [N] -> [M, N])."""
     M, K, N = _int8_shapes(x, values, scale)
-    pltpu, params = _tpu_params()
     block_m, Mp = _tpu_rows(M, max_block_m)
     block_n, block_k = _lanes(N, block_n), _lanes(K, block_k)
-    out = pl.pallas_call(
-        functools.partial(_int8_tpu_kernel, precision=_precision(x.dtype)),
-        grid=(N // block_n, Mp // block_m, K // block_k),
-        in_specs=[pl.BlockSpec((block_m, block_k), lambda j, i, k: (i, k)),
-                  pl.BlockSpec((block_k, block_n), lambda j, i, k: (k, j)),
-                  pl.BlockSpec((1, block_n), lambda j, i, k: (0, j))],
+    call = _tpu_matmul_call(functools.partial(_int8_tpu_kernel, precision=_precision(x.dtype)), K // block_k,
+                            [pl.BlockSpec((block_m, block_k), lambda j, i, k: (i, k)),
+                             pl.BlockSpec((block_k, block_n), lambda j, i, k: (k, j)),
+                             pl.BlockSpec((1, block_n), lambda j, i, k: (0, j))],
+                            Mp, N, block_m, block_n, x.dtype, "int8_matmul_tpu", interpret)
+    out = call(jnp.pad(x, ((0, Mp - M), (0, 0))), values, scale.astype(jnp.float32).reshape(1, N))
+    return out[:M]
+
+
+def _tpu_matmul_call(kernel, k_steps, in_specs, Mp, N, block_m, block_n, dtype, name, interpret):
+    """A pallas_call over (N blocks, M blocks, K steps) with a float32 VMEM accumulator, [Mp, N] out in dtype."""
+    pltpu, params = _tpu_params()
+    return pl.pallas_call(
+        kernel,
+        grid=(N // block_n, Mp // block_m, k_steps),
+        in_specs=in_specs,
         out_specs=pl.BlockSpec((block_m, block_n), lambda j, i, k: (i, j)),
-        out_shape=jax.ShapeDtypeStruct((Mp, N), x.dtype),
+        out_shape=jax.ShapeDtypeStruct((Mp, N), dtype),
         scratch_shapes=[pltpu.VMEM((block_m, block_n), jnp.float32)],
         compiler_params=params,
         interpret=interpret,
-        name="int8_matmul_tpu",
-    )(jnp.pad(x, ((0, Mp - M), (0, 0))), values, scale.astype(jnp.float32).reshape(1, N))
-    return out[:M]
+        name=name,
+    )
 
 
 def _int4_tpu_kernel(xe_ref, xo_ref, p_ref, s_ref, z_ref, o_ref, acc_ref, *, group_size, precision):
@@ -317,7 +325,6 @@ def int4_matmul_tpu(x, packed, scale, offset, *, group_size, block_n=256, block_
                     interpret=False):
     """Arguments and result as `int4_matmul` (x already zero-padded to K_pad columns)."""
     M, K, N, groups = _int4_shapes(x, packed, scale, offset, group_size)
-    pltpu, params = _tpu_params()
     block_m, Mp = _tpu_rows(M, max_block_m)
     block_n = _lanes(N, block_n)
     # Groups a step: a multiple of 16 (scale and offset's float16 sublane tile; 16 groups are >= 256 packed
@@ -325,20 +332,14 @@ def int4_matmul_tpu(x, packed, scale, offset, *, group_size, block_n=256, block_
     block_g = next((g for g in range(max(block_k // group_size, 16) // 16 * 16, 0, -16) if groups % g == 0), groups)
     rows = block_g * group_size // 2
     x = jnp.pad(x, ((0, Mp - M), (0, 0)))
-    out = pl.pallas_call(
-        functools.partial(_int4_tpu_kernel, group_size=group_size, precision=_precision(x.dtype)),
-        grid=(N // block_n, Mp // block_m, groups // block_g),
-        in_specs=[pl.BlockSpec((block_m, rows), lambda j, i, k: (i, k)),
-                  pl.BlockSpec((block_m, rows), lambda j, i, k: (i, k)),
-                  pl.BlockSpec((rows, block_n), lambda j, i, k: (k, j)),
-                  pl.BlockSpec((block_g, block_n), lambda j, i, k: (k, j)),
-                  pl.BlockSpec((block_g, block_n), lambda j, i, k: (k, j))],
-        out_specs=pl.BlockSpec((block_m, block_n), lambda j, i, k: (i, j)),
-        out_shape=jax.ShapeDtypeStruct((Mp, N), x.dtype),
-        scratch_shapes=[pltpu.VMEM((block_m, block_n), jnp.float32)],
-        compiler_params=params,
-        interpret=interpret,
-        name="int4_matmul_tpu",
-    )(x[:, 0::2], x[:, 1::2], jax.lax.bitcast_convert_type(packed, jnp.int8),  # Mosaic: signed bytes
-      scale.astype(jnp.float16), offset.astype(jnp.float16))
+    call = _tpu_matmul_call(
+        functools.partial(_int4_tpu_kernel, group_size=group_size, precision=_precision(x.dtype)), groups // block_g,
+        [pl.BlockSpec((block_m, rows), lambda j, i, k: (i, k)),
+         pl.BlockSpec((block_m, rows), lambda j, i, k: (i, k)),
+         pl.BlockSpec((rows, block_n), lambda j, i, k: (k, j)),
+         pl.BlockSpec((block_g, block_n), lambda j, i, k: (k, j)),
+         pl.BlockSpec((block_g, block_n), lambda j, i, k: (k, j))],
+        Mp, N, block_m, block_n, x.dtype, "int4_matmul_tpu", interpret)
+    out = call(x[:, 0::2], x[:, 1::2], jax.lax.bitcast_convert_type(packed, jnp.int8),  # Mosaic: signed bytes
+               scale.astype(jnp.float16), offset.astype(jnp.float16))
     return out[:M]
