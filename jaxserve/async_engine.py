@@ -20,6 +20,10 @@ from jaxserve.sampling_params import SamplingParams
 logger = logging.getLogger("jaxserve")
 
 
+# Engine steps that may fail in a row before the engine declares itself dead (unhealthy) instead of going on.
+MAX_FAILED_STEPS = 3
+
+
 class EngineDeadError(RuntimeError):
     pass
 
@@ -111,12 +115,21 @@ class AsyncEngine:
     # ---- the engine thread ----
 
     def _run(self) -> None:
+        failures = 0  # failed steps in a row
         while True:
             try:
                 if self._loop_once():
                     return
+                failures = 0
             except Exception as e:  # noqa: BLE001 - the step's requests fail; the engine goes on for the others
-                logger.exception("engine step failed")
+                failures += 1
+                logger.exception("engine step failed (%d in a row)", failures)
+                if failures >= MAX_FAILED_STEPS:
+                    # Not a bad request but a broken engine: say so (health turns 503) rather than fail forever.
+                    logger.error("%d engine steps failed in a row: the engine stops", failures)
+                    self._stopping = True
+                    self._fail_all(EngineDeadError(f"the engine stopped after {failures} failed steps: {e}"))
+                    return
                 self._fail_running(e)
 
     def _loop_once(self) -> bool:
@@ -180,6 +193,11 @@ class AsyncEngine:
             stream = self._streams.pop(request_id, None)
             if stream is not None:
                 stream.put(error)
+        if not failed and self.llm.core.has_unfinished():
+            # No request was in the failed step, so it was not the step: nothing can run. Fail what waits rather
+            # than retry the same failure forever.
+            logger.error("the engine cannot make progress; failing every queued request")
+            self._fail_all(error)
         self._stats = self.llm.core.stats()
 
     def _fail_all(self, error: BaseException) -> None:

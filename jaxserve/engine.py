@@ -20,7 +20,7 @@ from jaxserve.cache import (PageAllocator, PrefixCache, bytes_per_page, check_kv
                             pages_needed)
 from jaxserve.outputs import RequestMetrics, RequestOutput
 from jaxserve.quantize import quantize_model
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import MAX_BANNED_TOKENS, SamplingParams
 from jaxserve.tokenizer import IncrementalDetokenizer
 from jaxserve.weights import load_model, resolve_dtype
 from jaxserve.weights.params import param_bytes
@@ -89,6 +89,7 @@ class LLM:
         num_pages = num_pages_for_budget(self.config, block_size, dtype, kv_bytes, kv_cache_dtype)
         # Never more pages than max_num_seqs full-length sequences can use (+1 for the scratch page).
         num_pages = min(num_pages, max_num_seqs * pages_needed(self.max_model_len, block_size) + 1)
+        self._check_one_sequence_fits(num_pages, block_size, asked=max_model_len is not None)
         logger.info("KV cache: %d pages of %d tokens (%.1f MB, %s)", num_pages, block_size,
                     num_pages * bytes_per_page(self.config, block_size, dtype, kv_cache_dtype) / 1e6,
                     "int8" if kv_cache_dtype == "int8" else jnp.dtype(dtype).name)
@@ -110,6 +111,21 @@ class LLM:
         self._request_ids = itertools.count()
         if warmup:
             self.runner.warmup()
+
+    def _check_one_sequence_fits(self, num_pages: int, block_size: int, asked: bool) -> None:
+        """A max_model_len sequence must fit the KV cache, or every request that leaves max_tokens unset (the
+        OpenAI clients' default for chat) is refused while the model advertises the full length. As vLLM: an
+        explicit max_model_len that does not fit is an error, the model's own context is lowered to what fits."""
+        fits = (num_pages - 1) * block_size  # page 0 is scratch
+        if self.max_model_len <= fits:
+            return
+        if asked or fits < 2:
+            raise ValueError(f"max_model_len {self.max_model_len} does not fit the KV cache, which holds {fits} "
+                             "tokens: lower max_model_len or raise the KV budget (kv_cache_memory_bytes / "
+                             "gpu_memory_utilization)")
+        logger.warning("max_model_len lowered from the model's %d to %d tokens: the most one sequence can hold in "
+                       "the KV cache (raise the KV budget for more)", self.max_model_len, fits)
+        self.max_model_len = fits
 
     # ---- requests in ----
 
@@ -141,6 +157,10 @@ class LLM:
         request_id = str(next(self._request_ids)) if request_id is None else request_id
         base_seed = params.seed if params.seed is not None else self._rng.getrandbits(32)
         eos = self.tokenizer.eos_token_ids if self.tokenizer is not None else []
+        ending = set(eos) | set(params.stop_token_ids)
+        if params.min_tokens and not params.ignore_eos and len(ending) > MAX_BANNED_TOKENS:
+            raise ValueError(f"min_tokens can hold back at most {MAX_BANNED_TOKENS} ending tokens; this model's "
+                             f"{len(eos)} EOS ids and the stop_token_ids make {len(ending)}")
         seqs = []
         for i in range(params.n):
             detok = None

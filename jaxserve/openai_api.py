@@ -10,11 +10,10 @@ import time
 import uuid
 
 from jaxserve.outputs import CompletionOutput
-from jaxserve.sampling_params import MAX_LOGPROBS, SamplingParams
+from jaxserve.sampling_params import MAX_LOGPROBS, MAX_STOP, SamplingParams
 
 MAX_N = 16
 MAX_PROMPTS = 64
-MAX_STOP = 16
 
 
 class ApiError(Exception):
@@ -193,14 +192,16 @@ def completion_logprobs(out: CompletionOutput, token_text, offset: int) -> dict 
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
 
 
-def chat_logprobs(out: CompletionOutput, token_text, top: int) -> dict | None:
+def chat_logprobs(out: CompletionOutput, token_text, top: int, token_bytes=None) -> dict | None:
+    """Chat logprobs. `bytes` come from `token_bytes` (Tokenizer.token_bytes), not from the token's text: a token
+    holding part of a character reads as U+FFFD. Without it (no tokenizer) they are the text's UTF-8."""
     if out.logprobs is None:
         return None
+    token_bytes = token_bytes or (lambda t: token_text(t).encode())
     content = []
     for token_id, entry in zip(out.token_ids, out.logprobs):
         def item(t, lp):
-            text = token_text(t)
-            return {"token": text, "logprob": lp.logprob, "bytes": list(text.encode())}
+            return {"token": token_text(t), "logprob": lp.logprob, "bytes": list(token_bytes(t))}
         ranked = sorted(entry.items(), key=lambda kv: -kv[1].logprob)[:top]
         content.append({**item(token_id, entry[token_id]), "top_logprobs": [item(t, lp) for t, lp in ranked]})
     return {"content": content}

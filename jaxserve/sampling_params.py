@@ -5,8 +5,13 @@ import dataclasses
 
 # Top-n logprobs are computed on device for a fixed n (one program for every request), as OpenAI's cap.
 MAX_LOGPROBS = 20
-# Tokens that min_tokens keeps from ending a sequence, per row, in a fixed-size device array.
-MAX_BANNED_TOKENS = 16
+# Documented per-request limits: every generated token is checked against the stop lists on the host, so their
+# size bounds that work (a 1 MiB body could otherwise carry half a million stop ids).
+MAX_STOP = 16  # stop strings
+MAX_STOP_LENGTH = 256  # characters in one stop string
+MAX_STOP_TOKEN_IDS = 32
+# Tokens that min_tokens keeps from ending a sequence (EOS ids + stop ids), per row, in a fixed-size device array.
+MAX_BANNED_TOKENS = 64
 # Integers a step's int32 device arrays hold: a larger top_k or token id must fail here, not in the engine loop.
 INT32_LIMIT = 2 ** 31
 
@@ -47,13 +52,17 @@ class SamplingParams:
                f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
         _check(self.max_tokens is None or self.min_tokens <= self.max_tokens,
                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        _check(len(self.stop) <= MAX_STOP, f"at most {MAX_STOP} stop strings, got {len(self.stop)}")
         _check(all(isinstance(s, str) and s for s in self.stop), f"stop must be non-empty strings, got {self.stop!r}")
-        _check(all(isinstance(t, int) and 0 <= t < INT32_LIMIT for t in self.stop_token_ids),
+        _check(all(len(s) <= MAX_STOP_LENGTH for s in self.stop),
+               f"a stop string may have at most {MAX_STOP_LENGTH} characters")
+        _check(len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS,
+               f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(self.stop_token_ids)}")
+        _check(all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < INT32_LIMIT
+                   for t in self.stop_token_ids),
                f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
         _check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS),
                f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
-        _check(self.min_tokens == 0 or len(self.stop_token_ids) + 1 <= MAX_BANNED_TOKENS,
-               f"min_tokens with more than {MAX_BANNED_TOKENS - 1} stop_token_ids is not supported")
 
     @property
     def greedy(self) -> bool:

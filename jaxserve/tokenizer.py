@@ -6,6 +6,7 @@ latter so a converted checkpoint carries its tokenizer.
 from __future__ import annotations
 
 import json
+import re
 from datetime import datetime
 from pathlib import Path
 
@@ -44,6 +45,18 @@ _PRE_TOKENIZERS = {
 _END_OF_TURN = {"<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>",
                 "<|end_of_text|>", "<EOT>"}
 _CONTROL, _USER_DEFINED = 3, 4  # gguf token_type values
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece byte-fallback tokens
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, character -> byte: printable bytes stand for themselves, the rest for U+0100 on."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    alphabet = {chr(b): b for b in printable}
+    alphabet.update({chr(0x100 + i): b for i, b in enumerate(b for b in range(256) if b not in printable)})
+    return alphabet
+
+
+_BYTE_OF_CHAR = _byte_level_alphabet()
 
 
 def _raise_exception(message):
@@ -78,9 +91,36 @@ class Tokenizer:
         self.add_bos = add_bos
         self.chat_template = chat_template
         self._template = None
+        decoder = json.loads(tok.decoder.__getstate__()) if tok.decoder is not None else {}
+        self._decoders = {d.get("type") for d in decoder.get("decoders", [decoder])}
+        self._added = set(tok.get_added_tokens_decoder())
+        self._bytes: dict[int, bytes] = {}
 
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The token's own bytes (OpenAI's logprob `bytes`), which may be part of a UTF-8 character: decoding such
+        a token alone gives U+FFFD instead."""
+        raw = self._bytes.get(token_id)
+        if raw is None:
+            raw = self._bytes[token_id] = self._raw_bytes(token_id)
+        return raw
+
+    def _raw_bytes(self, token_id: int) -> bytes:
+        token = self._tok.id_to_token(token_id)
+        if token is None:  # model vocabularies may be padded past the tokenizer's; decode gives "" for these too
+            return b""
+        if token_id in self._added:  # matched in the text as written, not in the model's alphabet
+            return token.encode()
+        if "ByteLevel" in self._decoders:
+            try:
+                return bytes(_BYTE_OF_CHAR[c] for c in token)
+            except KeyError:  # the ByteLevel decoder's own rule: a token outside the alphabet is its UTF-8
+                return token.encode()
+        if "ByteFallback" in self._decoders and (byte := _BYTE_TOKEN.fullmatch(token)):
+            return bytes([int(byte[1], 16)])
+        return token.replace("\u2581", " ").encode()  # SentencePiece writes spaces as '▁'
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; control tokens written in the text (`<|im_start|>`) become their single ids.

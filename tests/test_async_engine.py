@@ -141,3 +141,74 @@ def test_a_failed_step_spares_the_requests_still_waiting(tiny_dir):
         engine.llm.core.assert_idle_and_clean()
     finally:
         engine.shutdown()
+
+
+def test_a_failed_step_ends_every_request_it_held(tiny_dir):
+    """A sequence preempted while its token was in flight, then that step fails: its request ends with the error
+    (it used to wait forever for a token that never lands, the engine thread spinning), the rest complete."""
+    from tiny import TINY_PAGE_BYTES
+    llm = make_llm(tiny_dir, max_num_seqs=4, max_num_batched_tokens=16, kv_cache_memory_bytes=13 * TINY_PAGE_BYTES,
+                   max_model_len=48)
+    sched, runner = llm.scheduler, llm.runner
+    schedule, fetch, armed = sched.schedule, runner.fetch, []
+
+    def scheduling(*a):
+        plan = schedule(*a)
+        if not armed and any(s.pending for s in sched.waiting):  # preempted with a token in flight
+            armed.append(next(s.request_id for s in sched.waiting if s.pending))
+        return plan
+
+    def fetching(handles):
+        if len(armed) == 1:
+            armed.append("failed")
+            raise RuntimeError("device lost")
+        return fetch(handles)
+
+    sched.schedule, runner.fetch = scheduling, fetching
+    engine = AsyncEngine(llm)
+    try:
+        async def main():
+            sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+            streams = [await engine.add_request(p, sp) for p in prompts(np.random.default_rng(0), [9, 10, 11, 12])]
+            return await asyncio.wait_for(asyncio.gather(*[collect(s) for s in streams], return_exceptions=True), 60)
+
+        results = asyncio.run(main())
+        assert len(armed) == 2, "no sequence was preempted with a token in flight"
+        failed = [r for r in results if isinstance(r, BaseException)]
+        assert failed and all("device lost" in str(r) for r in failed)
+        assert all(len(r[0][0]) == 20 for r in results if not isinstance(r, BaseException))
+        wait_idle(engine)
+        engine.llm.core.assert_idle_and_clean()
+        assert engine.alive()
+    finally:
+        engine.shutdown()
+
+
+def test_an_engine_that_keeps_failing_reports_dead(tiny_dir):
+    """Every step fails: each request gets the error, and after a few failed steps in a row the engine stops and
+    says so (alive() is False, new requests are refused) instead of failing forever."""
+    from jaxserve.async_engine import MAX_FAILED_STEPS, EngineDeadError
+    llm = make_llm(tiny_dir)
+
+    def broken(rows):
+        raise RuntimeError("device lost")
+    llm.runner.dispatch_prefill = broken
+    engine = AsyncEngine(llm)
+    try:
+        async def main():
+            errors = []
+            for _ in range(MAX_FAILED_STEPS):
+                try:
+                    await asyncio.wait_for(collect(await engine.add_request({"prompt_token_ids": [5, 6]}, GREEDY)), 30)
+                except (RuntimeError, EngineDeadError) as e:
+                    errors.append(e)
+            return errors
+
+        errors = asyncio.run(main())
+        assert len(errors) == MAX_FAILED_STEPS and isinstance(errors[-1], EngineDeadError)
+        engine._thread.join(10)
+        assert not engine.alive()
+        with pytest.raises(EngineDeadError):
+            asyncio.run(engine.add_request({"prompt_token_ids": [5, 6]}, GREEDY))
+    finally:
+        engine.shutdown(10)

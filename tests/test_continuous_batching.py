@@ -47,7 +47,7 @@ def test_all_at_once_equals_one_at_a_time(tiny_dir, one_at_a_time, prefix_cachin
     reqs, want = one_at_a_time
     kv_bytes = pool * TINY_PAGE_BYTES if pool else None  # 15 usable pages of 4 tokens: 60 tokens among 4 sequences
     llm = make_llm(tiny_dir, max_num_batched_tokens=chunk, enable_prefix_caching=prefix_caching,
-                   kv_cache_memory_bytes=kv_bytes)
+                   kv_cache_memory_bytes=kv_bytes, **({"max_model_len": 60} if pool else {}))
     outs = llm.generate([p for p, _ in reqs], [sp for _, sp in reqs], use_tqdm=False)
     assert token_ids(outs) == want
     stats = llm.stats()
@@ -83,7 +83,8 @@ def test_shared_prefix_is_computed_once(tiny_dir):
 
 @pytest.fixture(scope="module")
 def small_pool_llm(tiny_dir):
-    return make_llm(tiny_dir, max_num_seqs=3, max_num_batched_tokens=8, kv_cache_memory_bytes=17 * TINY_PAGE_BYTES)
+    return make_llm(tiny_dir, max_num_seqs=3, max_num_batched_tokens=8, kv_cache_memory_bytes=17 * TINY_PAGE_BYTES,
+                    max_model_len=64)
 
 
 @settings(max_examples=12, deadline=None)
@@ -221,3 +222,25 @@ def test_a_failed_step_leaves_the_engine_clean(tiny_dir):
     llm.core.assert_idle_and_clean()
     # Nothing half-written was published to the prefix cache: the same prompts give the same tokens.
     assert token_ids(llm.generate(ps, sp, use_tqdm=False)) == want
+
+
+def test_pages_reach_the_prefix_cache_only_after_their_step_completed(tiny_dir):
+    """A step that fails on the device (its fetch raises) may not have written its pages: none of them may be
+    served to a later request as a cached prefix."""
+    llm = make_llm(tiny_dir)
+    p = prompts(np.random.default_rng(), [13])  # three full pages of 4 tokens
+    sp = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    fetch = llm.runner.fetch
+
+    def failing(handles):
+        raise RuntimeError("device lost")
+    llm.runner.fetch = failing
+    with pytest.raises(RuntimeError, match="device lost"):
+        llm.generate(p, sp, use_tqdm=False)
+    llm.runner.fetch = fetch
+    llm.core.assert_idle_and_clean()
+    assert llm.scheduler.cache.num_cached == 0
+    before = llm.stats().prefix_cache_hits
+    llm.generate(p, sp, use_tqdm=False)
+    assert llm.stats().prefix_cache_hits == before  # nothing was served from the failed step
+    assert llm.scheduler.cache.num_cached == 3  # and the completed prefill published its full pages

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from jaxserve import SamplingParams
+from jaxserve.sampling_params import MAX_STOP_TOKEN_IDS
 from jaxserve.batching.batch_builder import Row, build_batch
 from jaxserve.cache import init_kv_cache, pages_needed
 from jaxserve.steps import Steps
@@ -72,6 +73,25 @@ def test_stop_strings_and_streaming_text(default_llm):
     assert out.text == " Paris.\n\nThe answer"
     pieces = list(default_llm.stream("The capital of France is", SamplingParams(temperature=0, max_tokens=12)))
     assert len(pieces) > 3 and "".join(pieces) == full.text
+    # A stop string that spans tokens: no part of it is streamed (the newlines are held back until "answer" decides).
+    sp = SamplingParams(temperature=0, max_tokens=12, stop=["\n\nThe answer"])
+    pieces = list(default_llm.stream("The capital of France is", sp))
+    assert "".join(pieces) == default_llm.generate("The capital of France is", sp, use_tqdm=False)[0].outputs[0].text
+    assert "".join(pieces) == " Paris."
+    default_llm.core.assert_idle_and_clean()
+
+
+def test_min_tokens_bans_every_eos_and_stop_id(default_llm):
+    """The default model has two EOS ids: with the most stop ids a request may give, the device ban list still fits
+    (it used to overflow and fail every running request)."""
+    eos = default_llm.tokenizer.eos_token_ids
+    assert len(eos) == 2
+    free = default_llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=6),
+                                use_tqdm=False)[0].outputs[0].token_ids
+    stops = [t for t in range(100, 200) if t not in free][:MAX_STOP_TOKEN_IDS]
+    out = default_llm.generate("The capital of France is", SamplingParams(
+        temperature=0, max_tokens=6, min_tokens=6, stop_token_ids=stops), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == free and out.finish_reason == "length"
     default_llm.core.assert_idle_and_clean()
 
 

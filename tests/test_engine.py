@@ -2,6 +2,7 @@
 import json
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 
@@ -37,18 +38,34 @@ def test_batching_does_not_change_greedy_tokens(tiny_dir):
 
 def test_no_compilation_after_warmup(tiny_dir):
     steps_for.cache_clear()  # jitted steps are shared per model config; start from none compiled
-    llm = make_llm(tiny_dir, warmup=True)
+    llm = make_llm(tiny_dir, max_num_batched_tokens=64, warmup=True)  # two chunk buckets: 16 and 64 tokens
     compiled = llm.runner.steps.num_compiled()
     shapes = list(llm.runner.buckets.shapes())
     # A forward per shape, a cache write per distinct (rows, tokens per row), a token store per row count.
     assert compiled == (len(shapes) + len({(rows, tokens) for _, rows, tokens, _ in shapes})
                         + len({rows for _, rows, _, _ in shapes}))
+    # Count every XLA compilation, not only the steps': an eager op on a device array compiles a program too.
+    compiles = []
+
+    def on_compile(event, duration_secs, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(kwargs.get("fun_name"))
+
     rng = np.random.default_rng()
-    ps = prompts(rng, rng.integers(1, 60, 9))
     mixed = [SamplingParams(temperature=0, max_tokens=int(rng.integers(1, 30)), ignore_eos=True),
              SamplingParams(temperature=0.8, top_k=5, top_p=0.9, min_p=0.05, seed=3, max_tokens=20, logprobs=2,
-                            min_tokens=2)] * 5
-    llm.generate(ps, mixed[:len(ps)], use_tqdm=False)
+                            min_tokens=2),
+             SamplingParams(n=3, temperature=1.0, max_tokens=int(rng.integers(1, 12)), ignore_eos=True),
+             SamplingParams(temperature=0, max_tokens=9, logprobs=0, ignore_eos=True)]
+    jax.monitoring.register_event_duration_secs_listener(on_compile)
+    try:
+        # Batches of 1 to 9 requests (decode batches of every size), prompts from 1 to 90 tokens (both chunk sizes).
+        for count in (1, 2, 3, 5, 9):
+            ps = prompts(rng, rng.integers(1, 91, count))
+            llm.generate(ps, [mixed[i % len(mixed)] for i in rng.permutation(count)], use_tqdm=False)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(on_compile)
+    assert compiles == []
     assert llm.runner.steps.num_compiled() == compiled
 
 
@@ -153,8 +170,15 @@ def test_bad_priorities_are_refused(tiny_dir):
     assert all_pages_free(llm)
 
 
-def test_request_larger_than_the_cache_is_refused(tiny_dir):
-    llm = make_llm(tiny_dir, kv_cache_memory_bytes=12 * TINY_PAGE_BYTES)  # 12 pages of 4 tokens
-    with pytest.raises(ValueError, match="KV pages"):
-        llm.generate(prompts(np.random.default_rng(), [10]), SamplingParams(max_tokens=80), use_tqdm=False)
+def test_max_model_len_must_fit_the_kv_cache(tiny_dir):
+    """One sequence of max_model_len must fit the KV cache, or a request leaving max_tokens unset could never run
+    while the length is advertised: an explicit max_model_len that does not fit is refused at start, the model's
+    own context is lowered to what fits."""
+    with pytest.raises(ValueError, match="does not fit the KV cache"):
+        make_llm(tiny_dir, kv_cache_memory_bytes=12 * TINY_PAGE_BYTES)  # 11 usable pages of 4 tokens < 96
+    llm = make_llm(tiny_dir, max_model_len=None, kv_cache_memory_bytes=12 * TINY_PAGE_BYTES)
+    assert llm.max_model_len == 44
+    out = llm.generate(prompts(np.random.default_rng(), [10]), SamplingParams(max_tokens=None, ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert len(out.prompt_token_ids) + len(out.outputs[0].token_ids) == 44
     assert all_pages_free(llm)

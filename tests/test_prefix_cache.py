@@ -18,7 +18,7 @@ def test_refcounts_match_holders_and_no_page_is_lost(num_pages, ops):
             keys = page_keys(tokens, PAGE, [])
             hit = cache.match(tokens, keys, (len(tokens) - 1) // PAGE)
             for i, p in enumerate(hit):  # a hit holds exactly the tokens asked for
-                assert cache._content[p][1] == tuple(tokens[i * PAGE:(i + 1) * PAGE])
+                assert cache._content[p][2] == tuple(tokens[i * PAGE:(i + 1) * PAGE])
             need = pages_needed(len(tokens), PAGE) - len(hit)
             try:
                 pages = hit + cache.allocate(need)
@@ -68,3 +68,33 @@ def test_disabled_cache_never_hits():
     cache.release(pages)
     assert cache.match(tokens, page_keys(tokens, PAGE, []), 2) == []
     assert cache.num_available == 7
+
+
+def test_keys_chain_sha256_over_the_whole_prefix():
+    import hashlib
+
+    import numpy as np
+    tokens = list(range(100, 112))
+    keys = page_keys(tokens, PAGE, [])
+    assert len(keys) == 3
+    parent = b""
+    for i, key in enumerate(keys):
+        assert key == hashlib.sha256(parent + np.asarray(tokens[i * PAGE:(i + 1) * PAGE], "<i4").tobytes()).digest()
+        parent = key
+    other = page_keys([0] + tokens[1:], PAGE, [])
+    assert all(a != b for a, b in zip(keys, other))  # a different first page changes every key after it
+
+
+def test_a_colliding_key_never_splices_another_prefix():
+    """As if prompt b's second page key collided with prompt a's (same tokens, different first page): the hit stops
+    at b's own first page and never serves a's second page, whose KV was computed after a's first."""
+    cache = PrefixCache(PageAllocator(8), PAGE)
+    a, b = [1] * 4 + [7] * 4 + [9], [2] * 4 + [7] * 4 + [9]
+    pages_a = cache.allocate(3)
+    cache.publish(pages_a, a, page_keys(a, PAGE, []), 0)
+    cache.release(pages_a)
+    pages_b = cache.allocate(1)
+    cache.publish(pages_b, b, page_keys(b[:4], PAGE, []), 0)
+    cache.release(pages_b)
+    colliding = page_keys(b, PAGE, [])[:1] + page_keys(a, PAGE, [])[1:2]
+    assert cache.match(b, colliding, 2) == pages_b

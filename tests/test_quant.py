@@ -138,7 +138,8 @@ def test_engine_with_int8_kv_cache(tiny_dir):
     ps = prompts(rng, [40, 7, 25])
     sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
     # 20 pages of 4 tokens: three sequences of up to 64 tokens (16 pages each) cannot all fit: some are preempted.
-    llm = make_llm(tiny_dir, kv_cache_dtype="int8", kv_cache_memory_bytes=21 * INT8_PAGE_BYTES)
+    llm = make_llm(tiny_dir, kv_cache_dtype="int8", kv_cache_memory_bytes=21 * INT8_PAGE_BYTES,
+                   max_model_len=80)
     assert isinstance(llm.runner.kv_cache[0][0], Int8Pages) and llm.runner.kv_cache[0][0].shape[0] == 21
     together = [o.outputs[0] for o in llm.generate(ps, sp, use_tqdm=False)]
     assert llm.stats().num_preemptions > 0

@@ -3,8 +3,13 @@ from pathlib import Path
 
 import gguf
 import pytest
+import tokenizers
 import transformers
+from tokenizers import AddedToken, decoders, models, normalizers
+from transformers.convert_slow_tokenizer import bytes_to_unicode
 
+from jaxserve.openai_api import chat_logprobs
+from jaxserve.outputs import CompletionOutput, Logprob
 from jaxserve.tokenizer import IncrementalDetokenizer, Tokenizer
 from jaxserve.weights.gguf import open_gguf
 
@@ -72,6 +77,47 @@ def test_incremental_detokenizer(tok, skip):
     assert not any("\ufffd" in d for d in deltas)
     assert "".join(deltas) == detok.text == tok.decode(ids, skip_special_tokens=skip)
     assert "" in deltas  # held back while a character was incomplete
+
+
+def test_token_bytes(tok):
+    # " 🎉" is three tokens: the space with the emoji's first two bytes, then one byte each.
+    ids = tok.encode(" 🎉")
+    assert [tok.decode([i]) for i in ids] == [" \ufffd", "\ufffd", "\ufffd"]
+    assert [tok.token_bytes(i) for i in ids] == [b" \xf0\x9f", b"\x8e", b"\x89"]
+    for text in VARIED:
+        ids = tok.encode(text)
+        assert b"".join(tok.token_bytes(i) for i in ids) == text.encode(), text
+    # Every token, against transformers' copy of the byte-level alphabet.
+    byte_of = {c: b for b, c in bytes_to_unicode().items()}
+    for i in range(tok.vocab_size):
+        assert tok.token_bytes(i) == bytes(byte_of[c] for c in tok.id_to_token(i)), i
+
+
+def test_token_bytes_sentencepiece():
+    """A tokenizer.json in SentencePiece style: '▁' for spaces, <0xNN> tokens for bytes outside the vocabulary."""
+    vocab = {"<unk>": 0, "<s>": 1, **{f"<0x{b:02X}>": 2 + b for b in range(256)},
+             "▁": 258, "H": 259, "i": 260, "!": 261, "▁H": 262, "▁Hi": 263}
+    inner = tokenizers.Tokenizer(models.BPE(vocab, [("▁", "H"), ("▁H", "i")], unk_token="<unk>", byte_fallback=True))
+    inner.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    inner.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                       decoders.Strip(" ", 1, 0)])
+    inner.add_special_tokens([AddedToken("<s>", special=True, normalized=False)])
+    t = Tokenizer(inner, bos_token_id=1, eos_token_ids=[], add_bos=True, chat_template=None)
+    ids = t.encode("Hi 東!")
+    assert ids[:2] == [1, 263] and len(ids) == 7  # <s>, "▁Hi", "▁", three bytes of 東, "!"
+    assert b"".join(t.token_bytes(i) for i in ids) == "<s> Hi 東!".encode()
+
+
+def test_chat_logprobs_bytes(tok):
+    ids = tok.encode(" 🎉")
+    out = CompletionOutput(0, " 🎉", ids, None, [{i: Logprob(-0.5, 1)} for i in ids])
+    token_text = lambda i: tok.decode([i], skip_special_tokens=False)  # as the server writes `token`
+    content = chat_logprobs(out, token_text, 1, tok.token_bytes)["content"]
+    assert [c["token"] for c in content] == [" \ufffd", "\ufffd", "\ufffd"]  # as vLLM: the token's decoded text
+    assert [c["bytes"] for c in content] == [[32, 0xF0, 0x9F], [0x8E], [0x89]]
+    assert [c["top_logprobs"][0]["bytes"] for c in content] == [c["bytes"] for c in content]
+    # Without a tokenizer the token is its id, and its bytes are the id's text.
+    assert chat_logprobs(out, str, 0)["content"][0]["bytes"] == list(str(ids[0]).encode())
 
 
 def test_chat_template_errors(tok):

@@ -79,6 +79,8 @@ def build_batch(rows: list[Row], page_size: int, vocab_size: int, num_rows: int,
         if row.chained:
             token_slot[i] = row.slot
         s = row.sampling
+        if len(s.banned) > MAX_BANNED_TOKENS:  # refused at admission (see LLM._sequences): a bug if it gets here
+            raise ValueError(f"row {i} bans {len(s.banned)} tokens; a row holds at most {MAX_BANNED_TOKENS}")
         for key in ("temperature", "top_k", "top_p", "min_p", "seed", "step", "want_top_logprobs"):
             sampling[key][i] = getattr(s, key)
         sampling["banned"][i, :len(s.banned)] = s.banned

@@ -51,9 +51,12 @@ class EngineCore:
         return self.scheduler.abort(request_id)
 
     def fail_running(self) -> set[str]:
-        """After a failed step: the requests with a running sequence out (all their sequences), nothing in flight
-        (its results are lost with it). Waiting requests were in no step and stay. Returns the failed request ids."""
-        failed = {s.request_id for s in self.scheduler.running}
+        """After a failed step: the requests that had a sequence in the lost steps out (all their sequences),
+        nothing in flight (its results are lost with it). Those are the running sequences and any preempted with a
+        token still in flight, which will never land. Other waiting requests were in no step and stay. Returns the
+        failed request ids."""
+        s = self.scheduler
+        failed = {q.request_id for q in s.running} | {q.request_id for q in s.waiting if q.pending}
         for request_id in failed:
             self.scheduler.abort(request_id)
         self._in_flight = None
@@ -83,13 +86,12 @@ class EngineCore:
         handles = [self.runner.dispatch_prefill(row) for row in plan.prefill_rows]
         if plan.decode:
             handles.append(self.runner.dispatch_decode(plan.decode_rows))
-        for seq in plan.decode + [c.seq for c in plan.prefill]:
-            self.scheduler.publish(seq)
         self.prompt_tokens += sum(c.length for c in plan.prefill)
         return plan, handles
 
     def _update(self, plan: StepPlan, handles: list) -> list[tuple[Sequence, str]]:
         results = self.runner.fetch(handles)  # the step's one blocking copy
+        self.scheduler.written(plan)
         now = time.monotonic()
         if self.scheduler.slo is not None and self._last_arrival is not None:
             self.scheduler.slo.observe(len(plan.decode), now - self._last_arrival)
@@ -109,7 +111,6 @@ class EngineCore:
             delta = seq.append_token(int(out["tokens"][i]), float(out["logprobs"][i]), int(out["ranks"][i]), top)
             if seq.first_token_time is None:
                 seq.first_token_time = now
-            self.scheduler.publish(seq)
             if seq.finish_reason is not None:
                 seq.finish_time = now
                 self.scheduler.finish(seq)

@@ -46,11 +46,11 @@ class ModelRunner:
 
     def fetch(self, handles: list[tuple[int, dict]]) -> list[dict]:
         """Waits for the dispatched steps and copies what they sampled to the host, all in one transfer."""
-        wanted = []
-        for n, out in handles:
-            keys = ("tokens", "logprobs", "ranks") + (("top_ids", "top_logprobs") if "top_ids" in out else ())
-            wanted.append({k: out[k][:n] for k in keys})
-        return jax.device_get(wanted)
+        keys = ("tokens", "logprobs", "ranks", "top_ids", "top_logprobs")
+        # Whole arrays, cut to the real rows on the host: slicing a device array would compile a small program
+        # for every new (bucket, rows) pair while serving.
+        fetched = jax.device_get([{k: out[k] for k in keys if k in out} for _, out in handles])
+        return [{k: v[:n] for k, v in got.items()} for (n, _), got in zip(handles, fetched)]
 
     def prefill(self, row: Row) -> dict:
         return self.fetch([self.dispatch_prefill(row)])[0]

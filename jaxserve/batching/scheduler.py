@@ -45,6 +45,9 @@ class StepPlan:
     prefill: list[Chunk]
     decode_rows: list[Row] = dataclasses.field(default_factory=list)
     prefill_rows: list[Row] = dataclasses.field(default_factory=list)
+    # (sequence, tokens of it cached once the step has run, its preemption count when planned): what the step
+    # writes, to publish to the prefix cache only after the step has completed.
+    writes: list[tuple[Sequence, int, int]] = dataclasses.field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.decode or self.prefill)
@@ -56,6 +59,8 @@ class StepPlan:
                                 s.slot, chained=bool(s.pending)) for s in self.decode]
         self.prefill_rows = [Row(c.seq.token_ids[c.start:c.start + c.length], c.start, c.seq.pages,
                                  c.seq.sampling_row(), c.seq.slot) for c in self.prefill]
+        self.writes = [(s, r.end, s.num_preemptions) for s, r in zip(self.decode, self.decode_rows)] + \
+                      [(c.seq, c.start + c.length, c.seq.num_preemptions) for c in self.prefill]
 
 
 class Scheduler:
@@ -151,10 +156,20 @@ class Scheduler:
             chunk.seq.pending += chunk.is_last
         return plan
 
+    def written(self, plan: StepPlan) -> None:
+        """After `plan`'s step has completed: its full pages are in the cache, so the prefix cache may serve them.
+
+        Never earlier: a step that fails on the device leaves pages that were never written, which must not be
+        served as cached prefixes. A sequence preempted since the step was planned has given those pages back.
+        """
+        for seq, end, preemptions in plan.writes:
+            if seq.status is Status.RUNNING and seq.num_preemptions == preemptions:
+                seq.num_written = max(seq.num_written, end)
+                self.publish(seq)
+
     def publish(self, seq: Sequence) -> None:
-        """Tells the prefix cache about the sequence's pages that are now full of known tokens."""
-        known = len(seq.prompt_token_ids) + len(seq.output_token_ids)
-        full = min(seq.num_cached, known) // self.page_size
+        """Tells the prefix cache about the sequence's pages that completed steps have filled."""
+        full = seq.num_written // self.page_size
         if full > seq.num_published:
             keys = page_keys(seq.token_ids[:full * self.page_size], self.page_size, seq.page_keys)
             self.cache.publish(seq.pages, seq.token_ids, keys[:full], seq.num_published)
@@ -207,7 +222,8 @@ class Scheduler:
             if not self._preempt_for(seq, cap):
                 return False
         seq.pages = hit + self.cache.allocate(need)
-        seq.num_cached, seq.num_published = len(hit) * self.page_size, len(hit)
+        seq.num_cached = seq.num_written = len(hit) * self.page_size
+        seq.num_published = len(hit)
         self.cache.count_lookup(len(tokens), len(hit) * self.page_size)
         seq.status = Status.RUNNING
         if seq.first_scheduled_time is None:
@@ -236,9 +252,9 @@ class Scheduler:
         self.waiting.append(seq)
 
     def _take_out(self, seq: Sequence) -> None:
-        # No publishing here: what is full was published after dispatch, and after a failed step the cached count
-        # may run ahead of what was ever written.
+        # No publishing here: what completed steps filled is published already, and what is still in flight may
+        # never be written.
         self.cache.release(seq.pages)
-        seq.pages, seq.num_cached, seq.num_published = [], 0, 0
+        seq.pages, seq.num_cached, seq.num_written, seq.num_published = [], 0, 0, 0
         self._free_slots.append(seq.slot)
         seq.slot = None

@@ -59,15 +59,21 @@ class Sequence:
         self.seed = seed
         self.max_model_len = max_model_len
         self.eos_token_ids = [] if params.ignore_eos else list(eos_token_ids)
+        # Sets: every generated token is looked up in them.
+        self._eos, self._stop_ids = frozenset(self.eos_token_ids), frozenset(params.stop_token_ids)
+        self._longest_stop = max(map(len, params.stop), default=0)
+        self._stop_firsts = frozenset(s[0] for s in params.stop)
         self.detokenizer = detokenizer
         self.pages: list[int] = []
-        self.page_keys: list[int] = []  # prefix-cache keys of its full pages (see jaxserve.cache.page_keys)
+        self.page_keys: list[bytes] = []  # prefix-cache keys of its full pages (see jaxserve.cache.page_keys)
         self.num_published = 0  # of its pages, how many the prefix cache has been told about
         self.num_cached = 0  # tokens whose K/V are in the cache, or written by a step already dispatched
+        self.num_written = 0  # of those, tokens written by steps that have completed
         self.pending = 0  # tokens sampled by a dispatched step and not yet read back (0 or 1)
         self.slot: int | None = None  # its row in the device-side buffer of last sampled tokens, while running
         self.status = Status.WAITING
-        self.text = ""
+        self.text = ""  # all of it, including what is held back from the stream
+        self._sent = 0  # characters of text already returned by append_token
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.cumulative_logprob = 0.0
@@ -116,56 +122,73 @@ class Sequence:
     def sampling_row(self) -> RowSampling:
         p = self.params
         # min_tokens: until reached, ending tokens may not be sampled at all (a device-side ban, as in vLLM).
-        banned = tuple(self.eos_token_ids + p.stop_token_ids) if self.num_generated < p.min_tokens else ()
+        banned = self.ending_token_ids() if self.num_generated < p.min_tokens else ()
         return RowSampling(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p, seed=self.seed,
                            step=self.num_generated, banned=banned, want_top_logprobs=bool(p.logprobs))
 
+    def ending_token_ids(self) -> tuple[int, ...]:
+        """The tokens that end this sequence (EOS and stop ids, each once): what min_tokens bans on device."""
+        return tuple(dict.fromkeys(self.eos_token_ids + self.params.stop_token_ids))
+
     def append_token(self, token: int, logprob: float, rank: int, top: list[tuple[int, float]]) -> str:
-        """Adds a sampled token, checks every stop rule, and returns the new text to show."""
+        """Adds a sampled token, checks every stop rule, and returns the new text to show.
+
+        Text that could still grow into a stop string is held back until it cannot (or the sequence ends), so no
+        part of a stop string is ever shown, as in OpenAI's and vLLM's APIs.
+        """
         self.output_token_ids.append(token)
         self.cumulative_logprob += logprob
         if self.logprobs is not None:
             entry = {tid: Logprob(lp, r + 1, self._piece(tid)) for r, (tid, lp) in enumerate(top[:self.params.logprobs])}
             entry.setdefault(token, Logprob(logprob, rank, self._piece(token)))
             self.logprobs.append(entry)
-        delta = self.detokenizer.add(token) if self.detokenizer is not None else ""
+        piece = self.detokenizer.add(token) if self.detokenizer is not None else ""
         n_out = len(self.output_token_ids)
-        if n_out >= self.params.min_tokens:
-            if token in self.eos_token_ids:
-                return self._finish("stop", None, delta)
-            if token in self.params.stop_token_ids:
-                return self._finish("stop", token, delta)
-            if delta and self.params.stop:
-                delta = self._check_stop_strings(delta)
-                if self.finish_reason:
-                    return delta
-        self.text += delta
+        if n_out >= self.params.min_tokens and (token in self._eos or token in self._stop_ids):
+            # The ending token's text is not part of the output unless asked, as in vLLM.
+            self.finish_reason, self.stop_reason = "stop", None if token in self._eos else token
+            if self.params.include_stop_str_in_output:
+                self.text += piece
+            return self._release(0)
+        self.text += piece
+        if piece and self.params.stop and n_out >= self.params.min_tokens:
+            self._check_stop_strings(len(self.text) - len(piece))
+            if self.finish_reason:
+                return self._release(0)
         if n_out >= (self.params.max_tokens or self.max_model_len) or \
                 len(self.prompt_token_ids) + n_out >= self.max_model_len:
-            self._finish("length", None, "")
-        return delta
+            self.finish_reason = "length"
+            return self._release(0)
+        return self._release(self._stop_prefix_length())
 
-    def _check_stop_strings(self, delta: str) -> str:
+    def _check_stop_strings(self, old_len: int) -> None:
+        """Ends the text at the first stop string that the text since old_len completed."""
         # Only the tail can hold a stop string that this token completed.
-        longest = max(map(len, self.params.stop))
-        start = max(0, len(self.text) - longest + 1)
-        window = self.text[start:] + delta
+        start = max(0, old_len - self._longest_stop + 1)
+        window = self.text[start:]
         hits = [(window.find(s), s) for s in self.params.stop if s in window]
-        if not hits:
-            return delta
-        at, stop = min(hits)
-        end = at + (len(stop) if self.params.include_stop_str_in_output else 0)
-        full = self.text[:start] + window[:end]
-        new = full[len(self.text):]
-        self.text = full
-        self.finish_reason, self.stop_reason = "stop", stop
-        return new
+        if hits:
+            at, stop = min(hits)
+            self.text = self.text[:start + at + (len(stop) if self.params.include_stop_str_in_output else 0)]
+            self.finish_reason, self.stop_reason = "stop", stop
 
-    def _finish(self, reason: str, stop_reason, delta: str) -> str:
-        self.finish_reason, self.stop_reason = reason, stop_reason
-        if reason == "stop" and not self.params.include_stop_str_in_output:
-            return ""  # the ending token's text is not part of the output, as in vLLM
-        self.text += delta
+    def _stop_prefix_length(self) -> int:
+        """Characters at the end of the text that are the start of some stop string (0 if none)."""
+        text, stops = self.text, self.params.stop
+        for p in range(max(self._sent, len(text) - self._longest_stop + 1), len(text)):
+            # Most positions fail the first-character test: a stop string's prefix is looked for only where one
+            # could start, so the host's per-token work stays small.
+            if text[p] in self._stop_firsts:
+                tail = text[p:]
+                if any(s.startswith(tail) for s in stops):
+                    return len(text) - p
+        return 0
+
+    def _release(self, hold: int) -> str:
+        """The text not yet shown, but for the last `hold` characters."""
+        end = len(self.text) - hold
+        delta = self.text[self._sent:end]
+        self._sent = max(self._sent, end)
         return delta
 
     def _piece(self, token_id: int) -> str | None:

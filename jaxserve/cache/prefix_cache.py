@@ -1,22 +1,31 @@
 """Reference-counted pages, and full pages remembered by content so a later request can reuse them.
 
-A full page is keyed by a chained hash: its tokens and the key of the page before it, so one key names a whole
-prefix. A page whose last holder lets go keeps its key and waits in an LRU; it is evicted (forgotten, returned to
+A full page is keyed by a chained SHA-256: over the key of the page before it and its tokens, so one key names a
+whole prefix. The hash is cryptographic because the keys come from users' prompts: with a weak hash (Python's
+`hash()`) a crafted prompt could collide with another user's prefix and be served that user's KV (the class of
+vLLM's CVE-2025-25183). A hit also checks the page's tokens and its parent key, so even a collision could not
+splice one prefix's page onto another. A page whose last holder lets go keeps its key and waits in an LRU; it is evicted (forgotten, returned to
 the free list) only when a fresh page is needed and none is free. Only full pages are shared, and a sequence only
 ever writes past the pages it matched, so a shared page is never written again.
 """
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
+
+import numpy as np
 
 from jaxserve.cache.page_allocator import OutOfPages, PageAllocator
 
+ROOT_KEY = b""  # the parent of a sequence's first page
 
-def page_keys(token_ids: list[int], page_size: int, keys: list[int]) -> list[int]:
+
+def page_keys(token_ids: list[int], page_size: int, keys: list[bytes]) -> list[bytes]:
     """Extends `keys` (the keys of the first len(keys) pages) to every full page of `token_ids`; returns it."""
     for i in range(len(keys), len(token_ids) // page_size):
-        parent = keys[i - 1] if i else 0
-        keys.append(hash((parent, tuple(token_ids[i * page_size:(i + 1) * page_size]))))
+        parent = keys[i - 1] if i else ROOT_KEY
+        tokens = np.asarray(token_ids[i * page_size:(i + 1) * page_size], "<i4").tobytes()
+        keys.append(hashlib.sha256(parent + tokens).digest())
     return keys
 
 
@@ -26,8 +35,9 @@ class PrefixCache:
         self.page_size = page_size
         self.enabled = enabled
         self._refs: dict[int, int] = {}  # page -> holders (absent: free or evictable)
-        self._by_key: dict[int, int] = {}  # key -> page
-        self._content: dict[int, tuple[int, tuple[int, ...]]] = {}  # page -> (key, tokens): a hit compares tokens
+        self._by_key: dict[bytes, int] = {}  # key -> page
+        # page -> (parent key, key, tokens): a hit compares all three
+        self._content: dict[int, tuple[bytes, bytes, tuple[int, ...]]] = {}
         self._evictable: OrderedDict[int, None] = OrderedDict()  # pages nobody holds that keep a key, oldest first
         self.queries = 0  # prompt tokens looked up
         self.hits = 0  # of those, tokens found cached
@@ -58,7 +68,7 @@ class PrefixCache:
             self._refs[p] = 1
         return pages
 
-    def match(self, token_ids: list[int], keys: list[int], max_pages: int) -> list[int]:
+    def match(self, token_ids: list[int], keys: list[bytes], max_pages: int) -> list[int]:
         """Holds and returns the cached pages of the longest cached prefix of `token_ids`, at most max_pages.
 
         `keys` are the token_ids' page keys (see page_keys).
@@ -68,7 +78,7 @@ class PrefixCache:
             for i, key in enumerate(keys[:max_pages]):
                 page = self._by_key.get(key)
                 tokens = tuple(token_ids[i * self.page_size:(i + 1) * self.page_size])
-                if page is None or self._content[page] != (key, tokens):
+                if page is None or self._content[page] != (keys[i - 1] if i else ROOT_KEY, key, tokens):
                     break
                 pages.append(page)
         for p in pages:
@@ -81,7 +91,7 @@ class PrefixCache:
         self.queries += num_tokens
         self.hits += num_hit_tokens
 
-    def publish(self, pages: list[int], token_ids: list[int], keys: list[int], start: int) -> None:
+    def publish(self, pages: list[int], token_ids: list[int], keys: list[bytes], start: int) -> None:
         """Remembers pages[start:len(keys)], now full of token_ids, under their keys (a held page's content)."""
         if not self.enabled:
             return
@@ -90,7 +100,8 @@ class PrefixCache:
             if key in self._by_key or page in self._content:
                 continue  # the same prefix computed twice at once: the first copy stays the cached one
             self._by_key[key] = page
-            self._content[page] = (key, tuple(token_ids[i * self.page_size:(i + 1) * self.page_size]))
+            parent = keys[i - 1] if i else ROOT_KEY
+            self._content[page] = (parent, key, tuple(token_ids[i * self.page_size:(i + 1) * self.page_size]))
 
     def release(self, pages: list[int]) -> None:
         for p in pages:
@@ -113,6 +124,6 @@ class PrefixCache:
 
     def _evict(self, page: int) -> None:
         del self._evictable[page]
-        key, _ = self._content.pop(page)
+        _, key, _ = self._content.pop(page)
         del self._by_key[key]
         self.allocator.free([page])
