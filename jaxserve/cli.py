@@ -82,6 +82,17 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
     srv.add_argument("--max-queued-requests", type=int, default=256,
                      help="sequences waiting beyond the running batch before new requests get 429")
+    srv.add_argument("--max-request-sequences", type=int, default=None,
+                     help="most sequences (n x prompts) one request may ask for; more is a 400 (default: "
+                          "--max-num-seqs)")
+    srv.add_argument("--stream-write-timeout", type=float, default=30.0,
+                     help="seconds one write of a stream may wait for a client that does not read before the "
+                          "connection is dropped and the request aborted")
+    srv.add_argument("--header-timeout", type=float, default=10.0,
+                     help="seconds a connection gets to send a whole request head (from its opening or the previous "
+                          "response, so idle keep-alive connections too) before it is closed")
+    srv.add_argument("--body-timeout", type=float, default=30.0,
+                     help="seconds a request gets to send its whole body before a 408")
     srv.add_argument("--shutdown-grace-period", type=float, default=30.0,
                      help="seconds running requests get to finish after SIGTERM")
     _engine_args(srv, serving=True)
@@ -161,13 +172,20 @@ def cmd_serve(args) -> None:
         raise ValueError(f"--port must be in 1-65535, got {args.port}")
     if args.max_queued_requests < 0:
         raise ValueError(f"--max-queued-requests must be >= 0, got {args.max_queued_requests}")
+    if args.max_request_sequences is not None and args.max_request_sequences < 1:
+        raise ValueError(f"--max-request-sequences must be >= 1, got {args.max_request_sequences}")
+    for flag in ("stream_write_timeout", "header_timeout", "body_timeout"):
+        if not getattr(args, flag) > 0:
+            raise ValueError(f"--{flag.replace('_', '-')} must be > 0 seconds, got {getattr(args, flag)}")
     llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, block_size=args.block_size,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               enable_prefix_caching=args.enable_prefix_caching, scheduling_policy=args.scheduling_policy,
               ttft_slo=args.ttft_slo, tpot_slo=args.tpot_slo, attention_backend=args.attention_backend,
               kv_cache_dtype=args.kv_cache_dtype, warmup=args.warmup, **_quantization(args))
     name = args.served_model_name or args.model or DEFAULT_MODEL
-    server = Server(AsyncEngine(llm), name, api_key=args.api_key, max_queued_requests=args.max_queued_requests)
+    server = Server(AsyncEngine(llm), name, api_key=args.api_key, max_queued_requests=args.max_queued_requests,
+                    max_request_sequences=args.max_request_sequences, stream_write_timeout_s=args.stream_write_timeout,
+                    header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout)
     asyncio.run(serve(server, args.host, args.port, args.shutdown_grace_period))
 
 

@@ -5,6 +5,10 @@
 the engine. A client that goes away aborts its request (its pages are freed before the next step). When more
 sequences are admitted than the engine runs plus `max_queued_requests`, the answer is 429 with Retry-After. On
 SIGTERM the server stops accepting, lets running requests finish for a grace period, aborts the rest, exits 0.
+
+One client must not hurt another: a request asks for at most `max_request_sequences` (n x prompts); admission is
+decided before any costly work, and tokenizing runs off the event loop; a request head, a body, and each write of a
+stream have a time limit, past which the connection is closed (408 for a body).
 """
 from __future__ import annotations
 
@@ -14,6 +18,8 @@ import hmac
 import json
 import logging
 import signal
+import socket
+import struct
 import time
 
 from aiohttp import web
@@ -29,18 +35,28 @@ logger = logging.getLogger("jaxserve")
 
 class Server:
     def __init__(self, engine: AsyncEngine, model_name: str, *, api_key: str | None = None,
-                 max_queued_requests: int = 256):
+                 max_queued_requests: int = 256, max_request_sequences: int | None = None,
+                 stream_write_timeout_s: float = 30.0, header_timeout_s: float = 10.0, body_timeout_s: float = 30.0):
         self.engine, self.model_name = engine, model_name
         self.tokenizer = engine.llm.tokenizer
         self._api_key = api_key.encode() if api_key else None
         # Sequences (n per request) admitted and not finished: bounded, so a burst gets 429s, not an endless queue.
-        self.capacity = engine.llm.scheduler.max_num_seqs + max_queued_requests
+        max_num_seqs = engine.llm.scheduler.max_num_seqs
+        self.capacity = max_num_seqs + max_queued_requests
+        # Per request, so one request cannot take the whole capacity and leave every other client a 429.
+        self.max_request_sequences = min(max_num_seqs if max_request_sequences is None else max_request_sequences,
+                                         self.capacity)
         self.in_flight = 0
+        self.stream_write_timeout_s = stream_write_timeout_s
+        self.header_timeout_s, self.body_timeout_s = header_timeout_s, body_timeout_s
         self.draining = False
         self.metrics = ServerMetrics(engine.stats, model_name)
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[self._errors, self._auth])
+        # aiohttp closes a connection whose next request head is not complete within keepalive_timeout of its
+        # opening or of the previous response (idle keep-alive connections alike): that is the header timeout.
+        app = web.Application(middlewares=[self._errors, self._auth],
+                              handler_args={"keepalive_timeout": self.header_timeout_s})
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.prometheus)
         app.router.add_get("/v1/models", self.models)
@@ -59,14 +75,20 @@ class Server:
         except web.HTTPException as e:  # aiohttp's own (unknown route, wrong method, body too large)
             if e.status < 400:
                 raise
-            return self._error_response(ApiError(e.status, e.reason or "error"))
+            # Its headers stay (Allow on a 405); its body is replaced.
+            headers = {k: v for k, v in e.headers.items() if k.lower() not in ("content-type", "content-length")}
+            return self._error_response(ApiError(e.status, e.reason or "error"), headers)
         except Exception:  # noqa: BLE001 - a bug answers 500 and the server goes on
             logger.exception("request %s %s failed", request.method, request.path)
             return self._error_response(ApiError(500, "internal server error"))
 
     @staticmethod
-    def _error_response(e: ApiError) -> web.Response:
-        headers = {"Retry-After": "1"} if e.status in (429, 503) else None
+    def _error_response(e: ApiError, headers: dict | None = None) -> web.Response:
+        headers = dict(headers or {})
+        if e.status in (429, 503):
+            headers["Retry-After"] = "1"
+        if e.status == 401:
+            headers["WWW-Authenticate"] = "Bearer"  # RFC 6750: says which credentials were expected
         return web.json_response(e.body(), status=e.status, headers=headers)
 
     @web.middleware
@@ -98,18 +120,29 @@ class Server:
     async def completions(self, request):
         body = await self._body(request)
         prompts, params = parse_completion(body)
-        return await self._generate(request, body, prompts, params, chat=False)
+        with self._admitted(params.n * len(prompts)):
+            # Off the event loop: a 1 MiB prompt takes a while to tokenize, and everyone else must still be served.
+            prompts = await asyncio.to_thread(lambda: [self._tokenized(p, params) for p in prompts])
+            return await self._generate(request, body, prompts, params, chat=False)
 
     async def chat_completions(self, request):
         body = await self._body(request)
         if self.tokenizer is None:
             raise ApiError(400, "this model has no tokenizer: use /v1/completions with token ids")
-        prompt, params = parse_chat(body, self.tokenizer)
-        return await self._generate(request, body, [prompt], params, chat=True)
+        # parse_chat checks n; read here only to admit the request before its template is rendered and tokenized.
+        n = body.get("n")
+        with self._admitted(n if type(n) is int and n > 0 else 1):
+            prompt, params = await asyncio.to_thread(parse_chat, body, self.tokenizer)
+            return await self._generate(request, body, [self._tokenized(prompt, params)], params, chat=True)
 
     async def _body(self, request) -> dict:
         try:
-            body = await request.json()
+            # A body trickled in (or never sent) would hold its connection and handler forever.
+            async with asyncio.timeout(self.body_timeout_s):
+                body = await request.json()
+        except TimeoutError:
+            raise ApiError(408, f"the request body did not arrive within {self.body_timeout_s:g} s",
+                           code="request_timeout", type="invalid_request_error") from None
         except (ValueError, LookupError, RecursionError) as e:  # bad JSON, bad UTF-8, bad charset, too deep
             raise ApiError(400, f"the request body is not valid JSON: {type(e).__name__}: {e}") from None
         if not isinstance(body, dict):
@@ -133,20 +166,27 @@ class Server:
                                 f"generate)")
         return prompt
 
-    async def _generate(self, request, body, prompts: list, params, chat: bool):
-        """prompts: one engine request each (a completions batch); choice k * n + i is prompt k's i-th sample."""
-        stream = body.get("stream") is True
-        include_usage = wants_usage_in_stream(body)
+    @contextlib.contextmanager
+    def _admitted(self, seqs: int):
+        """Holds `seqs` of the capacity for the block, or refuses the request: checked before anything costly."""
         if self.draining:
             raise ApiError(503, "the server is shutting down")
-        prompts = [self._tokenized(p, params) for p in prompts]
-        seqs = params.n * len(prompts)
-        if seqs > self.capacity:
-            raise ApiError(400, f"{seqs} sequences (n x prompts) are more than this server admits at once "
-                                f"({self.capacity})", "n")
+        if seqs > self.max_request_sequences:
+            raise ApiError(400, f"{seqs} sequences (n x prompts) are more than one request may ask for on this "
+                                f"server ({self.max_request_sequences})", "n")
         if self.in_flight + seqs > self.capacity:
             raise ApiError(429, "too many requests are queued; retry later", code="rate_limit_exceeded")
         self.in_flight += seqs
+        try:
+            yield
+        finally:
+            self.in_flight -= seqs
+
+    async def _generate(self, request, body, prompts: list, params, chat: bool):
+        """prompts: tokenized, one engine request each (a completions batch); choice k * n + i is prompt k's i-th
+        sample. Runs within _admitted."""
+        stream = body.get("stream") is True
+        include_usage = wants_usage_in_stream(body)
         run, admitted = _Run(self, body, params, chat, len(prompts)), []
         try:
             streams = []
@@ -161,7 +201,6 @@ class Server:
             async with contextlib.aclosing(_merged(streams)) as outputs:
                 return await (run.stream(request, outputs, include_usage) if stream else run.whole(outputs))
         finally:
-            self.in_flight -= seqs
             # However it ended (a client gone, a cancelled handler, an error): a no-op for a finished request.
             for request_id in admitted:
                 self.engine.abort(request_id)
@@ -231,7 +270,8 @@ class _Run:
 
     def _logprobs(self, out, offset: int):
         if self.chat:
-            return chat_logprobs(out, self._token_text, self.top)
+            tok = self.server.tokenizer
+            return chat_logprobs(out, self._token_text, self.top, tok.token_bytes if tok is not None else None)
         return completion_logprobs(out, self._token_text, offset)
 
     async def _each(self, outputs):
@@ -298,27 +338,44 @@ class _Run:
         await resp.prepare(request)
         name = self.server.model_name
 
-        async def send(body) -> None:
-            await resp.write(b"data: " + json.dumps(body).encode() + b"\n\n")
+        async def write(data: bytes, eof: bool = False) -> None:
+            try:
+                async with asyncio.timeout(self.server.stream_write_timeout_s):
+                    await (resp.write_eof(data) if eof else resp.write(data))
+            except TimeoutError:
+                # A client that stopped reading (its window is zero) would hold its capacity forever: it is dropped
+                # with a reset, which also frees what the kernel still queues for it.
+                transport = request.transport
+                if transport is not None:
+                    sock = transport.get_extra_info("socket")
+                    if sock is not None:
+                        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                    transport.abort()
+                raise ConnectionResetError("the client stopped reading its stream") from None
 
+        async def send(body) -> None:
+            await write(b"data: " + json.dumps(body).encode() + b"\n\n")
+
+        role = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                for i in range(len(self.text))]
         try:
-            if self.chat:  # the role first, as OpenAI sends it
-                await send(completion_body(self.id, name, [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                                             "logprobs": None, "finish_reason": None}
-                                                            for i in range(len(self.text))], None, True, chunk=True))
-            async for i, c in self._each(outputs):
-                await send(completion_body(self.id, name, [self._choice(i, c)], None, self.chat, chunk=True))
-            if include_usage:
-                await send(completion_body(self.id, name, [], self._usage(), self.chat, chunk=True))
+            try:
+                if self.chat:  # the role first, as OpenAI sends it
+                    await send(completion_body(self.id, name, role, None, True, chunk=True))
+                async for i, c in self._each(outputs):
+                    await send(completion_body(self.id, name, [self._choice(i, c)], None, self.chat, chunk=True))
+                if include_usage:
+                    await send(completion_body(self.id, name, [], self._usage(), self.chat, chunk=True))
+            except ConnectionError:
+                raise  # below: nothing to tell a client that is gone
+            except Exception as e:  # noqa: BLE001 - the status line is gone: the error goes in the stream, as vLLM's
+                if not isinstance(e, ApiError):
+                    logger.exception("streaming %s failed", self.id)
+                    e = ApiError(500, f"internal server error: {type(e).__name__}")
+                await send(e.body())
+            await write(b"data: [DONE]\n\n", eof=True)
         except ConnectionError:  # the client is gone: nothing to tell it (the caller aborts the request)
-            return resp
-        except Exception as e:  # noqa: BLE001 - the status line is gone: the error goes in the stream, as vLLM's
-            if not isinstance(e, ApiError):
-                logger.exception("streaming %s failed", self.id)
-                e = ApiError(500, f"internal server error: {type(e).__name__}")
-            await send(e.body())
-        await resp.write(b"data: [DONE]\n\n")
-        await resp.write_eof()
+            pass
         return resp
 
 

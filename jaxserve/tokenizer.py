@@ -127,7 +127,9 @@ class Tokenizer:
 
         Encode a rendered chat template with add_special_tokens=False: templates write their own BOS.
         """
-        ids = self._tok.encode(text, add_special_tokens=False).ids
+        # encode_batch releases the GIL while it works (encode does not): a long prompt tokenized in a worker thread
+        # then leaves the server's event loop free.
+        ids = self._tok.encode_batch([text], add_special_tokens=False)[0].ids
         if add_special_tokens and self.add_bos and self.bos_token_id is not None:
             ids.insert(0, self.bos_token_id)
         return ids

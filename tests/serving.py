@@ -2,6 +2,7 @@
 import asyncio
 import socket
 import threading
+import time
 
 from aiohttp import web
 
@@ -40,3 +41,13 @@ class ServerThread:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(30)
         self.engine.shutdown(30)
+
+
+def wait_idle(st: ServerThread, timeout=30.0):
+    """Until no request is admitted, nothing runs and every page is back (prefix-cache pages count as free)."""
+    deadline = time.monotonic() + timeout
+    while (st.server.in_flight or st.engine.llm.core.has_unfinished() or st.engine.stats().num_running
+           or st.engine.stats().kv_cache_usage):
+        assert time.monotonic() < deadline, "the server never went idle"
+        time.sleep(0.02)
+    st.engine.llm.core.assert_idle_and_clean()

@@ -13,20 +13,11 @@ import aiohttp
 import pytest
 
 from jaxserve import LLM
-from serving import ServerThread, free_port
+from jaxserve.sampling_params import MAX_STOP_TOKEN_IDS
+from serving import ServerThread, free_port, wait_idle
 from tiny import first_decode_fails, make_llm
 
 KEY = "sk-test-key"
-
-
-def wait_idle(st: ServerThread, timeout=30.0):
-    """Until no request is admitted, nothing runs and every page is back (prefix-cache pages count as free)."""
-    deadline = time.monotonic() + timeout
-    while (st.server.in_flight or st.engine.llm.core.has_unfinished() or st.engine.stats().num_running
-           or st.engine.stats().kv_cache_usage):
-        assert time.monotonic() < deadline, "the server never went idle"
-        time.sleep(0.02)
-    st.engine.llm.core.assert_idle_and_clean()
 
 
 @pytest.fixture(scope="module")
@@ -92,6 +83,41 @@ def test_stop_strings_n_seed_and_logprobs(real):
     assert [ch.text for ch in again.choices] == [ch.text for ch in r.choices]  # seeded: reproducible
 
 
+def test_stop_strings_are_never_sent_and_ban_lists_fit(real):
+    """A stop string that spans tokens is not sent in part (whole or streamed: the text is held back until it cannot
+    match); and a request banning every ending token under min_tokens (two EOS ids + the most stop ids) runs beside
+    a streaming one without failing either (it used to overflow the ban list and fail the whole step)."""
+    c = client(real)
+    prompt = "The capital of France is"
+    free = c.completions.create(model="SmolLM2-135M-Instruct", prompt=prompt, max_tokens=12, temperature=0)
+    assert free.choices[0].text.startswith(" Paris.\n\nThe answer")
+    r = c.completions.create(model="SmolLM2-135M-Instruct", prompt=prompt, max_tokens=12, temperature=0,
+                             stop=["\n\nThe answer"])
+    assert r.choices[0].text == " Paris." and r.choices[0].finish_reason == "stop"
+    chunks = list(c.completions.create(model="SmolLM2-135M-Instruct", prompt=prompt, max_tokens=12, temperature=0,
+                                       stop=["\n\nThe answer"], stream=True))
+    assert "".join(ch.choices[0].text for ch in chunks) == " Paris."
+
+    async def both():
+        streaming = asyncio.create_task(_completion(real, {"prompt": "Once upon a time", "max_tokens": 24,
+                                                           "temperature": 0, "stream": True}))
+        await asyncio.sleep(0.3)
+        banning = await _completion(real, {"prompt": "hi", "max_tokens": 8, "min_tokens": 8,
+                                           "stop_token_ids": list(range(100, 100 + MAX_STOP_TOKEN_IDS))})
+        return await streaming, banning
+
+    streamed, banned = asyncio.run(both())
+    assert streamed.status_code == 200 and b"[DONE]" in streamed.content and b'"error"' not in streamed.content
+    assert banned.status_code == 200 and banned.json()["usage"]["completion_tokens"] == 8, banned.text
+    too_many = list(range(100, 101 + MAX_STOP_TOKEN_IDS))
+    assert asyncio.run(_completion(real, {"prompt": "hi", "stop_token_ids": too_many})).status_code == 400
+    wait_idle(real)
+
+
+async def _completion(st, body):
+    return await _request("POST", st.url + "/v1/completions", body)
+
+
 def test_a_batch_of_prompts(real):
     """A list of prompts is a batch: choice k * n + i is prompt k's i-th sample, usage sums them, streamed or not."""
     c = client(real)
@@ -121,6 +147,10 @@ def test_chat_with_the_openai_client(real):
     assert answer.role == "assistant" and "Paris" in answer.content
     assert len(r.choices[0].logprobs.content) == r.usage.completion_tokens
     assert all(len(t.top_logprobs) == 2 for t in r.choices[0].logprobs.content)
+    # Each token's own bytes (a token may hold part of a character): together, exactly the answer's UTF-8 (and the
+    # ending token's, which is not part of the text).
+    spoken = b"".join(bytes(t.bytes) for t in r.choices[0].logprobs.content)
+    assert spoken.startswith(answer.content.encode()) and spoken.endswith(b"<|im_end|>")
     stream = c.chat.completions.create(model="SmolLM2-135M-Instruct", messages=messages, max_tokens=16,
                                        temperature=0, stream=True)
     chunks = list(stream)
@@ -193,7 +223,7 @@ def post(st, path, body=None, key=KEY):
     ({"prompt": [1, 2, 3], "min_tokens": 1, "stop_token_ids": [2 ** 40]}, 400, None),
     ({"prompt": [1, 2, 3], "max_completion_tokens": 0}, 400, None),
     ({"prompt": [1, 2, 3], "n": 0}, 400, None),
-    ({"prompt": [1, 2, 3], "n": 9, "temperature": 1}, 400, "n"),  # more than the server ever admits (8)
+    ({"prompt": [1, 2, 3], "n": 5, "temperature": 1}, 400, "n"),  # more than one request may ask for (4)
     ({"prompt": [1, 2, 3], "response_format": {"type": "json_object"}}, 400, "response_format"),
     ({"prompt": [1, 2, 3], "tools": [{"type": "function"}]}, 400, "tools"),
 ])

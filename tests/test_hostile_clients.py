@@ -1,0 +1,241 @@
+"""One client must never hurt another (issue 11), over raw sockets against a tiny-model server with 1 s limits: a
+stream nobody reads, a request head or body sent a byte at a time, one request asking for more than the batch, a
+huge prompt to tokenize. Each is cut off or refused in bounded time, holds no capacity afterwards, and the server
+answers everyone else meanwhile."""
+import http.client
+import json
+import select
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from jaxserve.cli import main
+from jaxserve.server import Server
+from serving import ServerThread, wait_idle
+from tiny import make_llm
+
+KEY = "sk-hostile"
+LIMIT = 1.0  # the test server's header, body and stream-write timeouts, seconds
+# Repeated in every streamed event, so that 800 events (13 MB) outgrow loopback's socket buffers: with a 4 KiB client
+# receive buffer the server's writes blocked after 2.9 MB here (its send buffer autotunes up to tcp_wmem's 4 MiB).
+NAME = "tiny-" + "x" * 16000
+
+
+@pytest.fixture(scope="module")
+def st(tiny_dir):
+    """Room for 8 sequences (4 running, 4 queued), at most 4 per request; compiled up front so that the time bounds
+    below measure the server, not XLA."""
+    server = ServerThread(make_llm(tiny_dir, max_num_seqs=4, max_model_len=256, max_num_batched_tokens=32,
+                                   warmup=True), NAME, api_key=KEY, max_queued_requests=4,
+                          stream_write_timeout_s=LIMIT, header_timeout_s=LIMIT, body_timeout_s=LIMIT)
+    yield server
+    server.stop()
+
+
+_opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback only, whatever the environment
+
+
+def call(st, method, path, body=None, key=KEY, timeout=30.0):
+    """A well-behaved client: (status, headers, JSON body)."""
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+    data = None if body is None else json.dumps(body).encode()
+    try:
+        with _opener.open(urllib.request.Request(st.url + path, data, headers, method=method), timeout=timeout) as r:
+            return r.status, r.headers, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, e.headers, json.loads(e.read())
+
+
+def head(path: str, length: int) -> bytes:
+    return (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {length}\r\n\r\n").encode()
+
+
+def connect(st, rcvbuf: int | None = None) -> socket.socket:
+    s = socket.socket()
+    if rcvbuf is not None:  # before connecting: the window scale is agreed in the handshake
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    s.connect(("127.0.0.1", st.port))
+    return s
+
+
+def wait_for(condition, timeout: float, what: str) -> float:
+    """Seconds until condition() held; fails after timeout."""
+    start = time.monotonic()
+    while not condition():
+        assert time.monotonic() - start < timeout, what
+        time.sleep(0.01)
+    return time.monotonic() - start
+
+
+# ---- a stream nobody reads ----
+
+def test_a_stream_nobody_reads_is_cut_off_and_gives_its_capacity_back(st):
+    body = json.dumps({"prompt": [1, 2, 3], "max_tokens": 200, "n": 4, "ignore_eos": True, "stream": True}).encode()
+    s = connect(st, rcvbuf=4096)
+    try:
+        s.sendall(head("/v1/completions", len(body)) + body)  # and never reads
+        wait_for(lambda: st.server.in_flight == 4, 30, "the stream was never admitted")
+        # Meanwhile the others are served.
+        status, _, reply = call(st, "POST", "/v1/completions", {"prompt": [4, 5], "max_tokens": 3})
+        assert status == 200 and reply["usage"]["completion_tokens"] == 3
+        # ~800 events of 16 KB: the writes block, and after LIMIT the server gives up on this client.
+        wait_for(lambda: st.server.in_flight == 0, 15 * LIMIT, "a client that stopped reading kept its capacity")
+        wait_idle(st)
+        # Reset, not closed behind the megabytes still queued for it.
+        s.settimeout(10)
+        with pytest.raises(ConnectionResetError):
+            while s.recv(1 << 20):
+                pass
+    finally:
+        s.close()
+    status, _, reply = call(st, "POST", "/v1/completions", {"prompt": [1, 2, 3], "n": 4, "max_tokens": 5,
+                                                            "ignore_eos": True})
+    assert status == 200 and reply["usage"]["completion_tokens"] == 20
+    wait_idle(st)
+
+
+# ---- slow request heads and bodies ----
+
+@pytest.mark.parametrize("trickle", [False, True])
+def test_a_request_head_that_never_completes_is_closed(st, trickle):
+    """Half a request line then nothing, or headers trickled one line at a time: closed after the header timeout."""
+    s = connect(st)
+    try:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n" if trickle else b"POST /v1/compl")
+        s.settimeout(0.2)
+        start, closed = time.monotonic(), False
+        while not closed and time.monotonic() - start < LIMIT + 10:
+            try:
+                if trickle:
+                    s.sendall(b"X-Slow: 1\r\n")
+                closed = s.recv(65536) == b""
+            except TimeoutError:
+                pass
+            except (ConnectionResetError, BrokenPipeError):
+                closed = True
+        assert closed, "a connection that never sent a whole request head is still open"
+        assert LIMIT * 0.5 < time.monotonic() - start < LIMIT + 5
+    finally:
+        s.close()
+    assert call(st, "GET", "/health")[0] == 200
+
+
+def test_a_trickled_body_gets_408_and_holds_no_capacity(st):
+    body = json.dumps({"prompt": [1, 2, 3], "max_tokens": 2, "user": "slow" * 10}).encode()
+    s = connect(st)
+    try:
+        start = time.monotonic()
+        s.sendall(head("/v1/completions", len(body)) + body[:5])
+        # Meanwhile the others are served, and the slow one holds nothing.
+        assert call(st, "POST", "/v1/completions", {"prompt": [4, 5], "max_tokens": 2})[0] == 200
+        assert st.server.in_flight == 0
+        for byte in body[5:]:  # a byte every 0.2 s: 15 s for the whole body
+            if select.select([s], [], [], 0.2)[0]:  # answered (or closed)
+                break
+            s.sendall(bytes([byte]))
+        s.settimeout(5)
+        reply = http.client.HTTPResponse(s)
+        reply.begin()
+        assert reply.status == 408 and json.loads(reply.read())["error"]["message"]
+        assert time.monotonic() - start < LIMIT + 5
+    finally:
+        s.close()
+    assert st.server.in_flight == 0
+    assert call(st, "POST", "/v1/completions", {"prompt": [4, 5], "max_tokens": 2})[0] == 200
+
+
+# ---- the size of a request ----
+
+@pytest.mark.parametrize("prompt,n", [([1, 2, 3], 4), ([[1, 2], [3, 4]], 2)])
+def test_one_request_may_not_take_more_than_the_batch(st, prompt, n):
+    """Room for 8, but no more than 4 (max_num_seqs) in one request (n x prompts): the rest stays for the others."""
+    status, _, reply = call(st, "POST", "/v1/completions", {"prompt": prompt, "n": n + 1, "max_tokens": 2})
+    assert status == 400 and reply["error"]["param"] == "n" and "4" in reply["error"]["message"], reply
+    status, _, reply = call(st, "POST", "/v1/completions", {"prompt": prompt, "n": n, "max_tokens": 2})
+    assert status == 200 and len(reply["choices"]) == 4
+    wait_idle(st)
+
+
+def test_the_request_bound_is_configurable(st, tiny_dir):
+    assert Server(st.engine, "x").max_request_sequences == 4  # the engine's max_num_seqs
+    assert Server(st.engine, "x", max_request_sequences=2).max_request_sequences == 2
+    # Never more than the server admits at all (4 running + 1 queued).
+    assert Server(st.engine, "x", max_queued_requests=1, max_request_sequences=100).max_request_sequences == 5
+    for flag, value in [("--max-request-sequences", "0"), ("--stream-write-timeout", "0"),
+                        ("--header-timeout", "-1"), ("--body-timeout", "0")]:
+        assert main(["serve", "--model", tiny_dir, flag, value]) == 1, flag
+
+
+# ---- a huge prompt ----
+
+class SlowTokenizer:
+    """Stands in for a tokenizer (the tiny model has none) on a 1 MiB prompt: encode() takes until `release` is set,
+    outside the GIL, as native tokenizer code can."""
+
+    def __init__(self):
+        self.calls, self.release = [], threading.Event()  # calls: the length of each text encoded
+
+    def encode(self, text, add_special_tokens=True):
+        self.calls.append(len(text))  # atomic: two threads encode at once
+        self.release.wait(10)
+        return [1, 2, 3, 4]
+
+    def apply_chat_template(self, messages, add_generation_prompt=True):
+        return "".join(m["content"] for m in messages)
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(map(str, ids))
+
+    def token_bytes(self, token_id):
+        return str(token_id).encode()
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_a_huge_prompt_is_admitted_first_and_tokenized_off_the_event_loop(st, chat):
+    """Two 1 MB prompts taking all 8 places: while they tokenize /health answers at once, and a third request is
+    refused (429, or 400 past the per-request bound) without being tokenized."""
+    tok, results = SlowTokenizer(), []
+    text = "a" * 1_000_000  # near aiohttp's 1 MiB body limit
+    path, body = (("/v1/chat/completions", {"messages": [{"role": "user", "content": text}]}) if chat else
+                  ("/v1/completions", {"prompt": text}))
+    body = {**body, "n": 4, "max_tokens": 2}
+    threads = [threading.Thread(target=lambda: results.append(call(st, "POST", path, body))) for _ in range(2)]
+    st.server.tokenizer, tokenizer = tok, st.server.tokenizer
+    try:
+        for t in threads:
+            t.start()
+        wait_for(lambda: len(tok.calls) == 2, 10, "both huge prompts should be tokenizing")
+        assert st.server.in_flight == 8  # reserved before tokenizing
+        start = time.monotonic()
+        assert call(st, "GET", "/health", timeout=5)[0] == 200
+        assert time.monotonic() - start < 2.0  # not after the tokenizing (10 s at most, here)
+        assert call(st, "POST", path, body)[0] == 429
+        status, _, reply = call(st, "POST", path, {**body, "n": 5})
+        assert status == 400 and reply["error"]["param"] == "n"
+        assert tok.calls == [len(text)] * 2
+    finally:
+        tok.release.set()
+        for t in threads:
+            t.join(30)
+        st.server.tokenizer = tokenizer
+    assert [r[0] for r in results] == [200, 200], results
+    wait_idle(st)
+
+
+# ---- headers of errors ----
+
+def test_405_keeps_its_allow_header_and_401_asks_for_a_bearer_token(st):
+    status, headers, reply = call(st, "GET", "/v1/completions")
+    assert status == 405 and headers["Allow"] == "POST" and reply["error"]["message"]
+    status, headers, reply = call(st, "POST", "/v1/completions", {"prompt": [1]}, key=None)
+    assert status == 401 and headers["WWW-Authenticate"] == "Bearer" and reply["error"]["code"] == "invalid_api_key"
+
+
+def test_a_body_over_1_MiB_is_413(st):
+    status, _, reply = call(st, "POST", "/v1/completions", {"prompt": "a" * (1 << 20)})
+    assert status == 413 and reply["error"]["message"]
