@@ -50,6 +50,7 @@ class AsyncEngine:
         self._streams: dict[str, _Stream] = {}
         self._stats = llm.stats()
         self._stopping = False
+        self._failed_steps = 0  # in a row: reset by a step that runs
         self._thread = threading.Thread(target=self._run, name="jaxserve-engine", daemon=True)
         self._thread.start()
 
@@ -115,20 +116,18 @@ class AsyncEngine:
     # ---- the engine thread ----
 
     def _run(self) -> None:
-        failures = 0  # failed steps in a row
         while True:
             try:
                 if self._loop_once():
                     return
-                failures = 0
             except Exception as e:  # noqa: BLE001 - the step's requests fail; the engine goes on for the others
-                failures += 1
-                logger.exception("engine step failed (%d in a row)", failures)
-                if failures >= MAX_FAILED_STEPS:
+                self._failed_steps += 1
+                logger.exception("engine step failed (%d in a row)", self._failed_steps)
+                if self._failed_steps >= MAX_FAILED_STEPS:
                     # Not a bad request but a broken engine: say so (health turns 503) rather than fail forever.
-                    logger.error("%d engine steps failed in a row: the engine stops", failures)
+                    logger.error("%d engine steps failed in a row: the engine stops", self._failed_steps)
                     self._stopping = True
-                    self._fail_all(EngineDeadError(f"the engine stopped after {failures} failed steps: {e}"))
+                    self._fail_all(EngineDeadError(f"the engine stopped after {self._failed_steps} failed steps: {e}"))
                     return
                 self._fail_running(e)
 
@@ -148,6 +147,7 @@ class AsyncEngine:
             pass
         if core.has_unfinished():
             self._publish(core.step())
+            self._failed_steps = 0
         self._stats = core.stats()
         return False
 

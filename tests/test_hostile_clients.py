@@ -239,3 +239,150 @@ def test_405_keeps_its_allow_header_and_401_asks_for_a_bearer_token(st):
 def test_a_body_over_1_MiB_is_413(st):
     status, _, reply = call(st, "POST", "/v1/completions", {"prompt": "a" * (1 << 20)})
     assert status == 413 and reply["error"]["message"]
+
+
+# ---- everyone at once ----
+
+def test_soak_well_behaved_streams_beside_hostile_clients(tiny_dir):
+    """Well-behaved streaming clients (greedy and seeded, retrying on 429) run beside hostile ones: oversized stop
+    lists, stop strings at the limit, streams nobody reads, trickled bodies and heads, requests asking for more than
+    the batch, bursts past capacity, disconnects mid-prefill. Every well-behaved request gets exactly the tokens it
+    gets alone; afterwards nothing is held (capacity, pages), /health is truthful, and the engine is not spinning."""
+    import asyncio
+    import random
+
+    import aiohttp
+
+    from jaxserve import SamplingParams
+    from jaxserve.sampling_params import MAX_STOP, MAX_STOP_LENGTH, MAX_STOP_TOKEN_IDS
+    seed = random.randrange(1 << 30)
+    print(f"soak seed {seed}")  # shown when the test fails
+    rng = random.Random(seed)
+    llm = make_llm(tiny_dir, max_num_seqs=8, max_model_len=256, max_num_batched_tokens=32, warmup=True)
+    polite = []
+    for i in range(24):
+        body = {"prompt": [rng.randrange(1, 300) for _ in range(rng.randint(1, 40))], "max_tokens": rng.randint(1, 12),
+                "ignore_eos": True, "logprobs": 0, "temperature": rng.choice([0, 0.8]), "seed": rng.randrange(1 << 20)}
+        params = SamplingParams(max_tokens=body["max_tokens"], ignore_eos=True, temperature=body["temperature"],
+                                seed=body["seed"])
+        # Greedy and seeded sampling are batch-independent: what the request gets alone is what it must get here.
+        alone = llm.generate({"prompt_token_ids": body["prompt"]}, params, use_tqdm=False)[0].outputs[0].token_ids
+        polite.append((body, alone))
+    st = ServerThread(llm, NAME, api_key=KEY, max_queued_requests=8, stream_write_timeout_s=LIMIT,
+                      header_timeout_s=LIMIT, body_timeout_s=LIMIT)
+    headers = {"Authorization": f"Bearer {KEY}"}
+
+    async def well_behaved(session, body):
+        """The tokens streamed for body, retrying 429s (as the OpenAI clients do) for up to a minute."""
+        deadline = time.monotonic() + 60
+        while True:
+            async with session.post(st.url + "/v1/completions", json={**body, "stream": True}, headers=headers) as r:
+                if r.status == 429 and time.monotonic() < deadline:
+                    await asyncio.sleep(0.1 + rng.random() * 0.2)
+                    continue
+                assert r.status == 200, (r.status, await r.text())
+                tokens, done = [], False
+                async for line in r.content:
+                    if line.strip() == b"data: [DONE]":
+                        done = True
+                    elif line.startswith(b"data: "):
+                        chunk = json.loads(line[6:])
+                        assert "error" not in chunk, chunk
+                        tokens += [int(t) for t in chunk["choices"][0]["logprobs"]["tokens"]]
+                assert done
+                return tokens
+
+    async def status_of(session, body):
+        async with session.post(st.url + "/v1/completions", json=body, headers=headers) as r:
+            return r.status
+
+    def never_reads():
+        body = json.dumps({"prompt": [1, 2, 3], "max_tokens": 200, "n": 4, "ignore_eos": True, "stream": True})
+        s = connect(st, rcvbuf=4096)
+        s.sendall(head("/v1/completions", len(body)) + body.encode())
+        time.sleep(8 * LIMIT)  # holds the connection open, reading nothing
+        s.close()
+
+    def trickles_body():
+        body = json.dumps({"prompt": [1, 2, 3], "max_tokens": 2}).encode()
+        s = connect(st)
+        s.sendall(head("/v1/completions", len(body)) + body[:3])
+        time.sleep(3 * LIMIT)
+        s.close()
+
+    def trickles_head():
+        s = connect(st)
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\n")
+        time.sleep(3 * LIMIT)
+        s.close()
+
+    def leaves_mid_prefill():
+        body = json.dumps({"prompt": list(range(1, 201)), "max_tokens": 20, "stream": True}).encode()
+        s = connect(st)
+        s.sendall(head("/v1/completions", len(body)) + body)
+        time.sleep(0.05)
+        s.close()
+
+    async def hostile(session):
+        statuses = await asyncio.gather(
+            status_of(session, {"prompt": [1, 2], "min_tokens": 1, "stop_token_ids": list(range(MAX_STOP_TOKEN_IDS + 1))}),
+            status_of(session, {"prompt": [1, 2], "stop": ["x"] * (MAX_STOP + 1)}),
+            status_of(session, {"prompt": [1, 2], "stop": ["x" * (MAX_STOP_LENGTH + 1)]}),
+            status_of(session, {"prompt": [[1, 2]] * 8, "n": 2}),  # more than one request may ask for
+            *[status_of(session, {"prompt": [5, 6, 7], "max_tokens": 30, "ignore_eos": True, "n": 2})
+              for _ in range(12)],  # a burst past capacity
+        )
+        assert statuses[:4] == [400] * 4, statuses
+        assert set(statuses[4:]) <= {200, 429}, statuses
+        at_limit = {"prompt": [1, 2], "max_tokens": 8, "stop": ["y" * MAX_STOP_LENGTH] * MAX_STOP,
+                    "min_tokens": 1, "stop_token_ids": list(range(300, 300 + MAX_STOP_TOKEN_IDS))}
+        for _ in range(20):  # at the limits: served (after the burst's 429s)
+            if await status_of(session, at_limit) == 200:
+                break
+            await asyncio.sleep(0.2)
+        else:
+            raise AssertionError("a request at the stop limits was never served")
+
+    async def soak():
+        async with aiohttp.ClientSession() as session:
+            sem = asyncio.Semaphore(6)
+
+            async def limited(body):
+                async with sem:
+                    return await well_behaved(session, body)
+            rude = [asyncio.to_thread(f) for f in (never_reads, trickles_body, trickles_head, leaves_mid_prefill,
+                                                   never_reads)]
+            return (await asyncio.gather(*[limited(body) for body, _ in polite], hostile(session), *rude))[:len(polite)]
+
+    try:
+        got = asyncio.run(soak())
+        for (body, alone), tokens in zip(polite, got):
+            assert tokens == alone, body
+        wait_idle(st)
+        assert st.server.in_flight == 0
+        assert call(st, "GET", "/health")[0] == 200
+        steps = st.engine.stats().steps
+        time.sleep(0.5)
+        assert st.engine.stats().steps == steps  # idle means idle: the engine thread waits, it does not spin
+    finally:
+        st.stop()
+
+
+def test_health_turns_503_when_the_engine_stops_making_progress(tiny_dir):
+    """An engine whose every step fails stops after a few in a row; /health then says 503 and requests get 503."""
+    from jaxserve.async_engine import MAX_FAILED_STEPS
+    llm = make_llm(tiny_dir)
+
+    def broken(row):
+        raise RuntimeError("device lost")
+    llm.runner.dispatch_prefill = broken
+    st = ServerThread(llm, "tiny", api_key=KEY)
+    try:
+        assert call(st, "GET", "/health")[0] == 200
+        statuses = [call(st, "POST", "/v1/completions", {"prompt": [1, 2], "max_tokens": 2})[0]
+                    for _ in range(MAX_FAILED_STEPS)]
+        assert statuses[0] == 500 and statuses[-1] == 503, statuses
+        assert call(st, "GET", "/health")[0] == 503
+        assert call(st, "POST", "/v1/completions", {"prompt": [1, 2], "max_tokens": 2})[0] == 503
+    finally:
+        st.stop()
