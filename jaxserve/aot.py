@@ -1,0 +1,208 @@
+"""Deviceless ahead-of-time compilation: the real TPU and GPU compilers, run where there is neither.
+
+With libtpu installed, `jax.experimental.topologies` describes compile-only TPU chips; with the CUDA plugin, a
+GPU described by XLA's target config (below, H100 and H200 from their public specs). `jax.jit(f).lower(...)` on
+`ShapeDtypeStruct`s placed on such a device runs the whole compiler, Mosaic and Triton included, so a program that
+would not fit (VMEM, shared memory, HBM) fails here as it would on the chip. `compile_serving` compiles every
+program serving runs, for one model config and engine shape, from abstract parameters: no weights are needed.
+
+The install groups `tpu-aot` and `gpu-aot` bring the compilers; GPU compilation also needs JAX_PLATFORMS=cpu and
+JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 set before jax is imported, and a second process using libtpu needs
+ALLOW_MULTIPLE_LIBTPU_LOAD=1 (`scripts/aot_check.py` sets all three).
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.batching.batch_builder import build_batch
+from jaxserve.buckets import Buckets
+from jaxserve.cache import init_kv_cache, pages_needed
+from jaxserve.config import ModelConfig
+from jaxserve.model.llama import LlamaModel
+from jaxserve.pallas_kernels import kernels_for
+from jaxserve.steps import Steps
+
+
+def _gpu_target(name: str, memory_bytes: int, bandwidth: int) -> str:
+    """XLA's GpuTargetConfigProto (text) for a Hopper GPU: 132 SMs, 228 KB shared memory each (227 KB per block)."""
+    return f"""gpu_device_info {{
+  threads_per_block_limit: 1024 threads_per_warp: 32 shared_memory_per_block: 49152
+  shared_memory_per_core: 233472 threads_per_core_limit: 2048 core_count: 132 fpus_per_core: 128
+  block_dim_limit_x: 2147483647 block_dim_limit_y: 65535 block_dim_limit_z: 65535
+  memory_bandwidth: {bandwidth} l2_cache_size: 52428800 clock_rate_ghz: 1.98 device_memory_size: {memory_bytes}
+  shared_memory_per_block_optin: 232448 cuda_compute_capability {{ major: 9 minor: 0 }}
+  registers_per_core_limit: 65536 registers_per_block_limit: 65536
+}}
+platform_name: "CUDA" dnn_version_info {{ major: 9 minor: 3 }} device_description_str: "{name}"
+"""
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+    hbm_bytes: int
+    hbm_bandwidth: float  # bytes/s, the decode roofline
+    gpu_target: str | None = None  # GPUs: the compiler's device description
+
+
+# Public specs. TPU names are topologies ("v5e:2x2" is four v5e chips); the chip is what one program runs on.
+CHIPS = {
+    "v5e": Chip(16 << 30, 819e9),
+    "v6e": Chip(32 << 30, 1640e9),
+    "h100": Chip(80 * 10 ** 9, 3.35e12, _gpu_target("NVIDIA H100 80GB HBM3", 85_520_809_984, 3_352_320_000_000)),
+    "h200": Chip(141 * 10 ** 9, 4.8e12, _gpu_target("NVIDIA H200", 150_754_820_096, 4_800_000_000_000)),
+}
+TARGETS = ("v5e:2x2", "v6e:2x2", "h100", "h200")
+
+# Model shapes to compile without their weights: the default model's, and Llama 3 8B's.
+MODEL_CONFIGS = {
+    "smollm2-135m": ModelConfig("LlamaForCausalLM", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                                num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64, rope_theta=100000.0,
+                                max_position_embeddings=8192, tie_word_embeddings=True),
+    "llama-3-8b": ModelConfig("LlamaForCausalLM", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                              num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=500000.0,
+                              rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+                              max_position_embeddings=131072),
+}
+
+
+def chip_of(target: str) -> Chip:
+    return CHIPS[target.split(":")[0]]
+
+
+def target_devices(target: str) -> list:
+    """Compile-only devices of a target: a TPU topology ("v5e:2x2") or a GPU name with an optional count
+    ("h100", "h100:8")."""
+    from jax.experimental import topologies
+    name, _, count = target.partition(":")
+    if name not in CHIPS:
+        raise ValueError(f"unknown target {target!r}; known chips: {', '.join(CHIPS)}")
+    chip = CHIPS[name]
+    if chip.gpu_target is None:
+        return topologies.get_topology_desc(target, "tpu").devices
+    return topologies.get_topology_desc("cuda", "cuda", target_config=chip.gpu_target,
+                                         topology=f"1x1x{int(count or 1)}").devices
+
+
+@dataclasses.dataclass
+class Compiled:
+    """One program compiled for one device: its HBM use, and on TPU the compiler's own cost model."""
+    program: str  # e.g. "decode", "prefill", "cache write", "paged attention"
+    shape: str  # e.g. "64 rows x 1 token"
+    error: str | None = None
+    argument_bytes: int = 0
+    output_bytes: int = 0
+    alias_bytes: int = 0  # outputs that reuse a donated argument's memory
+    temp_bytes: int = 0
+    # The TPU compiler's counts for the XLA part (Pallas kernels count as nothing; both sides of a cond count).
+    # Its own time estimate is left out: it comes back negative for programs with loops or custom calls.
+    flops: float | None = None
+    bytes_accessed: float | None = None
+    compile_seconds: float = 0.0
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes
+
+
+def compile_program(program: str, shape: str, fn, args, device) -> Compiled:
+    """Lowers and compiles fn(*args) (a pytree of ShapeDtypeStructs) for `device`; a compiler error is recorded."""
+    mesh = jax.sharding.Mesh(np.array([device]), ("model",))
+    placed = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                                         sharding=jax.sharding.SingleDeviceSharding(device)), args)
+    start = time.perf_counter()
+    try:
+        # The mesh tells Pallas' Mosaic lowering which chip it compiles for (else it asks the default backend).
+        with jax.set_mesh(mesh):
+            # A jitted step keeps its own options (the cache write's donation); anything else is jitted here.
+            compiled = (fn if hasattr(fn, "lower") else jax.jit(fn)).lower(*placed).compile()
+    except Exception as e:  # noqa: BLE001 - the compiler's verdict is the result
+        return Compiled(program, shape, error=f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300]}",
+                        compile_seconds=time.perf_counter() - start)
+    memory = compiled.memory_analysis()
+    cost = compiled.cost_analysis() or {}
+    if isinstance(cost, list):
+        cost = cost[0] if cost else {}
+    return Compiled(program, shape, argument_bytes=memory.argument_size_in_bytes,
+                    output_bytes=memory.output_size_in_bytes, alias_bytes=memory.alias_size_in_bytes,
+                    temp_bytes=memory.temp_size_in_bytes, flops=cost.get("flops"),
+                    bytes_accessed=cost.get("bytes accessed"),
+                    compile_seconds=time.perf_counter() - start)
+
+
+def abstract_params(config: ModelConfig, dtype) -> dict:
+    """The params pytree's shapes and dtypes (as the loaders build it), without any weights."""
+    model = LlamaModel(config, dtype)
+    kv = jax.eval_shape(lambda: init_kv_cache(config, 2, 16, dtype))
+    batch = build_batch([], 16, config.vocab_size, 1, 1, 1)
+    params = jax.eval_shape(lambda kv: model.init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32), kv, batch,
+                                                  jnp.zeros(1, jnp.int32)), kv)
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, dtype), params)
+
+
+def compile_serving(config: ModelConfig, dtype, device, *, max_num_seqs: int, max_num_batched_tokens: int,
+                    max_model_len: int, num_pages: int, page_size: int = 16, kv_cache_dtype: str = "auto",
+                    params=None, only_extremes: bool = False) -> list[Compiled]:
+    """Every program an engine of this shape runs, compiled for `device` with its Pallas attention kernels: the
+    forward + sampling of each step bucket, the cache write of each, the sampled-token store, and each attention
+    kernel alone at the largest decode batch and prefill chunk. only_extremes: of the step buckets, only the
+    smallest and largest decode batch and prefill chunk (the same programs at other sizes, for a quicker check)."""
+    backend = "pallas-" + device.platform
+    steps = Steps(config, dtype, backend)
+    params = abstract_params(config, dtype) if params is None else params
+    kv = jax.eval_shape(lambda: init_kv_cache(config, num_pages, page_size, dtype, kv_cache_dtype))
+    buckets = Buckets.for_limits(max_num_seqs, max_num_batched_tokens, pages_needed(max_model_len, page_size))
+    last_tokens = jax.ShapeDtypeStruct((max_num_seqs + 1,), jnp.int32)
+    shapes = list(buckets.shapes())
+    if only_extremes:
+        shapes = [s for kind in ("prefill", "decode") for s in _ends([s for s in shapes if s[0] == kind])]
+    results = []
+    for kind, rows, tokens, pages in shapes:
+        batch = {**build_batch([], page_size, config.vocab_size, rows, tokens, pages), "last_tokens": last_tokens}
+        batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), batch)
+        shape = f"{rows} rows x {tokens} tokens"
+        forward = steps._prefill if kind == "prefill" else steps._decode
+        results.append(compile_program(kind, shape, forward, (params, kv, batch), device))
+        new_kv = jax.eval_shape(forward, params, kv, batch)[1]
+        results.append(compile_program("cache write", shape, steps._write, (kv, new_kv, batch["slot_mapping"]),
+                                       device))
+    results.append(compile_program("token store", f"{max_num_seqs} rows", steps._store,
+                                   (last_tokens, jax.ShapeDtypeStruct((max_num_seqs,), jnp.int32),
+                                    jax.ShapeDtypeStruct((max_num_seqs,), jnp.int32)), device))
+    results += _compile_kernels(config, dtype, device, backend, kv[0][0], buckets)
+    return results
+
+
+def _ends(items: list) -> list:
+    return items[:1] + items[-1:] if len(items) > 1 else items
+
+
+def _compile_kernels(config, dtype, device, backend, pages, buckets) -> list[Compiled]:
+    paged, flash = kernels_for(backend)
+    H, KVH, D = config.num_heads, config.num_kv_heads, config.head_dim
+    P = buckets.num_pages[-1]
+    i32 = jnp.int32
+    out = []
+    for rows, tokens in [(buckets.num_seqs[-1], 1), (1, buckets.prefill_tokens[-1])]:
+        q = jax.ShapeDtypeStruct((rows, tokens, H, D), dtype)
+        table, lens = jax.ShapeDtypeStruct((rows, P), i32), jax.ShapeDtypeStruct((rows,), i32)
+        positions = jax.ShapeDtypeStruct((rows, tokens), i32)
+
+        def run_paged(q, k_pages, v_pages, table, lens, positions):
+            return paged(q, k_pages, v_pages, table, lens, positions, sliding_window=config.sliding_window)
+        out.append(compile_program("paged attention", f"{rows} rows x {tokens} tokens", run_paged,
+                                   (q, pages, pages, table, lens, positions), device))
+    T = buckets.prefill_tokens[-1]
+    q, k = jax.ShapeDtypeStruct((1, T, H, D), dtype), jax.ShapeDtypeStruct((1, T, KVH, D), dtype)
+    lens = jax.ShapeDtypeStruct((1,), i32)
+
+    def run_flash(q, k, v, q_start, k_start, q_lens, k_lens):
+        return flash(q, k, v, q_start, k_start, q_lens, k_lens, sliding_window=config.sliding_window)
+    out.append(compile_program("flash attention", f"1 row x {T} tokens", run_flash, (q, k, k, lens, lens, lens, lens),
+                               device))
+    return out

@@ -1,0 +1,110 @@
+"""Compile every serving program for real TPU and GPU targets on a machine with neither (deviceless AOT).
+
+For each model shape (no weights: abstract parameters) and target chip it compiles each step bucket's forward +
+sampling, cache write and token store, and the Pallas attention kernels alone, then prints whether each compiled
+(or the compiler's error), its HBM use (arguments + outputs - donated + temporaries) against the chip's, and on TPU
+the compiler's flop and byte counts. For decode steps it adds a roofline rate: rows / max(compiler flops / peak,
+(weights + the KV of `--context-len` tokens per row) / HBM bandwidth). That is an estimate, not a measurement. The
+compiler's own byte count is not used for it: it counts every operand whole, including the entire KV cache that
+goes to the attention kernels. Its time estimate is not used either: it comes back negative for these programs.
+
+    pip install -e ".[tpu-aot,gpu-aot]"
+    python scripts/aot_check.py --model smollm2-135m --model llama-3-8b --target v5e:2x2 --target h100 --out aot.json
+"""
+from __future__ import annotations
+
+import os
+
+# Before jax is imported: compile-only GPUs need the CPU backend as the default and no CUDA install checks.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+# libtpu takes a lock file for its process: a parent that loaded it (any jax process where it is installed, pytest's
+# included) would otherwise keep this one from compiling for TPU.
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+import argparse  # noqa: E402
+import dataclasses  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import time  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from jaxserve import aot  # noqa: E402
+from jaxserve.cache import bytes_per_page, pages_needed  # noqa: E402
+
+# Dense bf16 peaks (public specs), for the compute side of the roofline.
+PEAK_FLOPS = {"v5e": 197e12, "v6e": 918e12, "h100": 989e12, "h200": 989e12}
+
+
+def kv_pages(config, chip, weight_bytes, args) -> int:
+    """Pages from what the chip holds after the weights (90%, as LLM's default budget), within what the engine's
+    sequences can use and never less than one max_model_len sequence (so the program still compiles and the table
+    can say it does not fit)."""
+    per_page = bytes_per_page(config, 16, jnp.bfloat16, args.kv_cache_dtype)
+    per_seq = pages_needed(args.max_model_len, 16)
+    budget = int(chip.hbm_bytes * 0.9) - weight_bytes
+    return max(per_seq + 1, min(budget // per_page, args.max_num_seqs * per_seq + 1))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", action="append", choices=list(aot.MODEL_CONFIGS), help="repeatable")
+    p.add_argument("--target", action="append", help=f"repeatable; e.g. {', '.join(aot.TARGETS)}")
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "int8"))
+    p.add_argument("--context-len", type=int, default=1024, help="tokens each decode row attends to, for the roofline")
+    p.add_argument("--only-extremes", action="store_true",
+                   help="of the step buckets, only the smallest and largest decode batch and prefill chunk")
+    p.add_argument("--out", default=None, help="write the rows as JSON here")
+    args = p.parse_args()
+    rows = []
+    for name in args.model or ["smollm2-135m"]:
+        config = aot.MODEL_CONFIGS[name]
+        params = aot.abstract_params(config, jnp.bfloat16)
+        weight_bytes = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(params))
+        for target in args.target or list(aot.TARGETS):
+            chip, kind = aot.chip_of(target), target.split(":")[0]
+            device = aot.target_devices(target)[0]
+            num_pages = kv_pages(config, chip, weight_bytes, args)
+            kv_per_token = bytes_per_page(config, 16, jnp.bfloat16, args.kv_cache_dtype) / 16
+            start = time.perf_counter()
+            results = aot.compile_serving(config, jnp.bfloat16, device, max_num_seqs=args.max_num_seqs,
+                                          max_num_batched_tokens=args.max_num_batched_tokens,
+                                          max_model_len=args.max_model_len, num_pages=num_pages,
+                                          kv_cache_dtype=args.kv_cache_dtype, params=params,
+                                          only_extremes=args.only_extremes)
+            print(f"\n{name} on {target} ({device.device_kind}, {chip.hbm_bytes / 2**30:.0f} GiB HBM): weights "
+                  f"{weight_bytes / 1e9:.2f} GB, KV cache {num_pages} pages of 16 tokens, compiled in "
+                  f"{time.perf_counter() - start:.0f} s")
+            print(f"  {'program':<16} {'shape':<22} {'result':<9} {'peak GB':>8} {'temp MB':>8} {'fits':>5} "
+                  f"{'GFLOP':>8} {'GB read':>8} {'roofline tok/s':>15}")
+            for r in results:
+                row = {"model": name, "target": target, "num_pages": num_pages, "weight_bytes": weight_bytes,
+                       **dataclasses.asdict(r), "peak_bytes": r.peak_bytes, "fits": r.peak_bytes <= chip.hbm_bytes}
+                rate = ""
+                if r.flops and r.program == "decode":
+                    batch = int(r.shape.split()[0])
+                    read = weight_bytes + batch * args.context_len * kv_per_token
+                    row["roofline_tokens_per_s"] = batch / max(r.flops / PEAK_FLOPS[kind], read / chip.hbm_bandwidth)
+                    rate = f"{row['roofline_tokens_per_s']:.0f}"
+                rows.append(row)
+                result = "ERROR" if r.error else "compiled"
+                counts = (f"{r.flops / 1e9:8.1f} {r.bytes_accessed / 1e9:8.2f}" if r.flops else f"{'':8} {'':8}")
+                print(f"  {r.program:<16} {r.shape:<22} {result:<9} {r.peak_bytes / 1e9:8.2f} "
+                      f"{r.temp_bytes / 1e6:8.1f} {'yes' if row['fits'] else 'NO':>5} {counts} {rate:>15}")
+                if r.error:
+                    print(f"    {r.error}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"args": vars(args), "rows": rows}, f, indent=1)
+    failed = [r for r in rows if r["error"]]
+    print(f"\n{len(rows) - len(failed)} of {len(rows)} programs compiled")
+    raise SystemExit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()

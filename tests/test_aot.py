@@ -1,0 +1,55 @@
+"""Deviceless AOT: the real TPU (libtpu, Mosaic) and GPU (XLA:GPU, Triton) compilers compile the default model's
+step programs and the Pallas kernels at serving shapes, on this CPU-only machine (scripts/aot_check.py)."""
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from jaxserve import aot
+
+COMPILERS = importlib.util.find_spec("libtpu") is not None and importlib.util.find_spec("jax_plugins.xla_cuda12")
+needs_compilers = pytest.mark.skipif(not COMPILERS, reason='the TPU and GPU compilers are not installed: '
+                                                           'pip install -e ".[tpu-aot,gpu-aot]"')
+
+
+def aot_check(tmp_path, *args) -> list[dict]:
+    """Runs scripts/aot_check.py in its own process (the GPU compiler needs its environment before jax starts)."""
+    out = tmp_path / "aot.json"
+    r = subprocess.run([sys.executable, "scripts/aot_check.py", *args, "--out", str(out)], capture_output=True,
+                       text=True, timeout=900, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    rows = json.loads(out.read_text())["rows"] if out.exists() else []
+    assert r.returncode == 0, "\n".join(f"{x['target']} {x['program']} {x['shape']}: {x['error']}" for x in rows
+                                        if x["error"]) or r.stderr[-3000:]
+    return rows
+
+
+@needs_compilers
+def test_default_model_serving_programs_compile_for_tpu_and_gpu(tmp_path):
+    """The engine's default shape (64 sequences, 512-token chunks): the smallest and largest decode batch and
+    prefill chunk, their cache writes, the token store and both attention kernels, for a v5e and an H100."""
+    rows = aot_check(tmp_path, "--model", "smollm2-135m", "--target", "v5e:2x2", "--target", "h100",
+                     "--only-extremes")
+    for target in ("v5e:2x2", "h100"):
+        programs = {(r["program"], r["shape"]) for r in rows if r["target"] == target}
+        assert {("decode", "64 rows x 1 tokens"), ("prefill", "1 rows x 512 tokens"),
+                ("paged attention", "64 rows x 1 tokens"), ("flash attention", "1 row x 512 tokens")} <= programs
+    assert all(r["fits"] and r["peak_bytes"] > r["weight_bytes"] for r in rows if r["program"] == "decode")
+    decode = next(r for r in rows if r["target"] == "v5e:2x2" and r["shape"] == "64 rows x 1 tokens"
+                  and r["program"] == "decode")
+    assert decode["flops"] > 2 * 64 * 100e6 and decode["roofline_tokens_per_s"] > 0  # ~2 flops per weight per row
+
+
+@needs_compilers
+def test_int8_kv_cache_kernels_compile_for_tpu_and_gpu(tmp_path):
+    rows = aot_check(tmp_path, "--model", "smollm2-135m", "--target", "v5e:2x2", "--target", "h100",
+                     "--kv-cache-dtype", "int8", "--max-num-seqs", "1", "--max-num-batched-tokens", "16",
+                     "--max-model-len", "256", "--only-extremes")
+    assert {r["target"] for r in rows if r["program"] == "paged attention"} == {"v5e:2x2", "h100"}
+
+
+def test_the_default_model_preset_is_the_default_model(default_llm):
+    """aot's weightless smollm2-135m shape is the config the default model loads with."""
+    assert default_llm.config == aot.MODEL_CONFIGS["smollm2-135m"]
