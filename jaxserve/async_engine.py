@@ -146,8 +146,10 @@ class AsyncEngine:
         except queue.Empty:
             pass
         if core.has_unfinished():
+            steps = core.steps
             self._publish(core.step())
-            self._failed_steps = 0
+            if core.steps > steps:  # a step's results came back (a dispatch alone proves nothing: errors surface later)
+                self._failed_steps = 0
         self._stats = core.stats()
         return False
 
@@ -201,7 +203,8 @@ class AsyncEngine:
         self._stats = self.llm.core.stats()
 
     def _fail_all(self, error: BaseException) -> None:
-        streams = [self._streams.pop(request_id) for request_id in list(self._streams)]
+        # pop(.., None): a request being added on the event loop may take itself out at the same time.
+        streams = [s for s in (self._streams.pop(r, None) for r in list(self._streams)) if s is not None]
         try:
             self.llm.core.abort_all()
         finally:  # the streams hear of it even if the abort fails

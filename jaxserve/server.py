@@ -120,9 +120,10 @@ class Server:
     async def completions(self, request):
         body = await self._body(request)
         prompts, params = parse_completion(body)
-        with self._admitted(params.n * len(prompts)):
+        seqs = params.n * len(prompts)
+        with self._admitted(seqs):
             # Off the event loop: a 1 MiB prompt takes a while to tokenize, and everyone else must still be served.
-            prompts = await asyncio.to_thread(lambda: [self._tokenized(p, params) for p in prompts])
+            prompts = await self._off_loop(seqs, lambda: [self._tokenized(p, params) for p in prompts])
             return await self._generate(request, body, prompts, params, chat=False)
 
     async def chat_completions(self, request):
@@ -131,8 +132,9 @@ class Server:
             raise ApiError(400, "this model has no tokenizer: use /v1/completions with token ids")
         # parse_chat checks n; read here only to admit the request before its template is rendered and tokenized.
         n = body.get("n")
-        with self._admitted(n if type(n) is int and n > 0 else 1):
-            prompt, params = await asyncio.to_thread(parse_chat, body, self.tokenizer)
+        seqs = n if type(n) is int and n > 0 else 1
+        with self._admitted(seqs):
+            prompt, params = await self._off_loop(seqs, parse_chat, body, self.tokenizer)
             return await self._generate(request, body, [self._tokenized(prompt, params)], params, chat=True)
 
     async def _body(self, request) -> dict:
@@ -165,6 +167,18 @@ class Server:
                                 f"{n + (params.max_tokens or 1)} ({n} in the prompt, {params.max_tokens or 1} to "
                                 f"generate)")
         return prompt
+
+    async def _off_loop(self, seqs: int, fn, *args):
+        """fn(*args) in a worker thread, for work too heavy for the event loop (tokenizing a long prompt). Runs
+        within _admitted: if the client leaves meanwhile, its `seqs` of capacity stay taken until the thread is done,
+        so clients that send long prompts and leave cannot pile work up beyond the capacity."""
+        future = asyncio.get_running_loop().run_in_executor(None, fn, *args)
+        try:
+            return await asyncio.shield(future)
+        except asyncio.CancelledError:
+            self.in_flight += seqs  # _admitted gives it back as the handler unwinds; the thread still works
+            future.add_done_callback(lambda _: setattr(self, "in_flight", self.in_flight - seqs))
+            raise
 
     @contextlib.contextmanager
     def _admitted(self, seqs: int):
@@ -259,6 +273,7 @@ class _Run:
         self.prompt_tokens = [0] * num_prompts
         choices = params.n * num_prompts
         self.text = [""] * choices
+        self.text_offset = [0] * choices  # completions logprobs: where the next token's text starts
         self.tokens = [0] * choices
         self.last_token_at = [None] * choices
         self.finish = [None] * choices
@@ -310,8 +325,10 @@ class _Run:
 
     def _choice(self, i: int, c) -> dict:
         """The chunk (stream) entry of choice i for the delta c."""
-        lp = self._logprobs(c, len(self.text[i]))
+        lp = self._logprobs(c, self.text_offset[i])
         self.text[i] += c.text
+        if lp is not None and not self.chat:  # each token's own text, sent or still held back from the stream
+            self.text_offset[i] += sum(map(len, lp["tokens"]))
         if self.chat:
             return {"index": i, "delta": {"content": c.text} if c.text else {}, "logprobs": lp,
                     "finish_reason": c.finish_reason}

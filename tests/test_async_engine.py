@@ -184,15 +184,17 @@ def test_a_failed_step_ends_every_request_it_held(tiny_dir):
         engine.shutdown()
 
 
-def test_an_engine_that_keeps_failing_reports_dead(tiny_dir):
-    """Every step fails: each request gets the error, and after a few failed steps in a row the engine stops and
-    says so (alive() is False, new requests are refused) instead of failing forever."""
+@pytest.mark.parametrize("where", ["dispatch_prefill", "fetch"])
+def test_an_engine_that_keeps_failing_reports_dead(tiny_dir, where):
+    """Every step fails, when dispatched or (as device errors do) when its results are read: each request gets the
+    error, and after a few failed steps in a row the engine stops and says so (alive() is False, new requests are
+    refused) instead of failing forever."""
     from jaxserve.async_engine import MAX_FAILED_STEPS, EngineDeadError
     llm = make_llm(tiny_dir)
 
-    def broken(rows):
+    def broken(*args):
         raise RuntimeError("device lost")
-    llm.runner.dispatch_prefill = broken
+    setattr(llm.runner, where, broken)
     engine = AsyncEngine(llm)
     try:
         async def main():

@@ -227,6 +227,27 @@ def test_a_huge_prompt_is_admitted_first_and_tokenized_off_the_event_loop(st, ch
     wait_idle(st)
 
 
+def test_a_client_that_leaves_while_its_prompt_is_tokenized_holds_its_place_until_the_work_is_done(st):
+    """Sending a long prompt and leaving must not free the place while a thread still tokenizes it: else a client
+    could pile up tokenizing work without bound by sending and leaving."""
+    tok = SlowTokenizer()
+    body = json.dumps({"prompt": "a" * 100_000, "n": 4, "max_tokens": 2}).encode()
+    st.server.tokenizer, tokenizer = tok, st.server.tokenizer
+    try:
+        s = connect(st)
+        s.sendall(head("/v1/completions", len(body)) + body)
+        wait_for(lambda: len(tok.calls) == 1, 10, "the prompt should be tokenizing")
+        s.close()  # the client leaves; its handler is cancelled
+        time.sleep(0.3)
+        assert st.server.in_flight == 4  # still held: the tokenizer is at work
+        tok.release.set()
+        wait_for(lambda: st.server.in_flight == 0, 10, "the place was never given back")
+    finally:
+        tok.release.set()
+        st.server.tokenizer = tokenizer
+    wait_idle(st)
+
+
 # ---- headers of errors ----
 
 def test_405_keeps_its_allow_header_and_401_asks_for_a_bearer_token(st):

@@ -94,6 +94,10 @@ def test_stop_strings_are_never_sent_and_ban_lists_fit(real):
     r = c.completions.create(model="SmolLM2-135M-Instruct", prompt=prompt, max_tokens=12, temperature=0,
                              stop=["\n\nThe answer"])
     assert r.choices[0].text == " Paris." and r.choices[0].finish_reason == "stop"
+    r = c.completions.create(model="SmolLM2-135M-Instruct", prompt=prompt, max_tokens=12, temperature=0,
+                             stop=["\n\nThe answer"], logprobs=0)
+    lp = r.choices[0].logprobs  # offsets count every token's text, held back from the stream or not
+    assert lp.text_offset == [sum(map(len, lp.tokens[:i])) for i in range(len(lp.tokens))]
     chunks = list(c.completions.create(model="SmolLM2-135M-Instruct", prompt=prompt, max_tokens=12, temperature=0,
                                        stop=["\n\nThe answer"], stream=True))
     assert "".join(ch.choices[0].text for ch in chunks) == " Paris."

@@ -163,13 +163,11 @@ class Sequence:
 
     def _check_stop_strings(self, old_len: int) -> None:
         """Ends the text at the first stop string that the text since old_len completed."""
-        # Only the tail can hold a stop string that this token completed.
-        start = max(0, old_len - self._longest_stop + 1)
-        window = self.text[start:]
-        hits = [(window.find(s), s) for s in self.params.stop if s in window]
+        # A match must end in the new text: one wholly before it was written under min_tokens, and stays (as vLLM).
+        hits = [(at, s) for s in self.params.stop if (at := self.text.find(s, max(0, old_len - len(s) + 1))) >= 0]
         if hits:
             at, stop = min(hits)
-            self.text = self.text[:start + at + (len(stop) if self.params.include_stop_str_in_output else 0)]
+            self.text = self.text[:at + (len(stop) if self.params.include_stop_str_in_output else 0)]
             self.finish_reason, self.stop_reason = "stop", stop
 
     def _stop_prefix_length(self) -> int:
