@@ -6,9 +6,10 @@ GPU described by XLA's target config (below, H100 and H200 from their public spe
 would not fit (VMEM, shared memory, HBM) fails here as it would on the chip. `compile_serving` compiles every
 program serving runs, for one model config and engine shape, from abstract parameters: no weights are needed.
 
-The install groups `tpu-aot` and `gpu-aot` bring the compilers; GPU compilation also needs JAX_PLATFORMS=cpu and
-JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 set before jax is imported, and a second process using libtpu needs
-ALLOW_MULTIPLE_LIBTPU_LOAD=1 (`scripts/aot_check.py` sets all three).
+The install groups `tpu-aot` and `gpu-aot` bring the compilers (`scripts/aot_env.sh` puts them in a venv of
+their own). GPU compilation also needs JAX_PLATFORMS=cpu and JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 set before jax is
+imported, and a second process using libtpu needs ALLOW_MULTIPLE_LIBTPU_LOAD=1 (`scripts/aot_check.py` sets all
+three).
 """
 from __future__ import annotations
 

@@ -8,8 +8,8 @@ the compiler's flop and byte counts. For decode steps it adds a roofline rate: r
 compiler's own byte count is not used for it: it counts every operand whole, including the entire KV cache that
 goes to the attention kernels. Its time estimate is not used either: it comes back negative for these programs.
 
-    pip install -e ".[tpu-aot,gpu-aot]"
-    python scripts/aot_check.py --model smollm2-135m --model llama-3-8b --target v5e:2x2 --target h100 --out aot.json
+    bash scripts/aot_env.sh     # libtpu and the CUDA plugin, in .aot-venv
+    .aot-venv/bin/python scripts/aot_check.py --model smollm2-135m --model llama-3-8b --target v5e:2x2 --target h100 --out aot.json
 """
 from __future__ import annotations
 
