@@ -50,7 +50,7 @@ class AsyncEngine:
         self._streams: dict[str, _Stream] = {}
         self._stats = llm.stats()
         self._stopping = False
-        self._failed_steps = 0  # in a row: reset by a step that runs
+        self._failed_steps = 0  # in a row: reset when a step's results come back
         self._thread = threading.Thread(target=self._run, name="jaxserve-engine", daemon=True)
         self._thread.start()
 
