@@ -373,11 +373,11 @@ class _Run:
         async def send(body) -> None:
             await write(b"data: " + json.dumps(body).encode() + b"\n\n")
 
-        role = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-                for i in range(len(self.text))]
         try:
             try:
                 if self.chat:  # the role first, as OpenAI sends it
+                    role = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                             "finish_reason": None} for i in range(len(self.text))]
                     await send(completion_body(self.id, name, role, None, True, chunk=True))
                 async for i, c in self._each(outputs):
                     await send(completion_body(self.id, name, [self._choice(i, c)], None, self.chat, chunk=True))

@@ -9,7 +9,8 @@ compiler's own byte count is not used for it: it counts every operand whole, inc
 goes to the attention kernels. Its time estimate is not used either: it comes back negative for these programs.
 
     bash scripts/aot_env.sh     # libtpu and the CUDA plugin, in .aot-venv
-    .aot-venv/bin/python scripts/aot_check.py --model smollm2-135m --model llama-3-8b --target v5e:2x2 --target h100 --out aot.json
+    .aot-venv/bin/python scripts/aot_check.py --model smollm2-135m --model llama-3-8b --target v5e:2x2 \
+        --target h100 --out aot.json
 """
 from __future__ import annotations
 
@@ -25,14 +26,13 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
 import json  # noqa: E402
-import math  # noqa: E402
 import time  # noqa: E402
 
-import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from jaxserve import aot  # noqa: E402
 from jaxserve.cache import bytes_per_page, pages_needed  # noqa: E402
+from jaxserve.weights.params import param_bytes  # noqa: E402
 
 # Dense bf16 peaks (public specs), for the compute side of the roofline.
 PEAK_FLOPS = {"v5e": 197e12, "v6e": 918e12, "h100": 989e12, "h200": 989e12}
@@ -65,7 +65,7 @@ def main() -> None:
     for name in args.model or ["smollm2-135m"]:
         config = aot.MODEL_CONFIGS[name]
         params = aot.abstract_params(config, jnp.bfloat16)
-        weight_bytes = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(params))
+        weight_bytes = param_bytes(params)
         for target in args.target or list(aot.TARGETS):
             chip, kind = aot.chip_of(target), target.split(":")[0]
             device = aot.target_devices(target)[0]

@@ -346,7 +346,8 @@ def test_soak_well_behaved_streams_beside_hostile_clients(tiny_dir):
 
     async def hostile(session):
         statuses = await asyncio.gather(
-            status_of(session, {"prompt": [1, 2], "min_tokens": 1, "stop_token_ids": list(range(MAX_STOP_TOKEN_IDS + 1))}),
+            status_of(session, {"prompt": [1, 2], "min_tokens": 1,
+                                "stop_token_ids": list(range(MAX_STOP_TOKEN_IDS + 1))}),
             status_of(session, {"prompt": [1, 2], "stop": ["x"] * (MAX_STOP + 1)}),
             status_of(session, {"prompt": [1, 2], "stop": ["x" * (MAX_STOP_LENGTH + 1)]}),
             status_of(session, {"prompt": [[1, 2]] * 8, "n": 2}),  # more than one request may ask for

@@ -91,3 +91,12 @@ def test_stop_limits_are_enforced():
 def test_ending_tokens_are_banned_once_each():
     seq = Sequence("r", 0, [0], SamplingParams(min_tokens=2, stop_token_ids=[5, 2, 5]), 0, 100, [2, 3])
     assert seq.sampling_row().banned == (2, 3, 5)
+
+
+def test_a_ban_list_past_the_device_width_is_a_clear_error():
+    from jaxserve.batching.batch_builder import Row, RowSampling, build_batch
+    from jaxserve.sampling_params import MAX_BANNED_TOKENS
+    row = Row([1], 0, [1], RowSampling(banned=tuple(range(MAX_BANNED_TOKENS + 1))))
+    with pytest.raises(ValueError, match="bans"):
+        build_batch([row], 4, 320, 1, 1, 1)
+    build_batch([Row([1], 0, [1], RowSampling(banned=tuple(range(MAX_BANNED_TOKENS))))], 4, 320, 1, 1, 1)

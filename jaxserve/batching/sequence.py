@@ -61,6 +61,8 @@ class Sequence:
         self.eos_token_ids = [] if params.ignore_eos else list(eos_token_ids)
         # Sets: every generated token is looked up in them.
         self._eos, self._stop_ids = frozenset(self.eos_token_ids), frozenset(params.stop_token_ids)
+        # What min_tokens bans on device, each id once: EOS and stop ids.
+        self.ending_token_ids = tuple(dict.fromkeys(self.eos_token_ids + params.stop_token_ids))
         self._longest_stop = max(map(len, params.stop), default=0)
         self._stop_firsts = frozenset(s[0] for s in params.stop)
         self.detokenizer = detokenizer
@@ -122,13 +124,9 @@ class Sequence:
     def sampling_row(self) -> RowSampling:
         p = self.params
         # min_tokens: until reached, ending tokens may not be sampled at all (a device-side ban, as in vLLM).
-        banned = self.ending_token_ids() if self.num_generated < p.min_tokens else ()
+        banned = self.ending_token_ids if self.num_generated < p.min_tokens else ()
         return RowSampling(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p, seed=self.seed,
                            step=self.num_generated, banned=banned, want_top_logprobs=bool(p.logprobs))
-
-    def ending_token_ids(self) -> tuple[int, ...]:
-        """The tokens that end this sequence (EOS and stop ids, each once): what min_tokens bans on device."""
-        return tuple(dict.fromkeys(self.eos_token_ids + self.params.stop_token_ids))
 
     def append_token(self, token: int, logprob: float, rank: int, top: list[tuple[int, float]]) -> str:
         """Adds a sampled token, checks every stop rule, and returns the new text to show.

@@ -2,11 +2,11 @@
 
 A full page is keyed by a chained SHA-256: over the key of the page before it and its tokens, so one key names a
 whole prefix. The hash is cryptographic because the keys come from users' prompts: with a weak hash (Python's
-`hash()`) a crafted prompt could collide with another user's prefix and be served that user's KV (the class of
-vLLM's CVE-2025-25183). A hit also checks the page's tokens and its parent key, so even a collision could not
-splice one prefix's page onto another. A page whose last holder lets go keeps its key and waits in an LRU; it is evicted (forgotten, returned to
-the free list) only when a fresh page is needed and none is free. Only full pages are shared, and a sequence only
-ever writes past the pages it matched, so a shared page is never written again.
+`hash()`) a crafted prompt could collide with another user's prefix and be served that user's KV (the class of vLLM's
+CVE-2025-25183). A hit also checks the page's tokens and its parent key, so even a collision could not splice one
+prefix's page onto another. A page whose last holder lets go keeps its key and waits in an LRU; it is evicted
+(forgotten, returned to the free list) only when a fresh page is needed and none is free. Only full pages are shared,
+and a sequence only ever writes past the pages it matched, so a shared page is never written again.
 """
 from __future__ import annotations
 
@@ -23,10 +23,14 @@ ROOT_KEY = b""  # the parent of a sequence's first page
 def page_keys(token_ids: list[int], page_size: int, keys: list[bytes]) -> list[bytes]:
     """Extends `keys` (the keys of the first len(keys) pages) to every full page of `token_ids`; returns it."""
     for i in range(len(keys), len(token_ids) // page_size):
-        parent = keys[i - 1] if i else ROOT_KEY
         tokens = np.asarray(token_ids[i * page_size:(i + 1) * page_size], "<i4").tobytes()
-        keys.append(hashlib.sha256(parent + tokens).digest())
+        keys.append(hashlib.sha256(_parent(keys, i) + tokens).digest())
     return keys
+
+
+def _parent(keys: list[bytes], i: int) -> bytes:
+    """The key of page i's parent (the page before it)."""
+    return keys[i - 1] if i else ROOT_KEY
 
 
 class PrefixCache:
@@ -78,7 +82,7 @@ class PrefixCache:
             for i, key in enumerate(keys[:max_pages]):
                 page = self._by_key.get(key)
                 tokens = tuple(token_ids[i * self.page_size:(i + 1) * self.page_size])
-                if page is None or self._content[page] != (keys[i - 1] if i else ROOT_KEY, key, tokens):
+                if page is None or self._content[page] != (_parent(keys, i), key, tokens):
                     break
                 pages.append(page)
         for p in pages:
@@ -100,8 +104,8 @@ class PrefixCache:
             if key in self._by_key or page in self._content:
                 continue  # the same prefix computed twice at once: the first copy stays the cached one
             self._by_key[key] = page
-            parent = keys[i - 1] if i else ROOT_KEY
-            self._content[page] = (parent, key, tuple(token_ids[i * self.page_size:(i + 1) * self.page_size]))
+            tokens = tuple(token_ids[i * self.page_size:(i + 1) * self.page_size])
+            self._content[page] = (_parent(keys, i), key, tokens)
 
     def release(self, pages: list[int]) -> None:
         for p in pages:
