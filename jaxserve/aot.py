@@ -20,12 +20,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxserve.batch import RaggedRows
 from jaxserve.batching.batch_builder import build_batch
 from jaxserve.buckets import Buckets
 from jaxserve.cache import init_kv_cache, pages_needed
 from jaxserve.config import ModelConfig
 from jaxserve.model.llama import LlamaModel
-from jaxserve.pallas_kernels import kernels_for
+from jaxserve.pallas_kernels import ragged_kernel_for
 from jaxserve.steps import Steps
 
 
@@ -93,8 +94,8 @@ def target_devices(target: str) -> list:
 @dataclasses.dataclass
 class Compiled:
     """One program compiled for one device: its HBM use, and on TPU the compiler's own cost model."""
-    program: str  # e.g. "decode", "prefill", "cache write", "paged attention"
-    shape: str  # e.g. "64 rows x 1 token"
+    program: str  # "step", "cache write" or "ragged attention"
+    shape: str  # e.g. "512 tokens x 64 rows"
     error: str | None = None
     argument_bytes: int = 0
     output_bytes: int = 0
@@ -140,8 +141,8 @@ def abstract_params(config: ModelConfig, dtype) -> dict:
     """The params pytree's shapes and dtypes (as the loaders build it), without any weights."""
     model = LlamaModel(config, dtype)
     kv = jax.eval_shape(lambda: init_kv_cache(config, 2, 16, dtype))
-    batch = build_batch([], 16, config.vocab_size, 1, 1, 1)
-    params = jax.eval_shape(lambda kv: model.init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32), kv, batch,
+    rows = jax.tree.map(jnp.asarray, build_batch([], 16, config.vocab_size, 1, 1, 1).rows)
+    params = jax.eval_shape(lambda kv: model.init(jax.random.key(0), jnp.zeros(1, jnp.int32), kv, rows,
                                                   jnp.zeros(1, jnp.int32)), kv)
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, dtype), params)
 
@@ -149,61 +150,44 @@ def abstract_params(config: ModelConfig, dtype) -> dict:
 def compile_serving(config: ModelConfig, dtype, device, *, max_num_seqs: int, max_num_batched_tokens: int,
                     max_model_len: int, num_pages: int, page_size: int = 16, kv_cache_dtype: str = "auto",
                     params=None, only_extremes: bool = False) -> list[Compiled]:
-    """Every program an engine of this shape runs, compiled for `device` with its Pallas attention kernels: the
-    forward + sampling of each step bucket, the cache write of each, the sampled-token store, and each attention
-    kernel alone at the largest decode batch and prefill chunk. only_extremes: of the step buckets, only the
-    smallest and largest decode batch and prefill chunk (the same programs at other sizes, for a quicker check)."""
+    """Every program an engine of this shape runs, compiled for `device` with its Pallas attention kernel: the step
+    (forward + sampling) of each token bucket and its cache write, and the ragged attention kernel alone at the
+    largest step. only_extremes: of the buckets, only the smallest, the largest that can be all decode rows
+    (tokens = rows = max_num_seqs) and the largest (the same programs at other sizes, for a quicker check)."""
     backend = "pallas-" + device.platform
     steps = Steps(config, dtype, backend)
     params = abstract_params(config, dtype) if params is None else params
     kv = jax.eval_shape(lambda: init_kv_cache(config, num_pages, page_size, dtype, kv_cache_dtype))
     buckets = Buckets.for_limits(max_num_seqs, max_num_batched_tokens, pages_needed(max_model_len, page_size))
     last_tokens = jax.ShapeDtypeStruct((max_num_seqs + 1,), jnp.int32)
-    shapes = list(buckets.shapes())
+    shapes = list(buckets.shapes())  # (tokens, rows)
     if only_extremes:
-        shapes = [s for kind in ("prefill", "decode") for s in _ends([s for s in shapes if s[0] == kind])]
+        decode = [s for s in shapes if s[0] == s[1]][-1:]
+        shapes = sorted(set(shapes[:1] + decode + shapes[-1:]))
     results = []
-    for kind, rows, tokens, pages in shapes:
-        batch = {**build_batch([], page_size, config.vocab_size, rows, tokens, pages), "last_tokens": last_tokens}
+    for tokens, rows in shapes:
+        batch = build_batch([], page_size, config.vocab_size, tokens, rows, buckets.pages_per_row)
         batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), batch)
-        shape = f"{rows} rows x {tokens} tokens"
-        forward = steps._prefill if kind == "prefill" else steps._decode
-        results.append(compile_program(kind, shape, forward, (params, kv, batch), device))
-        new_kv = jax.eval_shape(forward, params, kv, batch)[1]
-        results.append(compile_program("cache write", shape, steps._write, (kv, new_kv, batch["slot_mapping"]),
+        shape = f"{tokens} tokens x {rows} rows"
+        results.append(compile_program("step", shape, steps._forward, (params, kv, last_tokens, batch), device))
+        new_kv = jax.eval_shape(steps._forward, params, kv, last_tokens, batch)[1]
+        results.append(compile_program("cache write", shape, steps._write, (kv, new_kv, batch.slot_mapping),
                                        device))
-    results.append(compile_program("token store", f"{max_num_seqs} rows", steps._store,
-                                   (last_tokens, jax.ShapeDtypeStruct((max_num_seqs,), jnp.int32),
-                                    jax.ShapeDtypeStruct((max_num_seqs,), jnp.int32)), device))
-    results += _compile_kernels(config, dtype, device, backend, kv[0][0], buckets)
+    tokens, rows = shapes[-1]
+    results.append(_compile_kernel(config, dtype, device, backend, kv[0][0], tokens, rows, buckets.pages_per_row))
     return results
 
 
-def _ends(items: list) -> list:
-    return items[:1] + items[-1:] if len(items) > 1 else items
-
-
-def _compile_kernels(config, dtype, device, backend, pages, buckets) -> list[Compiled]:
-    paged, flash = kernels_for(backend)
+def _compile_kernel(config, dtype, device, backend, pages, tokens, rows, pages_per_row) -> Compiled:
+    """The ragged attention kernel alone (its own temporaries and compile errors apart from the step's)."""
+    kernel = ragged_kernel_for(backend)
+    sds, i32 = jax.ShapeDtypeStruct, jnp.int32
     H, KVH, D = config.num_heads, config.num_kv_heads, config.head_dim
-    P = buckets.num_pages[-1]
-    i32 = jnp.int32
-    out = []
-    for rows, tokens in [(buckets.num_seqs[-1], 1), (1, buckets.prefill_tokens[-1])]:
-        q = jax.ShapeDtypeStruct((rows, tokens, H, D), dtype)
-        table, lens = jax.ShapeDtypeStruct((rows, P), i32), jax.ShapeDtypeStruct((rows,), i32)
-        positions = jax.ShapeDtypeStruct((rows, tokens), i32)
+    ragged = RaggedRows(sds((tokens,), i32), sds((tokens,), i32), sds((rows + 1,), i32), sds((rows,), i32),
+                        sds((rows, pages_per_row), i32))
+    new = sds((tokens, KVH, D), dtype)
 
-        def run_paged(q, k_pages, v_pages, table, lens, positions):
-            return paged(q, k_pages, v_pages, table, lens, positions, sliding_window=config.sliding_window)
-        out.append(compile_program("paged attention", f"{rows} rows x {tokens} tokens", run_paged,
-                                   (q, pages, pages, table, lens, positions), device))
-    T = buckets.prefill_tokens[-1]
-    q, k = jax.ShapeDtypeStruct((1, T, H, D), dtype), jax.ShapeDtypeStruct((1, T, KVH, D), dtype)
-    lens = jax.ShapeDtypeStruct((1,), i32)
-
-    def run_flash(q, k, v, q_start, k_start, q_lens, k_lens):
-        return flash(q, k, v, q_start, k_start, q_lens, k_lens, sliding_window=config.sliding_window)
-    out.append(compile_program("flash attention", f"1 row x {T} tokens", run_flash, (q, k, k, lens, lens, lens, lens),
-                               device))
-    return out
+    def run(q, k, v, k_pages, v_pages, ragged):
+        return kernel(q, k, v, k_pages, v_pages, ragged, sliding_window=config.sliding_window)
+    return compile_program("ragged attention", f"{tokens} tokens x {rows} rows", run,
+                           (sds((tokens, H, D), dtype), new, new, pages, pages, ragged), device)

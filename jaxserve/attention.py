@@ -1,9 +1,13 @@
-"""Attention over the paged KV cache: the one entry point the model calls, and its plain `jax.numpy` versions.
+"""Attention over a ragged batch and the paged KV cache: the one entry point the model calls, and its jnp versions.
+
+Each of the step's T tokens belongs to one row (sequence) and attends to that row's keys: the ones cached before
+the step (in its pages, positions 0 .. cached_len - 1) and the step's own new keys of the same row up to its own
+position (not yet in the cache: the step writes them after the forward, see `jaxserve.steps`).
 
 `attention` picks the implementation by backend, resolved once (`resolve_attention_backend`): "reference" is
-`paged_attention` below (blocked jnp, the CPU path); "pallas" runs the Pallas kernels (paged attention over the
-cached pages, flash attention over the step's own keys, merged by log-sum-exp). `paged_attention_reference` is the
-same function written as directly as possible: the oracle for every other implementation in the tests.
+`ragged_attention` below (blocked jnp, the CPU path); "pallas" runs the ragged Pallas kernels.
+`ragged_attention_reference` is the same function written as directly as possible: the oracle for every other
+implementation in the tests.
 """
 from __future__ import annotations
 
@@ -11,7 +15,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve import pallas_kernels as pk
-from jaxserve.cache.kv_cache import read_pages, write_pages
+from jaxserve.batch import RaggedRows
+from jaxserve.cache.kv_cache import Int8Pages, read_pages, write_pages
 
 BACKENDS = ("auto", "reference", "pallas", "pallas-gpu", "pallas-tpu")
 
@@ -35,20 +40,14 @@ def resolve_attention_backend(name: str, platform: str | None = None) -> str:
     return name
 
 
-def attention(q, k, v, k_pages, v_pages, page_table, positions, *, sliding_window=None, backend="reference"):
-    """Same arguments and result as `paged_attention_reference`, by the resolved backend."""
+def attention(q, k, v, k_pages, v_pages, rows: RaggedRows, *, sliding_window=None, backend="reference"):
+    """Same arguments and result as `ragged_attention_reference`, by the resolved backend."""
     if backend == "reference":
-        return paged_attention(q, k, v, k_pages, v_pages, page_table, positions, sliding_window=sliding_window)
-    paged, flash = pk.kernels_for(backend)
-    start = positions[:, 0]  # [S]: cached keys of a row are exactly those before its first new token
-    num_new = (positions >= 0).sum(axis=1)
-    cached, cached_lse = paged(q, k_pages, v_pages, page_table, start, positions, sliding_window=sliding_window)
-    new, new_lse = flash(q, k.astype(q.dtype), v.astype(q.dtype), start, start, num_new, num_new,
-                         sliding_window=sliding_window)
-    return pk.merge_attention(cached, cached_lse, new, new_lse)[0].astype(q.dtype)
+        return ragged_attention(q, k, v, k_pages, v_pages, rows, sliding_window=sliding_window)
+    return pk.ragged_kernel_for(backend)(q, k, v, k_pages, v_pages, rows, sliding_window=sliding_window)
 
 
-# Finite, so a row with nothing to attend to (a padding row) softmaxes to a harmless uniform instead of NaN.
+# Finite, so a query with nothing to attend to (padding) gives a harmless value instead of NaN.
 _MASKED = -1e30
 
 
@@ -56,96 +55,139 @@ def write_kv(k_pages, v_pages, k, v, slot_mapping):
     """Scatter new keys/values into their cache slots.
 
     k_pages, v_pages: [num_pages, page_size, kv_heads, head_dim] (or Int8Pages: quantized as they are written)
-    k, v:             [S, Q, kv_heads, head_dim]
-    slot_mapping:     [S, Q] flat slot (page * page_size + offset); padding tokens point into the scratch page 0.
+    k, v:             [T, kv_heads, head_dim]
+    slot_mapping:     [T] flat slot (page * page_size + offset); padding tokens point into the scratch page 0.
     """
-    flat = slot_mapping.reshape(-1)
-    return (write_pages(k_pages, k.reshape(-1, *k.shape[2:]), flat),
-            write_pages(v_pages, v.reshape(-1, *v.shape[2:]), flat))
+    return write_pages(k_pages, k, slot_mapping), write_pages(v_pages, v, slot_mapping)
 
 
-def paged_attention_reference(q, k, v, k_pages, v_pages, page_table, positions, *, sliding_window=None):
-    """Causal grouped-query attention of this step's queries over each sequence's cached pages and its new keys.
+def ragged_attention_reference(q, k, v, k_pages, v_pages, rows: RaggedRows, *, sliding_window=None):
+    """Causal grouped-query attention of each token over its row's cached keys and the step's own keys.
 
-    q:          [S, Q, num_heads, head_dim]  new queries (already rotated), Q tokens per sequence row
-    k, v:       [S, Q, kv_heads, head_dim]   this step's keys/values, not yet in the cache
-    k_pages:    [num_pages, page_size, kv_heads, head_dim]  the cache before this step
-    page_table: [S, P] pages of each sequence, in order; cached key j of a row sits at position j
-    positions:  [S, Q] position of each query (-1: padding); a row's new tokens are contiguous, so the cache holds
-                exactly the keys before positions[:, 0] and nothing beyond it is ever read
-    returns     [S, Q, num_heads, head_dim]
-
-    The cache is read before this step writes to it: on XLA:CPU a read after the in-place write forces a copy
-    of the whole cache array every layer.
+    q:       [T, num_heads, head_dim]  new queries (already rotated)
+    k, v:    [T, kv_heads, head_dim]   this step's keys/values, not yet in the cache
+    k_pages: [num_pages, page_size, kv_heads, head_dim] (or Int8Pages)  the cache before this step
+    rows:    positions [T] (-1: padding), token_row [T], cached_lens [S], page_table [S, P]
+    returns  [T, num_heads, head_dim]; padding tokens give zeros
     """
-    S, Q, H, D = q.shape
+    T, H, D = q.shape
     _, page_size, KVH, _ = k_pages.shape
-    L = page_table.shape[1] * page_size
-    cached_k = read_pages(k_pages, page_table, q.dtype).reshape(S, L, KVH, D)  # [S, L, kv_heads, head_dim]
-    cached_v = read_pages(v_pages, page_table, q.dtype).reshape(S, L, KVH, D)
-    keys = jnp.concatenate([cached_k, k.astype(cached_k.dtype)], axis=1)  # [S, L + Q, kv_heads, head_dim]
-    values = jnp.concatenate([cached_v, v.astype(cached_v.dtype)], axis=1)
-    key_pos = jnp.concatenate([jnp.broadcast_to(jnp.arange(L), (S, L)), positions], axis=1)  # [S, L + Q]
-    start = positions[:, :1]  # [S, 1]
-    is_cached = jnp.arange(L + Q)[None, :] < L
-    valid = jnp.where(is_cached, key_pos < start, key_pos >= 0)  # [S, L + Q]
-    visible = valid[:, None, :] & (key_pos[:, None, :] <= positions[:, :, None])  # [S, Q, L + Q]
+    L = rows.page_table.shape[1] * page_size
+    pos, row = rows.positions, rows.token_row
+
+    def gather(pages):  # every token's row's cache: [T, L, kv_heads, head_dim]
+        dtype = q.dtype if isinstance(pages, Int8Pages) else pages.dtype
+        return read_pages(pages, rows.page_table[row], dtype).reshape(T, L, KVH, D).astype(jnp.float32)
+
+    keys = jnp.concatenate([gather(k_pages), jnp.broadcast_to(k.astype(jnp.float32), (T, T, KVH, D))], axis=1)
+    values = jnp.concatenate([gather(v_pages), jnp.broadcast_to(v.astype(jnp.float32), (T, T, KVH, D))], axis=1)
+    cached_pos = jnp.broadcast_to(jnp.arange(L), (T, L))
+    visible = jnp.concatenate([cached_pos < rows.cached_lens[row][:, None],
+                               (row[None, :] == row[:, None]) & (pos[None, :] >= 0) & (pos[None, :] <= pos[:, None])],
+                              axis=1)  # [T, L + T]
+    key_pos = jnp.concatenate([cached_pos, jnp.broadcast_to(pos, (T, T))], axis=1)
     if sliding_window is not None:
-        visible &= key_pos[:, None, :] > positions[:, :, None] - sliding_window
-    # Group query heads by the KV head they share, so K/V are never repeated.
-    q = q.reshape(S, Q, KVH, H // KVH, D)
-    scores = jnp.einsum("sqkgd,slkd->sqkgl", q, keys, preferred_element_type=jnp.float32) * (D ** -0.5)
-    scores = jnp.where(visible[:, :, None, None], scores, _MASKED)  # [S, Q, kv_heads, group, L + Q]
-    probs = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
-    out = jnp.einsum("sqkgl,slkd->sqkgd", probs, values, preferred_element_type=jnp.float32)
-    return out.reshape(S, Q, H, D).astype(q.dtype)
+        visible &= key_pos > pos[:, None] - sliding_window
+    visible &= (pos >= 0)[:, None]
+    s = jnp.einsum("tkgd,tlkd->tkgl", q.reshape(T, KVH, H // KVH, D).astype(jnp.float32), keys) * D ** -0.5
+    s = jnp.where(visible[:, None, None, :], s, -jnp.inf)
+    m = s.max(axis=-1, keepdims=True)
+    p = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0))
+    l = p.sum(axis=-1, keepdims=True)
+    out = jnp.einsum("tkgl,tlkd->tkgd", p / jnp.where(l > 0, l, 1.0), values)
+    return out.reshape(T, H, D).astype(q.dtype)
 
 
-def paged_attention(q, k, v, k_pages, v_pages, page_table, positions, *, sliding_window=None, block_pages=8):
-    """`paged_attention_reference` computed block by block over the cached pages, with an online softmax.
+def ragged_attention(q, k, v, k_pages, v_pages, rows: RaggedRows, *, sliding_window=None, block_pages=8,
+                     num_groups=4, long_row_share=8):
+    """`ragged_attention_reference` computed in parts, each with an online softmax, for XLA:CPU.
 
-    Same arguments and result. Only the blocks holding cached tokens of the longest row are visited (a dynamic
-    trip count), and no block larger than `block_pages` pages is ever materialised, so a step reads each
-    cached K/V about once instead of gathering a whole padded page table (which dominated batched decode on
-    XLA:CPU).
+    Same arguments and result. Three parts, merged by log-sum-exp:
+      - the step's own keys: one [T, T] masked attention (same row, causal);
+      - cached keys, per token: the tokens sorted by their row's cached length and cut into `num_groups` groups,
+        each walking only the blocks of `block_pages` pages its longest row needs (a dynamic trip count), so a
+        decode row costs what its context holds and a fresh prompt's tokens cost nothing here;
+      - cached keys of one long prompt chunk: the multi-token row with the longest cache, if its tokens are at least
+        1/`long_row_share` of the step, reads its pages once for all its tokens (per token, a 512-token chunk
+        after 4k cached tokens would gather 4k keys 512 times).
     """
-    S, Q, H, D = q.shape
+    T, H, D = q.shape
     _, page_size, KVH, _ = k_pages.shape
+    G = H // KVH
     block = block_pages * page_size
-    num_blocks = -(-page_table.shape[1] // block_pages)
-    page_table = jnp.pad(page_table, ((0, 0), (0, num_blocks * block_pages - page_table.shape[1])))
-    q = q.reshape(S, Q, KVH, H // KVH, D) * (D ** -0.5)
-    start = positions[:, :1]  # [S, 1]: the row's cached tokens are exactly those before its first new one
+    num_blocks = -(-rows.page_table.shape[1] // block_pages)
+    table = jnp.pad(rows.page_table, ((0, 0), (0, num_blocks * block_pages - rows.page_table.shape[1])))
+    pos, row = rows.positions, rows.token_row
+    q = q.reshape(T, KVH, G, D) * (D ** -0.5)
 
-    def masked_scores(keys, key_pos, visible):
-        s = jnp.einsum("sqkgd,slkd->sqkgl", q, keys.astype(q.dtype), preferred_element_type=jnp.float32)
+    def masked_scores(q, keys, visible, key_pos, q_pos):
+        # q [n, KVH, G, D]; keys [n, keys, KVH, D] (each token its own) or [keys, KVH, D] (shared by all tokens)
+        spec = "tkgd,tlkd->tkgl" if keys.ndim == 4 else "tkgd,lkd->tkgl"
+        s = jnp.einsum(spec, q, keys.astype(q.dtype), preferred_element_type=jnp.float32)
         if sliding_window is not None:
-            visible &= key_pos[:, None, :] > positions[:, :, None] - sliding_window
-        return jnp.where(visible[:, :, None, None], s, _MASKED)  # [S, Q, kv_heads, group, keys]
+            visible &= key_pos > q_pos[:, None] - sliding_window
+        return jnp.where(visible[:, None, None, :], s, _MASKED)  # [n, KVH, G, keys]
 
     def accumulate(carry, s, values):
         m, l, acc = carry
         m_new = jnp.maximum(m, s.max(-1))
         p = jnp.exp(s - m_new[..., None])
         corr = jnp.exp(m - m_new)
-        acc = acc * corr[..., None] + jnp.einsum("sqkgl,slkd->sqkgd", p.astype(values.dtype), values,
+        spec = "tkgl,tlkd->tkgd" if values.ndim == 4 else "tkgl,lkd->tkgd"
+        acc = acc * corr[..., None] + jnp.einsum(spec, p.astype(values.dtype), values,
                                                  preferred_element_type=jnp.float32)
         return m_new, l * corr + p.sum(-1), acc
 
-    # This step's own keys first: every real query sees at least itself, so the running max starts finite.
-    new_visible = (positions[:, None, :] >= 0) & (positions[:, None, :] <= positions[:, :, None])  # [S, Q, Q]
-    s = masked_scores(k, positions, new_visible)
-    init = (jnp.full(s.shape[:-1], _MASKED, jnp.float32), jnp.zeros(s.shape[:-1], jnp.float32),
-            jnp.zeros((S, Q, KVH, H // KVH, D), jnp.float32))
-    carry = accumulate(init, s, v)
+    def read_block(pages, page_ids):  # page_ids [n, block_pages] -> [n, block, KVH, D]
+        return read_pages(pages, page_ids, q.dtype).reshape(page_ids.shape[0], block, KVH, D)
 
-    def visit_block(i, carry):
-        pages = jax.lax.dynamic_slice_in_dim(page_table, i * block_pages, block_pages, axis=1)  # [S, block_pages]
-        keys = read_pages(k_pages, pages, q.dtype).reshape(S, block, KVH, D)
-        values = read_pages(v_pages, pages, q.dtype).reshape(S, block, KVH, D)
-        key_pos = jnp.broadcast_to(i * block + jnp.arange(block), (S, block))
-        return accumulate(carry, masked_scores(keys, key_pos, (key_pos < start)[:, None, :]), values)
+    # The step's own keys first: every real token sees at least itself, so the running max starts finite.
+    own = (row[None, :] == row[:, None]) & (pos[None, :] >= 0) & (pos[None, :] <= pos[:, None])  # [T, T]
+    s = masked_scores(q, k, own, jnp.broadcast_to(pos, (T, T)), pos)
+    zero = (jnp.full((T, KVH, G), _MASKED, jnp.float32), jnp.zeros((T, KVH, G), jnp.float32),
+            jnp.zeros((T, KVH, G, D), jnp.float32))
+    m, l, acc = accumulate(zero, s, v)
 
-    blocks_used = jnp.minimum(-(-jnp.max(start) // block), num_blocks)
-    _, l, acc = jax.lax.fori_loop(0, blocks_used, visit_block, carry)
-    return (acc / l[..., None]).reshape(S, Q, H, D).astype(v.dtype)
+    # The long row, if there is one worth it (its cached_len counts as 0 for the per-token part).
+    new_tokens = rows.query_start[1:] - rows.query_start[:-1]  # [S]
+    eligible = (new_tokens > 1) & (new_tokens * long_row_share >= T)
+    long_row = jnp.argmax(jnp.where(eligible, rows.cached_lens, -1))
+    long_len = jnp.where(eligible[long_row], rows.cached_lens[long_row], 0)
+    in_long = (row == long_row) & eligible[long_row]  # [T]
+
+    def visit_long(i, carry):
+        pages = jax.lax.dynamic_slice_in_dim(table[long_row], i * block_pages, block_pages)[None]
+        key_pos = i * block + jnp.arange(block)
+        visible = jnp.broadcast_to((key_pos < long_len)[None, :], (T, block)) & in_long[:, None]
+        s = masked_scores(q, read_block(k_pages, pages)[0], visible, jnp.broadcast_to(key_pos, (T, block)), pos)
+        return accumulate(carry, s, read_block(v_pages, pages)[0])
+
+    m, l, acc = jax.lax.fori_loop(0, -(-long_len // block), visit_long, (m, l, acc))
+
+    # Per token, in groups sorted by cached length (longest first), each walking only the blocks it needs.
+    token_len = jnp.where(in_long | (pos < 0), 0, rows.cached_lens[row])  # [T]
+    order = jnp.argsort(-token_len)
+    groups = min(num_groups, T)
+    n = T // groups
+    parts = []
+    for g in range(groups):
+        idx = order[g * n:(g + 1) * n if g < groups - 1 else T]
+        q_g, g_len, g_pages, g_pos = q[idx], token_len[idx], table[row[idx]], pos[idx]
+
+        def visit(i, carry, q_g=q_g, g_len=g_len, g_pages=g_pages, g_pos=g_pos):
+            pages = jax.lax.dynamic_slice_in_dim(g_pages, i * block_pages, block_pages, axis=1)
+            key_pos = i * block + jnp.arange(block)
+            s = masked_scores(q_g, read_block(k_pages, pages), key_pos[None, :] < g_len[:, None],
+                              jnp.broadcast_to(key_pos, (len(g_len), block)), g_pos)
+            return accumulate(carry, s, read_block(v_pages, pages))
+
+        carry = (m[idx], l[idx], acc[idx])
+        parts.append((idx, jax.lax.fori_loop(0, -(-g_len[0] // block), visit, carry)))
+    m = l = acc = None
+    out = jnp.zeros((T, KVH, G, D), jnp.float32)
+    for idx, (_, l_g, acc_g) in parts:
+        out = out.at[idx].set(acc_g / l_g[..., None])
+    out = jnp.where((pos >= 0)[:, None, None, None], out, 0.0)
+    return out.reshape(T, H, D).astype(v.dtype)
+
+

@@ -1,4 +1,4 @@
-"""Shape buckets: every step input is padded up to one of a few sizes, so serving compiles a bounded, known set."""
+"""Shape buckets: every step is padded up to one of a few sizes, so serving compiles a bounded, known set."""
 from __future__ import annotations
 
 import dataclasses
@@ -22,23 +22,24 @@ def round_up(n: int, buckets: tuple[int, ...]) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Buckets:
-    num_seqs: tuple[int, ...]  # decode batch sizes
-    prefill_tokens: tuple[int, ...]  # tokens of one prefill chunk
-    num_pages: tuple[int, ...]  # page-table width (pages of tokens cached before the step)
+    num_tokens: tuple[int, ...]  # tokens of a step, ascending
+    max_num_seqs: int
+    pages_per_row: int  # page-table width: always the most a sequence can need
 
     @classmethod
-    def for_limits(cls, max_num_seqs: int, max_chunk_tokens: int, max_pages_per_seq: int) -> "Buckets":
-        # Batch sizes double (decode cost grows with every padded row); chunk sizes grow 4x, which keeps the
-        # program count small. The page table is always full width: attention visits only the blocks of pages
-        # that hold cached tokens (a dynamic trip count), so a wider table costs nothing but its transfer.
-        return cls(num_seqs=geometric(1, max_num_seqs),
-                   prefill_tokens=geometric(min(16, max_chunk_tokens), max_chunk_tokens, 4),
-                   num_pages=(max_pages_per_seq,))
+    def for_limits(cls, max_num_seqs: int, max_num_batched_tokens: int, max_pages_per_seq: int) -> "Buckets":
+        # Token counts double: a padded token costs a whole token of every matmul, and the scheduler cuts prompt
+        # chunks to the bucket below when rounding up would pad more than a quarter (Scheduler._fit_to_bucket).
+        # The page table is always full width: attention visits only the blocks of pages that hold cached tokens
+        # (a dynamic trip count), so a wider table costs nothing but its transfer.
+        return cls(num_tokens=geometric(1, max_num_batched_tokens), max_num_seqs=max_num_seqs,
+                   pages_per_row=max_pages_per_seq)
+
+    def num_rows(self, num_tokens: int) -> int:
+        """Rows of the step of `num_tokens` tokens (a bucket): a row has a token at least, and a sequence one row."""
+        return min(num_tokens, self.max_num_seqs)
 
     def shapes(self):
-        """Every (kind, rows, tokens per row, page-table width) a step can take."""
-        for p in self.num_pages:
-            for t in self.prefill_tokens:
-                yield ("prefill", 1, t, p)
-            for s in self.num_seqs:
-                yield ("decode", s, 1, p)
+        """Every (tokens, rows) a step can take."""
+        for t in self.num_tokens:
+            yield t, self.num_rows(t)

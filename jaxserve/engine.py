@@ -15,7 +15,7 @@ from jaxserve.batching.model_runner import ModelRunner
 from jaxserve.batching.scheduler import Scheduler
 from jaxserve.batching.sequence import Sequence
 from jaxserve.batching.slo import SloController
-from jaxserve.buckets import Buckets
+from jaxserve.buckets import Buckets, geometric
 from jaxserve.cache import (PageAllocator, PrefixCache, bytes_per_page, check_kv_cache_dtype, num_pages_for_budget,
                             pages_needed)
 from jaxserve.outputs import RequestMetrics, RequestOutput
@@ -94,17 +94,17 @@ class LLM:
                     num_pages * bytes_per_page(self.config, block_size, dtype, kv_cache_dtype) / 1e6,
                     "int8" if kv_cache_dtype == "int8" else jnp.dtype(dtype).name)
         buckets = Buckets.for_limits(max_num_seqs, max_num_batched_tokens, pages_needed(self.max_model_len, block_size))
-        serving = dict(num_pages=num_pages, pages_per_seq=buckets.num_pages[-1], max_num_seqs=max_num_seqs,
-                       max_chunk=buckets.prefill_tokens[-1])
+        serving = dict(num_pages=num_pages, pages_per_seq=buckets.pages_per_row, max_num_seqs=max_num_seqs,
+                       max_tokens=buckets.num_tokens[-1])
         self.attention_backend = _checked_backend(backend, attention_backend, self.config, block_size, dtype, serving,
                                                  kv_cache_dtype)
         self.runner = ModelRunner(self.config, params, dtype, num_pages, block_size, buckets, max_num_seqs,
                                   self.attention_backend, kv_cache_dtype)
         slo = None
         if ttft_slo is not None or tpot_slo is not None:
-            slo = SloController(buckets.num_seqs, max_num_seqs, tpot_slo=tpot_slo, ttft_slo=ttft_slo)
+            slo = SloController(geometric(1, max_num_seqs), max_num_seqs, tpot_slo=tpot_slo, ttft_slo=ttft_slo)
         cache = PrefixCache(PageAllocator(num_pages), block_size, enable_prefix_caching)
-        self.scheduler = Scheduler(cache, max_num_seqs, max_num_batched_tokens, buckets.prefill_tokens,
+        self.scheduler = Scheduler(cache, max_num_seqs, max_num_batched_tokens, buckets.num_tokens,
                                    scheduling_policy, slo)
         self.core = EngineCore(self.scheduler, self.runner)
         self._rng = random.Random(seed)

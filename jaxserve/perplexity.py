@@ -26,9 +26,9 @@ def next_token_logits(config, params, token_ids: list[int], dtype=jnp.float32, p
     out = []
     for start in range(0, n, chunk):
         row = Row(token_ids[start:start + chunk], start, pages)
-        batch = build_batch([row], page_size, config.vocab_size, 1, chunk, len(pages))
+        batch = build_batch([row], page_size, config.vocab_size, chunk, 1, len(pages))
         logits, cache = steps.forward_logits(params, cache, batch)
-        out.append(np.asarray(logits[0, :len(row.token_ids)]))
+        out.append(np.asarray(logits[:len(row.token_ids)]))
     return np.concatenate(out)[:-1]
 
 

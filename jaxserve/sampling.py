@@ -8,7 +8,7 @@ from jaxserve.sampling_params import MAX_LOGPROBS
 
 
 def sample(logits, p):
-    """logits: [S, V] float32. p: per-row arrays
+    """logits: [S, V] float32. p: a `jaxserve.batch.SamplingInput`, per-row arrays
         temperature [S] f32 (0: greedy), top_k [S] i32 (0: off), top_p [S] f32, min_p [S] f32,
         seed [S] u32, step [S] i32 (tokens generated so far; with seed it makes the draw reproducible),
         banned [S, B] i32 (token ids that may not be sampled now; padded with vocab_size).
@@ -18,14 +18,14 @@ def sample(logits, p):
     # Logprobs are those of the model's own distribution, before any sampling transform (as vLLM reports them).
     logprobs = jax.nn.log_softmax(logits, axis=-1)
     rows = jnp.arange(S)[:, None]
-    logits = logits.at[rows, p["banned"]].set(-jnp.inf, mode="drop")
+    logits = logits.at[rows, p.banned].set(-jnp.inf, mode="drop")
     greedy = jnp.argmax(logits, axis=-1)
 
-    sampled = jax.lax.cond(jnp.any(p["temperature"] > 0), _sample_rows, lambda x, p: greedy, logits, p)
-    tokens = jnp.where(p["temperature"] == 0, greedy, sampled).astype(jnp.int32)
+    sampled = jax.lax.cond(jnp.any(p.temperature > 0), _sample_rows, lambda x, p: greedy, logits, p)
+    tokens = jnp.where(p.temperature == 0, greedy, sampled).astype(jnp.int32)
 
     top_logprobs, top_ids = jax.lax.cond(
-        jnp.any(p["want_top_logprobs"]),
+        jnp.any(p.want_top_logprobs),
         lambda lp: tuple(jax.lax.top_k(lp, MAX_LOGPROBS)),
         lambda lp: (jnp.zeros((S, MAX_LOGPROBS), lp.dtype), jnp.zeros((S, MAX_LOGPROBS), jnp.int32)),
         logprobs)
@@ -35,15 +35,15 @@ def sample(logits, p):
 
 
 def _sample_rows(logits, p):
-    x = logits / jnp.maximum(p["temperature"], 1e-6)[:, None]
-    needs_sort = jnp.any((p["top_k"] > 0) | (p["top_p"] < 1.0))
-    x = jax.lax.cond(needs_sort, _top_k_top_p, lambda x, k, tp: x, x, p["top_k"], p["top_p"])
+    x = logits / jnp.maximum(p.temperature, 1e-6)[:, None]
+    needs_sort = jnp.any((p.top_k > 0) | (p.top_p < 1.0))
+    x = jax.lax.cond(needs_sort, _top_k_top_p, lambda x, k, tp: x, x, p.top_k, p.top_p)
     probs = jax.nn.softmax(x, axis=-1)
-    probs = jnp.where(probs >= p["min_p"][:, None] * jnp.max(probs, axis=-1, keepdims=True), probs, 0.0)
+    probs = jnp.where(probs >= p.min_p[:, None] * jnp.max(probs, axis=-1, keepdims=True), probs, 0.0)
     # Inverse-CDF draw: one uniform number per row (Gumbel noise over the vocabulary costs a random number per
     # token, which dominated small decode steps on CPU).
     cdf = jnp.cumsum(probs, axis=-1)  # [S, V]
-    keys = jax.vmap(lambda seed, step: jax.random.fold_in(jax.random.key(seed), step))(p["seed"], p["step"])
+    keys = jax.vmap(lambda seed, step: jax.random.fold_in(jax.random.key(seed), step))(p.seed, p.step)
     u = jax.vmap(lambda key: jax.random.uniform(key))(keys) * cdf[:, -1]
     return jnp.minimum(jnp.sum(cdf <= u[:, None], axis=-1), x.shape[-1] - 1)
 

@@ -1,12 +1,13 @@
 """Compile every serving program for real TPU and GPU targets on a machine with neither (deviceless AOT).
 
-For each model shape (no weights: abstract parameters) and target chip it compiles each step bucket's forward +
-sampling, cache write and token store, and the Pallas attention kernels alone, then prints whether each compiled
-(or the compiler's error), its HBM use (arguments + outputs - donated + temporaries) against the chip's, and on TPU
-the compiler's flop and byte counts. For decode steps it adds a roofline rate: rows / max(compiler flops / peak,
-(weights + the KV of `--context-len` tokens per row) / HBM bandwidth). That is an estimate, not a measurement. The
-compiler's own byte count is not used for it: it counts every operand whole, including the entire KV cache that
-goes to the attention kernels. Its time estimate is not used either: it comes back negative for these programs.
+For each model shape (no weights: abstract parameters) and target chip it compiles each token bucket's step
+(forward + sampling) and cache write, and the Pallas ragged attention kernel alone, then prints whether each
+compiled (or the compiler's error), its HBM use (arguments + outputs - donated + temporaries) against the chip's,
+and on TPU the compiler's flop and byte counts. For the steps that can be all decode rows (as many tokens as rows)
+it adds a roofline rate: rows / max(compiler flops / peak, (weights + the KV of `--context-len` tokens per row) /
+HBM bandwidth). That is an estimate, not a measurement. The compiler's own byte count is not used for it: it
+counts every operand whole, including the entire KV cache that goes to the attention kernel. Its time estimate is
+not used either: it comes back negative for these programs.
 
     bash scripts/aot_env.sh     # libtpu and the CUDA plugin, in .aot-venv
     .aot-venv/bin/python scripts/aot_check.py --model smollm2-135m --model llama-3-8b --target v5e:2x2 \
@@ -58,7 +59,7 @@ def main() -> None:
     p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "int8"))
     p.add_argument("--context-len", type=int, default=1024, help="tokens each decode row attends to, for the roofline")
     p.add_argument("--only-extremes", action="store_true",
-                   help="of the step buckets, only the smallest and largest decode batch and prefill chunk")
+                   help="of the token buckets, only the smallest, the largest all-decode one and the largest")
     p.add_argument("--out", default=None, help="write the rows as JSON here")
     args = p.parse_args()
     rows = []
@@ -80,21 +81,22 @@ def main() -> None:
             print(f"\n{name} on {target} ({device.device_kind}, {chip.hbm_bytes / 2**30:.0f} GiB HBM): weights "
                   f"{weight_bytes / 1e9:.2f} GB, KV cache {num_pages} pages of 16 tokens, compiled in "
                   f"{time.perf_counter() - start:.0f} s")
-            print(f"  {'program':<16} {'shape':<22} {'result':<9} {'peak GB':>8} {'temp MB':>8} {'fits':>5} "
+            print(f"  {'program':<16} {'shape':<24} {'result':<9} {'peak GB':>8} {'temp MB':>8} {'fits':>5} "
                   f"{'GFLOP':>8} {'GB read':>8} {'roofline tok/s':>15}")
             for r in results:
                 row = {"model": name, "target": target, "num_pages": num_pages, "weight_bytes": weight_bytes,
                        **dataclasses.asdict(r), "peak_bytes": r.peak_bytes, "fits": r.peak_bytes <= chip.hbm_bytes}
                 rate = ""
-                if r.flops and r.program == "decode":
-                    batch = int(r.shape.split()[0])
+                tokens, _, _, batch, _ = r.shape.split()  # "64 tokens x 64 rows"
+                batch = int(batch)
+                if r.flops and r.program == "step" and int(tokens) == batch:
                     read = weight_bytes + batch * args.context_len * kv_per_token
                     row["roofline_tokens_per_s"] = batch / max(r.flops / PEAK_FLOPS[kind], read / chip.hbm_bandwidth)
                     rate = f"{row['roofline_tokens_per_s']:.0f}"
                 rows.append(row)
                 result = "ERROR" if r.error else "compiled"
                 counts = (f"{r.flops / 1e9:8.1f} {r.bytes_accessed / 1e9:8.2f}" if r.flops else f"{'':8} {'':8}")
-                print(f"  {r.program:<16} {r.shape:<22} {result:<9} {r.peak_bytes / 1e9:8.2f} "
+                print(f"  {r.program:<16} {r.shape:<24} {result:<9} {r.peak_bytes / 1e9:8.2f} "
                       f"{r.temp_bytes / 1e6:8.1f} {'yes' if row['fits'] else 'NO':>5} {counts} {rate:>15}")
                 if r.error:
                     print(f"    {r.error}")

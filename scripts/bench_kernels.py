@@ -1,15 +1,16 @@
-"""The Pallas kernels against their XLA references at serving sizes, with achieved bandwidth and FLOP/s.
+"""Ragged attention and the quantized matmuls at serving sizes, with achieved bandwidth.
 
-    python scripts/bench_kernels.py [--out bench_results/kernels.json]     # on a GPU or TPU
-    python scripts/bench_kernels.py --smoke                                # tiny sizes, both kernel sets
+    python scripts/bench_kernels.py [--out bench_results/kernels.json]     # GPU / TPU: the Pallas kernel too
+    python scripts/bench_kernels.py --smoke                                # tiny sizes, the GPU kernel
                                                                            # interpreted: a CPU check
 
-Paged decode: 8 KV heads, 32 query heads, head dim 128, bfloat16, page size 16, one query per sequence, every
-sequence at the full context. Bytes = the K and V a step must read (batch x context x 8 x 128 x 2 x 2 B); achieved
-bandwidth = bytes / time, against the device's copy bandwidth measured in the same run (a large array copy).
-Flash prefill: one causal prompt of T tokens, same heads; FLOPs = 2 x 2 x H x T^2 x D / 2 (causal half).
-The XLA references materialise what the kernels avoid (every page gathered; the full score matrix), so at the
-largest sizes they may run out of memory: that is recorded, not raised. Times: median of 10 after a warm-up.
+Ragged attention: 8 KV heads, 32 query heads, head dim 128, page size 16, one step of T tokens: decode rows
+(one new token after `context` cached ones), a prompt chunk after `context` cached tokens, or both. Timed: the
+oracle (`ragged_attention_reference`, which gathers every page of every token's row), the blocked jnp version
+(`ragged_attention`, the CPU path) and, on a GPU or TPU, the Pallas kernel; errors against the oracle. Bytes = the
+cached K and V the step must read; achieved bandwidth = bytes / time, against the device's copy bandwidth measured
+in the same run (a large array copy). The oracle may run out of memory at the largest sizes: that is recorded, not
+raised. Times: median of 10 after a warm-up.
 Quantized matmul (GPU only): x [M, K] bfloat16 times int8 / int4 (groups of --group-size) weights [K, N], the kernels
 that dequantize in registers against XLA's `(x @ values.astype(x.dtype)) * scale` and dequantize-then-matmul, and a
 bfloat16 matmul of the same shape; bandwidth = the weight bytes (values and scales) / time.
@@ -25,9 +26,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.attention import resolve_attention_backend
-from jaxserve.pallas_kernels import (flash_attention_reference, int4_matmul, int8_matmul, kernels_for,
-                                     paged_attention_reference)
+from jaxserve.attention import ragged_attention, ragged_attention_reference, resolve_attention_backend
+from jaxserve.batching.batch_builder import Row, build_batch
+from jaxserve.pallas_kernels import int4_matmul, int8_matmul, ragged_kernel_for
 from jaxserve.pallas_kernels.quantized_matmul import int4_dequantize, int4_matmul_reference, int8_matmul_reference
 
 KVH, H, D, PAGE = 8, 32, 128, 16
@@ -57,48 +58,39 @@ def try_time(fn, *args):
         return None, f"{type(e).__name__}: {str(e)[:200]}"
 
 
-def bench_paged(batch, context, dtype, paged):
+def ragged_step(rows, dtype):
+    """The attention inputs of one step: rows [(cached tokens, new tokens)], random K/V in shuffled pages."""
     rng = np.random.default_rng(0)
-    pages_per_seq = context // PAGE
-    num_pages = batch * pages_per_seq + 1
-    k_pages = jnp.asarray(rng.standard_normal((num_pages, PAGE, KVH, D), np.float32), dtype)
-    v_pages = jnp.asarray(rng.standard_normal((num_pages, PAGE, KVH, D), np.float32), dtype)
-    table = jnp.asarray(1 + rng.permutation(batch * pages_per_seq).reshape(batch, pages_per_seq), jnp.int32)
-    q = jnp.asarray(rng.standard_normal((batch, 1, H, D), np.float32), dtype)
-    kv_lens = jnp.full((batch,), context, jnp.int32)
-    pos = jnp.full((batch, 1), context, jnp.int32)
-    kernel = jax.jit(paged)
-    reference = jax.jit(paged_attention_reference)
-    args = (q, k_pages, v_pages, table, kv_lens, pos)
-    got, want = kernel(*args), reference(*args)
-    err = float(jnp.max(jnp.abs(got[0].astype(jnp.float32) - want[0].astype(jnp.float32))))
-    t_kernel, kernel_error = try_time(kernel, *args)
-    t_ref, ref_error = try_time(reference, *args)
-    n_bytes = 2 * batch * context * KVH * D * jnp.dtype(dtype).itemsize
-    return {"batch": batch, "context": context, "kv_bytes": n_bytes, "max_abs_err": err,
-            "kernel_ms": t_kernel and round(t_kernel * 1e3, 3), "xla_ms": t_ref and round(t_ref * 1e3, 3),
-            "kernel_GBps": t_kernel and round(n_bytes / t_kernel / 1e9, 1),
-            "xla_GBps": t_ref and round(n_bytes / t_ref / 1e9, 1), "errors": [kernel_error, ref_error]}
+    pages = [-(-(c + n) // PAGE) for c, n in rows]
+    num_pages = sum(pages) + 1
+    free = iter(1 + rng.permutation(num_pages - 1))
+    batch = build_batch([Row([0] * n, c, [int(next(free)) for _ in range(p)]) for (c, n), p in zip(rows, pages)],
+                        PAGE, 2, sum(n for _, n in rows), len(rows), max(pages))
+    normal = lambda *shape: jnp.asarray(rng.standard_normal(shape, np.float32), dtype)  # noqa: E731
+    T = batch.num_tokens
+    return (normal(T, H, D), normal(T, KVH, D), normal(T, KVH, D), normal(num_pages, PAGE, KVH, D),
+            normal(num_pages, PAGE, KVH, D), jax.tree.map(jnp.asarray, batch.rows))
 
 
-def bench_flash(tokens, dtype, flash):
-    rng = np.random.default_rng(0)
-    q = jnp.asarray(rng.standard_normal((1, tokens, H, D), np.float32), dtype)
-    k = jnp.asarray(rng.standard_normal((1, tokens, KVH, D), np.float32), dtype)
-    v = jnp.asarray(rng.standard_normal((1, tokens, KVH, D), np.float32), dtype)
-    zero, n = jnp.zeros(1, jnp.int32), jnp.full((1,), tokens, jnp.int32)
-    kernel = jax.jit(flash)
-    reference = jax.jit(flash_attention_reference)
-    args = (q, k, v, zero, zero, n, n)
-    t_kernel, kernel_error = try_time(kernel, *args)
-    t_ref, ref_error = try_time(reference, *args)
-    err = None
-    if kernel_error is None and ref_error is None:
-        err = float(jnp.max(jnp.abs(kernel(*args)[0].astype(jnp.float32) - reference(*args)[0].astype(jnp.float32))))
-    flops = 2 * 2 * H * tokens * tokens * D / 2
-    return {"tokens": tokens, "max_abs_err": err, "kernel_ms": t_kernel and round(t_kernel * 1e3, 3),
-            "xla_ms": t_ref and round(t_ref * 1e3, 3), "kernel_TFLOPs": t_kernel and round(flops / t_kernel / 1e12, 1),
-            "xla_TFLOPs": t_ref and round(flops / t_ref / 1e12, 1), "errors": [kernel_error, ref_error]}
+def bench_attention(name, rows, dtype, fns):
+    args = ragged_step(rows, dtype)
+    want = None
+    r = {"case": name, "errors": {}}
+    for impl, fn in fns.items():
+        t, error = try_time(fn, *args)
+        r[f"{impl}_ms"] = t and round(t * 1e3, 3)
+        if error:
+            r["errors"][impl] = error
+            continue
+        got = np.asarray(fn(*args), np.float32)
+        want = got if want is None else want  # the first implementation is the oracle
+        r[f"{impl}_err"] = float(np.abs(got - want).max())
+    n_bytes = 2 * sum(c for c, _ in rows) * KVH * D * jnp.dtype(dtype).itemsize
+    r["kv_bytes"] = n_bytes
+    kernel_t = r.get("kernel_ms")
+    r["kernel_GBps"] = kernel_t and round(n_bytes / kernel_t / 1e6, 1)
+    r["max_abs_err"] = max((v for k, v in r.items() if k.endswith("_err")), default=None)
+    return r
 
 
 def bench_quantized(M, K, N, group_size, dtype, interpret):
@@ -149,39 +141,34 @@ def main():
     global REPEATS
     REPEATS = 1 if args.smoke else REPEATS
     device = jax.devices()[0]
+    fns = {"reference": jax.jit(ragged_attention_reference), "blocked": jax.jit(ragged_attention)}
     if args.smoke:
-        backends, dtype = ["pallas-gpu-interpret", "pallas-tpu-interpret"], jnp.float32
-        paged_cases, flash_cases = [(2, 64)], [48]
+        dtype = jnp.float32
+        fns["kernel"] = jax.jit(ragged_kernel_for("pallas-gpu-interpret"))
+        attention_cases = {"decode b2 ctx 64": [(64, 1)] * 2, "chunk 24 after 40": [(40, 24)],
+                           "mixed": [(64, 1), (30, 1), (16, 20)]}
         quant_cases, quant_interpret = [(1, 256, 128), (8, 256, 128)], True
     else:
-        if device.platform not in ("gpu", "tpu"):
-            raise SystemExit("the kernels compile for GPU and TPU only (use --smoke on CPU)")
-        backends, dtype = [resolve_attention_backend("pallas")], jnp.bfloat16
-        paged_cases = [(1, 2048), (1, 32768), (8, 8192), (32, 4096), (64, 2048), (128, 2048), (256, 2048),
-                       (32, 32768)]
-        flash_cases = [1024, 2048, 8192, 16384, 32768]
+        dtype = jnp.bfloat16
+        if device.platform in ("gpu", "tpu"):
+            fns["kernel"] = jax.jit(ragged_kernel_for(resolve_attention_backend("pallas")))
+        attention_cases = {f"decode b{b} ctx {c}": [(c, 1)] * b for b, c in [(1, 8192), (32, 2048), (64, 4096),
+                                                                             (256, 2048)]}
+        attention_cases |= {f"chunk {n} after {c}": [(c, n)] for c, n in [(0, 2048), (8192, 512)]}
+        attention_cases["mixed 63 decodes ctx 2048 + chunk 256"] = [(2048, 1)] * 63 + [(1024, 256)]
         quant_cases = [(M, K, N) for K, N in [(4096, 4096), (4096, 14336), (14336, 4096)] for M in (1, 8, 32)]
         quant_cases = quant_cases if device.platform == "gpu" else []  # the kernels are written for GPU only
         quant_interpret = False
     results = {"date": time.strftime("%Y-%m-%d"), "device": str(device.device_kind), "jax": jax.__version__,
-               "copy_GBps": round(copy_bandwidth(8 << 20 if args.smoke else 2 << 30), 1), "paged": [], "flash": [],
+               "copy_GBps": round(copy_bandwidth(8 << 20 if args.smoke else 2 << 30), 1), "attention": [],
                "quantized": []}
     print(f"{device.device_kind}: copy bandwidth {results['copy_GBps']} GB/s")
-    for backend in backends:
-        paged, flash = kernels_for(backend)
-        print(f"{backend + ' paged decode':<34}{'kernel ms':>11}{'GB/s':>8}{'% peak':>8}{'XLA ms':>10}{'GB/s':>8}")
-        for batch, context in paged_cases:
-            r = {"backend": backend, **bench_paged(batch, context, dtype, paged)}
-            results["paged"].append(r)
-            share = r["kernel_GBps"] and 100 * r["kernel_GBps"] / results["copy_GBps"]
-            print(f"  b{batch:<4} ctx {context:<23}{r['kernel_ms'] or float('nan'):>11.3f}{r['kernel_GBps'] or 0:>8.0f}"
-                  f"{share or 0:>7.0f}%{r['xla_ms'] or float('nan'):>10.3f}{r['xla_GBps'] or 0:>8.0f}")
-        print(f"{backend + ' flash prefill':<34}{'kernel ms':>11}{'TFLOP/s':>8}{'XLA ms':>10}{'TFLOP/s':>8}")
-        for tokens in flash_cases:
-            r = {"backend": backend, **bench_flash(tokens, dtype, flash)}
-            results["flash"].append(r)
-            print(f"  T {tokens:<31}{r['kernel_ms'] or float('nan'):>11.3f}{r['kernel_TFLOPs'] or 0:>8.1f}"
-                  f"{r['xla_ms'] or float('nan'):>10.3f}{r['xla_TFLOPs'] or 0:>8.1f}")
+    print(f"{'ragged attention':<40}" + "".join(f"{impl + ' ms':>14}" for impl in fns) + f"{'kernel GB/s':>13}")
+    for name, rows in attention_cases.items():
+        r = bench_attention(name, rows, dtype, fns)
+        results["attention"].append(r)
+        print(f"  {name:<38}" + "".join(f"{r[impl + '_ms'] or float('nan'):>14.3f}" for impl in fns)
+              + f"{r['kernel_GBps'] or 0:>13.0f}")
     if quant_cases:
         print(f"{'quantized matmul, int4 g' + str(args.group_size):<28}"
               + "".join(f"{name + ' us':>12}{'GB/s':>7}" for name in ("int8", "int8 XLA", "int4", "int4 XLA", "bf16")))

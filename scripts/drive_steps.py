@@ -20,28 +20,29 @@ def main():
     args = parser.parse_args()
 
     model = load_model(args.model, jnp.float32)  # config, params pytree, tokenizer
-    steps = Steps(model.config, jnp.float32)  # jitted prefill / decode, cache donated
+    steps = Steps(model.config, jnp.float32)  # the jitted ragged step, cache donated
     page_size, num_pages = 16, 64
     kv_cache = init_kv_cache(model.config, num_pages, page_size, jnp.float32)  # per layer (K, V) pages
     allocator = PageAllocator(num_pages)
+    last_tokens = jnp.zeros(2, jnp.int32)  # where a step keeps each row's sampled token on device (slot -1: padding)
 
     prompt = model.tokenizer.encode(args.prompt)
     pages = allocator.allocate(pages_needed(len(prompt) + args.max_tokens, page_size))
     greedy = RowSampling(temperature=0.0)
     vocab = model.config.vocab_size
 
-    # Prefill: the whole prompt as one row; the step returns the first sampled token.
-    batch = build_batch([Row(prompt, 0, pages, greedy)], page_size, vocab, num_rows=1,
-                        tokens_per_row=len(prompt), pages_per_row=len(pages))
-    out, kv_cache = steps.prefill(model.params, kv_cache, batch)
-    tokens = [int(out["tokens"][0])]
+    # Prefill: the whole prompt as one row of a step; the step returns the first sampled token.
+    batch = build_batch([Row(prompt, 0, pages, greedy)], page_size, vocab, num_tokens=len(prompt), num_rows=1,
+                        pages_per_row=len(pages))
+    out, kv_cache, last_tokens = steps.step(model.params, kv_cache, last_tokens, batch)
+    tokens = [int(out.tokens[0, 0])]
 
     # Decode: one token per step at the next position, reading the cache through the page table.
     while len(tokens) < args.max_tokens and tokens[-1] not in model.tokenizer.eos_token_ids:
         row = Row([tokens[-1]], len(prompt) + len(tokens) - 1, pages, greedy)
-        batch = build_batch([row], page_size, vocab, num_rows=1, tokens_per_row=1, pages_per_row=len(pages))
-        out, kv_cache = steps.decode(model.params, kv_cache, batch)
-        tokens.append(int(out["tokens"][0]))
+        batch = build_batch([row], page_size, vocab, num_tokens=1, num_rows=1, pages_per_row=len(pages))
+        out, kv_cache, last_tokens = steps.step(model.params, kv_cache, last_tokens, batch)
+        tokens.append(int(out.tokens[0, 0]))
 
     allocator.free(pages)
     print(args.prompt + model.tokenizer.decode(tokens))

@@ -23,7 +23,7 @@ nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv | tee "$OUT/
 python3 - <<'PY' 2>&1 | tee "$OUT/self_check.log"
 import jax.numpy as jnp
 from jaxserve.pallas_kernels.self_check import check_kernels
-serving = dict(num_pages=4096, pages_per_seq=512, max_num_seqs=64, max_chunk=512)
+serving = dict(num_pages=4096, pages_per_seq=512, max_num_seqs=64, max_tokens=512)
 for heads, kv_heads, head_dim in [(9, 3, 64), (32, 8, 128)]:
     for kv in ("auto", "int8"):
         problem = check_kernels("pallas-gpu", heads, kv_heads, head_dim, 16, jnp.bfloat16, None, serving,
@@ -52,5 +52,5 @@ for M, K, N in [(1, 4096, 4096), (8, 4096, 14336), (32, 14336, 4096)]:
             print(f"{name} {M}x{K}x{N}: FAILED {type(e).__name__}: {str(e)[:300]}")
 PY
 
-# 3. Timings: paged decode and flash prefill against XLA, the quantized matmuls against XLA and bf16.
+# 3. Timings: the ragged attention kernel against XLA, the quantized matmuls against XLA and bf16.
 timeout 420 python3 scripts/bench_kernels.py --out "$OUT/kernels.json" 2>&1 | tee "$OUT/bench_kernels.log" | tail -40

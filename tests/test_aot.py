@@ -1,5 +1,5 @@
 """Deviceless AOT: the real TPU (libtpu, Mosaic) and GPU (XLA:GPU, Triton) compilers compile the default model's
-step programs and the Pallas kernels at serving shapes, on this CPU-only machine (scripts/aot_check.py)."""
+step programs and the ragged attention kernels at serving shapes, on this CPU-only machine (scripts/aot_check.py)."""
 import importlib.util
 import json
 import os
@@ -45,17 +45,17 @@ def aot_check(tmp_path, *args) -> list[dict]:
 
 @needs_compilers
 def test_default_model_serving_programs_compile_for_tpu_and_gpu(tmp_path):
-    """The engine's default shape (64 sequences, 512-token chunks): the smallest and largest decode batch and
-    prefill chunk, their cache writes, the token store and both attention kernels, for a v5e and an H100."""
+    """The engine's default shape (64 sequences, 512-token steps): the smallest step, the largest all-decode one and
+    the largest, their cache writes and the ragged attention kernel, for a v5e and an H100."""
     rows = aot_check(tmp_path, "--model", "smollm2-135m", "--target", "v5e:2x2", "--target", "h100",
                      "--only-extremes")
     for target in ("v5e:2x2", "h100"):
         programs = {(r["program"], r["shape"]) for r in rows if r["target"] == target}
-        assert {("decode", "64 rows x 1 tokens"), ("prefill", "1 rows x 512 tokens"),
-                ("paged attention", "64 rows x 1 tokens"), ("flash attention", "1 row x 512 tokens")} <= programs
-    assert all(r["fits"] and r["peak_bytes"] > r["weight_bytes"] for r in rows if r["program"] == "decode")
-    decode = next(r for r in rows if r["target"] == "v5e:2x2" and r["shape"] == "64 rows x 1 tokens"
-                  and r["program"] == "decode")
+        assert {("step", "1 tokens x 1 rows"), ("step", "64 tokens x 64 rows"), ("step", "512 tokens x 64 rows"),
+                ("cache write", "512 tokens x 64 rows"), ("ragged attention", "512 tokens x 64 rows")} <= programs
+    assert all(r["fits"] and r["peak_bytes"] > r["weight_bytes"] for r in rows if r["program"] == "step")
+    decode = next(r for r in rows if r["target"] == "v5e:2x2" and r["shape"] == "64 tokens x 64 rows"
+                  and r["program"] == "step")
     assert decode["flops"] > 2 * 64 * 100e6 and decode["roofline_tokens_per_s"] > 0  # ~2 flops per weight per row
 
 
@@ -64,7 +64,7 @@ def test_int8_kv_cache_kernels_compile_for_tpu_and_gpu(tmp_path):
     rows = aot_check(tmp_path, "--model", "smollm2-135m", "--target", "v5e:2x2", "--target", "h100",
                      "--kv-cache-dtype", "int8", "--max-num-seqs", "1", "--max-num-batched-tokens", "16",
                      "--max-model-len", "256", "--only-extremes")
-    assert {r["target"] for r in rows if r["program"] == "paged attention"} == {"v5e:2x2", "h100"}
+    assert {r["target"] for r in rows if r["program"] == "ragged attention"} == {"v5e:2x2", "h100"}
 
 
 def test_the_default_model_preset_is_the_default_model(default_llm):

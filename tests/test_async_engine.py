@@ -184,7 +184,7 @@ def test_a_failed_step_ends_every_request_it_held(tiny_dir):
         engine.shutdown()
 
 
-@pytest.mark.parametrize("where", ["dispatch_prefill", "fetch"])
+@pytest.mark.parametrize("where", ["dispatch", "fetch"])
 def test_an_engine_that_keeps_failing_reports_dead(tiny_dir, where):
     """Every step fails, when dispatched or (as device errors do) when its results are read: each request gets the
     error, and after a few failed steps in a row the engine stops and says so (alive() is False, new requests are

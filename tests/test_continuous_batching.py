@@ -188,7 +188,7 @@ def test_next_step_is_dispatched_before_the_previous_is_read(tiny_dir):
     llm = make_llm(tiny_dir)
     events = []
     runner = llm.runner
-    for name in ("dispatch_prefill", "dispatch_decode", "fetch"):
+    for name in ("dispatch", "fetch"):
         def wrapped(*a, _f=getattr(runner, name), _n=name, **kw):
             events.append("fetch" if _n == "fetch" else "dispatch")
             return _f(*a, **kw)
@@ -207,16 +207,16 @@ def test_a_failed_step_leaves_the_engine_clean(tiny_dir):
     ps = prompts(np.random.default_rng(), [9, 14])
     sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     want = token_ids(llm.generate(ps, sp, use_tqdm=False))
-    dispatch = llm.runner.dispatch_decode
+    dispatch = llm.runner.dispatch
     calls = []
 
-    def failing(rows):
+    def failing(plan):
         calls.append(1)
         if len(calls) == 3:
             raise RuntimeError("device lost")
-        return dispatch(rows)
+        return dispatch(plan)
 
-    llm.runner.dispatch_decode = failing
+    llm.runner.dispatch = failing
     with pytest.raises(RuntimeError, match="device lost"):
         llm.generate(ps, sp, use_tqdm=False)
     llm.core.assert_idle_and_clean()
@@ -232,7 +232,7 @@ def test_pages_reach_the_prefix_cache_only_after_their_step_completed(tiny_dir):
     sp = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
     fetch = llm.runner.fetch
 
-    def failing(handles):
+    def failing(handle):
         raise RuntimeError("device lost")
     llm.runner.fetch = failing
     with pytest.raises(RuntimeError, match="device lost"):

@@ -33,9 +33,9 @@ def test_greedy_matches_recorded_hf_reference(default_llm, case):
 def forward_logits(loaded, prompt, page_size=16):
     steps = Steps(loaded.config, jnp.float32)
     pages = list(range(1, 1 + pages_needed(len(prompt), page_size)))
-    batch = build_batch([Row(prompt, 0, pages)], page_size, loaded.config.vocab_size, 1, len(prompt), len(pages))
+    batch = build_batch([Row(prompt, 0, pages)], page_size, loaded.config.vocab_size, len(prompt), 1, len(pages))
     cache = init_kv_cache(loaded.config, len(pages) + 1, page_size, jnp.float32)
-    return np.asarray(steps.forward_logits(loaded.params, cache, batch)[0][0])
+    return np.asarray(steps.forward_logits(loaded.params, cache, batch)[0])
 
 
 def test_logits_match_hf_on_the_same_gguf(default_gguf_path, hf_default_model):

@@ -38,12 +38,18 @@ def test_batching_does_not_change_greedy_tokens(tiny_dir):
 
 def test_no_compilation_after_warmup(tiny_dir):
     steps_for.cache_clear()  # jitted steps are shared per model config; start from none compiled
-    llm = make_llm(tiny_dir, max_num_batched_tokens=64, warmup=True)  # two chunk buckets: 16 and 64 tokens
+    llm = make_llm(tiny_dir, max_num_batched_tokens=64, warmup=True)  # steps of 1, 2, 4 ... 64 tokens
     compiled = llm.runner.steps.num_compiled()
     shapes = list(llm.runner.buckets.shapes())
-    # A forward per shape, a cache write per distinct (rows, tokens per row), a token store per row count.
-    assert compiled == (len(shapes) + len({(rows, tokens) for _, rows, tokens, _ in shapes})
-                        + len({rows for _, rows, _, _ in shapes}))
+    assert compiled == 2 * len(shapes)  # a forward and a cache write per step size
+    used = set()
+    step = llm.runner.steps.step
+
+    def recording(params, kv_cache, last_tokens, batch):
+        used.add((batch.num_tokens, batch.num_rows))
+        return step(params, kv_cache, last_tokens, batch)
+
+    llm.runner.steps.step = recording
     # Count every XLA compilation, not only the steps': an eager op on a device array compiles a program too.
     compiles = []
 
@@ -67,6 +73,32 @@ def test_no_compilation_after_warmup(tiny_dir):
         jax.monitoring.unregister_event_duration_listener(on_compile)
     assert compiles == []
     assert llm.runner.steps.num_compiled() == compiled
+    assert used == set(shapes)  # the workload ran every bucket
+
+
+def test_one_program_and_one_copy_back_per_step(tiny_dir, monkeypatch):
+    """A step is one forward program, one cache write and one device-to-host copy, whatever its mix of decode
+    rows and prompt chunks (implicit transfers are refused outright)."""
+    llm = make_llm(tiny_dir)
+    counts = {"forward": 0, "write": 0, "device_get": 0}
+    steps = llm.runner.steps
+
+    def counting(name, f):
+        def wrapped(*args, **kwargs):
+            counts[name] += 1
+            return f(*args, **kwargs)
+        return wrapped
+
+    monkeypatch.setattr(steps, "_forward", counting("forward", steps._forward))
+    monkeypatch.setattr(steps, "_write", counting("write", steps._write))
+    monkeypatch.setattr(jax, "device_get", counting("device_get", jax.device_get))
+    before = llm.core.steps
+    with jax.transfer_guard_device_to_host("disallow"):
+        llm.generate(prompts(np.random.default_rng(), [3, 40, 17, 9, 60]), SamplingParams(max_tokens=12),
+                     use_tqdm=False)
+    steps_run = llm.core.steps - before
+    assert steps_run > 0
+    assert counts == {"forward": steps_run, "write": steps_run, "device_get": steps_run}
 
 
 def test_seeded_sampling_is_reproducible_and_batch_independent(tiny_dir):

@@ -28,9 +28,9 @@ def test_logits_match_hf(tiny):
     steps = Steps(loaded.config, jnp.float32)
     page_size = 4
     pages = list(range(1, 1 + pages_needed(len(prompt), page_size)))
-    batch = build_batch([Row(prompt, 0, pages)], page_size, loaded.config.vocab_size, 1, 64, 16)
+    batch = build_batch([Row(prompt, 0, pages)], page_size, loaded.config.vocab_size, 64, 1, 16)
     got, _ = steps.forward_logits(loaded.params, init_kv_cache(loaded.config, 20, page_size, jnp.float32), batch)
-    got = np.asarray(got[0, :len(prompt)])
+    got = np.asarray(got[:len(prompt)])
     assert np.isfinite(got).all()
     assert np.max(np.abs(got - want)) / np.max(np.abs(want)) < 1e-4
 

@@ -395,9 +395,9 @@ def test_health_turns_503_when_the_engine_stops_making_progress(tiny_dir):
     from jaxserve.async_engine import MAX_FAILED_STEPS
     llm = make_llm(tiny_dir)
 
-    def broken(row):
+    def broken(plan):
         raise RuntimeError("device lost")
-    llm.runner.dispatch_prefill = broken
+    llm.runner.dispatch = broken
     st = ServerThread(llm, "tiny", api_key=KEY)
     try:
         assert call(st, "GET", "/health")[0] == 200

@@ -4,6 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxserve.batch import SamplingInput
 from jaxserve.sampling import sample
 from jaxserve.sampling_params import MAX_BANNED_TOKENS, MAX_LOGPROBS, SamplingParams
 
@@ -16,7 +17,7 @@ def rows(n, **overrides):
          "banned": np.full((n, MAX_BANNED_TOKENS), V, np.int32), "want_top_logprobs": np.zeros(n, bool)}
     for k, v in overrides.items():
         p[k] = np.broadcast_to(np.asarray(v, p[k].dtype), p[k].shape).copy()
-    return p
+    return SamplingInput(**p)
 
 
 sample_jit = jax.jit(sample)

@@ -17,17 +17,18 @@ def prompts(rng, lengths, vocab_size=320):
 
 @contextlib.contextmanager
 def first_decode_fails(runner, message="device lost"):
-    """Within the block the runner's next decode dispatch raises RuntimeError(message); later ones run."""
-    dispatch, failed = runner.dispatch_decode, []
+    """Within the block the runner's next dispatch of a step with a decode row raises RuntimeError(message); later
+    ones run."""
+    dispatch, failed = runner.dispatch, []
 
-    def failing(rows):
-        if not failed:
+    def failing(plan):
+        if not failed and plan.decode:
             failed.append(1)
             raise RuntimeError(message)
-        return dispatch(rows)
+        return dispatch(plan)
 
-    runner.dispatch_decode = failing
+    runner.dispatch = failing
     try:
         yield
     finally:
-        runner.dispatch_decode = dispatch
+        runner.dispatch = dispatch

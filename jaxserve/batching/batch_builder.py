@@ -1,10 +1,12 @@
-"""Host-side construction of a step's batch: numpy arrays padded to a bucket, copied to the device in one go."""
+"""The one place where scheduled sequences become a step's device arrays: numpy, padded to a bucket, copied to the
+device in one go (see `jaxserve.batch` for the layout)."""
 from __future__ import annotations
 
 import dataclasses
 
 import numpy as np
 
+from jaxserve.batch import RaggedRows, SamplingInput, StepInput
 from jaxserve.cache import SCRATCH_PAGE, pages_needed
 from jaxserve.sampling_params import MAX_BANNED_TOKENS
 
@@ -30,36 +32,52 @@ class Row:
     sampling: RowSampling = dataclasses.field(default_factory=RowSampling)
     slot: int = -1  # where the device keeps the token this row samples (-1: the padding slot)
     chained: bool = False  # token_ids[0] is a placeholder for the token last sampled into `slot`, still on device
+    samples: bool = True  # the step samples the row's next token (not for a prompt chunk short of the prompt's end)
 
     @property
     def end(self) -> int:
         return self.start_pos + len(self.token_ids)
 
 
-def build_batch(rows: list[Row], page_size: int, vocab_size: int, num_rows: int, tokens_per_row: int,
-                pages_per_row: int) -> dict:
-    """Pads `rows` to [num_rows, tokens_per_row] tokens and a [num_rows, pages_per_row] page table."""
-    S, Q, P = num_rows, tokens_per_row, pages_per_row
+def plan_rows(plan) -> list[Row]:
+    """A scheduler's StepPlan as rows, from the sequences as they stand before the plan is counted in: decode rows
+    (whose token the step before sampled is taken straight from the device), then prompt chunks."""
+    rows = [Row([0 if s.pending else s.last_token], s.num_tokens - 1, s.pages, s.sampling_row(), s.slot,
+                chained=bool(s.pending)) for s in plan.decode]
+    rows += [Row(c.seq.token_ids[c.start:c.start + c.length], c.start, c.seq.pages, c.seq.sampling_row(),
+                 c.seq.slot if c.is_last else -1, samples=c.is_last) for c in plan.prefill]
+    return rows
+
+
+def build_batch(rows: list[Row], page_size: int, vocab_size: int, num_tokens: int, num_rows: int,
+                pages_per_row: int) -> StepInput:
+    """Lays `rows` back to back in `num_tokens` tokens, with `num_rows` rows and a [num_rows, pages_per_row] table."""
+    T, S, P = num_tokens, num_rows, pages_per_row
     if len(rows) > S:
         raise ValueError(f"{len(rows)} rows do not fit a batch of {S}")
-    token_ids = np.zeros((S, Q), np.int32)
-    positions = np.full((S, Q), -1, np.int32)
+    total = sum(len(r.token_ids) for r in rows)
+    if total > T:
+        raise ValueError(f"{total} tokens do not fit a batch of {T}")
+    token_ids = np.zeros(T, np.int32)
+    chain_slot = np.full(T, -1, np.int32)
+    positions = np.full(T, -1, np.int32)
     # Padding writes land in the scratch page, spread over its slots.
-    slot_mapping = np.tile(SCRATCH_PAGE * page_size + np.arange(Q, dtype=np.int32) % page_size, (S, 1))
+    slot_mapping = SCRATCH_PAGE * page_size + np.arange(T, dtype=np.int32) % page_size
+    token_row = np.zeros(T, np.int32)
+    query_start = np.full(S + 1, total, np.int32)
+    cached_lens = np.zeros(S, np.int32)
     page_table = np.full((S, P), SCRATCH_PAGE, np.int32)
-    context_lens = np.zeros(S, np.int32)
-    logits_index = np.zeros(S, np.int32)
-    token_slot = np.full(S, -1, np.int32)
+    logits_index = np.full(S, -1, np.int32)
     out_slot = np.full(S, -1, np.int32)
-    sampling = {
-        "temperature": np.zeros(S, np.float32), "top_k": np.zeros(S, np.int32), "top_p": np.ones(S, np.float32),
-        "min_p": np.zeros(S, np.float32), "seed": np.zeros(S, np.uint32), "step": np.zeros(S, np.int32),
-        "banned": np.full((S, MAX_BANNED_TOKENS), vocab_size, np.int32), "want_top_logprobs": np.zeros(S, bool),
-    }
+    sampling = SamplingInput(
+        temperature=np.zeros(S, np.float32), top_k=np.zeros(S, np.int32), top_p=np.ones(S, np.float32),
+        min_p=np.zeros(S, np.float32), seed=np.zeros(S, np.uint32), step=np.zeros(S, np.int32),
+        banned=np.full((S, MAX_BANNED_TOKENS), vocab_size, np.int32), want_top_logprobs=np.zeros(S, bool))
+    t = 0
     for i, row in enumerate(rows):
         n, end = len(row.token_ids), row.end
-        if not 1 <= n <= Q:
-            raise ValueError(f"row {i} has {n} new tokens; a row holds 1..{Q}")
+        if n < 1:
+            raise ValueError(f"row {i} has no new tokens")
         if len(row.pages) * page_size < end:
             raise ValueError(f"row {i}: {len(row.pages)} pages cannot hold {end} tokens")
         # The table lists only the pages of tokens cached before this step: the new tokens' keys reach attention
@@ -69,21 +87,26 @@ def build_batch(rows: list[Row], page_size: int, vocab_size: int, num_rows: int,
             raise ValueError(f"row {i}: {row.start_pos} cached tokens need {len(cached)} pages, the table holds {P}")
         pos = np.arange(row.start_pos, end, dtype=np.int32)
         pages = np.asarray(row.pages, np.int32)
-        token_ids[i, :n] = row.token_ids
-        positions[i, :n] = pos
-        slot_mapping[i, :n] = pages[pos // page_size] * page_size + pos % page_size
+        token_ids[t:t + n] = row.token_ids
+        positions[t:t + n] = pos
+        slot_mapping[t:t + n] = pages[pos // page_size] * page_size + pos % page_size
+        token_row[t:t + n] = i
+        query_start[i] = t
+        cached_lens[i] = row.start_pos
         page_table[i, :len(cached)] = cached
-        context_lens[i] = end
-        logits_index[i] = n - 1
-        out_slot[i] = row.slot
+        if row.samples:
+            logits_index[i] = t + n - 1
+            out_slot[i] = row.slot
         if row.chained:
-            token_slot[i] = row.slot
+            chain_slot[t] = row.slot
         s = row.sampling
         if len(s.banned) > MAX_BANNED_TOKENS:  # refused at admission (see LLM._sequences): a bug if it gets here
             raise ValueError(f"row {i} bans {len(s.banned)} tokens; a row holds at most {MAX_BANNED_TOKENS}")
         for key in ("temperature", "top_k", "top_p", "min_p", "seed", "step", "want_top_logprobs"):
-            sampling[key][i] = getattr(s, key)
-        sampling["banned"][i, :len(s.banned)] = s.banned
-    return {"token_ids": token_ids, "positions": positions, "slot_mapping": slot_mapping, "page_table": page_table,
-            "context_lens": context_lens, "logits_index": logits_index, "token_slot": token_slot, "out_slot": out_slot,
-            "sampling": sampling}
+            getattr(sampling, key)[i] = getattr(s, key)
+        sampling.banned[i, :len(s.banned)] = s.banned
+        t += n
+    rows_in = RaggedRows(positions=positions, token_row=token_row, query_start=query_start, cached_lens=cached_lens,
+                         page_table=page_table)
+    return StepInput(token_ids=token_ids, chain_slot=chain_slot, slot_mapping=slot_mapping, rows=rows_in,
+                     logits_index=logits_index, out_slot=out_slot, sampling=sampling)

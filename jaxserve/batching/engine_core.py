@@ -36,7 +36,7 @@ class EngineCore:
     def __init__(self, scheduler: Scheduler, runner: ModelRunner, rate_window_s: float = 5.0):
         self.scheduler = scheduler
         self.runner = runner
-        self._in_flight: tuple[StepPlan, list] | None = None
+        self._in_flight: tuple[StepPlan, tuple] | None = None
         self._last_arrival: float | None = None
         self.steps = 0
         self.prompt_tokens = 0
@@ -82,41 +82,45 @@ class EngineCore:
             return []
         return self._update(*done)
 
-    def _dispatch(self, plan: StepPlan) -> tuple[StepPlan, list]:
-        handles = [self.runner.dispatch_prefill(row) for row in plan.prefill_rows]
-        if plan.decode:
-            handles.append(self.runner.dispatch_decode(plan.decode_rows))
+    def _dispatch(self, plan: StepPlan) -> tuple[StepPlan, tuple]:
+        handle = self.runner.dispatch(plan)
+        self.scheduler.count_in(plan)
         self.prompt_tokens += sum(c.length for c in plan.prefill)
-        return plan, handles
+        return plan, handle
 
-    def _update(self, plan: StepPlan, handles: list) -> list[tuple[Sequence, str]]:
-        results = self.runner.fetch(handles)  # the step's one blocking copy
+    def _update(self, plan: StepPlan, handle: tuple) -> list[tuple[Sequence, str]]:
+        out = self.runner.fetch(handle)  # the step's one blocking copy
         self.scheduler.written(plan)
         now = time.monotonic()
         if self.scheduler.slo is not None and self._last_arrival is not None:
             self.scheduler.slo.observe(len(plan.decode), now - self._last_arrival)
         self._last_arrival = now if self._in_flight is not None else None  # idle gaps are not step time
         self.steps += 1
-        sampled = [(c.seq, results[i], 0) for i, c in enumerate(plan.prefill) if c.is_last]
-        if plan.decode:
-            sampled += [(seq, results[-1], i) for i, seq in enumerate(plan.decode)]
-        changed = []
-        for seq, out, i in sampled:
-            if seq.finished:
-                continue  # stopped or aborted while this step ran: its token is not wanted
-            seq.pending -= 1
-            top = []
-            if seq.params.logprobs:
-                top = list(zip(out["top_ids"][i].tolist(), out["top_logprobs"][i].tolist()))
-            delta = seq.append_token(int(out["tokens"][i]), float(out["logprobs"][i]), int(out["ranks"][i]), top)
+        # Rows in the order plan_rows laid them out: decode rows, then prompt chunks.
+        row_seqs = plan.decode + [c.seq for c in plan.prefill]
+        changed, emitted = [], 0
+        tokens, counts = out.tokens.tolist(), out.num_tokens.tolist()
+        for i, seq in enumerate(row_seqs):
+            if not counts[i] or seq.finished:
+                continue  # a chunk short of its prompt's end; or stopped or aborted while this step ran
+            seq.pending -= 1  # a row's tokens land together
+            delta = []
+            for j in range(counts[i]):
+                top = []
+                if seq.params.logprobs:
+                    top = list(zip(out.top_ids[i, j].tolist(), out.top_logprobs[i, j].tolist()))
+                delta.append(seq.append_token(tokens[i][j], float(out.logprobs[i, j]), int(out.ranks[i, j]), top))
+                emitted += 1
+                if seq.finish_reason is not None:
+                    break  # never a token past a stop
             if seq.first_token_time is None:
                 seq.first_token_time = now
             if seq.finish_reason is not None:
                 seq.finish_time = now
                 self.scheduler.finish(seq)
-            changed.append((seq, delta))
-        self.generation_tokens += len(changed)
-        self._recent = [(t, n) for t, n in self._recent if now - t <= self._rate_window_s] + [(now, len(changed))]
+            changed.append((seq, "".join(delta)))
+        self.generation_tokens += emitted
+        self._recent = [(t, n) for t, n in self._recent if now - t <= self._rate_window_s] + [(now, emitted)]
         return changed
 
     def stats(self) -> EngineStats:

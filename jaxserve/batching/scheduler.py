@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from jaxserve.batching.batch_builder import Row
 from jaxserve.batching.sequence import Sequence, Status
 from jaxserve.batching.slo import SloController
 from jaxserve.buckets import round_up
@@ -25,6 +24,8 @@ from jaxserve.cache import PrefixCache, page_keys, pages_needed
 # requests cannot starve it.
 AGING_STEPS = 64
 POLICIES = ("fcfs", "priority")
+# Below this many tokens a step reads weights more than it computes, so padding it is nearly free.
+COMPUTE_BOUND_TOKENS = 64
 
 
 @dataclasses.dataclass
@@ -41,10 +42,8 @@ class Chunk:
 
 @dataclasses.dataclass
 class StepPlan:
-    decode: list[Sequence]
-    prefill: list[Chunk]
-    decode_rows: list[Row] = dataclasses.field(default_factory=list)
-    prefill_rows: list[Row] = dataclasses.field(default_factory=list)
+    decode: list[Sequence]  # one token each
+    prefill: list[Chunk]  # at most one chunk per sequence
     # (sequence, tokens of it cached once the step has run, its preemption count when planned): what the step
     # writes, to publish to the prefix cache only after the step has completed.
     writes: list[tuple[Sequence, int, int]] = dataclasses.field(default_factory=list)
@@ -52,27 +51,22 @@ class StepPlan:
     def __bool__(self) -> bool:
         return bool(self.decode or self.prefill)
 
-    def build_rows(self) -> None:
-        """The step's inputs, from the sequences as they stand before the plan is counted in."""
-        # A row whose token the step before sampled takes it straight from the device (token 0 is a placeholder).
-        self.decode_rows = [Row([0 if s.pending else s.last_token], s.num_tokens - 1, s.pages, s.sampling_row(),
-                                s.slot, chained=bool(s.pending)) for s in self.decode]
-        self.prefill_rows = [Row(c.seq.token_ids[c.start:c.start + c.length], c.start, c.seq.pages,
-                                 c.seq.sampling_row(), c.seq.slot) for c in self.prefill]
-        self.writes = [(s, r.end, s.num_preemptions) for s, r in zip(self.decode, self.decode_rows)] + \
-                      [(c.seq, c.start + c.length, c.seq.num_preemptions) for c in self.prefill]
+    @property
+    def num_tokens(self) -> int:
+        return len(self.decode) + sum(c.length for c in self.prefill)
 
 
 class Scheduler:
     def __init__(self, cache: PrefixCache, max_num_seqs: int, max_num_batched_tokens: int,
-                 chunk_sizes: tuple[int, ...], policy: str = "fcfs", slo: SloController | None = None):
+                 token_buckets: tuple[int, ...] | None = None, policy: str = "fcfs",
+                 slo: SloController | None = None):
         if policy not in POLICIES:
             raise ValueError(f"scheduling_policy must be one of {POLICIES}, got {policy!r}")
         self.cache = cache
         self.page_size = cache.page_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.chunk_sizes = chunk_sizes  # the prefill step's token buckets, ascending
+        self.token_buckets = token_buckets or (max_num_batched_tokens,)  # the step sizes that compile, ascending
         self.policy = policy
         self.slo = slo
         self.waiting: list[Sequence] = []
@@ -147,14 +141,20 @@ class Scheduler:
         for seq in self.waiting:
             seq.waited_steps += 1
             seq.boost = seq.waited_steps // AGING_STEPS
-        plan.build_rows()
+        self._fit_to_bucket(plan)
+        plan.writes = [(s, s.num_tokens, s.num_preemptions) for s in plan.decode] + \
+                      [(c.seq, c.start + c.length, c.seq.num_preemptions) for c in plan.prefill]
+        return plan
+
+    def count_in(self, plan: StepPlan) -> None:
+        """Once the plan's step is dispatched (its inputs were read from the sequences as planned): its tokens are
+        computed and their samples in flight."""
         for seq in plan.decode:
             seq.num_cached += 1
             seq.pending += 1
         for chunk in plan.prefill:
             chunk.seq.num_cached += chunk.length
             chunk.seq.pending += chunk.is_last
-        return plan
 
     def written(self, plan: StepPlan) -> None:
         """After `plan`'s step has completed: its full pages are in the cache, so the prefix cache may serve them.
@@ -176,24 +176,30 @@ class Scheduler:
             seq.num_published = full
 
     def _add_chunks(self, plan: StepPlan, seq: Sequence, budget: int) -> int:
-        """Plans up to `budget` of the sequence's next prompt tokens; returns how many."""
-        start, left = seq.num_cached, min(seq.num_to_compute, budget)
-        while left > 0:
-            n = self._chunk_length(left)
-            plan.prefill.append(Chunk(seq, start, n))
-            start, left = start + n, left - n
-        return start - seq.num_cached
+        """Plans up to `budget` of the sequence's next prompt tokens, as one chunk; returns how many."""
+        n = min(seq.num_to_compute, budget)
+        plan.prefill.append(Chunk(seq, seq.num_cached, n))
+        return n
 
-    def _chunk_length(self, n: int) -> int:
-        """Cuts n tokens to a chunk that pads little: n itself if its bucket wastes at most the smallest bucket,
-        else the largest bucket below n (135 tokens become 64 + 64 + 7, computing 144 rather than 256). Chunks of
-        one sequence in one step run in order, each reading what the one before wrote."""
-        sizes = self.chunk_sizes
-        if n >= sizes[-1]:
-            return sizes[-1]
-        if round_up(n, sizes) - n <= sizes[0]:
-            return n
-        return max(b for b in sizes if b <= n)
+    def _fit_to_bucket(self, plan: StepPlan) -> None:
+        """Cuts prompt chunks (the last planned first) down to the bucket below when the step would otherwise pad
+        more than a quarter of the bucket above: a padded token costs a real one in every matmul once a step is
+        compute-bound, while a cut token only waits a step. Decode tokens are never cut."""
+        total = plan.num_tokens
+        if total == 0:
+            return
+        above = round_up(total, self.token_buckets)
+        below = max((b for b in self.token_buckets if b < total), default=0)
+        if above <= COMPUTE_BOUND_TOKENS or above - total <= above // 4 or below < max(len(plan.decode), 1):
+            return
+        excess = total - below
+        while excess > 0:
+            chunk = plan.prefill[-1]
+            cut = min(excess, chunk.length)
+            chunk.length -= cut
+            excess -= cut
+            if chunk.length == 0:
+                plan.prefill.pop()
 
     def _grow(self, seq: Sequence, num_tokens: int) -> bool:
         """Gives `seq` pages for num_tokens, preempting worse sequences (or `seq`) if none are free."""

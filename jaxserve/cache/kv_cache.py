@@ -64,8 +64,15 @@ def init_kv_cache(config: ModelConfig, num_pages: int, page_size: int, dtype, kv
 def read_pages(pages, page_ids, dtype) -> jax.Array:
     """pages[page_ids] in dtype: [*page_ids.shape, page_size, kv_heads, head_dim]."""
     if isinstance(pages, Int8Pages):
-        return pages.values[page_ids].astype(dtype) * pages.scale[page_ids][..., None].astype(dtype)
-    return pages[page_ids].astype(dtype)
+        return take_pages(pages.values, page_ids).astype(dtype) * take_pages(pages.scale, page_ids)[..., None].astype(dtype)
+    return take_pages(pages, page_ids).astype(dtype)
+
+
+def take_pages(pages, page_ids) -> jax.Array:
+    """pages[page_ids], gathered as whole flat pages: XLA:CPU copies a row of a 2-D array as one block, but gathers
+    from the 4-D array element by element (measured 5x slower: 2.8 ms against 13.4 ms for 2112 pages)."""
+    flat = pages.reshape(pages.shape[0], -1)[page_ids]  # [*page_ids.shape, page elements]
+    return flat.reshape(*page_ids.shape, *pages.shape[1:])
 
 
 def write_pages(pages, x, slots):

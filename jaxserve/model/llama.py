@@ -54,20 +54,19 @@ class DecoderLayer(nn.Module):
     attention_backend: str = "reference"  # resolved (see jaxserve.attention.resolve_attention_backend)
 
     @nn.compact
-    def __call__(self, x, kv, batch):
+    def __call__(self, x, kv, rows):
         c, dt = self.config, self.dtype
-        S, Q, _ = x.shape  # x: [S, Q, hidden]
+        T, _ = x.shape  # x: [T, hidden], the step's tokens of every row back to back
         h = RMSNorm(c.rms_norm_eps, dt, name="input_layernorm")(x)
         q = Linear(c.num_heads * c.head_dim, c.attention_bias, dt, name="q_proj")(h)
         k = Linear(c.num_kv_heads * c.head_dim, c.attention_bias, dt, name="k_proj")(h)
         v = Linear(c.num_kv_heads * c.head_dim, c.attention_bias, dt, name="v_proj")(h)
         inv_freq = inverse_frequencies(c.head_dim, c.rope_theta, c.rope_scaling)
-        q = apply_rope(q.reshape(S, Q, c.num_heads, c.head_dim), batch["positions"], inv_freq)
-        k = apply_rope(k.reshape(S, Q, c.num_kv_heads, c.head_dim), batch["positions"], inv_freq)
-        v = v.reshape(S, Q, c.num_kv_heads, c.head_dim)
-        attn = attention(q, k, v, kv[0], kv[1], batch["page_table"], batch["positions"],
-                         sliding_window=c.sliding_window, backend=self.attention_backend)
-        x = x + Linear(c.hidden_size, False, dt, name="o_proj")(attn.reshape(S, Q, -1))
+        q = apply_rope(q.reshape(T, c.num_heads, c.head_dim), rows.positions, inv_freq)
+        k = apply_rope(k.reshape(T, c.num_kv_heads, c.head_dim), rows.positions, inv_freq)
+        v = v.reshape(T, c.num_kv_heads, c.head_dim)
+        attn = attention(q, k, v, kv[0], kv[1], rows, sliding_window=c.sliding_window, backend=self.attention_backend)
+        x = x + Linear(c.hidden_size, False, dt, name="o_proj")(attn.reshape(T, -1))
         h = RMSNorm(c.rms_norm_eps, dt, name="post_attention_layernorm")(x)
         gate = Linear(c.intermediate_size, False, dt, name="gate_proj")(h)
         up = Linear(c.intermediate_size, False, dt, name="up_proj")(h)
@@ -81,11 +80,11 @@ class LlamaModel(nn.Module):
     attention_backend: str = "reference"
 
     @nn.compact
-    def __call__(self, token_ids, kv_cache, batch, logits_index=None):
-        """token_ids: [S, Q]; kv_cache: per layer (k_pages, v_pages), as before this step; batch: attention inputs.
+    def __call__(self, token_ids, kv_cache, rows, logits_index=None):
+        """token_ids: [T]; kv_cache: per layer (k_pages, v_pages), as before this step; rows: `RaggedRows`.
 
-        logits_index: [S] which new token of each row gets logits (None: all of them).
-        Returns (logits [S, V] or [S, Q, V] in float32, per layer this step's (k, v), each [S, Q, kv_heads, head_dim]).
+        logits_index: [S] which tokens get logits (None: all of them).
+        Returns (logits [S, V] or [T, V] in float32, per layer this step's (k, v), each [T, kv_heads, head_dim]).
         """
         c = self.config
         if self.has_variable("params", "embed_tokens"):  # float or int8 rows (jaxserve.quant)
@@ -93,14 +92,14 @@ class LlamaModel(nn.Module):
         else:
             embedding = self.param("embed_tokens", nn.initializers.normal(0.02), (c.vocab_size, c.hidden_size),
                                    self.dtype)
-        x = embed(embedding, token_ids, self.dtype)  # [S, Q, hidden]
+        x = embed(embedding, token_ids, self.dtype)  # [T, hidden]
         new_kv = []
         # A Python loop over per-layer weights: on XLA:CPU a scan over stacked layers copies each weight slice.
         for i in range(c.num_layers):
-            x, kv = DecoderLayer(c, self.dtype, self.attention_backend, name=f"layers_{i}")(x, kv_cache[i], batch)
+            x, kv = DecoderLayer(c, self.dtype, self.attention_backend, name=f"layers_{i}")(x, kv_cache[i], rows)
             new_kv.append(kv)
         if logits_index is not None:
-            x = jnp.take_along_axis(x, logits_index[:, None, None], axis=1)[:, 0]  # [S, hidden]
+            x = x[logits_index]  # [S, hidden]
         x = RMSNorm(c.rms_norm_eps, self.dtype, name="norm")(x)
         # Always a separate [hidden, vocab] head, even for tied embeddings (the loader copies it): XLA:CPU multiplies
         # by it faster than by the transposed embedding, and a step reads the same bytes either way.

@@ -30,9 +30,9 @@ def inverse_frequencies(head_dim: int, theta: float, scaling) -> np.ndarray:
 
 
 def apply_rope(x, positions, inv_freq):
-    """x: [S, Q, heads, head_dim]; positions: [S, Q]."""
-    angles = positions[..., None].astype(jnp.float32) * inv_freq  # [S, Q, head_dim / 2]
-    cos = jnp.cos(angles)[:, :, None, :]
-    sin = jnp.sin(angles)[:, :, None, :]
+    """x: [..., heads, head_dim]; positions: [...]."""
+    angles = positions[..., None].astype(jnp.float32) * inv_freq  # [..., head_dim / 2]
+    cos = jnp.cos(angles)[..., None, :]
+    sin = jnp.sin(angles)[..., None, :]
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)

@@ -5,7 +5,7 @@ Decode reads every weight once per step for a handful of activation rows, so its
 halves bf16's bytes and int4 (with an f16 scale and offset per group) quarters them, if the dequantization never
 writes a full-precision copy back to HBM (what XLA's `(x @ dequantize(w))` does when it does not fuse).
 
-Written for Pallas' Triton lowering (see paged_attention.py for why not Mosaic GPU yet). One program per (block of
+Written for Pallas' Triton lowering (see ragged_attention.py for why not Mosaic GPU yet). One program per (block of
 N, block of M rows, split of K) walks its K range with a `fori_loop`, accumulating in float32. Decode's M (1..256)
 is padded to a power of two >= 16 (Triton's dot needs >= 16 in each dimension); with so few rows a GPU has only
 N / block_n programs to run, so K is split (`split_k`, chosen to give about two programs per SM on large GPUs) and

@@ -1,9 +1,10 @@
-"""A start-up check of the kernels on the device at hand: compare both with their references on small random inputs
-at the model's head shapes, then compile them at the largest shapes serving will use (resource limits: registers,
-shared memory, VMEM, SMEM for the page table show only there). `attention_backend="auto"` uses the kernels only
-if this passes (and says so in the log when it does not), so a kernel that a new backend version cannot lower
-never takes the engine down with it; `"pallas"` asked for explicitly raises instead. With kv_cache_dtype="int8" the paged kernel is
-checked (and compiled) reading int8 pages (`Int8Pages`), as serving will call it.
+"""A start-up check of the ragged attention kernel on the device at hand: compare it with the oracle
+(`ragged_attention_reference`) on a small random ragged batch at the model's head shapes, then compile it at the
+largest step serving will run (resource limits: registers, shared memory, VMEM, SMEM show only there).
+`attention_backend="auto"` uses the kernel only if this passes (and says so in the log when it does not), so a
+kernel that a new backend version cannot lower never takes the engine down with it; `"pallas"` asked for
+explicitly raises instead. With kv_cache_dtype="int8" the kernel is checked (and compiled) reading int8 pages
+(`Int8Pages`), as serving will call it.
 """
 from __future__ import annotations
 
@@ -11,53 +12,58 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxserve.attention import ragged_attention_reference
+from jaxserve.batch import RaggedRows
 from jaxserve.cache.kv_cache import Int8Pages, check_kv_cache_dtype, write_pages
-from jaxserve.pallas_kernels import kernels_for
-from jaxserve.pallas_kernels.flash_attention import flash_attention_reference
-from jaxserve.pallas_kernels.paged_attention import paged_attention_reference
+from jaxserve.pallas_kernels import ragged_kernel_for
 
 
 def check_kernels(backend: str, num_heads: int, kv_heads: int, head_dim: int, page_size: int, dtype,
                   sliding_window: int | None = None, serving: dict | None = None, *,
                   kv_cache_dtype: str = "auto") -> str | None:
-    """None if both kernels of `backend` compile and agree with their references; else what went wrong.
+    """None if the ragged kernel of `backend` compiles and agrees with the oracle; else what went wrong.
 
-    serving: {num_pages, pages_per_seq, max_num_seqs, max_chunk}, the largest shapes to compile (not run).
-    kv_cache_dtype: "auto" (pages in `dtype`) or "int8" (the paged kernel reads Int8Pages).
+    serving: {num_pages, pages_per_seq, max_num_seqs, max_tokens}, the largest step to compile (not run).
+    kv_cache_dtype: "auto" (pages in `dtype`) or "int8" (the kernel reads Int8Pages).
     """
     int8 = check_kv_cache_dtype(kv_cache_dtype) == "int8"
-    paged, flash = kernels_for(backend)
-    rng = np.random.default_rng(0)
     tol = 2e-2 if jnp.dtype(dtype) == jnp.bfloat16 else 1e-3
-    S, Q, pages = 2, 3, 4
     try:
-        k_pages = jnp.asarray(rng.standard_normal((S * pages + 1, page_size, kv_heads, head_dim)), dtype)
-        v_pages = jnp.asarray(rng.standard_normal((S * pages + 1, page_size, kv_heads, head_dim)), dtype)
-        if int8:
-            k_pages, v_pages = quantize_pages(k_pages), quantize_pages(v_pages)
-        table = jnp.asarray(1 + np.arange(S * pages).reshape(S, pages), jnp.int32)
-        q = jnp.asarray(rng.standard_normal((S, Q, num_heads, head_dim)), dtype)
-        kv_lens = jnp.asarray([page_size + 3, 2 * page_size], jnp.int32)
-        positions = kv_lens[:, None] + jnp.arange(Q)[None, :]
-        got = paged(q, k_pages, v_pages, table, kv_lens, positions, sliding_window=sliding_window)[0]
-        want = paged_attention_reference(q, k_pages, v_pages, table, kv_lens, positions,
-                                         sliding_window=sliding_window)[0]
+        kernel = ragged_kernel_for(backend)
+        args = small_ragged_batch(np.random.default_rng(0), num_heads, kv_heads, head_dim, page_size, dtype, int8)
+        got = kernel(*args, sliding_window=sliding_window)
+        want = ragged_attention_reference(*args, sliding_window=sliding_window)
         if not np.allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=tol, rtol=tol):
-            return "paged attention disagrees with its reference"
-        k = jnp.asarray(rng.standard_normal((1, 21, kv_heads, head_dim)), dtype)
-        v = jnp.asarray(rng.standard_normal((1, 21, kv_heads, head_dim)), dtype)
-        q = jnp.asarray(rng.standard_normal((1, 21, num_heads, head_dim)), dtype)
-        zero, n = jnp.zeros(1, jnp.int32), jnp.full((1,), 21, jnp.int32)
-        got = flash(q, k, v, zero, zero, n, n, sliding_window=sliding_window)[0]
-        want = flash_attention_reference(q, k, v, zero, zero, n, n, sliding_window=sliding_window)[0]
-        if not np.allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=tol, rtol=tol):
-            return "flash attention disagrees with its reference"
+            return "ragged attention disagrees with the reference"
         if serving is not None:
-            _compile_serving_shapes(paged, flash, num_heads, kv_heads, head_dim, page_size, dtype, sliding_window,
-                                    int8, **serving)
+            _compile_serving_shape(kernel, num_heads, kv_heads, head_dim, page_size, dtype, sliding_window, int8,
+                                   **serving)
     except Exception as e:  # noqa: BLE001 - any failure to lower or run is the answer
         return f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
     return None
+
+
+def small_ragged_batch(rng, num_heads, kv_heads, head_dim, page_size, dtype, int8=False):
+    """(q, k, v, k_pages, v_pages, rows): a decode row, a prompt chunk after a cached prefix, a fresh prompt, then
+    padding tokens and a padding row; every row crosses a page."""
+    cached, new = [page_size + 3, 2 * page_size, 0], [1, 5, page_size + 2]
+    S, P = len(cached) + 1, 4
+    T = sum(new) + 3
+    num_pages = S * P + 1
+    normal = lambda *shape: jnp.asarray(rng.standard_normal(shape), dtype)  # noqa: E731
+    k_pages, v_pages = normal(num_pages, page_size, kv_heads, head_dim), normal(num_pages, page_size, kv_heads,
+                                                                                head_dim)
+    if int8:
+        k_pages, v_pages = quantize_pages(k_pages), quantize_pages(v_pages)
+    q, k, v = normal(T, num_heads, head_dim), normal(T, kv_heads, head_dim), normal(T, kv_heads, head_dim)
+    starts = np.cumsum([0] + new)
+    positions, token_row = np.full(T, -1), np.zeros(T, int)
+    for r, (c, n) in enumerate(zip(cached, new)):
+        positions[starts[r]:starts[r + 1]], token_row[starts[r]:starts[r + 1]] = c + np.arange(n), r
+    query_start = np.append(starts, starts[-1])  # the padding row has no tokens
+    table = 1 + rng.permutation(S * P).reshape(S, P)
+    rows = RaggedRows(*(jnp.asarray(x, jnp.int32) for x in (positions, token_row, query_start, cached + [0], table)))
+    return q, k, v, k_pages, v_pages, rows
 
 
 def quantize_pages(pages):
@@ -67,15 +73,19 @@ def quantize_pages(pages):
     return write_pages(empty, pages.reshape(-1, kv_heads, head_dim), jnp.arange(num_pages * page_size))
 
 
-def _compile_serving_shapes(paged, flash, num_heads, kv_heads, head_dim, page_size, dtype, sliding_window, int8, *,
-                            num_pages, pages_per_seq, max_num_seqs, max_chunk):
+def serving_shapes(num_heads, kv_heads, head_dim, page_size, dtype, int8, *, num_pages, pages_per_seq, max_num_seqs,
+                   max_tokens):
+    """The kernel's arguments, as shapes, at the largest step: max_tokens tokens in min(max_tokens, max_num_seqs)
+    rows (as `jaxserve.buckets` pads them)."""
     sds, i32 = jax.ShapeDtypeStruct, jnp.int32
+    T, S = max_tokens, min(max_tokens, max_num_seqs)
     shape = (num_pages, page_size, kv_heads, head_dim)
-    pages = (Int8Pages(sds(shape, jnp.int8), sds(shape[:-1], jnp.float32)) if int8 else sds(shape, dtype))
-    for seqs, tokens in [(max_num_seqs, 1), (1, max_chunk)]:  # the largest decode and prefill steps
-        jax.jit(lambda *a: paged(*a, sliding_window=sliding_window)).lower(
-            sds((seqs, tokens, num_heads, head_dim), dtype), pages, pages, sds((seqs, pages_per_seq), i32),
-            sds((seqs,), i32), sds((seqs, tokens), i32)).compile()
-    new = sds((1, max_chunk, kv_heads, head_dim), dtype)
-    jax.jit(lambda *a: flash(*a, sliding_window=sliding_window)).lower(
-        sds((1, max_chunk, num_heads, head_dim), dtype), new, new, *[sds((1,), i32)] * 4).compile()
+    pages = Int8Pages(sds(shape, jnp.int8), sds(shape[:-1], jnp.float32)) if int8 else sds(shape, dtype)
+    rows = RaggedRows(sds((T,), i32), sds((T,), i32), sds((S + 1,), i32), sds((S,), i32), sds((S, pages_per_seq), i32))
+    new = sds((T, kv_heads, head_dim), dtype)
+    return sds((T, num_heads, head_dim), dtype), new, new, pages, pages, rows
+
+
+def _compile_serving_shape(kernel, num_heads, kv_heads, head_dim, page_size, dtype, sliding_window, int8, **serving):
+    args = serving_shapes(num_heads, kv_heads, head_dim, page_size, dtype, int8, **serving)
+    jax.jit(lambda *a: kernel(*a, sliding_window=sliding_window)).lower(*args).compile()

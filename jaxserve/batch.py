@@ -1,0 +1,71 @@
+"""A step's inputs and outputs: typed pytrees over one ragged batch.
+
+A step computes T new tokens (padded to a bucket) for S rows (padded to min(T, max_num_seqs)), one row per
+sequence: its new tokens sit back to back in the flat token array, whatever their number (one for a decode, a
+prompt chunk's worth for a prefill, k + 1 for a verification). Every matmul runs over the flat [T] tokens, so a
+step reads each weight once however its tokens split between sequences; only attention sees the rows.
+`jaxserve.batching.batch_builder` is the one place that builds these from scheduled sequences.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class RaggedRows:
+    """What attention needs to know of the rows."""
+    positions: jax.Array  # int32 [T]   each token's position in its sequence (-1: padding, attends to nothing)
+    token_row: jax.Array  # int32 [T]   each token's row (padding tokens: row 0; their position hides them)
+    query_start: jax.Array  # int32 [S + 1]   row r's tokens are token_ids[query_start[r]:query_start[r + 1]]
+    cached_lens: jax.Array  # int32 [S]   tokens of each row in the cache before this step: keys 0 .. len - 1
+    page_table: jax.Array  # int32 [S, P]   pages holding each row's cached tokens, in order (scratch page padded)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class SamplingInput:
+    """Per row; see `jaxserve.sampling.sample`."""
+    temperature: jax.Array  # float32 [S]   0: greedy
+    top_k: jax.Array  # int32 [S]   0: off
+    top_p: jax.Array  # float32 [S]
+    min_p: jax.Array  # float32 [S]
+    seed: jax.Array  # uint32 [S]
+    step: jax.Array  # int32 [S]   tokens generated so far: with the seed, a reproducible draw
+    banned: jax.Array  # int32 [S, MAX_BANNED_TOKENS]   may not be sampled now (padded with vocab_size)
+    want_top_logprobs: jax.Array  # bool [S]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class StepInput:
+    token_ids: jax.Array  # int32 [T]
+    chain_slot: jax.Array  # int32 [T]   >= 0: the token is last_tokens[chain_slot], sampled by the step before
+    #                                     and still on device (token_ids holds a placeholder); -1: token_ids holds it
+    slot_mapping: jax.Array  # int32 [T]   flat cache slot (page * page_size + offset) each new K/V is written to
+    rows: RaggedRows
+    logits_index: jax.Array  # int32 [S]   the token whose logits each row samples from (its last)
+    out_slot: jax.Array  # int32 [S]   where each row's sampled token is kept on device (-1: the padding slot)
+    sampling: SamplingInput
+
+    @property
+    def num_tokens(self) -> int:
+        return self.token_ids.shape[0]
+
+    @property
+    def num_rows(self) -> int:
+        return self.logits_index.shape[0]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class StepOutput:
+    """Up to Q sampled tokens per row (Q = 1 until speculative verification): a row emits num_tokens[r] of them."""
+    tokens: jax.Array  # int32 [S, Q]
+    num_tokens: jax.Array  # int32 [S]
+    logprobs: jax.Array  # float32 [S, Q]   of each token under the model's distribution
+    ranks: jax.Array  # int32 [S, Q]   1: the most likely token
+    top_ids: jax.Array  # int32 [S, Q, MAX_LOGPROBS]   (zeros unless a row asked for top logprobs)
+    top_logprobs: jax.Array  # float32 [S, Q, MAX_LOGPROBS]

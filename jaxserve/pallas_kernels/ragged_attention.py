@@ -1,0 +1,172 @@
+"""Ragged paged attention for the GPU (Pallas' Triton lowering): same arguments and result as
+`jaxserve.attention.ragged_attention_reference`.
+
+Each row's new tokens are cut into query blocks of `block_q` tokens; a block never spans two rows, so a program of
+the grid (query block, KV head) serves one row. Which row and which of its tokens a block holds is worked out in
+the wrapper with jnp from `query_start` (no host round trip), over a static number of block slots: T // block_q + S
+bounds the blocks of any split of T tokens into S rows; unused slots do no work. The wrapper gathers each slot's
+queries (and the page table of its row) so a program's inputs are plain blocks: its rows are its tokens' queries
+for the query heads sharing its KV head (GQA without repeating K/V), padded to a power of two >= 16 for the dots.
+
+A program folds into one online softmax first its row's cached keys, walking the row's pages `block_pages` at a
+time through the page table (a dynamic trip count from `cached_lens`, so ragged lengths cost what they hold), then
+the row's new keys (this step's k, v, not yet in the cache: read from the flat arrays at the row's offset, causal
+by position), `block_k` at a time up to the block's last token. A sliding window skips the blocks before it. int8
+pages (`Int8Pages`) go in as values and scales and are dequantized to the queries' dtype as they are loaded, as
+`read_pages` does.
+
+Mosaic GPU is where JAX's GPU Pallas is going (the Triton lowering is deprecated in 0.11), but its kernels are
+written per warpgroup with explicit async copies; a gather of pages chosen at run time is direct in Triton, so this
+kernel stays there until Mosaic GPU has an equivalent.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from jaxserve.batch import RaggedRows
+from jaxserve.pallas_kernels.softmax import (dequantize, pow2, scores, softmax_block, softmax_init, softmax_result,
+                                             split_pages)
+
+_FAR = 2 ** 30  # a position past every real one: "no token here" in the block metadata
+# Per block slot, in the order the kernel reads them: cached keys, first new token of the row (flat index), the
+# row's new tokens, how many of them this block's queries can see, the lowest position among its queries.
+_CACHED, _ROW_START, _NUM_NEW, _OWN_END, _LOWEST = range(5)
+
+
+def _kernel(meta_ref, q_pos_ref, table_ref, q_ref, k_ref, v_ref, k_pos_ref, k_pages_ref, v_pages_ref, *refs,
+            page_size, block_pages, block_k, sliding_window, scale, quantized):
+    # meta_ref [1, 8] (see _CACHED...); q_pos_ref [rows] (-1: no query); table_ref [P]; q_ref [rows, D];
+    # k_ref, v_ref [T + block_k, D] this step's keys of this KV head; k_pos_ref [T + block_k] their positions;
+    # k_pages_ref, v_pages_ref [num_pages, page_size, D] (int8 when quantized, then the scales
+    # [num_pages, page_size] float32 follow); o_ref [rows, D]
+    o_ref = refs[-1]
+    k_scale_ref, v_scale_ref = refs[:2] if quantized else (None, None)
+    rows, head_dim = q_ref.shape
+    block = block_pages * page_size
+    q = q_ref[...]
+    q_pos = q_pos_ref[...][:, None]  # [rows, 1]
+    cached, row_start, num_new = meta_ref[0, _CACHED], meta_ref[0, _ROW_START], meta_ref[0, _NUM_NEW]
+    own_end, lowest = meta_ref[0, _OWN_END], meta_ref[0, _LOWEST]
+    window_start = 0 if sliding_window is None else jnp.maximum(lowest - sliding_window + 1, 0)
+
+    def in_window(key_pos):
+        return True if sliding_window is None else key_pos > q_pos - sliding_window
+
+    def visit_cached(i, carry):
+        pages = table_ref[pl.ds(i * block_pages, block_pages)]
+        k = k_pages_ref[pages].reshape(block, head_dim)  # [block, D]: a gather through the page table
+        v = v_pages_ref[pages].reshape(block, head_dim)
+        if quantized:  # the scales gathered alike, [block, 1]
+            k = dequantize(k, k_scale_ref[pages].reshape(block, 1), q.dtype)
+            v = dequantize(v, v_scale_ref[pages].reshape(block, 1), q.dtype)
+        key_pos = i * block + jnp.arange(block)[None, :]
+        visible = (key_pos < cached) & in_window(key_pos)
+        return softmax_block(*carry, scores(q, k, scale, None), visible, v.astype(q.dtype))
+
+    def visit_new(i, carry):
+        first = row_start + i * block_k
+        k = k_ref[pl.ds(first, block_k), :]  # [block_k, D]
+        v = v_ref[pl.ds(first, block_k), :]
+        key_pos = k_pos_ref[pl.ds(first, block_k)][None, :]
+        mine = (i * block_k + jnp.arange(block_k))[None, :] < num_new  # the rest belongs to the next rows
+        visible = mine & (key_pos >= 0) & (key_pos <= q_pos) & in_window(key_pos)
+        return softmax_block(*carry, scores(q, k, scale, None), visible, v.astype(q.dtype))
+
+    num_blocks = jnp.minimum(pl.cdiv(cached, block), table_ref.shape[0] // block_pages)
+    carry = softmax_init(rows, head_dim)
+    carry = jax.lax.fori_loop(jnp.minimum(window_start // block, num_blocks), num_blocks, visit_cached, carry)
+    # The new keys' blocks start at the row's first token; the window may skip some of them too.
+    new_blocks = pl.cdiv(own_end, block_k)
+    first_new = jnp.minimum(jnp.maximum(window_start - cached, 0) // block_k, new_blocks)
+    carry = jax.lax.fori_loop(first_new, new_blocks, visit_new, carry)
+    o_ref[...] = softmax_result(*carry)[0].astype(o_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("sliding_window", "block_q", "block_k", "block_pages", "interpret"))
+def ragged_attention_gpu(q, k, v, k_pages, v_pages, rows: RaggedRows, *, sliding_window=None, block_q=16,
+                         block_k=32, block_pages=8, interpret=False):
+    """Arguments and result as `ragged_attention_reference`: q [T, H, D], k, v [T, KVH, D], pages
+    [num_pages, page_size, KVH, D] (or Int8Pages) -> [T, H, D]; padding tokens give zeros.
+
+    block_q: new tokens of one row per program (its dots have block_q * H / KVH rows, padded to a power of two);
+    block_k: new keys per step of a program's walk over its row's new tokens (a power of two, >= 16 on GPU);
+    block_pages: cached pages per step of the walk over its row's pages.
+    """
+    T, H, D = q.shape
+    num_pages, page_size, KVH, _ = k_pages.shape
+    G = H // KVH
+    S, P = rows.page_table.shape
+    NB = T // block_q + S  # a row of n tokens takes cdiv(n, block_q) <= n // block_q + 1 blocks
+    R = pow2(block_q * G, 16)
+
+    # Which row each block slot serves: row r's cdiv(n_r, block_q) blocks from first_block[r] on.
+    query_start = rows.query_start.astype(jnp.int32)  # [S + 1]
+    num_new = query_start[1:] - query_start[:-1]  # [S]
+    blocks_per_row = -(-num_new // block_q)
+    first_block = jnp.cumsum(blocks_per_row) - blocks_per_row  # [S]
+    slot = jnp.arange(NB, dtype=jnp.int32)
+    slot_row = jnp.minimum(jnp.searchsorted(first_block + blocks_per_row, slot, side="right"), S - 1)  # [NB]
+    first_local = (slot - first_block[slot_row]) * block_q  # [NB] the slot's first token within its row
+    used = first_local < num_new[slot_row]  # slots past the last block: nothing to do
+    local = first_local[:, None] + jnp.arange(block_q)  # [NB, block_q]
+    present = local < num_new[slot_row][:, None]
+    token = jnp.where(present, query_start[slot_row][:, None] + local, 0)  # [NB, block_q] flat index
+    q_pos = jnp.where(present, rows.positions[token], -1)  # [NB, block_q]
+    meta = jnp.zeros((NB, 8), jnp.int32)
+    meta = meta.at[:, _CACHED].set(jnp.where(used, rows.cached_lens[slot_row], 0))
+    meta = meta.at[:, _ROW_START].set(query_start[slot_row])
+    meta = meta.at[:, _NUM_NEW].set(jnp.where(used, num_new[slot_row], 0))
+    meta = meta.at[:, _OWN_END].set(jnp.where(used, jnp.minimum(first_local + block_q, num_new[slot_row]), 0))
+    meta = meta.at[:, _LOWEST].set(jnp.min(jnp.where(q_pos >= 0, q_pos, _FAR), axis=1))
+
+    # [NB, KVH, R, D]: a slot's rows are its tokens' queries (token-major) for the heads of one KV head.
+    q_rows = q.reshape(T, KVH, G, D)[token].transpose(0, 2, 1, 3, 4).reshape(NB, KVH, block_q * G, D)
+    q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, R - block_q * G), (0, 0)))
+    pos_rows = jnp.pad(jnp.repeat(q_pos, G, axis=1), ((0, 0), (0, R - block_q * G)), constant_values=-1)
+    bp = min(block_pages, pow2(P))
+    table = jnp.pad(rows.page_table, ((0, 0), (0, pow2(P, bp) - P)))[slot_row]  # [NB, P'] each slot's row's pages
+    # The new keys padded by a block, so a walk's last block never reads past them.
+    k_new, v_new = (jnp.pad(x, ((0, block_k), (0, 0), (0, 0))) for x in (k, v))
+    k_pos = jnp.pad(rows.positions, (0, block_k), constant_values=-1)  # [T + block_k]
+    (k_values, k_scale), (v_values, v_scale) = split_pages(k_pages), split_pages(v_pages)
+    quantized = k_scale is not None
+    scales = [k_scale, v_scale] if quantized else []
+    Tk, Pt = T + block_k, table.shape[1]
+
+    kernel = functools.partial(_kernel, page_size=page_size, block_pages=bp, block_k=block_k,
+                               sliding_window=sliding_window, scale=D ** -0.5, quantized=quantized)
+    out = pl.pallas_call(
+        kernel,
+        grid=(NB, KVH),
+        in_specs=[
+            pl.BlockSpec((1, 8), lambda b, h: (b, 0)),  # block metadata
+            pl.BlockSpec((None, R), lambda b, h: (b, 0)),  # query positions
+            pl.BlockSpec((None, Pt), lambda b, h: (b, 0)),  # the row's page table
+            pl.BlockSpec((None, None, R, D), lambda b, h: (b, h, 0, 0)),  # queries
+            pl.BlockSpec((Tk, None, D), lambda b, h: (0, h, 0)),  # this step's keys of this head
+            pl.BlockSpec((Tk, None, D), lambda b, h: (0, h, 0)),  # and values
+            pl.BlockSpec((Tk,), lambda b, h: (0,)),  # their positions
+            pl.BlockSpec((num_pages, page_size, None, D), lambda b, h: (0, 0, h, 0)),  # K pages of this head
+            pl.BlockSpec((num_pages, page_size, None, D), lambda b, h: (0, 0, h, 0)),  # V pages of this head
+        ] + [pl.BlockSpec((num_pages, page_size, None), lambda b, h: (0, 0, h))] * len(scales),  # their scales
+        out_specs=pl.BlockSpec((None, None, R, D), lambda b, h: (b, h, 0, 0)),
+        out_shape=jax.ShapeDtypeStruct((NB, KVH, R, D), q.dtype),
+        # Triton explicitly: JAX now lowers GPU Pallas to Mosaic GPU unless told otherwise.
+        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2),
+        interpret=interpret,
+        name="ragged_attention",
+    )(meta, pos_rows.astype(jnp.int32), table.astype(jnp.int32), q_rows, k_new, v_new, k_pos.astype(jnp.int32),
+      k_values, v_values, *scales)
+
+    # Back to the flat tokens: token t of row r sits in slot first_block[r] + local // block_q, at local % block_q.
+    out = out[:, :, :block_q * G].reshape(NB, KVH, block_q, G, D).transpose(0, 2, 1, 3, 4).reshape(NB * block_q, H, D)
+    row = rows.token_row.astype(jnp.int32)
+    t_local = jnp.arange(T, dtype=jnp.int32) - query_start[row]
+    mine = (rows.positions >= 0) & (t_local >= 0) & (t_local < num_new[row])  # padding tokens: no slot
+    src = (first_block[row] + t_local // block_q) * block_q + t_local % block_q
+    return jnp.where(mine[:, None, None], out[jnp.where(mine, src, 0)], 0).astype(q.dtype)

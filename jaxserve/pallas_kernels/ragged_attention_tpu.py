@@ -1,0 +1,224 @@
+"""Ragged paged attention for TPU (Pallas Mosaic): same arguments and result as
+`jaxserve.attention.ragged_attention_reference`.
+
+Each row's new tokens are cut into query blocks of `block_q` tokens; a block never spans two rows, so one program
+of the grid (one per query block) serves one row. The wrapper lays the blocks out in a static number of slots
+(T // block_q + S bound the blocks of any split of T tokens into S rows) and gathers queries and the step's own
+keys into them; unused slots and the tail of a row's last block are masked. Per-row metadata (query starts,
+cached lengths, the page table) and the block -> row map are prefetched scalars.
+
+The K/V cache stays in HBM (`memory_space=pl.ANY`): a program DMAs its row's pages, `pages_per_block` at a time,
+into a double buffer in VMEM and folds them into an online softmax kept in VMEM scratch; then the row's own new
+keys (causal), block by block the same way. Only blocks some query of the block can see are fetched (a sliding
+window skips the ones before it). All query heads of a KV head are rows of one matrix (GQA without repeating K/V).
+int8 pages (`Int8Pages`) bring their per-token scales along and are dequantized in VMEM, to the queries' dtype
+as `read_pages` does.
+
+Why whole pages, all KV heads, per program (not a (block, KV head) grid with one head's slice per DMA): in the
+[num_pages, page_size, kv_heads, head_dim] layout the (kv_heads, head_dim) dims are the tiled ones, and Mosaic
+rejects a DMA starting at a head that is not on a tile boundary ("Offsets along tiled dimensions must be aligned
+to tiles"). Taking every head of a page at once reads each page once per query block, which is what a per-head
+grid would read in total too; a head-major cache layout would allow the per-head split.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from jaxserve.batch import RaggedRows
+from jaxserve.pallas_kernels.softmax import MASKED, dequantize, scores, softmax_block, softmax_result, split_pages
+
+
+def _stream(lo, hi, start, wait, compute):
+    """Blocks [lo, hi) with double buffering: block i + 1's DMAs run while block i is computed."""
+    @pl.when(lo < hi)
+    def _():
+        start(lo, 0)
+
+    @pl.loop(lo, hi)
+    def _(i):
+        slot = (i - lo) % 2
+
+        @pl.when(i + 1 < hi)
+        def _():
+            start(i + 1, 1 - slot)
+
+        wait(i, slot)
+        compute(i, slot)
+
+
+def _kernel(block_row_ref, first_block_ref, query_start_ref, cached_lens_ref, table_ref,  # scalar prefetch (SMEM)
+            q_pos_ref, q_ref, k_own_hbm, v_own_hbm, k_hbm, v_hbm, *refs,
+            block_q, pages_per_block, pages_per_row, sliding_window, quantized):
+    # q_pos_ref [rows, 1] (rows = block_q * G, token-major; -1: empty slot); q_ref [KVH, rows, D]
+    # k_own_hbm, v_own_hbm [blocks, KVH, block_q, D]; k_hbm, v_hbm [num_pages, page_size, KVH, D] (int8 if quantized,
+    # then k_scale_hbm, v_scale_hbm [num_pages, page_size, KVH] float32); o_ref [KVH, rows, D]; scratch: page
+    # buffers [2, pages_per_block, page_size, KVH, D] (scales [..., KVH]), own-key buffers [2, KVH, block_q, D],
+    # running softmax m_sc, l_sc [KVH, rows, 1], acc_sc [KVH, rows, D] (float32), DMA semaphores [2, 2]
+    if quantized:
+        k_scale_hbm, v_scale_hbm, o_ref, k_buf, v_buf, k_scale_buf, v_scale_buf, *refs = refs
+    else:
+        (o_ref, k_buf, v_buf, *refs), k_scale_buf, v_scale_buf = refs, None, None
+    own_k_buf, own_v_buf, m_sc, l_sc, acc_sc, sems = refs
+    b = pl.program_id(0)
+    _, page_size, num_kv_heads, head_dim = k_hbm.shape
+    block_kv = pages_per_block * page_size
+    row = block_row_ref[b]
+    j = b - first_block_ref[row]  # this block's place in its row
+    num_new = query_start_ref[row + 1] - query_start_ref[row]
+    cached_len = cached_lens_ref[row]
+    first_local = j * block_q  # the block's first token, counted from the row's first new token
+    used = first_local < num_new  # False: an empty slot past the last block
+    q_pos = q_pos_ref[...]  # [rows, 1]
+    sm_scale = head_dim ** -0.5
+
+    def window_lo(first_key_pos):  # the first key position the block's earliest query can see
+        if sliding_window is None:
+            return jnp.int32(0)
+        return jnp.maximum(cached_len + first_local - sliding_window + 1 - first_key_pos, 0)
+
+    def in_window(visible, key_pos):
+        return visible if sliding_window is None else visible & (key_pos > q_pos - sliding_window)
+
+    def attend(visible, load_k, load_v):  # every KV head with its query heads, on one block of keys
+        for h in range(num_kv_heads):
+            m, l, acc = softmax_block(m_sc[h], l_sc[h], acc_sc[h], scores(q_ref[h], load_k(h), sm_scale, None), visible,
+                                      load_v(h))
+            m_sc[h], l_sc[h], acc_sc[h] = m, l, acc
+
+    # -- cached keys: pages of the row, pages_per_block at a time, whole (all KV heads: see the module's doc) --
+    def page_copies(i, slot):
+        copies = []
+        for p in range(pages_per_block):  # static: the block's pages, clamped inside the table (masked anyway)
+            page = table_ref[row * pages_per_row + jnp.minimum(i * pages_per_block + p, pages_per_row - 1)]
+            pairs = [(k_hbm, k_buf), (v_hbm, v_buf)]
+            if quantized:
+                pairs += [(k_scale_hbm, k_scale_buf), (v_scale_hbm, v_scale_buf)]
+            copies += [pltpu.make_async_copy(src.at[page], dst.at[slot, p], sems.at[0, slot]) for src, dst in pairs]
+        return copies
+
+    def load_pages(buf, scale_buf, slot, h):  # KV head h of the block: [block_kv, D] in the queries' dtype
+        scale = scale_buf[slot, :, :, h:h + 1] if quantized else None  # [pages_per_block, page_size, 1]
+        x = dequantize(buf[slot, :, :, h, :], scale, q_ref.dtype)  # [pages_per_block, page_size, D]
+        return x.reshape(block_kv, head_dim)
+
+    def visit_cached(i, slot):
+        key_pos = i * block_kv + jax.lax.broadcasted_iota(jnp.int32, (1, block_kv), 1)
+        visible = in_window((key_pos < cached_len) & (q_pos >= 0), key_pos)
+        attend(visible, lambda h: load_pages(k_buf, k_scale_buf, slot, h),
+               lambda h: load_pages(v_buf, v_scale_buf, slot, h))
+
+    m_sc[...] = jnp.full(m_sc.shape, MASKED, jnp.float32)
+    l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
+    acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
+    _stream(window_lo(0) // block_kv, jnp.where(used, pl.cdiv(cached_len, block_kv), 0),
+            lambda i, slot: [c.start() for c in page_copies(i, slot)],
+            lambda i, slot: [c.wait() for c in page_copies(i, slot)],
+            visit_cached)
+
+    # -- the step's own keys: the row's query blocks up to this one (causal) --
+    def own_copies(i, slot):  # block i of the row: slot first_block[row] + i of the blocked layout
+        src = first_block_ref[row] + i
+        return [pltpu.make_async_copy(k_own_hbm.at[src], own_k_buf.at[slot], sems.at[1, slot]),
+                pltpu.make_async_copy(v_own_hbm.at[src], own_v_buf.at[slot], sems.at[1, slot])]
+
+    def visit_own(i, slot):
+        local = i * block_q + jax.lax.broadcasted_iota(jnp.int32, (1, block_q), 1)
+        key_pos = cached_len + local
+        visible = in_window((local < num_new) & (key_pos <= q_pos) & (q_pos >= 0), key_pos)
+        attend(visible, lambda h: own_k_buf[slot, h], lambda h: own_v_buf[slot, h])
+
+    _stream(window_lo(cached_len) // block_q, jnp.where(used, j + 1, 0),
+            lambda i, slot: [c.start() for c in own_copies(i, slot)],
+            lambda i, slot: [c.wait() for c in own_copies(i, slot)],
+            visit_own)
+
+    out, _ = softmax_result(m_sc[...], l_sc[...], acc_sc[...])  # a query that saw nothing (empty slot) gets 0
+    o_ref[...] = out.astype(o_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("sliding_window", "block_q", "pages_per_block", "interpret"))
+def ragged_attention_tpu(q, k, v, k_pages, v_pages, rows: RaggedRows, *, sliding_window=None, block_q=16,
+                         pages_per_block=8, interpret=False):
+    """Arguments and result as `ragged_attention_reference`: q [T, H, D], k, v [T, KVH, D], pages
+    [num_pages, page_size, KVH, D] (or Int8Pages) -> [T, H, D]; padding tokens give zeros.
+
+    block_q: new tokens of one row per program (its queries are block_q * H / KVH rows of the MXU matmuls).
+    pages_per_block: pages per DMA'd block of cached keys.
+    """
+    T, H, D = q.shape
+    _, page_size, KVH, _ = k_pages.shape
+    G = H // KVH
+    S, P = rows.page_table.shape
+    NB = T // block_q + S  # static bound on the query blocks of any ragged split of T tokens into S rows
+
+    # Which row each block slot serves: row r has cdiv(n_r, block_q) blocks, from first_block[r] on.
+    query_start = rows.query_start.astype(jnp.int32)  # [S + 1]
+    num_new = query_start[1:] - query_start[:-1]  # [S]
+    blocks_per_row = -(-num_new // block_q)
+    first_block = jnp.cumsum(blocks_per_row) - blocks_per_row  # [S]
+    slot_ids = jnp.arange(NB, dtype=jnp.int32)
+    # Slots past the last block land on row S - 1 with j >= its block count: the kernel sees them as unused.
+    block_row = jnp.minimum(jnp.searchsorted(first_block + blocks_per_row, slot_ids, side="right"), S - 1)
+    block_row = block_row.astype(jnp.int32)  # [NB]
+
+    # Token of each (slot, place in block), and whether one is there.
+    local = (slot_ids - first_block[block_row])[:, None] * block_q + jnp.arange(block_q)  # [NB, block_q]
+    present = local < num_new[block_row][:, None]
+    token = jnp.where(present, query_start[block_row][:, None] + local, 0)  # [NB, block_q]
+
+    def blocked(x):  # [T, KVH, n, D] -> [NB, KVH, block_q * n, D], token-major within a block
+        n = x.shape[2]
+        return x[token].transpose(0, 2, 1, 3, 4).reshape(NB, KVH, block_q * n, D)
+
+    q_blocks = blocked(q.reshape(T, KVH, G, D))
+    k_own, v_own = blocked(k[:, :, None]), blocked(v[:, :, None])  # [NB, KVH, block_q, D]
+    q_pos = jnp.where(present, rows.positions[token], -1).astype(jnp.int32)
+    q_pos = jnp.repeat(q_pos, G, axis=1)[:, :, None]  # [NB, block_q * G, 1], one per sublane
+
+    rows_g = block_q * G  # query rows of a block: its tokens x the query heads of one KV head
+    (k_values, k_scale), (v_values, v_scale) = split_pages(k_pages), split_pages(v_pages)
+    quantized = k_scale is not None
+    pages = [k_values, v_values] + ([k_scale, v_scale] if quantized else [])
+    scratch = [pltpu.VMEM((2, pages_per_block, page_size, KVH, D), k_values.dtype)] * 2
+    if quantized:
+        scratch += [pltpu.VMEM((2, pages_per_block, page_size, KVH), jnp.float32)] * 2
+    scratch += [pltpu.VMEM((2, KVH, block_q, D), k.dtype)] * 2
+    scratch += [pltpu.VMEM((KVH, rows_g, 1), jnp.float32)] * 2 + [pltpu.VMEM((KVH, rows_g, D), jnp.float32)]
+    scratch += [pltpu.SemaphoreType.DMA((2, 2))]  # [cached | own, buffer]
+
+    kernel = functools.partial(_kernel, block_q=block_q, pages_per_block=pages_per_block, pages_per_row=P,
+                               sliding_window=sliding_window, quantized=quantized)
+    any_space = pl.BlockSpec(memory_space=pl.ANY)
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=5,  # block_row [NB], first_block [S], query_start [S + 1], cached_lens [S], table [S * P]
+        grid=(NB,),
+        in_specs=[pl.BlockSpec((None, rows_g, 1), lambda b, *_: (b, 0, 0)),
+                  pl.BlockSpec((None, KVH, rows_g, D), lambda b, *_: (b, 0, 0, 0)),
+                  any_space, any_space] + [any_space] * len(pages),
+        out_specs=pl.BlockSpec((None, KVH, rows_g, D), lambda b, *_: (b, 0, 0, 0)),
+        scratch_shapes=scratch,
+    )
+    out = pl.pallas_call(
+        kernel,
+        grid_spec=grid_spec,
+        out_shape=jax.ShapeDtypeStruct((NB, KVH, rows_g, D), q.dtype),
+        # Each program owns its buffers and waits for every DMA it starts: blocks can split across cores.
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
+        interpret=interpret,
+        name="ragged_attention_tpu",
+    )(block_row, first_block.astype(jnp.int32), query_start, rows.cached_lens.astype(jnp.int32),
+      rows.page_table.reshape(-1).astype(jnp.int32), q_pos, q_blocks, k_own, v_own, *pages)
+
+    # Back to the flat tokens: token t sits in slot first_block[row] + local // block_q at local % block_q.
+    out = out.reshape(NB, KVH, block_q, G, D).transpose(0, 2, 1, 3, 4).reshape(NB * block_q, H, D)
+    t = jnp.arange(T, dtype=jnp.int32)
+    row = rows.token_row.astype(jnp.int32)
+    t_local = t - query_start[row]
+    mine = (rows.positions >= 0) & (t_local >= 0) & (t_local < num_new[row])
+    src = (first_block[row] + t_local // block_q) * block_q + t_local % block_q
+    return jnp.where(mine[:, None, None], out[jnp.where(mine, src, 0)], 0).astype(q.dtype)

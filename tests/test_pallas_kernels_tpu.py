@@ -1,0 +1,114 @@
+"""The ragged TPU attention kernel (Pallas Mosaic) under the TPU interpreter on CPU against the oracle, on fresh
+random ragged batches: decode-only, prefill-only and mixed steps, rows crossing pages and blocks, GQA ratios 1 / 3
+/ 4, a sliding window, int8 pages. Tiny shapes (the interpreter runs DMAs and semaphores one by one). Then lowering
+for a TPU with no TPU here (jax.export), and the real Mosaic compiler where libtpu is installed."""
+import numpy as np
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.experimental.pallas import tpu as pltpu
+
+from jaxserve.attention import ragged_attention_reference
+from jaxserve.batch import RaggedRows
+from jaxserve.cache.kv_cache import Int8Pages, write_pages
+from jaxserve.pallas_kernels.ragged_attention_tpu import ragged_attention_tpu
+from ragged import KINDS, expected, random_ragged_case, row_lengths
+
+# Uninitialised VMEM reads as NaN, so a value the kernel never wrote shows in the output.
+NAN_MEMORY = pltpu.InterpretParams(uninitialized_memory="nan")
+TOL = dict(atol=2e-5, rtol=2e-5)
+
+
+def fresh_rng():
+    """New inputs every run; the seed goes into failure messages so a failure can be replayed."""
+    seed = int(np.random.SeedSequence().entropy % (1 << 32))
+    return np.random.default_rng(seed), seed
+
+
+def run(case, *, k_pages=None, v_pages=None, window=None, block_q=4, pages_per_block=2):
+    rows = jax.tree.map(jnp.asarray, case.rows)
+    k_pages = jnp.asarray(case.k_pages) if k_pages is None else k_pages
+    v_pages = jnp.asarray(case.v_pages) if v_pages is None else v_pages
+    args = (jnp.asarray(case.q), jnp.asarray(case.k), jnp.asarray(case.v), k_pages, v_pages, rows)
+    got = ragged_attention_tpu(*args, sliding_window=window, block_q=block_q, pages_per_block=pages_per_block,
+                               interpret=NAN_MEMORY)
+    return np.asarray(got), args
+
+
+def check(got, want, seed):
+    assert not np.isnan(got).any(), f"NaN in the output (a value never written, or a bad mask); seed {seed}"
+    np.testing.assert_allclose(got, want, err_msg=f"seed {seed}", **TOL)
+
+
+@pytest.mark.parametrize("kind,heads,kv_heads,window", [
+    *zip(KINDS, (6, 4, 6), (2, 1, 2), (None,) * 3),  # decode, prefill, mixed; GQA 3 and 4
+    ("mixed", 2, 2, 7),  # no GQA; a window shorter than a block of pages and than a row's new tokens
+])
+def test_matches_the_oracle(kind, heads, kv_heads, window):
+    rng, seed = fresh_rng()
+    case = random_ragged_case(rng, row_lengths(rng, kind, max_start=40), page_size=4, heads=heads,
+                              kv_heads=kv_heads, head_dim=8)
+    got, _ = run(case, window=window)
+    check(got, expected(case, window), seed)
+
+
+def test_int8_pages_match_the_oracle_on_the_same_pages():
+    """Dequantized in VMEM exactly as read_pages does: compared with the oracle reading the same int8 pages."""
+    rng, seed = fresh_rng()
+    case = random_ragged_case(rng, row_lengths(rng, "mixed", max_start=40), page_size=4, head_dim=8)
+
+    def quantize(pages):  # the cache's own quantizer, every slot written
+        num_pages, page_size, kv_heads, head_dim = pages.shape
+        empty = Int8Pages(jnp.zeros(pages.shape, jnp.int8), jnp.zeros(pages.shape[:-1], jnp.float32))
+        return write_pages(empty, jnp.asarray(pages).reshape(-1, kv_heads, head_dim), jnp.arange(num_pages * page_size))
+
+    k_pages, v_pages = quantize(case.k_pages), quantize(case.v_pages)
+    got, args = run(case, k_pages=k_pages, v_pages=v_pages, window=30, block_q=8, pages_per_block=3)
+    check(got, np.asarray(ragged_attention_reference(*args, sliding_window=30)), seed)
+
+
+def lowering_calls(heads, kv_heads, head_dim, sds):
+    """(function, argument shapes): a 512-token step of 64 rows over 8k-token page tables, float and int8 pages,
+    with and without a window."""
+    i32, bf16 = jnp.int32, jnp.bfloat16
+    T, S, P, num_pages, page_size = 512, 64, 512, 1024, 16
+    rows = RaggedRows(sds((T,), i32), sds((T,), i32), sds((S + 1,), i32), sds((S,), i32), sds((S, P), i32))
+    pages = sds((num_pages, page_size, kv_heads, head_dim), bf16)
+    int8_pages = Int8Pages(sds(pages.shape, jnp.int8), sds(pages.shape[:-1], jnp.float32))
+    q, kv = sds((T, heads, head_dim), bf16), sds((T, kv_heads, head_dim), bf16)
+    for cache in (pages, int8_pages):
+        for window in (None, 512):
+            def fn(q, k, v, k_pages, v_pages, rows, window=window):
+                return ragged_attention_tpu(q, k, v, k_pages, v_pages, rows, sliding_window=window, block_q=32)
+            yield fn, (q, kv, kv, cache, cache, rows)
+
+
+@pytest.fixture
+def v5e(monkeypatch):
+    from jax._src.pallas.mosaic import tpu_info
+    monkeypatch.setattr(tpu_info, "get_device_kind", lambda: "TPU v5 lite")  # Mosaic asks which chip it targets
+    monkeypatch.setattr(tpu_info, "get_num_device_cores", lambda: 1)
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(32, 8, 128), (9, 3, 64)])  # a serving size; SmolLM2
+def test_lowers_for_tpu(v5e, heads, kv_heads, head_dim):
+    """Pallas' Mosaic lowering runs here without a TPU: it checks block shapes, DMAs and ops."""
+    for fn, args in lowering_calls(heads, kv_heads, head_dim, jax.ShapeDtypeStruct):
+        lowered = jax.export.export(jax.jit(fn), platforms=["tpu"])(*args)
+        assert "tpu_custom_call" in lowered.mlir_module()
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(32, 8, 128), (9, 3, 64)])
+def test_compiles_for_tpu(v5e, heads, kv_heads, head_dim):
+    """The real Mosaic compiler (tile alignment of every DMA and load), deviceless: needs libtpu installed
+    (`pip install libtpu==0.0.42.*` next to jax 0.10.2; no TPU needed)."""
+    pytest.importorskip("libtpu")
+    from jax.experimental import topologies
+    device = topologies.get_topology_desc("v5e:2x2", "tpu").devices[0]
+    sharding = jax.sharding.SingleDeviceSharding(device)
+
+    def sds(shape, dtype):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+    for fn, args in lowering_calls(heads, kv_heads, head_dim, sds):
+        jax.jit(fn).lower(*args).compile()
