@@ -99,7 +99,7 @@ def ragged_attention_reference(q, k, v, k_pages, v_pages, rows: RaggedRows, *, s
 
 
 def ragged_attention(q, k, v, k_pages, v_pages, rows: RaggedRows, *, sliding_window=None, block_pages=8,
-                     num_groups=4, long_row_share=8):
+                     num_groups=2, long_row_share=8, small_step=64):
     """`ragged_attention_reference` computed in parts, each with an online softmax, for XLA:CPU.
 
     Same arguments and result. Three parts, merged by log-sum-exp:
@@ -110,6 +110,8 @@ def ragged_attention(q, k, v, k_pages, v_pages, rows: RaggedRows, *, sliding_win
       - cached keys of one long prompt chunk: the multi-token row with the longest cache, if its tokens are at least
         1/`long_row_share` of the step, reads its pages once for all its tokens (per token, a 512-token chunk
         after 4k cached tokens would gather 4k keys 512 times).
+    A step of at most `small_step` tokens takes one group and no long-row pass: per token, its cached keys cost at
+    most what as many decode rows' do, and each loop adds ~1.5 s to a program's compile time.
     """
     T, H, D = q.shape
     _, page_size, KVH, _ = k_pages.shape
@@ -150,7 +152,7 @@ def ragged_attention(q, k, v, k_pages, v_pages, rows: RaggedRows, *, sliding_win
 
     # The long row, if there is one worth it (its cached_len counts as 0 for the per-token part).
     new_tokens = rows.query_start[1:] - rows.query_start[:-1]  # [S]
-    eligible = (new_tokens > 1) & (new_tokens * long_row_share >= T)
+    eligible = (new_tokens > 1) & (new_tokens * long_row_share >= T) & (T > small_step)
     long_row = jnp.argmax(jnp.where(eligible, rows.cached_lens, -1))
     long_len = jnp.where(eligible[long_row], rows.cached_lens[long_row], 0)
     in_long = (row == long_row) & eligible[long_row]  # [T]
@@ -162,12 +164,13 @@ def ragged_attention(q, k, v, k_pages, v_pages, rows: RaggedRows, *, sliding_win
         s = masked_scores(q, read_block(k_pages, pages)[0], visible, jnp.broadcast_to(key_pos, (T, block)), pos)
         return accumulate(carry, s, read_block(v_pages, pages)[0])
 
-    m, l, acc = jax.lax.fori_loop(0, -(-long_len // block), visit_long, (m, l, acc))
+    if T > small_step:
+        m, l, acc = jax.lax.fori_loop(0, -(-long_len // block), visit_long, (m, l, acc))
 
     # Per token, in groups sorted by cached length (longest first), each walking only the blocks it needs.
     token_len = jnp.where(in_long | (pos < 0), 0, rows.cached_lens[row])  # [T]
     order = jnp.argsort(-token_len)
-    groups = min(num_groups, T)
+    groups = min(num_groups, T) if T > small_step else 1
     n = T // groups
     parts = []
     for g in range(groups):

@@ -32,8 +32,10 @@ class Buckets:
         # chunks to the bucket below when rounding up would pad more than a quarter (Scheduler._fit_to_bucket).
         # The page table is always full width: attention visits only the blocks of pages that hold cached tokens
         # (a dynamic trip count), so a wider table costs nothing but its transfer.
-        return cls(num_tokens=geometric(1, max_num_batched_tokens), max_num_seqs=max_num_seqs,
-                   pages_per_row=max_pages_per_seq)
+        # No 2-token bucket: below ~8 tokens a step reads weights far more than it computes, so padding 2 to 4
+        # costs nothing, and each bucket is a program to compile.
+        tokens = tuple(t for t in geometric(1, max_num_batched_tokens) if t != 2)
+        return cls(num_tokens=tokens, max_num_seqs=max_num_seqs, pages_per_row=max_pages_per_seq)
 
     def num_rows(self, num_tokens: int) -> int:
         """Rows of the step of `num_tokens` tokens (a bucket): a row has a token at least, and a sequence one row."""

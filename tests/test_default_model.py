@@ -109,3 +109,21 @@ def test_skip_special_tokens(default_llm):
     skipped = default_llm.generate(case["prompt"], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
                                    use_tqdm=False)[0]
     assert "<|im_end|>" in kept.outputs[0].text and "<|im_end|>" not in skipped.outputs[0].text
+
+
+def test_tokens_do_not_depend_on_what_shares_the_step(default_llm):
+    """Batch invariance on the real model: a request's greedy and seeded tokens are the same whether it runs alone
+    or in ragged steps with others (a prompt longer than the step budget, chunked; two prompts sharing a prefix, so
+    the second hits the prefix cache; decode rows beside prompt chunks)."""
+    from pydoc_data.topics import topics
+    system = "You are a careful assistant who answers in one short sentence. " * 8
+    long_text = topics[sorted(topics)[0]][:1500]  # ~300 tokens: more than one step's 256
+    prompts = [system + "Name a fruit.", long_text, system + "Name a colour.", "The capital of France is"]
+    params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+              SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=12, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)]
+    default_llm.reset_prefix_cache()
+    together = [o.outputs[0].token_ids for o in default_llm.generate(prompts, params, use_tqdm=False)]
+    alone = [default_llm.generate(p, sp, use_tqdm=False)[0].outputs[0].token_ids for p, sp in zip(prompts, params)]
+    assert together == alone

@@ -69,6 +69,8 @@ def test_no_compilation_after_warmup(tiny_dir):
         for count in (1, 2, 3, 5, 9):
             ps = prompts(rng, rng.integers(1, 91, count))
             llm.generate(ps, [mixed[i % len(mixed)] for i in rng.permutation(count)], use_tqdm=False)
+        for n in (1, 3, 7, 15, 30, 60):  # and a prompt alone in each bucket, whatever the random ones hit
+            llm.generate(prompts(rng, [n]), SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
     finally:
         jax.monitoring.unregister_event_duration_listener(on_compile)
     assert compiles == []
