@@ -19,7 +19,7 @@ def sample(logits, p):
     logprobs = jax.nn.log_softmax(logits, axis=-1)
     rows = jnp.arange(S)[:, None]
     logits = logits.at[rows, p.banned].set(-jnp.inf, mode="drop")
-    greedy = jnp.argmax(logits, axis=-1)
+    greedy = first_argmax(logits)
 
     sampled = jax.lax.cond(jnp.any(p.temperature > 0), _sample_rows, lambda x, p: greedy, logits, p)
     tokens = jnp.where(p.temperature == 0, greedy, sampled).astype(jnp.int32)
@@ -42,10 +42,33 @@ def _sample_rows(logits, p):
     probs = jnp.where(probs >= p.min_p[:, None] * jnp.max(probs, axis=-1, keepdims=True), probs, 0.0)
     # Inverse-CDF draw: one uniform number per row (Gumbel noise over the vocabulary costs a random number per
     # token, which dominated small decode steps on CPU).
-    cdf = jnp.cumsum(probs, axis=-1)  # [S, V]
     keys = jax.vmap(lambda seed, step: jax.random.fold_in(jax.random.key(seed), step))(p.seed, p.step)
-    u = jax.vmap(lambda key: jax.random.uniform(key))(keys) * cdf[:, -1]
-    return jnp.minimum(jnp.sum(cdf <= u[:, None], axis=-1), x.shape[-1] - 1)
+    u = jax.vmap(lambda key: jax.random.uniform(key))(keys) * probs.sum(axis=-1)
+    return inverse_cdf(probs, u)
+
+
+def first_argmax(x):
+    """argmax over the last axis (the first index on ties), as two plain reductions: XLA:CPU's argmax (one
+    reduction over value-index pairs) took 7 ms on [64, 49152] where these take 2.6."""
+    m = jnp.max(x, axis=-1, keepdims=True)
+    return jnp.min(jnp.where(x == m, jnp.arange(x.shape[-1]), x.shape[-1]), axis=-1)
+
+
+def inverse_cdf(probs, u, block: int = 256):
+    """The first index whose cumulative probability exceeds u: probs [S, V] (unnormalised), u [S] in [0, sum).
+
+    Two levels (a cumulative sum over blocks of `block` tokens, then inside the one block holding u) instead of a
+    cumulative sum over the whole vocabulary, which XLA:CPU computes slowly: 0.4 ms against 18 ms on [64, 49152].
+    """
+    S, V = probs.shape
+    nb = -(-V // block)
+    blocks = jnp.pad(probs, ((0, 0), (0, nb * block - V))).reshape(S, nb, block)  # [S, nb, block]
+    sums = blocks.sum(axis=-1)  # [S, nb]
+    cum = jnp.cumsum(sums, axis=-1)
+    j = jnp.minimum(jnp.sum(cum <= u[:, None], axis=-1), nb - 1)  # [S]: the block holding the draw
+    before = jnp.take_along_axis(cum - sums, j[:, None], axis=1)  # [S, 1]: mass of the blocks before it
+    inner = before + jnp.cumsum(jnp.take_along_axis(blocks, j[:, None, None], axis=1)[:, 0], axis=-1)  # [S, block]
+    return jnp.minimum(j * block + jnp.sum(inner <= u[:, None], axis=-1), V - 1)
 
 
 def _top_k_top_p(x, top_k, top_p):

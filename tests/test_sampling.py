@@ -104,3 +104,15 @@ def test_invalid_sampling_params_raise(kwargs):
 def test_unknown_sampling_param_is_rejected():
     with pytest.raises(TypeError):
         SamplingParams(presence_penalty=1.0)  # not implemented: refused, never ignored
+
+
+def test_two_level_inverse_cdf_and_argmax_match_the_plain_ones():
+    from jaxserve.sampling import first_argmax, inverse_cdf
+    seed = int(np.random.default_rng().integers(1 << 31))
+    rng = np.random.default_rng(seed)
+    probs = rng.random((16, 1000)).astype(np.float32) * (rng.random((16, 1000)) < 0.3)  # zeros, a ragged last block
+    u = (rng.random(16) * probs.sum(axis=-1)).astype(np.float32)
+    want = np.minimum((np.cumsum(probs.astype(np.float64), axis=-1) <= u[:, None]).sum(axis=-1), 999)
+    np.testing.assert_array_equal(np.asarray(jax.jit(inverse_cdf)(probs, u)), want, err_msg=f"seed {seed}")
+    x = rng.integers(0, 5, (16, 1000)).astype(np.float32)  # many ties: the first index wins, as np.argmax
+    np.testing.assert_array_equal(np.asarray(jax.jit(first_argmax)(x)), np.argmax(x, axis=-1), err_msg=f"seed {seed}")
