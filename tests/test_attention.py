@@ -29,7 +29,8 @@ def test_long_row_and_sorted_groups():
     lengths = [(200, 1), (37, 1), (150, 30), (0, 12), (90, 6), (5, 1)]
     case = random_ragged_case(rng, lengths, page_size=4, pad_tokens=3)
     got = np.asarray(ragged_attention(case.q, case.k, case.v, jnp.asarray(case.k_pages), jnp.asarray(case.v_pages),
-                                      case.rows, block_pages=4, num_groups=3, long_row_share=4, small_step=8))
+                                      case.rows, block_pages=4, num_groups=3, long_row_share=4, small_step=8,
+                                      own_block=16))
     np.testing.assert_allclose(got, expected(case), rtol=2e-4, atol=2e-5, err_msg=f"seed {seed}")
 
 
