@@ -105,9 +105,10 @@ def ragged_attention(q, k, v, k_pages, v_pages, rows: RaggedRows, *, sliding_win
     Same arguments and result. Three parts, merged by log-sum-exp:
       - the step's own keys: a masked attention (same row, causal) over the flat tokens, in blocks of `own_block`
         queries that each see only the keys up to their block's end;
-      - cached keys, per token: the tokens sorted by their row's cached length and cut into `num_groups` groups,
-        each walking only the blocks of `block_pages` pages its longest row needs (a dynamic trip count), so a
-        decode row costs what its context holds and a fresh prompt's tokens cost nothing here;
+      - cached keys, per token: the tokens sorted by their row's cached length and cut into `num_groups` groups
+        (the first as many tokens as the step has rows, the rest in equal parts), each walking only the blocks of
+        `block_pages` pages its longest row needs (a dynamic trip count), so a decode row costs what its context
+        holds and a fresh prompt's tokens cost nothing here;
       - cached keys of one long prompt chunk: the multi-token row with the longest cache, if its tokens are at least
         1/`long_row_share` of the step, reads its pages once for all its tokens (per token, a 512-token chunk
         after 4k cached tokens would gather 4k keys 512 times).
@@ -175,14 +176,18 @@ def ragged_attention(q, k, v, k_pages, v_pages, rows: RaggedRows, *, sliding_win
     if T > small_step:
         m, l, acc = jax.lax.fori_loop(0, -(-long_len // block), visit_long, (m, l, acc))
 
-    # Per token, in groups sorted by cached length (longest first), each walking only the blocks it needs.
+    # Per token, in groups sorted by cached length (longest first), each walking only the blocks it needs. The first
+    # group holds as many tokens as the step has rows, so a step's decode tokens (one per row) can fill it and leave
+    # the prompt tokens, which mostly have little or nothing cached, to the others.
     token_len = jnp.where(in_long | (pos < 0), 0, rows.cached_lens[row])  # [T]
     order = jnp.argsort(-token_len)
-    groups = min(num_groups, T) if T > small_step else 1
-    n = T // groups
+    S = rows.page_table.shape[0]
+    bounds = [0, T]
+    if T > small_step and num_groups > 1 and S < T:
+        bounds = [0] + [S + (T - S) * g // (num_groups - 1) for g in range(num_groups)]
     parts = []
-    for g in range(groups):
-        idx = order[g * n:(g + 1) * n if g < groups - 1 else T]
+    for lo, hi in zip(bounds, bounds[1:]):
+        idx = order[lo:hi]
         q_g, g_len, g_pages, g_pos = q[idx], token_len[idx], table[row[idx]], pos[idx]
 
         def visit(i, carry, q_g=q_g, g_len=g_len, g_pages=g_pages, g_pos=g_pos):
