@@ -199,7 +199,6 @@ def ragged_attention(q, k, v, k_pages, v_pages, rows: RaggedRows, *, sliding_win
 
         carry = (m[idx], l[idx], acc[idx])
         parts.append((idx, jax.lax.fori_loop(0, -(-g_len[0] // block), visit, carry)))
-    m = l = acc = None
     out = jnp.zeros((T, KVH, G, D), jnp.float32)
     for idx, (_, l_g, acc_g) in parts:
         out = out.at[idx].set(acc_g / l_g[..., None])

@@ -244,3 +244,27 @@ def test_pages_reach_the_prefix_cache_only_after_their_step_completed(tiny_dir):
     llm.generate(p, sp, use_tqdm=False)
     assert llm.stats().prefix_cache_hits == before  # nothing was served from the failed step
     assert llm.scheduler.cache.num_cached == 3  # and the completed prefill published its full pages
+
+
+def test_prompt_chunks_are_cut_to_a_bucket_rather_than_padded_far():
+    """300 planned tokens would pad to 512: the last chunks are cut to make 256 (the rest runs next step); 400
+    would pad a quarter or less, and a small step pads freely; decode tokens are never cut."""
+    from types import SimpleNamespace
+
+    from jaxserve.batching.scheduler import Chunk, Scheduler, StepPlan
+    from jaxserve.cache import PageAllocator, PrefixCache
+    scheduler = Scheduler(PrefixCache(PageAllocator(8), 4), 64, 512, (1, 4, 8, 16, 32, 64, 128, 256, 512))
+    seq = SimpleNamespace(token_ids=[0] * 1000)
+
+    def fit(decodes, chunk_lengths):
+        plan = StepPlan([seq] * decodes, [Chunk(seq, 0, n) for n in chunk_lengths])
+        scheduler._fit_to_bucket(plan)
+        return [c.length for c in plan.prefill]
+
+    assert fit(10, [200, 90]) == [200, 46]  # 300 -> 256
+    assert fit(10, [30, 260]) == [30, 216]
+    assert fit(0, [100, 100, 100]) == [100, 100, 56]
+    assert fit(10, [300, 90]) == [300, 90]  # 400 of 512: padded
+    assert fit(3, [40]) == [40]  # 43 tokens: below compute-bound, padded to 64
+    assert fit(280, [20]) == [20]  # the decodes alone exceed the bucket below
+    assert fit(10, [20, 100, 40, 10]) == [20, 98]  # 180 -> 128: the last chunks go, one is cut
