@@ -29,6 +29,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from jaxserve.batch import RaggedRows
+from jaxserve.pallas_kernels.query_blocks import query_blocks, unblock
 from jaxserve.pallas_kernels.softmax import (dequantize, pow2, scores, softmax_block, softmax_init, softmax_result,
                                              split_pages)
 
@@ -104,18 +105,12 @@ def ragged_attention_gpu(q, k, v, k_pages, v_pages, rows: RaggedRows, *, sliding
     NB = T // block_q + S  # a row of n tokens takes cdiv(n, block_q) <= n // block_q + 1 blocks
     R = pow2(block_q * G, 16)
 
-    # Which row each block slot serves: row r's cdiv(n_r, block_q) blocks from first_block[r] on.
-    query_start = rows.query_start.astype(jnp.int32)  # [S + 1]
-    num_new = query_start[1:] - query_start[:-1]  # [S]
-    blocks_per_row = -(-num_new // block_q)
-    first_block = jnp.cumsum(blocks_per_row) - blocks_per_row  # [S]
-    slot = jnp.arange(NB, dtype=jnp.int32)
-    slot_row = jnp.minimum(jnp.searchsorted(first_block + blocks_per_row, slot, side="right"), S - 1)  # [NB]
-    first_local = (slot - first_block[slot_row]) * block_q  # [NB] the slot's first token within its row
-    used = first_local < num_new[slot_row]  # slots past the last block: nothing to do
-    local = first_local[:, None] + jnp.arange(block_q)  # [NB, block_q]
-    present = local < num_new[slot_row][:, None]
-    token = jnp.where(present, query_start[slot_row][:, None] + local, 0)  # [NB, block_q] flat index
+    # Which row each block slot serves, and which of its tokens (see query_blocks).
+    blocks = query_blocks(rows, T, block_q)
+    query_start, num_new, slot_row, present, token = (blocks.query_start, blocks.num_new, blocks.block_row,
+                                                      blocks.present, blocks.token)
+    first_local = blocks.local[:, 0]  # [NB] the slot's first token within its row
+    used = present[:, 0]  # slots past the last block: nothing to do
     q_pos = jnp.where(present, rows.positions[token], -1)  # [NB, block_q]
     meta = jnp.zeros((NB, 8), jnp.int32)
     meta = meta.at[:, _CACHED].set(jnp.where(used, rows.cached_lens[slot_row], 0))
@@ -165,8 +160,4 @@ def ragged_attention_gpu(q, k, v, k_pages, v_pages, rows: RaggedRows, *, sliding
 
     # Back to the flat tokens: token t of row r sits in slot first_block[r] + local // block_q, at local % block_q.
     out = out[:, :, :block_q * G].reshape(NB, KVH, block_q, G, D).transpose(0, 2, 1, 3, 4).reshape(NB * block_q, H, D)
-    row = rows.token_row.astype(jnp.int32)
-    t_local = jnp.arange(T, dtype=jnp.int32) - query_start[row]
-    mine = (rows.positions >= 0) & (t_local >= 0) & (t_local < num_new[row])  # padding tokens: no slot
-    src = (first_block[row] + t_local // block_q) * block_q + t_local % block_q
-    return jnp.where(mine[:, None, None], out[jnp.where(mine, src, 0)], 0).astype(q.dtype)
+    return unblock(out, blocks, rows, q.dtype)

@@ -30,6 +30,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from jaxserve.batch import RaggedRows
+from jaxserve.pallas_kernels.query_blocks import query_blocks, unblock
 from jaxserve.pallas_kernels.softmax import MASKED, dequantize, scores, softmax_block, softmax_result, split_pages
 
 
@@ -156,20 +157,10 @@ def ragged_attention_tpu(q, k, v, k_pages, v_pages, rows: RaggedRows, *, sliding
     S, P = rows.page_table.shape
     NB = T // block_q + S  # static bound on the query blocks of any ragged split of T tokens into S rows
 
-    # Which row each block slot serves: row r has cdiv(n_r, block_q) blocks, from first_block[r] on.
-    query_start = rows.query_start.astype(jnp.int32)  # [S + 1]
-    num_new = query_start[1:] - query_start[:-1]  # [S]
-    blocks_per_row = -(-num_new // block_q)
-    first_block = jnp.cumsum(blocks_per_row) - blocks_per_row  # [S]
-    slot_ids = jnp.arange(NB, dtype=jnp.int32)
-    # Slots past the last block land on row S - 1 with j >= its block count: the kernel sees them as unused.
-    block_row = jnp.minimum(jnp.searchsorted(first_block + blocks_per_row, slot_ids, side="right"), S - 1)
-    block_row = block_row.astype(jnp.int32)  # [NB]
-
-    # Token of each (slot, place in block), and whether one is there.
-    local = (slot_ids - first_block[block_row])[:, None] * block_q + jnp.arange(block_q)  # [NB, block_q]
-    present = local < num_new[block_row][:, None]
-    token = jnp.where(present, query_start[block_row][:, None] + local, 0)  # [NB, block_q]
+    # Which row each block slot serves, and which of its tokens (see query_blocks).
+    blocks = query_blocks(rows, T, block_q)
+    query_start, first_block, block_row, present, token = (blocks.query_start, blocks.first_block,
+                                                           blocks.block_row, blocks.present, blocks.token)
 
     def blocked(x):  # [T, KVH, n, D] -> [NB, KVH, block_q * n, D], token-major within a block
         n = x.shape[2]
@@ -216,9 +207,4 @@ def ragged_attention_tpu(q, k, v, k_pages, v_pages, rows: RaggedRows, *, sliding
 
     # Back to the flat tokens: token t sits in slot first_block[row] + local // block_q at local % block_q.
     out = out.reshape(NB, KVH, block_q, G, D).transpose(0, 2, 1, 3, 4).reshape(NB * block_q, H, D)
-    t = jnp.arange(T, dtype=jnp.int32)
-    row = rows.token_row.astype(jnp.int32)
-    t_local = t - query_start[row]
-    mine = (rows.positions >= 0) & (t_local >= 0) & (t_local < num_new[row])
-    src = (first_block[row] + t_local // block_q) * block_q + t_local % block_q
-    return jnp.where(mine[:, None, None], out[jnp.where(mine, src, 0)], 0).astype(q.dtype)
+    return unblock(out, blocks, rows, q.dtype)
