@@ -34,7 +34,9 @@ class SamplingInput:
     min_p: jax.Array  # float32 [S]
     seed: jax.Array  # uint32 [S]
     step: jax.Array  # int32 [S]   tokens generated so far: with the seed, a reproducible draw
-    banned: jax.Array  # int32 [S, MAX_BANNED_TOKENS]   may not be sampled now (padded with vocab_size)
+    banned: jax.Array  # int32 [S, MAX_BANNED_TOKENS]   may not be sampled as the g-th generated token while
+    #                                         g < min_tokens (padded with vocab_size)
+    min_tokens: jax.Array  # int32 [S]
     want_top_logprobs: jax.Array  # bool [S]
 
 

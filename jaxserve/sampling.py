@@ -11,14 +11,15 @@ def sample(logits, p):
     """logits: [S, V] float32. p: a `jaxserve.batch.SamplingInput`, per-row arrays
         temperature [S] f32 (0: greedy), top_k [S] i32 (0: off), top_p [S] f32, min_p [S] f32,
         seed [S] u32, step [S] i32 (tokens generated so far; with seed it makes the draw reproducible),
-        banned [S, B] i32 (token ids that may not be sampled now; padded with vocab_size).
+        banned [S, B] i32 (token ids that may not be sampled while step < min_tokens [S]; padded with vocab_size).
     Returns a dict of tokens [S], logprobs [S], ranks [S] (1: most likely), top_ids [S, MAX_LOGPROBS], top_logprobs [S, MAX_LOGPROBS].
     """
     S, V = logits.shape
     # Logprobs are those of the model's own distribution, before any sampling transform (as vLLM reports them).
     logprobs = jax.nn.log_softmax(logits, axis=-1)
     rows = jnp.arange(S)[:, None]
-    logits = logits.at[rows, p.banned].set(-jnp.inf, mode="drop")
+    banned = jnp.where((p.step < p.min_tokens)[:, None], p.banned, V)
+    logits = logits.at[rows, banned].set(-jnp.inf, mode="drop")
     greedy = first_argmax(logits)
 
     sampled = jax.lax.cond(jnp.any(p.temperature > 0), _sample_rows, lambda x, p: greedy, logits, p)

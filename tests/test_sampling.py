@@ -14,7 +14,7 @@ V = 50
 def rows(n, **overrides):
     p = {"temperature": np.ones(n, np.float32), "top_k": np.zeros(n, np.int32), "top_p": np.ones(n, np.float32),
          "min_p": np.zeros(n, np.float32), "seed": np.arange(n, dtype=np.uint32), "step": np.zeros(n, np.int32),
-         "banned": np.full((n, MAX_BANNED_TOKENS), V, np.int32), "want_top_logprobs": np.zeros(n, bool)}
+         "min_tokens": np.ones(n, np.int32), "banned": np.full((n, MAX_BANNED_TOKENS), V, np.int32), "want_top_logprobs": np.zeros(n, bool)}
     for k, v in overrides.items():
         p[k] = np.broadcast_to(np.asarray(v, p[k].dtype), p[k].shape).copy()
     return SamplingInput(**p)

@@ -19,7 +19,8 @@ class RowSampling:
     min_p: float = 0.0
     seed: int = 0
     step: int = 0
-    banned: tuple[int, ...] = ()
+    banned: tuple[int, ...] = ()  # while fewer than min_tokens are generated
+    min_tokens: int = 0
     want_top_logprobs: bool = False
 
 
@@ -72,7 +73,7 @@ def build_batch(rows: list[Row], page_size: int, vocab_size: int, num_tokens: in
     sampling = SamplingInput(
         temperature=np.zeros(S, np.float32), top_k=np.zeros(S, np.int32), top_p=np.ones(S, np.float32),
         min_p=np.zeros(S, np.float32), seed=np.zeros(S, np.uint32), step=np.zeros(S, np.int32),
-        banned=np.full((S, MAX_BANNED_TOKENS), vocab_size, np.int32), want_top_logprobs=np.zeros(S, bool))
+        min_tokens=np.zeros(S, np.int32), banned=np.full((S, MAX_BANNED_TOKENS), vocab_size, np.int32), want_top_logprobs=np.zeros(S, bool))
     t = 0
     for i, row in enumerate(rows):
         n, end = len(row.token_ids), row.end
@@ -102,7 +103,7 @@ def build_batch(rows: list[Row], page_size: int, vocab_size: int, num_tokens: in
         s = row.sampling
         if len(s.banned) > MAX_BANNED_TOKENS:  # refused at admission (see LLM._sequences): a bug if it gets here
             raise ValueError(f"row {i} bans {len(s.banned)} tokens; a row holds at most {MAX_BANNED_TOKENS}")
-        for key in ("temperature", "top_k", "top_p", "min_p", "seed", "step", "want_top_logprobs"):
+        for key in ("temperature", "top_k", "top_p", "min_p", "seed", "step", "min_tokens", "want_top_logprobs"):
             getattr(sampling, key)[i] = getattr(s, key)
         sampling.banned[i, :len(s.banned)] = s.banned
         t += n

@@ -123,10 +123,12 @@ class Sequence:
 
     def sampling_row(self) -> RowSampling:
         p = self.params
-        # min_tokens: until reached, ending tokens may not be sampled at all (a device-side ban, as in vLLM).
+        # min_tokens: until reached, ending tokens may not be sampled at all (a device-side ban, as in vLLM; the
+        # device counts, since one verification row samples several tokens).
         banned = self.ending_token_ids if self.num_generated < p.min_tokens else ()
         return RowSampling(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p, seed=self.seed,
-                           step=self.num_generated, banned=banned, want_top_logprobs=bool(p.logprobs))
+                           step=self.num_generated, banned=banned, min_tokens=p.min_tokens,
+                           want_top_logprobs=bool(p.logprobs))
 
     def append_token(self, token: int, logprob: float, rank: int, top: list[tuple[int, float]]) -> str:
         """Adds a sampled token, checks every stop rule, and returns the new text to show.
