@@ -48,7 +48,9 @@ class StepInput:
     #                                     and still on device (token_ids holds a placeholder); -1: token_ids holds it
     slot_mapping: jax.Array  # int32 [T]   flat cache slot (page * page_size + offset) each new K/V is written to
     rows: RaggedRows
-    logits_index: jax.Array  # int32 [S]   the token whose logits each row samples from (its last)
+    logits_index: jax.Array  # int32 [S, Q]   the tokens whose logits each row samples from: its last, or its
+    #                                        last num_draft + 1 in a verification program (Q = k + 1); -1: none
+    num_draft: jax.Array  # int32 [S]   proposals at the end of each row (speculative decoding), to accept or not
     out_slot: jax.Array  # int32 [S]   where each row's sampled token is kept on device (-1: the padding slot)
     sampling: SamplingInput
 
@@ -64,7 +66,7 @@ class StepInput:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class StepOutput:
-    """Up to Q sampled tokens per row (Q = 1 until speculative verification): a row emits num_tokens[r] of them."""
+    """Up to Q sampled tokens per row (Q = k + 1 in a verification program): a row emits num_tokens[r] of them."""
     tokens: jax.Array  # int32 [S, Q]
     num_tokens: jax.Array  # int32 [S]
     logprobs: jax.Array  # float32 [S, Q]   of each token under the model's distribution

@@ -20,6 +20,7 @@ def _engine_args(p: argparse.ArgumentParser, serving: bool = False) -> None:
     _quantization_args(p)
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"],
                    help="KV-cache pages: auto (the model's dtype) or int8 (about twice the sequences per byte)")
+    _speculative_args(p)
     if serving:
         p.add_argument("--max-num-seqs", type=int, default=64, help="most sequences decoding together")
         p.add_argument("--max-num-batched-tokens", type=int, default=512,
@@ -48,6 +49,36 @@ def _quantization_args(p: argparse.ArgumentParser) -> None:
                    help="also quantize the LM head and the embedding table")
     p.add_argument("--calibration-file", default=None,
                    help="text to calibrate awq on (default: a public-domain text the package ships)")
+
+
+def _speculative_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--speculative-method", default=None, choices=["ngram", "draft_model"],
+                   help="speculative decoding: ngram (prompt lookup, no model) or draft_model (--draft-model)")
+    p.add_argument("--num-speculative-tokens", type=int, default=None,
+                   help="tokens proposed per verification (default 4 with a speculative method)")
+    p.add_argument("--draft-model", default=None,
+                   help="the draft for draft_model: a model sharing the target's tokenizer (.gguf, HF dir, checkpoint; "
+                        "scripts/train_draft.py distills one for the default model)")
+    p.add_argument("--prompt-lookup-max", type=int, default=4, help="ngram: the longest suffix looked up")
+    p.add_argument("--prompt-lookup-min", type=int, default=2, help="ngram: the shortest suffix looked up")
+    p.add_argument("--no-adaptive-speculation", dest="adaptive_speculation", action="store_false",
+                   help="speculate for every sequence every step, not only where measured acceptance and step "
+                        "costs say it pays")
+
+
+def _speculative_config(args) -> dict | None:
+    method = args.speculative_method or ("draft_model" if args.draft_model else None)
+    if method is None:
+        if args.num_speculative_tokens is not None:
+            raise ValueError("--num-speculative-tokens needs --speculative-method (or --draft-model)")
+        return None
+    config = dict(method=method, num_speculative_tokens=4 if args.num_speculative_tokens is None
+                  else args.num_speculative_tokens, adaptive=args.adaptive_speculation)
+    if method == "ngram":
+        config.update(prompt_lookup_max=args.prompt_lookup_max, prompt_lookup_min=args.prompt_lookup_min)
+    elif args.draft_model:
+        config["model"] = args.draft_model
+    return config
 
 
 def _sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -118,7 +149,8 @@ def _llm(args):
     from jaxserve import LLM
     # One prompt at a time: a single decode row keeps the set of compiled programs (and start-up) small.
     return LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, block_size=args.block_size,
-               max_num_seqs=1, kv_cache_dtype=args.kv_cache_dtype, warmup=args.warmup, **_quantization(args))
+               max_num_seqs=1, kv_cache_dtype=args.kv_cache_dtype, speculative_config=_speculative_config(args),
+               warmup=args.warmup, **_quantization(args))
 
 
 def _quantization(args) -> dict:
@@ -181,7 +213,8 @@ def cmd_serve(args) -> None:
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               enable_prefix_caching=args.enable_prefix_caching, scheduling_policy=args.scheduling_policy,
               ttft_slo=args.ttft_slo, tpot_slo=args.tpot_slo, attention_backend=args.attention_backend,
-              kv_cache_dtype=args.kv_cache_dtype, warmup=args.warmup, **_quantization(args))
+              kv_cache_dtype=args.kv_cache_dtype, speculative_config=_speculative_config(args), warmup=args.warmup,
+              **_quantization(args))
     name = args.served_model_name or args.model or DEFAULT_MODEL
     server = Server(AsyncEngine(llm), name, api_key=args.api_key, max_queued_requests=args.max_queued_requests,
                     max_request_sequences=args.max_request_sequences, stream_write_timeout_s=args.stream_write_timeout,

@@ -10,17 +10,21 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.attention import resolve_attention_backend
+from jaxserve.batching.draft_proposer import DraftProposer
 from jaxserve.batching.engine_core import EngineCore, EngineStats
 from jaxserve.batching.model_runner import ModelRunner
 from jaxserve.batching.scheduler import Scheduler
 from jaxserve.batching.sequence import Sequence
+from jaxserve.batching.ngram_proposer import NgramProposer
 from jaxserve.batching.slo import SloController
+from jaxserve.batching.spec_controller import SpecController
 from jaxserve.buckets import Buckets, geometric
 from jaxserve.cache import (PageAllocator, PrefixCache, bytes_per_page, check_kv_cache_dtype, num_pages_for_budget,
                             pages_needed)
 from jaxserve.outputs import RequestMetrics, RequestOutput
 from jaxserve.quantize import quantize_model
 from jaxserve.sampling_params import MAX_BANNED_TOKENS, SamplingParams
+from jaxserve.spec_config import SpeculativeConfig, check_draft
 from jaxserve.tokenizer import IncrementalDetokenizer
 from jaxserve.weights import load_model, resolve_dtype
 from jaxserve.weights.params import param_bytes
@@ -55,6 +59,10 @@ class LLM:
     quantize_embeddings: also the LM head (same method) and the embedding table (int8 rows).
     kv_cache_dtype: "auto" (the model's dtype) or "int8" (a float32 scale per token and KV head beside the pages:
         about twice the sequences in the same memory as bfloat16; dequantized as the attention reads them).
+    speculative_config: speculative decoding, as vLLM's: {"method": "ngram" | "draft_model",
+        "num_speculative_tokens": k, "model": DRAFT (draft_model), "prompt_lookup_max": 4, "prompt_lookup_min": 2
+        (ngram), "adaptive": True (speculate only where measured acceptance and step costs say it pays)}. The
+        draft shares the KV budget (its pages beside the target's) and the dtype.
     warmup: compile every step bucket now rather than on first use.
     """
 
@@ -65,7 +73,8 @@ class LLM:
                  ttft_slo: float | None = None, tpot_slo: float | None = None, attention_backend: str = "auto",
                  quantization: str | None = None, quantization_group_size: int | None = None,
                  quantize_embeddings: bool = False, calibration_text: str | None = None,
-                 kv_cache_dtype: str = "auto", warmup: bool = True):
+                 kv_cache_dtype: str = "auto", speculative_config: dict | SpeculativeConfig | None = None,
+                 warmup: bool = True):
         for name, value in [("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
                             ("block_size", block_size)]:
             if not isinstance(value, int) or value < 1:
@@ -73,6 +82,7 @@ class LLM:
         if max_num_batched_tokens < max_num_seqs:
             raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be at least max_num_seqs "
                              f"({max_num_seqs}): every running sequence decodes a token per step")
+        spec = self.speculative_config = SpeculativeConfig.from_value(speculative_config)
         backend = resolve_attention_backend(attention_backend)
         self.kv_cache_dtype = check_kv_cache_dtype(kv_cache_dtype)
         _enable_compilation_cache()
@@ -85,8 +95,16 @@ class LLM:
         if max_model_len is not None and not (isinstance(max_model_len, int) and 1 < max_model_len <= limit):
             raise ValueError(f"max_model_len must be an integer in [2, {limit}] for this model, got {max_model_len!r}")
         self.max_model_len = max_model_len or limit
-        kv_bytes = kv_cache_memory_bytes or _default_kv_budget(param_bytes(params), gpu_memory_utilization)
-        num_pages = num_pages_for_budget(self.config, block_size, dtype, kv_bytes, kv_cache_dtype)
+        draft = None
+        if spec is not None and spec.method == "draft_model":
+            draft = load_model(spec.model, dtype)
+            check_draft(draft.config, self.config, self.max_model_len)
+            _check_same_tokenizer(draft.tokenizer, self.tokenizer)
+        kv_bytes = kv_cache_memory_bytes or _default_kv_budget(
+            param_bytes(params) + (param_bytes(draft.params) if draft else 0), gpu_memory_utilization)
+        # The draft's pages are the target's page ids in a second cache: a page costs both.
+        num_pages = num_pages_for_budget(self.config, block_size, dtype, kv_bytes, kv_cache_dtype,
+                                         draft.config if draft else None)
         # Never more pages than max_num_seqs full-length sequences can use (+1 for the scratch page).
         num_pages = min(num_pages, max_num_seqs * pages_needed(self.max_model_len, block_size) + 1)
         self._check_one_sequence_fits(num_pages, block_size, asked=max_model_len is not None)
@@ -98,19 +116,35 @@ class LLM:
                        max_tokens=buckets.num_tokens[-1])
         self.attention_backend = _checked_backend(backend, attention_backend, self.config, block_size, dtype, serving,
                                                  kv_cache_dtype)
+        k = spec.num_speculative_tokens if spec else 0
         self.runner = ModelRunner(self.config, params, dtype, num_pages, block_size, buckets, max_num_seqs,
-                                  self.attention_backend, kv_cache_dtype)
+                                  self.attention_backend, kv_cache_dtype, num_speculative_tokens=k)
         slo = None
         if ttft_slo is not None or tpot_slo is not None:
             slo = SloController(geometric(1, max_num_seqs), max_num_seqs, tpot_slo=tpot_slo, ttft_slo=ttft_slo)
         cache = PrefixCache(PageAllocator(num_pages), block_size, enable_prefix_caching)
         self.scheduler = Scheduler(cache, max_num_seqs, max_num_batched_tokens, buckets.num_tokens,
                                    scheduling_policy, slo)
-        self.core = EngineCore(self.scheduler, self.runner)
+        draft_runner = proposer = controller = None
+        if draft is not None:
+            draft_runner = ModelRunner(draft.config, draft.params, dtype, num_pages, block_size, buckets,
+                                       max_num_seqs, self.attention_backend, kv_cache_dtype)
+            proposer = DraftProposer(draft_runner, max_num_batched_tokens, max_num_seqs)
+        elif spec is not None:
+            proposer = NgramProposer(k, spec.prompt_lookup_max, spec.prompt_lookup_min)
+        # The controller weighs step times measured at warm-up, so speculation warms up even if asked not to.
+        timed = spec is not None and spec.adaptive
+        if warmup or timed:
+            self.runner.warmup(time_steps=timed)
+            if draft_runner is not None:
+                draft_runner.warmup(time_steps=timed)
+        if spec is not None:
+            controller = SpecController(k, buckets.num_tokens, self.runner.step_times,
+                                        draft_runner.step_times if draft_runner else None)
+        self.core = EngineCore(self.scheduler, self.runner, proposer=proposer, controller=controller,
+                               adaptive=spec is None or spec.adaptive)
         self._rng = random.Random(seed)
         self._request_ids = itertools.count()
-        if warmup:
-            self.runner.warmup()
 
     def _check_one_sequence_fits(self, num_pages: int, block_size: int, asked: bool) -> None:
         """A max_model_len sequence must fit the KV cache, or every request that leaves max_tokens unset (the
@@ -250,6 +284,12 @@ class LLM:
     def stats(self) -> EngineStats:
         """A snapshot: running and waiting sequences, pages, prefix-cache hit rate, preemptions, tokens/s."""
         return self.core.stats()
+
+
+def _check_same_tokenizer(draft, target) -> None:
+    probe = "Speculative decoding: 42 tokens, café, 日本語 and\n    def f(x): return x"
+    if draft is not None and target is not None and draft.encode(probe) != target.encode(probe):
+        raise ValueError("the draft model's tokenizer is not the target's: a draft must share the target's tokenizer")
 
 
 def request_metrics(seqs: list[Sequence]) -> RequestMetrics:

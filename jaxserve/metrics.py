@@ -75,3 +75,20 @@ class _EngineCollector:
                      s.prefix_cache_queries)
         yield family(CounterMetricFamily, "prefix_cache_hits", "Prompt tokens found in the prefix cache.",
                      s.prefix_cache_hits)
+        yield family(CounterMetricFamily, "spec_decode_num_drafts", "Verifications of one or more proposals.",
+                     s.spec_decode_num_drafts)
+        yield family(CounterMetricFamily, "spec_decode_num_draft_tokens", "Proposed tokens verified.",
+                     s.spec_decode_num_draft_tokens)
+        yield family(CounterMetricFamily, "spec_decode_num_accepted_tokens", "Proposed tokens accepted.",
+                     s.spec_decode_num_accepted_tokens)
+        per_pos = CounterMetricFamily("jaxserve:spec_decode_num_accepted_tokens_per_pos",
+                                      "Proposed tokens accepted, by position in the proposal.",
+                                      labels=["model_name", "position"])
+        for position, n in enumerate(s.spec_decode_num_accepted_tokens_per_pos):
+            per_pos.add_metric([self._model_name, str(position)], n)
+        yield per_pos
+        yield family(GaugeMetricFamily, "spec_decode_acceptance_rate", "Accepted over proposed tokens (0-1).",
+                     s.spec_decode_acceptance_rate)
+        yield family(GaugeMetricFamily, "spec_decode_num_speculating",
+                     "Sequences that speculated in the last step (0: speculation is off).",
+                     s.spec_decode_num_speculating)

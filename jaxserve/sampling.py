@@ -14,36 +14,71 @@ def sample(logits, p):
         banned [S, B] i32 (token ids that may not be sampled while step < min_tokens [S]; padded with vocab_size).
     Returns a dict of tokens [S], logprobs [S], ranks [S] (1: most likely), top_ids [S, MAX_LOGPROBS], top_logprobs [S, MAX_LOGPROBS].
     """
-    S, V = logits.shape
     # Logprobs are those of the model's own distribution, before any sampling transform (as vLLM reports them).
     logprobs = jax.nn.log_softmax(logits, axis=-1)
-    rows = jnp.arange(S)[:, None]
-    banned = jnp.where((p.step < p.min_tokens)[:, None], p.banned, V)
-    logits = logits.at[rows, banned].set(-jnp.inf, mode="drop")
+    logits = ban(logits, p)
     greedy = first_argmax(logits)
 
     sampled = jax.lax.cond(jnp.any(p.temperature > 0), _sample_rows, lambda x, p: greedy, logits, p)
     tokens = jnp.where(p.temperature == 0, greedy, sampled).astype(jnp.int32)
+    return {"tokens": tokens, **token_logprobs(logprobs, tokens, p.want_top_logprobs)}
 
+
+def ban(logits, p):
+    """logits [S, V] with each row's banned ids at -inf while its step < min_tokens."""
+    S, V = logits.shape
+    rows = jnp.arange(S)[:, None]
+    banned = jnp.where((p.step < p.min_tokens)[:, None], p.banned, V)
+    return logits.at[rows, banned].set(-jnp.inf, mode="drop")
+
+
+def token_logprobs(logprobs, tokens, want_top_logprobs):
+    """logprobs [S, V] (log_softmax), tokens [S] -> the tokens' logprobs [S] and ranks [S], and the top
+    MAX_LOGPROBS ids and logprobs [S, MAX_LOGPROBS] (zeros unless a row wants them: the sort is skipped)."""
+    S = logprobs.shape[0]
     top_logprobs, top_ids = jax.lax.cond(
-        jnp.any(p.want_top_logprobs),
+        jnp.any(want_top_logprobs),
         lambda lp: tuple(jax.lax.top_k(lp, MAX_LOGPROBS)),
         lambda lp: (jnp.zeros((S, MAX_LOGPROBS), lp.dtype), jnp.zeros((S, MAX_LOGPROBS), jnp.int32)),
         logprobs)
     chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=1)  # [S, 1]
-    return {"tokens": tokens, "logprobs": chosen[:, 0], "ranks": 1 + jnp.sum(logprobs > chosen, axis=-1),
+    return {"logprobs": chosen[:, 0], "ranks": 1 + jnp.sum(logprobs > chosen, axis=-1),
             "top_ids": top_ids, "top_logprobs": top_logprobs}
 
 
 def _sample_rows(logits, p):
+    return draw(processed_probs(logits, p), step_keys(p.seed, p.step))
+
+
+def processed_probs(logits, p):
+    """The distribution a sampled row draws from: logits [S, V] (banned already) through temperature, top-k,
+    top-p and min-p. [S, V], not normalised: min-p zeroes tokens without renormalising (the draw scales its
+    uniform by the sum instead)."""
+    return filtered_probs(filtered_logits(logits, p), p.min_p)
+
+
+def filtered_logits(logits, p):
+    """logits [S, V] at the row's temperature, all but its top-k and top-p at -inf."""
     x = logits / jnp.maximum(p.temperature, 1e-6)[:, None]
     needs_sort = jnp.any((p.top_k > 0) | (p.top_p < 1.0))
-    x = jax.lax.cond(needs_sort, _top_k_top_p, lambda x, k, tp: x, x, p.top_k, p.top_p)
+    return jax.lax.cond(needs_sort, _top_k_top_p, lambda x, k, tp: x, x, p.top_k, p.top_p)
+
+
+def filtered_probs(x, min_p):
+    """softmax(x [S, V]) with the tokens under min_p [S] times the most likely one's probability at 0."""
     probs = jax.nn.softmax(x, axis=-1)
-    probs = jnp.where(probs >= p.min_p[:, None] * jnp.max(probs, axis=-1, keepdims=True), probs, 0.0)
+    return jnp.where(probs >= min_p[:, None] * jnp.max(probs, axis=-1, keepdims=True), probs, 0.0)
+
+
+def step_keys(seed, step):
+    """The key of each row's draw of its generated token number `step`: seed [S] u32, step [S] i32 -> keys [S]."""
+    return jax.vmap(lambda seed, step: jax.random.fold_in(jax.random.key(seed), step))(seed, step)
+
+
+def draw(probs, keys):
+    """One token per row from probs [S, V] (unnormalised), with keys [S]."""
     # Inverse-CDF draw: one uniform number per row (Gumbel noise over the vocabulary costs a random number per
     # token, which dominated small decode steps on CPU).
-    keys = jax.vmap(lambda seed, step: jax.random.fold_in(jax.random.key(seed), step))(p.seed, p.step)
     u = jax.vmap(lambda key: jax.random.uniform(key))(keys) * probs.sum(axis=-1)
     return inverse_cdf(probs, u)
 

@@ -17,6 +17,7 @@ from jaxserve.attention import write_kv
 from jaxserve.batch import StepInput, StepOutput
 from jaxserve.config import ModelConfig
 from jaxserve.model.llama import LlamaModel
+from jaxserve.rejection_sampler import verify
 from jaxserve.sampling import sample
 
 
@@ -35,19 +36,29 @@ def input_tokens(batch: StepInput, last_tokens):
 
 
 class Steps:
-    """The steps for one model architecture and dtype."""
+    """The steps for one model architecture and dtype.
 
-    def __init__(self, config: ModelConfig, dtype, attention_backend: str = "reference"):
+    With num_speculative_tokens = k > 0 there is a second forward program, the verification step: it scores k + 1
+    tokens per row and accepts proposals on device (`jaxserve.rejection_sampler`). Plain steps keep their own
+    program, whose LM head and sampler see one token per row.
+    """
+
+    def __init__(self, config: ModelConfig, dtype, attention_backend: str = "reference",
+                 num_speculative_tokens: int = 0):
         self.model = LlamaModel(config, dtype, attention_backend)
+        self.num_speculative_tokens = num_speculative_tokens
         self._forward = jax.jit(self._forward_and_sample, donate_argnums=2)
+        self._verify = jax.jit(self._forward_and_verify, donate_argnums=2)
         self._logits = jax.jit(self._forward_logits)
         self._write = jax.jit(self._write_cache, donate_argnums=0)
 
     def step(self, params, kv_cache, last_tokens, batch: StepInput):
         """One ragged step. Returns (StepOutput, kv_cache, last_tokens); kv_cache and last_tokens [slots] are
-        donated: each row's sampled token is kept at last_tokens[out_slot] for a later step to chain from."""
+        donated: each row's last emitted token is kept at last_tokens[out_slot] for a later step to chain from.
+        A batch whose logits_index is [S, k + 1] runs the verification program."""
         batch = jax.device_put(batch)  # one host-to-device copy, shared by both programs
-        out, new_kv, last_tokens = self._forward(params, kv_cache, last_tokens, batch)
+        forward = self._verify if batch.logits_index.shape[1] > 1 else self._forward
+        out, new_kv, last_tokens = forward(params, kv_cache, last_tokens, batch)
         return out, self._write(kv_cache, new_kv, batch.slot_mapping), last_tokens
 
     def forward_logits(self, params, kv_cache, batch: StepInput):
@@ -58,13 +69,31 @@ class Steps:
 
     def _forward_and_sample(self, params, kv_cache, last_tokens, batch: StepInput):
         tokens = input_tokens(batch, last_tokens)
-        logits, new_kv = self.model.apply(params, tokens, kv_cache, batch.rows, batch.logits_index)
+        logits, new_kv = self.model.apply(params, tokens, kv_cache, batch.rows, batch.logits_index[:, 0])
         s = sample(logits, batch.sampling)
-        out = StepOutput(tokens=s["tokens"][:, None], num_tokens=(batch.logits_index >= 0).astype(jnp.int32),
+        out = StepOutput(tokens=s["tokens"][:, None], num_tokens=(batch.logits_index[:, 0] >= 0).astype(jnp.int32),
                          logprobs=s["logprobs"][:, None], ranks=s["ranks"][:, None], top_ids=s["top_ids"][:, None],
                          top_logprobs=s["top_logprobs"][:, None])
         last_tokens = last_tokens.at[batch.out_slot].set(s["tokens"])  # -1 wraps to the padding slot
         return out, new_kv, last_tokens
+
+    def _forward_and_verify(self, params, kv_cache, last_tokens, batch: StepInput):
+        tokens = input_tokens(batch, last_tokens)  # [T]
+        index = jnp.maximum(batch.logits_index, 0)  # [S, Q]
+        T, (S, Q) = tokens.shape[0], index.shape
+        if T <= S * Q:  # the LM head over every token costs less than over every (row, position)
+            logits, new_kv = self.model.apply(params, tokens, kv_cache, batch.rows)
+            logits = logits[index]  # [S, Q, V]
+        else:
+            logits, new_kv = self.model.apply(params, tokens, kv_cache, batch.rows, index)
+        # The proposal a scored position is checked against is the token after it in the row.
+        drafts = tokens[jnp.minimum(index[:, :-1] + 1, T - 1)]  # [S, Q - 1]
+        v = verify(logits, drafts, batch.num_draft, None, batch.sampling)
+        num_tokens = jnp.where(batch.logits_index[:, 0] >= 0, v["num_tokens"], 0)  # [S]
+        out = StepOutput(tokens=v["tokens"], num_tokens=num_tokens, logprobs=v["logprobs"], ranks=v["ranks"],
+                         top_ids=v["top_ids"], top_logprobs=v["top_logprobs"])
+        last = jnp.take_along_axis(v["tokens"], jnp.maximum(num_tokens - 1, 0)[:, None], axis=1)[:, 0]  # [S]
+        return out, new_kv, last_tokens.at[batch.out_slot].set(last)
 
     def _write_cache(self, kv_cache, new_kv, slot_mapping):
         return write_cache(kv_cache, new_kv, slot_mapping)  # a method, so each Steps counts its own programs
@@ -74,9 +103,10 @@ class Steps:
 
     def num_compiled(self) -> int:
         """Programs compiled so far for serving (forwards and cache writes)."""
-        return sum(f._cache_size() for f in (self._forward, self._write))
+        return sum(f._cache_size() for f in (self._forward, self._verify, self._write))
 
 
 @functools.cache
-def steps_for(config: ModelConfig, dtype, attention_backend: str = "reference") -> Steps:
-    return Steps(config, dtype, attention_backend)
+def steps_for(config: ModelConfig, dtype, attention_backend: str = "reference",
+              num_speculative_tokens: int = 0) -> Steps:
+    return Steps(config, dtype, attention_backend, num_speculative_tokens)

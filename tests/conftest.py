@@ -32,3 +32,12 @@ def tiny_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny-llama")
     save_tiny_model("llama", path)
     return str(path)
+
+
+@pytest.fixture(scope="session")
+def other_tiny_dir(tmp_path_factory):
+    """Another tiny random Llama of the same vocabulary: a draft model that is mostly wrong."""
+    from hf_models import save_tiny_model
+    path = tmp_path_factory.mktemp("tiny-llama-other")
+    save_tiny_model("llama", path, seed=1)
+    return str(path)

@@ -81,10 +81,16 @@ def test_shared_prefix_is_computed_once(tiny_dir):
     llm.core.assert_idle_and_clean()
 
 
-@pytest.fixture(scope="module")
-def small_pool_llm(tiny_dir):
-    return make_llm(tiny_dir, max_num_seqs=3, max_num_batched_tokens=8, kv_cache_memory_bytes=17 * TINY_PAGE_BYTES,
-                    max_model_len=64)
+@pytest.fixture(scope="module", params=["plain", "ngram", "draft"])
+def small_pool_llm(tiny_dir, other_tiny_dir, request):
+    """Plain, and speculating for every sequence every step (rollbacks, and the draft's pages)."""
+    spec = {"plain": None, "ngram": dict(method="ngram", num_speculative_tokens=3, prompt_lookup_min=1),
+            "draft": dict(method="draft_model", model=other_tiny_dir, num_speculative_tokens=3)}[request.param]
+    if spec:
+        spec["adaptive"] = False
+    cost = 2 if request.param == "draft" else 1  # a page in each model's cache
+    return make_llm(tiny_dir, max_num_seqs=3, max_num_batched_tokens=8,
+                    kv_cache_memory_bytes=17 * cost * TINY_PAGE_BYTES, max_model_len=64, speculative_config=spec)
 
 
 @settings(max_examples=12, deadline=None)

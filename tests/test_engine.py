@@ -36,17 +36,26 @@ def test_batching_does_not_change_greedy_tokens(tiny_dir):
     assert together == alone
 
 
-def test_no_compilation_after_warmup(tiny_dir):
+@pytest.mark.parametrize("speculation", [None, "ngram", "draft"])
+def test_no_compilation_after_warmup(tiny_dir, other_tiny_dir, speculation):
     steps_for.cache_clear()  # jitted steps are shared per model config; start from none compiled
-    llm = make_llm(tiny_dir, max_num_batched_tokens=64, warmup=True)  # steps of 1, 2, 4 ... 64 tokens
-    compiled = llm.runner.steps.num_compiled()
+    config = {None: None, "ngram": dict(method="ngram", num_speculative_tokens=2, prompt_lookup_min=1),
+              "draft": dict(method="draft_model", model=other_tiny_dir, num_speculative_tokens=2)}[speculation]
+    if config:
+        config["adaptive"] = False  # verification programs in every step where a sequence decodes
+    llm = make_llm(tiny_dir, max_num_batched_tokens=64, warmup=True,  # steps of 1, 4, 8 ... 64 tokens
+                   speculative_config=config)
+    runners = [llm.runner] + ([llm.core.proposer.runner] if speculation == "draft" else [])
+    compiled = [r.steps.num_compiled() for r in runners]
     shapes = list(llm.runner.buckets.shapes())
-    assert compiled == 2 * len(shapes)  # a forward and a cache write per step size
+    verify_shapes = [(t, r) for t, r in shapes if t > 1] if config else []
+    # A forward and a cache write per step size, and a verification forward per size but one token.
+    assert compiled[0] == 2 * len(shapes) + len(verify_shapes)
     used = set()
     step = llm.runner.steps.step
 
     def recording(params, kv_cache, last_tokens, batch):
-        used.add((batch.num_tokens, batch.num_rows))
+        used.add((batch.num_tokens, batch.num_rows, batch.logits_index.shape[1] > 1))
         return step(params, kv_cache, last_tokens, batch)
 
     llm.runner.steps.step = recording
@@ -74,8 +83,12 @@ def test_no_compilation_after_warmup(tiny_dir):
     finally:
         jax.monitoring.unregister_event_duration_listener(on_compile)
     assert compiles == []
-    assert llm.runner.steps.num_compiled() == compiled
-    assert used == set(shapes)  # the workload ran every bucket
+    assert [r.steps.num_compiled() for r in runners] == compiled
+    expected = {(t, r, False) for t, r in shapes} | {(t, r, True) for t, r in verify_shapes}
+    if config is None:
+        assert used == expected  # the workload ran every bucket
+    else:  # speculating rows take the verification programs, so fewer plain steps run
+        assert used <= expected and any(verifying for _, _, verifying in used)
 
 
 def test_one_program_and_one_copy_back_per_step(tiny_dir, monkeypatch):

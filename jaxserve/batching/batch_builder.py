@@ -34,6 +34,7 @@ class Row:
     slot: int = -1  # where the device keeps the token this row samples (-1: the padding slot)
     chained: bool = False  # token_ids[0] is a placeholder for the token last sampled into `slot`, still on device
     samples: bool = True  # the step samples the row's next token (not for a prompt chunk short of the prompt's end)
+    num_draft: int = 0  # the last num_draft tokens are proposals (speculative decoding): the step scores each
 
     @property
     def end(self) -> int:
@@ -43,17 +44,21 @@ class Row:
 def plan_rows(plan) -> list[Row]:
     """A scheduler's StepPlan as rows, from the sequences as they stand before the plan is counted in: decode rows
     (whose token the step before sampled is taken straight from the device), then prompt chunks."""
-    rows = [Row([0 if s.pending else s.last_token], s.num_tokens - 1, s.pages, s.sampling_row(), s.slot,
-                chained=bool(s.pending)) for s in plan.decode]
+    rows = []
+    for s in plan.decode:
+        proposals = plan.proposals.get(s, [])
+        rows.append(Row([0 if s.pending else s.last_token] + proposals, s.num_tokens - 1, s.pages, s.sampling_row(),
+                        s.slot, chained=bool(s.pending), num_draft=len(proposals)))
     rows += [Row(c.seq.token_ids[c.start:c.start + c.length], c.start, c.seq.pages, c.seq.sampling_row(),
                  c.seq.slot if c.is_last else -1, samples=c.is_last) for c in plan.prefill]
     return rows
 
 
 def build_batch(rows: list[Row], page_size: int, vocab_size: int, num_tokens: int, num_rows: int,
-                pages_per_row: int) -> StepInput:
-    """Lays `rows` back to back in `num_tokens` tokens, with `num_rows` rows and a [num_rows, pages_per_row] table."""
-    T, S, P = num_tokens, num_rows, pages_per_row
+                pages_per_row: int, num_scored: int = 1) -> StepInput:
+    """Lays `rows` back to back in `num_tokens` tokens, with `num_rows` rows and a [num_rows, pages_per_row] table;
+    each row scores up to `num_scored` tokens (1, or k + 1 for a verification program)."""
+    T, S, P, Q = num_tokens, num_rows, pages_per_row, num_scored
     if len(rows) > S:
         raise ValueError(f"{len(rows)} rows do not fit a batch of {S}")
     total = sum(len(r.token_ids) for r in rows)
@@ -68,7 +73,8 @@ def build_batch(rows: list[Row], page_size: int, vocab_size: int, num_tokens: in
     query_start = np.full(S + 1, total, np.int32)
     cached_lens = np.zeros(S, np.int32)
     page_table = np.full((S, P), SCRATCH_PAGE, np.int32)
-    logits_index = np.full(S, -1, np.int32)
+    logits_index = np.full((S, Q), -1, np.int32)
+    num_draft = np.zeros(S, np.int32)
     out_slot = np.full(S, -1, np.int32)
     sampling = SamplingInput(
         temperature=np.zeros(S, np.float32), top_k=np.zeros(S, np.int32), top_p=np.ones(S, np.float32),
@@ -95,8 +101,11 @@ def build_batch(rows: list[Row], page_size: int, vocab_size: int, num_tokens: in
         query_start[i] = t
         cached_lens[i] = row.start_pos
         page_table[i, :len(cached)] = cached
+        if not 0 <= row.num_draft < min(n, Q):
+            raise ValueError(f"row {i}: {row.num_draft} proposals in {n} tokens; a row scores at most {Q}")
         if row.samples:
-            logits_index[i] = t + n - 1
+            logits_index[i, :row.num_draft + 1] = np.arange(t + n - 1 - row.num_draft, t + n)
+            num_draft[i] = row.num_draft
             out_slot[i] = row.slot
         if row.chained:
             chain_slot[t] = row.slot
@@ -110,4 +119,4 @@ def build_batch(rows: list[Row], page_size: int, vocab_size: int, num_tokens: in
     rows_in = RaggedRows(positions=positions, token_row=token_row, query_start=query_start, cached_lens=cached_lens,
                          page_table=page_table)
     return StepInput(token_ids=token_ids, chain_slot=chain_slot, slot_mapping=slot_mapping, rows=rows_in,
-                     logits_index=logits_index, out_slot=out_slot, sampling=sampling)
+                     logits_index=logits_index, num_draft=num_draft, out_slot=out_slot, sampling=sampling)

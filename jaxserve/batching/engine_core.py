@@ -13,6 +13,7 @@ import time
 from jaxserve.batching.model_runner import ModelRunner
 from jaxserve.batching.scheduler import Scheduler, StepPlan
 from jaxserve.batching.sequence import Sequence, Status
+from jaxserve.batching.spec_controller import SpecController
 
 
 @dataclasses.dataclass
@@ -30,12 +31,25 @@ class EngineStats:
     generation_tokens: int
     generation_tokens_per_s: float  # over the last few seconds
     steps: int
+    # Speculative decoding (vLLM's counters): verifications with proposals, proposals, accepted proposals, and
+    # accepted proposals by position; accepted over proposed; sequences that speculated in the last step.
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()
+    spec_decode_acceptance_rate: float = 0.0
+    spec_decode_num_speculating: int = 0
 
 
 class EngineCore:
-    def __init__(self, scheduler: Scheduler, runner: ModelRunner, rate_window_s: float = 5.0):
+    def __init__(self, scheduler: Scheduler, runner: ModelRunner, rate_window_s: float = 5.0, proposer=None,
+                 controller: SpecController | None = None, adaptive: bool = True):
+        """proposer (an NgramProposer or DraftProposer) and controller: speculative decoding, off without them;
+        adaptive=False speculates for every decoding sequence every step (as vLLM does)."""
         self.scheduler = scheduler
         self.runner = runner
+        self.proposer, self.controller, self.adaptive = proposer, controller, adaptive
+        self._last_fetch: float | None = None  # when the last pipelined step was read back
         self._in_flight: tuple[StepPlan, tuple] | None = None
         self._last_arrival: float | None = None
         self.steps = 0
@@ -72,7 +86,12 @@ class EngineCore:
         return self.scheduler.has_unfinished() or self._in_flight is not None
 
     def step(self) -> list[tuple[Sequence, str]]:
-        """Dispatches the next step and returns (sequence, new text) for each token of the previous one."""
+        """Dispatches the next step and returns (sequence, new text) for each token of the previous one (and, in a
+        speculative step, of this one)."""
+        if self.proposer is not None:
+            lengths = self._speculation_lengths()
+            if lengths:
+                return self._speculative_step(lengths)
         plan = self.scheduler.schedule()
         dispatched = self._dispatch(plan) if plan else None
         done, self._in_flight = self._in_flight, dispatched
@@ -80,7 +99,40 @@ class EngineCore:
             if dispatched is None and self.scheduler.has_unfinished():
                 raise RuntimeError("the scheduler can neither run nor admit any sequence")  # a bug, never a wait
             return []
-        return self._update(*done)
+        changed = self._update(*done)
+        now = time.perf_counter()
+        if self.adaptive and self.controller is not None and self._last_fetch is not None:
+            self.controller.observe_step(done[0].num_tokens, now - self._last_fetch, False)
+        self._last_fetch = now if dispatched is not None else None
+        return changed
+
+    def _speculation_lengths(self) -> dict[Sequence, int]:
+        """Proposals wanted per decoding sequence. Decided on what the host knows: a token still in flight is
+        not yet in the n-gram lookup."""
+        seqs = [s for s in self.scheduler.running if s.num_to_compute == 1 and not s.reached_length_limit]
+        if not self.adaptive:
+            return {s: self.controller.k for s in seqs}
+        return self.controller.choose(seqs, self.proposer.available)
+
+    def _speculative_step(self, lengths: dict[Sequence, int]) -> list[tuple[Sequence, str]]:
+        """A step planned with every token on the host, and waited for: its proposals continue the latest tokens,
+        and the plan after it must know how many were accepted. So the step before is read back first, and the
+        host's work no longer overlaps the device's for this step (what that costs: BENCHMARKS.md)."""
+        changed = self._update(*self._in_flight) if self._in_flight is not None else []
+        self._in_flight, self._last_fetch = None, None
+        start = time.perf_counter()
+        plan = self.scheduler.schedule(lengths)
+        if not plan:
+            return changed
+        self.proposer.propose(plan)
+        plan.num_draft = {s: len(p) for s, p in plan.proposals.items()}
+        changed += self._update(*self._dispatch(plan))
+        speculating = [k for k in plan.num_draft.values() if k]
+        self.controller.num_speculating = len(speculating)
+        if self.adaptive:
+            self.controller.observe_step(plan.num_tokens, time.perf_counter() - start, True, len(speculating),
+                                         max(speculating, default=0))
+        return changed
 
     def _dispatch(self, plan: StepPlan) -> tuple[StepPlan, tuple]:
         handle = self.runner.dispatch(plan)
@@ -104,6 +156,9 @@ class EngineCore:
             if not counts[i] or seq.finished:
                 continue  # a chunk short of its prompt's end; or stopped or aborted while this step ran
             seq.pending -= 1  # a row's tokens land together
+            proposed = plan.proposals.get(seq)
+            if proposed:
+                self.controller.observe(seq, len(proposed), counts[i] - 1)
             delta = []
             for j in range(counts[i]):
                 top = []
@@ -118,6 +173,8 @@ class EngineCore:
             if seq.finish_reason is not None:
                 seq.finish_time = now
                 self.scheduler.finish(seq)
+            elif proposed is not None:
+                self.scheduler.roll_back(seq, len(proposed) - (counts[i] - 1))
             changed.append((seq, "".join(delta)))
         self.generation_tokens += emitted
         self._recent = [(t, n) for t, n in self._recent if now - t <= self._rate_window_s] + [(now, emitted)]
@@ -134,7 +191,16 @@ class EngineCore:
             kv_cache_usage=used / total, prefix_cache_queries=cache.queries, prefix_cache_hits=cache.hits,
             prefix_cache_hit_rate=cache.hit_rate(), num_preemptions=s.num_preemptions,
             prompt_tokens=self.prompt_tokens, generation_tokens=self.generation_tokens,
-            generation_tokens_per_s=rate, steps=self.steps)
+            generation_tokens_per_s=rate, steps=self.steps, **self._spec_stats())
+
+    def _spec_stats(self) -> dict:
+        c = self.controller
+        if c is None:
+            return {}
+        return dict(spec_decode_num_drafts=c.num_drafts, spec_decode_num_draft_tokens=c.num_draft_tokens,
+                    spec_decode_num_accepted_tokens=c.num_accepted_tokens,
+                    spec_decode_num_accepted_tokens_per_pos=tuple(c.num_accepted_tokens_per_pos),
+                    spec_decode_acceptance_rate=c.acceptance_rate, spec_decode_num_speculating=c.num_speculating)
 
     def assert_idle_and_clean(self) -> None:
         """For tests: nothing queued, nothing in flight, no page held by anyone but the prefix cache."""

@@ -24,14 +24,17 @@ logger = logging.getLogger("jaxserve")
 
 class ModelRunner:
     def __init__(self, config, params, dtype, num_pages: int, page_size: int, buckets: Buckets, num_slots: int,
-                 attention_backend: str = "reference", kv_cache_dtype: str = "auto"):
+                 attention_backend: str = "reference", kv_cache_dtype: str = "auto", num_speculative_tokens: int = 0):
         self.config = config
         self.params = params
         self.page_size = page_size
         self.buckets = buckets
-        self.steps = steps_for(config, dtype, attention_backend)
+        self.num_speculative_tokens = num_speculative_tokens
+        self.steps = steps_for(config, dtype, attention_backend, num_speculative_tokens)
         self.kv_cache = init_kv_cache(config, num_pages, page_size, dtype, kv_cache_dtype)
         self.last_tokens = jnp.zeros(num_slots + 1, jnp.int32)  # [slots + 1]: the last one takes padding rows
+        # Seconds per step by (tokens, scored per row), measured at warm-up: what speculation's controller weighs.
+        self.step_times: dict[tuple[int, int], float] = {}
 
     def dispatch(self, plan) -> tuple[int, StepOutput]:
         """Starts the step of a scheduler's plan; returns a handle for `fetch`."""
@@ -39,8 +42,9 @@ class ModelRunner:
 
     def dispatch_rows(self, rows: list[Row]) -> tuple[int, StepOutput]:
         tokens = round_up(sum(len(r.token_ids) for r in rows), self.buckets.num_tokens)
+        scored = self.num_speculative_tokens + 1 if any(r.num_draft for r in rows) else 1
         batch = build_batch(rows, self.page_size, self.config.vocab_size, tokens, self.buckets.num_rows(tokens),
-                            self.buckets.pages_per_row)
+                            self.buckets.pages_per_row, scored)
         out, self.kv_cache, self.last_tokens = self.steps.step(self.params, self.kv_cache, self.last_tokens, batch)
         if not any(r.sampling.want_top_logprobs for r in rows):
             out = dataclasses.replace(out, top_ids=None, top_logprobs=None)  # nothing to copy back
@@ -54,21 +58,32 @@ class ModelRunner:
         got = jax.device_get(out)
         return jax.tree.map(lambda x: x[:n], got)
 
-    def warmup(self, progress: bool = True) -> int:
-        """Compiles every bucket before serving; returns how many programs were compiled."""
-        shapes = list(self.buckets.shapes())
+    def warmup(self, progress: bool = True, time_steps: bool = False) -> int:
+        """Compiles every bucket before serving (plain and, with speculation, verification programs); returns how
+        many programs were compiled. time_steps: also time each shape once compiled (into step_times)."""
+        k = self.num_speculative_tokens
+        shapes = [(t, r, 0) for t, r in self.buckets.shapes()]
+        shapes += [(t, r, k) for t, r in self.buckets.shapes() if k and t > 1]  # a verification row has 2 tokens
         before = self.steps.num_compiled()
         start = time.perf_counter()
         iterator = shapes
         if progress:
             from tqdm import tqdm
             iterator = tqdm(shapes, desc="compiling step buckets", unit="shape")
-        for tokens, num_rows in iterator:
+        for tokens, num_rows, num_draft in iterator:
             # Rows whose pages are all the scratch page: real shapes, no cache content touched.
             per_row, extra = divmod(tokens, num_rows)
-            rows = [Row([0] * (per_row + (i < extra)), 0, [0] * pages_needed(per_row + 1, self.page_size))
-                    for i in range(num_rows)]
+            lengths = [per_row + (i < extra) for i in range(num_rows)]
+            if num_draft and lengths[0] == 1:  # a verification row needs a proposal after its token
+                lengths = [2] + lengths[1:-1]
+            drafts = [min(num_draft, lengths[0] - 1)] + [0] * (len(lengths) - 1)
+            rows = [Row([0] * n, 0, [0] * pages_needed(n + 1, self.page_size), num_draft=d)
+                    for n, d in zip(lengths, drafts)]
             self.fetch(self.dispatch_rows(rows))
+            if time_steps:
+                t0 = time.perf_counter()
+                self.fetch(self.dispatch_rows(rows))
+                self.step_times[tokens, 1 + k if num_draft else 1] = time.perf_counter() - t0
         compiled = self.steps.num_compiled() - before
         logger.info("warm-up compiled %d programs (%d shapes) in %.1f s", compiled, len(shapes),
                     time.perf_counter() - start)

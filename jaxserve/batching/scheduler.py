@@ -42,8 +42,12 @@ class Chunk:
 
 @dataclasses.dataclass
 class StepPlan:
-    decode: list[Sequence]  # one token each
+    decode: list[Sequence]  # one token each, and any proposals after it
     prefill: list[Chunk]  # at most one chunk per sequence
+    # Speculative decoding: how many proposals a decoding sequence has pages and budget for, then the proposals
+    # themselves (at most that many; see jaxserve.batching.speculator).
+    num_draft: dict[Sequence, int] = dataclasses.field(default_factory=dict)
+    proposals: dict[Sequence, list[int]] = dataclasses.field(default_factory=dict)
     # (sequence, tokens of it cached once the step has run, its preemption count when planned): what the step
     # writes, to publish to the prefix cache only after the step has completed.
     writes: list[tuple[Sequence, int, int]] = dataclasses.field(default_factory=list)
@@ -53,7 +57,7 @@ class StepPlan:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.decode) + sum(c.length for c in self.prefill)
+        return len(self.decode) + sum(self.num_draft.values()) + sum(c.length for c in self.prefill)
 
 
 class Scheduler:
@@ -111,7 +115,9 @@ class Scheduler:
     def priority(self, seq: Sequence):
         return seq.effective_priority if self.policy == "priority" else (0, seq.arrival)
 
-    def schedule(self) -> StepPlan:
+    def schedule(self, num_draft: dict[Sequence, int] | None = None) -> StepPlan:
+        """num_draft: proposals wanted per decoding sequence (speculative decoding); granted where pages are free
+        without preempting anyone and the token budget allows, after every sequence has its one decode token."""
         plan = StepPlan([], [])
         budget = self.max_num_batched_tokens
         preemptions = self.num_preemptions
@@ -121,6 +127,15 @@ class Scheduler:
             if self._grow(seq, seq.num_tokens):
                 plan.decode.append(seq)
                 budget -= 1
+        for seq in plan.decode if num_draft else []:
+            k = min(num_draft.get(seq, 0), budget, seq.max_total_tokens - seq.num_tokens)
+            while k > 0 and pages_needed(seq.num_tokens + k, self.page_size) - len(seq.pages) > \
+                    self.cache.num_available:
+                k -= 1
+            if k > 0 and seq.status is Status.RUNNING:
+                self._grow(seq, seq.num_tokens + k)
+                plan.num_draft[seq] = k
+                budget -= k
         # Short of pages: a sequence admitted now would only be the next victim.
         admit = self.num_preemptions == preemptions
         for seq in sorted(self.running, key=self.priority):
@@ -137,11 +152,14 @@ class Scheduler:
             budget -= self._add_chunks(plan, seq, budget)
         # A priority preemption above may have taken out a sequence already planned.
         plan.decode = [s for s in plan.decode if s.status is Status.RUNNING]
+        plan.num_draft = {s: k for s, k in plan.num_draft.items() if s.status is Status.RUNNING}
         plan.prefill = [c for c in plan.prefill if c.seq.status is Status.RUNNING]
         for seq in self.waiting:
             seq.waited_steps += 1
             seq.boost = seq.waited_steps // AGING_STEPS
         self._fit_to_bucket(plan)
+        # A decode row's proposals are left out: they may be rejected, and a page holding a rejected token must
+        # never be published. Accepted ones are published with the step that next writes after them.
         plan.writes = [(s, s.num_tokens, s.num_preemptions) for s in plan.decode] + \
                       [(c.seq, c.start + c.length, c.seq.num_preemptions) for c in plan.prefill]
         return plan
@@ -150,7 +168,7 @@ class Scheduler:
         """Once the plan's step is dispatched (its inputs were read from the sequences as planned): its tokens are
         computed and their samples in flight."""
         for seq in plan.decode:
-            seq.num_cached += 1
+            seq.num_cached += 1 + len(plan.proposals.get(seq, ()))
             seq.pending += 1
         for chunk in plan.prefill:
             chunk.seq.num_cached += chunk.length
@@ -166,6 +184,16 @@ class Scheduler:
             if seq.status is Status.RUNNING and seq.num_preemptions == preemptions:
                 seq.num_written = max(seq.num_written, end)
                 self.publish(seq)
+
+    def roll_back(self, seq: Sequence, num_rejected: int) -> None:
+        """After a verification step: the rejected proposals' K/V stay in the cache unread, past the sequence's
+        length, to be overwritten; pages holding nothing but them go back."""
+        seq.num_cached -= num_rejected
+        seq.num_draft_cached = min(seq.num_draft_cached, seq.num_cached)
+        keep = pages_needed(seq.num_tokens, self.page_size)  # the next step writes the last token's K/V
+        if len(seq.pages) > keep:
+            self.cache.release(seq.pages[keep:])
+            del seq.pages[keep:]
 
     def publish(self, seq: Sequence) -> None:
         """Tells the prefix cache about the sequence's pages that completed steps have filled."""
@@ -190,7 +218,8 @@ class Scheduler:
             return
         above = round_up(total, self.token_buckets)
         below = max((b for b in self.token_buckets if b < total), default=0)
-        if above <= COMPUTE_BOUND_TOKENS or above - total <= above // 4 or below < max(len(plan.decode), 1):
+        decode_tokens = len(plan.decode) + sum(plan.num_draft.values())
+        if above <= COMPUTE_BOUND_TOKENS or above - total <= above // 4 or below < max(decode_tokens, 1):
             return
         excess = total - below
         while excess > 0:
@@ -261,6 +290,6 @@ class Scheduler:
         # No publishing here: what completed steps filled is published already, and what is still in flight may
         # never be written.
         self.cache.release(seq.pages)
-        seq.pages, seq.num_cached, seq.num_written, seq.num_published = [], 0, 0, 0
+        seq.pages, seq.num_cached, seq.num_written, seq.num_published, seq.num_draft_cached = [], 0, 0, 0, 0
         self._free_slots.append(seq.slot)
         seq.slot = None

@@ -71,7 +71,8 @@ class Sequence:
         self.num_published = 0  # of its pages, how many the prefix cache has been told about
         self.num_cached = 0  # tokens whose K/V are in the cache, or written by a step already dispatched
         self.num_written = 0  # of those, tokens written by steps that have completed
-        self.pending = 0  # tokens sampled by a dispatched step and not yet read back (0 or 1)
+        self.num_draft_cached = 0  # tokens whose K/V a draft model has in its own cache (same pages)
+        self.pending = 0  # rows sampled by a dispatched step and not yet read back (0 or 1)
         self.slot: int | None = None  # its row in the device-side buffer of last sampled tokens, while running
         self.status = Status.WAITING
         self.text = ""  # all of it, including what is held back from the stream

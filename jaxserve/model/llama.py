@@ -83,8 +83,8 @@ class LlamaModel(nn.Module):
     def __call__(self, token_ids, kv_cache, rows, logits_index=None):
         """token_ids: [T]; kv_cache: per layer (k_pages, v_pages), as before this step; rows: `RaggedRows`.
 
-        logits_index: [S] which tokens get logits (None: all of them).
-        Returns (logits [S, V] or [T, V] in float32, per layer this step's (k, v), each [T, kv_heads, head_dim]).
+        logits_index: [S] or [S, Q], which tokens get logits (None: all of them).
+        Returns (logits [S, V], [S, Q, V] or [T, V] in float32, per layer this step's (k, v), each [T, kv_heads, head_dim]).
         """
         c = self.config
         if self.has_variable("params", "embed_tokens"):  # float or int8 rows (jaxserve.quant)
@@ -99,7 +99,7 @@ class LlamaModel(nn.Module):
             x, kv = DecoderLayer(c, self.dtype, self.attention_backend, name=f"layers_{i}")(x, kv_cache[i], rows)
             new_kv.append(kv)
         if logits_index is not None:
-            x = x[logits_index]  # [S, hidden]
+            x = x[logits_index]  # [S, hidden] or [S, Q, hidden]
         x = RMSNorm(c.rms_norm_eps, self.dtype, name="norm")(x)
         # Always a separate [hidden, vocab] head, even for tied embeddings (the loader copies it): XLA:CPU multiplies
         # by it faster than by the transposed embedding, and a step reads the same bytes either way.
