@@ -35,6 +35,7 @@ class _Stream:
         self.prompt, self.prompt_token_ids = prompt, seqs[0].prompt_token_ids
         self.seqs = seqs
         self.unfinished = len(seqs)
+        self.sent = [0] * len(seqs)  # tokens of each sequence already put out (a step may add several)
 
     def put(self, item) -> None:
         try:
@@ -168,9 +169,13 @@ class AsyncEngine:
     def _publish(self, changed) -> None:
         by_request: dict[str, list[CompletionOutput]] = {}
         for seq, delta in changed:
-            new = CompletionOutput(seq.index, delta, seq.output_token_ids[-1:],
+            stream = self._streams.get(seq.request_id)
+            if stream is None:
+                continue  # aborted since
+            sent, stream.sent[seq.index] = stream.sent[seq.index], len(seq.output_token_ids)
+            new = CompletionOutput(seq.index, delta, seq.output_token_ids[sent:],
                                    seq.cumulative_logprob if seq.logprobs is not None else None,
-                                   seq.logprobs[-1:] if seq.logprobs is not None else None,
+                                   seq.logprobs[sent:] if seq.logprobs is not None else None,
                                    seq.finish_reason, seq.stop_reason)
             by_request.setdefault(seq.request_id, []).append(new)
         for request_id, outputs in by_request.items():

@@ -12,9 +12,11 @@ def run(*args, timeout=300):
     return subprocess.run(args, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
 
 
-def test_generate_streams_the_default_model_answer(default_gguf_path):
+@pytest.mark.parametrize("extra", [[], ["--speculative-method", "ngram", "--num-speculative-tokens", "3",
+                                        "--prompt-lookup-min", "1", "--no-adaptive-speculation"]])
+def test_generate_streams_the_default_model_answer(default_gguf_path, extra):
     r = run(sys.executable, "-m", "jaxserve.cli", "generate", "--prompt", "The capital of France is",
-            "--max-tokens", "4")
+            "--max-tokens", "4", *extra)
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith(" Paris.")
 
@@ -23,6 +25,10 @@ def test_generate_streams_the_default_model_answer(default_gguf_path):
     (["generate", "--prompt", "hi", "--model", "no-such-model"], "unknown model"),
     (["generate", "--prompt", "hi", "--temperature", "-1"], "temperature"),
     (["generate", "--prompt", "hi", "--max-tokens", "0"], "max_tokens"),
+    (["generate", "--prompt", "hi", "--num-speculative-tokens", "2"], "--speculative-method"),
+    (["generate", "--prompt", "hi", "--speculative-method", "draft_model"], "draft model"),
+    (["generate", "--prompt", "hi", "--speculative-method", "ngram", "--num-speculative-tokens", "0"],
+     "num_speculative_tokens"),
 ])
 def test_user_errors_are_one_line_and_nonzero(args, message):
     r = run(sys.executable, "-m", "jaxserve.cli", *args)

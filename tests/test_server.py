@@ -4,6 +4,7 @@ import asyncio
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -12,7 +13,7 @@ import time
 import aiohttp
 import pytest
 
-from jaxserve import LLM
+from jaxserve import LLM, SamplingParams
 from jaxserve.sampling_params import MAX_STOP_TOKEN_IDS
 from serving import ServerThread, free_port, wait_idle
 from tiny import first_decode_fails, make_llm
@@ -363,6 +364,34 @@ def test_metrics_after_traffic(tiny):
               "prefix_cache_queries_total", "prefix_cache_hits_total"):
         assert value(f"jaxserve:{g}") >= 0, g
     assert value("jaxserve:prefix_cache_hits_total") <= value("jaxserve:prefix_cache_queries_total")
+
+
+def test_speculative_server_streams_the_plain_tokens_and_counts(tiny_dir):
+    """A server whose engine verifies a draft's proposals every step: whole and streamed completions give plain
+    decoding's tokens (compared by their logprobs: the tiny model has no tokenizer), and /metrics carries vLLM's
+    spec-decode counters."""
+    prompt = [5, 6, 7, 8, 9]
+    out = make_llm(tiny_dir, max_model_len=64).generate({"prompt_token_ids": prompt}, SamplingParams(
+        temperature=0, max_tokens=12, ignore_eos=True, logprobs=0), use_tqdm=False)[0].outputs[0]
+    plain = [entry[t].logprob for t, entry in zip(out.token_ids, out.logprobs)]
+    spec = dict(method="draft_model", model=tiny_dir, num_speculative_tokens=3, adaptive=False)
+    st = ServerThread(make_llm(tiny_dir, max_model_len=64, speculative_config=spec), "tiny")
+    try:
+        body = {"prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True, "logprobs": 0}
+        whole = post(st, "/v1/completions", body).json()["choices"][0]["logprobs"]["token_logprobs"]
+        assert whole == pytest.approx(plain, abs=1e-4)
+        streamed = post(st, "/v1/completions", {**body, "stream": True}).text
+        chunks = [json.loads(line[6:])["choices"] for line in streamed.splitlines() if line.startswith("data: {")]
+        assert [lp for c in chunks if c for lp in c[0]["logprobs"]["token_logprobs"]] == pytest.approx(plain, abs=1e-4)
+        text = http("GET", st.url + "/metrics").text
+        for name in ("spec_decode_num_drafts_total", "spec_decode_num_draft_tokens_total",
+                     "spec_decode_num_accepted_tokens_total"):
+            assert re.search(rf'^jaxserve:{name}{{model_name="tiny"}} [1-9]', text, re.M), name
+        assert re.search(r'^jaxserve:spec_decode_num_accepted_tokens_per_pos_total'
+                         r'\{model_name="tiny",position="2"\} [1-9]', text, re.M), text
+        wait_idle(st)
+    finally:
+        st.stop()
 
 
 def test_soak_concurrent_streams_with_random_disconnects(tiny_dir):
