@@ -149,13 +149,16 @@ def abstract_params(config: ModelConfig, dtype) -> dict:
 
 def compile_serving(config: ModelConfig, dtype, device, *, max_num_seqs: int, max_num_batched_tokens: int,
                     max_model_len: int, num_pages: int, page_size: int = 16, kv_cache_dtype: str = "auto",
-                    params=None, only_extremes: bool = False) -> list[Compiled]:
+                    params=None, only_extremes: bool = False, num_speculative_tokens: int = 0) -> list[Compiled]:
     """Every program an engine of this shape runs, compiled for `device` with its Pallas attention kernel: the step
     (forward + sampling) of each token bucket and its cache write, and the ragged attention kernel alone at the
     largest step. only_extremes: of the buckets, only the smallest, the largest that can be all decode rows
-    (tokens = rows = max_num_seqs) and the largest (the same programs at other sizes, for a quicker check)."""
+    (tokens = rows = max_num_seqs) and the largest (the same programs at other sizes, for a quicker check).
+    num_speculative_tokens: also the verification step (k + 1 scored tokens a row, rejection sampling) of each
+    bucket but the one-token one."""
     backend = "pallas-" + device.platform
-    steps = Steps(config, dtype, backend)
+    k = num_speculative_tokens
+    steps = Steps(config, dtype, backend, k)
     params = abstract_params(config, dtype) if params is None else params
     kv = jax.eval_shape(lambda: init_kv_cache(config, num_pages, page_size, dtype, kv_cache_dtype))
     buckets = Buckets.for_limits(max_num_seqs, max_num_batched_tokens, pages_needed(max_model_len, page_size))
@@ -173,6 +176,11 @@ def compile_serving(config: ModelConfig, dtype, device, *, max_num_seqs: int, ma
         new_kv = jax.eval_shape(steps._forward, params, kv, last_tokens, batch)[1]
         results.append(compile_program("cache write", shape, steps._write, (kv, new_kv, batch.slot_mapping),
                                        device))
+        if k and tokens > 1:
+            batch = build_batch([], page_size, config.vocab_size, tokens, rows, buckets.pages_per_row, k + 1)
+            batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), batch)
+            results.append(compile_program("verify step", shape, steps._verify, (params, kv, last_tokens, batch),
+                                           device))
     tokens, rows = shapes[-1]
     results.append(_compile_kernel(config, dtype, device, backend, kv[0][0], tokens, rows, buckets.pages_per_row))
     return results

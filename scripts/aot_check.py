@@ -60,6 +60,8 @@ def main() -> None:
     p.add_argument("--context-len", type=int, default=1024, help="tokens each decode row attends to, for the roofline")
     p.add_argument("--only-extremes", action="store_true",
                    help="of the token buckets, only the smallest, the largest all-decode one and the largest")
+    p.add_argument("--num-speculative-tokens", type=int, default=0,
+                   help="also compile the speculative verification step for k proposals a row")
     p.add_argument("--out", default=None, help="write the rows as JSON here")
     args = p.parse_args()
     rows = []
@@ -77,7 +79,8 @@ def main() -> None:
                                           max_num_batched_tokens=args.max_num_batched_tokens,
                                           max_model_len=args.max_model_len, num_pages=num_pages,
                                           kv_cache_dtype=args.kv_cache_dtype, params=params,
-                                          only_extremes=args.only_extremes)
+                                          only_extremes=args.only_extremes,
+                                          num_speculative_tokens=args.num_speculative_tokens)
             print(f"\n{name} on {target} ({device.device_kind}, {chip.hbm_bytes / 2**30:.0f} GiB HBM): weights "
                   f"{weight_bytes / 1e9:.2f} GB, KV cache {num_pages} pages of 16 tokens, compiled in "
                   f"{time.perf_counter() - start:.0f} s")

@@ -321,6 +321,30 @@ def bench_hf(gguf_dir, gguf_file, prompt_len=512, decode_tokens=64, batch_sizes=
     return res
 
 
+def hf_generate(gguf_dir, gguf_file, prompts: list[list[int]], max_new_tokens: int, prompt_lookup: int | None,
+                threads=2) -> dict:
+    """HF transformers generate(), one prompt at a time (its assisted generation runs batch 1 only), greedy, with
+    prompt lookup (`prompt_lookup_num_tokens`, HF's n-gram speculation) or without. tok/s = generated tokens /
+    wall time, prefill included (as bench_spec measures jaxserve)."""
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(threads)
+    model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_file, dtype=torch.float32).eval()
+    extra = {"prompt_lookup_num_tokens": prompt_lookup} if prompt_lookup else {}
+    with torch.no_grad():
+        model.generate(torch.tensor([prompts[0]]), max_new_tokens=4, do_sample=False, **extra)  # warm-up
+        tokens, start, texts = 0, time.perf_counter(), []
+        for ids in prompts:
+            out = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False, **extra)
+            texts.append(out[0, len(ids):].tolist())
+            tokens += len(texts[-1])
+        seconds = time.perf_counter() - start
+    return {"engine": f"HF transformers {transformers.__version__} fp32" + (" prompt lookup" if extra else ""),
+            "tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds, "token_ids": texts}
+
+
 def _table(rows, batch_sizes):
     head = f"{'engine':<44}{'prefill':>9}" + "".join(f"{'b' + str(b):>9}" for b in batch_sizes) + "  (tok/s)"
     print(head)

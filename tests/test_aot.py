@@ -48,11 +48,12 @@ def test_default_model_serving_programs_compile_for_tpu_and_gpu(tmp_path):
     """The engine's default shape (64 sequences, 512-token steps): the smallest step, the largest all-decode one and
     the largest, their cache writes and the ragged attention kernel, for a v5e and an H100."""
     rows = aot_check(tmp_path, "--model", "smollm2-135m", "--target", "v5e:2x2", "--target", "h100",
-                     "--only-extremes")
+                     "--only-extremes", "--num-speculative-tokens", "4")
     for target in ("v5e:2x2", "h100"):
         programs = {(r["program"], r["shape"]) for r in rows if r["target"] == target}
         assert {("step", "1 tokens x 1 rows"), ("step", "64 tokens x 64 rows"), ("step", "512 tokens x 64 rows"),
-                ("cache write", "512 tokens x 64 rows"), ("ragged attention", "512 tokens x 64 rows")} <= programs
+                ("cache write", "512 tokens x 64 rows"), ("ragged attention", "512 tokens x 64 rows"),
+                ("verify step", "64 tokens x 64 rows")} <= programs
     assert all(r["fits"] and r["peak_bytes"] > r["weight_bytes"] for r in rows if r["program"] == "step")
     decode = next(r for r in rows if r["target"] == "v5e:2x2" and r["shape"] == "64 tokens x 64 rows"
                   and r["program"] == "step")

@@ -92,6 +92,7 @@ class EngineCore:
             lengths = self._speculation_lengths()
             if lengths:
                 return self._speculative_step(lengths)
+            self.controller.num_speculating = 0
         plan = self.scheduler.schedule()
         dispatched = self._dispatch(plan) if plan else None
         done, self._in_flight = self._in_flight, dispatched
