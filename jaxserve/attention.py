@@ -41,7 +41,10 @@ def resolve_attention_backend(name: str, platform: str | None = None) -> str:
 
 
 def attention(q, k, v, k_pages, v_pages, rows: RaggedRows, *, sliding_window=None, backend="reference"):
-    """Same arguments and result as `ragged_attention_reference`, by the resolved backend."""
+    """Same arguments and result as `ragged_attention_reference`, by the resolved backend ("dense": that oracle
+    itself, slow but differentiable, which training needs: the blocked path's dynamic loops are not)."""
+    if backend == "dense":
+        return ragged_attention_reference(q, k, v, k_pages, v_pages, rows, sliding_window=sliding_window)
     if backend == "reference":
         return ragged_attention(q, k, v, k_pages, v_pages, rows, sliding_window=sliding_window)
     return pk.ragged_kernel_for(backend)(q, k, v, k_pages, v_pages, rows, sliding_window=sliding_window)
