@@ -5,9 +5,11 @@ emits what plain decoding would (greedy: token for token), leaks no page, and sw
 """
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from jaxserve import SamplingParams
-from jaxserve.batching.ngram_proposer import propose_ngram
+from jaxserve.batching.ngram_proposer import NgramIndex, propose_ngram
 from jaxserve.batching.spec_controller import PROBE_EVERY, SpecController, expected_tokens
 from jaxserve.spec_config import SpeculativeConfig
 from tiny import TINY_PAGE_BYTES, make_llm, prompts
@@ -150,6 +152,19 @@ def test_speculation_switches_itself_off_when_proposals_are_rejected(tiny_dir, o
 
 
 # ---- the n-gram lookup ----
+
+@settings(max_examples=200, deadline=None)
+@given(tokens=st.lists(st.integers(0, 3), min_size=1, max_size=60), cut=st.integers(1, 60),
+       k=st.integers(1, 5), lo=st.integers(1, 3), extra=st.integers(0, 3))
+def test_the_ngram_index_finds_what_a_scan_finds(tokens, cut, k, lo, extra):
+    """The incremental index, fed the sequence in two parts (as it grows), against the plain scan."""
+    hi = lo + extra
+    index = NgramIndex(hi, lo)
+    index.tokens += tokens[:cut]
+    index.lookup(k)
+    index.tokens += tokens[cut:]
+    assert index.lookup(k) == propose_ngram(tokens, k, hi, lo)
+
 
 def test_ngram_proposes_what_followed_the_latest_match():
     assert propose_ngram([1, 2, 3, 9, 1, 2, 3, 7, 8, 1, 2, 3], 2, 3, 1) == [7, 8]  # the latest of two matches

@@ -50,6 +50,7 @@ class EngineCore:
         self.runner = runner
         self.proposer, self.controller, self.adaptive = proposer, controller, adaptive
         self._last_fetch: float | None = None  # when the last pipelined step was read back
+        self._fetch_wait = 0.0  # how long the last read-back waited for the device
         self._in_flight: tuple[StepPlan, tuple] | None = None
         self._last_arrival: float | None = None
         self.steps = 0
@@ -88,6 +89,7 @@ class EngineCore:
     def step(self) -> list[tuple[Sequence, str]]:
         """Dispatches the next step and returns (sequence, new text) for each token of the previous one (and, in a
         speculative step, of this one)."""
+        start = time.perf_counter()
         if self.proposer is not None:
             lengths = self._speculation_lengths()
             if lengths:
@@ -102,8 +104,11 @@ class EngineCore:
             return []
         changed = self._update(*done)
         now = time.perf_counter()
-        if self.adaptive and self.controller is not None and self._last_fetch is not None:
-            self.controller.observe_step(done[0].num_tokens, now - self._last_fetch, False)
+        if self.adaptive and self.controller is not None:
+            rows = len(done[0].decode) + len(done[0].prefill)
+            self.controller.observe_host(rows, now - start - self._fetch_wait)
+            if self._last_fetch is not None:
+                self.controller.observe_step(done[0].num_tokens, now - self._last_fetch, False)
         self._last_fetch = now if dispatched is not None else None
         return changed
 
@@ -131,7 +136,8 @@ class EngineCore:
         speculating = [k for k in plan.num_draft.values() if k]
         self.controller.num_speculating = len(speculating)
         if self.adaptive:
-            self.controller.observe_step(plan.num_tokens, time.perf_counter() - start, True, len(speculating),
+            rows = len(plan.decode) + len(plan.prefill)
+            self.controller.observe_step(plan.num_tokens, time.perf_counter() - start, True, rows, len(speculating),
                                          max(speculating, default=0))
         return changed
 
@@ -142,7 +148,9 @@ class EngineCore:
         return plan, handle
 
     def _update(self, plan: StepPlan, handle: tuple) -> list[tuple[Sequence, str]]:
+        wait = time.perf_counter()
         out = self.runner.fetch(handle)  # the step's one blocking copy
+        self._fetch_wait = time.perf_counter() - wait
         self.scheduler.written(plan)
         now = time.monotonic()
         if self.scheduler.slo is not None and self._last_arrival is not None:

@@ -2,10 +2,12 @@
 
 Speculation pays when verifying k + 1 tokens of a row costs little more than decoding one (a memory-bound step
 reads the weights once either way) and enough proposals are accepted. Both halves are measured here rather than
-assumed: each sequence's acceptance rate (a decaying count of accepted over tested proposals), and the time of a
-step of T tokens, plain or verifying, and of a draft step (timed at warm-up, then rescaled by what steps really
-take). A step speculates only if its expected tokens per second beat plain decoding's by a margin; so at large
-batches, where a step is compute-bound and every proposal costs a full token, it turns itself off.
+assumed: each sequence's acceptance rate (a decaying count of accepted over tested proposals), the device time of
+a step of T tokens, plain or verifying, and of a draft step (timed at warm-up, then rescaled by what steps really
+take), and the host's time per step and row. A plain step's host work overlaps the device's; a speculative step
+waits for the step before it, so its host work adds to its time. A step speculates only if its expected tokens per
+second beat plain decoding's by a margin; so at large batches, where a step is compute-bound and every proposal
+costs a full token, it turns itself off.
 """
 from __future__ import annotations
 
@@ -44,6 +46,7 @@ class SpecController:
         self.buckets = token_buckets
         self.target_times, self.draft_times = target_times, draft_times
         self.scale = {False: 1.0, True: 1.0}  # observed / predicted step time, plain steps and speculative rounds
+        self.host_per_row = 0.0  # seconds of the host's own work per step and row (not waiting for the device)
         self._acceptance: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         # vLLM's spec-decode counters.
         self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
@@ -81,7 +84,7 @@ class SpecController:
                 if B + extra + k > self.buckets[-1]:
                     break
                 rate = (tokens + expected_tokens(alpha, k) - 1) / self._round_time(
-                    B + extra + k, len(chosen) + 1, max(longest, k))
+                    B + extra + k, B, len(chosen) + 1, max(longest, k))
                 if rate > best * (1 + MIN_GAIN):
                     best, pick = rate, k
             if pick is None:
@@ -97,7 +100,7 @@ class SpecController:
         for k in range(1, self.k + 1):
             for n in (1, B):
                 if B + n * k <= self.buckets[-1] and (B + n * (expected_tokens(alpha, k) - 1)) / \
-                        self._round_time(B + n * k, n, k) > plain * (1 + MARGIN):
+                        self._round_time(B + n * k, B, n, k) > plain * (1 + MARGIN):
                     return True
         return False
 
@@ -107,23 +110,35 @@ class SpecController:
         key = (bucket, self.k + 1 if verifying and bucket > 1 else 1)
         return self.target_times[key] * self.scale[verifying]
 
-    def _round_time(self, tokens: int, rows: int, longest: int) -> float:
-        """A speculative round: the draft's steps (its catch-up of about two tokens a row, then one step per
-        further proposal) and the verification step, with the host waiting for each."""
+    def _round_time(self, tokens: int, rows: int, drafting: int, longest: int, host: bool = True) -> float:
+        """A speculative round of `rows` decoding rows, `drafting` of which propose (at most `longest` each): the
+        draft's steps (its catch-up of about two tokens a row, then one step per further proposal), the
+        verification step, and the host's work, which nothing overlaps."""
         t = self._time(tokens, True)
         if self.draft_times is not None:
             d = lambda n: self.draft_times[round_up(n, self.buckets), 1]  # noqa: E731
-            t += (d(min(2 * rows, self.buckets[-1])) + (longest - 1) * d(rows)) * self.scale[True]
-        return t
+            t += (d(min(2 * drafting, self.buckets[-1])) + (longest - 1) * d(drafting)) * self.scale[True]
+        return t + (self.host_per_row * rows if host else 0.0)
 
     # ---- what happened ----
 
-    def observe_step(self, tokens: int, seconds: float, speculative: bool, rows: int = 0, longest: int = 0) -> None:
-        """A step's (or speculative round's) wall time, which rescales the warm-up timings."""
-        predicted = self._round_time(tokens, rows, longest) if speculative else self._time(tokens, False)
+    def observe_step(self, tokens: int, seconds: float, speculative: bool, rows: int = 0, drafting: int = 0,
+                     longest: int = 0) -> None:
+        """A plain step's time (between read-backs) or a speculative round's (host work included), which rescales
+        the warm-up timings of the device's part."""
+        if speculative:
+            seconds -= self.host_per_row * rows
+            predicted = self._round_time(tokens, rows, drafting, longest, host=False)
+        else:
+            predicted = self._time(tokens, False)
         predicted /= self.scale[speculative]
         ratio = min(max(seconds / predicted, 0.25), 4.0)  # one stall (GC, a new page fault) must not flip it
         self.scale[speculative] += SCALE_EMA * (ratio - self.scale[speculative])
+
+    def observe_host(self, rows: int, seconds: float) -> None:
+        """The host's own work in a step of `rows` rows (planning, building the batch, reading tokens back)."""
+        if rows:
+            self.host_per_row += SCALE_EMA * (seconds / rows - self.host_per_row)
 
     def observe(self, seq, proposed: int, accepted: int) -> None:
         """A verification of `proposed` proposals of which the first `accepted` were."""
