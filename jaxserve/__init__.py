@@ -3,5 +3,7 @@ from jaxserve.async_engine import AsyncEngine
 from jaxserve.engine import LLM
 from jaxserve.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.spec_config import SpeculativeConfig
 
-__all__ = ["LLM", "AsyncEngine", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
+__all__ = ["LLM", "AsyncEngine", "SamplingParams", "SpeculativeConfig", "RequestOutput", "CompletionOutput",
+           "Logprob"]

@@ -128,7 +128,8 @@ class LLM:
         draft_runner = proposer = controller = None
         if draft is not None:
             draft_runner = ModelRunner(draft.config, draft.params, dtype, num_pages, block_size, buckets,
-                                       max_num_seqs, self.attention_backend, kv_cache_dtype)
+                                       max_num_seqs, self.attention_backend, kv_cache_dtype, k, proposes=True)
+            self.runner.draft = draft_runner
             proposer = DraftProposer(draft_runner, max_num_batched_tokens, max_num_seqs)
         elif spec is not None:
             proposer = NgramProposer(k, spec.prompt_lookup_max, spec.prompt_lookup_min)

@@ -95,7 +95,10 @@ def test_seeded_sampling_does_not_depend_on_the_batch(tiny_dir):
     together = tokens(llm, ps, sp)
     alone = [tokens(llm, [p], sp)[0] for p in ps]
     assert together == alone
-    assert llm.stats().spec_decode_num_accepted_tokens > 0
+    # The draft is the target, so its q is the target's p and min(1, p / q) accepts all (a one-hot q would
+    # accept only with probability p(x)): the draft's distributions reach the verification.
+    stats = llm.stats()
+    assert stats.spec_decode_num_accepted_tokens >= 0.97 * stats.spec_decode_num_draft_tokens > 0, stats
 
 
 def test_sampled_tokens_follow_the_targets_distribution(tiny_dir, other_tiny_dir):

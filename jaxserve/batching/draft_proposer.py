@@ -3,13 +3,18 @@
 The draft has its own paged KV cache, indexed by the target's page ids: a sequence's pages hold its K/V in both
 caches, so pages are allocated, freed, preempted and rolled back once, for both models. The draft computes a
 sequence's tokens only when it is asked to speculate for it (`Sequence.num_draft_cached` says how far it got), so
-it costs nothing while speculation is off. It proposes its argmax (a one-hot draft distribution): verification is
-then exact whatever the row's sampling parameters, and the draft steps need no probabilities kept on device.
+it costs nothing while speculation is off. It draws its proposals with the sequence's own sampling parameters (its
+argmax for a greedy sequence) from a random stream of its own, and keeps each draw's distribution q on device for
+the verification step's rejection sampling (`ModelRunner.draft_probs`).
 """
 from __future__ import annotations
 
+import dataclasses
+
 from jaxserve.batching.batch_builder import Row
 from jaxserve.batching.model_runner import ModelRunner
+
+DRAFT_SEED_SALT = 0x5DEECE66  # xor-ed into a sequence's seed for its draft's draws
 
 
 class DraftProposer:
@@ -36,7 +41,8 @@ class DraftProposer:
             handles.append((self.runner.dispatch_rows(rows), sources))
         for j in range(1, max(plan.num_draft[s] for s in seqs)):
             going = [s for s in seqs if plan.num_draft[s] > j]
-            rows = [Row([0], s.num_tokens - 1 + j, s.pages, slot=s.slot, chained=True) for s in going]
+            rows = [Row([0], s.num_tokens - 1 + j, s.pages, self._sampling(s, j), s.slot, chained=True)
+                    for s in going]
             handles.append((self.runner.dispatch_rows(rows), list(enumerate(going))))
         for s in seqs:
             plan.proposals[s] = []
@@ -47,6 +53,13 @@ class DraftProposer:
         for s in seqs:
             # The last proposal's K/V is not computed: a next round that accepts it takes it in its catch-up.
             s.num_draft_cached = s.num_tokens - 1 + plan.num_draft[s]
+
+    @staticmethod
+    def _sampling(seq, j: int):
+        """The sequence's sampling parameters for its proposal j, with a seed of the draft's own: a proposal drawn
+        with the uniform that will test it would bias the test."""
+        row = seq.sampling_row()
+        return dataclasses.replace(row, seed=row.seed ^ DRAFT_SEED_SALT, step=row.step + j)
 
     def _catch_up_steps(self, seqs):
         """Steps of at most max_tokens tokens and max_rows rows covering every sequence's unseen tokens, a long
@@ -63,7 +76,8 @@ class DraftProposer:
                 last = stop == end
                 if last:
                     sources.append((len(rows), s))
-                rows.append(Row(s.token_ids[start:stop], start, s.pages, slot=s.slot if last else -1, samples=last))
+                rows.append(Row(s.token_ids[start:stop], start, s.pages, self._sampling(s, 0),
+                                s.slot if last else -1, samples=last))
                 used += stop - start
                 start = stop
         if rows:

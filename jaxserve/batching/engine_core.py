@@ -4,6 +4,9 @@ JAX dispatch is asynchronous, so the device never waits for the host between ste
 step N's tokens are known (its decode rows take their input tokens from the device), and the host's per-token work
 (detokenizing, stop strings, streaming) for step N overlaps the device's work on N+1. The price: a sequence that
 stops at step N was also given a row in step N+1, whose token is dropped.
+
+A speculative step (proposals to verify) is the exception: its proposals must continue the latest tokens and the
+plan after it must know how many were accepted, so it reads the step before back first and is waited for itself.
 """
 from __future__ import annotations
 

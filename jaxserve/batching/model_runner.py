@@ -24,13 +24,20 @@ logger = logging.getLogger("jaxserve")
 
 class ModelRunner:
     def __init__(self, config, params, dtype, num_pages: int, page_size: int, buckets: Buckets, num_slots: int,
-                 attention_backend: str = "reference", kv_cache_dtype: str = "auto", num_speculative_tokens: int = 0):
+                 attention_backend: str = "reference", kv_cache_dtype: str = "auto", num_speculative_tokens: int = 0,
+                 proposes: bool = False):
+        """num_speculative_tokens: k, for verification programs (a target) or the proposals kept (a draft:
+        proposes=True, whose steps keep each draw's distribution in `draft_probs` for the target to verify)."""
         self.config = config
         self.params = params
         self.page_size = page_size
         self.buckets = buckets
         self.num_speculative_tokens = num_speculative_tokens
-        self.steps = steps_for(config, dtype, attention_backend, num_speculative_tokens)
+        self.steps = steps_for(config, dtype, attention_backend, 0 if proposes else num_speculative_tokens)
+        # A draft's: [slots + 1, k, V], the distribution each proposal of each sequence was drawn from.
+        self.draft_probs = jnp.zeros((num_slots + 1, num_speculative_tokens, config.vocab_size), jnp.float32) \
+            if proposes else None
+        self.draft: ModelRunner | None = None  # a target's draft, whose draft_probs its verifications read
         self.kv_cache = init_kv_cache(config, num_pages, page_size, dtype, kv_cache_dtype)
         self.last_tokens = jnp.zeros(num_slots + 1, jnp.int32)  # [slots + 1]: the last one takes padding rows
         # Seconds per step by (tokens, scored per row), measured at warm-up: what speculation's controller weighs.
@@ -45,7 +52,13 @@ class ModelRunner:
         scored = self.num_speculative_tokens + 1 if any(r.num_draft for r in rows) else 1
         batch = build_batch(rows, self.page_size, self.config.vocab_size, tokens, self.buckets.num_rows(tokens),
                             self.buckets.pages_per_row, scored)
-        out, self.kv_cache, self.last_tokens = self.steps.step(self.params, self.kv_cache, self.last_tokens, batch)
+        if self.draft_probs is not None:
+            out, self.kv_cache, self.last_tokens, self.draft_probs = self.steps.propose(
+                self.params, self.kv_cache, self.last_tokens, self.draft_probs, batch)
+        else:
+            q = self.draft.draft_probs if self.draft is not None and scored > 1 else None
+            out, self.kv_cache, self.last_tokens = self.steps.step(self.params, self.kv_cache, self.last_tokens,
+                                                                   batch, q)
         if not any(r.sampling.want_top_logprobs for r in rows):
             out = dataclasses.replace(out, top_ids=None, top_logprobs=None)  # nothing to copy back
         return len(rows), out
