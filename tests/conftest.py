@@ -41,3 +41,19 @@ def other_tiny_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny-llama-other")
     save_tiny_model("llama", path, seed=1)
     return str(path)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def free_compiled_programs():
+    """After each test module, drop every compiled program: each maps its code into the process, and the suite
+    compiles enough of them to pass the kernel's limit on mappings (vm.max_map_count, 65530), where the next
+    compilation crashes. The persistent compilation cache makes a later recompile cheap."""
+    yield
+    import gc
+
+    import jax
+
+    from jaxserve.steps import steps_for
+    steps_for.cache_clear()
+    jax.clear_caches()
+    gc.collect()

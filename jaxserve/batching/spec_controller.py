@@ -60,7 +60,7 @@ class SpecController:
 
         seqs: the sequences that will decode; available(seq): proposals its proposer has (None: any number).
         Greedy over sequences, most accepting first: each takes the k that most raises the step's expected tokens
-        per second, while any k still raises it.
+        per second; one that no k raises by MIN_GAIN sits out.
         """
         B = len(seqs)
         if B == 0 or B + 1 > self.buckets[-1]:
