@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxserve import SamplingParams
-from jaxserve.batching.ngram_proposer import NgramIndex, propose_ngram
+from jaxserve.batching.ngram_proposer import NgramIndex
 from jaxserve.batching.spec_controller import PROBE_EVERY, SpecController, expected_tokens
 from jaxserve.spec_config import SpeculativeConfig
 from tiny import TINY_PAGE_BYTES, make_llm, prompts
@@ -133,6 +133,21 @@ def test_bad_configurations_are_refused(tiny_dir):
             SpeculativeConfig.from_value(bad)
 
 
+def test_a_draft_with_another_tokenizer_is_refused():
+    from jaxserve.engine import _check_same_tokenizer
+
+    class Chars:
+        def __init__(self, shift):
+            self.shift = shift
+
+        def encode(self, text):
+            return [ord(c) + self.shift for c in text]
+    _check_same_tokenizer(Chars(0), Chars(0))
+    _check_same_tokenizer(None, Chars(0))  # a model without a tokenizer (token-id prompts only) has nothing to compare
+    with pytest.raises(ValueError, match="tokenizer"):
+        _check_same_tokenizer(Chars(1), Chars(0))
+
+
 @pytest.mark.parametrize("change, message", [(dict(vocab_size=256), "vocabulary"),
                                              (dict(max_position_embeddings=64), "context")])
 def test_a_draft_that_cannot_serve_the_target_is_refused(tiny_dir, tmp_path, change, message):
@@ -156,6 +171,22 @@ def test_speculation_switches_itself_off_when_proposals_are_rejected(tiny_dir, o
 
 # ---- the n-gram lookup ----
 
+def scan_ngram(tokens, k, max_n, min_n):
+    """The plain way: scan back for the latest earlier occurrence of the last n tokens, n from max_n down."""
+    L = len(tokens)
+    for n in range(min(max_n, L - 1), min_n - 1, -1):
+        for start in range(L - n - 1, -1, -1):
+            if tokens[start:start + n] == tokens[L - n:]:
+                return tokens[start + n:start + n + k]
+    return []
+
+
+def propose_ngram(tokens, k, max_n, min_n):
+    index = NgramIndex(max_n, min_n)
+    index.tokens += tokens
+    return index.lookup(k)
+
+
 @settings(max_examples=200, deadline=None)
 @given(tokens=st.lists(st.integers(0, 3), min_size=1, max_size=60), cut=st.integers(1, 60),
        k=st.integers(1, 5), lo=st.integers(1, 3), extra=st.integers(0, 3))
@@ -166,7 +197,7 @@ def test_the_ngram_index_finds_what_a_scan_finds(tokens, cut, k, lo, extra):
     index.tokens += tokens[:cut]
     index.lookup(k)
     index.tokens += tokens[cut:]
-    assert index.lookup(k) == propose_ngram(tokens, k, hi, lo)
+    assert index.lookup(k) == scan_ngram(tokens, k, hi, lo)
 
 
 def test_ngram_proposes_what_followed_the_latest_match():

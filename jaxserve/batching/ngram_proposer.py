@@ -10,23 +10,11 @@ from __future__ import annotations
 import weakref
 
 
-def propose_ngram(token_ids, k: int, max_n: int, min_n: int) -> list[int]:
-    """Up to k tokens that followed the latest earlier occurrence of the sequence's last n tokens, trying n from
-    max_n down to min_n (a longer match is the better predictor). token_ids: the whole sequence so far.
-    (The reference the index is tested against: a scan.)"""
-    tokens = list(token_ids)
-    L = len(tokens)
-    for n in range(min(max_n, L - 1), min_n - 1, -1):
-        suffix = tokens[L - n:]
-        for start in range(L - n - 1, -1, -1):  # the most recent occurrence: the likeliest to continue alike
-            if tokens[start:start + n] == suffix:
-                return tokens[start + n:start + n + k]
-    return []
-
-
 class NgramIndex:
     """For one sequence: for each n-gram (min_n <= n <= max_n) the position just after its latest occurrence that
-    is not the sequence's own suffix."""
+    is not the sequence's own suffix. `lookup` proposes up to k tokens that followed the latest earlier occurrence
+    of the last n tokens, n from max_n down to min_n (a longer match is the better predictor; the most recent
+    occurrence the likeliest to continue alike)."""
 
     def __init__(self, max_n: int, min_n: int):
         self.max_n, self.min_n = max_n, min_n
