@@ -14,6 +14,7 @@ from typing import AsyncIterator
 
 from jaxserve.batching.engine_core import EngineStats
 from jaxserve.engine import LLM, request_metrics
+from jaxserve.engine_config import EngineConfig
 from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.sampling_params import SamplingParams
 
@@ -56,8 +57,13 @@ class AsyncEngine:
         self._thread.start()
 
     @classmethod
-    def from_args(cls, model: str | None = None, **llm_args) -> "AsyncEngine":
-        return cls(LLM(model, **llm_args))
+    def from_args(cls, model: str | None = None, **engine_args) -> "AsyncEngine":
+        """An engine over LLM(model, **engine_args) (the arguments are EngineConfig's)."""
+        return cls(LLM(model, **engine_args))
+
+    @classmethod
+    def from_config(cls, engine_config: EngineConfig) -> "AsyncEngine":
+        return cls(LLM.from_config(engine_config))
 
     async def add_request(self, prompt, sampling_params: SamplingParams | None = None, request_id: str | None = None,
                           priority: int = 0) -> AsyncIterator[RequestOutput]:
@@ -73,9 +79,7 @@ class AsyncEngine:
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already running")
         params = sampling_params or SamplingParams()
-        request_id, text, seqs = self.llm._sequences(prompt, params, priority, request_id)
-        for seq in seqs:
-            self.llm.scheduler.check_fits(seq)
+        request_id, text, seqs = self.llm.make_request(prompt, params, priority, request_id)
         stream = _Stream(asyncio.get_running_loop(), text, seqs)
         self._streams[request_id] = stream
         if self._stopping:  # shut down while this request was being checked
@@ -134,8 +138,8 @@ class AsyncEngine:
 
     def _loop_once(self) -> bool:
         """Applies queued commands, then runs one step if there is work; True when told to stop."""
-        core = self.llm.core
-        block = not core.has_unfinished()  # wait for a command only when there is nothing to step
+        llm = self.llm
+        block = not llm.has_unfinished_requests()  # wait for a command only when there is nothing to step
         try:
             while True:
                 command, arg = self._commands.get(block=block)
@@ -146,22 +150,22 @@ class AsyncEngine:
                 self._apply(command, arg)
         except queue.Empty:
             pass
-        if core.has_unfinished():
-            steps = core.steps
-            self._publish(core.step())
-            if core.steps > steps:  # a step's results came back (a dispatch alone proves nothing: errors surface later)
-                self._failed_steps = 0
-        self._stats = core.stats()
+        steps = self._stats.steps  # the snapshot is retaken after every step: this is the count before this one
+        if llm.has_unfinished_requests():
+            self._publish(llm.step())
+        self._stats = llm.stats()
+        # A step's results came back (a dispatch alone proves nothing: errors surface later).
+        if self._stats.steps > steps:
+            self._failed_steps = 0
         return False
 
     def _apply(self, command: str, arg) -> None:
         if command == "add":
             if arg[0].request_id not in self._streams:
                 return  # failed or aborted before it was ever added
-            for seq in arg:
-                self.llm.core.add(seq)
+            self.llm.submit(arg)
         elif command == "abort":
-            self.llm.core.abort(arg)
+            self.llm.abort_request(arg)
             stream = self._streams.pop(arg, None)
             if stream is not None:
                 stream.put(RequestOutput(arg, stream.prompt, stream.prompt_token_ids, [], True))
@@ -191,7 +195,7 @@ class AsyncEngine:
 
     def _fail_running(self, error: BaseException) -> None:
         try:
-            failed = self.llm.core.fail_running()
+            failed = self.llm.fail_running()
         except Exception:  # noqa: BLE001 - state too broken to tell: everything fails, but nobody hangs
             logger.exception("cleaning up after the failed step failed; failing every request")
             self._fail_all(error)
@@ -200,18 +204,18 @@ class AsyncEngine:
             stream = self._streams.pop(request_id, None)
             if stream is not None:
                 stream.put(error)
-        if not failed and self.llm.core.has_unfinished():
+        if not failed and self.llm.has_unfinished_requests():
             # No request was in the failed step, so it was not the step: nothing can run. Fail what waits rather
             # than retry the same failure forever.
             logger.error("the engine cannot make progress; failing every queued request")
             self._fail_all(error)
-        self._stats = self.llm.core.stats()
+        self._stats = self.llm.stats()
 
     def _fail_all(self, error: BaseException) -> None:
         # pop(.., None): a request being added on the event loop may take itself out at the same time.
         streams = [s for s in (self._streams.pop(r, None) for r in list(self._streams)) if s is not None]
         try:
-            self.llm.core.abort_all()
+            self.llm.abort_all()
         finally:  # the streams hear of it even if the abort fails
             for stream in streams:
                 stream.put(error)

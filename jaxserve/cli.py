@@ -5,80 +5,12 @@ import argparse
 import logging
 import sys
 
+from jaxserve.engine_config import EngineConfig, add_quantization_cli_args, quantization_from_cli_args
 from jaxserve.weights.default_model import DEFAULT_MODEL
 
 
-def _engine_args(p: argparse.ArgumentParser, serving: bool = False) -> None:
-    p.add_argument("--model", default=None,
-                   help=f"a .gguf file, a HF model directory, or a jaxserve checkpoint (default: {DEFAULT_MODEL}, "
-                        "fetched once into ~/.cache/jaxserve or $JAXSERVE_CACHE)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="parameter and activation dtype (auto: float32 on CPU, bfloat16 on GPU/TPU)")
-    p.add_argument("--max-model-len", type=int, default=None,
-                   help="longest prompt + output in tokens (default: the model's context length)")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache page")
-    _quantization_args(p)
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"],
-                   help="KV-cache pages: auto (the model's dtype) or int8 (about twice the sequences per byte)")
-    _speculative_args(p)
-    if serving:
-        p.add_argument("--max-num-seqs", type=int, default=64, help="most sequences decoding together")
-        p.add_argument("--max-num-batched-tokens", type=int, default=512,
-                       help="tokens per step: one per decoding sequence, the rest prompt chunks")
-        p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
-                       help="do not reuse the KV pages of prompt prefixes seen before")
-        p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
-        p.add_argument("--ttft-slo", type=float, default=None, help="time-to-first-token target, seconds")
-        p.add_argument("--tpot-slo", type=float, default=None, help="time-per-output-token target, seconds")
-        p.add_argument("--attention-backend", default="auto",
-                       choices=["auto", "reference", "pallas", "pallas-gpu", "pallas-tpu"])
-        p.add_argument("--no-warmup", dest="warmup", action="store_false",
-                       help="compile shapes on first use instead of before serving")
-    else:
-        p.add_argument("--warmup", action="store_true", help="compile every shape bucket before generating")
+def _verbose_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("-v", "--verbose", action="store_true", help="log loading and compilation")
-
-
-def _quantization_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--quantization", default=None, choices=["int8", "int4", "awq"],
-                   help="weight-only quantization of the linear layers: int8 (a scale per output channel), int4 "
-                        "(groups of input rows, two values a byte), awq (int4 with calibrated input scales)")
-    p.add_argument("--quantization-group-size", type=int, default=None,
-                   help="input rows per int4 group (default: 32 for int4, as llama.cpp's Q4_1; 128 for awq)")
-    p.add_argument("--quantize-embeddings", action="store_true",
-                   help="also quantize the LM head and the embedding table")
-    p.add_argument("--calibration-file", default=None,
-                   help="text to calibrate awq on (default: a public-domain text the package ships)")
-
-
-def _speculative_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--speculative-method", default=None, choices=["ngram", "draft_model"],
-                   help="speculative decoding: ngram (prompt lookup, no model) or draft_model (--draft-model)")
-    p.add_argument("--num-speculative-tokens", type=int, default=None,
-                   help="tokens proposed per verification (default 4 with a speculative method)")
-    p.add_argument("--draft-model", default=None,
-                   help="the draft for draft_model: a model sharing the target's tokenizer (.gguf, HF dir, checkpoint; "
-                        "scripts/train_draft.py distills one for the default model)")
-    p.add_argument("--prompt-lookup-max", type=int, default=4, help="ngram: the longest suffix looked up")
-    p.add_argument("--prompt-lookup-min", type=int, default=2, help="ngram: the shortest suffix looked up")
-    p.add_argument("--no-adaptive-speculation", dest="adaptive_speculation", action="store_false",
-                   help="speculate for every sequence every step, not only where measured acceptance and step "
-                        "costs say it pays")
-
-
-def _speculative_config(args) -> dict | None:
-    method = args.speculative_method or ("draft_model" if args.draft_model else None)
-    if method is None:
-        if args.num_speculative_tokens is not None:
-            raise ValueError("--num-speculative-tokens needs --speculative-method (or --draft-model)")
-        return None
-    config = dict(method=method, num_speculative_tokens=4 if args.num_speculative_tokens is None
-                  else args.num_speculative_tokens, adaptive=args.adaptive_speculation)
-    if method == "ngram":
-        config.update(prompt_lookup_max=args.prompt_lookup_max, prompt_lookup_min=args.prompt_lookup_min)
-    elif args.draft_model:
-        config["model"] = args.draft_model
-    return config
 
 
 def _sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -97,12 +29,14 @@ def build_parser() -> argparse.ArgumentParser:
                          description="Complete one prompt, streaming the text to the terminal.")
     gen.add_argument("--prompt", required=True, help="the text to complete")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    _engine_args(gen)
+    EngineConfig.add_cli_args(gen)
+    _verbose_arg(gen)
     _sampling_args(gen, 128)
     chat = sub.add_parser("chat", help="an interactive chat using the model's chat template",
                           description="Interactive chat. Empty line or Ctrl-D quits.")
     chat.add_argument("--system", default=None, help="a system prompt (default: the template's own, if any)")
-    _engine_args(chat)
+    EngineConfig.add_cli_args(chat)
+    _verbose_arg(chat)
     _sampling_args(chat, 512)
     srv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server",
                          description="Serve the model over HTTP with the OpenAI API (/v1/completions, "
@@ -126,7 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="seconds a request gets to send its whole body before a 408")
     srv.add_argument("--shutdown-grace-period", type=float, default=30.0,
                      help="seconds running requests get to finish after SIGTERM")
-    _engine_args(srv, serving=True)
+    EngineConfig.add_cli_args(srv, serving=True)
+    _verbose_arg(srv)
     conv = sub.add_parser("convert", help="write a model as a jaxserve (orbax) checkpoint that loads faster",
                           description="Load SRC (a .gguf, a HF directory, or the default model name) and write a "
                                       "jaxserve checkpoint to DST: params (orbax), config and tokenizer.")
@@ -134,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("dst", help="a new directory to write")
     conv.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                       help="dtype of the saved params")
-    _quantization_args(conv)
+    add_quantization_cli_args(conv)
     conv.add_argument("-v", "--verbose", action="store_true", help="log loading")
     return parser
 
@@ -147,17 +82,7 @@ def _sampling_params(args):
 
 def _llm(args):
     from jaxserve import LLM
-    # One prompt at a time: a single decode row keeps the set of compiled programs (and start-up) small.
-    return LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, block_size=args.block_size,
-               max_num_seqs=1, kv_cache_dtype=args.kv_cache_dtype, speculative_config=_speculative_config(args),
-               warmup=args.warmup, **_quantization(args))
-
-
-def _quantization(args) -> dict:
-    from pathlib import Path
-    text = Path(args.calibration_file).read_text() if args.calibration_file else None
-    return dict(quantization=args.quantization, quantization_group_size=args.quantization_group_size,
-                quantize_embeddings=args.quantize_embeddings, calibration_text=text)
+    return LLM.from_config(EngineConfig.from_cli_args(args))
 
 
 def cmd_generate(args) -> None:
@@ -197,7 +122,6 @@ def cmd_chat(args) -> None:
 def cmd_serve(args) -> None:
     import asyncio
 
-    from jaxserve import LLM
     from jaxserve.async_engine import AsyncEngine
     from jaxserve.server import Server, serve
     if not 0 < args.port < 65536:
@@ -209,14 +133,9 @@ def cmd_serve(args) -> None:
     for flag in ("stream_write_timeout", "header_timeout", "body_timeout"):
         if not getattr(args, flag) > 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be > 0 seconds, got {getattr(args, flag)}")
-    llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, block_size=args.block_size,
-              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              enable_prefix_caching=args.enable_prefix_caching, scheduling_policy=args.scheduling_policy,
-              ttft_slo=args.ttft_slo, tpot_slo=args.tpot_slo, attention_backend=args.attention_backend,
-              kv_cache_dtype=args.kv_cache_dtype, speculative_config=_speculative_config(args), warmup=args.warmup,
-              **_quantization(args))
+    engine = AsyncEngine.from_config(EngineConfig.from_cli_args(args))
     name = args.served_model_name or args.model or DEFAULT_MODEL
-    server = Server(AsyncEngine(llm), name, api_key=args.api_key, max_queued_requests=args.max_queued_requests,
+    server = Server(engine, name, api_key=args.api_key, max_queued_requests=args.max_queued_requests,
                     max_request_sequences=args.max_request_sequences, stream_write_timeout_s=args.stream_write_timeout,
                     header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout)
     asyncio.run(serve(server, args.host, args.port, args.shutdown_grace_period))
@@ -228,7 +147,7 @@ def cmd_convert(args) -> None:
     from jaxserve.quantize import quantize_model
     from jaxserve.weights import load_model, resolve_dtype
     from jaxserve.weights.orbax_ckpt import save_checkpoint
-    q = _quantization(args)
+    q = quantization_from_cli_args(args)
     loaded = quantize_model(load_model(args.src, resolve_dtype(args.dtype)), q["quantization"],
                             group_size=q["quantization_group_size"], quantize_embeddings=q["quantize_embeddings"],
                             calibration_text=q["calibration_text"])

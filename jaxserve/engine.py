@@ -1,6 +1,7 @@
 """LLM: the offline API (vLLM-shaped). Requests in, finished outputs out."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import random
@@ -19,12 +20,14 @@ from jaxserve.batching.ngram_proposer import NgramProposer
 from jaxserve.batching.slo import SloController
 from jaxserve.batching.spec_controller import SpecController
 from jaxserve.buckets import Buckets, geometric
-from jaxserve.cache import (PageAllocator, PrefixCache, bytes_per_page, check_kv_cache_dtype, num_pages_for_budget,
-                            pages_needed)
+from jaxserve.cache import PageAllocator, PrefixCache, bytes_per_page, num_pages_for_budget, pages_needed
+from jaxserve.distributed import check_tensor_parallel, make_mesh
+from jaxserve.engine_config import EngineConfig
+from jaxserve.model.llama import repeat_kv_heads
 from jaxserve.outputs import RequestMetrics, RequestOutput
 from jaxserve.quantize import quantize_model
 from jaxserve.sampling_params import MAX_BANNED_TOKENS, SamplingParams
-from jaxserve.spec_config import SpeculativeConfig, check_draft
+from jaxserve.spec_config import check_draft
 from jaxserve.tokenizer import IncrementalDetokenizer
 from jaxserve.weights import load_model, resolve_dtype
 from jaxserve.weights.params import param_bytes
@@ -37,62 +40,33 @@ _CPU_KV_CACHE_BYTES = 2 << 30
 class LLM:
     """An engine over one model.
 
-    model: None (SmolLM2-135M-Instruct, fetched once), a .gguf file, a HF directory or a jaxserve checkpoint.
-    max_model_len: longest prompt + output (default: the model's context length).
-    max_num_seqs: most sequences running together.
-    max_num_batched_tokens: tokens computed per step, one per decoding sequence and the rest prompt chunks: the
-        chunk size of chunked prefill, so the knob between TTFT (bigger) and TPOT under load (smaller).
-    block_size: tokens per KV-cache page. kv_cache_memory_bytes: the KV budget (default: 2 GiB on CPU,
-    gpu_memory_utilization of device memory less the weights on an accelerator).
-    enable_prefix_caching: reuse the KV pages of prompt prefixes seen before.
-    scheduling_policy: "fcfs", or "priority" (lower `priority` first; a better one may preempt a worse one).
-    ttft_slo, tpot_slo: latency targets in seconds; with them the running batch is sized from measured step times
-        (see jaxserve.batching.slo).
-    attention_backend: "auto" (the Pallas kernels on GPU and TPU if they pass a start-up check, else and on CPU
-        the jnp reference), "reference", or "pallas" / "pallas-gpu" / "pallas-tpu" (insist; on CPU the kernels run
-        in Pallas interpret mode: correct, slow).
-    quantization: weight-only, of every linear layer: None, "int8" (a scale per output channel), "int4" (a scale
-        and minimum per group of input rows, two values a byte) or "awq" (int4 with activation-aware input scales
-        calibrated on `calibration_text`, by default a text the package ships). A checkpoint written quantized
-        (`jaxserve convert --quantization`) loads quantized without it.
-    quantization_group_size: input rows per int4 group (default 32 for int4, llama.cpp's Q4_1; 128 for awq).
-    quantize_embeddings: also the LM head (same method) and the embedding table (int8 rows).
-    kv_cache_dtype: "auto" (the model's dtype) or "int8" (a float32 scale per token and KV head beside the pages:
-        about twice the sequences in the same memory as bfloat16; dequantized as the attention reads them).
-    speculative_config: speculative decoding, as vLLM's: {"method": "ngram" | "draft_model",
-        "num_speculative_tokens": k, "model": DRAFT (draft_model), "prompt_lookup_max": 4, "prompt_lookup_min": 2
-        (ngram), "adaptive": True (speculate only where measured acceptance and step costs say it pays)}. The
-        draft shares the KV budget (its pages beside the target's) and the dtype.
-    warmup: compile every step bucket now rather than on first use.
+    LLM(model, **engine_args) or LLM.from_config(EngineConfig(...)): the arguments, their defaults and meanings are
+    EngineConfig's (jaxserve.engine_config); an unknown one is a TypeError, a bad value a ValueError before anything
+    loads. The config is kept as `engine_config`.
+
+    generate / chat / stream run requests to the end. The request API under them (add_request or make_request +
+    submit, step, abort_request, has_unfinished_requests, ...) drives the engine a step at a time, as AsyncEngine does.
     """
 
-    def __init__(self, model: str | None = None, *, max_model_len: int | None = None, dtype: str = "auto",
-                 max_num_seqs: int = 64, max_num_batched_tokens: int = 512, block_size: int = 16,
-                 kv_cache_memory_bytes: int | None = None, gpu_memory_utilization: float = 0.9, seed: int = 0,
-                 enable_prefix_caching: bool = True, scheduling_policy: str = "fcfs",
-                 ttft_slo: float | None = None, tpot_slo: float | None = None, attention_backend: str = "auto",
-                 quantization: str | None = None, quantization_group_size: int | None = None,
-                 quantize_embeddings: bool = False, calibration_text: str | None = None,
-                 kv_cache_dtype: str = "auto", speculative_config: dict | SpeculativeConfig | None = None,
-                 warmup: bool = True):
-        for name, value in [("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
-                            ("block_size", block_size)]:
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if max_num_batched_tokens < max_num_seqs:
-            raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be at least max_num_seqs "
-                             f"({max_num_seqs}): every running sequence decodes a token per step")
-        spec = self.speculative_config = SpeculativeConfig.from_value(speculative_config)
-        backend = resolve_attention_backend(attention_backend)
-        self.kv_cache_dtype = check_kv_cache_dtype(kv_cache_dtype)
+    def __init__(self, model: str | None = None, **engine_args):
+        c = self.engine_config = EngineConfig(model=model, **engine_args)
+        if c.data_parallel_size != 1 or c.coordinator_address is not None:
+            raise NotImplementedError("data_parallel_size and the jax.distributed settings are not wired yet")
+        tp = c.tensor_parallel_size
+        mesh = make_mesh(tp) if tp > 1 else None
+        model, max_model_len, max_num_seqs, block_size = c.model, c.max_model_len, c.max_num_seqs, c.block_size
+        max_num_batched_tokens, kv_cache_dtype = c.max_num_batched_tokens, c.kv_cache_dtype
+        spec = self.speculative_config = c.speculative_config
+        backend = resolve_attention_backend(c.attention_backend)
+        self.kv_cache_dtype = kv_cache_dtype
         _enable_compilation_cache()
-        dtype = resolve_dtype(dtype)
-        loaded = quantize_model(load_model(model, dtype), quantization, group_size=quantization_group_size,
-                                quantize_embeddings=quantize_embeddings, calibration_text=calibration_text)
+        dtype = resolve_dtype(c.dtype)
+        loaded = quantize_model(load_model(model, dtype), c.quantization, group_size=c.quantization_group_size,
+                                quantize_embeddings=c.quantize_embeddings, calibration_text=c.calibration_text)
         self.model_name, self.config, self.tokenizer = loaded.name, loaded.config, loaded.tokenizer
         self.quantization, params = loaded.quantization, loaded.params
         limit = self.config.max_position_embeddings
-        if max_model_len is not None and not (isinstance(max_model_len, int) and 1 < max_model_len <= limit):
+        if max_model_len is not None and max_model_len > limit:
             raise ValueError(f"max_model_len must be an integer in [2, {limit}] for this model, got {max_model_len!r}")
         self.max_model_len = max_model_len or limit
         draft = None
@@ -100,42 +74,49 @@ class LLM:
             draft = load_model(spec.model, dtype)
             check_draft(draft.config, self.config, self.max_model_len)
             _check_same_tokenizer(draft.tokenizer, self.tokenizer)
-        kv_bytes = kv_cache_memory_bytes or _default_kv_budget(
-            param_bytes(params) + (param_bytes(draft.params) if draft else 0), gpu_memory_utilization)
+        # What the runners hold: over a mesh wider than the KV heads, each device gets a copy of the head it reads.
+        config, params = split_for(self.config, params, tp)
+        if draft is not None:
+            draft = dataclasses.replace(draft, **dict(zip(("config", "params"),
+                                                          split_for(draft.config, draft.params, tp, "the draft"))))
+        # The budget is per device, as gpu_memory_utilization is; the weights and the pages split over tp devices.
+        kv_bytes = c.kv_cache_memory_bytes or _default_kv_budget(
+            (param_bytes(params) + (param_bytes(draft.params) if draft else 0)) // tp, c.gpu_memory_utilization)
         # The draft's pages are the target's page ids in a second cache: a page costs both.
-        num_pages = num_pages_for_budget(self.config, block_size, dtype, kv_bytes, kv_cache_dtype,
+        num_pages = num_pages_for_budget(config, block_size, dtype, kv_bytes * tp, kv_cache_dtype,
                                          draft.config if draft else None)
         # Never more pages than max_num_seqs full-length sequences can use (+1 for the scratch page).
         num_pages = min(num_pages, max_num_seqs * pages_needed(self.max_model_len, block_size) + 1)
         self._check_one_sequence_fits(num_pages, block_size, asked=max_model_len is not None)
         logger.info("KV cache: %d pages of %d tokens (%.1f MB, %s)", num_pages, block_size,
-                    num_pages * bytes_per_page(self.config, block_size, dtype, kv_cache_dtype) / 1e6,
+                    num_pages * bytes_per_page(config, block_size, dtype, kv_cache_dtype) / 1e6,
                     "int8" if kv_cache_dtype == "int8" else jnp.dtype(dtype).name)
         buckets = Buckets.for_limits(max_num_seqs, max_num_batched_tokens, pages_needed(self.max_model_len, block_size))
         serving = dict(num_pages=num_pages, pages_per_seq=buckets.pages_per_row, max_num_seqs=max_num_seqs,
                        max_tokens=buckets.num_tokens[-1])
-        self.attention_backend = _checked_backend(backend, attention_backend, self.config, block_size, dtype, serving,
+        self.attention_backend = _checked_backend(backend, c.attention_backend, self.config, block_size, dtype, serving,
                                                  kv_cache_dtype)
         k = spec.num_speculative_tokens if spec else 0
-        self.runner = ModelRunner(self.config, params, dtype, num_pages, block_size, buckets, max_num_seqs,
-                                  self.attention_backend, kv_cache_dtype, num_speculative_tokens=k)
+        self.runner = ModelRunner(config, params, dtype, num_pages, block_size, buckets, max_num_seqs,
+                                  self.attention_backend, kv_cache_dtype, num_speculative_tokens=k, mesh=mesh)
         slo = None
-        if ttft_slo is not None or tpot_slo is not None:
-            slo = SloController(geometric(1, max_num_seqs), max_num_seqs, tpot_slo=tpot_slo, ttft_slo=ttft_slo)
-        cache = PrefixCache(PageAllocator(num_pages), block_size, enable_prefix_caching)
+        if c.ttft_slo is not None or c.tpot_slo is not None:
+            slo = SloController(geometric(1, max_num_seqs), max_num_seqs, tpot_slo=c.tpot_slo, ttft_slo=c.ttft_slo)
+        cache = PrefixCache(PageAllocator(num_pages), block_size, c.enable_prefix_caching)
         self.scheduler = Scheduler(cache, max_num_seqs, max_num_batched_tokens, buckets.num_tokens,
-                                   scheduling_policy, slo)
+                                   c.scheduling_policy, slo)
         draft_runner = proposer = controller = None
         if draft is not None:
             draft_runner = ModelRunner(draft.config, draft.params, dtype, num_pages, block_size, buckets,
-                                       max_num_seqs, self.attention_backend, kv_cache_dtype, k, proposes=True)
+                                       max_num_seqs, self.attention_backend, kv_cache_dtype, k, proposes=True,
+                                       mesh=mesh)
             self.runner.draft = draft_runner
             proposer = DraftProposer(draft_runner, max_num_batched_tokens, max_num_seqs)
         elif spec is not None:
             proposer = NgramProposer(k, spec.prompt_lookup_max, spec.prompt_lookup_min)
         # The controller weighs step times measured at warm-up, so speculation warms up even if asked not to.
         timed = spec is not None and spec.adaptive
-        if warmup or timed:
+        if c.warmup or timed:
             self.runner.warmup(time_steps=timed)
             if draft_runner is not None:
                 draft_runner.warmup(time_steps=timed)
@@ -144,8 +125,12 @@ class LLM:
                                         draft_runner.step_times if draft_runner else None)
         self.core = EngineCore(self.scheduler, self.runner, proposer=proposer, controller=controller,
                                adaptive=spec is None or spec.adaptive)
-        self._rng = random.Random(seed)
+        self._rng = random.Random(c.seed)
         self._request_ids = itertools.count()
+
+    @classmethod
+    def from_config(cls, engine_config: EngineConfig) -> "LLM":
+        return cls(**vars(engine_config))
 
     def _check_one_sequence_fits(self, num_pages: int, block_size: int, asked: bool) -> None:
         """A max_model_len sequence must fit the KV cache, or every request that leaves max_tokens unset (the
@@ -205,6 +190,49 @@ class LLM:
             seqs.append(Sequence(request_id, i, ids, params, seed, self.max_model_len, eos, detok, priority))
         return request_id, text, seqs
 
+    # ---- the request API: what AsyncEngine drives, and generate / stream / chat under it ----
+
+    def make_request(self, prompt, params: SamplingParams, priority: int = 0,
+                     request_id: str | None = None) -> tuple[str, str | None, list[Sequence]]:
+        """Validates a request and builds its n sequences without submitting them: (request_id, prompt text,
+        sequences). Raises ValueError / TypeError on bad input (a prompt too long, a request that can never fit the
+        KV cache). Safe on another thread than the one stepping (AsyncEngine validates on its event loop)."""
+        request_id, text, seqs = self._sequences(prompt, params, priority, request_id)
+        for seq in seqs:
+            self.scheduler.check_fits(seq)
+        return request_id, text, seqs
+
+    def submit(self, seqs: list[Sequence]) -> None:
+        """Queues a made request's sequences; they run from the next step. On the thread that steps."""
+        for seq in seqs:
+            self.core.add(seq)
+
+    def add_request(self, prompt, params: SamplingParams, priority: int = 0,
+                    request_id: str | None = None) -> tuple[str, str | None, list[Sequence]]:
+        """make_request, then submit."""
+        request = self.make_request(prompt, params, priority, request_id)
+        self.submit(request[2])
+        return request
+
+    def step(self) -> list[tuple[Sequence, str]]:
+        """Runs one engine step: the sequences that advanced, each with its new text (their new tokens, logprobs and
+        finish reasons are on the sequence)."""
+        return self.core.step()
+
+    def has_unfinished_requests(self) -> bool:
+        return self.core.has_unfinished()
+
+    def abort_request(self, request_id: str) -> None:
+        """Stops a request's sequences and frees their pages (no-op if it is not running)."""
+        self.core.abort(request_id)
+
+    def abort_all(self) -> None:
+        self.core.abort_all()
+
+    def fail_running(self) -> set[str]:
+        """After step() raised: aborts the requests whose sequences were in the lost steps; their ids."""
+        return self.core.fail_running()
+
     # ---- generation ----
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
@@ -226,14 +254,13 @@ class LLM:
         priority = [0] * len(prompts) if priority is None else list(priority)
         if len(priority) != len(prompts):
             raise ValueError(f"{len(priority)} priorities for {len(prompts)} prompts")
-        requests = [self._sequences(p, sp, pr) for p, sp, pr in zip(prompts, params_list, priority)]
+        requests = [self.make_request(p, sp, pr) for p, sp, pr in zip(prompts, params_list, priority)]
         try:
             for _, _, seqs in requests:
-                for s in seqs:
-                    self.core.add(s)
+                self.submit(seqs)
             self._run_until_done(sum(len(s) for _, _, s in requests), use_tqdm)
         except BaseException:
-            self.core.abort_all()  # whatever failed (or was interrupted), the engine is clean for the next call
+            self.abort_all()  # whatever failed (or was interrupted), the engine is clean for the next call
             raise
         return [RequestOutput(rid, text, seqs[0].prompt_token_ids, [s.completion_output() for s in seqs], True,
                               request_metrics(seqs)) for rid, text, seqs in requests]
@@ -243,8 +270,8 @@ class LLM:
         if use_tqdm:
             from tqdm import tqdm
             bar = tqdm(total=total, desc="generating", unit="seq")
-        while self.core.has_unfinished():
-            changed = self.core.step()
+        while self.has_unfinished_requests():
+            changed = self.step()
             if bar is not None:
                 bar.update(sum(1 for s, _ in changed if s.finish_reason is not None))
         if bar is not None:
@@ -253,16 +280,14 @@ class LLM:
     def stream(self, prompt, sampling_params: SamplingParams | None = None) -> Iterable[str]:
         """Yields text pieces of one prompt's first completion as they are generated."""
         params = sampling_params or SamplingParams()
-        request_id, _, seqs = self._sequences(prompt, params)
-        for s in seqs:
-            self.core.add(s)
+        request_id, _, _ = self.add_request(prompt, params)
         try:
-            while self.core.has_unfinished():
-                for seq, delta in self.core.step():
+            while self.has_unfinished_requests():
+                for seq, delta in self.step():
                     if seq.request_id == request_id and seq.index == 0 and delta:
                         yield delta
         finally:
-            self.core.abort(request_id)
+            self.abort_request(request_id)
 
     def chat(self, messages, sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
              add_generation_prompt: bool = True) -> list[RequestOutput]:
@@ -285,6 +310,13 @@ class LLM:
     def stats(self) -> EngineStats:
         """A snapshot: running and waiting sequences, pages, prefix-cache hit rate, preemptions, tokens/s."""
         return self.core.stats()
+
+
+def split_for(config, params, tp: int, what: str = "the model"):
+    """(config, params) as a tensor-parallel group of tp devices holds them: checked to split, KV heads repeated
+    up to one per device where there are fewer."""
+    check_tensor_parallel(config, tp, what)
+    return repeat_kv_heads(config, params, max(1, tp // config.num_kv_heads))
 
 
 def _check_same_tokenizer(draft, target) -> None:

@@ -41,7 +41,7 @@ class Server:
         self.tokenizer = engine.llm.tokenizer
         self._api_key = api_key.encode() if api_key else None
         # Sequences (n per request) admitted and not finished: bounded, so a burst gets 429s, not an endless queue.
-        max_num_seqs = engine.llm.scheduler.max_num_seqs
+        max_num_seqs = engine.llm.engine_config.max_num_seqs
         self.capacity = max_num_seqs + max_queued_requests
         # Per request, so one request cannot take the whole capacity and leave every other client a 429.
         self.max_request_sequences = min(max_num_seqs if max_request_sequences is None else max_request_sequences,

@@ -16,7 +16,8 @@ import jax.numpy as jnp
 from jaxserve.attention import write_kv
 from jaxserve.batch import StepInput, StepOutput
 from jaxserve.config import ModelConfig
-from jaxserve.model.llama import LlamaModel
+from jaxserve.distributed import HEADS, kv_pages_spec, replicated, shardings
+from jaxserve.model.llama import PARTITIONING, LlamaModel
 from jaxserve.rejection_sampler import verify
 from jaxserve.sampling import sample, sample_proposals
 
@@ -44,21 +45,41 @@ class Steps:
     """
 
     def __init__(self, config: ModelConfig, dtype, attention_backend: str = "reference",
-                 num_speculative_tokens: int = 0):
-        self.model = LlamaModel(config, dtype, attention_backend)
+                 num_speculative_tokens: int = 0, mesh=None, kv_cache_dtype: str = "auto"):
+        """mesh: a device group's [data=1, model] mesh for tensor parallelism (None: one device). The programs'
+        outputs are pinned to the shardings their inputs arrive in (params and cache placed by the runner, the
+        batch replicated), so a step never reshards anything."""
+        self.model = LlamaModel(config, dtype, attention_backend, mesh)
+        self.partitioning = PARTITIONING
         self.num_speculative_tokens = num_speculative_tokens
-        self._forward = jax.jit(self._forward_and_sample, donate_argnums=2)
-        self._verify = jax.jit(self._forward_and_verify, donate_argnums=2)
-        self._propose = jax.jit(self._forward_and_propose, donate_argnums=(2, 3))
-        self._logits = jax.jit(self._forward_logits)
-        self._write = jax.jit(self._write_cache, donate_argnums=0)
+        self.mesh = mesh
+        if mesh is not None:
+            rep = replicated(mesh)
+            new_kv = [(shardings(mesh, HEADS),) * 2] * config.num_layers  # this step's (k, v) per layer
+            self.cache_sharding = [(shardings(mesh, kv_pages_spec(kv_cache_dtype)),) * 2] * config.num_layers
+            self._replicated = rep
+            forward = dict(out_shardings=(rep, new_kv, rep))
+            propose = dict(out_shardings=(rep, new_kv, rep, rep))
+            logits = dict(out_shardings=(rep, new_kv))
+            write = dict(out_shardings=self.cache_sharding)
+        else:
+            forward = propose = logits = write = {}
+        self._forward = jax.jit(self._forward_and_sample, donate_argnums=2, **forward)
+        self._verify = jax.jit(self._forward_and_verify, donate_argnums=2, **forward)
+        self._propose = jax.jit(self._forward_and_propose, donate_argnums=(2, 3), **propose)
+        self._logits = jax.jit(self._forward_logits, **logits)
+        self._write = jax.jit(self._write_cache, donate_argnums=0, **write)
+
+    def put_batch(self, batch: StepInput) -> StepInput:
+        """One host-to-device copy of a step's inputs, shared by its programs (replicated over a mesh)."""
+        return jax.device_put(batch) if self.mesh is None else jax.device_put(batch, self._replicated)
 
     def step(self, params, kv_cache, last_tokens, batch: StepInput, draft_probs=None):
         """One ragged step. Returns (StepOutput, kv_cache, last_tokens); kv_cache and last_tokens [slots] are
         donated: each row's last emitted token is kept at last_tokens[out_slot] for a later step to chain from.
         A batch whose logits_index is [S, k + 1] runs the verification program; draft_probs [slots, k, V]: the
         distributions a draft model drew its proposals from (see `propose`), None for one-hot proposals."""
-        batch = jax.device_put(batch)  # one host-to-device copy, shared by both programs
+        batch = self.put_batch(batch)
         if batch.logits_index.shape[1] > 1:
             out, new_kv, last_tokens = self._verify(params, kv_cache, last_tokens, batch, draft_probs)
         else:
@@ -69,13 +90,13 @@ class Steps:
         """A draft model's step: as `step`, and each row's draw distribution q goes to draft_probs [slots, k, V]
         (donated) at [out_slot, step % k], where the verification of proposal j of generated token step + j finds
         it. Returns (StepOutput, kv_cache, last_tokens, draft_probs)."""
-        batch = jax.device_put(batch)
+        batch = self.put_batch(batch)
         out, new_kv, last_tokens, draft_probs = self._propose(params, kv_cache, last_tokens, draft_probs, batch)
         return out, self._write(kv_cache, new_kv, batch.slot_mapping), last_tokens, draft_probs
 
     def forward_logits(self, params, kv_cache, batch: StepInput):
         """Logits of every new token, [T, V] float32, and the updated cache (for tests and perplexity)."""
-        batch = jax.device_put(batch)
+        batch = self.put_batch(batch)
         logits, new_kv = self._logits(params, kv_cache, batch)
         return logits, self._write(kv_cache, new_kv, batch.slot_mapping)
 
@@ -135,6 +156,6 @@ class Steps:
 
 
 @functools.cache
-def steps_for(config: ModelConfig, dtype, attention_backend: str = "reference",
-              num_speculative_tokens: int = 0) -> Steps:
-    return Steps(config, dtype, attention_backend, num_speculative_tokens)
+def steps_for(config: ModelConfig, dtype, attention_backend: str = "reference", num_speculative_tokens: int = 0,
+              mesh=None, kv_cache_dtype: str = "auto") -> Steps:
+    return Steps(config, dtype, attention_backend, num_speculative_tokens, mesh, kv_cache_dtype)

@@ -1,6 +1,12 @@
-import pytest
+import os
 
-from jaxserve.weights.default_model import default_model_path
+# Eight CPU devices, for the tensor- and data-parallel tests (before JAX starts its backend); every other test
+# runs on the first, as before.
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+
+import pytest  # noqa: E402
+
+from jaxserve.weights.default_model import default_model_path  # noqa: E402
 
 
 @pytest.fixture(scope="session")

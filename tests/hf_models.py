@@ -14,6 +14,8 @@ VARIANTS = {
         tie_word_embeddings=True, num_key_value_heads=1, rope_theta=500000.0,
         rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                           original_max_position_embeddings=64))),
+    # Heads enough for tensor parallelism up to 8, with 2 KV heads: split at 2, replicated at 4 and 8.
+    "llama-8-heads": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(num_attention_heads=8)),
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, dict(rope_theta=1000000.0)),
     # A window shorter than the test prompts, so the sliding-window mask is exercised.
     "mistral-sliding": (transformers.MistralConfig, transformers.MistralForCausalLM, dict(sliding_window=12)),

@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxserve import LLM, SamplingParams
+from jaxserve import LLM, EngineConfig, SamplingParams
 from jaxserve.steps import steps_for
 from tiny import TINY_PAGE_BYTES, make_llm, prompts
 
@@ -229,3 +229,25 @@ def test_max_model_len_must_fit_the_kv_cache(tiny_dir):
                        use_tqdm=False)[0]
     assert len(out.prompt_token_ids) + len(out.outputs[0].token_ids) == 44
     assert all_pages_free(llm)
+
+
+def test_request_api_step_by_step(tiny_dir):
+    """The public request API, driven as AsyncEngine drives it: the same tokens as generate, aborts free pages."""
+    llm = LLM.from_config(EngineConfig(model=tiny_dir, max_model_len=96, block_size=4, max_num_seqs=4,
+                                       max_num_batched_tokens=16, warmup=False))
+    assert llm.engine_config.max_num_seqs == 4
+    ps = prompts(np.random.default_rng(), [7, 12])
+    want = [o.outputs[0].token_ids for o in llm.generate(ps, GREEDY, use_tqdm=False)]
+    kept, _, seqs = llm.make_request(ps[0], GREEDY, request_id="kept")
+    assert not llm.has_unfinished_requests()  # made, not yet submitted
+    llm.submit(seqs)
+    dropped, _, _ = llm.add_request(ps[1], GREEDY)
+    llm.step()
+    llm.abort_request(dropped)
+    while llm.has_unfinished_requests():
+        llm.step()
+    assert seqs[0].output_token_ids == want[0] and seqs[0].finish_reason == "length"
+    assert all_pages_free(llm)
+    with pytest.raises(ValueError, match="max_model_len"):  # refused before anything is queued
+        llm.make_request({"prompt_token_ids": [1] * 96}, GREEDY)
+    assert not llm.has_unfinished_requests()

@@ -17,6 +17,7 @@ from jaxserve.batch import StepOutput
 from jaxserve.batching.batch_builder import Row, build_batch, plan_rows
 from jaxserve.buckets import Buckets, round_up
 from jaxserve.cache import init_kv_cache, pages_needed
+from jaxserve.distributed import log_placement, param_specs, place, replicated, shardings
 from jaxserve.steps import steps_for
 
 logger = logging.getLogger("jaxserve")
@@ -25,21 +26,37 @@ logger = logging.getLogger("jaxserve")
 class ModelRunner:
     def __init__(self, config, params, dtype, num_pages: int, page_size: int, buckets: Buckets, num_slots: int,
                  attention_backend: str = "reference", kv_cache_dtype: str = "auto", num_speculative_tokens: int = 0,
-                 proposes: bool = False):
+                 proposes: bool = False, mesh=None):
         """num_speculative_tokens: k, for verification programs (a target) or the proposals kept (a draft:
-        proposes=True, whose steps keep each draw's distribution in `draft_probs` for the target to verify)."""
+        proposes=True, whose steps keep each draw's distribution in `draft_probs` for the target to verify).
+        mesh: the device group to split the model and its cache over (None: the default device)."""
         self.config = config
-        self.params = params
         self.page_size = page_size
         self.buckets = buckets
         self.num_speculative_tokens = num_speculative_tokens
-        self.steps = steps_for(config, dtype, attention_backend, 0 if proposes else num_speculative_tokens)
+        self.mesh = mesh
+        self.steps = steps_for(config, dtype, attention_backend, 0 if proposes else num_speculative_tokens, mesh,
+                               kv_cache_dtype)
         # A draft's: [slots + 1, k, V], the distribution each proposal of each sequence was drawn from.
-        self.draft_probs = jnp.zeros((num_slots + 1, num_speculative_tokens, config.vocab_size), jnp.float32) \
-            if proposes else None
+        draft_probs = (num_slots + 1, num_speculative_tokens, config.vocab_size) if proposes else None
         self.draft: ModelRunner | None = None  # a target's draft, whose draft_probs its verifications read
-        self.kv_cache = init_kv_cache(config, num_pages, page_size, dtype, kv_cache_dtype)
-        self.last_tokens = jnp.zeros(num_slots + 1, jnp.int32)  # [slots + 1]: the last one takes padding rows
+        if mesh is None:
+            self.params = params
+            self.kv_cache = init_kv_cache(config, num_pages, page_size, dtype, kv_cache_dtype)
+            self.last_tokens = jnp.zeros(num_slots + 1, jnp.int32)  # [slots + 1]: the last one takes padding rows
+            self.draft_probs = jnp.zeros(draft_probs, jnp.float32) if proposes else None
+        else:
+            tp = mesh.shape["model"]
+            self.params = place(params, shardings(mesh, param_specs(params, self.steps.partitioning, tp)))
+            log_placement("weights", self.params)
+            # Made where they live: the cache never exists whole on one device.
+            self.kv_cache = jax.jit(lambda: init_kv_cache(config, num_pages, page_size, dtype, kv_cache_dtype),
+                                    out_shardings=self.steps.cache_sharding)()
+            log_placement("KV cache", self.kv_cache)
+            def zeros(shape, dtype):  # replicated, made on every device of the group (of every process)
+                return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=replicated(mesh))()
+            self.last_tokens = zeros(num_slots + 1, jnp.int32)
+            self.draft_probs = zeros(draft_probs, jnp.float32) if proposes else None
         # Seconds per step by (tokens, scored per row), measured at warm-up: what speculation's controller weighs.
         self.step_times: dict[tuple[int, int], float] = {}
 

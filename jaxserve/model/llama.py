@@ -6,15 +6,49 @@ values, and the step writes them (see `jaxserve.steps`).
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 from typing import Any
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
 from jaxserve.attention import attention
 from jaxserve.config import ModelConfig
+from jaxserve.distributed import COLUMN, ROW, VOCAB, attention_over_heads
 from jaxserve.model.rope import apply_rope, inverse_frequencies
 from jaxserve.quant import embed, matmul
+
+
+# How each layer splits over a tensor-parallel mesh (see jaxserve.distributed): q/k/v, gate and up split their
+# outputs (whole heads, whole FFN rows per device), o and down their inputs (one all-reduce each), the embedding
+# and the LM head the vocabulary. Everything else (the norms) is replicated.
+PARTITIONING = {"q_proj": COLUMN, "k_proj": COLUMN, "v_proj": COLUMN, "gate_proj": COLUMN, "up_proj": COLUMN,
+                "o_proj": ROW, "down_proj": ROW, "embed_tokens": VOCAB, "lm_head": COLUMN}
+
+
+def repeat_kv_heads(config: ModelConfig, params: dict, times: int) -> tuple[ModelConfig, dict]:
+    """The same model with each KV head repeated `times` over (adjacent copies): a tensor-parallel mesh wider than
+    the KV heads gives each device a copy of the one head its query heads read, as vLLM does. Every leaf of k_proj
+    and v_proj with the outputs on its last axis (kernel, bias, int8 / int4 scales) is repeated per head."""
+    if times == 1:
+        return config, params
+    kv, hd = config.num_kv_heads, config.head_dim
+
+    def repeat(path, leaf):
+        if getattr(path[-1], "name", None) == "input_scale":
+            return leaf  # per input feature
+        heads = leaf.reshape(*leaf.shape[:-1], kv, hd)
+        return jnp.repeat(heads, times, axis=-2).reshape(*leaf.shape[:-1], kv * times * hd)
+
+    layers = dict(params["params"])
+    for name, layer in layers.items():
+        if name.startswith("layers_"):
+            layers[name] = {**layer, **{p: jax.tree_util.tree_map_with_path(repeat, layer[p])
+                                        for p in ("k_proj", "v_proj")}}
+    return dataclasses.replace(config, num_kv_heads=kv * times), {**params, "params": layers}
 
 
 class Linear(nn.Module):
@@ -52,6 +86,7 @@ class DecoderLayer(nn.Module):
     config: ModelConfig
     dtype: Any
     attention_backend: str = "reference"  # resolved (see jaxserve.attention.resolve_attention_backend)
+    mesh: Mesh | None = None  # tensor parallel: attention runs per device on its heads
 
     @nn.compact
     def __call__(self, x, kv, rows):
@@ -65,7 +100,8 @@ class DecoderLayer(nn.Module):
         q = apply_rope(q.reshape(T, c.num_heads, c.head_dim), rows.positions, inv_freq)
         k = apply_rope(k.reshape(T, c.num_kv_heads, c.head_dim), rows.positions, inv_freq)
         v = v.reshape(T, c.num_kv_heads, c.head_dim)
-        attn = attention(q, k, v, kv[0], kv[1], rows, sliding_window=c.sliding_window, backend=self.attention_backend)
+        attend = functools.partial(attention, sliding_window=c.sliding_window, backend=self.attention_backend)
+        attn = attention_over_heads(attend, self.mesh, q, k, v, kv[0], kv[1], rows)
         x = x + Linear(c.hidden_size, False, dt, name="o_proj")(attn.reshape(T, -1))
         h = RMSNorm(c.rms_norm_eps, dt, name="post_attention_layernorm")(x)
         gate = Linear(c.intermediate_size, False, dt, name="gate_proj")(h)
@@ -78,6 +114,7 @@ class LlamaModel(nn.Module):
     config: ModelConfig
     dtype: Any = jnp.float32
     attention_backend: str = "reference"
+    mesh: Mesh | None = None
 
     @nn.compact
     def __call__(self, token_ids, kv_cache, rows, logits_index=None):
@@ -96,7 +133,7 @@ class LlamaModel(nn.Module):
         new_kv = []
         # A Python loop over per-layer weights: on XLA:CPU a scan over stacked layers copies each weight slice.
         for i in range(c.num_layers):
-            x, kv = DecoderLayer(c, self.dtype, self.attention_backend, name=f"layers_{i}")(x, kv_cache[i], rows)
+            x, kv = DecoderLayer(c, self.dtype, self.attention_backend, self.mesh, name=f"layers_{i}")(x, kv_cache[i], rows)
             new_kv.append(kv)
         if logits_index is not None:
             x = x[logits_index]  # [S, hidden] or [S, Q, hidden]

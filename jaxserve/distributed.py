@@ -1,0 +1,134 @@
+"""The device mesh, and where every array of an engine lives on it.
+
+One mesh, axes ("data", "model"). A row of it is a *device group*: the devices of one engine replica, over which
+its weights and KV cache are split (tensor parallelism, Megatron's): column-parallel layers split their output
+features, so each device computes whole attention heads and whole FFN rows; row-parallel layers split their input
+features and end in one all-reduce; the embedding and the LM head split the vocabulary; norms are replicated. The
+KV cache splits over KV heads, so attention runs per device on its own heads with no communication at all. Data
+parallelism is several groups, each a whole engine.
+
+Which layer is which is declared by the model module beside its parameters (e.g. `jaxserve.model.llama.PARTITIONING`);
+this module turns that into shardings of whatever leaves a layer holds (float kernels, int8 / int4 weights with their
+scales, AWQ input scales).
+"""
+from __future__ import annotations
+
+import collections
+import logging
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxserve.cache.kv_cache import Int8Pages
+
+logger = logging.getLogger("jaxserve")
+
+DATA, MODEL = "data", "model"
+COLUMN, ROW, VOCAB = "column", "row", "vocab"  # a layer's split: outputs, inputs, embedding rows
+
+
+def make_mesh(tensor_parallel_size: int = 1, data_parallel_size: int = 1, devices=None) -> Mesh:
+    """A [data, model] mesh over the first tp x dp devices (of every process: jax.devices() is global)."""
+    devices = list(jax.devices() if devices is None else devices)
+    need = tensor_parallel_size * data_parallel_size
+    if need > len(devices):
+        raise ValueError(f"tensor_parallel_size {tensor_parallel_size} x data_parallel_size {data_parallel_size} "
+                         f"needs {need} devices; there are {len(devices)} ({devices[0].platform})")
+    grid = np.array(devices[:need], dtype=object).reshape(data_parallel_size, tensor_parallel_size)
+    # Auto axes: shardings propagate through the model's jnp code (jax 0.10's make_mesh defaults to Explicit).
+    return Mesh(grid, (DATA, MODEL), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+
+
+def device_groups(mesh: Mesh) -> list[Mesh]:
+    """Each data-parallel row of the mesh as a mesh of its own: the devices of one engine replica."""
+    return [Mesh(mesh.devices[i:i + 1], mesh.axis_names, axis_types=mesh.axis_types)
+            for i in range(mesh.devices.shape[0])]
+
+
+def model_size(mesh: Mesh | None) -> int:
+    return 1 if mesh is None else mesh.shape[MODEL]
+
+
+def check_tensor_parallel(config, tp: int, what: str = "the model") -> None:
+    """Attention heads must split evenly; KV heads split, or are replicated when there are fewer than devices."""
+    if config.num_heads % tp:
+        raise ValueError(f"tensor_parallel_size {tp} must divide {what}'s {config.num_heads} attention heads")
+    kv = config.num_kv_heads
+    if kv % tp and tp % kv:
+        raise ValueError(f"tensor_parallel_size {tp} and {what}'s {kv} KV heads must divide one another "
+                         "(KV heads split over devices, or are replicated when there are fewer than devices)")
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())
+
+
+def param_specs(params, partitioning: dict[str, str], tp: int):
+    """A PartitionSpec for every leaf of params. partitioning: layer name -> COLUMN, ROW or VOCAB (others are
+    replicated). A dimension that does not divide by tp is left whole (correct, only less split)."""
+    def spec(path, leaf):
+        names = [getattr(k, "key", getattr(k, "name", None)) for k in path]
+        role = next((partitioning[n] for n in names if n in partitioning), None)
+        if role is None:
+            return P()
+        if leaf.ndim == 2:  # a kernel [in, out] (or its packed / scale / offset [in-ish, out]); a table [vocab, hidden]
+            axis = 0 if role in (ROW, VOCAB) else 1
+        elif leaf.ndim == 1:  # a bias or an int8 scale [out]; an AWQ input scale [in]; an int8 table's scale [vocab]
+            on_inputs = names[-1] == "input_scale"
+            axis = 0 if (role == VOCAB or (role == ROW) == on_inputs) else None
+        else:
+            axis = None
+        if axis is None or leaf.shape[axis] % tp:
+            return P()
+        return P(*[MODEL if i == axis else None for i in range(leaf.ndim)])
+    return jax.tree_util.tree_map_with_path(spec, params)
+
+
+def kv_pages_spec(kv_cache_dtype: str = "auto"):
+    """One layer's K (or V) pages [num_pages, page_size, kv_heads, head_dim]: split over KV heads."""
+    pages = P(None, None, MODEL, None)
+    return Int8Pages(pages, P(None, None, MODEL)) if kv_cache_dtype == "int8" else pages
+
+
+HEADS = P(None, MODEL, None)  # [tokens, heads, head_dim]
+
+
+def shardings(mesh: Mesh, specs):
+    """PartitionSpecs (any pytree of them) -> NamedShardings on mesh."""
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
+
+
+def place(tree, sharding_tree):
+    """Puts every leaf on its sharding from the host: each device is handed only its slice, so no device of the
+    group ever holds the whole array (and each process only copies what its own devices hold)."""
+    def put(x, s):
+        x = np.asarray(x)  # a loader's array on its default device comes through the host (once, at load)
+        return jax.make_array_from_callback(x.shape, s, lambda index: x[index])
+    return jax.tree.map(put, tree, sharding_tree)
+
+
+def bytes_per_device(tree) -> dict:
+    """Bytes of tree's arrays held by each (addressable) device."""
+    held = collections.Counter()
+    for leaf in jax.tree.leaves(tree):
+        for shard in leaf.addressable_shards:
+            held[shard.device] += shard.data.nbytes
+    return dict(held)
+
+
+def log_placement(what: str, tree) -> None:
+    held = bytes_per_device(tree)
+    logger.info("%s: %.1f MB per device over %d devices (%.1f MB in all)", what, max(held.values()) / 1e6,
+                len(held), sum(held.values()) / 1e6)
+
+
+def attention_over_heads(attend, mesh: Mesh | None, q, k, v, k_pages, v_pages, rows):
+    """attend(q, k, v, k_pages, v_pages, rows) run by each device on its own heads: heads never meet in attention,
+    so the split needs no communication, and the kernels (Pallas calls, which XLA cannot partition) see local
+    arrays. q: [T, heads, head_dim]; k, v: [T, kv_heads, head_dim]; pages as the cache holds them."""
+    if model_size(mesh) == 1:
+        return attend(q, k, v, k_pages, v_pages, rows)
+    pages = kv_pages_spec("int8" if isinstance(k_pages, Int8Pages) else "auto")
+    return jax.shard_map(attend, mesh=mesh, in_specs=(HEADS, HEADS, HEADS, pages, pages, P()), out_specs=HEADS,
+                         check_vma=False)(q, k, v, k_pages, v_pages, rows)

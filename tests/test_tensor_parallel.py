@@ -1,0 +1,135 @@
+"""Tensor parallelism over a mesh of CPU devices (conftest forces 8): the tokens and float32 logits of one device,
+with the weights and the KV pages really split, and nothing resharded or recompiled while serving."""
+import re
+from collections import Counter
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hf_models import save_tiny_model
+from tiny import make_llm, prompts
+
+from jaxserve import SamplingParams
+from jaxserve.batching.batch_builder import Row, build_batch
+from jaxserve.distributed import MODEL, bytes_per_device
+from jaxserve.weights.params import param_bytes
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs XLA_FLAGS=--xla_force_host_platform_device_count=8")
+
+
+@pytest.fixture(scope="module")
+def tp_dir(tmp_path_factory):
+    """8 attention heads and 2 KV heads: KV heads split at TP 2, replicated at 4 and 8."""
+    path = tmp_path_factory.mktemp("tiny-8-heads")
+    save_tiny_model("llama-8-heads", path)
+    return str(path)
+
+
+def tokens(llm, ps, params=GREEDY):
+    return [o.outputs[0].token_ids for o in llm.generate(ps, params, use_tqdm=False)]
+
+
+@pytest.fixture(scope="module")
+def reference(tp_dir):
+    ps = prompts(np.random.default_rng(0), [3, 9, 17, 30])
+    return ps, tokens(make_llm(tp_dir), ps)
+
+
+def step_logits(llm, token_ids):
+    """float32 logits of every token of one prompt, through the engine's runner (its params, cache and mesh)."""
+    r = llm.runner
+    pages = list(range(1, 1 + -(-len(token_ids) // r.page_size)))
+    batch = build_batch([Row(token_ids, 0, pages)], r.page_size, r.config.vocab_size, 32, 1, r.buckets.pages_per_row)
+    logits, r.kv_cache = r.steps.forward_logits(r.params, r.kv_cache, batch)
+    return np.asarray(logits)[:len(token_ids)]
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+def test_tensor_parallel_gives_one_devices_tokens_and_logits(tp_dir, reference, tp):
+    ps, want = reference
+    llm = make_llm(tp_dir, tensor_parallel_size=tp)
+    assert tokens(llm, ps) == want
+    ids = ps[3]["prompt_token_ids"]
+    np.testing.assert_allclose(step_logits(llm, ids), step_logits(make_llm(tp_dir), ids), rtol=1e-4, atol=1e-4)
+    llm.core.assert_idle_and_clean()
+
+
+@pytest.mark.parametrize("tp", [2, 8])
+def test_weights_and_pages_are_split(tp_dir, tp):
+    llm = make_llm(tp_dir, tensor_parallel_size=tp)
+    r = llm.runner
+    held = bytes_per_device(r.params)
+    assert len(held) == tp
+    # Everything but the norms (a few hundred floats) is split: each device holds about 1/tp of the weights.
+    assert max(held.values()) < param_bytes(r.params) / tp * 1.05, held
+    q = r.params["params"]["layers_0"]["q_proj"]["kernel"]
+    assert q.sharding.spec == jax.sharding.PartitionSpec(None, MODEL)
+    assert r.params["params"]["layers_0"]["o_proj"]["kernel"].sharding.spec == jax.sharding.PartitionSpec(MODEL, None)
+    k_pages = r.kv_cache[0][0]  # [num_pages, page_size, kv_heads, head_dim]
+    assert k_pages.shape[2] == max(2, tp)  # 2 KV heads, repeated to one per device beyond 2
+    for shard in k_pages.addressable_shards:
+        assert shard.data.shape == (*k_pages.shape[:2], 1 if tp >= 2 else 2, k_pages.shape[3])
+    assert len(bytes_per_device(r.kv_cache)) == tp
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_quantized_weights_split_consistently(tp_dir, quantization):
+    one = make_llm(tp_dir, quantization=quantization)
+    two = make_llm(tp_dir, quantization=quantization, tensor_parallel_size=2)
+    ids = list(range(5, 25))
+    np.testing.assert_allclose(step_logits(two, ids), step_logits(one, ids), rtol=1e-4, atol=1e-4)
+    kernel = two.runner.params["params"]["layers_0"]["down_proj"]["kernel"]  # row-parallel: input rows split
+    leaf = kernel.values if quantization == "int8" else kernel.packed
+    assert leaf.sharding.spec[0] == MODEL
+
+
+def collectives(compiled_text: str) -> Counter:
+    found = re.findall(r"= (\w+)\[([\d,]*)\][^ ]* (all-gather|all-reduce|reduce-scatter|all-to-all)(?:-start)?\(",
+                       compiled_text)
+    return Counter((kind, dtype, shape) for dtype, shape, kind in found)
+
+
+def test_a_step_gathers_no_weights_and_no_cache(tp_dir):
+    """The decode step's communication is the all-reduce after each row-parallel layer (and the vocab-parallel
+    embedding) and one gather of the [rows, vocab] logits for sampling: no weight or cache is ever gathered."""
+    llm = make_llm(tp_dir, tensor_parallel_size=2)
+    r = llm.runner
+    batch = r.steps.put_batch(build_batch([Row([7], 0, [1])], r.page_size, r.config.vocab_size, 4, 4,
+                                          r.buckets.pages_per_row))
+    text = r.steps._forward.lower(r.params, r.kv_cache, r.last_tokens, batch).compile().as_text()
+    found = collectives(text)
+    hidden, vocab = r.config.hidden_size, r.config.vocab_size
+    gathers = {k: n for k, n in found.items() if k[0] == "all-gather"}
+    assert gathers == {("all-gather", "f32", f"4,{vocab}"): 1}, found
+    big_reduces = sum(n for (kind, _, shape), n in found.items() if kind == "all-reduce" and shape == f"4,{hidden}")
+    assert big_reduces == 2 * r.config.num_layers + 1, found  # o_proj and down_proj per layer, the embedding
+
+
+def test_serving_after_warmup_compiles_nothing_when_sharded(tp_dir):
+    llm = make_llm(tp_dir, tensor_parallel_size=2, warmup=True)
+    compiled = llm.runner.steps.num_compiled()
+    rng = np.random.default_rng(1)
+    llm.generate(prompts(rng, [2, 11, 40, 5, 23]), SamplingParams(temperature=0.8, max_tokens=30, ignore_eos=True),
+                 use_tqdm=False)
+    assert llm.runner.steps.num_compiled() == compiled
+
+
+def test_tensor_parallel_sizes_that_cannot_split_are_refused(tp_dir):
+    with pytest.raises(ValueError, match="must divide .* 8 attention heads"):
+        make_llm(tp_dir, tensor_parallel_size=3)
+    with pytest.raises(ValueError, match="needs 16 devices"):
+        make_llm(tp_dir, tensor_parallel_size=16)
+
+
+def test_default_model_over_three_devices(default_llm):
+    """The default model (9 heads, 3 KV heads, 576 hidden, 1536 FFN, 49152 vocabulary all divide by 3): the same
+    greedy text as one device."""
+    from jaxserve import LLM
+    sp = SamplingParams(temperature=0, max_tokens=32)
+    chat = [{"role": "user", "content": "Name three primary colors."}]
+    want = default_llm.chat(chat, sp, use_tqdm=False)[0].outputs[0].text
+    llm = LLM(max_model_len=256, max_num_seqs=2, max_num_batched_tokens=64, warmup=False, tensor_parallel_size=3)
+    assert llm.chat(chat, sp, use_tqdm=False)[0].outputs[0].text == want
+    assert len(bytes_per_device(llm.runner.kv_cache)) == 3
