@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.attention import resolve_attention_backend
+from jaxserve.batching.data_parallel import DataParallel
 from jaxserve.batching.draft_proposer import DraftProposer
 from jaxserve.batching.engine_core import EngineCore, EngineStats
 from jaxserve.batching.model_runner import ModelRunner
@@ -21,7 +22,7 @@ from jaxserve.batching.slo import SloController
 from jaxserve.batching.spec_controller import SpecController
 from jaxserve.buckets import Buckets, geometric
 from jaxserve.cache import PageAllocator, PrefixCache, bytes_per_page, num_pages_for_budget, pages_needed
-from jaxserve.distributed import check_tensor_parallel, make_mesh
+from jaxserve.distributed import check_tensor_parallel, device_groups, make_mesh
 from jaxserve.engine_config import EngineConfig
 from jaxserve.model.llama import repeat_kv_heads
 from jaxserve.outputs import RequestMetrics, RequestOutput
@@ -50,10 +51,10 @@ class LLM:
 
     def __init__(self, model: str | None = None, **engine_args):
         c = self.engine_config = EngineConfig(model=model, **engine_args)
-        if c.data_parallel_size != 1 or c.coordinator_address is not None:
-            raise NotImplementedError("data_parallel_size and the jax.distributed settings are not wired yet")
-        tp = c.tensor_parallel_size
-        mesh = make_mesh(tp) if tp > 1 else None
+        if c.coordinator_address is not None:
+            raise NotImplementedError("the jax.distributed settings are not wired yet")
+        tp, dp = c.tensor_parallel_size, c.data_parallel_size
+        groups = device_groups(make_mesh(tp, dp)) if tp * dp > 1 else [None]
         model, max_model_len, max_num_seqs, block_size = c.model, c.max_model_len, c.max_num_seqs, c.block_size
         max_num_batched_tokens, kv_cache_dtype = c.max_num_batched_tokens, c.kv_cache_dtype
         spec = self.speculative_config = c.speculative_config
@@ -96,37 +97,48 @@ class LLM:
                        max_tokens=buckets.num_tokens[-1])
         self.attention_backend = _checked_backend(backend, c.attention_backend, self.config, block_size, dtype, serving,
                                                  kv_cache_dtype)
+        # One engine replica per device group: its own runner, KV cache and scheduler (see batching.data_parallel).
+        shape = dict(config=config, params=params, draft=draft, dtype=dtype, num_pages=num_pages, buckets=buckets)
+        self.replicas = [self._replica(group, **shape) for group in groups]
+        self.core = self.replicas[0] if len(self.replicas) == 1 else DataParallel(self.replicas)
+        # The first replica's (the only one without data parallelism): what tests and tools look into.
+        self.runner, self.scheduler = self.replicas[0].runner, self.replicas[0].scheduler
+        self._rng = random.Random(c.seed)
+        self._request_ids = itertools.count()
+
+    def _replica(self, mesh, *, config, params, draft, dtype, num_pages: int, buckets: Buckets) -> EngineCore:
+        """An engine on one device group (mesh None: the default device)."""
+        c, spec = self.engine_config, self.speculative_config
+        block_size, max_num_seqs, kv_cache_dtype = c.block_size, c.max_num_seqs, c.kv_cache_dtype
         k = spec.num_speculative_tokens if spec else 0
-        self.runner = ModelRunner(config, params, dtype, num_pages, block_size, buckets, max_num_seqs,
-                                  self.attention_backend, kv_cache_dtype, num_speculative_tokens=k, mesh=mesh)
+        runner = ModelRunner(config, params, dtype, num_pages, block_size, buckets, max_num_seqs,
+                             self.attention_backend, kv_cache_dtype, num_speculative_tokens=k, mesh=mesh)
         slo = None
         if c.ttft_slo is not None or c.tpot_slo is not None:
             slo = SloController(geometric(1, max_num_seqs), max_num_seqs, tpot_slo=c.tpot_slo, ttft_slo=c.ttft_slo)
         cache = PrefixCache(PageAllocator(num_pages), block_size, c.enable_prefix_caching)
-        self.scheduler = Scheduler(cache, max_num_seqs, max_num_batched_tokens, buckets.num_tokens,
-                                   c.scheduling_policy, slo)
+        scheduler = Scheduler(cache, max_num_seqs, c.max_num_batched_tokens, buckets.num_tokens,
+                              c.scheduling_policy, slo)
         draft_runner = proposer = controller = None
         if draft is not None:
             draft_runner = ModelRunner(draft.config, draft.params, dtype, num_pages, block_size, buckets,
                                        max_num_seqs, self.attention_backend, kv_cache_dtype, k, proposes=True,
                                        mesh=mesh)
-            self.runner.draft = draft_runner
-            proposer = DraftProposer(draft_runner, max_num_batched_tokens, max_num_seqs)
+            runner.draft = draft_runner
+            proposer = DraftProposer(draft_runner, c.max_num_batched_tokens, max_num_seqs)
         elif spec is not None:
             proposer = NgramProposer(k, spec.prompt_lookup_max, spec.prompt_lookup_min)
         # The controller weighs step times measured at warm-up, so speculation warms up even if asked not to.
         timed = spec is not None and spec.adaptive
         if c.warmup or timed:
-            self.runner.warmup(time_steps=timed)
+            runner.warmup(time_steps=timed)
             if draft_runner is not None:
                 draft_runner.warmup(time_steps=timed)
         if spec is not None:
-            controller = SpecController(k, buckets.num_tokens, self.runner.step_times,
+            controller = SpecController(k, buckets.num_tokens, runner.step_times,
                                         draft_runner.step_times if draft_runner else None)
-        self.core = EngineCore(self.scheduler, self.runner, proposer=proposer, controller=controller,
-                               adaptive=spec is None or spec.adaptive)
-        self._rng = random.Random(c.seed)
-        self._request_ids = itertools.count()
+        return EngineCore(scheduler, runner, proposer=proposer, controller=controller,
+                          adaptive=spec is None or spec.adaptive)
 
     @classmethod
     def from_config(cls, engine_config: EngineConfig) -> "LLM":
@@ -305,7 +317,8 @@ class LLM:
 
     def reset_prefix_cache(self) -> None:
         """Forgets every cached prefix no running sequence holds (benchmarks: runs that must not share hits)."""
-        self.scheduler.cache.reset()
+        for replica in self.replicas:
+            replica.scheduler.cache.reset()
 
     def stats(self) -> EngineStats:
         """A snapshot: running and waiting sequences, pages, prefix-cache hit rate, preemptions, tokens/s."""

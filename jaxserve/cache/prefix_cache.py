@@ -90,6 +90,18 @@ class PrefixCache:
             self._refs[p] = self._refs.get(p, 0) + 1
         return pages
 
+    def num_cached_pages(self, token_ids: list[int], keys: list[bytes]) -> int:
+        """How many leading pages of token_ids `match` would find, holding nothing (a data-parallel router's
+        question: which replica has this prompt's prefix)."""
+        if not self.enabled:
+            return 0
+        for i, key in enumerate(keys):
+            page = self._by_key.get(key)
+            if page is None or self._content[page] != (_parent(keys, i), key,
+                                                       tuple(token_ids[i * self.page_size:(i + 1) * self.page_size])):
+                return i
+        return len(keys)
+
     def count_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
         """Counts one admitted request's lookup in the hit rate (a lookup undone for lack of pages does not count)."""
         self.queries += num_tokens

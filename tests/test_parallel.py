@@ -1,5 +1,6 @@
-"""Tensor parallelism over a mesh of CPU devices (conftest forces 8): the tokens and float32 logits of one device,
-with the weights and the KV pages really split, and nothing resharded or recompiled while serving."""
+"""Tensor and data parallelism over a mesh of CPU devices (conftest forces 8): the tokens and float32 logits of one
+device, with the weights and the KV pages really split, nothing resharded or recompiled while serving, and requests
+spread over data-parallel replicas."""
 import re
 from collections import Counter
 
@@ -133,3 +134,27 @@ def test_default_model_over_three_devices(default_llm):
     llm = LLM(max_model_len=256, max_num_seqs=2, max_num_batched_tokens=64, warmup=False, tensor_parallel_size=3)
     assert llm.chat(chat, sp, use_tqdm=False)[0].outputs[0].text == want
     assert len(bytes_per_device(llm.runner.kv_cache)) == 3
+
+
+def test_data_parallel_replicas_share_the_work(tp_dir, reference):
+    """Data parallel 2 x tensor parallel 2 on 4 devices: one device's tokens, requests spread over both replicas
+    (each on its own two devices), every page freed."""
+    ps, want = reference
+    llm = make_llm(tp_dir, tensor_parallel_size=2, data_parallel_size=2)
+    assert tokens(llm, ps) == want
+    assert llm.core.routed == [2, 2]
+    devices = [{d.id for d in bytes_per_device(r.runner.params)} for r in llm.replicas]
+    assert devices == [{0, 1}, {2, 3}]
+    assert all(r.stats().generation_tokens > 0 for r in llm.replicas)
+    assert llm.stats().generation_tokens == sum(len(t) for t in want)
+    llm.core.assert_idle_and_clean()
+
+
+def test_data_parallel_routes_a_shared_prefix_to_the_replica_that_has_it(tp_dir):
+    llm = make_llm(tp_dir, data_parallel_size=2)
+    prefix = list(range(10, 30))
+    llm.generate({"prompt_token_ids": prefix + [1]}, GREEDY, use_tqdm=False)  # replica 0 now caches the prefix
+    assert llm.core.routed == [1, 0]
+    llm.generate({"prompt_token_ids": prefix + [2]}, GREEDY, use_tqdm=False)  # both idle: the prefix decides
+    assert llm.core.routed == [2, 0]
+    assert llm.replicas[0].stats().prefix_cache_hits > 0

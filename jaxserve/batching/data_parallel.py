@@ -1,0 +1,96 @@
+"""Data parallelism: several engine replicas, each a whole engine (scheduler, KV cache, runner) on its own device
+group, behind one request interface (EngineCore's).
+
+One scheduler per replica, not one global one: replicas share no pages, prefix cache or step, so a global
+scheduler would only tie the groups' steps together; what has to be global is where a request goes. It goes to the
+replica with the fewest sequences queued or running, and among equals to the one whose prefix cache already holds
+the most of its prompt; a request's n sequences stay together (they share its prompt's pages). Stepping the replicas
+one after the other keeps them all busy: each step dispatches its replica's next step before it reads back the one
+before, so while one replica's host waits for its device the others' devices are computing.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from jaxserve.batching.engine_core import EngineCore, EngineStats
+from jaxserve.batching.sequence import Sequence
+from jaxserve.cache import page_keys
+
+
+class DataParallel:
+    def __init__(self, replicas: list[EngineCore]):
+        self.replicas = replicas
+        self._placed: dict[str, EngineCore] = {}  # request id -> its replica, while it has sequences
+        self.routed = [0] * len(replicas)  # requests sent to each replica
+
+    def route(self, seq: Sequence) -> EngineCore:
+        """The replica a new request's sequence goes to (the one its siblings went to, if any)."""
+        if seq.request_id in self._placed:
+            return self._placed[seq.request_id]
+
+        def load(core: EngineCore) -> tuple[int, int]:
+            s = core.scheduler
+            keys = page_keys(seq.prompt_token_ids, s.cache.page_size, [])
+            return len(s.waiting) + len(s.running), -s.cache.num_cached_pages(seq.prompt_token_ids, keys)
+        best = min(range(len(self.replicas)), key=lambda i: load(self.replicas[i]))
+        self.routed[best] += 1
+        return self.replicas[best]
+
+    def add(self, seq: Sequence) -> None:
+        core = self.route(seq)
+        core.add(seq)
+        self._placed[seq.request_id] = core
+
+    def step(self) -> list[tuple[Sequence, str]]:
+        changed = []
+        for core in self.replicas:
+            if core.has_unfinished():
+                changed += core.step()
+        for seq, _ in changed:
+            if seq.finish_reason is not None and not self._holds(seq.request_id):
+                self._placed.pop(seq.request_id, None)
+        return changed
+
+    def _holds(self, request_id: str) -> bool:
+        core = self._placed.get(request_id)
+        s = core.scheduler if core else None
+        return s is not None and any(q.request_id == request_id for q in s.waiting + s.running)
+
+    def has_unfinished(self) -> bool:
+        return any(core.has_unfinished() for core in self.replicas)
+
+    def abort(self, request_id: str) -> list[Sequence]:
+        core = self._placed.pop(request_id, None)
+        return core.abort(request_id) if core else []
+
+    def fail_running(self) -> set[str]:
+        failed = set().union(*(core.fail_running() for core in self.replicas))
+        for request_id in failed:
+            self._placed.pop(request_id, None)
+        return failed
+
+    def abort_all(self) -> None:
+        for core in self.replicas:
+            core.abort_all()
+        self._placed.clear()
+
+    def stats(self) -> EngineStats:
+        return merge_stats([core.stats() for core in self.replicas])
+
+    def assert_idle_and_clean(self) -> None:
+        for core in self.replicas:
+            core.assert_idle_and_clean()
+        assert not self._placed
+
+
+def merge_stats(parts: list[EngineStats]) -> EngineStats:
+    """The replicas' stats as one engine's: counts add up, rates are recomputed from the sums."""
+    total = {f.name: sum(getattr(p, f.name) for p in parts) for f in dataclasses.fields(EngineStats)
+             if f.type in ("int", "float")}
+    per_pos = [sum(xs) for xs in zip(*(p.spec_decode_num_accepted_tokens_per_pos for p in parts))]
+    total.update(kv_cache_usage=total["pages_used"] / total["pages_total"],
+                 prefix_cache_hit_rate=total["prefix_cache_hits"] / max(1, total["prefix_cache_queries"]),
+                 spec_decode_acceptance_rate=total["spec_decode_num_accepted_tokens"]
+                 / max(1, total["spec_decode_num_draft_tokens"]),
+                 spec_decode_num_accepted_tokens_per_pos=tuple(per_pos))
+    return dataclasses.replace(parts[0], **total)
