@@ -13,6 +13,7 @@ three).
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import time
 
@@ -24,8 +25,10 @@ from jaxserve.batch import RaggedRows
 from jaxserve.batching.batch_builder import build_batch
 from jaxserve.buckets import Buckets
 from jaxserve.cache import init_kv_cache, pages_needed
+from jaxserve.collectives import collective_census
 from jaxserve.config import ModelConfig
-from jaxserve.model.llama import LlamaModel
+from jaxserve.distributed import HEADS, check_tensor_parallel, make_mesh, param_specs, replicated, shardings
+from jaxserve.model.llama import PARTITIONING, LlamaModel
 from jaxserve.pallas_kernels import ragged_kernel_for
 from jaxserve.steps import Steps
 
@@ -93,7 +96,8 @@ def target_devices(target: str) -> list:
 
 @dataclasses.dataclass
 class Compiled:
-    """One program compiled for one device: its HBM use, and on TPU the compiler's own cost model."""
+    """One program compiled for one device (or each device of a tensor-parallel mesh: the sizes are per device):
+    its HBM use, on TPU the compiler's own cost model, and over a mesh its collectives."""
     program: str  # "step", "cache write" or "ragged attention"
     shape: str  # e.g. "512 tokens x 64 rows"
     error: str | None = None
@@ -106,17 +110,29 @@ class Compiled:
     flops: float | None = None
     bytes_accessed: float | None = None
     compile_seconds: float = 0.0
+    tensor_parallel_size: int = 1
+    # kind -> count ("all-reduce": 5, ...), async forms included; and every one as "kind dtype[dims]".
+    collectives: dict = dataclasses.field(default_factory=dict)
+    collective_ops: list = dataclasses.field(default_factory=list)
+    largest_all_gather_bytes: int = 0
+    census: list = dataclasses.field(default_factory=list, repr=False, compare=False)  # the Collective records
 
     @property
     def peak_bytes(self) -> int:
         return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes
 
 
-def compile_program(program: str, shape: str, fn, args, device) -> Compiled:
-    """Lowers and compiles fn(*args) (a pytree of ShapeDtypeStructs) for `device`; a compiler error is recorded."""
-    mesh = jax.sharding.Mesh(np.array([device]), ("model",))
-    placed = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
-                                                         sharding=jax.sharding.SingleDeviceSharding(device)), args)
+def compile_program(program: str, shape: str, fn, args, device, *, mesh=None, arg_shardings=None) -> Compiled:
+    """Lowers and compiles fn(*args) (a pytree of ShapeDtypeStructs) for `device`; a compiler error is recorded.
+    mesh: compile for a tensor-parallel mesh instead, each arg placed on its sharding in arg_shardings (a tree of
+    NamedShardings matching args)."""
+    if mesh is None:
+        mesh = jax.sharding.Mesh(np.array([device]), ("model",))
+        placed = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+            x.shape, x.dtype, sharding=jax.sharding.SingleDeviceSharding(device)), args)
+    else:
+        placed = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), args, arg_shardings)
+    tp = mesh.shape.get("model", 1) if mesh.devices.size > 1 else 1
     start = time.perf_counter()
     try:
         # The mesh tells Pallas' Mosaic lowering which chip it compiles for (else it asks the default backend).
@@ -125,16 +141,21 @@ def compile_program(program: str, shape: str, fn, args, device) -> Compiled:
             compiled = (fn if hasattr(fn, "lower") else jax.jit(fn)).lower(*placed).compile()
     except Exception as e:  # noqa: BLE001 - the compiler's verdict is the result
         return Compiled(program, shape, error=f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300]}",
-                        compile_seconds=time.perf_counter() - start)
+                        compile_seconds=time.perf_counter() - start, tensor_parallel_size=tp)
     memory = compiled.memory_analysis()
     cost = compiled.cost_analysis() or {}
     if isinstance(cost, list):
         cost = cost[0] if cost else {}
+    census = collective_census(compiled.as_text()) if tp > 1 else []
+    gathers = [c.bytes for c in census if c.kind == "all-gather"]
     return Compiled(program, shape, argument_bytes=memory.argument_size_in_bytes,
                     output_bytes=memory.output_size_in_bytes, alias_bytes=memory.alias_size_in_bytes,
                     temp_bytes=memory.temp_size_in_bytes, flops=cost.get("flops"),
                     bytes_accessed=cost.get("bytes accessed"),
-                    compile_seconds=time.perf_counter() - start)
+                    compile_seconds=time.perf_counter() - start, tensor_parallel_size=tp,
+                    collectives=dict(collections.Counter(c.kind for c in census)),
+                    collective_ops=[str(c) for c in census],
+                    largest_all_gather_bytes=max(gathers, default=0), census=census)
 
 
 def abstract_params(config: ModelConfig, dtype) -> dict:
@@ -147,18 +168,43 @@ def abstract_params(config: ModelConfig, dtype) -> dict:
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, dtype), params)
 
 
+def tensor_parallel_config(config: ModelConfig, tensor_parallel_size: int) -> ModelConfig:
+    """The config a tensor-parallel engine runs: as `jaxserve.model.llama.repeat_kv_heads` makes it when there are
+    more devices than KV heads (each KV head repeated tp // kv_heads times), for abstract params to be built from."""
+    check_tensor_parallel(config, tensor_parallel_size)
+    kv = config.num_kv_heads
+    if tensor_parallel_size <= kv:
+        return config
+    return dataclasses.replace(config, num_kv_heads=kv * (tensor_parallel_size // kv))
+
+
 def compile_serving(config: ModelConfig, dtype, device, *, max_num_seqs: int, max_num_batched_tokens: int,
                     max_model_len: int, num_pages: int, page_size: int = 16, kv_cache_dtype: str = "auto",
-                    params=None, only_extremes: bool = False, num_speculative_tokens: int = 0) -> list[Compiled]:
+                    params=None, only_extremes: bool = False, num_speculative_tokens: int = 0,
+                    tensor_parallel_size: int = 1, attention_backend: str | None = None) -> list[Compiled]:
     """Every program an engine of this shape runs, compiled for `device` with its Pallas attention kernel: the step
     (forward + sampling) of each token bucket and its cache write, and the ragged attention kernel alone at the
     largest step. only_extremes: of the buckets, only the smallest, the largest that can be all decode rows
     (tokens = rows = max_num_seqs) and the largest (the same programs at other sizes, for a quicker check).
     num_speculative_tokens: also the verification step (k + 1 scored tokens a row, rejection sampling) of each
-    bucket but the one-token one."""
-    backend = "pallas-" + device.platform
+    bucket but the one-token one.
+
+    tensor_parallel_size > 1: `device` is a list of (at least that many) compile-only devices, of which the first
+    tp make the [data=1, model=tp] mesh; the steps compile as the engine runs them there (weights per
+    `param_specs`, the cache split over KV heads, the batch replicated; KV heads repeated as `repeat_kv_heads` does
+    when tp exceeds them: `params`, if given, must be of that config), each record with its collectives. The
+    attention kernel alone is compiled at one device's shapes (its heads), as shard_map runs it.
+    attention_backend: default the device's Pallas kernel (e.g. "reference" to compile for CPU devices)."""
+    tp = tensor_parallel_size
+    devices = list(device) if isinstance(device, (list, tuple)) else [device]
+    device = devices[0]
+    backend = attention_backend or "pallas-" + device.platform
     k = num_speculative_tokens
-    steps = Steps(config, dtype, backend, k)
+    mesh = None
+    if tp > 1:
+        config = tensor_parallel_config(config, tp)
+        mesh = make_mesh(tp, 1, devices)
+    steps = Steps(config, dtype, backend, k, mesh, kv_cache_dtype)
     params = abstract_params(config, dtype) if params is None else params
     kv = jax.eval_shape(lambda: init_kv_cache(config, num_pages, page_size, dtype, kv_cache_dtype))
     buckets = Buckets.for_limits(max_num_seqs, max_num_batched_tokens, pages_needed(max_model_len, page_size))
@@ -167,22 +213,44 @@ def compile_serving(config: ModelConfig, dtype, device, *, max_num_seqs: int, ma
     if only_extremes:
         decode = [s for s in shapes if s[0] == s[1]][-1:]
         shapes = sorted(set(shapes[:1] + decode + shapes[-1:]))
+    if mesh is None:
+        def compile_(program, shape, fn, args, arg_shardings):
+            return compile_program(program, shape, fn, args, device)
+    else:
+        rep = replicated(mesh)
+        param_shardings = shardings(mesh, param_specs(params, PARTITIONING, tp))
+        new_kv_shardings = [(shardings(mesh, HEADS),) * 2] * config.num_layers
+
+        def compile_(program, shape, fn, args, arg_shardings):
+            # None: replicated (every leaf of that argument)
+            arg_shardings = tuple(jax.tree.map(lambda _: rep, a) if s is None else s
+                                  for a, s in zip(args, arg_shardings))
+            return compile_program(program, shape, fn, args, device, mesh=mesh, arg_shardings=arg_shardings)
+    step_shardings = (None, None, None, None) if mesh is None else \
+        (param_shardings, steps.cache_sharding, None, None)
+    write_shardings = (None, None, None) if mesh is None else (steps.cache_sharding, new_kv_shardings, None)
     results = []
     for tokens, rows in shapes:
         batch = build_batch([], page_size, config.vocab_size, tokens, rows, buckets.pages_per_row)
         batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), batch)
         shape = f"{tokens} tokens x {rows} rows"
-        results.append(compile_program("step", shape, steps._forward, (params, kv, last_tokens, batch), device))
+        results.append(compile_("step", shape, steps._forward, (params, kv, last_tokens, batch), step_shardings))
         new_kv = jax.eval_shape(steps._forward, params, kv, last_tokens, batch)[1]
-        results.append(compile_program("cache write", shape, steps._write, (kv, new_kv, batch.slot_mapping),
-                                       device))
+        results.append(compile_("cache write", shape, steps._write, (kv, new_kv, batch.slot_mapping),
+                                write_shardings))
         if k and tokens > 1:
             batch = build_batch([], page_size, config.vocab_size, tokens, rows, buckets.pages_per_row, k + 1)
             batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), batch)
-            results.append(compile_program("verify step", shape, steps._verify, (params, kv, last_tokens, batch),
-                                           device))
+            results.append(compile_("verify step", shape, steps._verify, (params, kv, last_tokens, batch),
+                                    step_shardings))
+    if not backend.startswith("pallas"):
+        return results
     tokens, rows = shapes[-1]
-    results.append(_compile_kernel(config, dtype, device, backend, kv[0][0], tokens, rows, buckets.pages_per_row))
+    local = config if tp == 1 else dataclasses.replace(config, num_heads=config.num_heads // tp,
+                                                       num_kv_heads=config.num_kv_heads // tp)
+    pages = jax.eval_shape(lambda: init_kv_cache(local, 1, page_size, dtype, kv_cache_dtype))[0][0]
+    pages = jax.tree.map(lambda x: jax.ShapeDtypeStruct((num_pages, *x.shape[1:]), x.dtype), pages)
+    results.append(_compile_kernel(local, dtype, device, backend, pages, tokens, rows, buckets.pages_per_row))
     return results
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from jaxserve.attention import BACKENDS
 from jaxserve.batching.scheduler import POLICIES
 from jaxserve.cache import KV_CACHE_DTYPES, check_kv_cache_dtype
+from jaxserve.multihost import AUTO_CLUSTER
 from jaxserve.quant import QUANTIZATIONS
 from jaxserve.spec_config import SpeculativeConfig
 from jaxserve.weights import _DTYPES
@@ -57,7 +58,8 @@ class EngineConfig:
     tensor_parallel_size: devices each model replica is sharded over (weights and KV heads).
     data_parallel_size: model replicas, each running its own sequences.
     coordinator_address, num_processes, process_id: jax.distributed over several hosts ("host:port" of process 0,
-        how many processes, this one's index); all three or none.
+        how many processes, this one's index); all three or none, or coordinator_address "auto" alone (JAX's own
+        cluster detection: TPU pod slices, SLURM).
     """
 
     model: str | None = None
@@ -137,7 +139,10 @@ class EngineConfig:
         _check_int("num_processes", self.num_processes, 1, optional=True)
         _check_int("process_id", self.process_id, 0, optional=True)
         given = [v is not None for v in (self.coordinator_address, self.num_processes, self.process_id)]
-        if any(given) and not all(given):
+        if self.coordinator_address == AUTO_CLUSTER and any(given[1:]):
+            raise ValueError(f"coordinator_address {AUTO_CLUSTER!r} finds the processes itself: give no num_processes "
+                             "or process_id")
+        if any(given) and not all(given) and self.coordinator_address != AUTO_CLUSTER:
             raise ValueError("coordinator_address, num_processes and process_id go together: give all three or none")
         if all(given) and self.process_id >= self.num_processes:
             raise ValueError(f"process_id must be in [0, num_processes = {self.num_processes}), got {self.process_id}")
@@ -181,7 +186,8 @@ class EngineConfig:
                        help="model replicas, each running its own sequences")
         p.add_argument("--coordinator-address", default=None,
                        help="host:port of process 0, to run over several hosts (jax.distributed; with "
-                            "--num-processes and --process-id)")
+                            "--num-processes and --process-id), or 'auto' for JAX's cluster detection (TPU pod "
+                            "slices, SLURM)")
         p.add_argument("--num-processes", type=int, default=None, help="processes in a multi-host run")
         p.add_argument("--process-id", type=int, default=None,
                        help="this process's index in a multi-host run, 0 to --num-processes - 1")

@@ -12,6 +12,12 @@ not used either: it comes back negative for these programs.
     bash scripts/aot_env.sh     # libtpu and the CUDA plugin, in .aot-venv
     .aot-venv/bin/python scripts/aot_check.py --model smollm2-135m --model llama-3-8b --target v5e:2x2 \
         --target h100 --out aot.json
+
+With --tensor-parallel-size N the steps compile over a mesh of N of the target's devices ("v5e:2x2": four TPU
+chips, "h100:8": eight GPUs), as a tensor-parallel engine runs them; sizes are then per device, and each program's
+collectives (all-reduce, all-gather, reduce-scatter, all-to-all, collective-permute, async forms included) are
+listed and checked: an all-reduce per row-parallel layer (o_proj, down_proj) and one for the vocab-split embedding,
+and no all-gather bigger than the sampled rows' logits (a weight or the cache gathered whole would be).
 """
 from __future__ import annotations
 
@@ -25,6 +31,7 @@ os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 import argparse  # noqa: E402
+import collections  # noqa: E402
 import dataclasses  # noqa: E402
 import json  # noqa: E402
 import time  # noqa: E402
@@ -32,6 +39,7 @@ import time  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from jaxserve import aot  # noqa: E402
+from jaxserve.collectives import collective_problems  # noqa: E402
 from jaxserve.cache import bytes_per_page, pages_needed  # noqa: E402
 from jaxserve.weights.params import param_bytes  # noqa: E402
 
@@ -42,10 +50,11 @@ PEAK_FLOPS = {"v5e": 197e12, "v6e": 918e12, "h100": 989e12, "h200": 989e12}
 def kv_pages(config, chip, weight_bytes, args) -> int:
     """Pages from what the chip holds after the weights (90%, as LLM's default budget), within what the engine's
     sequences can use and never less than one max_model_len sequence (so the program still compiles and the table
-    can say it does not fit)."""
-    per_page = bytes_per_page(config, 16, jnp.bfloat16, args.kv_cache_dtype)
+    can say it does not fit). Tensor parallel: each chip holds 1/tp of the weights and of every page."""
+    tp = args.tensor_parallel_size
+    per_page = bytes_per_page(config, 16, jnp.bfloat16, args.kv_cache_dtype) // tp
     per_seq = pages_needed(args.max_model_len, 16)
-    budget = int(chip.hbm_bytes * 0.9) - weight_bytes
+    budget = int(chip.hbm_bytes * 0.9) - weight_bytes // tp
     return max(per_seq + 1, min(budget // per_page, args.max_num_seqs * per_seq + 1))
 
 
@@ -62,28 +71,45 @@ def main() -> None:
                    help="of the token buckets, only the smallest, the largest all-decode one and the largest")
     p.add_argument("--num-speculative-tokens", type=int, default=0,
                    help="also compile the speculative verification step for k proposals a row")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="compile the steps over a mesh of this many of the target's devices (e.g. 4 on v5e:2x2, "
+                        "8 on h100:8) and check their collectives")
+    p.add_argument("--num-layers", type=int, default=None,
+                   help="only this many of the model's layers (the same programs per layer, compiled quicker)")
     p.add_argument("--out", default=None, help="write the rows as JSON here")
     args = p.parse_args()
+    tp = args.tensor_parallel_size
     rows = []
     for name in args.model or ["smollm2-135m"]:
         config = aot.MODEL_CONFIGS[name]
+        if args.num_layers:
+            config = dataclasses.replace(config, num_layers=args.num_layers)
+        if tp > 1:
+            config = aot.tensor_parallel_config(config, tp)  # KV heads repeated where tp exceeds them
         params = aot.abstract_params(config, jnp.bfloat16)
         weight_bytes = param_bytes(params)
         for target in args.target or list(aot.TARGETS):
             chip, kind = aot.chip_of(target), target.split(":")[0]
-            device = aot.target_devices(target)[0]
+            devices = aot.target_devices(target)
+            if tp > len(devices):
+                raise SystemExit(f"--tensor-parallel-size {tp} needs {tp} devices; {target} has {len(devices)}")
+            device = devices[0]
             num_pages = kv_pages(config, chip, weight_bytes, args)
             kv_per_token = bytes_per_page(config, 16, jnp.bfloat16, args.kv_cache_dtype) / 16
             start = time.perf_counter()
-            results = aot.compile_serving(config, jnp.bfloat16, device, max_num_seqs=args.max_num_seqs,
+            results = aot.compile_serving(config, jnp.bfloat16, devices if tp > 1 else device,
+                                          max_num_seqs=args.max_num_seqs,
                                           max_num_batched_tokens=args.max_num_batched_tokens,
                                           max_model_len=args.max_model_len, num_pages=num_pages,
                                           kv_cache_dtype=args.kv_cache_dtype, params=params,
                                           only_extremes=args.only_extremes,
-                                          num_speculative_tokens=args.num_speculative_tokens)
-            print(f"\n{name} on {target} ({device.device_kind}, {chip.hbm_bytes / 2**30:.0f} GiB HBM): weights "
-                  f"{weight_bytes / 1e9:.2f} GB, KV cache {num_pages} pages of 16 tokens, compiled in "
-                  f"{time.perf_counter() - start:.0f} s")
+                                          num_speculative_tokens=args.num_speculative_tokens,
+                                          tensor_parallel_size=tp)
+            split = (f" over {tp} devices (tensor parallel; sizes per device, weights "
+                     f"{weight_bytes / tp / 1e9:.2f} GB each)") if tp > 1 else ""
+            print(f"\n{name} ({config.num_layers} layers) on {target} ({device.device_kind}, "
+                  f"{chip.hbm_bytes / 2**30:.0f} GiB HBM){split}: weights {weight_bytes / 1e9:.2f} GB, KV cache "
+                  f"{num_pages} pages of 16 tokens, compiled in {time.perf_counter() - start:.0f} s")
             print(f"  {'program':<16} {'shape':<24} {'result':<9} {'peak GB':>8} {'temp MB':>8} {'fits':>5} "
                   f"{'GFLOP':>8} {'GB read':>8} {'roofline tok/s':>15}")
             for r in results:
@@ -93,7 +119,7 @@ def main() -> None:
                 tokens, _, _, batch, _ = r.shape.split()  # "64 tokens x 64 rows"
                 batch = int(batch)
                 if r.flops and r.program == "step" and int(tokens) == batch:
-                    read = weight_bytes + batch * args.context_len * kv_per_token
+                    read = (weight_bytes + batch * args.context_len * kv_per_token) / tp
                     row["roofline_tokens_per_s"] = batch / max(r.flops / PEAK_FLOPS[kind], read / chip.hbm_bandwidth)
                     rate = f"{row['roofline_tokens_per_s']:.0f}"
                 rows.append(row)
@@ -103,11 +129,22 @@ def main() -> None:
                       f"{r.temp_bytes / 1e6:8.1f} {'yes' if row['fits'] else 'NO':>5} {counts} {rate:>15}")
                 if r.error:
                     print(f"    {r.error}")
+                if tp > 1 and r.program != "ragged attention":
+                    row["collective_problems"] = collective_problems(
+                        r, config, params, num_pages, kv_cache_dtype=args.kv_cache_dtype,
+                        num_speculative_tokens=args.num_speculative_tokens)
+                    ops = collections.Counter(r.collective_ops)
+                    print("    collectives: " + (", ".join(f"{n} x {op}" for op, n in ops.items()) or "none")
+                          + f"; largest all-gather {r.largest_all_gather_bytes / 1e6:.2f} MB")
+                    for problem in row["collective_problems"]:
+                        print(f"    UNEXPECTED: {problem}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"args": vars(args), "rows": rows}, f, indent=1)
-    failed = [r for r in rows if r["error"]]
-    print(f"\n{len(rows) - len(failed)} of {len(rows)} programs compiled")
+    failed = [r for r in rows if r["error"] or r.get("collective_problems")]
+    unexpected = sum(bool(r.get("collective_problems")) for r in rows)
+    print(f"\n{sum(not r['error'] for r in rows)} of {len(rows)} programs compiled"
+          + (f"; {unexpected} with unexpected collectives" if tp > 1 else ""))
     raise SystemExit(1 if failed else 0)
 
 

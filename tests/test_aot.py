@@ -1,5 +1,6 @@
 """Deviceless AOT: the real TPU (libtpu, Mosaic) and GPU (XLA:GPU, Triton) compilers compile the default model's
-step programs and the ragged attention kernels at serving shapes, on this CPU-only machine (scripts/aot_check.py)."""
+step programs and the ragged attention kernels at serving shapes, on this CPU-only machine (scripts/aot_check.py),
+and the tensor-parallel steps over a mesh of compile-only chips, with their collectives checked."""
 import importlib.util
 import json
 import os
@@ -32,14 +33,17 @@ needs_compilers = pytest.mark.skipif(PYTHON is None, reason="the TPU and GPU com
                                                             "bash scripts/aot_env.sh")
 
 
-def aot_check(tmp_path, *args) -> list[dict]:
-    """Runs scripts/aot_check.py in its own process (the GPU compiler needs its environment before jax starts)."""
+def aot_check(tmp_path, *args, allow_collective_problems: bool = False) -> list[dict]:
+    """Runs scripts/aot_check.py in its own process (the GPU compiler needs its environment before jax starts).
+    allow_collective_problems: return the rows when every program compiled, even if the script failed the
+    collectives check (for the test to look at them)."""
     out = tmp_path / "aot.json"
     r = subprocess.run([PYTHON, "scripts/aot_check.py", *args, "--out", str(out)], capture_output=True, text=True,
                        timeout=900, cwd=ROOT, env={**os.environ, "JAX_PLATFORMS": "cpu"})
     rows = json.loads(out.read_text())["rows"] if out.exists() else []
-    assert r.returncode == 0, "\n".join(f"{x['target']} {x['program']} {x['shape']}: {x['error']}" for x in rows
-                                        if x["error"]) or r.stderr[-3000:]
+    ok = r.returncode == 0 or (allow_collective_problems and rows and not any(x["error"] for x in rows))
+    assert ok, "\n".join(f"{x['target']} {x['program']} {x['shape']}: {x['error']}" for x in rows
+                          if x["error"]) or r.stderr[-3000:]
     return rows
 
 
@@ -71,3 +75,84 @@ def test_int8_kv_cache_kernels_compile_for_tpu_and_gpu(tmp_path):
 def test_the_default_model_preset_is_the_default_model(default_llm):
     """aot's weightless smollm2-135m shape is the config the default model loads with."""
     assert default_llm.config == aot.MODEL_CONFIGS["smollm2-135m"]
+
+
+# Tensor parallelism: Llama 3 8B's shapes (32 heads and 8 KV heads divide by 4 and by 8; the default model's 9 heads
+# divide by neither), two of its 32 layers (every layer compiles to the same program), a 16-sequence engine of
+# 64-token steps: the 1-token step, the all-decode 16 x 16 one and the 64-token one, with their cache writes.
+TP_TARGETS = {"v5e:2x2": 4, "h100:8": 8}
+TP_LAYERS = 2
+
+
+@pytest.fixture(scope="module")
+def tensor_parallel_rows(tmp_path_factory):
+    """The rows of each target (compiled once for both tests below)."""
+    rows = {}
+
+    def get(target):
+        if target not in rows:
+            rows[target] = aot_check(tmp_path_factory.mktemp("tp"), "--model", "llama-3-8b", "--num-layers",
+                                     str(TP_LAYERS), "--target", target, "--tensor-parallel-size",
+                                     str(TP_TARGETS[target]), "--only-extremes", "--max-num-seqs", "16",
+                                     "--max-num-batched-tokens", "64", "--max-model-len", "1024",
+                                     allow_collective_problems=True)
+        return rows[target]
+    return get
+
+
+@needs_compilers
+@pytest.mark.parametrize("target", TP_TARGETS)
+def test_tensor_parallel_steps_compile_for_tpu_and_gpu(tensor_parallel_rows, target):
+    """Over 4 v5e chips and 8 H100s each device holds its share (weights and cache split), the steps reduce their
+    activations over the mesh and a cache write is local."""
+    rows = tensor_parallel_rows(target)
+    programs = {(r["program"], r["shape"]) for r in rows}
+    assert {("step", "1 tokens x 1 rows"), ("step", "16 tokens x 16 rows"), ("step", "64 tokens x 16 rows"),
+            ("cache write", "64 tokens x 16 rows"), ("ragged attention", "64 tokens x 16 rows")} <= programs
+    assert all(r["tensor_parallel_size"] == TP_TARGETS[target] for r in rows if r["program"] != "ragged attention")
+    for r in rows:
+        if r["program"] == "step":
+            assert r["fits"] and r["argument_bytes"] < r["weight_bytes"] / TP_TARGETS[target] * 1.5
+            assert r["collectives"]["all-reduce"] >= 2 * TP_LAYERS + 1
+        if r["program"] == "cache write":
+            assert r["collectives"] == {}
+
+
+@needs_compilers
+@pytest.mark.parametrize("target", [
+    "v5e:2x2",
+    pytest.param("h100:8", marks=pytest.mark.xfail(strict=True, reason=(
+        "XLA:GPU (jax 0.10.2's CUDA plugin), in the 1-token step only: gathers the [1, vocab] logits twice (for "
+        "sampling's top_k, and for a take_along_axis), 0.5 MB each at Llama 3 8B's vocabulary; the TPU compiler "
+        "gathers them once. (It also all-gathered the whole 1 GB embedding table there, until the lookup became "
+        "an explicit vocab-parallel one: jaxserve.distributed.embed_over_vocab.)"))),
+])
+def test_tensor_parallel_collectives_are_the_expected_ones(tensor_parallel_rows, target):
+    """An all-reduce of the activations after each row-parallel layer and after the embedding, one gather of the
+    sampled logits, small sampling values: no weight or cache array moves between devices."""
+    rows = tensor_parallel_rows(target)
+    problems = [f"{r['program']} {r['shape']}: {p}" for r in rows for p in r.get("collective_problems", [])]
+    assert not problems, "\n".join(problems)
+    decode = next(r for r in rows if r["program"] == "step" and r["shape"] == "16 tokens x 16 rows")
+    assert 0 < decode["largest_all_gather_bytes"] <= 16 * 128256 * 4
+
+
+def test_tensor_parallel_config_is_the_repeated_kv_heads_one():
+    """The abstract params of a tensor-parallel config wider than its KV heads are those `repeat_kv_heads` makes."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxserve.config import ModelConfig
+    from jaxserve.model.llama import repeat_kv_heads
+    config = ModelConfig("LlamaForCausalLM", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1,
+                         num_heads=8, num_kv_heads=2, head_dim=4, rope_theta=10000.0, max_position_embeddings=64)
+    assert aot.tensor_parallel_config(config, 2) == config
+    wide = aot.tensor_parallel_config(config, 8)
+    assert wide.num_kv_heads == 8
+    params = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), aot.abstract_params(config, jnp.float32))
+    repeated_config, repeated = repeat_kv_heads(config, params, 4)
+    assert repeated_config == wide
+    assert jax.tree.map(lambda x: (x.shape, x.dtype), aot.abstract_params(wide, jnp.float32)) == \
+        jax.tree.map(lambda x: (x.shape, x.dtype), repeated)
+    with pytest.raises(ValueError):
+        aot.tensor_parallel_config(config, 3)

@@ -1,9 +1,6 @@
 """Tensor and data parallelism over a mesh of CPU devices (conftest forces 8): the tokens and float32 logits of one
 device, with the weights and the KV pages really split, nothing resharded or recompiled while serving, and requests
 spread over data-parallel replicas."""
-import re
-from collections import Counter
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,6 +10,7 @@ from tiny import make_llm, prompts
 
 from jaxserve import SamplingParams
 from jaxserve.batching.batch_builder import Row, build_batch
+from jaxserve.collectives import collective_census
 from jaxserve.distributed import MODEL, bytes_per_device
 from jaxserve.weights.params import param_bytes
 
@@ -86,12 +84,6 @@ def test_quantized_weights_split_consistently(tp_dir, quantization):
     assert leaf.sharding.spec[0] == MODEL
 
 
-def collectives(compiled_text: str) -> Counter:
-    found = re.findall(r"= (\w+)\[([\d,]*)\][^ ]* (all-gather|all-reduce|reduce-scatter|all-to-all)(?:-start)?\(",
-                       compiled_text)
-    return Counter((kind, dtype, shape) for dtype, shape, kind in found)
-
-
 def test_a_step_gathers_no_weights_and_no_cache(tp_dir):
     """The decode step's communication is the all-reduce after each row-parallel layer (and the vocab-parallel
     embedding) and one gather of the [rows, vocab] logits for sampling: no weight or cache is ever gathered."""
@@ -99,13 +91,11 @@ def test_a_step_gathers_no_weights_and_no_cache(tp_dir):
     r = llm.runner
     batch = r.steps.put_batch(build_batch([Row([7], 0, [1])], r.page_size, r.config.vocab_size, 4, 4,
                                           r.buckets.pages_per_row))
-    text = r.steps._forward.lower(r.params, r.kv_cache, r.last_tokens, batch).compile().as_text()
-    found = collectives(text)
+    census = collective_census(r.steps._forward.lower(r.params, r.kv_cache, r.last_tokens, batch).compile().as_text())
     hidden, vocab = r.config.hidden_size, r.config.vocab_size
-    gathers = {k: n for k, n in found.items() if k[0] == "all-gather"}
-    assert gathers == {("all-gather", "f32", f"4,{vocab}"): 1}, found
-    big_reduces = sum(n for (kind, _, shape), n in found.items() if kind == "all-reduce" and shape == f"4,{hidden}")
-    assert big_reduces == 2 * r.config.num_layers + 1, found  # o_proj and down_proj per layer, the embedding
+    assert [c.arrays for c in census if c.kind == "all-gather"] == [(("f32", (4, vocab)),)], census
+    activations = [c for c in census if c.kind == "all-reduce" and ("f32", (4, hidden)) in c.arrays]
+    assert len(activations) == 2 * r.config.num_layers + 1, census  # o_proj and down_proj per layer, the embedding
 
 
 def test_serving_after_warmup_compiles_nothing_when_sharded(tp_dir):

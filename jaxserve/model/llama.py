@@ -17,7 +17,7 @@ from jax.sharding import Mesh
 
 from jaxserve.attention import attention
 from jaxserve.config import ModelConfig
-from jaxserve.distributed import COLUMN, ROW, VOCAB, attention_over_heads
+from jaxserve.distributed import COLUMN, ROW, VOCAB, attention_over_heads, embed_over_vocab
 from jaxserve.model.rope import apply_rope, inverse_frequencies
 from jaxserve.quant import embed, matmul
 
@@ -129,7 +129,7 @@ class LlamaModel(nn.Module):
         else:
             embedding = self.param("embed_tokens", nn.initializers.normal(0.02), (c.vocab_size, c.hidden_size),
                                    self.dtype)
-        x = embed(embedding, token_ids, self.dtype)  # [T, hidden]
+        x = embed_over_vocab(functools.partial(embed, dtype=self.dtype), self.mesh, embedding, token_ids)  # [T, hidden]
         new_kv = []
         # A Python loop over per-layer weights: on XLA:CPU a scan over stacked layers copies each weight slice.
         for i in range(c.num_layers):
