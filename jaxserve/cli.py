@@ -85,9 +85,31 @@ def _llm(args):
     return LLM.from_config(EngineConfig.from_cli_args(args))
 
 
+def _lead(llm, command) -> None:
+    """command(llm) on process 0; the other processes of a multi-process run follow its steps until it is done."""
+    if llm.channel is not None and not llm.is_leader:
+        import signal
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C reaches every process: process 0 decides
+        try:
+            llm.follow()
+        except BaseException as e:  # noqa: BLE001 - whatever it is, the leader must not wait for this process
+            # Not through JAX's shutdown barrier, which would hold this process while the leader waits on it in a
+            # step: gone, it is noticed by the coordination service, which ends the others.
+            from jaxserve.multihost import exit_now
+            exit_now(1, f"jaxserve: error: {type(e).__name__}: {e}")
+        return
+    try:
+        command(llm)
+    finally:
+        llm.shutdown()
+
+
 def cmd_generate(args) -> None:
     params = _sampling_params(args)  # invalid values fail before the model loads
-    llm = _llm(args)
+    _lead(_llm(args), lambda llm: _generate(llm, args, params))
+
+
+def _generate(llm, args, params) -> None:
     prompt = args.prompt
     if args.chat:
         ids = llm.tokenizer.encode(llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}]),
@@ -100,7 +122,10 @@ def cmd_generate(args) -> None:
 
 def cmd_chat(args) -> None:
     params = _sampling_params(args)
-    llm = _llm(args)
+    _lead(_llm(args), lambda llm: _chat(llm, args, params))
+
+
+def _chat(llm, args, params) -> None:
     messages = [{"role": "system", "content": args.system}] if args.system else []
     while True:
         try:
@@ -133,12 +158,15 @@ def cmd_serve(args) -> None:
     for flag in ("stream_write_timeout", "header_timeout", "body_timeout"):
         if not getattr(args, flag) > 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be > 0 seconds, got {getattr(args, flag)}")
-    engine = AsyncEngine.from_config(EngineConfig.from_cli_args(args))
     name = args.served_model_name or args.model or DEFAULT_MODEL
-    server = Server(engine, name, api_key=args.api_key, max_queued_requests=args.max_queued_requests,
-                    max_request_sequences=args.max_request_sequences, stream_write_timeout_s=args.stream_write_timeout,
-                    header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout)
-    asyncio.run(serve(server, args.host, args.port, args.shutdown_grace_period))
+
+    def run(llm) -> None:
+        server = Server(AsyncEngine(llm), name, api_key=args.api_key, max_queued_requests=args.max_queued_requests,
+                        max_request_sequences=args.max_request_sequences,
+                        stream_write_timeout_s=args.stream_write_timeout, header_timeout_s=args.header_timeout,
+                        body_timeout_s=args.body_timeout)
+        asyncio.run(serve(server, args.host, args.port, args.shutdown_grace_period))
+    _lead(_llm(args), run)
 
 
 def cmd_convert(args) -> None:

@@ -32,6 +32,14 @@ COLUMN, ROW, VOCAB = "column", "row", "vocab"  # a layer's split: outputs, input
 def make_mesh(tensor_parallel_size: int = 1, data_parallel_size: int = 1, devices=None) -> Mesh:
     """A [data, model] mesh over the first tp x dp devices (of every process: jax.devices() is global)."""
     devices = list(jax.devices() if devices is None else devices)
+    processes = sorted({d.process_index for d in devices})
+    if len(processes) > 1:
+        # Every group spans every process: the leader reads each step's (replicated) results from its own devices.
+        if tensor_parallel_size % len(processes):
+            raise ValueError(f"over {len(processes)} processes, tensor_parallel_size ({tensor_parallel_size}) must "
+                             "be a multiple of the process count: each engine replica spans every process")
+        local = {p: [d for d in devices if d.process_index == p] for p in processes}
+        devices = [d for column in zip(*local.values()) for d in column]  # process-interleaved
     need = tensor_parallel_size * data_parallel_size
     if need > len(devices):
         raise ValueError(f"tensor_parallel_size {tensor_parallel_size} x data_parallel_size {data_parallel_size} "

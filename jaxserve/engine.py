@@ -22,6 +22,7 @@ from jaxserve.batching.slo import SloController
 from jaxserve.batching.spec_controller import SpecController
 from jaxserve.buckets import Buckets, geometric
 from jaxserve.cache import PageAllocator, PrefixCache, bytes_per_page, num_pages_for_budget, pages_needed
+from jaxserve import multihost
 from jaxserve.distributed import check_tensor_parallel, device_groups, make_mesh
 from jaxserve.engine_config import EngineConfig
 from jaxserve.model.llama import repeat_kv_heads
@@ -52,9 +53,12 @@ class LLM:
     def __init__(self, model: str | None = None, **engine_args):
         c = self.engine_config = EngineConfig(model=model, **engine_args)
         if c.coordinator_address is not None:
-            raise NotImplementedError("the jax.distributed settings are not wired yet")
+            multihost.initialize(c.coordinator_address, c.num_processes, c.process_id)  # before any backend starts
+        # Several processes: the leader (process 0) schedules and publishes each step; the others follow it.
+        self.channel = multihost.StepChannel() if jax.process_count() > 1 else None
+        self.is_leader = multihost.is_leader()
         tp, dp = c.tensor_parallel_size, c.data_parallel_size
-        groups = device_groups(make_mesh(tp, dp)) if tp * dp > 1 else [None]
+        groups = device_groups(make_mesh(tp, dp)) if tp * dp > 1 or self.channel else [None]
         model, max_model_len, max_num_seqs, block_size = c.model, c.max_model_len, c.max_num_seqs, c.block_size
         max_num_batched_tokens, kv_cache_dtype = c.max_num_batched_tokens, c.kv_cache_dtype
         spec = self.speculative_config = c.speculative_config
@@ -103,6 +107,17 @@ class LLM:
         self.core = self.replicas[0] if len(self.replicas) == 1 else DataParallel(self.replicas)
         # The first replica's (the only one without data parallelism): what tests and tools look into.
         self.runner, self.scheduler = self.replicas[0].runner, self.replicas[0].scheduler
+        self._runners = [r for core in self.replicas for r in (core.runner, core.runner.draft) if r is not None]
+        if self.channel is not None and self.is_leader:
+            for i, runner in enumerate(self._runners):
+                runner.channel, runner.channel_index = self.channel, i
+        # The controller weighs step times measured at warm-up, so speculation warms up even if asked not to.
+        timed = spec is not None and spec.adaptive
+        if c.warmup or timed:
+            def warm_up():
+                for runner in self._runners:
+                    runner.warmup(time_steps=timed)
+            self._collectively(warm_up)
         self._rng = random.Random(c.seed)
         self._request_ids = itertools.count()
 
@@ -128,13 +143,7 @@ class LLM:
             proposer = DraftProposer(draft_runner, c.max_num_batched_tokens, max_num_seqs)
         elif spec is not None:
             proposer = NgramProposer(k, spec.prompt_lookup_max, spec.prompt_lookup_min)
-        # The controller weighs step times measured at warm-up, so speculation warms up even if asked not to.
-        timed = spec is not None and spec.adaptive
-        if c.warmup or timed:
-            runner.warmup(time_steps=timed)
-            if draft_runner is not None:
-                draft_runner.warmup(time_steps=timed)
-        if spec is not None:
+        if spec is not None:  # its step times are the runners', filled in at warm-up
             controller = SpecController(k, buckets.num_tokens, runner.step_times,
                                         draft_runner.step_times if draft_runner else None)
         return EngineCore(scheduler, runner, proposer=proposer, controller=controller,
@@ -245,6 +254,53 @@ class LLM:
         """After step() raised: aborts the requests whose sequences were in the lost steps; their ids."""
         return self.core.fail_running()
 
+    # ---- several processes (jaxserve.multihost) ----
+
+    def _collectively(self, fn):
+        """fn's device work on every process: the leader runs fn and publishes each step it takes, the followers
+        run those steps; every process returns fn's result (the leader's, sent to the followers) or raises its
+        error. One process: just fn()."""
+        if self.channel is None:
+            return fn()
+        if not self.is_leader:
+            return self._follow()
+        try:
+            result = fn()
+        except BaseException as e:
+            self.channel.send(("error", _portable(e)))
+            raise
+        self.channel.send(("end", result))
+        return result
+
+    def _follow(self, until_shutdown: bool = False):
+        """A follower's part: run the leader's steps as they come, to the end of its current collective phase
+        (or, until_shutdown, of all of them: a server's followers)."""
+        while True:
+            kind, *rest = self.channel.receive()
+            if kind == "step":
+                index, batch = rest
+                jax.block_until_ready(self._runners[index].run(batch))  # in step with the leader, not queued
+            elif kind == "shutdown":
+                return None
+            elif until_shutdown:
+                continue
+            elif kind == "end":
+                return rest[0]
+            else:
+                raise rest[0]
+
+    def follow(self) -> None:
+        """On a multi-process follower: run the leader's steps until it shuts down (`jaxserve serve` on processes
+        other than 0). The leader's `shutdown` ends it."""
+        if self.channel is None or self.is_leader:
+            raise RuntimeError("follow() is for processes other than 0 of a multi-process run")
+        self._follow(until_shutdown=True)
+
+    def shutdown(self) -> None:
+        """On the leader of a multi-process run: tells the followers there are no more steps."""
+        if self.channel is not None and self.is_leader:
+            self.channel.send(("shutdown",))
+
     # ---- generation ----
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
@@ -252,8 +308,12 @@ class LLM:
         """prompts: a str, a {'prompt_token_ids': [...]} dict, or a list of them. Returns one output per prompt.
 
         All prompts are submitted at once and batched continuously. priority: one per prompt (with the "priority"
-        scheduling policy; lower runs first).
+        scheduling policy; lower runs first). Over several processes every process calls it (one script, run on
+        every host): the leader's prompts run, and every process returns their outputs.
         """
+        return self._collectively(lambda: self._generate(prompts, sampling_params, use_tqdm, priority))
+
+    def _generate(self, prompts, sampling_params, use_tqdm: bool, priority) -> list[RequestOutput]:
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -290,16 +350,26 @@ class LLM:
             bar.close()
 
     def stream(self, prompt, sampling_params: SamplingParams | None = None) -> Iterable[str]:
-        """Yields text pieces of one prompt's first completion as they are generated."""
+        """Yields text pieces of one prompt's first completion as they are generated (on a multi-process
+        follower: all of them once the leader's stream is over)."""
+        if self.channel is not None and not self.is_leader:
+            yield from self._follow()
+            return
         params = sampling_params or SamplingParams()
-        request_id, _, _ = self.add_request(prompt, params)
+        pieces = []
         try:
-            while self.has_unfinished_requests():
-                for seq, delta in self.step():
-                    if seq.request_id == request_id and seq.index == 0 and delta:
-                        yield delta
+            request_id, _, _ = self.add_request(prompt, params)
+            try:
+                while self.has_unfinished_requests():
+                    for seq, delta in self.step():
+                        if seq.request_id == request_id and seq.index == 0 and delta:
+                            pieces.append(delta)
+                            yield delta
+            finally:
+                self.abort_request(request_id)
         finally:
-            self.abort_request(request_id)
+            if self.channel is not None:
+                self.channel.send(("end", pieces))
 
     def chat(self, messages, sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
              add_generation_prompt: bool = True) -> list[RequestOutput]:
@@ -323,6 +393,16 @@ class LLM:
     def stats(self) -> EngineStats:
         """A snapshot: running and waiting sequences, pages, prefix-cache hit rate, preemptions, tokens/s."""
         return self.core.stats()
+
+
+def _portable(error: BaseException) -> BaseException:
+    """The error as followers can receive it (an exception that does not pickle becomes a RuntimeError)."""
+    import pickle
+    try:
+        pickle.dumps(error)
+        return error
+    except Exception:  # noqa: BLE001 - anything unpicklable
+        return RuntimeError(f"{type(error).__name__}: {error}")
 
 
 def split_for(config, params, tp: int, what: str = "the model"):

@@ -12,6 +12,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxserve.attention import write_kv
 from jaxserve.batch import StepInput, StepOutput
@@ -71,8 +72,11 @@ class Steps:
         self._write = jax.jit(self._write_cache, donate_argnums=0, **write)
 
     def put_batch(self, batch: StepInput) -> StepInput:
-        """One host-to-device copy of a step's inputs, shared by its programs (replicated over a mesh)."""
-        return jax.device_put(batch) if self.mesh is None else jax.device_put(batch, self._replicated)
+        """One host-to-device copy of a step's inputs, shared by its programs. Over a mesh: replicated, from each
+        process's own copy of the same values, with no cross-process check (device_put's is a collective)."""
+        if self.mesh is None:
+            return jax.device_put(batch)
+        return jax.tree.map(lambda x: jax.make_array_from_process_local_data(self._replicated, np.asarray(x)), batch)
 
     def step(self, params, kv_cache, last_tokens, batch: StepInput, draft_probs=None):
         """One ragged step. Returns (StepOutput, kv_cache, last_tokens); kv_cache and last_tokens [slots] are

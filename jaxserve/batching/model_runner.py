@@ -13,7 +13,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from jaxserve.batch import StepOutput
+from jaxserve.batch import StepInput, StepOutput
 from jaxserve.batching.batch_builder import Row, build_batch, plan_rows
 from jaxserve.buckets import Buckets, round_up
 from jaxserve.cache import init_kv_cache, pages_needed
@@ -59,6 +59,8 @@ class ModelRunner:
             self.draft_probs = zeros(draft_probs, jnp.float32) if proposes else None
         # Seconds per step by (tokens, scored per row), measured at warm-up: what speculation's controller weighs.
         self.step_times: dict[tuple[int, int], float] = {}
+        # A multi-process leader's: where each dispatched batch is published, and this runner's index there.
+        self.channel, self.channel_index = None, 0
 
     def dispatch(self, plan) -> tuple[int, StepOutput]:
         """Starts the step of a scheduler's plan; returns a handle for `fetch`."""
@@ -69,16 +71,23 @@ class ModelRunner:
         scored = self.num_speculative_tokens + 1 if any(r.num_draft for r in rows) else 1
         batch = build_batch(rows, self.page_size, self.config.vocab_size, tokens, self.buckets.num_rows(tokens),
                             self.buckets.pages_per_row, scored)
+        if self.channel is not None:  # a multi-process leader: every process runs the same step (jaxserve.multihost)
+            self.channel.send(("step", self.channel_index, batch))
+        out = self.run(batch)
+        if not any(r.sampling.want_top_logprobs for r in rows):
+            out = dataclasses.replace(out, top_ids=None, top_logprobs=None)  # nothing to copy back
+        return len(rows), out
+
+    def run(self, batch: StepInput) -> StepOutput:
+        """The device side of a step whose batch is built (all a multi-process follower does of it)."""
         if self.draft_probs is not None:
             out, self.kv_cache, self.last_tokens, self.draft_probs = self.steps.propose(
                 self.params, self.kv_cache, self.last_tokens, self.draft_probs, batch)
         else:
-            q = self.draft.draft_probs if self.draft is not None and scored > 1 else None
+            q = self.draft.draft_probs if self.draft is not None and batch.logits_index.shape[1] > 1 else None
             out, self.kv_cache, self.last_tokens = self.steps.step(self.params, self.kv_cache, self.last_tokens,
                                                                    batch, q)
-        if not any(r.sampling.want_top_logprobs for r in rows):
-            out = dataclasses.replace(out, top_ids=None, top_logprobs=None)  # nothing to copy back
-        return len(rows), out
+        return out
 
     def fetch(self, handle: tuple[int, StepOutput]) -> StepOutput:
         """Waits for a dispatched step and copies what it sampled to the host in one transfer, cut to its rows."""
