@@ -5,6 +5,7 @@ import dataclasses
 import itertools
 import logging
 import random
+from contextlib import nullcontext
 from typing import Iterable
 
 import jax
@@ -57,6 +58,7 @@ class LLM:
         # Several processes: the leader (process 0) schedules and publishes each step; the others follow it.
         self.channel = multihost.StepChannel() if jax.process_count() > 1 else None
         self.is_leader = multihost.is_leader()
+        self._in_collective = False
         tp, dp = c.tensor_parallel_size, c.data_parallel_size
         groups = device_groups(make_mesh(tp, dp)) if tp * dp > 1 or self.channel else [None]
         model, max_model_len, max_num_seqs, block_size = c.model, c.max_model_len, c.max_num_seqs, c.block_size
@@ -66,24 +68,29 @@ class LLM:
         self.kv_cache_dtype = kv_cache_dtype
         _enable_compilation_cache()
         dtype = resolve_dtype(c.dtype)
-        loaded = quantize_model(load_model(model, dtype), c.quantization, group_size=c.quantization_group_size,
-                                quantize_embeddings=c.quantize_embeddings, calibration_text=c.calibration_text)
-        self.model_name, self.config, self.tokenizer = loaded.name, loaded.config, loaded.tokenizer
-        self.quantization, params = loaded.quantization, loaded.params
-        limit = self.config.max_position_embeddings
-        if max_model_len is not None and max_model_len > limit:
-            raise ValueError(f"max_model_len must be an integer in [2, {limit}] for this model, got {max_model_len!r}")
-        self.max_model_len = max_model_len or limit
-        draft = None
-        if spec is not None and spec.method == "draft_model":
-            draft = load_model(spec.model, dtype)
-            check_draft(draft.config, self.config, self.max_model_len)
-            _check_same_tokenizer(draft.tokenizer, self.tokenizer)
-        # What the runners hold: over a mesh wider than the KV heads, each device gets a copy of the head it reads.
-        config, params = split_for(self.config, params, tp)
-        if draft is not None:
-            draft = dataclasses.replace(draft, **dict(zip(("config", "params"),
-                                                          split_for(draft.config, draft.params, tp, "the draft"))))
+        # Over a mesh, weights are loaded (and quantized) in host memory and go from there to their shards: no
+        # accelerator ever holds the whole model.
+        with jax.default_device(jax.local_devices(backend="cpu")[0]) if groups[0] is not None else nullcontext():
+            loaded = quantize_model(load_model(model, dtype), c.quantization, group_size=c.quantization_group_size,
+                                    quantize_embeddings=c.quantize_embeddings, calibration_text=c.calibration_text)
+            self.model_name, self.config, self.tokenizer = loaded.name, loaded.config, loaded.tokenizer
+            self.quantization, params = loaded.quantization, loaded.params
+            limit = self.config.max_position_embeddings
+            if max_model_len is not None and max_model_len > limit:
+                raise ValueError(f"max_model_len must be an integer in [2, {limit}] for this model, got "
+                                 f"{max_model_len!r}")
+            self.max_model_len = max_model_len or limit
+            draft = None
+            if spec is not None and spec.method == "draft_model":
+                draft = load_model(spec.model, dtype)
+                check_draft(draft.config, self.config, self.max_model_len)
+                _check_same_tokenizer(draft.tokenizer, self.tokenizer)
+            # What the runners hold: over a mesh wider than the KV heads, each device gets a copy of the head it
+            # reads.
+            config, params = split_for(self.config, params, tp)
+            if draft is not None:
+                draft = dataclasses.replace(draft, **dict(zip(("config", "params"),
+                                                              split_for(draft.config, draft.params, tp, "the draft"))))
         # The budget is per device, as gpu_memory_utilization is; the weights and the pages split over tp devices.
         kv_bytes = c.kv_cache_memory_bytes or _default_kv_budget(
             (param_bytes(params) + (param_bytes(draft.params) if draft else 0)) // tp, c.gpu_memory_utilization)
@@ -260,15 +267,18 @@ class LLM:
         """fn's device work on every process: the leader runs fn and publishes each step it takes, the followers
         run those steps; every process returns fn's result (the leader's, sent to the followers) or raises its
         error. One process: just fn()."""
-        if self.channel is None:
+        if self.channel is None or self._in_collective:  # one phase: a generate inside another's fn is part of it
             return fn()
         if not self.is_leader:
             return self._follow()
+        self._in_collective = True
         try:
             result = fn()
         except BaseException as e:
             self.channel.send(("error", _portable(e)))
             raise
+        finally:
+            self._in_collective = False
         self.channel.send(("end", result))
         return result
 

@@ -17,6 +17,7 @@ import logging
 import os
 import pickle
 import sys
+import time
 
 import jax
 
@@ -55,12 +56,17 @@ class StepChannel:
         self._client = global_state.client
         self._prefix = f"{name}/message/"
         self._count = 0
+        self.bytes_sent, self.seconds_sending = 0, 0.0  # the leader's cost of publishing (benchmarks)
 
     def send(self, message: tuple) -> None:
-        self._client.key_value_set_bytes(f"{self._prefix}{self._count}", pickle.dumps(message))
+        start = time.perf_counter()
+        data = pickle.dumps(message)
+        self._client.key_value_set_bytes(f"{self._prefix}{self._count}", data)
         if self._count >= KEEP_MESSAGES:
             self._client.key_value_delete(f"{self._prefix}{self._count - KEEP_MESSAGES}")
         self._count += 1
+        self.bytes_sent += len(data)
+        self.seconds_sending += time.perf_counter() - start
 
     def receive(self) -> tuple:
         key = f"{self._prefix}{self._count}"
