@@ -6,8 +6,8 @@
 #
 # Each process gets LOCAL_DEVICES CPU devices (default 1; gloo collectives between processes) and the same
 # arguments plus --coordinator-address / --num-processes / --process-id. Process 0 prints and serves; the others
-# follow it. The script exits with process 0's status once every process has ended; if any process fails, the
-# others end within the coordination service's heartbeat timeout (jaxserve.multihost), and so does the script.
+# follow it. The script exits once every process has ended, with process 0's status (or a follower's failure); if any
+# process fails, the others end within the coordination service's heartbeat timeout (jaxserve.multihost).
 set -uo pipefail
 if [[ $# -lt 2 || ! $1 =~ ^[1-9][0-9]*$ ]]; then
   echo "usage: $0 NUM_PROCESSES COMMAND [jaxserve args...]" >&2
@@ -31,6 +31,8 @@ while :; do
   kill -0 "${pids[0]}" 2>/dev/null || break  # still there: the wait was cut short by a signal
 done
 for pid in "${pids[@]:1}"; do
-  wait "$pid" || true
+  wait "$pid"
+  follower=$?
+  [[ $status -eq 0 ]] && status=$follower  # a clean run is one where every process ended cleanly
 done
 exit $status

@@ -98,10 +98,10 @@ def test_serving_over_two_processes(tp_dir):
     assert launcher.returncode == 0, log[-3000:]
 
 
-@pytest.mark.parametrize("victim", [1, 0])
-def test_a_dead_process_takes_the_others_down(tp_dir, tmp_path, victim):
-    """kill -9 of a follower (or of the leader) mid-run: the survivors exit with an error naming the lost process
-    well within 60 s, never hang."""
+@pytest.mark.parametrize("victim, how", [(1, signal.SIGKILL), (0, signal.SIGKILL), (1, signal.SIGSTOP)])
+def test_a_lost_process_takes_the_others_down(tp_dir, tmp_path, victim, how):
+    """kill -9 of a follower (or of the leader), or a follower that hangs (SIGSTOP), mid-run: the survivor exits
+    with an error naming the lost process well within 60 s, never hangs."""
     workers = start_workers(tp_dir, 2, tmp_path, "forever")
     try:
         deadline = time.monotonic() + 180
@@ -109,7 +109,7 @@ def test_a_dead_process_takes_the_others_down(tp_dir, tmp_path, victim):
             assert time.monotonic() < deadline and all(w.poll() is None for w in workers), "never got going"
             time.sleep(0.2)
         time.sleep(1)
-        workers[victim].kill()
+        workers[victim].send_signal(how)
         killed = time.monotonic()
         survivor = workers[1 - victim]
         log = survivor.communicate(timeout=60)[0]

@@ -148,3 +148,42 @@ def test_data_parallel_routes_a_shared_prefix_to_the_replica_that_has_it(tp_dir)
     llm.generate({"prompt_token_ids": prefix + [2]}, GREEDY, use_tqdm=False)  # both idle: the prefix decides
     assert llm.core.routed == [2, 0]
     assert llm.replicas[0].stats().prefix_cache_hits > 0
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculation_over_a_mesh_gives_the_plain_tokens(tp_dir, tiny_dir, reference, method):
+    """Verification (and a draft model, on the same two devices, its own heads split) over TP 2."""
+    ps, want = reference
+    ps, want = ps + [{"prompt_token_ids": list(range(5, 13)) * 4}], want + tokens(  # one for n-grams to find
+        make_llm(tp_dir), [{"prompt_token_ids": list(range(5, 13)) * 4}])
+    spec = dict(method=method, num_speculative_tokens=3, adaptive=False, **({"model": tiny_dir} if method ==
+                                                                             "draft_model" else {}))
+    llm = make_llm(tp_dir, tensor_parallel_size=2, speculative_config=spec)
+    assert tokens(llm, ps) == want
+    assert llm.stats().spec_decode_num_drafts > 0
+    if method == "draft_model":
+        assert len(bytes_per_device(llm.runner.draft.params)) == 2
+
+
+def test_a_server_over_data_parallel_replicas(tp_dir, reference):
+    from serving import ServerThread, wait_idle
+    """Requests through the HTTP server land on both replicas and come back as one device computes them (compared
+    by their logprobs: the tiny model has no tokenizer); /metrics counts both replicas' tokens."""
+    import requests
+    ps, _ = reference
+    outs = make_llm(tp_dir).generate(ps, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0),
+                                     use_tqdm=False)
+    st = ServerThread(make_llm(tp_dir, data_parallel_size=2), "tiny")
+    try:
+        for p, out in zip(ps, outs):
+            want = [entry[t].logprob for t, entry in zip(out.outputs[0].token_ids, out.outputs[0].logprobs)]
+            body = {"prompt": p["prompt_token_ids"], "max_tokens": 24, "temperature": 0, "ignore_eos": True,
+                    "logprobs": 0}
+            got = requests.post(st.url + "/v1/completions", json=body, timeout=60).json()
+            assert got["choices"][0]["logprobs"]["token_logprobs"] == pytest.approx(want, abs=1e-4)
+        assert st.engine.llm.core.routed[1] > 0  # sequential requests: each finds both idle, the prefix decides
+        text = requests.get(st.url + "/metrics", timeout=10).text
+        assert 'jaxserve:generation_tokens_total{model_name="tiny"} 96' in text, text
+        wait_idle(st)
+    finally:
+        st.stop()

@@ -3,8 +3,9 @@ group, behind one request interface (EngineCore's).
 
 One scheduler per replica, not one global one: replicas share no pages, prefix cache or step, so a global
 scheduler would only tie the groups' steps together; what has to be global is where a request goes. It goes to the
-replica with the fewest sequences queued or running, and among equals to the one whose prefix cache already holds
-the most of its prompt; a request's n sequences stay together (they share its prompt's pages). Stepping the replicas
+replica with the fewest sequences queued or running; among equals, to the one whose prefix cache already holds
+the most of its prompt, then to the one sent the fewest requests (so replicas idle in turn share the work); a
+request's n sequences stay together (they share its prompt's pages). Stepping the replicas
 one after the other keeps them all busy: each step dispatches its replica's next step before it reads back the one
 before, so while one replica's host waits for its device the others' devices are computing.
 """
@@ -28,11 +29,12 @@ class DataParallel:
         if seq.request_id in self._placed:
             return self._placed[seq.request_id]
 
-        def load(core: EngineCore) -> tuple[int, int]:
-            s = core.scheduler
+        def load(i: int) -> tuple[int, int, int]:
+            s = self.replicas[i].scheduler
             keys = page_keys(seq.prompt_token_ids, s.cache.page_size, [])
-            return len(s.waiting) + len(s.running), -s.cache.num_cached_pages(seq.prompt_token_ids, keys)
-        best = min(range(len(self.replicas)), key=lambda i: load(self.replicas[i]))
+            return len(s.waiting) + len(s.running), -s.cache.num_cached_pages(seq.prompt_token_ids, keys), \
+                self.routed[i]
+        best = min(range(len(self.replicas)), key=load)
         self.routed[best] += 1
         return self.replicas[best]
 
