@@ -11,6 +11,7 @@ from typing import Iterable
 import jax
 import jax.numpy as jnp
 
+from jaxserve import multihost
 from jaxserve.attention import resolve_attention_backend
 from jaxserve.batching.data_parallel import DataParallel
 from jaxserve.batching.draft_proposer import DraftProposer
@@ -23,7 +24,6 @@ from jaxserve.batching.slo import SloController
 from jaxserve.batching.spec_controller import SpecController
 from jaxserve.buckets import Buckets, geometric
 from jaxserve.cache import PageAllocator, PrefixCache, bytes_per_page, num_pages_for_budget, pages_needed
-from jaxserve import multihost
 from jaxserve.distributed import check_tensor_parallel, device_groups, make_mesh
 from jaxserve.engine_config import EngineConfig
 from jaxserve.model.llama import repeat_kv_heads

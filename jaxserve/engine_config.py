@@ -32,7 +32,7 @@ class EngineConfig:
     max_num_seqs: most sequences running together.
     max_num_batched_tokens: tokens computed per step, one per decoding sequence and the rest prompt chunks: the
         chunk size of chunked prefill, so the knob between TTFT (bigger) and TPOT under load (smaller).
-    block_size: tokens per KV-cache page. kv_cache_memory_bytes: the KV budget (default: 2 GiB on CPU,
+    block_size: tokens per KV-cache page. kv_cache_memory_bytes: the KV budget per device (default: 2 GiB on CPU,
     gpu_memory_utilization of device memory less the weights on an accelerator).
     seed: seeds the sampling of requests that give no seed of their own.
     enable_prefix_caching: reuse the KV pages of prompt prefixes seen before.
@@ -55,7 +55,8 @@ class EngineConfig:
         (ngram), "adaptive": True (speculate only where measured acceptance and step costs say it pays)}, or a
         SpeculativeConfig; held parsed. The draft shares the KV budget (its pages beside the target's) and the dtype.
     warmup: compile every step bucket now rather than on first use.
-    tensor_parallel_size: devices each model replica is sharded over (weights and KV heads).
+    tensor_parallel_size: devices each model replica is split over (weights Megatron-style, the KV cache by KV
+        heads); it must divide the attention heads (see jaxserve.distributed).
     data_parallel_size: model replicas, each running its own sequences.
     coordinator_address, num_processes, process_id: jax.distributed over several hosts ("host:port" of process 0,
         how many processes, this one's index); all three or none, or coordinator_address "auto" alone (JAX's own
