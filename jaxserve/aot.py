@@ -28,7 +28,8 @@ from jaxserve.cache import init_kv_cache, pages_needed
 from jaxserve.collectives import collective_census
 from jaxserve.config import ModelConfig
 from jaxserve.distributed import HEADS, check_tensor_parallel, make_mesh, param_specs, replicated, shardings
-from jaxserve.model.llama import PARTITIONING, LlamaModel
+from jaxserve.model.decoder import PARTITIONING
+from jaxserve.model.families import family_of
 from jaxserve.pallas_kernels import ragged_kernel_for
 from jaxserve.steps import Steps
 
@@ -160,7 +161,7 @@ def compile_program(program: str, shape: str, fn, args, device, *, mesh=None, ar
 
 def abstract_params(config: ModelConfig, dtype) -> dict:
     """The params pytree's shapes and dtypes (as the loaders build it), without any weights."""
-    model = LlamaModel(config, dtype)
+    model = family_of(config).model(config, dtype)
     kv = jax.eval_shape(lambda: init_kv_cache(config, 2, 16, dtype))
     rows = jax.tree.map(jnp.asarray, build_batch([], 16, config.vocab_size, 1, 1, 1).rows)
     params = jax.eval_shape(lambda kv: model.init(jax.random.key(0), jnp.zeros(1, jnp.int32), kv, rows,
@@ -169,7 +170,7 @@ def abstract_params(config: ModelConfig, dtype) -> dict:
 
 
 def tensor_parallel_config(config: ModelConfig, tensor_parallel_size: int) -> ModelConfig:
-    """The config a tensor-parallel engine runs: as `jaxserve.model.llama.repeat_kv_heads` makes it when there are
+    """The config a tensor-parallel engine runs: as `jaxserve.model.decoder.repeat_kv_heads` makes it when there are
     more devices than KV heads (each KV head repeated tp // kv_heads times), for abstract params to be built from."""
     check_tensor_parallel(config, tensor_parallel_size)
     kv = config.num_kv_heads

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.model.llama import Linear
+from jaxserve.model.layers import Linear
 from jaxserve.perplexity import next_token_logits
 from jaxserve.quant import matmul, quantize_int4, quantize_params
 

@@ -40,11 +40,15 @@ def build_parser() -> argparse.ArgumentParser:
     _sampling_args(chat, 512)
     srv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server",
                          description="Serve the model over HTTP with the OpenAI API (/v1/completions, "
-                                     "/v1/chat/completions, /v1/models), /health and /metrics (Prometheus).")
+                                     "/v1/chat/completions, /v1/models), /health and /metrics (Prometheus). Several "
+                                     "--model serve several models at once, an engine each, picked by the request's "
+                                     "'model' (none: the first); every other flag applies to each.")
     srv.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 requests")
-    srv.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
+    srv.add_argument("--served-model-name", default=None, action="append",
+                     help="the model name clients send (default: --model); with several --model, once for each, in "
+                          "the same order")
     srv.add_argument("--max-queued-requests", type=int, default=256,
                      help="sequences waiting beyond the running batch before new requests get 429")
     srv.add_argument("--max-request-sequences", type=int, default=None,
@@ -81,8 +85,7 @@ def _sampling_params(args):
 
 
 def _llm(args):
-    from jaxserve import LLM
-    return LLM.from_config(EngineConfig.from_cli_args(args))
+    return _load(EngineConfig.from_cli_args(args))
 
 
 def _lead(llm, command) -> None:
@@ -158,15 +161,43 @@ def cmd_serve(args) -> None:
     for flag in ("stream_write_timeout", "header_timeout", "body_timeout"):
         if not getattr(args, flag) > 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be > 0 seconds, got {getattr(args, flag)}")
-    name = args.served_model_name or args.model or DEFAULT_MODEL
+    # Names and configs are checked before anything loads.
+    names = _served_model_names(args.served_model_name, args.model or [None])
+    configs = EngineConfig.per_model_from_cli_args(args)
+    server_args = dict(api_key=args.api_key, max_queued_requests=args.max_queued_requests,
+                       max_request_sequences=args.max_request_sequences,
+                       stream_write_timeout_s=args.stream_write_timeout, header_timeout_s=args.header_timeout,
+                       body_timeout_s=args.body_timeout)
 
-    def run(llm) -> None:
-        server = Server(AsyncEngine(llm), name, api_key=args.api_key, max_queued_requests=args.max_queued_requests,
-                        max_request_sequences=args.max_request_sequences,
-                        stream_write_timeout_s=args.stream_write_timeout, header_timeout_s=args.header_timeout,
-                        body_timeout_s=args.body_timeout)
+    def run(llms) -> None:
+        server = Server({name: AsyncEngine(llm) for name, llm in zip(names, llms)}, **server_args)
         asyncio.run(serve(server, args.host, args.port, args.shutdown_grace_period))
-    _lead(_llm(args), run)
+    if len(configs) == 1:  # may be a multi-process run: the other processes follow process 0's steps
+        _lead(_load(configs[0]), lambda llm: run([llm]))
+        return
+    # One after another: each engine's default KV budget is its own share (see per_model_from_cli_args), so the
+    # second does not need to know what the first holds.
+    run([_load(c) for c in configs])
+
+
+def _load(config):
+    from jaxserve import LLM
+    return LLM.from_config(config)
+
+
+def _served_model_names(given: list[str] | None, models: list[str | None]) -> list[str]:
+    """--served-model-name once per --model, or never (then each model's --model value, or the default model's)."""
+    names = given or [model or DEFAULT_MODEL for model in models]
+    if len(names) != len(models):
+        raise ValueError(f"--served-model-name was given {len(names)} times for {len(models)} model(s): give it once "
+                         "per --model, in the same order, or not at all")
+    if any(not name for name in names):
+        raise ValueError("--served-model-name must not be empty")
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:
+        raise ValueError(f"each served model needs its own name, but {', '.join(map(repr, repeated))} names several "
+                         "(give --served-model-name once per --model)")
+    return names
 
 
 def cmd_convert(args) -> None:

@@ -7,7 +7,7 @@ features and end in one all-reduce; the embedding and the LM head split the voca
 KV cache splits over KV heads, so attention runs per device on its own heads with no communication at all. Data
 parallelism is several groups, each a whole engine.
 
-Which layer is which is declared by the model module beside its parameters (e.g. `jaxserve.model.llama.PARTITIONING`);
+Which layer is which is declared by the model module beside its parameters (e.g. `jaxserve.model.decoder.PARTITIONING`);
 this module turns that into shardings of whatever leaves a layer holds (float kernels, int8 / int4 weights with their
 scales, AWQ input scales).
 """

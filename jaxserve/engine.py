@@ -26,12 +26,12 @@ from jaxserve.buckets import Buckets, geometric
 from jaxserve.cache import PageAllocator, PrefixCache, bytes_per_page, num_pages_for_budget, pages_needed
 from jaxserve.distributed import check_tensor_parallel, device_groups, make_mesh
 from jaxserve.engine_config import EngineConfig
-from jaxserve.model.llama import repeat_kv_heads
+from jaxserve.model.decoder import repeat_kv_heads
 from jaxserve.outputs import RequestMetrics, RequestOutput
 from jaxserve.quantize import quantize_model
 from jaxserve.sampling_params import MAX_BANNED_TOKENS, SamplingParams
 from jaxserve.spec_config import check_draft
-from jaxserve.tokenizer import IncrementalDetokenizer
+from jaxserve.tokenizer import IncrementalDetokenizer, read_chat_template
 from jaxserve.weights import load_model, resolve_dtype
 from jaxserve.weights.params import param_bytes
 
@@ -74,6 +74,10 @@ class LLM:
             loaded = quantize_model(load_model(model, dtype), c.quantization, group_size=c.quantization_group_size,
                                     quantize_embeddings=c.quantize_embeddings, calibration_text=c.calibration_text)
             self.model_name, self.config, self.tokenizer = loaded.name, loaded.config, loaded.tokenizer
+            if c.chat_template is not None:
+                if self.tokenizer is None:
+                    raise ValueError(f"chat_template {c.chat_template}: this model has no tokenizer to chat with")
+                self.tokenizer.chat_template = read_chat_template(c.chat_template)
             self.quantization, params = loaded.quantization, loaded.params
             limit = self.config.max_position_embeddings
             if max_model_len is not None and max_model_len > limit:

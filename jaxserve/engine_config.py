@@ -16,6 +16,7 @@ from jaxserve.cache import KV_CACHE_DTYPES, check_kv_cache_dtype
 from jaxserve.multihost import AUTO_CLUSTER
 from jaxserve.quant import QUANTIZATIONS
 from jaxserve.spec_config import SpeculativeConfig
+from jaxserve.tokenizer import read_chat_template
 from jaxserve.weights import _DTYPES
 from jaxserve.weights.default_model import DEFAULT_MODEL
 
@@ -61,6 +62,7 @@ class EngineConfig:
     coordinator_address, num_processes, process_id: jax.distributed over several hosts ("host:port" of process 0,
         how many processes, this one's index); all three or none, or coordinator_address "auto" alone (JAX's own
         cluster detection: TPU pod slices, SLURM).
+    chat_template: a jinja chat template file to use instead of the model's own (or where the model has none).
     """
 
     model: str | None = None
@@ -89,6 +91,7 @@ class EngineConfig:
     coordinator_address: str | None = None
     num_processes: int | None = None
     process_id: int | None = None
+    chat_template: str | None = None
 
     def __post_init__(self):
         # Nothing here may touch JAX's backends: jax.distributed must initialise before they start.
@@ -121,6 +124,11 @@ class EngineConfig:
         check_kv_cache_dtype(self.kv_cache_dtype)
         object.__setattr__(self, "speculative_config", SpeculativeConfig.from_value(self.speculative_config))
         self._check_distributed()
+        if isinstance(self.chat_template, os.PathLike):
+            object.__setattr__(self, "chat_template", os.fspath(self.chat_template))
+        _check_type("chat_template", self.chat_template, str, optional=True)
+        if self.chat_template is not None:
+            read_chat_template(self.chat_template)  # an unreadable file fails here, before the model loads
 
     def _check_quantization(self) -> None:
         if self.quantization not in QUANTIZATIONS:
@@ -153,9 +161,21 @@ class EngineConfig:
     @staticmethod
     def add_cli_args(p: argparse.ArgumentParser, serving: bool = False) -> None:
         """The engine flags of `jaxserve generate / chat` (serving=False: one prompt at a time) and `serve`."""
-        p.add_argument("--model", default=None,
+        # serve may take several models (an engine each); the others one.
+        p.add_argument("--model", default=None, action="append" if serving else "store",
                        help=f"a .gguf file, a HF model directory, or a jaxserve checkpoint (default: {DEFAULT_MODEL}, "
-                            "fetched once into ~/.cache/jaxserve or $JAXSERVE_CACHE)")
+                            "fetched once into ~/.cache/jaxserve or $JAXSERVE_CACHE)" + (
+                                "; give it again to serve several models at once, an engine each" if serving else ""))
+        p.add_argument("--kv-cache-memory-bytes", type=int, default=None,
+                       help="KV-cache budget per device, in bytes (default: 2 GiB on CPU, --gpu-memory-utilization of "
+                            "device memory less the weights on an accelerator)" + (
+                                ". With several --model it applies to each engine as given; without it each engine "
+                                "gets an equal share: --gpu-memory-utilization / (number of models) of device memory "
+                                "(less its own weights), or on CPU 2 GiB / (number of models)" if serving else ""))
+        p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                       help="fraction of each accelerator's memory for weights and KV cache (default 0.9)")
+        p.add_argument("--chat-template", default=None, metavar="FILE",
+                       help="a jinja chat template file, used instead of the model's own")
         p.add_argument("--dtype", default="auto", choices=list(DTYPES),
                        help="parameter and activation dtype (auto: float32 on CPU, bfloat16 on GPU/TPU)")
         p.add_argument("--max-model-len", type=int, default=None,
@@ -198,13 +218,52 @@ class EngineConfig:
         """The config from flags `add_cli_args` declared (a flag another command lacks keeps its default)."""
         # By name, not all of args: a command's other flags (generate's sampling --seed) are not engine arguments.
         given = {name: getattr(args, name) for name in _CLI_FIELDS if hasattr(args, name)}
+        if isinstance(given.get("model"), list):  # serve's --model, which may be repeated
+            if len(given["model"]) > 1:
+                raise ValueError("several --model: one config per model is EngineConfig.per_model_from_cli_args")
+            given["model"] = given["model"][0]
         return cls(**given, **quantization_from_cli_args(args), speculative_config=_speculative_config(args))
 
+    @classmethod
+    def per_model_from_cli_args(cls, args: argparse.Namespace) -> list["EngineConfig"]:
+        """One config per --model (serve repeats it; no --model: the default model), every other flag applying to
+        each.
 
-_CLI_FIELDS = ("model", "dtype", "max_model_len", "block_size", "kv_cache_dtype", "max_num_seqs",
-               "max_num_batched_tokens", "enable_prefix_caching", "scheduling_policy", "ttft_slo", "tpot_slo",
+        The KV budget of several models: --kv-cache-memory-bytes, if given, is each engine's (per device). Otherwise
+        each gets an equal share of what one model would get: gpu_memory_utilization / n of device memory, less its
+        own weights (the engine's default budget is that share less the weights, so it does not matter that engines
+        are built one after another: none looks at what the others already hold, and together they stay within
+        gpu_memory_utilization); on a device without a memory limit (CPU) the default 2 GiB budget is split in n.
+        Why equal shares rather than in proportion to weight size: the weights are known only once each model loads,
+        and a KV page of a bigger model costs more anyway, so equal shares need no guess; a model whose weights pass
+        its share fails to start, saying so, and --kv-cache-memory-bytes (or fewer models per device) is the answer.
+
+        Several models run in one process: not with --coordinator-address (multi-process runs serve one model).
+        """
+        models = args.model if isinstance(args.model, list) else [args.model]
+        if len(models) <= 1:
+            return [cls.from_cli_args(args)]
+        if args.coordinator_address is not None:
+            raise ValueError("several --model run in one process: a multi-process run (--coordinator-address) "
+                             "serves one model")
+        base = cls.from_cli_args(argparse.Namespace(**{**vars(args), "model": None}))  # checks the shared flags once
+        share = {}
+        if base.kv_cache_memory_bytes is None:
+            share["gpu_memory_utilization"] = base.gpu_memory_utilization / len(models)
+            # Touching the JAX backend is fine here: no jax.distributed to initialise first (refused above).
+            import jax
+            device = jax.devices()[0]
+            if device.platform == "cpu" or not (device.memory_stats() or {}).get("bytes_limit"):
+                from jaxserve.engine import _CPU_KV_CACHE_BYTES
+                share["kv_cache_memory_bytes"] = _CPU_KV_CACHE_BYTES // len(models)
+        return [dataclasses.replace(base, model=model, **share) for model in models]
+
+
+_CLI_FIELDS = ("model", "kv_cache_memory_bytes", "gpu_memory_utilization", "dtype", "max_model_len", "block_size",
+               "kv_cache_dtype", "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching", "scheduling_policy",
+               "ttft_slo", "tpot_slo",
                "attention_backend", "warmup", "tensor_parallel_size", "data_parallel_size", "coordinator_address",
-               "num_processes", "process_id")
+               "num_processes", "process_id", "chat_template")
 
 
 def add_quantization_cli_args(p: argparse.ArgumentParser) -> None:

@@ -1,7 +1,8 @@
 """Prometheus metrics of a serving engine, named as vLLM's with a `jaxserve:` prefix.
 
 Latency histograms are observed by the server as requests stream; engine-wide gauges and counters are read from
-the engine's latest stats snapshot when Prometheus scrapes, so the engine loop never touches them.
+the engine's latest stats snapshot when Prometheus scrapes, so the engine loop never touches them. A server of several
+models has one series per engine (label `model_name`), all in one registry and exposition.
 """
 from __future__ import annotations
 
@@ -18,26 +19,49 @@ _REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30
 
 
 class ServerMetrics:
-    def __init__(self, stats, model_name: str):
-        """stats: a callable returning the engine's latest EngineStats."""
+    """A server's registry: for each engine, series labelled with its model_name, all in one exposition."""
+
+    def __init__(self):
         self.registry = CollectorRegistry()
-        label = {"model_name": model_name}
-        self.ttft = Histogram("jaxserve:time_to_first_token_seconds", "Time to the first generated token.",
-                              ["model_name"], buckets=_TTFT_BUCKETS, registry=self.registry).labels(**label)
-        self.itl = Histogram("jaxserve:time_per_output_token_seconds",
-                             "Time between consecutive output tokens of a request (inter-token latency).",
-                             ["model_name"], buckets=_TPOT_BUCKETS, registry=self.registry).labels(**label)
-        self.e2e = Histogram("jaxserve:e2e_request_latency_seconds", "Arrival to last token.", ["model_name"],
-                             buckets=_REQUEST_BUCKETS, registry=self.registry).labels(**label)
-        self.queue = Histogram("jaxserve:request_queue_time_seconds", "Arrival to first scheduled.", ["model_name"],
-                               buckets=_REQUEST_BUCKETS, registry=self.registry).labels(**label)
+        # Each family once, with a child per model: Prometheus wants one family however many engines feed it.
+        self._ttft = Histogram("jaxserve:time_to_first_token_seconds", "Time to the first generated token.",
+                               ["model_name"], buckets=_TTFT_BUCKETS, registry=self.registry)
+        self._itl = Histogram("jaxserve:time_per_output_token_seconds",
+                              "Time between consecutive output tokens of a request (inter-token latency).",
+                              ["model_name"], buckets=_TPOT_BUCKETS, registry=self.registry)
+        self._e2e = Histogram("jaxserve:e2e_request_latency_seconds", "Arrival to last token.", ["model_name"],
+                              buckets=_REQUEST_BUCKETS, registry=self.registry)
+        self._queue = Histogram("jaxserve:request_queue_time_seconds", "Arrival to first scheduled.", ["model_name"],
+                                buckets=_REQUEST_BUCKETS, registry=self.registry)
         self._success = Counter("jaxserve:request_success", "Finished completions, by finish reason.",
                                 ["model_name", "finished_reason"], registry=self.registry)
-        self._model_name = model_name
-        self.registry.register(_EngineCollector(stats, model_name))
+        self._engines: dict = {}  # model_name -> its engine's stats callable, read at scrape
+        self.registry.register(_EngineCollector(self._engines))
+
+    def add_model(self, model_name: str, stats) -> "ModelMetrics":
+        """The series of one engine; stats: a callable returning its latest EngineStats."""
+        if model_name in self._engines:
+            raise ValueError(f"model {model_name!r} already has metrics")
+        self._engines[model_name] = stats
+        return ModelMetrics(self, model_name)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class ModelMetrics:
+    """What the server observes for one model (its label's children of the shared families)."""
+
+    def __init__(self, parent: ServerMetrics, model_name: str):
+        self.model_name = model_name
+        self.ttft = parent._ttft.labels(model_name=model_name)
+        self.itl = parent._itl.labels(model_name=model_name)
+        self.e2e = parent._e2e.labels(model_name=model_name)
+        self.queue = parent._queue.labels(model_name=model_name)
+        self._success = parent._success
 
     def finished(self, reason: str) -> None:
-        self._success.labels(model_name=self._model_name, finished_reason=reason).inc()
+        self._success.labels(model_name=self.model_name, finished_reason=reason).inc()
 
     def observe_request(self, metrics) -> None:
         """A finished request's RequestMetrics (time.monotonic stamps). (TTFT is observed by the server as the first
@@ -47,48 +71,47 @@ class ServerMetrics:
         if metrics.finished_time is not None:
             self.e2e.observe(metrics.finished_time - metrics.arrival_time)
 
-    def exposition(self) -> bytes:
-        return generate_latest(self.registry)
-
 
 class _EngineCollector:
-    def __init__(self, stats, model_name: str):
-        self._stats, self._model_name = stats, model_name
+    def __init__(self, engines: dict):
+        self._engines = engines  # model_name -> stats callable (the server's, shared: models added later count)
 
     def collect(self):
-        s, labels = self._stats(), [self._model_name]
+        snapshots = [(name, stats()) for name, stats in self._engines.items()]
 
-        def family(kind, name, doc, value):
+        def family(kind, name, doc, field):
             f = kind(f"jaxserve:{name}", doc, labels=["model_name"])
-            f.add_metric(labels, value)
+            for model_name, s in snapshots:
+                f.add_metric([model_name], getattr(s, field))
             return f
-        yield family(GaugeMetricFamily, "num_requests_running", "Sequences in the running batch.", s.num_running)
-        yield family(GaugeMetricFamily, "num_requests_waiting", "Sequences waiting to be scheduled.", s.num_waiting)
+        yield family(GaugeMetricFamily, "num_requests_running", "Sequences in the running batch.", "num_running")
+        yield family(GaugeMetricFamily, "num_requests_waiting", "Sequences waiting to be scheduled.", "num_waiting")
         yield family(GaugeMetricFamily, "kv_cache_usage_perc", "Fraction of KV pages held by sequences (0-1).",
-                     s.kv_cache_usage)
+                     "kv_cache_usage")
         yield family(CounterMetricFamily, "prompt_tokens", "Prompt tokens computed (prefix-cache hits excluded).",
-                     s.prompt_tokens)
-        yield family(CounterMetricFamily, "generation_tokens", "Tokens generated.", s.generation_tokens)
+                     "prompt_tokens")
+        yield family(CounterMetricFamily, "generation_tokens", "Tokens generated.", "generation_tokens")
         yield family(CounterMetricFamily, "num_preemptions", "Sequences preempted (to be recomputed).",
-                     s.num_preemptions)
+                     "num_preemptions")
         yield family(CounterMetricFamily, "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                     s.prefix_cache_queries)
+                     "prefix_cache_queries")
         yield family(CounterMetricFamily, "prefix_cache_hits", "Prompt tokens found in the prefix cache.",
-                     s.prefix_cache_hits)
+                     "prefix_cache_hits")
         yield family(CounterMetricFamily, "spec_decode_num_drafts", "Verifications of one or more proposals.",
-                     s.spec_decode_num_drafts)
+                     "spec_decode_num_drafts")
         yield family(CounterMetricFamily, "spec_decode_num_draft_tokens", "Proposed tokens verified.",
-                     s.spec_decode_num_draft_tokens)
+                     "spec_decode_num_draft_tokens")
         yield family(CounterMetricFamily, "spec_decode_num_accepted_tokens", "Proposed tokens accepted.",
-                     s.spec_decode_num_accepted_tokens)
+                     "spec_decode_num_accepted_tokens")
         per_pos = CounterMetricFamily("jaxserve:spec_decode_num_accepted_tokens_per_pos",
                                       "Proposed tokens accepted, by position in the proposal.",
                                       labels=["model_name", "position"])
-        for position, n in enumerate(s.spec_decode_num_accepted_tokens_per_pos):
-            per_pos.add_metric([self._model_name, str(position)], n)
+        for model_name, s in snapshots:
+            for position, n in enumerate(s.spec_decode_num_accepted_tokens_per_pos):
+                per_pos.add_metric([model_name, str(position)], n)
         yield per_pos
         yield family(GaugeMetricFamily, "spec_decode_acceptance_rate", "Accepted over proposed tokens (0-1).",
-                     s.spec_decode_acceptance_rate)
+                     "spec_decode_acceptance_rate")
         yield family(GaugeMetricFamily, "spec_decode_num_speculating",
                      "Sequences that speculated in the last step (0: speculation is off).",
-                     s.spec_decode_num_speculating)
+                     "spec_decode_num_speculating")

@@ -9,6 +9,11 @@ SIGTERM the server stops accepting, lets running requests finish for a grace per
 One client must not hurt another: a request asks for at most `max_request_sequences` (n x prompts); admission is
 decided before any costly work, and tokenizing runs off the event loop; a request head, a body, and each write of a
 stream have a time limit, past which the connection is closed (408 for a body).
+
+Several models: `Server({name: engine, ...})` serves each engine under its name; a request's `model` field picks
+the engine (none: the first), an unknown one is a 404 (code model_not_found, as OpenAI's). Each engine has its own
+admission capacity and metrics series (label model_name); /v1/models lists them all; /health is 200 only while every
+engine is alive.
 """
 from __future__ import annotations
 
@@ -26,20 +31,20 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from jaxserve.async_engine import AsyncEngine, EngineDeadError
-from jaxserve.metrics import ServerMetrics
+from jaxserve.metrics import ModelMetrics, ServerMetrics
 from jaxserve.openai_api import (ApiError, chat_logprobs, completion_body, completion_logprobs, new_id,
                                  parse_chat, parse_completion, usage, wants_usage_in_stream)
 
 logger = logging.getLogger("jaxserve")
 
 
-class Server:
-    def __init__(self, engine: AsyncEngine, model_name: str, *, api_key: str | None = None,
-                 max_queued_requests: int = 256, max_request_sequences: int | None = None,
-                 stream_write_timeout_s: float = 30.0, header_timeout_s: float = 10.0, body_timeout_s: float = 30.0):
-        self.engine, self.model_name = engine, model_name
+class _Model:
+    """One served engine and what the server keeps for it: its name, capacity, admitted sequences and metrics."""
+
+    def __init__(self, name: str, engine: AsyncEngine, metrics: ModelMetrics, max_queued_requests: int,
+                 max_request_sequences: int | None):
+        self.name, self.engine, self.metrics = name, engine, metrics
         self.tokenizer = engine.llm.tokenizer
-        self._api_key = api_key.encode() if api_key else None
         # Sequences (n per request) admitted and not finished: bounded, so a burst gets 429s, not an endless queue.
         max_num_seqs = engine.llm.engine_config.max_num_seqs
         self.capacity = max_num_seqs + max_queued_requests
@@ -47,10 +52,66 @@ class Server:
         self.max_request_sequences = min(max_num_seqs if max_request_sequences is None else max_request_sequences,
                                          self.capacity)
         self.in_flight = 0
+
+
+class Server:
+    """Server(engine, model_name, ...) serves one engine; Server({model_name: engine, ...}, ...) several, the first
+    being the default for requests that name no model. The other arguments apply to each engine."""
+
+    def __init__(self, engine: AsyncEngine | dict[str, AsyncEngine], model_name: str | None = None, *,
+                 api_key: str | None = None, max_queued_requests: int = 256, max_request_sequences: int | None = None,
+                 stream_write_timeout_s: float = 30.0, header_timeout_s: float = 10.0, body_timeout_s: float = 30.0):
+        if isinstance(engine, dict):
+            if model_name is not None:
+                raise TypeError("with several engines ({name: engine}) the names are the dict's keys: no model_name")
+            engines = engine
+        else:
+            if model_name is None:
+                raise TypeError("Server(engine, model_name): a single engine needs its model name")
+            engines = {model_name: engine}
+        if not engines or not all(isinstance(name, str) and name for name in engines):
+            raise ValueError("a server needs at least one engine, each under a non-empty name")
+        self._api_key = api_key.encode() if api_key else None
+        self.metrics = ServerMetrics()
+        self.models = {name: _Model(name, e, self.metrics.add_model(name, e.stats), max_queued_requests,
+                                    max_request_sequences) for name, e in engines.items()}
+        self.default = next(iter(self.models.values()))
         self.stream_write_timeout_s = stream_write_timeout_s
         self.header_timeout_s, self.body_timeout_s = header_timeout_s, body_timeout_s
         self.draining = False
-        self.metrics = ServerMetrics(engine.stats, model_name)
+
+    # The default (first) model's, as a single-engine server has always had them.
+    @property
+    def engine(self) -> AsyncEngine:
+        return self.default.engine
+
+    @property
+    def model_name(self) -> str:
+        return self.default.name
+
+    @property
+    def tokenizer(self):
+        return self.default.tokenizer
+
+    @tokenizer.setter
+    def tokenizer(self, tokenizer) -> None:
+        self.default.tokenizer = tokenizer
+
+    @property
+    def capacity(self) -> int:
+        return self.default.capacity
+
+    @property
+    def max_request_sequences(self) -> int:
+        return self.default.max_request_sequences
+
+    @property
+    def in_flight(self) -> int:
+        """Sequences admitted and not finished, over every model."""
+        return sum(m.in_flight for m in self.models.values())
+
+    def engines(self) -> list[AsyncEngine]:
+        return [m.engine for m in self.models.values()]
 
     def app(self) -> web.Application:
         # aiohttp closes a connection whose next request head is not complete within keepalive_timeout of its
@@ -59,7 +120,7 @@ class Server:
                               handler_args={"keepalive_timeout": self.header_timeout_s})
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.prometheus)
-        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/v1/models", self.list_models)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         return app
@@ -104,38 +165,41 @@ class Server:
     # ---- plain endpoints ----
 
     async def health(self, request):
-        alive = self.engine.alive() and not self.draining
+        alive = all(m.engine.alive() for m in self.models.values()) and not self.draining
         return web.json_response({"status": "ok" if alive else "unavailable"}, status=200 if alive else 503)
 
     async def prometheus(self, request):
         return web.Response(body=self.metrics.exposition(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
-    async def models(self, request):
+    async def list_models(self, request):
+        created = int(time.time())
         return web.json_response({"object": "list", "data": [{
-            "id": self.model_name, "object": "model", "created": int(time.time()), "owned_by": "jaxserve",
-            "max_model_len": self.engine.llm.max_model_len}]})
+            "id": m.name, "object": "model", "created": created, "owned_by": "jaxserve",
+            "max_model_len": m.engine.llm.max_model_len} for m in self.models.values()]})
 
     # ---- generation ----
 
     async def completions(self, request):
         body = await self._body(request)
+        m = self._model(body)
         prompts, params = parse_completion(body)
         seqs = params.n * len(prompts)
-        with self._admitted(seqs):
+        with self._admitted(m, seqs):
             # Off the event loop: a 1 MiB prompt takes a while to tokenize, and everyone else must still be served.
-            prompts = await self._off_loop(seqs, lambda: [self._tokenized(p, params) for p in prompts])
-            return await self._generate(request, body, prompts, params, chat=False)
+            prompts = await self._off_loop(m, seqs, lambda: [self._tokenized(m, p, params) for p in prompts])
+            return await self._generate(m, request, body, prompts, params, chat=False)
 
     async def chat_completions(self, request):
         body = await self._body(request)
-        if self.tokenizer is None:
+        m = self._model(body)
+        if m.tokenizer is None:
             raise ApiError(400, "this model has no tokenizer: use /v1/completions with token ids")
         # parse_chat checks n; read here only to admit the request before its template is rendered and tokenized.
         n = body.get("n")
         seqs = n if type(n) is int and n > 0 else 1
-        with self._admitted(seqs):
-            prompt, params = await self._off_loop(seqs, parse_chat, body, self.tokenizer)
-            return await self._generate(request, body, [self._tokenized(prompt, params)], params, chat=True)
+        with self._admitted(m, seqs):
+            prompt, params = await self._off_loop(m, seqs, parse_chat, body, m.tokenizer)
+            return await self._generate(m, request, body, [self._tokenized(m, prompt, params)], params, chat=True)
 
     async def _body(self, request) -> dict:
         try:
@@ -149,26 +213,36 @@ class Server:
             raise ApiError(400, f"the request body is not valid JSON: {type(e).__name__}: {e}") from None
         if not isinstance(body, dict):
             raise ApiError(400, "the request body must be a JSON object")
-        model = body.get("model")
-        if model is not None and model != self.model_name:
-            raise ApiError(404, f"model {model!r} does not exist; this server serves {self.model_name!r}", "model",
-                           "model_not_found")
         return body
 
-    def _tokenized(self, prompt, params) -> dict:
+    def _model(self, body: dict) -> _Model:
+        """The engine the request's `model` names (none: the default one)."""
+        name = body.get("model")
+        if name is None:
+            return self.default
+        if not isinstance(name, str):
+            raise ApiError(400, f"model must be a string, got {type(name).__name__}", "model")
+        m = self.models.get(name)
+        if m is None:  # OpenAI's answer: 404, invalid_request_error, code model_not_found
+            served = ", ".join(f"`{n}`" for n in self.models)
+            raise ApiError(404, f"The model `{name}` does not exist; this server serves {served}", "model",
+                           "model_not_found")
+        return m
+
+    def _tokenized(self, m: _Model, prompt, params) -> dict:
         """{"prompt_token_ids", "prompt"}, refused when prompt + max_tokens cannot fit max_model_len (as vLLM)."""
         if isinstance(prompt, str):
-            if self.tokenizer is None:
+            if m.tokenizer is None:
                 raise ApiError(400, "this model has no tokenizer: send the prompt as an array of token ids", "prompt")
-            prompt = {"prompt_token_ids": self.tokenizer.encode(prompt), "prompt": prompt}
-        n, limit = len(prompt["prompt_token_ids"]), self.engine.llm.max_model_len
+            prompt = {"prompt_token_ids": m.tokenizer.encode(prompt), "prompt": prompt}
+        n, limit = len(prompt["prompt_token_ids"]), m.engine.llm.max_model_len
         if n + (params.max_tokens or 1) > limit:
             raise ApiError(400, f"this model's maximum context length is {limit} tokens; the request asks for "
                                 f"{n + (params.max_tokens or 1)} ({n} in the prompt, {params.max_tokens or 1} to "
                                 f"generate)")
         return prompt
 
-    async def _off_loop(self, seqs: int, fn, *args):
+    async def _off_loop(self, m: _Model, seqs: int, fn, *args):
         """fn(*args) in a worker thread, for work too heavy for the event loop (tokenizing a long prompt). Runs
         within _admitted: if the client leaves meanwhile, its `seqs` of capacity stay taken until the thread is done,
         so clients that send long prompts and leave cannot pile work up beyond the capacity."""
@@ -176,37 +250,38 @@ class Server:
         try:
             return await asyncio.shield(future)
         except asyncio.CancelledError:
-            self.in_flight += seqs  # _admitted gives it back as the handler unwinds; the thread still works
-            future.add_done_callback(lambda _: setattr(self, "in_flight", self.in_flight - seqs))
+            m.in_flight += seqs  # _admitted gives it back as the handler unwinds; the thread still works
+            future.add_done_callback(lambda _: setattr(m, "in_flight", m.in_flight - seqs))
             raise
 
     @contextlib.contextmanager
-    def _admitted(self, seqs: int):
-        """Holds `seqs` of the capacity for the block, or refuses the request: checked before anything costly."""
+    def _admitted(self, m: _Model, seqs: int):
+        """Holds `seqs` of the model's capacity for the block, or refuses the request: checked before anything
+        costly."""
         if self.draining:
             raise ApiError(503, "the server is shutting down")
-        if seqs > self.max_request_sequences:
+        if seqs > m.max_request_sequences:
             raise ApiError(400, f"{seqs} sequences (n x prompts) are more than one request may ask for on this "
-                                f"server ({self.max_request_sequences})", "n")
-        if self.in_flight + seqs > self.capacity:
+                                f"server ({m.max_request_sequences})", "n")
+        if m.in_flight + seqs > m.capacity:
             raise ApiError(429, "too many requests are queued; retry later", code="rate_limit_exceeded")
-        self.in_flight += seqs
+        m.in_flight += seqs
         try:
             yield
         finally:
-            self.in_flight -= seqs
+            m.in_flight -= seqs
 
-    async def _generate(self, request, body, prompts: list, params, chat: bool):
+    async def _generate(self, m: _Model, request, body, prompts: list, params, chat: bool):
         """prompts: tokenized, one engine request each (a completions batch); choice k * n + i is prompt k's i-th
         sample. Runs within _admitted."""
         stream = body.get("stream") is True
         include_usage = wants_usage_in_stream(body)
-        run, admitted = _Run(self, body, params, chat, len(prompts)), []
+        run, admitted = _Run(self, m, body, params, chat, len(prompts)), []
         try:
             streams = []
             for k, prompt in enumerate(prompts):
                 try:
-                    streams.append(await self.engine.add_request(prompt, params, f"{run.id}-{k}"))
+                    streams.append(await m.engine.add_request(prompt, params, f"{run.id}-{k}"))
                     admitted.append(f"{run.id}-{k}")
                 except (ValueError, TypeError) as e:  # bad token ids, a request the cache can never hold, ...
                     raise ApiError(400, str(e)) from None
@@ -217,11 +292,11 @@ class Server:
         finally:
             # However it ended (a client gone, a cancelled handler, an error): a no-op for a finished request.
             for request_id in admitted:
-                self.engine.abort(request_id)
+                m.engine.abort(request_id)
             if admitted:
                 for reason in run.finish:
                     if reason is None:
-                        self.metrics.finished("abort")
+                        m.metrics.finished("abort")
 
 
 async def _merged(streams):
@@ -264,8 +339,8 @@ async def _merged(streams):
 class _Run:
     """One request's outputs as they come: per choice its text, tokens and timing, and the bodies built from them."""
 
-    def __init__(self, server: Server, body: dict, params, chat: bool, num_prompts: int = 1):
-        self.server, self.params, self.chat = server, params, chat
+    def __init__(self, server: Server, model: _Model, body: dict, params, chat: bool, num_prompts: int = 1):
+        self.server, self.model, self.params, self.chat = server, model, params, chat
         self.id = new_id("chatcmpl" if chat else "cmpl")
         self.arrival = time.monotonic()
         self.first_token_seen = False
@@ -280,18 +355,18 @@ class _Run:
         self.logprobs = [[] for _ in range(choices)]
 
     def _token_text(self, token_id: int) -> str:
-        tok = self.server.tokenizer
+        tok = self.model.tokenizer
         return tok.decode([token_id], skip_special_tokens=False) if tok is not None else str(token_id)
 
     def _logprobs(self, out, offset: int):
         if self.chat:
-            tok = self.server.tokenizer
+            tok = self.model.tokenizer
             return chat_logprobs(out, self._token_text, self.top, tok.token_bytes if tok is not None else None)
         return completion_logprobs(out, self._token_text, offset)
 
     async def _each(self, outputs):
         """Yields (choice index, CompletionOutput delta) for each new piece, after recording it (metrics too)."""
-        metrics = self.server.metrics
+        metrics = self.model.metrics
         try:
             async for k, out in outputs:
                 now = time.monotonic()
@@ -347,13 +422,13 @@ class _Run:
                                 "logprobs": lp, "finish_reason": self.finish[i]})
             else:
                 choices.append({"index": i, "text": self.text[i], "logprobs": lp, "finish_reason": self.finish[i]})
-        return web.json_response(completion_body(self.id, self.server.model_name, choices, self._usage(),
+        return web.json_response(completion_body(self.id, self.model.name, choices, self._usage(),
                                                  self.chat, chunk=False))
 
     async def stream(self, request, outputs, include_usage: bool) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
-        name = self.server.model_name
+        name = self.model.name
 
         async def write(data: bytes, eof: bool = False) -> None:
             try:
@@ -418,7 +493,7 @@ async def serve(server: Server, host: str, port: int, grace_period_s: float = 30
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    logger.warning("serving %s on http://%s:%d", server.model_name, host, port)
+    logger.warning("serving %s on http://%s:%d", ", ".join(server.models), host, port)
     if ready is not None:
         ready.set()
     await stop.wait()
@@ -430,6 +505,6 @@ async def serve(server: Server, host: str, port: int, grace_period_s: float = 30
     deadline = time.monotonic() + grace_period_s
     while server.in_flight and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
-    # What still runs ends now: its streams get an error event and [DONE], its pages go back.
-    await asyncio.get_running_loop().run_in_executor(None, server.engine.shutdown, 30.0)
+    # What still runs ends now: its streams get an error event and [DONE], its pages go back. Every engine at once.
+    await asyncio.gather(*(loop.run_in_executor(None, engine.shutdown, 30.0) for engine in server.engines()))
     await runner.cleanup()

@@ -18,7 +18,8 @@ from jaxserve.attention import write_kv
 from jaxserve.batch import StepInput, StepOutput
 from jaxserve.config import ModelConfig
 from jaxserve.distributed import HEADS, kv_pages_spec, replicated, shardings
-from jaxserve.model.llama import PARTITIONING, LlamaModel
+from jaxserve.model.decoder import PARTITIONING
+from jaxserve.model.families import family_of
 from jaxserve.rejection_sampler import verify
 from jaxserve.sampling import sample, sample_proposals
 
@@ -50,7 +51,7 @@ class Steps:
         """mesh: a device group's [data=1, model] mesh for tensor parallelism (None: one device). The programs'
         outputs are pinned to the shardings their inputs arrive in (params and cache placed by the runner, the
         batch replicated), so a step never reshards anything."""
-        self.model = LlamaModel(config, dtype, attention_backend, mesh)
+        self.model = family_of(config).model(config, dtype, attention_backend, mesh)
         self.partitioning = PARTITIONING
         self.num_speculative_tokens = num_speculative_tokens
         self.mesh = mesh

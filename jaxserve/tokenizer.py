@@ -1,4 +1,5 @@
-"""Tokenizer (byte-level BPE on the `tokenizers` library), chat templates and streaming detokenization.
+"""Tokenizer (BPE on the `tokenizers` library: byte-level, or SentencePiece-style for Gemma), chat templates and
+streaming detokenization.
 
 One class serves GGUF files (vocabulary in the metadata) and HF directories (tokenizer.json); `save` writes the
 latter so a converted checkpoint carries its tokenizer.
@@ -81,6 +82,52 @@ def _read_json(path: Path) -> dict:
     return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
 
 
+def _byte_level_bpe(tokens: list[str], merges: list[str], pre: str) -> tokenizers.Tokenizer:
+    if pre not in _PRE_TOKENIZERS:
+        raise ValueError(f"unsupported GGUF pre-tokenizer {pre!r}; supported: {', '.join(_PRE_TOKENIZERS)}")
+    make_pre, make_norm, ignore_merges = _PRE_TOKENIZERS[pre]
+    tok = tokenizers.Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)},
+                                          [tuple(m.split(" ", 1)) for m in merges], ignore_merges=ignore_merges))
+    tok.pre_tokenizer = make_pre()
+    if make_norm:
+        tok.normalizer = make_norm()
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def _gemma_bpe(tokens: list[str], unk_id: int | None) -> tuple[tokenizers.Tokenizer, dict[str, int]]:
+    """Gemma's SentencePiece vocabulary as the BPE tokenizer of its tokenizer.json (transformers' GemmaTokenizer):
+    spaces become '▁', no prefix space, unknown characters fall back to <0xNN> byte tokens.
+
+    The GGUF has no merges; as transformers does, they are every split of a token into two vocabulary tokens,
+    ranked by the token's position in the vocabulary (Gemma's scores do not follow its merge order), longer left
+    piece first. Tokens of two or more spaces are stored as real spaces: spell them '▁' so the merges reach them.
+    """
+    spelled = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in tokens]
+    vocab = {t: i for i, t in enumerate(spelled)}
+    merges = []
+    for token, _ in sorted(vocab.items(), key=lambda item: item[1]):
+        for cut in range(len(token) - 1, 0, -1):
+            if token[:cut] in vocab and token[cut:] in vocab:
+                merges.append((token[:cut], token[cut:]))
+    unk = tokens[unk_id] if unk_id is not None else None
+    tok = tokenizers.Tokenizer(models.BPE(vocab, merges, unk_token=unk, fuse_unk=True, byte_fallback=True))
+    tok.normalizer = normalizers.Replace(" ", "\u2581")
+    tok.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    return tok, vocab
+
+
+def read_chat_template(path) -> str:
+    """A jinja chat template file's text (`--chat-template`); ValueError naming the file if it cannot be used."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+        _jinja_env().from_string(text)  # a syntax error shows now, not at the first chat request
+    except (OSError, UnicodeDecodeError, jinja2.TemplateSyntaxError) as e:
+        raise ValueError(f"cannot use chat template file {path}: {e}") from None
+    return text
+
+
 class Tokenizer:
     def __init__(self, tok: tokenizers.Tokenizer, *, bos_token_id: int | None, eos_token_ids: list[int],
                  add_bos: bool, chat_template: str | None):
@@ -90,11 +137,18 @@ class Tokenizer:
         self.eos_token_ids = list(dict.fromkeys(eos_token_ids))
         self.add_bos = add_bos
         self.chat_template = chat_template
-        self._template = None
         decoder = json.loads(tok.decoder.__getstate__()) if tok.decoder is not None else {}
         self._decoders = {d.get("type") for d in decoder.get("decoders", [decoder])}
         self._added = set(tok.get_added_tokens_decoder())
         self._bytes: dict[int, bytes] = {}
+
+    @property
+    def chat_template(self) -> str | None:
+        return self._chat_template
+
+    @chat_template.setter
+    def chat_template(self, template: str | None) -> None:
+        self._chat_template, self._template = template, None  # compiled on first use
 
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)
@@ -153,33 +207,29 @@ class Tokenizer:
 
     @classmethod
     def from_gguf_fields(cls, reader) -> "Tokenizer":
-        """Build from a `gguf.GGUFReader`'s `tokenizer.*` metadata (byte-level BPE only)."""
+        """Build from a `gguf.GGUFReader`'s `tokenizer.*` metadata: byte-level BPE, or Gemma's SentencePiece."""
         def get(key, default=None):
             field = reader.fields.get(key)
             return default if field is None else field.contents()
 
         kind = get("tokenizer.ggml.model")
-        if kind != "gpt2":
-            raise ValueError(f"unsupported GGUF tokenizer model {kind!r}: jaxserve reads byte-level BPE ('gpt2') "
-                             "vocabularies only, not SentencePiece ('llama') or others")
-        pre = get("tokenizer.ggml.pre", "default")
-        if pre not in _PRE_TOKENIZERS:
-            raise ValueError(f"unsupported GGUF pre-tokenizer {pre!r}; supported: {', '.join(_PRE_TOKENIZERS)}")
-        make_pre, make_norm, ignore_merges = _PRE_TOKENIZERS[pre]
         tokens = get("tokenizer.ggml.tokens")
         types = get("tokenizer.ggml.token_type") or [1] * len(tokens)
-        merges = [tuple(m.split(" ", 1)) for m in get("tokenizer.ggml.merges", [])]
-        tok = tokenizers.Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges,
-                                              ignore_merges=ignore_merges))
-        tok.pre_tokenizer = make_pre()
-        if make_norm:
-            tok.normalizer = make_norm()
-        tok.decoder = decoders.ByteLevel()
+        if kind == "gpt2":
+            tok = _byte_level_bpe(tokens, get("tokenizer.ggml.merges", []), get("tokenizer.ggml.pre", "default"))
+            vocab = None
+        elif kind == "llama" and get("general.architecture", "").startswith("gemma"):
+            tok, vocab = _gemma_bpe(tokens, get("tokenizer.ggml.unknown_token_id"))
+        else:
+            raise ValueError(f"unsupported GGUF tokenizer model {kind!r}: jaxserve reads byte-level BPE ('gpt2') "
+                             "vocabularies and Gemma's SentencePiece ('llama'), not other SentencePiece or others")
         # Without these, control tokens written in a prompt would be cut into ordinary pieces.
         tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
                                 for t, ty in zip(tokens, types) if ty == _CONTROL])
+        # As transformers does, a user-defined token is matched whole only if the model's vocabulary spells it so
+        # (Gemma's runs of spaces, stored as real spaces, are not: they are reached through '▁' merges instead).
         tok.add_tokens([AddedToken(t, special=False, normalized=False)
-                        for t, ty in zip(tokens, types) if ty == _USER_DEFINED])
+                        for t, ty in zip(tokens, types) if ty == _USER_DEFINED and (vocab is None or t in vocab)])
         eos = [get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
         eos += [i for i, (t, ty) in enumerate(zip(tokens, types)) if ty == _CONTROL and t in _END_OF_TURN]
         return cls(tok, bos_token_id=get("tokenizer.ggml.bos_token_id"),

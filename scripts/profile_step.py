@@ -24,7 +24,7 @@ from bench_decode import machine  # noqa: E402
 from jaxserve import attention as attention_module  # noqa: E402
 from jaxserve.batching.batch_builder import Row, build_batch  # noqa: E402
 from jaxserve.cache import init_kv_cache, pages_needed  # noqa: E402
-from jaxserve.model.llama import LlamaModel  # noqa: E402
+from jaxserve.model.decoder import DecoderModel  # noqa: E402
 from jaxserve.sampling import sample  # noqa: E402
 from jaxserve.steps import Steps, write_cache  # noqa: E402
 from jaxserve.weights import load_model  # noqa: E402
@@ -75,13 +75,13 @@ def profile(case, model, context, page_size, repeats):
         return o.tokens
 
     out["step (forward + write)"] = timed(whole, repeats)
-    forward = jax.jit(lambda p, kv, b: LlamaModel(config, jnp.float32).apply(p, b.token_ids, kv, b.rows,
+    forward = jax.jit(lambda p, kv, b: DecoderModel(config, jnp.float32).apply(p, b.token_ids, kv, b.rows,
                                                                             b.logits_index))
     out["forward"] = timed(lambda: forward(params, kv, device_batch)[0], repeats)
     real_attention = attention_module.ragged_attention
     attention_module.ragged_attention = lambda q, k, v, *a, **kw: q  # shapes kept, no attention work
     try:
-        no_attention = jax.jit(lambda p, kv, b: LlamaModel(config, jnp.float32).apply(
+        no_attention = jax.jit(lambda p, kv, b: DecoderModel(config, jnp.float32).apply(
             p, b.token_ids, kv, b.rows, b.logits_index))
         out["forward without attention"] = timed(lambda: no_attention(params, kv, device_batch)[0], repeats)
     finally:

@@ -43,7 +43,7 @@ import optax
 
 from jaxserve.batch import RaggedRows
 from jaxserve.cache import init_kv_cache
-from jaxserve.model.llama import LlamaModel
+from jaxserve.model.decoder import DecoderModel
 
 # ---------------------------------------------------------------------------------------------------------------
 # Prompts
@@ -195,7 +195,7 @@ def init_draft(config, params: dict, num_layers: int):
     return draft_config, {"params": draft}, chosen
 
 
-def sequence_logits(model: LlamaModel, params: dict, tokens, positions):
+def sequence_logits(model: DecoderModel, params: dict, tokens, positions):
     """Logits [T, V] float32 at every position of one sequence: one row whose new tokens are the whole sequence,
     over an empty one-slot cache (cached_lens 0, so attention only sees the sequence's own keys).
 
@@ -210,13 +210,13 @@ def sequence_logits(model: LlamaModel, params: dict, tokens, positions):
     return logits
 
 
-def batch_logits(model: LlamaModel, params: dict, tokens, positions):
+def batch_logits(model: DecoderModel, params: dict, tokens, positions):
     """Logits [B, T, V]: sequence_logits over a batch of sequences (a row each, vmapped), so each sequence's
     attention is [T, T] rather than the whole batch's [B*T, B*T] of one ragged row per sequence."""
     return jax.vmap(lambda t, p: sequence_logits(model, params, t, p))(tokens, positions)
 
 
-def teacher_logits(target: LlamaModel, target_params: dict, tokens, positions):
+def teacher_logits(target: DecoderModel, target_params: dict, tokens, positions):
     """The target's logits [B, T, V], the soft labels: constants to the draft's gradient."""
     return jax.lax.stop_gradient(batch_logits(target, target_params, tokens, positions))
 
@@ -253,7 +253,7 @@ def make_optimizer(lr: float, steps: int, warmup: int, clip: float = 1.0, weight
                        optax.adamw(schedule, b1=0.9, b2=0.98, weight_decay=weight_decay, mask=decay_mask)), schedule
 
 
-def make_train_step(draft: LlamaModel, target: LlamaModel, optimizer):
+def make_train_step(draft: DecoderModel, target: DecoderModel, optimizer):
     """A jitted step (the models' attention must be "dense": differentiable):
     (trainable, frozen, opt_state, target_params, tokens [B, T], positions [B, T]) ->
     (trainable, opt_state, loss, grad_norm). The target's forward runs inside it, so its [B, T, V] logits never
@@ -276,7 +276,7 @@ def make_train_step(draft: LlamaModel, target: LlamaModel, optimizer):
 # Evaluation
 
 
-def make_eval_step(draft: LlamaModel, target: LlamaModel):
+def make_eval_step(draft: DecoderModel, target: DecoderModel):
     """Jitted: per position the target's and the draft's argmax [B, T], KL(target || draft) [B, T] and
     sum_v min(p_t, p_d) [B, T] (the chance speculative sampling at temperature 1 accepts the draft's token)."""
     @jax.jit
@@ -457,8 +457,8 @@ def main(argv=None) -> int:
     print(f"draft: {args.layers} of {target.config.num_layers} layers ({', '.join(map(str, chosen))}), "
           f"{sum(x.size for x in jax.tree.leaves(draft_params)) / 1e6:.1f}M params", flush=True)
     # The "dense" attention backend: the blocked one's dynamic loops cannot be differentiated.
-    target_model = LlamaModel(target.config, jnp.float32, "dense")
-    draft_model = LlamaModel(draft_config, jnp.float32, "dense")
+    target_model = DecoderModel(target.config, jnp.float32, "dense")
+    draft_model = DecoderModel(draft_config, jnp.float32, "dense")
 
     # 3. Baseline, train, evaluate again.
     eval_step = make_eval_step(draft_model, target_model)

@@ -19,6 +19,13 @@ VARIANTS = {
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, dict(rope_theta=1000000.0)),
     # A window shorter than the test prompts, so the sliding-window mask is exercised.
     "mistral-sliding": (transformers.MistralConfig, transformers.MistralForCausalLM, dict(sliding_window=12)),
+    # QK-norm, and a head_dim that is not hidden / heads.
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, dict(head_dim=32, rope_theta=1000000.0)),
+    # Sandwich norms, GeGLU, scaled embeddings, QK-norm, a query scale other than head_dim's (256 against 16), and
+    # sliding layers (a window shorter than the prompts, their own RoPE base) around a full one.
+    "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM, dict(
+        num_hidden_layers=3, num_key_value_heads=1, head_dim=16, sliding_window=12,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
 }
 
 
@@ -26,5 +33,9 @@ def save_tiny_model(kind: str, path, seed: int = 0):
     config_cls, model_cls, extra = VARIANTS[kind]
     torch.manual_seed(seed)
     model = model_cls(config_cls(**{**TINY, **extra})).eval()
+    with torch.no_grad():  # norms start at 1 (or Gemma's 0): random ones show a misplaced or misread norm
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.2 * torch.randn_like(p))
     model.save_pretrained(path, safe_serialization=True)
     return model

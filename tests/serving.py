@@ -18,8 +18,11 @@ def free_port() -> int:
 
 class ServerThread:
     def __init__(self, llm, name="test-model", **server_args):
-        self.engine = AsyncEngine(llm)
-        self.server = Server(self.engine, name, **server_args)
+        """llm: one LLM served as `name`, or {name: LLM} for several (.engine is the first, .engines all)."""
+        llms = llm if isinstance(llm, dict) else {name: llm}
+        self.engines = {n: AsyncEngine(x) for n, x in llms.items()}
+        self.engine = next(iter(self.engines.values()))
+        self.server = Server(self.engines, **server_args)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self._loop = asyncio.new_event_loop()
@@ -40,7 +43,8 @@ class ServerThread:
         asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(30)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(30)
-        self.engine.shutdown(30)
+        for engine in self.engines.values():
+            engine.shutdown(30)
 
 
 def wait_idle(st: ServerThread, timeout=30.0):
@@ -51,3 +55,14 @@ def wait_idle(st: ServerThread, timeout=30.0):
         assert time.monotonic() < deadline, "the server never went idle"
         time.sleep(0.02)
     st.engine.llm.core.assert_idle_and_clean()
+
+
+def metric_samples(text: str) -> dict:
+    """/metrics text -> {(metric, frozenset of 'label="value"'): value}."""
+    samples = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            series, value = line.rsplit(" ", 1)
+            name, _, labels = series.partition("{")
+            samples[name, frozenset(labels.rstrip("}").split(","))] = float(value)
+    return samples

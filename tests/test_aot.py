@@ -143,7 +143,7 @@ def test_tensor_parallel_config_is_the_repeated_kv_heads_one():
     import jax.numpy as jnp
 
     from jaxserve.config import ModelConfig
-    from jaxserve.model.llama import repeat_kv_heads
+    from jaxserve.model.decoder import repeat_kv_heads
     config = ModelConfig("LlamaForCausalLM", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1,
                          num_heads=8, num_kv_heads=2, head_dim=4, rope_theta=10000.0, max_position_embeddings=64)
     assert aot.tensor_parallel_config(config, 2) == config

@@ -50,6 +50,14 @@ def test_matches_the_oracle(kind, heads, kv_heads, window):
     check(got, expected(case, window), seed)
 
 
+def test_gemma3_head_shapes():
+    """Gemma 3 270M's heads (4 query heads on 1 KV head of 256) in a sliding layer: a window shorter than the rows."""
+    rng, seed = fresh_rng()
+    case = random_ragged_case(rng, row_lengths(rng, "mixed", max_start=40), heads=4, kv_heads=1, head_dim=256)
+    got, _ = run(case, window=13)
+    check(got, expected(case, 13), seed, tol=5e-5)
+
+
 def test_block_sizes_do_not_change_the_result():
     """One query block per decode row, or several per prompt chunk; 16-key blocks as on the GPU."""
     rng, seed = fresh_rng()

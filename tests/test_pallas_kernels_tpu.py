@@ -52,6 +52,15 @@ def test_matches_the_oracle(kind, heads, kv_heads, window):
     check(got, expected(case, window), seed)
 
 
+def test_gemma3_head_shapes():
+    """Gemma 3 270M's heads (4 query heads on 1 KV head of 256) in a sliding layer."""
+    rng, seed = fresh_rng()
+    case = random_ragged_case(rng, row_lengths(rng, "mixed", max_start=24), page_size=4, heads=4, kv_heads=1,
+                              head_dim=256)
+    got, _ = run(case, window=9)
+    check(got, expected(case, 9), seed)
+
+
 def test_int8_pages_match_the_oracle_on_the_same_pages():
     """Dequantized in VMEM exactly as read_pages does: compared with the oracle reading the same int8 pages."""
     rng, seed = fresh_rng()

@@ -2,11 +2,10 @@
 device, with the weights and the KV pages really split, nothing resharded or recompiled while serving, and requests
 spread over data-parallel replicas."""
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from hf_models import save_tiny_model
-from tiny import make_llm, prompts
+from tiny import make_llm, prompts, step_logits
 
 from jaxserve import SamplingParams
 from jaxserve.batching.batch_builder import Row, build_batch
@@ -34,15 +33,6 @@ def tokens(llm, ps, params=GREEDY):
 def reference(tp_dir):
     ps = prompts(np.random.default_rng(0), [3, 9, 17, 30])
     return ps, tokens(make_llm(tp_dir), ps)
-
-
-def step_logits(llm, token_ids):
-    """float32 logits of every token of one prompt, through the engine's runner (its params, cache and mesh)."""
-    r = llm.runner
-    pages = list(range(1, 1 + -(-len(token_ids) // r.page_size)))
-    batch = build_batch([Row(token_ids, 0, pages)], r.page_size, r.config.vocab_size, 32, 1, r.buckets.pages_per_row)
-    logits, r.kv_cache = r.steps.forward_logits(r.params, r.kv_cache, batch)
-    return np.asarray(logits)[:len(token_ids)]
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4, 8])

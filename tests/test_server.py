@@ -15,7 +15,7 @@ import pytest
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.sampling_params import MAX_STOP_TOKEN_IDS
-from serving import ServerThread, free_port, wait_idle
+from serving import ServerThread, free_port, metric_samples, wait_idle
 from tiny import first_decode_fails, make_llm
 
 KEY = "sk-test-key"
@@ -344,13 +344,7 @@ def test_a_failed_step_answers_500_and_the_server_goes_on(tiny):
 def test_metrics_after_traffic(tiny):
     for _ in range(3):
         assert post(tiny, "/v1/completions", {"prompt": [5, 6, 7, 8], "max_tokens": 6, "ignore_eos": True}).is_success
-    text = http("GET", tiny.url + "/metrics").text
-    samples = {}  # (name, frozenset of 'label="value"') -> value
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            series, value = line.rsplit(" ", 1)
-            name, _, labels = series.partition("{")
-            samples[name, frozenset(labels.rstrip("}").split(","))] = float(value)
+    samples = metric_samples(http("GET", tiny.url + "/metrics").text)
 
     def value(metric, **labels):
         return samples[metric, frozenset(f'{k}="{v}"' for k, v in {"model_name": "tiny", **labels}.items())]

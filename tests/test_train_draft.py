@@ -24,8 +24,8 @@ def test_distils_a_draft_that_loads(tiny_dir, tmp_path):
     assert chosen == [1] and config.num_layers == 1
     np.testing.assert_array_equal(params["params"]["layers_0"]["q_proj"]["kernel"],
                                   target.params["params"]["layers_1"]["q_proj"]["kernel"])
-    draft_model = td.LlamaModel(config, jnp.float32, "dense")
-    target_model = td.LlamaModel(target.config, jnp.float32, "dense")
+    draft_model = td.DecoderModel(config, jnp.float32, "dense")
+    target_model = td.DecoderModel(target.config, jnp.float32, "dense")
     optimizer, _ = td.make_optimizer(lr=1e-2, steps=8, warmup=1)
     step = td.make_train_step(draft_model, target_model, optimizer)
     trained, losses = td.train(step, optimizer, params, target.params, seqs, seq_len=32, batch_size=4, steps=8,
@@ -55,14 +55,14 @@ def test_training_forward_matches_the_engine(tiny_dir):
         target.params, init_kv_cache(target.config, 6, 4, jnp.float32), batch)[0])
     seqs = [{"tokens": prompt, "prompt_len": 1}, {"tokens": prompt[:7], "prompt_len": 1}]
     tokens, positions, _ = td.pad_batch(seqs, 24)
-    model = td.LlamaModel(target.config, jnp.float32, "dense")
+    model = td.DecoderModel(target.config, jnp.float32, "dense")
     got = np.asarray(td.batch_logits(model, target.params, tokens, positions))
     np.testing.assert_allclose(got[0, :20], want, atol=1e-4, rtol=1e-4)
     np.testing.assert_allclose(got[1, :7], want[:7], atol=1e-4, rtol=1e-4)
     config, params, chosen = td.init_draft(target.config, target.params, 2)
     assert chosen == [0, 1]
     seqs = [{"tokens": prompt, "prompt_len": 5}]
-    eval_step = td.make_eval_step(td.LlamaModel(config, jnp.float32, "dense"), model)
+    eval_step = td.make_eval_step(td.DecoderModel(config, jnp.float32, "dense"), model)
     full = td.evaluate(eval_step, params, target.params, seqs, 24, 1)
     assert full["agreement"] == 1.0 and abs(full["kl"]) < 1e-4
 

@@ -1,7 +1,10 @@
 """Engines over the tiny random model, sized so tests cross page, chunk and batch boundaries."""
 import contextlib
 
+import numpy as np
+
 from jaxserve import LLM
+from jaxserve.batching.batch_builder import Row, build_batch
 
 TINY_PAGE_BYTES = 2 * 2 * 4 * 2 * 16 * 4  # K and V, 2 layers, 4 tokens, 2 KV heads, head dim 16, float32
 
@@ -32,3 +35,14 @@ def first_decode_fails(runner, message="device lost"):
         yield
     finally:
         runner.dispatch = dispatch
+
+
+def step_logits(llm, token_ids, cached: int = 0):
+    """float32 logits of token_ids[cached:] in one step, through the engine's runner (its params, cache and mesh),
+    the first `cached` of them read from the cache (where an earlier call put them)."""
+    r = llm.runner
+    pages = list(range(1, 1 + -(-len(token_ids) // r.page_size)))
+    batch = build_batch([Row(token_ids[cached:], cached, pages)], r.page_size, r.config.vocab_size, 32, 1,
+                        r.buckets.pages_per_row)
+    logits, r.kv_cache = r.steps.forward_logits(r.params, r.kv_cache, batch)
+    return np.asarray(logits)[:len(token_ids) - cached]

@@ -36,13 +36,15 @@ def resolve_dtype(dtype: str):
 
 
 def resolve_model_path(model: str | None) -> Path:
-    from jaxserve.weights.default_model import DEFAULT_MODEL, default_model_path
-    if model is None or model == DEFAULT_MODEL:
-        return default_model_path()
+    from jaxserve.weights.default_model import DEFAULT_MODEL, KNOWN_MODELS, known_model_path
+    if model is None:
+        model = DEFAULT_MODEL
+    if model in KNOWN_MODELS:
+        return known_model_path(model)
     path = Path(model).expanduser()
     if not path.exists():
         raise ValueError(f"unknown model {model!r}: no such file or directory, and not a known model name "
-                         f"(known: {DEFAULT_MODEL})")
+                         f"(known: {', '.join(KNOWN_MODELS)})")
     return path
 
 

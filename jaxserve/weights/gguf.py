@@ -11,21 +11,29 @@ import numpy as np
 from jaxserve.config import ModelConfig
 from jaxserve.tokenizer import Tokenizer
 
-_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
+# Gemma 3 norms both sides of attention and FFN: its `ffn_norm` is the pre-FFN norm, which Llama calls
+# post_attention_layernorm; HF's Gemma uses that name for the norm on the attention's output.
+_GEMMA3_LAYER_NAMES = {
+    **_LAYER_NAMES, "ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+}
+_GEMMA3_CHAT_TEMPLATE = Path(__file__).parent.parent / "data" / "gemma3_chat_template.jinja"
 _MISSING = object()
 
 
-def _hf_name(name: str) -> str | None:
+def _hf_name(name: str, arch: str) -> str | None:
     base, kind = name.rsplit(".", 1)
     if base.startswith("blk."):
         _, layer, part = base.split(".", 2)
-        return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}" if part in _LAYER_NAMES else None
+        layer_names = _GEMMA3_LAYER_NAMES if arch == "gemma3" else _LAYER_NAMES
+        return f"model.layers.{layer}.{layer_names[part]}.{kind}" if part in layer_names else None
     return f"{_GLOBAL_NAMES[base]}.{kind}" if base in _GLOBAL_NAMES else None
 
 
@@ -106,6 +114,8 @@ def load_gguf(path) -> tuple[ModelConfig, dict[str, np.ndarray], Tokenizer]:
         tokenizer = Tokenizer.from_gguf_fields(reader)
     except ValueError as e:
         raise ValueError(f"{path}: {e}") from None
+    if arch == "gemma3" and tokenizer.chat_template is None:  # llama.cpp's converter often leaves Gemma's out
+        tokenizer.chat_template = _GEMMA3_CHAT_TEMPLATE.read_text(encoding="utf-8")
     hidden = meta(f"{arch}.embedding_length")
     n_heads = meta(f"{arch}.attention.head_count")
     n_kv_heads = meta(f"{arch}.attention.head_count_kv", n_heads)
@@ -114,7 +124,7 @@ def load_gguf(path) -> tuple[ModelConfig, dict[str, np.ndarray], Tokenizer]:
 
     names = {}  # gguf name -> HF name, checked before the slow part
     for t in reader.tensors:
-        names[t.name] = "rope_freqs" if t.name == "rope_freqs.weight" else _hf_name(t.name)
+        names[t.name] = "rope_freqs" if t.name == "rope_freqs.weight" else _hf_name(t.name, arch)
         if names[t.name] is None:
             raise ValueError(f"{path}: unexpected tensor {t.name!r} for architecture {arch!r}")
 
@@ -126,6 +136,10 @@ def load_gguf(path) -> tuple[ModelConfig, dict[str, np.ndarray], Tokenizer]:
             w = _unpermute(w, n_heads)
         elif arch == "llama" and names[t.name].endswith(("k_proj.weight", "k_proj.bias")):
             w = _unpermute(w, n_kv_heads)
+        elif arch == "gemma3" and names[t.name].endswith("norm.weight"):
+            # llama.cpp's converter bakes Gemma's RMSNorm offset into the weight (it computes x * w); HF keeps the
+            # checkpoint's w and computes x * (1 + w).
+            w -= 1.0
         return names[t.name], w
 
     try:
@@ -149,6 +163,8 @@ def load_gguf(path) -> tuple[ModelConfig, dict[str, np.ndarray], Tokenizer]:
     elif scaling_type != "none":
         raise ValueError(f"{path}: unsupported RoPE scaling {scaling_type!r}")
 
+    if arch == "gemma3":
+        return _gemma3_config(meta, params, rope_scaling), params, tokenizer
     config = ModelConfig(
         architecture=_ARCHITECTURES[arch],
         vocab_size=params["model.embed_tokens.weight"].shape[0],
@@ -166,3 +182,37 @@ def load_gguf(path) -> tuple[ModelConfig, dict[str, np.ndarray], Tokenizer]:
         tie_word_embeddings="lm_head.weight" not in params,
     )
     return config, params, tokenizer
+
+
+def _gemma3_config(meta, params, rope_scaling: dict | None) -> ModelConfig:
+    """Gemma 3's config as HF writes it, through ModelConfig.from_hf_config (which holds the family's constants).
+
+    What the GGUF does not say is fixed by the architecture, as in llama.cpp and transformers: every 6th layer
+    attends globally, the others over the sliding window with RoPE base 10000; RoPE scaling (the 4B-27B GGUFs'
+    linear factor 8) applies to the global layers only.
+    """
+    n_layers, hidden, n_heads = meta("gemma3.block_count"), meta("gemma3.embedding_length"), \
+        meta("gemma3.attention.head_count")
+    head_dim = meta("gemma3.attention.key_length", 256)
+    return ModelConfig.from_hf_config({
+        "architectures": ["Gemma3ForCausalLM"],
+        "hidden_size": hidden,
+        "intermediate_size": meta("gemma3.feed_forward_length"),
+        "num_hidden_layers": n_layers,
+        "num_attention_heads": n_heads,
+        "num_key_value_heads": meta("gemma3.attention.head_count_kv", n_heads),
+        "head_dim": head_dim,
+        "rms_norm_eps": meta("gemma3.attention.layer_norm_rms_epsilon", 1e-6),
+        "vocab_size": params["model.embed_tokens.weight"].shape[0],
+        "max_position_embeddings": meta("gemma3.context_length", 32768),
+        "sliding_window": meta("gemma3.attention.sliding_window"),
+        "layer_types": ["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(n_layers)],
+        # llama.cpp: 27B (62 layers) scales scores by hidden / heads, the other sizes by head_dim.
+        "query_pre_attn_scalar": hidden // n_heads if n_layers == 62 else head_dim,
+        "rope_parameters": {
+            "full_attention": {"rope_type": "default", "rope_theta": meta("gemma3.rope.freq_base", 1_000_000.0),
+                               **(rope_scaling or {})},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        },
+        "tie_word_embeddings": "lm_head.weight" not in params,
+    })

@@ -1,8 +1,11 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM) as Flax modules over a paged KV cache.
+"""The decoder every supported family runs (Llama 2/3, Mistral, Qwen2/3, SmolLM, Gemma 3), as Flax modules over a
+paged KV cache.
 
-The modules only define structure; what crosses `jit` is the plain params pytree and the cache. The model knows the
-page table it is handed and nothing else about pages. It only reads the cache: it returns this step's keys and
-values, and the step writes them (see `jaxserve.steps`).
+One forward, with a family's differences read from its config (architecture as data: QK-norm, Gemma's sandwich
+norms and GeGLU, embedding scale, per-layer sliding window and RoPE base; see `jaxserve.config.ModelConfig`), not a
+model file per family. The modules only define structure; what crosses `jit` is the plain params pytree and the
+cache. The model knows the page table it is handed and nothing else about pages. It only reads the cache: it returns
+this step's keys and values, and the step writes them (see `jaxserve.steps`).
 """
 from __future__ import annotations
 
@@ -18,8 +21,9 @@ from jax.sharding import Mesh
 from jaxserve.attention import attention
 from jaxserve.config import ModelConfig
 from jaxserve.distributed import COLUMN, ROW, VOCAB, attention_over_heads, embed_over_vocab
+from jaxserve.model.layers import Linear, RMSNorm
 from jaxserve.model.rope import apply_rope, inverse_frequencies
-from jaxserve.quant import embed, matmul
+from jaxserve.quant import embed
 
 
 # How each layer splits over a tensor-parallel mesh (see jaxserve.distributed): q/k/v, gate and up split their
@@ -51,66 +55,50 @@ def repeat_kv_heads(config: ModelConfig, params: dict, times: int) -> tuple[Mode
     return dataclasses.replace(config, num_kv_heads=kv * times), {**params, "params": layers}
 
 
-class Linear(nn.Module):
-    features: int
-    use_bias: bool = False
-    dtype: Any = jnp.float32
-
-    @nn.compact
-    def __call__(self, x):
-        # kernel: [in, out], float or quantized (jaxserve.quant). A quantized kernel's leaves do not have the float
-        # kernel's shape, so an existing kernel is read as is rather than through param()'s shape check.
-        if self.has_variable("params", "kernel"):
-            kernel = self.get_variable("params", "kernel")
-        else:
-            kernel = self.param("kernel", nn.initializers.normal(0.02), (x.shape[-1], self.features), self.dtype)
-        y = matmul(x, kernel)
-        if self.use_bias:
-            y = y + self.param("bias", nn.initializers.zeros, (self.features,), self.dtype)
-        return y
-
-
-class RMSNorm(nn.Module):
-    eps: float
-    dtype: Any = jnp.float32
-
-    @nn.compact
-    def __call__(self, x):
-        weight = self.param("weight", nn.initializers.ones, (x.shape[-1],), self.dtype)
-        x32 = x.astype(jnp.float32)
-        x32 = x32 * jnp.reciprocal(jnp.sqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps))
-        return (x32 * weight.astype(jnp.float32)).astype(self.dtype)
-
-
 class DecoderLayer(nn.Module):
     config: ModelConfig
     dtype: Any
     attention_backend: str = "reference"  # resolved (see jaxserve.attention.resolve_attention_backend)
     mesh: Mesh | None = None  # tensor parallel: attention runs per device on its heads
 
+    layer: int = 0  # its index: which window and RoPE base it has
+
     @nn.compact
     def __call__(self, x, kv, rows):
-        c, dt = self.config, self.dtype
+        c, dt, i = self.config, self.dtype, self.layer
         T, _ = x.shape  # x: [T, hidden], the step's tokens of every row back to back
         h = RMSNorm(c.rms_norm_eps, dt, name="input_layernorm")(x)
-        q = Linear(c.num_heads * c.head_dim, c.attention_bias, dt, name="q_proj")(h)
-        k = Linear(c.num_kv_heads * c.head_dim, c.attention_bias, dt, name="k_proj")(h)
-        v = Linear(c.num_kv_heads * c.head_dim, c.attention_bias, dt, name="v_proj")(h)
-        inv_freq = inverse_frequencies(c.head_dim, c.rope_theta, c.rope_scaling)
-        q = apply_rope(q.reshape(T, c.num_heads, c.head_dim), rows.positions, inv_freq)
-        k = apply_rope(k.reshape(T, c.num_kv_heads, c.head_dim), rows.positions, inv_freq)
-        v = v.reshape(T, c.num_kv_heads, c.head_dim)
-        attend = functools.partial(attention, sliding_window=c.sliding_window, backend=self.attention_backend)
+        q = Linear(c.num_heads * c.head_dim, c.attention_bias, dt, name="q_proj")(h).reshape(T, c.num_heads, -1)
+        k = Linear(c.num_kv_heads * c.head_dim, c.attention_bias, dt, name="k_proj")(h).reshape(T, c.num_kv_heads, -1)
+        v = Linear(c.num_kv_heads * c.head_dim, c.attention_bias, dt, name="v_proj")(h).reshape(T, c.num_kv_heads, -1)
+        if c.qk_norm:  # per head, before RoPE
+            q = RMSNorm(c.rms_norm_eps, dt, name="q_norm")(q)
+            k = RMSNorm(c.rms_norm_eps, dt, name="k_norm")(k)
+        window = c.layer_window(i)
+        local_rope = window is not None and c.rope_local_theta is not None  # Gemma's sliding layers: their own base
+        inv_freq = inverse_frequencies(c.head_dim, c.layer_rope_theta(i), None if local_rope else c.rope_scaling)
+        q = apply_rope(q, rows.positions, inv_freq)
+        k = apply_rope(k, rows.positions, inv_freq)
+        if c.query_pre_attn_scalar is not None and c.query_pre_attn_scalar != c.head_dim:
+            q = q * jnp.asarray((c.head_dim / c.query_pre_attn_scalar) ** 0.5, dt)  # attention divides by sqrt(head_dim)
+        attend = functools.partial(attention, sliding_window=window, backend=self.attention_backend)
         attn = attention_over_heads(attend, self.mesh, q, k, v, kv[0], kv[1], rows)
-        x = x + Linear(c.hidden_size, False, dt, name="o_proj")(attn.reshape(T, -1))
+        out = Linear(c.hidden_size, False, dt, name="o_proj")(attn.reshape(T, -1))
+        if c.sandwich_norm:
+            out = RMSNorm(c.rms_norm_eps, dt, name="attn_output_norm")(out)
+        x = x + out
+        # The FFN's input norm, under Llama's name for it.
         h = RMSNorm(c.rms_norm_eps, dt, name="post_attention_layernorm")(x)
         gate = Linear(c.intermediate_size, False, dt, name="gate_proj")(h)
         up = Linear(c.intermediate_size, False, dt, name="up_proj")(h)
-        x = x + Linear(c.hidden_size, False, dt, name="down_proj")(nn.silu(gate) * up)
-        return x, (k, v)
+        act = nn.silu(gate) if c.hidden_activation == "silu" else nn.gelu(gate, approximate=True)
+        out = Linear(c.hidden_size, False, dt, name="down_proj")(act * up)
+        if c.sandwich_norm:
+            out = RMSNorm(c.rms_norm_eps, dt, name="ffn_output_norm")(out)
+        return x + out, (k, v)
 
 
-class LlamaModel(nn.Module):
+class DecoderModel(nn.Module):
     config: ModelConfig
     dtype: Any = jnp.float32
     attention_backend: str = "reference"
@@ -130,10 +118,12 @@ class LlamaModel(nn.Module):
             embedding = self.param("embed_tokens", nn.initializers.normal(0.02), (c.vocab_size, c.hidden_size),
                                    self.dtype)
         x = embed_over_vocab(functools.partial(embed, dtype=self.dtype), self.mesh, embedding, token_ids)  # [T, hidden]
+        if c.embedding_multiplier != 1.0:  # in the model's dtype, as HF rounds it
+            x = x * jnp.asarray(c.embedding_multiplier, self.dtype)
         new_kv = []
         # A Python loop over per-layer weights: on XLA:CPU a scan over stacked layers copies each weight slice.
         for i in range(c.num_layers):
-            x, kv = DecoderLayer(c, self.dtype, self.attention_backend, self.mesh, name=f"layers_{i}")(x, kv_cache[i], rows)
+            x, kv = DecoderLayer(c, self.dtype, self.attention_backend, self.mesh, i, name=f"layers_{i}")(x, kv_cache[i], rows)
             new_kv.append(kv)
         if logits_index is not None:
             x = x[logits_index]  # [S, hidden] or [S, Q, hidden]
