@@ -23,7 +23,7 @@ import peers  # noqa: E402
 from jaxserve import LLM, SamplingParams  # noqa: E402
 from jaxserve.batching.batch_builder import Row  # noqa: E402
 from jaxserve.batching.sequence import Sequence  # noqa: E402
-from jaxserve.weights.default_model import default_model_path  # noqa: E402
+from jaxserve.weights import resolve_model_path  # noqa: E402
 from jaxserve.weights.params import param_bytes  # noqa: E402
 
 
@@ -32,8 +32,8 @@ FORMATS = {"float32": {}, "int8": {"quantization": "int8"}, "int4": {"quantizati
            "awq": {"quantization": "awq"}, "int8-kv": {"kv_cache_dtype": "int8"}}
 
 
-def bench_jaxserve(batch_sizes, fmt="float32", prompt_len=512, decode_steps=32, repeats=3):
-    llm = LLM(max_model_len=1024, max_num_seqs=max(batch_sizes), max_num_batched_tokens=prompt_len, warmup=False,
+def bench_jaxserve(batch_sizes, fmt="float32", prompt_len=512, decode_steps=32, repeats=3, model=None):
+    llm = LLM(model, max_model_len=1024, max_num_seqs=max(batch_sizes), max_num_batched_tokens=prompt_len, warmup=False,
               **FORMATS[fmt])
     core, runner = llm.core, llm.runner
     prompt = peers._prompt_ids(prompt_len, llm.config.vocab_size)
@@ -87,6 +87,8 @@ def machine() -> dict:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="a GGUF or a known name (default: the default model; e.g. "
+                                                  "gemma3-270m); the peers run the same GGUF")
     ap.add_argument("--batch-sizes", default="1,8,32,64")
     ap.add_argument("--formats", default="float32,int8,int4,int8-kv", help="comma list of " + ", ".join(FORMATS))
     ap.add_argument("--format-batch-sizes", default="1,8", help="batch sizes for the formats other than float32")
@@ -94,14 +96,15 @@ def main():
     ap.add_argument("--out", default="bench_results/decode.json")
     args = ap.parse_args()
     bs = tuple(int(b) for b in args.batch_sizes.split(","))
-    gguf = default_model_path()
+    gguf = resolve_model_path(args.model)
     formats = [f for f in args.formats.split(",") if f]
     if unknown := set(formats) - set(FORMATS):
         ap.error(f"unknown formats {sorted(unknown)}")
     fbs = tuple(int(b) for b in args.format_batch_sizes.split(","))
     results = {"date": time.strftime("%Y-%m-%d"), "machine": machine(),
-               "bandwidth": peers.measure_bandwidth(), "jaxserve": bench_jaxserve(bs),
-               "formats": [bench_jaxserve(fbs, f) for f in formats if f != "float32"]}
+               "bandwidth": peers.measure_bandwidth(), "model": gguf.name,
+               "jaxserve": bench_jaxserve(bs, model=args.model),
+               "formats": [bench_jaxserve(fbs, f, model=args.model) for f in formats if f != "float32"]}
     which = [p for p in args.peers.split(",") if p]
     if "llamacpp" in which:
         results["llamacpp"] = peers.bench_llamacpp(str(gguf), batch_sizes=bs)

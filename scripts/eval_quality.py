@@ -1,6 +1,6 @@
 """What each weight and KV-cache format costs in quality, on the default model and a fixed public-domain text.
 
-    python scripts/eval_quality.py [--text tests/data/alice_ch1.txt] [--tokens N] [--formats a,b,...]
+    python scripts/eval_quality.py [--model M] [--text tests/data/alice_ch1.txt] [--tokens N] [--formats a,b,...]
                                    [--out bench_results/quality.json]
 
 Per format: perplexity of the text and top-1 (greedy) agreement with float32, the share of positions where the
@@ -37,6 +37,7 @@ FORMATS = {  # name: (convert the float32 params, keyword arguments for scoring)
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="default: the default model; e.g. gemma3-270m")
     ap.add_argument("--text", default=str(Path(__file__).parent.parent / "tests" / "data" / "alice_ch1.txt"))
     ap.add_argument("--tokens", type=int, default=None, help="score only the first N tokens")
     ap.add_argument("--formats", default=",".join(FORMATS), help="comma-separated, from: " + ", ".join(FORMATS))
@@ -45,7 +46,7 @@ def main():
     names = args.formats.split(",")
     if unknown := set(names) - set(FORMATS):
         ap.error(f"unknown formats {sorted(unknown)}")
-    loaded = load_model(None, jnp.float32)
+    loaded = load_model(args.model, jnp.float32)
     ids = loaded.tokenizer.encode(Path(args.text).read_text())[:args.tokens]
     rows, reference = [], None
     for name in ["float32"] + [n for n in names if n != "float32"]:
@@ -59,14 +60,15 @@ def main():
                      "top1_agreement": round(float((top1 == reference).mean()), 4),
                      "seconds": round(time.perf_counter() - start, 1)})
     base = rows[0]["perplexity"]
-    print(f"{len(ids)} tokens of {Path(args.text).name}")
+    print(f"{loaded.name}: {len(ids)} tokens of {Path(args.text).name}")
     print(f"{'format':<12}{'MB':>8}{'perplexity':>12}{'vs fp32':>9}{'top-1 agree':>13}")
     for r in rows:
         print(f"{r['format']:<12}{r['weight_bytes'] / 1e6:>8.0f}{r['perplexity']:>12.3f}"
               f"{100 * (r['perplexity'] / base - 1):>+8.1f}%{100 * r['top1_agreement']:>12.1f}%")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "text": Path(args.text).name, "tokens": len(ids),
+    out.write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "model": loaded.name, "text": Path(args.text).name,
+                               "tokens": len(ids),
                                "rows": rows}, indent=1))
     print(f"wrote {out}")
 
