@@ -12,7 +12,7 @@ import threading
 import uuid
 from typing import AsyncIterator
 
-from jaxserve.batching.engine_core import EngineStats
+from jaxserve.batching.engine_core import MAX_FAILED_STEPS, EngineDeadError, EngineStats, StepError
 from jaxserve.engine import LLM, request_metrics
 from jaxserve.engine_config import EngineConfig
 from jaxserve.outputs import CompletionOutput, RequestOutput
@@ -20,13 +20,7 @@ from jaxserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("jaxserve")
 
-
-# Engine steps that may fail in a row before the engine declares itself dead (unhealthy) instead of going on.
-MAX_FAILED_STEPS = 3
-
-
-class EngineDeadError(RuntimeError):
-    pass
+__all__ = ["AsyncEngine", "EngineDeadError", "MAX_FAILED_STEPS"]
 
 
 class _Stream:
@@ -52,7 +46,6 @@ class AsyncEngine:
         self._streams: dict[str, _Stream] = {}
         self._stats = llm.stats()
         self._stopping = False
-        self._failed_steps = 0  # in a row: reset when a step's results come back
         self._thread = threading.Thread(target=self._run, name="jaxserve-engine", daemon=True)
         self._thread.start()
 
@@ -125,16 +118,24 @@ class AsyncEngine:
             try:
                 if self._loop_once():
                     return
-            except Exception as e:  # noqa: BLE001 - the step's requests fail; the engine goes on for the others
-                self._failed_steps += 1
-                logger.exception("engine step failed (%d in a row)", self._failed_steps)
-                if self._failed_steps >= MAX_FAILED_STEPS:
+            except StepError as e:  # its requests end; the engine goes on for the others while a replica serves
+                logger.error("engine step failed; ending %d request(s)", len(e.failed), exc_info=e.cause)
+                self._publish(e.changed)  # read back before the failure: these requests are owed their results
+                for request_id, error in e.failed.items():
+                    stream = self._streams.pop(request_id, None)
+                    if stream is not None:
+                        stream.put(error)
+                self._stats = self.llm.stats()
+                if self._stats.num_replicas_healthy == 0:
                     # Not a bad request but a broken engine: say so (health turns 503) rather than fail forever.
-                    logger.error("%d engine steps failed in a row: the engine stops", self._failed_steps)
+                    logger.error("every engine replica failed %d steps in a row: the engine stops", MAX_FAILED_STEPS)
                     self._stopping = True
-                    self._fail_all(EngineDeadError(f"the engine stopped after {self._failed_steps} failed steps: {e}"))
+                    self._fail_all(EngineDeadError(f"the engine stopped after {MAX_FAILED_STEPS} failed steps: "
+                                                   f"{e.cause}"))
                     return
-                self._fail_running(e)
+            except Exception as e:  # noqa: BLE001 - outside a step (a command): state too broken to tell
+                logger.exception("the engine loop failed; failing every request")
+                self._fail_all(e)
 
     def _loop_once(self) -> bool:
         """Applies queued commands, then runs one step if there is work; True when told to stop."""
@@ -150,20 +151,23 @@ class AsyncEngine:
                 self._apply(command, arg)
         except queue.Empty:
             pass
-        steps = self._stats.steps  # the snapshot is retaken after every step: this is the count before this one
         if llm.has_unfinished_requests():
             self._publish(llm.step())
         self._stats = llm.stats()
-        # A step's results came back (a dispatch alone proves nothing: errors surface later).
-        if self._stats.steps > steps:
-            self._failed_steps = 0
         return False
 
     def _apply(self, command: str, arg) -> None:
         if command == "add":
-            if arg[0].request_id not in self._streams:
+            request_id = arg[0].request_id
+            if request_id not in self._streams:
                 return  # failed or aborted before it was ever added
-            self.llm.submit(arg)
+            try:
+                self.llm.submit(arg)
+            except Exception as e:  # noqa: BLE001 - nowhere to run it (every replica stopped): this request fails
+                self.llm.abort_request(request_id)  # any of its sequences already queued
+                stream = self._streams.pop(request_id, None)
+                if stream is not None:
+                    stream.put(e)
         elif command == "abort":
             self.llm.abort_request(arg)
             stream = self._streams.pop(arg, None)
@@ -192,24 +196,6 @@ class AsyncEngine:
                 del self._streams[request_id]
             metrics = request_metrics(stream.seqs) if done else None
             stream.put(RequestOutput(request_id, stream.prompt, stream.prompt_token_ids, outputs, done, metrics))
-
-    def _fail_running(self, error: BaseException) -> None:
-        try:
-            failed = self.llm.fail_running()
-        except Exception:  # noqa: BLE001 - state too broken to tell: everything fails, but nobody hangs
-            logger.exception("cleaning up after the failed step failed; failing every request")
-            self._fail_all(error)
-            return
-        for request_id in failed:
-            stream = self._streams.pop(request_id, None)
-            if stream is not None:
-                stream.put(error)
-        if not failed and self.llm.has_unfinished_requests():
-            # No request was in the failed step, so it was not the step: nothing can run. Fail what waits rather
-            # than retry the same failure forever.
-            logger.error("the engine cannot make progress; failing every queued request")
-            self._fail_all(error)
-        self._stats = self.llm.stats()
 
     def _fail_all(self, error: BaseException) -> None:
         # pop(.., None): a request being added on the event loop may take itself out at the same time.

@@ -248,7 +248,8 @@ class LLM:
 
     def step(self) -> list[tuple[Sequence, str]]:
         """Runs one engine step: the sequences that advanced, each with its new text (their new tokens, logprobs and
-        finish reasons are on the sequence)."""
+        finish reasons are on the sequence). A failed step raises `StepError`: it holds what the step read back
+        before it failed and the requests it ended (their pages are free; the engine goes on with the others)."""
         return self.core.step()
 
     def has_unfinished_requests(self) -> bool:
@@ -260,10 +261,6 @@ class LLM:
 
     def abort_all(self) -> None:
         self.core.abort_all()
-
-    def fail_running(self) -> set[str]:
-        """After step() raised: aborts the requests whose sequences were in the lost steps; their ids."""
-        return self.core.fail_running()
 
     # ---- several processes (jaxserve.multihost) ----
 

@@ -86,6 +86,10 @@ class _EngineCollector:
             return f
         yield family(GaugeMetricFamily, "num_requests_running", "Sequences in the running batch.", "num_running")
         yield family(GaugeMetricFamily, "num_requests_waiting", "Sequences waiting to be scheduled.", "num_waiting")
+        yield family(GaugeMetricFamily, "num_replicas", "Data-parallel engine replicas.", "num_replicas")
+        yield family(GaugeMetricFamily, "num_replicas_healthy",
+                     "Replicas still serving (one stops after repeated failed steps; its requests fail).",
+                     "num_replicas_healthy")
         yield family(GaugeMetricFamily, "kv_cache_usage_perc", "Fraction of KV pages held by sequences (0-1).",
                      "kv_cache_usage")
         yield family(CounterMetricFamily, "prompt_tokens", "Prompt tokens computed (prefix-cache hits excluded).",

@@ -165,8 +165,17 @@ class Server:
     # ---- plain endpoints ----
 
     async def health(self, request):
+        """200 while every engine serves; "degraded" (still 200: requests are served) names the models with stopped
+        data-parallel replicas."""
         alive = all(m.engine.alive() for m in self.models.values()) and not self.draining
-        return web.json_response({"status": "ok" if alive else "unavailable"}, status=200 if alive else 503)
+        if not alive:
+            return web.json_response({"status": "unavailable"}, status=503)
+        snapshots = {name: m.engine.stats() for name, m in self.models.items()}
+        stopped = {name: s.num_replicas - s.num_replicas_healthy for name, s in snapshots.items()
+                   if s.num_replicas_healthy < s.num_replicas}
+        if stopped:
+            return web.json_response({"status": "degraded", "stopped_replicas": stopped})
+        return web.json_response({"status": "ok"})
 
     async def prometheus(self, request):
         return web.Response(body=self.metrics.exposition(), headers={"Content-Type": CONTENT_TYPE_LATEST})

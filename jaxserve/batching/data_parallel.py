@@ -8,12 +8,16 @@ the most of its prompt, then to the one sent the fewest requests (so replicas id
 request's n sequences stay together (they share its prompt's pages). Stepping the replicas
 one after the other keeps them all busy: each step dispatches its replica's next step before it reads back the one
 before, so while one replica's host waits for its device the others' devices are computing.
+
+A replica is a unit of failure too: a failed step ends only that replica's requests (the others' results of the
+round still reach theirs), and a replica whose steps keep failing leaves the routing for good while the others
+serve on (its state shows in the stats: /health and /metrics).
 """
 from __future__ import annotations
 
 import dataclasses
 
-from jaxserve.batching.engine_core import EngineCore, EngineStats
+from jaxserve.batching.engine_core import EngineCore, EngineDeadError, EngineStats, StepError
 from jaxserve.batching.sequence import Sequence
 from jaxserve.cache import page_keys
 
@@ -25,16 +29,20 @@ class DataParallel:
         self.routed = [0] * len(replicas)  # requests sent to each replica
 
     def route(self, seq: Sequence) -> EngineCore:
-        """The replica a new request's sequence goes to (the one its siblings went to, if any)."""
+        """The healthy replica a new request's sequence goes to (the one its siblings went to, if any)."""
         if seq.request_id in self._placed:
             return self._placed[seq.request_id]
+        healthy = [i for i, core in enumerate(self.replicas) if core.healthy]
+        if not healthy:
+            raise EngineDeadError("every data-parallel replica has stopped after failed steps")
+        # Replicas share one page size: the prompt is hashed once, whatever their number.
+        keys = page_keys(seq.prompt_token_ids, self.replicas[0].scheduler.cache.page_size, [])
 
         def load(i: int) -> tuple[int, int, int]:
             s = self.replicas[i].scheduler
-            keys = page_keys(seq.prompt_token_ids, s.cache.page_size, [])
             return len(s.waiting) + len(s.running), -s.cache.num_cached_pages(seq.prompt_token_ids, keys), \
                 self.routed[i]
-        best = min(range(len(self.replicas)), key=load)
+        best = min(healthy, key=load)
         self.routed[best] += 1
         return self.replicas[best]
 
@@ -44,13 +52,24 @@ class DataParallel:
         self._placed[seq.request_id] = core
 
     def step(self) -> list[tuple[Sequence, str]]:
-        changed = []
+        """Steps every replica with work. If any failed: StepError with every replica's results and the failed
+        replicas' ended requests (the rest of the round ran)."""
+        changed, failed, cause = [], {}, None
         for core in self.replicas:
             if core.has_unfinished():
-                changed += core.step()
+                try:
+                    changed += core.step()
+                except StepError as e:
+                    changed += e.changed
+                    failed.update(e.failed)
+                    cause = cause or e.cause
         for seq, _ in changed:
             if seq.finish_reason is not None and not self._holds(seq.request_id):
                 self._placed.pop(seq.request_id, None)
+        for request_id in failed:
+            self._placed.pop(request_id, None)
+        if cause is not None:
+            raise StepError(cause, changed, failed)
         return changed
 
     def _holds(self, request_id: str) -> bool:
@@ -64,12 +83,6 @@ class DataParallel:
     def abort(self, request_id: str) -> list[Sequence]:
         core = self._placed.pop(request_id, None)
         return core.abort(request_id) if core else []
-
-    def fail_running(self) -> set[str]:
-        failed = set().union(*(core.fail_running() for core in self.replicas))
-        for request_id in failed:
-            self._placed.pop(request_id, None)
-        return failed
 
     def abort_all(self) -> None:
         for core in self.replicas:

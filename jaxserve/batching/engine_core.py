@@ -7,6 +7,9 @@ stops at step N was also given a row in step N+1, whose token is dropped.
 
 A speculative step (proposals to verify) is the exception: its proposals must continue the latest tokens and the
 plan after it must know how many were accepted, so it reads the step before back first and is waited for itself.
+
+A step that fails ends only the requests it held, and the results read back before it failed still reach theirs
+(`StepError`); a replica whose steps keep failing stops (`healthy`) and ends every request it holds.
 """
 from __future__ import annotations
 
@@ -17,6 +20,23 @@ from jaxserve.batching.model_runner import ModelRunner
 from jaxserve.batching.scheduler import Scheduler, StepPlan
 from jaxserve.batching.sequence import Sequence, Status
 from jaxserve.batching.spec_controller import SpecController
+
+# Steps of one engine replica that may fail in a row before it declares itself dead instead of going on.
+MAX_FAILED_STEPS = 3
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+class StepError(RuntimeError):
+    """A step failed. `changed`: the results read back before it did, which must still reach their requests;
+    `failed`: request id -> the error that ended it (its sequences are out and their pages free)."""
+
+    def __init__(self, cause: BaseException, changed: list[tuple[Sequence, str]],
+                 failed: dict[str, BaseException]):
+        super().__init__(str(cause))
+        self.cause, self.changed, self.failed = cause, changed, failed
 
 
 @dataclasses.dataclass
@@ -42,6 +62,9 @@ class EngineStats:
     spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()
     spec_decode_acceptance_rate: float = 0.0
     spec_decode_num_speculating: int = 0
+    # Replicas (data parallelism) and how many of them still serve (a replica stops after MAX_FAILED_STEPS).
+    num_replicas: int = 1
+    num_replicas_healthy: int = 1
 
 
 class EngineCore:
@@ -61,20 +84,31 @@ class EngineCore:
         self.generation_tokens = 0
         self._rate_window_s = rate_window_s
         self._recent: list[tuple[float, int]] = []  # (time, tokens) of recent steps, for tokens/s
+        self._changed: list[tuple[Sequence, str]] = []  # what the current step has read back so far
+        self.failed_steps = 0  # in a row: reset when a step's results come back
+
+    @property
+    def healthy(self) -> bool:
+        return self.failed_steps < MAX_FAILED_STEPS
 
     def add(self, seq: Sequence) -> None:
+        if not self.healthy:
+            raise EngineDeadError(f"this engine stopped after {self.failed_steps} failed steps in a row")
         self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> list[Sequence]:
         return self.scheduler.abort(request_id)
 
-    def fail_running(self) -> set[str]:
+    def _fail_running(self) -> set[str]:
         """After a failed step: the requests that had a sequence in the lost steps out (all their sequences),
         nothing in flight (its results are lost with it). Those are the running sequences and any preempted with a
-        token still in flight, which will never land. Other waiting requests were in no step and stay. Returns the
-        failed request ids."""
+        token still in flight, which will never land. Other waiting requests were in no step and stay, unless no
+        request was in the failed step: then it was not the step that failed but the engine, and nothing here can
+        run. Returns the failed request ids."""
         s = self.scheduler
         failed = {q.request_id for q in s.running} | {q.request_id for q in s.waiting if q.pending}
+        if not failed or not self.healthy:
+            failed |= {q.request_id for q in s.waiting}
         for request_id in failed:
             self.scheduler.abort(request_id)
         self._in_flight = None
@@ -91,7 +125,25 @@ class EngineCore:
 
     def step(self) -> list[tuple[Sequence, str]]:
         """Dispatches the next step and returns (sequence, new text) for each token of the previous one (and, in a
-        speculative step, of this one)."""
+        speculative step, of this one). Raises StepError if it fails, with the requests it ended and what it had
+        read back before; the engine is then clean for the next step."""
+        self._changed = []
+        try:
+            self._step()
+        except Exception as e:  # noqa: BLE001 - any failure: its requests end, the others go on
+            self.failed_steps += 1
+            try:
+                failed = dict.fromkeys(self._fail_running(), e)
+            except Exception:  # noqa: BLE001 - state too broken to tell: every request ends, none hangs
+                failed = {q.request_id: e for q in self.scheduler.waiting + self.scheduler.running}
+                self.abort_all()
+            if not self.healthy:
+                dead = EngineDeadError(f"the engine stopped after {self.failed_steps} failed steps in a row: {e}")
+                failed = dict.fromkeys(failed, dead)
+            raise StepError(e, self._changed, failed) from e
+        return self._changed
+
+    def _step(self) -> None:
         start = time.perf_counter()
         if self.proposer is not None:
             lengths = self._speculation_lengths()
@@ -104,8 +156,8 @@ class EngineCore:
         if done is None:
             if dispatched is None and self.scheduler.has_unfinished():
                 raise RuntimeError("the scheduler can neither run nor admit any sequence")  # a bug, never a wait
-            return []
-        changed = self._update(*done)
+            return
+        self._update(*done)
         now = time.perf_counter()
         if self.adaptive and self.controller is not None:
             rows = len(done[0].decode) + len(done[0].prefill)
@@ -113,7 +165,6 @@ class EngineCore:
             if self._last_fetch is not None:
                 self.controller.observe_step(done[0].num_tokens, now - self._last_fetch, False)
         self._last_fetch = now if dispatched is not None else None
-        return changed
 
     def _speculation_lengths(self) -> dict[Sequence, int]:
         """Proposals wanted per decoding sequence. Decided on what the host knows: a token still in flight is
@@ -123,26 +174,27 @@ class EngineCore:
             return {s: self.controller.k for s in seqs}
         return self.controller.choose(seqs, self.proposer.available)
 
-    def _speculative_step(self, lengths: dict[Sequence, int]) -> list[tuple[Sequence, str]]:
+    def _speculative_step(self, lengths: dict[Sequence, int]) -> None:
         """A step planned with every token on the host, and waited for: its proposals continue the latest tokens,
         and the plan after it must know how many were accepted. So the step before is read back first, and the
         host's work no longer overlaps the device's for this step (what that costs: BENCHMARKS.md)."""
-        changed = self._update(*self._in_flight) if self._in_flight is not None else []
-        self._in_flight, self._last_fetch = None, None
+        if self._in_flight is not None:
+            done, self._in_flight = self._in_flight, None  # its results are lost with it if reading it fails
+            self._update(*done)
+        self._last_fetch = None
         start = time.perf_counter()
         plan = self.scheduler.schedule(lengths)
         if not plan:
-            return changed
+            return
         self.proposer.propose(plan)
         plan.num_draft = {s: len(p) for s, p in plan.proposals.items()}
-        changed += self._update(*self._dispatch(plan))
+        self._update(*self._dispatch(plan))
         speculating = [k for k in plan.num_draft.values() if k]
         self.controller.num_speculating = len(speculating)
         if self.adaptive:
             rows = len(plan.decode) + len(plan.prefill)
             self.controller.observe_step(plan.num_tokens, time.perf_counter() - start, True, rows, len(speculating),
                                          max(speculating, default=0))
-        return changed
 
     def _dispatch(self, plan: StepPlan) -> tuple[StepPlan, tuple]:
         handle = self.runner.dispatch(plan)
@@ -150,10 +202,13 @@ class EngineCore:
         self.prompt_tokens += sum(c.length for c in plan.prefill)
         return plan, handle
 
-    def _update(self, plan: StepPlan, handle: tuple) -> list[tuple[Sequence, str]]:
+    def _update(self, plan: StepPlan, handle: tuple) -> None:
+        """Reads a step back and applies it, adding (sequence, new text) to the step's results as it goes: a
+        failure later in this step must not lose what has already been applied."""
         wait = time.perf_counter()
         out = self.runner.fetch(handle)  # the step's one blocking copy
         self._fetch_wait = time.perf_counter() - wait
+        self.failed_steps = 0  # a step's results came back (a dispatch alone proves nothing: errors surface later)
         self.scheduler.written(plan)
         now = time.monotonic()
         if self.scheduler.slo is not None and self._last_arrival is not None:
@@ -162,7 +217,7 @@ class EngineCore:
         self.steps += 1
         # Rows in the order plan_rows laid them out: decode rows, then prompt chunks.
         row_seqs = plan.decode + [c.seq for c in plan.prefill]
-        changed, emitted = [], 0
+        emitted = 0
         tokens, counts = out.tokens.tolist(), out.num_tokens.tolist()
         for i, seq in enumerate(row_seqs):
             if not counts[i] or seq.finished:
@@ -187,10 +242,9 @@ class EngineCore:
                 self.scheduler.finish(seq)
             elif proposed is not None:
                 self.scheduler.roll_back(seq, len(proposed) - (counts[i] - 1))
-            changed.append((seq, "".join(delta)))
+            self._changed.append((seq, "".join(delta)))
         self.generation_tokens += emitted
         self._recent = [(t, n) for t, n in self._recent if now - t <= self._rate_window_s] + [(now, emitted)]
-        return changed
 
     def stats(self) -> EngineStats:
         cache, s = self.scheduler.cache, self.scheduler
@@ -203,7 +257,8 @@ class EngineCore:
             kv_cache_usage=used / total, prefix_cache_queries=cache.queries, prefix_cache_hits=cache.hits,
             prefix_cache_hit_rate=cache.hit_rate(), num_preemptions=s.num_preemptions,
             prompt_tokens=self.prompt_tokens, generation_tokens=self.generation_tokens,
-            generation_tokens_per_s=rate, steps=self.steps, **self._spec_stats())
+            generation_tokens_per_s=rate, steps=self.steps, num_replicas_healthy=int(self.healthy),
+            **self._spec_stats())
 
     def _spec_stats(self) -> dict:
         c = self.controller

@@ -1,0 +1,176 @@
+"""A failed step ends the requests it held and no others: what was read back before it still reaches its requests
+(speculative rounds, data-parallel rounds), and over data parallelism a broken replica fails only its own requests,
+leaves the routing after its failure streak and shows in /health and /metrics while the others serve on."""
+import asyncio
+
+import jax
+import pytest
+from tiny import make_llm
+
+from jaxserve import AsyncEngine, SamplingParams
+from jaxserve.batching.engine_core import MAX_FAILED_STEPS, EngineDeadError, StepError
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+SHORT = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+NGRAM = dict(method="ngram", num_speculative_tokens=2, adaptive=False)
+needs_devices = pytest.mark.skipif(len(jax.devices()) < 2, reason="needs XLA_FLAGS=--xla_force_host_platform_"
+                                   "device_count=2 or more")
+
+
+def first_step_reading_back_a_finish_fails(llm):
+    """Makes the first speculative round that reads back a finished sequence fail after that read-back."""
+    core = llm.core
+    update, failed = core._update, []
+
+    def updating(plan, handle):
+        update(plan, handle)
+        if not failed and any(s.finish_reason is not None for s in plan.decode + [c.seq for c in plan.prefill]):
+            failed.append(1)
+            core.proposer.propose = _raise  # the round goes on to propose: that is where it fails
+    core._update = updating
+    return failed
+
+
+def _raise(*_):
+    raise RuntimeError("proposer lost")
+
+
+def test_a_request_finished_in_a_failed_speculative_round_still_ends(tiny_dir):
+    """Request a finishes at its first token, read back at the start of a speculative round whose proposing then
+    fails: a's result reaches it (it used to be dropped with the round: a's stream never ended, its capacity stayed
+    taken), b, which was in the failed round, gets the error; nothing is held afterwards."""
+    llm = make_llm(tiny_dir, speculative_config=NGRAM)
+    failed = first_step_reading_back_a_finish_fails(llm)
+    llm.add_request({"prompt_token_ids": [5, 6, 7]}, SHORT, request_id="a")
+    llm.add_request({"prompt_token_ids": [8, 9, 10, 11]}, GREEDY, request_id="b")
+    with pytest.raises(StepError) as info:
+        while llm.has_unfinished_requests():
+            llm.step()
+    assert failed, "no speculative round read back a finished sequence"
+    done = {s.request_id: s for s, _ in info.value.changed}
+    assert done["a"].finish_reason == "length" and len(done["a"].output_token_ids) == 1
+    assert set(info.value.failed) == {"b"} and "proposer lost" in str(info.value.failed["b"])
+    llm.core.assert_idle_and_clean()
+
+
+def test_the_async_engine_ends_a_request_finished_in_a_failed_round(tiny_dir):
+    llm = make_llm(tiny_dir, speculative_config=NGRAM)
+    failed = first_step_reading_back_a_finish_fails(llm)
+    engine = AsyncEngine(llm)
+    try:
+        async def main():
+            a = await engine.add_request({"prompt_token_ids": [5, 6, 7]}, SHORT, request_id="a")
+            b = await engine.add_request({"prompt_token_ids": [8, 9, 10, 11]}, GREEDY, request_id="b")
+            return await asyncio.wait_for(asyncio.gather(_collect(a), _collect(b), return_exceptions=True), 30)
+
+        a, b = asyncio.run(main())
+        assert failed
+        assert len(a[0]) == 1 and a[1] == ["length"], a
+        assert isinstance(b, RuntimeError) and "proposer lost" in str(b)
+        assert engine.alive() and engine.stats().num_running == 0
+    finally:
+        engine.shutdown()
+
+
+async def _collect(stream):
+    tokens, reasons = [], []
+    async for out in stream:
+        for c in out.outputs:
+            tokens += c.token_ids
+            if c.finish_reason:
+                reasons.append(c.finish_reason)
+    return [tokens, reasons]
+
+
+# ---- data parallelism ----
+
+def break_replica(llm, index: int, where: str = "fetch"):
+    """Every step of replica `index` fails from now on (when its results are read, as device errors surface)."""
+    def broken(*_):
+        raise RuntimeError(f"replica {index} lost its device")
+    setattr(llm.replicas[index].runner, where, broken)
+
+
+@needs_devices
+def test_a_failed_replica_spares_the_other_replicas_results(tiny_dir):
+    """Both replicas step in one round; the second fails. The first's results of that round (a finished request)
+    are returned with the error, not dropped; only the second's requests end; the router forgets both."""
+    llm = make_llm(tiny_dir, data_parallel_size=2)
+    llm.add_request({"prompt_token_ids": [5, 6, 7]}, SHORT, request_id="a")
+    llm.add_request({"prompt_token_ids": [8, 9, 10]}, GREEDY, request_id="b")
+    assert llm.core._placed["a"] is llm.replicas[0] and llm.core._placed["b"] is llm.replicas[1]
+    llm.step()  # both dispatch their first step
+    break_replica(llm, 1)
+    with pytest.raises(StepError) as info:
+        llm.step()
+    assert [(s.request_id, s.finish_reason) for s, _ in info.value.changed] == [("a", "length")]
+    assert set(info.value.failed) == {"b"}
+    llm.step()  # replica 0 reads back its last (empty) step
+    llm.core.assert_idle_and_clean()
+
+
+@needs_devices
+def test_a_broken_replica_fails_only_its_requests_and_leaves_the_routing(tiny_dir):
+    """Replica 1 fails every step. Its requests fail; after MAX_FAILED_STEPS in a row it stops and takes no more
+    requests (it used to be picked again and again, being the least loaded after its requests failed), while every
+    request on replica 0 completes, before and after; a healthy replica's steps do not reset its streak."""
+    llm = make_llm(tiny_dir, data_parallel_size=2)
+    break_replica(llm, 1)
+    outcomes = {}
+    for round_ in range(MAX_FAILED_STEPS + 2):
+        ids = [f"{round_}-{i}" for i in range(2)]
+        for rid in ids:
+            llm.add_request({"prompt_token_ids": [5, 6, 7 + round_]}, GREEDY, request_id=rid)
+        while llm.has_unfinished_requests():
+            try:
+                for seq, _ in llm.step():
+                    if seq.finish_reason is not None:
+                        outcomes[seq.request_id] = seq.finish_reason
+            except StepError as e:
+                outcomes.update({r: e.failed[r] for r in e.failed})
+                for seq, _ in e.changed:
+                    if seq.finish_reason is not None:
+                        outcomes[seq.request_id] = seq.finish_reason
+    assert set(outcomes) == {f"{r}-{i}" for r in range(MAX_FAILED_STEPS + 2) for i in range(2)}
+    errors = [r for r, o in outcomes.items() if isinstance(o, BaseException)]
+    assert len(errors) == MAX_FAILED_STEPS, outcomes  # one per round until replica 1 stopped, none after
+    assert isinstance(outcomes[errors[-1]], EngineDeadError)
+    assert not llm.replicas[1].healthy and llm.replicas[0].healthy
+    stats = llm.stats()
+    assert (stats.num_replicas, stats.num_replicas_healthy) == (2, 1)
+    assert llm.core.routed[1] == MAX_FAILED_STEPS
+    llm.core.assert_idle_and_clean()
+
+
+@needs_devices
+def test_health_and_metrics_show_a_stopped_replica_and_the_server_serves_on(tiny_dir):
+    import requests
+    from serving import ServerThread, metric_samples
+
+    llm = make_llm(tiny_dir, data_parallel_size=2)
+    break_replica(llm, 1, "dispatch")
+    st = ServerThread(llm, "tiny")
+    try:
+        body = {"prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+        codes = [requests.post(st.url + "/v1/completions", json=body, timeout=60).status_code for _ in range(8)]
+        assert codes.count(500) + codes.count(503) == MAX_FAILED_STEPS and codes.count(200) == 8 - MAX_FAILED_STEPS
+        assert all(requests.post(st.url + "/v1/completions", json=body, timeout=60).status_code == 200
+                   for _ in range(3))
+        health = requests.get(st.url + "/health", timeout=10)
+        assert health.status_code == 200 and health.json() == {"status": "degraded", "stopped_replicas": {"tiny": 1}}
+        samples = metric_samples(requests.get(st.url + "/metrics", timeout=10).text)
+        label = frozenset(['model_name="tiny"'])
+        assert samples["jaxserve:num_replicas", label] == 2 and samples["jaxserve:num_replicas_healthy", label] == 1
+    finally:
+        st.stop()
+
+
+@needs_devices
+def test_the_router_hashes_a_prompt_once(tiny_dir, monkeypatch):
+    import jaxserve.batching.data_parallel as dp
+    calls = []
+    page_keys = dp.page_keys
+    monkeypatch.setattr(dp, "page_keys", lambda *a: calls.append(1) or page_keys(*a))
+    llm = make_llm(tiny_dir, data_parallel_size=4)
+    llm.add_request({"prompt_token_ids": list(range(40))}, GREEDY)
+    assert len(calls) == 1
