@@ -187,6 +187,10 @@ class LLM:
         elif isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer: pass {'prompt_token_ids': [...]} prompts")
+            floor = self.tokenizer.min_tokens(prompt)  # refused by its length alone: tokenizing 1 MB takes seconds
+            if floor >= self.max_model_len:
+                raise ValueError(f"the prompt has {len(prompt)} characters, at least {floor} tokens, but max_model_len "
+                                 f"is {self.max_model_len}: it leaves no room to generate")
             ids, text = self.tokenizer.encode(prompt), prompt
         else:
             raise TypeError(f"a prompt is a str or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")

@@ -11,6 +11,7 @@ import uuid
 
 from jaxserve.outputs import CompletionOutput
 from jaxserve.sampling_params import MAX_LOGPROBS, MAX_STOP, SamplingParams
+from jaxserve.tokenizer import check_unicode
 
 MAX_N = 16
 MAX_PROMPTS = 64
@@ -73,6 +74,22 @@ def _check_fields(body, fields: dict) -> None:
         raise ApiError(400, "best_of other than n is not supported by this server", "best_of")
 
 
+def _check_text(text: str, param: str, what: str) -> None:
+    try:
+        check_unicode(text, what)
+    except ValueError as e:
+        raise ApiError(400, str(e), param) from None
+
+
+def context_length_error(limit: int, prompt_tokens: int, max_tokens: int | None, at_least: bool = False) -> ApiError:
+    """The 400 for prompt + max_tokens past max_model_len (as vLLM's); `at_least`: prompt_tokens is a floor found
+    from the prompt's length, before tokenizing it."""
+    generate = max_tokens or 1
+    floor = "at least " if at_least else ""
+    return ApiError(400, f"this model's maximum context length is {limit} tokens; the request asks for {floor}"
+                         f"{prompt_tokens + generate} ({floor}{prompt_tokens} in the prompt, {generate} to generate)")
+
+
 def _sampling_params(body: dict, max_tokens_default: int | None, logprobs: int | None) -> SamplingParams:
     max_tokens = body.get("max_completion_tokens")
     if max_tokens is None:
@@ -82,6 +99,9 @@ def _sampling_params(body: dict, max_tokens_default: int | None, logprobs: int |
     stop = body.get("stop")
     if isinstance(stop, list) and len(stop) > MAX_STOP:
         raise ApiError(400, f"at most {MAX_STOP} stop sequences", "stop")
+    for text in [stop] if isinstance(stop, str) else stop or []:
+        if isinstance(text, str):  # SamplingParams refuses the rest
+            _check_text(text, "stop", "a stop string")
     n = 1 if body.get("n") is None else body["n"]
     if isinstance(n, int) and n > MAX_N:
         raise ApiError(400, f"n must be at most {MAX_N}", "n")
@@ -115,6 +135,7 @@ def parse_completion(body) -> tuple[list, SamplingParams]:
         if _is_token_ids(p):
             prompts.append({"prompt_token_ids": p})
         elif isinstance(p, str) and p:
+            _check_text(p, "prompt", "the prompt")
             prompts.append(p)
         else:
             raise ApiError(400, "each prompt must be a non-empty string or a non-empty array of token ids", "prompt")
@@ -128,8 +149,8 @@ def _is_token_ids(x) -> bool:
     return isinstance(x, list) and bool(x) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
 
 
-def parse_chat(body, tokenizer) -> tuple[dict, SamplingParams]:
-    """-> ({"prompt_token_ids": the rendered chat template}, params)."""
+def parse_chat(body) -> tuple[list[dict], SamplingParams]:
+    """-> (messages, params); `render_chat` makes the prompt, off the event loop."""
     _check_fields(body, _CHAT)
     messages = body.get("messages")
     if not messages:
@@ -144,6 +165,7 @@ def parse_chat(body, tokenizer) -> tuple[dict, SamplingParams]:
                        for p in m["content"]):
                 raise ApiError(400, f"messages[{i}]: only text content parts are supported", "messages")
             messages[i] = {**m, "content": "".join(p["text"] for p in m["content"])}
+        _check_text(messages[i]["content"], "messages", f"messages[{i}].content")
         if m["role"] == "developer":
             messages[i] = {**messages[i], "role": "system"}
     top = body.get("top_logprobs")
@@ -151,12 +173,15 @@ def parse_chat(body, tokenizer) -> tuple[dict, SamplingParams]:
         raise ApiError(400, f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {top}", "top_logprobs")
     if top and not body.get("logprobs"):
         raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+    return messages, _sampling_params(body, None, (top or 0) if body.get("logprobs") else None)
+
+
+def render_chat(messages: list[dict], tokenizer) -> str:
+    """The prompt text of parsed messages: the model's chat template (which writes any BOS itself)."""
     try:
-        text = tokenizer.apply_chat_template(messages)
+        return tokenizer.apply_chat_template(messages)
     except ValueError as e:
         raise ApiError(400, str(e), "messages") from None
-    prompt = {"prompt_token_ids": tokenizer.encode(text, add_special_tokens=False), "prompt": text}
-    return prompt, _sampling_params(body, None, (top or 0) if body.get("logprobs") else None)
 
 
 def wants_usage_in_stream(body: dict) -> bool:

@@ -7,8 +7,11 @@ sequences are admitted than the engine runs plus `max_queued_requests`, the answ
 SIGTERM the server stops accepting, lets running requests finish for a grace period, aborts the rest, exits 0.
 
 One client must not hurt another: a request asks for at most `max_request_sequences` (n x prompts); admission is
-decided before any costly work, and tokenizing runs off the event loop; a request head, a body, and each write of a
-stream have a time limit, past which the connection is closed (408 for a body).
+decided before any costly work, a prompt certainly too long for the context (by its length in characters, see
+Tokenizer.max_chars_per_token) is refused before it is tokenized, and tokenizing runs off the event loop on each
+model's own `tokenizer_threads` (requests past them wait for that model's threads only, as many as it admits); a
+request head, a body, and each write of a stream have a time limit, past which the connection is closed (408 for a
+body).
 
 Several models: `Server({name: engine, ...})` serves each engine under its name; a request's `model` field picks
 the engine (none: the first), an unknown one is a 404 (code model_not_found, as OpenAI's). Each engine has its own
@@ -18,6 +21,7 @@ engine is alive.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import hmac
 import json
@@ -32,8 +36,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from jaxserve.async_engine import AsyncEngine, EngineDeadError
 from jaxserve.metrics import ModelMetrics, ServerMetrics
-from jaxserve.openai_api import (ApiError, chat_logprobs, completion_body, completion_logprobs, new_id,
-                                 parse_chat, parse_completion, usage, wants_usage_in_stream)
+from jaxserve.openai_api import (ApiError, chat_logprobs, completion_body, completion_logprobs, context_length_error,
+                                 new_id, parse_chat, parse_completion, render_chat, usage, wants_usage_in_stream)
 
 logger = logging.getLogger("jaxserve")
 
@@ -42,7 +46,7 @@ class _Model:
     """One served engine and what the server keeps for it: its name, capacity, admitted sequences and metrics."""
 
     def __init__(self, name: str, engine: AsyncEngine, metrics: ModelMetrics, max_queued_requests: int,
-                 max_request_sequences: int | None):
+                 max_request_sequences: int | None, tokenizer_threads: int):
         self.name, self.engine, self.metrics = name, engine, metrics
         self.tokenizer = engine.llm.tokenizer
         # Sequences (n per request) admitted and not finished: bounded, so a burst gets 429s, not an endless queue.
@@ -52,15 +56,19 @@ class _Model:
         self.max_request_sequences = min(max_num_seqs if max_request_sequences is None else max_request_sequences,
                                          self.capacity)
         self.in_flight = 0
+        # Its own threads, so that another model's long prompts cannot keep this one's requests from being tokenized.
+        self.tokenizing = concurrent.futures.ThreadPoolExecutor(tokenizer_threads, f"tokenize-{name}")
 
 
 class Server:
     """Server(engine, model_name, ...) serves one engine; Server({model_name: engine, ...}, ...) several, the first
-    being the default for requests that name no model. The other arguments apply to each engine."""
+    being the default for requests that name no model. The other arguments apply to each engine (tokenizer_threads:
+    the threads each model tokenizes and renders chat templates on)."""
 
     def __init__(self, engine: AsyncEngine | dict[str, AsyncEngine], model_name: str | None = None, *,
                  api_key: str | None = None, max_queued_requests: int = 256, max_request_sequences: int | None = None,
-                 stream_write_timeout_s: float = 30.0, header_timeout_s: float = 10.0, body_timeout_s: float = 30.0):
+                 stream_write_timeout_s: float = 30.0, header_timeout_s: float = 10.0, body_timeout_s: float = 30.0,
+                 tokenizer_threads: int = 2):
         if isinstance(engine, dict):
             if model_name is not None:
                 raise TypeError("with several engines ({name: engine}) the names are the dict's keys: no model_name")
@@ -74,7 +82,7 @@ class Server:
         self._api_key = api_key.encode() if api_key else None
         self.metrics = ServerMetrics()
         self.models = {name: _Model(name, e, self.metrics.add_model(name, e.stats), max_queued_requests,
-                                    max_request_sequences) for name, e in engines.items()}
+                                    max_request_sequences, tokenizer_threads) for name, e in engines.items()}
         self.default = next(iter(self.models.values()))
         self.stream_write_timeout_s = stream_write_timeout_s
         self.header_timeout_s, self.body_timeout_s = header_timeout_s, body_timeout_s
@@ -192,6 +200,9 @@ class Server:
         body = await self._body(request)
         m = self._model(body)
         prompts, params = parse_completion(body)
+        for p in prompts:
+            if isinstance(p, str):
+                self._fits_by_length(m, p, params)
         seqs = params.n * len(prompts)
         with self._admitted(m, seqs):
             # Off the event loop: a 1 MiB prompt takes a while to tokenize, and everyone else must still be served.
@@ -203,12 +214,13 @@ class Server:
         m = self._model(body)
         if m.tokenizer is None:
             raise ApiError(400, "this model has no tokenizer: use /v1/completions with token ids")
-        # parse_chat checks n; read here only to admit the request before its template is rendered and tokenized.
-        n = body.get("n")
-        seqs = n if type(n) is int and n > 0 else 1
-        with self._admitted(m, seqs):
-            prompt, params = await self._off_loop(m, seqs, parse_chat, body, m.tokenizer)
-            return await self._generate(m, request, body, [self._tokenized(m, prompt, params)], params, chat=True)
+        messages, params = parse_chat(body)
+        with self._admitted(m, params.n):
+            # Off the event loop too: the template renders the conversation, then it is refused by its length or
+            # tokenized.
+            prompt = await self._off_loop(m, params.n, lambda: self._tokenized(
+                m, render_chat(messages, m.tokenizer), params, add_special_tokens=False))
+            return await self._generate(m, request, body, [prompt], params, chat=True)
 
     async def _body(self, request) -> dict:
         try:
@@ -238,24 +250,37 @@ class Server:
                            "model_not_found")
         return m
 
-    def _tokenized(self, m: _Model, prompt, params) -> dict:
+    def _tokenized(self, m: _Model, prompt, params, add_special_tokens: bool = True) -> dict:
         """{"prompt_token_ids", "prompt"}, refused when prompt + max_tokens cannot fit max_model_len (as vLLM)."""
         if isinstance(prompt, str):
             if m.tokenizer is None:
                 raise ApiError(400, "this model has no tokenizer: send the prompt as an array of token ids", "prompt")
-            prompt = {"prompt_token_ids": m.tokenizer.encode(prompt), "prompt": prompt}
+            self._fits_by_length(m, prompt, params)
+            try:
+                ids = m.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+            except ValueError as e:  # text no tokenizer takes (a lone surrogate from a chat template's other fields)
+                raise ApiError(400, str(e)) from None
+            prompt = {"prompt_token_ids": ids, "prompt": prompt}
         n, limit = len(prompt["prompt_token_ids"]), m.engine.llm.max_model_len
         if n + (params.max_tokens or 1) > limit:
-            raise ApiError(400, f"this model's maximum context length is {limit} tokens; the request asks for "
-                                f"{n + (params.max_tokens or 1)} ({n} in the prompt, {params.max_tokens or 1} to "
-                                f"generate)")
+            raise context_length_error(limit, n, params.max_tokens)
         return prompt
 
+    @staticmethod
+    def _fits_by_length(m: _Model, text: str, params) -> None:
+        """Refuses a text certainly too long from its length alone: tokenizing 1 MB takes over a second."""
+        min_tokens = getattr(m.tokenizer, "min_tokens", None)  # a stand-in tokenizer (tests) may state no bound
+        if min_tokens is None:
+            return
+        floor, limit = min_tokens(text), m.engine.llm.max_model_len
+        if floor + (params.max_tokens or 1) > limit:
+            raise context_length_error(limit, floor, params.max_tokens, at_least=True)
+
     async def _off_loop(self, m: _Model, seqs: int, fn, *args):
-        """fn(*args) in a worker thread, for work too heavy for the event loop (tokenizing a long prompt). Runs
+        """fn(*args) on one of the model's tokenizing threads, for work too heavy for the event loop. Runs
         within _admitted: if the client leaves meanwhile, its `seqs` of capacity stay taken until the thread is done,
         so clients that send long prompts and leave cannot pile work up beyond the capacity."""
-        future = asyncio.get_running_loop().run_in_executor(None, fn, *args)
+        future = asyncio.get_running_loop().run_in_executor(m.tokenizing, fn, *args)
         try:
             return await asyncio.shield(future)
         except asyncio.CancelledError:
@@ -516,4 +541,6 @@ async def serve(server: Server, host: str, port: int, grace_period_s: float = 30
         await asyncio.sleep(0.05)
     # What still runs ends now: its streams get an error event and [DONE], its pages go back. Every engine at once.
     await asyncio.gather(*(loop.run_in_executor(None, engine.shutdown, 30.0) for engine in server.engines()))
+    for m in server.models.values():
+        m.tokenizing.shutdown(wait=False, cancel_futures=True)
     await runner.cleanup()

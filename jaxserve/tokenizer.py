@@ -118,6 +118,74 @@ def _gemma_bpe(tokens: list[str], unk_id: int | None) -> tuple[tokenizers.Tokeni
     return tok, vocab
 
 
+def check_unicode(text: str, what: str = "the text") -> None:
+    """ValueError naming `what` if `text` holds a lone surrogate (JSON's "\\ud800" escape decodes to one): no UTF-8
+    spells it, so it can be neither tokenized nor matched."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{what} is not valid Unicode text: it holds a lone surrogate (U+{ord(text[e.start]):04X} "
+                         f"at character {e.start})") from None
+
+
+# How much shorter a normalizer may make a text, in characters; one not listed here gives no bound. NFC composes at
+# most 4 characters into one (a canonical decomposition is at most 4 long, and composition is frozen by Unicode's
+# stability policy); NFD, NFKD, Lowercase, Prepend and a Replace by something as long only lengthen or keep it.
+_NORMALIZER_SHRINK = {"NFC": 4, "NFD": 1, "NFKD": 1, "Lowercase": 1, "Prepend": 1}
+# Pre-tokenizers that split or re-spell the text without dropping any of it (unless told to remove what they split
+# on). Whitespace, BertPreTokenizer and the like drop characters: no bound.
+_KEEPING_PRE_TOKENIZERS = {"ByteLevel", "Split", "Digits", "Metaspace", "Punctuation", "UnicodeScripts"}
+
+
+def _shrink(normalizer: dict | None) -> int | None:
+    if normalizer is None:
+        return 1
+    kind = normalizer.get("type")
+    if kind == "Sequence":
+        factor = 1
+        for n in normalizer["normalizers"]:
+            f = _shrink(n)
+            if f is None:
+                return None
+            factor *= f
+        return factor
+    if kind == "Replace":
+        pattern, content = normalizer["pattern"].get("String"), normalizer["content"]
+        return None if pattern is None or not content else -(-len(pattern) // len(content))
+    return _NORMALIZER_SHRINK.get(kind)
+
+
+def _keeps_text(pre: dict | None) -> bool:
+    if pre is None:
+        return True
+    if pre.get("type") == "Sequence":
+        return all(map(_keeps_text, pre["pretokenizers"]))
+    return pre.get("type") in _KEEPING_PRE_TOKENIZERS and pre.get("behavior") != "Removed"
+
+
+def _max_chars_per_token(tok: tokenizers.Tokenizer) -> int | None:
+    """The most characters of a text that one token can stand for, or None where no bound holds: a text longer than
+    max_model_len times this is certainly too long, found without tokenizing it.
+
+    A token covers a piece of the normalized text no longer than its vocabulary spelling: one symbol per byte in a
+    byte-level vocabulary (a character is at least a byte), a character per character in SentencePiece's (a '▁' per
+    space, a <0xNN> piece for at most one character), an added token's content as written. So the longest spelling
+    bounds it, times what the normalizer may shorten the text by; provided nothing is dropped (pre-tokenizer,
+    truncation) and no run of unknown characters folds into one token (BPE's fuse_unk without byte fallback)."""
+    def state(component):
+        return None if component is None else json.loads(component.__getstate__())
+
+    model = tok.model
+    if not isinstance(model, models.BPE) or tok.truncation is not None or not _keeps_text(state(tok.pre_tokenizer)):
+        return None
+    vocab = tok.get_vocab(with_added_tokens=True)
+    if model.unk_token is not None and model.fuse_unk and not (
+            model.byte_fallback and all(f"<0x{b:02X}>" in vocab for b in range(256))):
+        return None
+    shrink = _shrink(state(tok.normalizer))
+    return None if shrink is None else shrink * max(map(len, vocab), default=1)
+
+
 def read_chat_template(path) -> str:
     """A jinja chat template file's text (`--chat-template`); ValueError naming the file if it cannot be used."""
     try:
@@ -141,6 +209,7 @@ class Tokenizer:
         self._decoders = {d.get("type") for d in decoder.get("decoders", [decoder])}
         self._added = set(tok.get_added_tokens_decoder())
         self._bytes: dict[int, bytes] = {}
+        self.max_chars_per_token = _max_chars_per_token(tok)
 
     @property
     def chat_template(self) -> str | None:
@@ -183,10 +252,18 @@ class Tokenizer:
         """
         # encode_batch releases the GIL while it works (encode does not): a long prompt tokenized in a worker thread
         # then leaves the server's event loop free.
-        ids = self._tok.encode_batch([text], add_special_tokens=False)[0].ids
+        try:
+            ids = self._tok.encode_batch([text], add_special_tokens=False)[0].ids
+        except TypeError:
+            check_unicode(text, "the prompt")  # the library's TypeError does not say what is wrong
+            raise
         if add_special_tokens and self.add_bos and self.bos_token_id is not None:
             ids.insert(0, self.bos_token_id)
         return ids
+
+    def min_tokens(self, text: str) -> int:
+        """A floor on len(encode(text)), from its length alone (0 where the vocabulary gives no bound)."""
+        return -(-len(text) // self.max_chars_per_token) if self.max_chars_per_token else 0
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)

@@ -248,6 +248,100 @@ def test_a_client_that_leaves_while_its_prompt_is_tokenized_holds_its_place_unti
     wait_idle(st)
 
 
+def tiny_tokenizer(calls: list | None = None):
+    """A byte-level BPE inside the tiny model's vocabulary (its 256 bytes, then "aa" and "aaaa": at most 4
+    characters a token), with a chat template that writes the contents alone; `calls` gets each encoded text's
+    length."""
+    from jaxserve.tokenizer import _BYTE_OF_CHAR, Tokenizer, _byte_level_bpe
+    tok = Tokenizer(_byte_level_bpe([*_BYTE_OF_CHAR, "aa", "aaaa"], ["a a", "aa aa"], "gpt2"), bos_token_id=None,
+                    eos_token_ids=[], add_bos=False,
+                    chat_template="{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    if calls is not None:
+        encode = tok.encode
+
+        def counted(text, add_special_tokens=True):
+            calls.append(len(text))
+            return encode(text, add_special_tokens)
+        tok.encode = counted
+    return tok
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_a_prompt_certainly_too_long_is_refused_before_it_is_tokenized(st, chat):
+    """256 tokens of context, 16 to generate, at most 4 characters a token: 961 characters are certainly too many
+    (a 400 naming the limit, nothing tokenized) while 960 "a"s (240 tokens) still fit and are served."""
+    calls = []
+    st.server.tokenizer, tokenizer = tiny_tokenizer(calls), st.server.tokenizer
+    path, key = ("/v1/chat/completions", "messages") if chat else ("/v1/completions", "prompt")
+
+    def ask(text, **extra):
+        prompt = [{"role": "user", "content": text}] if chat else text
+        return call(st, "POST", path, {key: prompt, "max_tokens": 16, "ignore_eos": True, **extra})
+    try:
+        for text in ("b" * 961, "a" * 961, "\u20ac" * 1_000, "a" * 300_000):
+            status, _, reply = ask(text)
+            assert status == 400 and "maximum context length is 256 tokens" in reply["error"]["message"], reply
+        assert calls == []
+        if not chat:  # a batch: the one too long is refused before any is tokenized
+            status, _, reply = call(st, "POST", "/v1/completions", {"prompt": ["a", "b" * 961], "max_tokens": 16})
+            assert status == 400 and "256" in reply["error"]["message"] and calls == []
+        status, _, reply = ask("a" * 960)
+        assert status == 200 and reply["usage"] == {"prompt_tokens": 240, "completion_tokens": 16,
+                                                    "total_tokens": 256}, reply
+        assert calls == [960]
+    finally:
+        st.server.tokenizer = tokenizer
+    wait_idle(st)
+
+
+# ---- text that is not Unicode ----
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/completions", {"prompt": "a\ud800b"}, "prompt"),
+    ("/v1/completions", {"prompt": ["ok", "\udfff"]}, "prompt"),
+    ("/v1/completions", {"prompt": "ok", "stop": "\ud800"}, "stop"),
+    ("/v1/completions", {"prompt": [1, 2], "stop": ["x", "\ud800"]}, "stop"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "\ud800"}]}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": "\udc00"}]}]},
+     "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stop": "\ud800"}, "stop"),
+])
+def test_a_lone_surrogate_is_a_400(st, path, body, param):
+    """JSON may escape half a UTF-16 pair ("\\ud800"), which no text holds: 400 naming the field, not a 500."""
+    raw = json.dumps({**body, "max_tokens": 2}).encode()
+    assert b"\\ud800" in raw or b"\\udfff" in raw or b"\\udc00" in raw  # sent as the escape, as a client would
+    st.server.tokenizer, tokenizer = tiny_tokenizer(), st.server.tokenizer
+    try:
+        s = connect(st)
+        s.sendall(head(path, len(raw)) + raw)
+        s.settimeout(30)
+        reply = http.client.HTTPResponse(s)
+        reply.begin()
+        error = json.loads(reply.read())["error"]
+        s.close()
+    finally:
+        st.server.tokenizer = tokenizer
+    assert reply.status == 400 and error["param"] == param and "surrogate" in error["message"], error
+    wait_idle(st)
+
+
+def test_a_lone_surrogate_offline_is_a_value_error(tiny_dir):
+    from jaxserve import SamplingParams
+    llm = make_llm(tiny_dir)
+    llm.tokenizer = tiny_tokenizer()
+    for prompt in ("\ud800", ["ok", "x\udfffy"]):
+        with pytest.raises(ValueError, match="surrogate"):
+            llm.generate(prompt, SamplingParams(max_tokens=2), use_tqdm=False)
+    with pytest.raises(ValueError, match="surrogate"):
+        llm.chat([{"role": "user", "content": "\ud800"}], SamplingParams(max_tokens=2), use_tqdm=False)
+    # Refused by a cheap bound too, without tokenizing: at most 4 characters a token, max_model_len 96.
+    llm.tokenizer = tiny_tokenizer(calls := [])
+    with pytest.raises(ValueError, match="max_model_len is 96"):
+        llm.generate("b" * 385, SamplingParams(max_tokens=2), use_tqdm=False)
+    assert calls == []
+    assert llm.generate("a" * 380, SamplingParams(max_tokens=1), use_tqdm=False)[0].prompt_token_ids == [257] * 95
+
+
 # ---- headers of errors ----
 
 def test_405_keeps_its_allow_header_and_401_asks_for_a_bearer_token(st):

@@ -3,6 +3,7 @@ is a 404, /metrics and /health cover every engine; and `jaxserve serve --model A
 Two tiny random Llamas without tokenizers: prompts are token ids, answers are compared by their logprobs."""
 import asyncio
 import json
+import threading
 from types import SimpleNamespace
 
 import aiohttp
@@ -133,6 +134,56 @@ def test_health_needs_every_engine(two, monkeypatch):
     assert http("GET", st.url + "/health") == (200, b'{"status": "ok"}')
     monkeypatch.setattr(st.engines["b"], "alive", lambda: False)
     assert http("GET", st.url + "/health")[0] == 503
+
+
+class BlockedTokenizer:
+    """Stands in for model a's tokenizer: encode() waits until `release` is set (outside the GIL, as native
+    tokenizing does), so requests to a pile up tokenizing for as long as the test wants."""
+
+    def __init__(self):
+        self.calls, self.release = [], threading.Event()
+
+    def encode(self, text, add_special_tokens=True):
+        self.calls.append(len(text))
+        self.release.wait(60)
+        return [5, 6, 7]
+
+
+def test_one_models_tokenizing_does_not_hold_up_another(two):
+    """More requests to a than any shared thread pool has threads, each stuck tokenizing: b still answers at once,
+    and a's requests are all served once their tokenizer lets go."""
+    st, _ = two
+    a = st.server.models["a"]
+    assert http("POST", st.url + "/v1/completions", {**BODY, "model": "b"})[0] == 200  # compiled before timing
+    tok, original = BlockedTokenizer(), a.tokenizer
+    a.tokenizer = tok
+    many = 40  # past the most threads asyncio's default executor has (32)
+
+    async def scenario():
+        async with aiohttp.ClientSession() as s:
+            async def ask(name, prompt):
+                async with s.post(st.url + "/v1/completions",
+                                  json={"model": name, "prompt": prompt, "max_tokens": 1}) as r:
+                    return r.status
+            to_a = [asyncio.create_task(ask("a", "x" * 100)) for _ in range(many)]
+            while a.in_flight < many:  # all admitted: tokenizing, or waiting for a tokenizing thread
+                await asyncio.sleep(0.01)
+            try:
+                b = await asyncio.wait_for(ask("b", PROMPT), 20)
+            except TimeoutError:
+                b = "timed out"
+            assert not tok.release.is_set()
+            assert 0 < len(tok.calls) <= 2  # a tokenizes on its own 2 threads; its other requests wait for them
+            tok.release.set()
+            return b, await asyncio.gather(*to_a)
+    try:
+        b, statuses = asyncio.run(scenario())
+    finally:
+        tok.release.set()
+        a.tokenizer = original
+    assert b == 200, "model b waited for model a's tokenizing"
+    assert statuses == [200] * many
+    idle(st)
 
 
 def test_server_arguments():

@@ -175,6 +175,69 @@ def test_serving_benchmark_script_runs(real, tmp_path):
     wait_idle(real)
 
 
+# ---- refusing a prompt by its length ----
+
+def test_the_length_bound_never_refuses_a_prompt_that_fits(default_gguf_path):
+    """A text of L characters is refused unread only if it cannot encode to fewer than L / max_chars_per_token
+    tokens: checked on the default model's own vocabulary with the texts that pack the most characters into a
+    token (its longest tokens repeated), and on what normalizers and pre-tokenizers may do."""
+    import random
+
+    import gguf
+    from tokenizers import Tokenizer as Inner
+    from tokenizers import models, normalizers, pre_tokenizers
+
+    from jaxserve.tokenizer import _BYTE_OF_CHAR, Tokenizer, _byte_level_bpe, _gemma_bpe
+    tok = Tokenizer.from_gguf_fields(gguf.GGUFReader(default_gguf_path))
+    assert tok.max_chars_per_token == 81  # "\n" and 80 spaces
+    longest = sorted(range(tok.vocab_size), key=lambda i: -len(tok.token_bytes(i)))[:200]
+    rng = random.Random(0)
+    texts = [tok.decode([i] * 50, skip_special_tokens=False) for i in longest]
+    texts += ["".join(tok.decode([rng.choice(longest)], skip_special_tokens=False) for _ in range(50))
+              for _ in range(50)]
+    texts += ["".join(chr(rng.choice([rng.randrange(32, 0x2FF), rng.randrange(0x4E00, 0x9FFF),
+                                      rng.randrange(0x1F300, 0x1FAFF)])) for _ in range(2000)) for _ in range(5)]
+    texts += [" " * 5000, "\n" * 5000, "9" * 5000, "<|im_start|>" * 100]
+    for text in texts:
+        assert len(tok.encode(text, add_special_tokens=False)) >= tok.min_tokens(text) > 0, text[:40]
+
+    def made(inner):
+        return Tokenizer(inner, bos_token_id=None, eos_token_ids=[], add_bos=False, chat_template=None)
+    alphabet = [*_BYTE_OF_CHAR, "aa", "aaaa"]
+    assert made(_byte_level_bpe(alphabet, ["a a", "aa aa"], "gpt2")).max_chars_per_token == 4
+    # NFC composes up to 4 characters into one (here 3 jamo into one syllable, 3 bytes): 4 x the longest spelling.
+    nfc = made(_byte_level_bpe(alphabet, ["a a", "aa aa"], "qwen2"))
+    assert nfc.max_chars_per_token == 16
+    jamo = "\u1100\u1161\u11a8" * 1000
+    assert len(nfc.encode(jamo)) == 3000 >= nfc.min_tokens(jamo)
+    # Gemma's SentencePiece: '▁' per space, every byte as a <0xNN> piece, so unknown characters are never fused.
+    pieces = ["<unk>", *(f"<0x{b:02X}>" for b in range(256)), "\u2581", "a", "\u2581a", "\u2581" * 5]
+    gemma = made(_gemma_bpe(pieces, 0)[0])
+    assert gemma.max_chars_per_token == 6
+    for text in (" " * 1000, " a" * 500, "\u00e9" * 1000):
+        assert len(gemma.encode(text)) >= gemma.min_tokens(text)
+    # Where text can vanish or fold into one token, no bound: a prompt is then tokenized to be measured.
+    fused = Inner(models.BPE({"<unk>": 0, "a": 1}, [], unk_token="<unk>", fuse_unk=True))
+    assert made(fused).max_chars_per_token is None and made(fused).min_tokens("b" * 1000) == 0
+    dropping = Inner(models.BPE({"a": 0}, []))
+    dropping.pre_tokenizer = pre_tokenizers.Whitespace()
+    assert made(dropping).max_chars_per_token is None
+    stripping = Inner(models.BPE({"a": 0}, []))
+    stripping.normalizer = normalizers.Sequence([normalizers.NFC(), normalizers.Strip()])
+    assert made(stripping).max_chars_per_token is None
+    stripping.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    assert made(stripping).max_chars_per_token == 1
+
+
+def test_a_megabyte_prompt_is_refused_untokenized(real, monkeypatch):
+    """512 tokens of context: a 1 MB prompt (over a second to tokenize) is a 400 naming the limit, never tokenized."""
+    tok, calls = real.server.tokenizer, []
+    monkeypatch.setattr(tok, "encode", lambda text, *a, **k: calls.append(len(text)))
+    r = asyncio.run(_completion(real, {"prompt": "hello " * 166_000, "max_tokens": 4}))
+    assert r.status_code == 400 and "maximum context length is 512 tokens" in r.json()["error"]["message"]
+    assert calls == []
+
+
 # ---- raw HTTP, tiny model ----
 
 class Reply:
