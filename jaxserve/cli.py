@@ -88,19 +88,39 @@ def _llm(args):
     return _load(EngineConfig.from_cli_args(args))
 
 
-def _lead(llm, command) -> None:
-    """command(llm) on process 0; the other processes of a multi-process run follow its steps until it is done."""
+def _lead(llm, command, grace_s: float = 30.0) -> None:
+    """command(llm) on process 0; the other processes of a multi-process run follow its steps until it is done.
+
+    SIGTERM (JAX's preemption notifier would swallow it) ends the run wherever it lands: on process 0 as a stop
+    (serve drains for its grace period), on another process as a request to process 0 to stop the same way; that
+    process ends on its own if the run has not ended grace_s (plus the heartbeat timeout) later."""
+    import signal
+
+    from jaxserve.multihost import HEARTBEAT_TIMEOUT_S, exit_now
     if llm.channel is not None and not llm.is_leader:
-        import signal
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C reaches every process: process 0 decides
+
+        def stop(*_):
+            import threading
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # asked once
+            llm.channel.request_stop()
+            limit = grace_s + HEARTBEAT_TIMEOUT_S
+            timer = threading.Timer(limit, exit_now, (1, f"jaxserve: error: process 0 did not end the run within "
+                                                         f"{limit:.0f} s of this process's SIGTERM"))
+            timer.daemon = True
+            timer.start()
+        signal.signal(signal.SIGTERM, stop)
         try:
             llm.follow()
         except BaseException as e:  # noqa: BLE001 - whatever it is, the leader must not wait for this process
             # Not through JAX's shutdown barrier, which would hold this process while the leader waits on it in a
             # step: gone, it is noticed by the coordination service, which ends the others.
-            from jaxserve.multihost import exit_now
             exit_now(1, f"jaxserve: error: {type(e).__name__}: {e}")
         return
+    if llm.channel is not None:
+        import os
+        signal.signal(signal.SIGTERM, signal.default_int_handler)  # generate / chat: as Ctrl-C; serve sets its own
+        llm.channel.watch_stop_requests(lambda: os.kill(os.getpid(), signal.SIGTERM))
     try:
         command(llm)
     finally:
@@ -173,7 +193,7 @@ def cmd_serve(args) -> None:
         server = Server({name: AsyncEngine(llm) for name, llm in zip(names, llms)}, **server_args)
         asyncio.run(serve(server, args.host, args.port, args.shutdown_grace_period))
     if len(configs) == 1:  # may be a multi-process run: the other processes follow process 0's steps
-        _lead(_load(configs[0]), lambda llm: run([llm]))
+        _lead(_load(configs[0]), lambda llm: run([llm]), args.shutdown_grace_period)
         return
     # One after another: each engine's default KV budget is its own share (see per_model_from_cli_args), so the
     # second does not need to know what the first holds.
@@ -218,6 +238,8 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
     handler = {"generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve, "convert": cmd_convert}[args.command]
+    if getattr(args, "coordinator_address", None) is not None:
+        _answers_only_on_stdout()
     try:
         handler(args)
     except (ValueError, RuntimeError, OSError) as e:
@@ -227,6 +249,16 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         return 130
     return 0
+
+
+def _answers_only_on_stdout() -> None:
+    """stdout carries the answer only. Libraries of a multi-process run write to file descriptor 1 from C++ (gloo:
+    "[Gloo] Rank 0 is connected to ..."), so fd 1 becomes stderr and Python's stdout keeps the original."""
+    import os
+    sys.stdout.flush()
+    answers = os.dup(1)
+    os.dup2(2, 1)
+    sys.stdout = os.fdopen(answers, "w", buffering=1, encoding=sys.stdout.encoding, errors=sys.stdout.errors)
 
 
 if __name__ == "__main__":

@@ -53,10 +53,12 @@ class LLM:
 
     def __init__(self, model: str | None = None, **engine_args):
         c = self.engine_config = EngineConfig(model=model, **engine_args)
-        if c.coordinator_address is not None:
-            multihost.initialize(c.coordinator_address, c.num_processes, c.process_id)  # before any backend starts
+        if c.coordinator_address is not None:  # before any backend starts
+            multihost.initialize(c.coordinator_address, c.num_processes, c.process_id, c.coordinator_bind_address)
         # Several processes: the leader (process 0) schedules and publishes each step; the others follow it.
-        self.channel = multihost.StepChannel() if jax.process_count() > 1 else None
+        self.channel = None
+        if jax.process_count() > 1:
+            self.channel = multihost.StepChannel(multihost.shared_secret(c.coordinator_secret_file))
         self.is_leader = multihost.is_leader()
         self._in_collective = False
         tp, dp = c.tensor_parallel_size, c.data_parallel_size
@@ -148,8 +150,7 @@ class LLM:
         draft_runner = proposer = controller = None
         if draft is not None:
             draft_runner = ModelRunner(draft.config, draft.params, dtype, num_pages, block_size, buckets,
-                                       max_num_seqs, self.attention_backend, kv_cache_dtype, k, proposes=True,
-                                       mesh=mesh)
+                                       max_num_seqs, self.attention_backend, kv_cache_dtype, mesh=mesh)
             runner.draft = draft_runner
             proposer = DraftProposer(draft_runner, c.max_num_batched_tokens, max_num_seqs)
         elif spec is not None:
@@ -280,7 +281,7 @@ class LLM:
         try:
             result = fn()
         except BaseException as e:
-            self.channel.send(("error", _portable(e)))
+            self.channel.send(("error", e))
             raise
         finally:
             self._in_collective = False
@@ -297,6 +298,8 @@ class LLM:
                 jax.block_until_ready(self._runners[index].run(batch))  # in step with the leader, not queued
             elif kind == "shutdown":
                 return None
+            elif kind == "abort":  # the leader failed a step this process ran: the processes are out of step
+                multihost.exit_now(1, f"jaxserve: error: {rest[0]}")
             elif until_shutdown:
                 continue
             elif kind == "end":
@@ -315,6 +318,7 @@ class LLM:
         """On the leader of a multi-process run: tells the followers there are no more steps."""
         if self.channel is not None and self.is_leader:
             self.channel.send(("shutdown",))
+            self.channel.close()
 
     # ---- generation ----
 
@@ -408,16 +412,6 @@ class LLM:
     def stats(self) -> EngineStats:
         """A snapshot: running and waiting sequences, pages, prefix-cache hit rate, preemptions, tokens/s."""
         return self.core.stats()
-
-
-def _portable(error: BaseException) -> BaseException:
-    """The error as followers can receive it (an exception that does not pickle becomes a RuntimeError)."""
-    import pickle
-    try:
-        pickle.dumps(error)
-        return error
-    except Exception:  # noqa: BLE001 - anything unpicklable
-        return RuntimeError(f"{type(error).__name__}: {error}")
 
 
 def split_for(config, params, tp: int, what: str = "the model"):

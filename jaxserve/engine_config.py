@@ -62,6 +62,11 @@ class EngineConfig:
     coordinator_address, num_processes, process_id: jax.distributed over several hosts ("host:port" of process 0,
         how many processes, this one's index); all three or none, or coordinator_address "auto" alone (JAX's own
         cluster detection: TPU pod slices, SLURM).
+    coordinator_bind_address: "host:port" process 0's coordination service listens on (default: the host of
+        coordinator_address, not every interface).
+    coordinator_secret_file: a file holding the secret every process authenticates the leader's messages with
+        (default: $JAXSERVE_COORDINATOR_SECRET); required unless the coordination service is reachable from this host
+        only (see jaxserve.multihost).
     chat_template: a jinja chat template file to use instead of the model's own (or where the model has none).
     """
 
@@ -91,6 +96,8 @@ class EngineConfig:
     coordinator_address: str | None = None
     num_processes: int | None = None
     process_id: int | None = None
+    coordinator_bind_address: str | None = None
+    coordinator_secret_file: str | None = None
     chat_template: str | None = None
 
     def __post_init__(self):
@@ -147,6 +154,8 @@ class EngineConfig:
         _check_type("coordinator_address", self.coordinator_address, str, optional=True)
         _check_int("num_processes", self.num_processes, 1, optional=True)
         _check_int("process_id", self.process_id, 0, optional=True)
+        _check_type("coordinator_bind_address", self.coordinator_bind_address, str, optional=True)
+        _check_type("coordinator_secret_file", self.coordinator_secret_file, str, optional=True)
         given = [v is not None for v in (self.coordinator_address, self.num_processes, self.process_id)]
         if self.coordinator_address == AUTO_CLUSTER and any(given[1:]):
             raise ValueError(f"coordinator_address {AUTO_CLUSTER!r} finds the processes itself: give no num_processes "
@@ -212,6 +221,12 @@ class EngineConfig:
         p.add_argument("--num-processes", type=int, default=None, help="processes in a multi-host run")
         p.add_argument("--process-id", type=int, default=None,
                        help="this process's index in a multi-host run, 0 to --num-processes - 1")
+        p.add_argument("--coordinator-bind-address", default=None, metavar="HOST:PORT",
+                       help="where process 0's coordination service listens (default: --coordinator-address's host, "
+                            "not every interface)")
+        p.add_argument("--coordinator-secret-file", default=None, metavar="FILE",
+                       help="a file with the secret (16+ bytes, the same on every process) that authenticates process "
+                            "0's messages; default $JAXSERVE_COORDINATOR_SECRET; required across hosts")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "EngineConfig":
@@ -263,7 +278,7 @@ _CLI_FIELDS = ("model", "kv_cache_memory_bytes", "gpu_memory_utilization", "dtyp
                "kv_cache_dtype", "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching", "scheduling_policy",
                "ttft_slo", "tpot_slo",
                "attention_backend", "warmup", "tensor_parallel_size", "data_parallel_size", "coordinator_address",
-               "num_processes", "process_id", "chat_template")
+               "num_processes", "process_id", "coordinator_bind_address", "coordinator_secret_file", "chat_template")
 
 
 def add_quantization_cli_args(p: argparse.ArgumentParser) -> None:

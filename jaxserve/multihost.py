@@ -3,8 +3,18 @@
 Every process runs the same step programs on the same global batch, each computing on its own devices' shards.
 Process 0 (the leader) owns the scheduler, the tokenizer and the HTTP server; it publishes each step's batch, and
 the others (followers) run what it published, in order. The batch goes through the coordination service's
-key-value store as pickled host arrays (~1 ms a step, measured on localhost), not through a device collective: a
-collective needs the same shapes on every process before it starts, and a batch's shapes vary with its bucket.
+key-value store (~1 ms a step, measured on localhost), not through a device collective: a collective needs the same
+shapes on every process before it starts, and a batch's shapes vary with its bucket.
+
+Whoever reaches the coordination service's port can write its keys, so a message is data only, never code: a JSON
+header and raw arrays of whitelisted dtypes, results as plain values rebuilt into their dataclasses, errors as a
+whitelisted type name and a message. Each message carries an HMAC-SHA256 over its sequence number and content with
+a secret every process shares (required unless the service is reachable from this host only): a forged, altered,
+replayed or reordered message ends the follower that reads it, unexecuted.
+
+The leader keeps the last KEEP_MESSAGES messages for followers that are behind and deletes one only once every
+follower has acknowledged reading it, so a burst of steps (a draft model catching up a long context) waits for slow
+followers instead of overrunning them; a follower that still finds its next message gone stops with an error.
 
 Failures are bounded by the coordination service's heartbeats: a process that dies or hangs stops sending them,
 and the service then terminates every other process within about HEARTBEAT_TIMEOUT_S, printing which task stopped
@@ -13,13 +23,25 @@ waiting in the shutdown barrier while the others wait in a collective, so proces
 """
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import hmac
+import ipaddress
+import json
 import logging
 import os
-import pickle
+import struct
 import sys
+import threading
 import time
+from pathlib import Path
 
 import jax
+import numpy as np
+
+from jaxserve.batch import RaggedRows, SamplingInput, StepInput
+from jaxserve.cache import SCRATCH_PAGE
+from jaxserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 
 logger = logging.getLogger("jaxserve")
 
@@ -27,59 +49,337 @@ AUTO_CLUSTER = "auto"  # coordinator_address for JAX's own cluster detection (TP
 HEARTBEAT_TIMEOUT_S = 10  # a dead or hung process is noticed in about this long (measured ~9 s)
 SHUTDOWN_TIMEOUT_S = 15
 POLL_MS = 1000  # a follower's wait per read: an idle leader is not an error, only a silent death would be
-KEEP_MESSAGES = 256  # published messages kept for followers that are behind (each is a few KB)
+KEEP_MESSAGES = 256  # published messages kept for followers that are behind
+SECRET_ENV = "JAXSERVE_COORDINATOR_SECRET"
+MIN_SECRET_BYTES = 16
+
+# Whether the coordination service may be reachable from other hosts: JAX's own default binds every interface.
+_exposed = True
 
 
-def initialize(coordinator_address: str, num_processes: int | None, process_id: int | None) -> None:
-    """jax.distributed.initialize, before anything starts JAX's backends, with bounded failure detection."""
+def initialize(coordinator_address: str, num_processes: int | None, process_id: int | None,
+               bind_address: str | None = None) -> None:
+    """jax.distributed.initialize, before anything starts JAX's backends, with bounded failure detection. Process
+    0's coordination service binds bind_address (default: the coordinator address's own interface, not all)."""
+    global _exposed
     if jax.distributed.is_initialized():
         return
-    args = {} if coordinator_address == AUTO_CLUSTER else dict(
-        coordinator_address=coordinator_address, num_processes=num_processes, process_id=process_id)
+    if coordinator_address == AUTO_CLUSTER:
+        args = {} if bind_address is None else dict(coordinator_bind_address=bind_address)
+        _exposed = True  # the processes are on several hosts
+    else:
+        bind_address = bind_address or coordinator_address
+        args = dict(coordinator_address=coordinator_address, num_processes=num_processes, process_id=process_id,
+                    coordinator_bind_address=bind_address)
+        _exposed = not (_is_loopback(coordinator_address) and _is_loopback(bind_address))
     jax.distributed.initialize(**args, heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_S,
                                shutdown_timeout_seconds=SHUTDOWN_TIMEOUT_S)
     logger.info("process %d of %d: %d local devices, %d in all", jax.process_index(), jax.process_count(),
                 jax.local_device_count(), jax.device_count())
 
 
+def _is_loopback(address: str) -> bool:
+    host = address.rsplit(":", 1)[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve to anything
+        return False
+
+
+def shared_secret(secret_file: str | None = None) -> bytes:
+    """The key messages are authenticated with: secret_file's content, else $JAXSERVE_COORDINATOR_SECRET. Required
+    when the coordination service may be reachable from another host; otherwise it may be empty."""
+    if secret_file is not None:
+        secret = Path(secret_file).read_bytes().strip()
+    else:
+        secret = os.environ.get(SECRET_ENV, "").encode()
+    if _exposed and len(secret) < MIN_SECRET_BYTES:
+        raise ValueError(f"a multi-host run needs a shared secret of at least {MIN_SECRET_BYTES} bytes, the same on "
+                         f"every process, in ${SECRET_ENV} or --coordinator-secret-file: without one, whoever reaches "
+                         "the coordinator's port can send steps to every process")
+    return secret
+
+
 def is_leader() -> bool:
     return jax.process_index() == 0
 
 
-class StepChannel:
-    """The leader's messages to its followers, in order: ("step", runner index, batch, scored) for each device
-    step it dispatches, ("end", result) or ("error", exception) when a collective phase (a warm-up, a generate
-    call) is over, ("shutdown",) at the end."""
+class MessageRefused(RuntimeError):
+    """A message that failed its check: forged, altered, replayed, reordered or malformed. Never acted on."""
 
-    def __init__(self, name: str = "jaxserve"):
-        from jax._src.distributed import global_state  # the coordination service's client: no public handle yet
-        self._client = global_state.client
-        self._prefix = f"{name}/message/"
+
+# ---- the wire format: MAC (32 bytes) | sequence number (8) | header length (4) | JSON header | raw arrays ----
+
+_DTYPES = {"int32", "uint32", "float32", "bool"}  # all a StepInput holds
+_ERRORS = {e.__name__: e for e in (ValueError, TypeError, RuntimeError, KeyError, IndexError, MemoryError,
+                                   NotImplementedError, TimeoutError, KeyboardInterrupt)}
+_NESTED = {"rows": RaggedRows, "sampling": SamplingInput}
+_PREFIX = struct.Struct(">QI")
+_MAC_BYTES = 32
+
+
+def _fields(cls=StepInput, prefix: str = "") -> list[str]:
+    return [name for f in dataclasses.fields(cls)
+            for name in (_fields(_NESTED[f.name], f"{prefix}{f.name}.") if f.name in _NESTED else [prefix + f.name])]
+
+
+_STEP_FIELDS = _fields()
+
+
+def _build(arrays: dict, cls=StepInput, prefix: str = ""):
+    return cls(**{f.name: _build(arrays, _NESTED[f.name], f"{prefix}{f.name}.") if f.name in _NESTED
+                  else arrays[prefix + f.name] for f in dataclasses.fields(cls)})
+
+
+def encode(message: tuple, seq: int, secret: bytes) -> bytes:
+    """One message as bytes: ("step", runner index, StepInput), ("end", result), ("error", exception),
+    ("abort", reason) or ("shutdown",)."""
+    kind, *rest = message
+    header, buffers = {"kind": kind}, []
+    if kind == "step":
+        index, batch = rest
+        arrays = {}
+        for name in _STEP_FIELDS:
+            value = batch
+            for part in name.split("."):
+                value = getattr(value, part)
+            arrays[name] = np.asarray(value)
+        # Only the columns of the page table some row uses (the rest is the scratch page): the table's full width
+        # is pages_per_row, most of it unused by most steps. The follower pads it back to the compiled width.
+        table = arrays["rows.page_table"]
+        used = np.flatnonzero((table != SCRATCH_PAGE).any(axis=0))
+        width = int(used[-1]) + 1 if used.size else 0
+        header.update(runner=index, page_table_width=table.shape[1])
+        arrays["rows.page_table"] = table[:, :width]
+        header["arrays"] = [[name, a.dtype.name, list(a.shape)] for name, a in arrays.items()]
+        buffers = [np.ascontiguousarray(a).tobytes() for a in arrays.values()]
+    elif kind == "end":
+        header["result"] = _plain_result(rest[0])
+    elif kind == "error":
+        error = rest[0]
+        name = type(error).__name__
+        header.update(type=name, message=str(error)) if name in _ERRORS else header.update(
+            type="RuntimeError", message=f"{name}: {error}")
+    elif kind == "abort":
+        header["message"] = str(rest[0])
+    elif kind != "shutdown":
+        raise ValueError(f"unknown message kind {kind!r}")
+    text = json.dumps(header).encode()
+    body = _PREFIX.pack(seq, len(text)) + text + b"".join(buffers)
+    return hmac.digest(secret, body, hashlib.sha256) + body
+
+
+def decode(data: bytes, seq: int, secret: bytes) -> tuple:
+    """The message encode made, once its MAC and sequence number check out; MessageRefused otherwise."""
+    mac, body = data[:_MAC_BYTES], data[_MAC_BYTES:]
+    if not hmac.compare_digest(mac, hmac.digest(secret, body, hashlib.sha256)):
+        raise MessageRefused(f"message {seq} failed authentication: it was not sent by process 0 with this "
+                             f"process's secret (every process needs the same ${SECRET_ENV} or "
+                             "--coordinator-secret-file)")
+    try:
+        got, length = _PREFIX.unpack_from(body)
+        if got != seq:
+            raise MessageRefused(f"message {seq} carries sequence number {got}: a replayed or reordered message")
+        start = _PREFIX.size + length
+        header = json.loads(body[_PREFIX.size:start])
+        return _message(header, memoryview(body)[start:])
+    except MessageRefused:
+        raise
+    except Exception as e:  # noqa: BLE001 - an authentic but malformed message is a bug, reported as such
+        raise MessageRefused(f"message {seq} is malformed ({type(e).__name__}: {e})") from e
+
+
+def _message(header: dict, data: memoryview) -> tuple:
+    kind = header["kind"]
+    if kind == "step":
+        arrays, offset = {}, 0
+        for name, dtype, shape in header["arrays"]:
+            if name not in _STEP_FIELDS or name in arrays or dtype not in _DTYPES or len(shape) > 3:
+                raise ValueError(f"unexpected array {name!r} ({dtype}, {shape})")
+            size = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+            if min(shape, default=0) < 0 or offset + size > len(data):
+                raise ValueError(f"array {name!r} of shape {shape} overruns the message")
+            arrays[name] = np.frombuffer(data[offset:offset + size], dtype).reshape(shape)
+            offset += size
+        if offset != len(data) or set(arrays) != set(_STEP_FIELDS):
+            raise ValueError("the arrays do not make one step")
+        table = arrays["rows.page_table"]  # back to the width the programs were compiled for
+        arrays["rows.page_table"] = np.pad(table, ((0, 0), (0, int(header["page_table_width"]) - table.shape[1])),
+                                           constant_values=SCRATCH_PAGE)
+        return "step", int(header["runner"]), _build(arrays)
+    if kind == "end":
+        return "end", _result(header["result"])
+    if kind == "error":
+        return "error", _ERRORS[header["type"]](header["message"])
+    if kind == "abort":
+        return "abort", str(header["message"])
+    if kind == "shutdown":
+        return ("shutdown",)
+    raise ValueError(f"unknown message kind {kind!r}")
+
+
+def _plain_result(result) -> dict:
+    """What a collective phase returns (generate: RequestOutputs; stream: text pieces; warm-up: None; benchmarks:
+    dicts of figures) as JSON."""
+    if isinstance(result, list) and result and all(isinstance(r, RequestOutput) for r in result):
+        outputs = []
+        for r in result:
+            plain = dataclasses.asdict(r)
+            for c in plain["outputs"]:  # {token id: Logprob} per token: JSON keys are strings, so pairs
+                if c["logprobs"] is not None:
+                    c["logprobs"] = [list(entry.items()) for entry in c["logprobs"]]
+            outputs.append(plain)
+        return {"outputs": outputs}
+    try:
+        plain = json.loads(json.dumps(result)) == result
+    except (TypeError, ValueError):
+        plain = False
+    if not plain:
+        raise TypeError(f"a collective phase returned a {type(result).__name__}, which followers cannot receive")
+    return {"json": result}
+
+
+def _result(plain: dict):
+    if "json" in plain:
+        return plain["json"]
+    outputs = []
+    for r in plain["outputs"]:
+        completions = [CompletionOutput(**{**c, "logprobs": None if c["logprobs"] is None else [
+            {int(t): Logprob(**lp) for t, lp in entry} for entry in c["logprobs"]]}) for c in r["outputs"]]
+        metrics = None if r["metrics"] is None else RequestMetrics(**r["metrics"])
+        outputs.append(RequestOutput(**{**r, "outputs": completions, "metrics": metrics}))
+    return outputs
+
+
+class StepChannel:
+    """The leader's messages to its followers, in order: ("step", runner index, batch) for each device step it
+    dispatches, ("end", result) or ("error", exception) when a collective phase (a warm-up, a generate call) is
+    over, ("abort", reason) when the processes can no longer stay in step, ("shutdown",) at the end.
+
+    A follower acknowledges every ack_every() messages it has read; the leader deletes a message only once every
+    follower has acknowledged it, waiting for them if need be."""
+
+    def __init__(self, secret: bytes, name: str = "jaxserve", client=None, process_index: int | None = None,
+                 process_count: int | None = None):
+        if client is None:
+            from jax._src.distributed import global_state  # the coordination service's client: no public handle yet
+            client = global_state.client
+        self._client = client
+        self._secret = secret
+        self._me = jax.process_index() if process_index is None else process_index
+        count = jax.process_count() if process_count is None else process_count
+        self._followers = range(1, count)
+        self._prefix, self._acks, self._oldest = f"{name}/message/", f"{name}/ack/", f"{name}/oldest"
+        self._stop_key = f"{name}/stop"
         self._count = 0
+        self._acked = 0  # messages every follower has acknowledged reading (the leader's)
         self.bytes_sent, self.seconds_sending = 0, 0.0  # the leader's cost of publishing (benchmarks)
+        self._watching = False
 
     def send(self, message: tuple) -> None:
         start = time.perf_counter()
-        data = pickle.dumps(message)
-        self._client.key_value_set_bytes(f"{self._prefix}{self._count}", data)
-        if self._count >= KEEP_MESSAGES:
-            self._client.key_value_delete(f"{self._prefix}{self._count - KEEP_MESSAGES}")
+        n = self._count
+        data = encode(message, n, self._secret)
+        if n >= KEEP_MESSAGES:
+            self._wait_for_followers(n - KEEP_MESSAGES + 1)
+        self._client.key_value_set_bytes(f"{self._prefix}{n}", data)
+        if n >= KEEP_MESSAGES:
+            self._client.key_value_delete(f"{self._prefix}{n - KEEP_MESSAGES}")
+            self._client.key_value_set_bytes(self._oldest, str(n - KEEP_MESSAGES + 1).encode(), allow_overwrite=True)
         self._count += 1
         self.bytes_sent += len(data)
         self.seconds_sending += time.perf_counter() - start
 
+    def _wait_for_followers(self, needed: int) -> None:
+        """Until every follower has read `needed` messages (and so may lose the oldest of them)."""
+        if self._acked >= needed:
+            return
+        every = ack_every()
+        target = -(-needed // every) * every  # the acknowledgement that covers it (<= messages published)
+        waited = time.monotonic()
+        for follower in self._followers:
+            key = f"{self._acks}{follower}/{target}"
+            while _get(self._client, key) is None:
+                if time.monotonic() - waited > 60:
+                    logger.warning("process 0 has waited %.0f s for process %d to catch up", time.monotonic() - waited,
+                                   follower)
+                    waited = time.monotonic()
+            self._client.key_value_delete(key)
+        self._acked = target
+
     def receive(self) -> tuple:
-        key = f"{self._prefix}{self._count}"
-        while True:
-            try:
-                data = self._client.blocking_key_value_get_bytes(key, POLL_MS)
-                break
-            except Exception as e:  # noqa: BLE001 - jaxlib's error type is not public
-                if "DEADLINE_EXCEEDED" not in str(e):
-                    raise RuntimeError(f"lost the leader's message {self._count} ({e}); a follower more than "
-                                       f"{KEEP_MESSAGES} messages behind cannot catch up") from e
+        n = self._count
+        while (data := _get(self._client, f"{self._prefix}{n}")) is None:
+            oldest = _try_get(self._client, self._oldest)
+            if oldest is not None and int(oldest) > n:
+                raise RuntimeError(f"process {self._me} lost the leader's message {n}: it was deleted before this "
+                                   "process read it, so this process cannot follow")
+        message = decode(data, n, self._secret)
         self._count += 1
-        return pickle.loads(data)
+        if self._count % ack_every() == 0:
+            self._client.key_value_set_bytes(f"{self._acks}{self._me}/{self._count}", b"1")
+        return message
+
+    def abort(self, reason: str) -> None:
+        """The leader cannot keep the processes in step (it failed a step it had published): tells the followers,
+        and ends this process. Never returns."""
+        try:
+            if self._acked > self._count - KEEP_MESSAGES:  # never wait on followers stuck in the failed step
+                self.send(("abort", reason))
+        finally:
+            exit_now(1, f"jaxserve: error: {reason}; every process ends, as they are no longer in step")
+
+    def request_stop(self) -> None:
+        """A follower's SIGTERM: asks the leader to end the run (as its own SIGTERM would)."""
+        self._client.key_value_set_bytes(self._stop_key, str(self._me).encode(), allow_overwrite=True)
+
+    def watch_stop_requests(self, on_request) -> None:
+        """On the leader: calls on_request() (on another thread) once a follower asks to stop, until close()."""
+        def watch():
+            while self._watching:
+                try:
+                    self._client.blocking_key_value_get_bytes(self._stop_key, POLL_MS)
+                except Exception as e:  # noqa: BLE001 - jaxlib's error type is not public
+                    if "DEADLINE_EXCEEDED" in str(e):
+                        continue
+                    return  # the client is shutting down
+                if self._watching:
+                    on_request()
+                return
+        self._watching = True
+        self._watcher = threading.Thread(target=watch, name="jaxserve-stop-requests", daemon=True)
+        self._watcher.start()
+
+    def close(self) -> None:
+        if self._watching:
+            self._watching = False
+            self._watcher.join()
+
+
+def ack_every() -> int:
+    """A follower acknowledges every this many messages: a quarter of the window, so the leader rarely waits."""
+    return max(1, KEEP_MESSAGES // 4)
+
+
+def _get(client, key: str) -> bytes | None:
+    """The key's value, waiting up to POLL_MS for it (None if it did not come)."""
+    try:
+        return client.blocking_key_value_get_bytes(key, POLL_MS)
+    except Exception as e:  # noqa: BLE001 - jaxlib's error type is not public
+        if "DEADLINE_EXCEEDED" in str(e):
+            return None
+        raise RuntimeError(f"lost the coordination service reading {key} ({e})") from e
+
+
+def _try_get(client, key: str) -> bytes | None:
+    try:
+        return client.key_value_try_get_bytes(key)
+    except Exception as e:  # noqa: BLE001
+        if "NOT_FOUND" in str(e):
+            return None
+        raise
 
 
 def exit_now(code: int = 1, message: str | None = None) -> None:

@@ -24,21 +24,6 @@ def sample(logits, p):
     return {"tokens": tokens, **token_logprobs(logprobs, tokens, p.want_top_logprobs)}
 
 
-def sample_proposals(logits, p):
-    """A draft model's proposals: tokens [S] drawn as sample() draws them, and the distribution each was drawn from
-    [S, V] (normalised; one-hot at the argmax for a greedy row), which verification needs as q."""
-    logits = ban(logits, p)
-    greedy = first_argmax(logits)  # [S]
-    one_hot = jax.nn.one_hot(greedy, logits.shape[-1], dtype=logits.dtype)  # [S, V]
-
-    def sampled(x, p):
-        probs = processed_probs(x, p)
-        return draw(probs, step_keys(p.seed, p.step)), probs / probs.sum(axis=-1, keepdims=True)
-    tokens, probs = jax.lax.cond(jnp.any(p.temperature > 0), sampled, lambda x, p: (greedy, one_hot), logits, p)
-    is_greedy = p.temperature == 0
-    return jnp.where(is_greedy, greedy, tokens).astype(jnp.int32), jnp.where(is_greedy[:, None], one_hot, probs)
-
-
 def ban(logits, p):
     """logits [S, V] with each row's banned ids at -inf while its step < min_tokens."""
     S, V = logits.shape
@@ -86,7 +71,8 @@ def filtered_probs(x, min_p):
 
 
 def step_keys(seed, step):
-    """The key of each row's draw of its generated token number `step`: seed [S] u32, step [S] i32 -> keys [S]."""
+    """The key of each row's draw of its generated token number `step`: seed [S] u32, step [S] i32 -> keys [S].
+    A draft model's proposal for that token is drawn with the same key (see `jaxserve.verification`)."""
     return jax.vmap(lambda seed, step: jax.random.fold_in(jax.random.key(seed), step))(seed, step)
 
 

@@ -20,8 +20,8 @@ from jaxserve.config import ModelConfig
 from jaxserve.distributed import HEADS, kv_pages_spec, replicated, shardings
 from jaxserve.model.decoder import PARTITIONING
 from jaxserve.model.families import family_of
-from jaxserve.rejection_sampler import verify
-from jaxserve.sampling import sample, sample_proposals
+from jaxserve.verification import verify
+from jaxserve.sampling import sample
 
 
 def write_cache(kv_cache, new_kv, slot_mapping):
@@ -42,7 +42,7 @@ class Steps:
     """The steps for one model architecture and dtype.
 
     With num_speculative_tokens = k > 0 there is a second forward program, the verification step: it scores k + 1
-    tokens per row and accepts proposals on device (`jaxserve.rejection_sampler`). Plain steps keep their own
+    tokens per row and accepts proposals on device (`jaxserve.verification`). Plain steps keep their own
     program, whose LM head and sampler see one token per row.
     """
 
@@ -61,14 +61,12 @@ class Steps:
             self.cache_sharding = [(shardings(mesh, kv_pages_spec(kv_cache_dtype)),) * 2] * config.num_layers
             self._replicated = rep
             forward = dict(out_shardings=(rep, new_kv, rep))
-            propose = dict(out_shardings=(rep, new_kv, rep, rep))
             logits = dict(out_shardings=(rep, new_kv))
             write = dict(out_shardings=self.cache_sharding)
         else:
-            forward = propose = logits = write = {}
+            forward = logits = write = {}
         self._forward = jax.jit(self._forward_and_sample, donate_argnums=2, **forward)
         self._verify = jax.jit(self._forward_and_verify, donate_argnums=2, **forward)
-        self._propose = jax.jit(self._forward_and_propose, donate_argnums=(2, 3), **propose)
         self._logits = jax.jit(self._forward_logits, **logits)
         self._write = jax.jit(self._write_cache, donate_argnums=0, **write)
 
@@ -79,25 +77,17 @@ class Steps:
             return jax.device_put(batch)
         return jax.tree.map(lambda x: jax.make_array_from_process_local_data(self._replicated, np.asarray(x)), batch)
 
-    def step(self, params, kv_cache, last_tokens, batch: StepInput, draft_probs=None):
+    def step(self, params, kv_cache, last_tokens, batch: StepInput):
         """One ragged step. Returns (StepOutput, kv_cache, last_tokens); kv_cache and last_tokens [slots] are
         donated: each row's last emitted token is kept at last_tokens[out_slot] for a later step to chain from.
-        A batch whose logits_index is [S, k + 1] runs the verification program; draft_probs [slots, k, V]: the
-        distributions a draft model drew its proposals from (see `propose`), None for one-hot proposals."""
+        A batch whose logits_index is [S, k + 1] runs the verification program. A draft model's steps are plain
+        ones: its proposals are drawn as sample() draws, with the sequence's seed and generated token numbers."""
         batch = self.put_batch(batch)
         if batch.logits_index.shape[1] > 1:
-            out, new_kv, last_tokens = self._verify(params, kv_cache, last_tokens, batch, draft_probs)
+            out, new_kv, last_tokens = self._verify(params, kv_cache, last_tokens, batch)
         else:
             out, new_kv, last_tokens = self._forward(params, kv_cache, last_tokens, batch)
         return out, self._write(kv_cache, new_kv, batch.slot_mapping), last_tokens
-
-    def propose(self, params, kv_cache, last_tokens, draft_probs, batch: StepInput):
-        """A draft model's step: as `step`, and each row's draw distribution q goes to draft_probs [slots, k, V]
-        (donated) at [out_slot, step % k], where the verification of proposal j of generated token step + j finds
-        it. Returns (StepOutput, kv_cache, last_tokens, draft_probs)."""
-        batch = self.put_batch(batch)
-        out, new_kv, last_tokens, draft_probs = self._propose(params, kv_cache, last_tokens, draft_probs, batch)
-        return out, self._write(kv_cache, new_kv, batch.slot_mapping), last_tokens, draft_probs
 
     def forward_logits(self, params, kv_cache, batch: StepInput):
         """Logits of every new token, [T, V] float32, and the updated cache (for tests and perplexity)."""
@@ -115,19 +105,7 @@ class Steps:
         last_tokens = last_tokens.at[batch.out_slot].set(s["tokens"])  # -1 wraps to the padding slot
         return out, new_kv, last_tokens
 
-    def _forward_and_propose(self, params, kv_cache, last_tokens, draft_probs, batch: StepInput):
-        tokens = input_tokens(batch, last_tokens)
-        logits, new_kv = self.model.apply(params, tokens, kv_cache, batch.rows, batch.logits_index[:, 0])
-        proposals, q = sample_proposals(logits, batch.sampling)  # [S], [S, V]
-        S = proposals.shape[0]
-        out = StepOutput(tokens=proposals[:, None], num_tokens=(batch.logits_index[:, 0] >= 0).astype(jnp.int32),
-                         logprobs=jnp.zeros((S, 1)), ranks=jnp.zeros((S, 1), jnp.int32), top_ids=None,
-                         top_logprobs=None)  # a proposal's logprob is the target's business
-        position = batch.sampling.step % draft_probs.shape[1]  # [S]
-        draft_probs = draft_probs.at[batch.out_slot, position].set(q)  # -1 wraps to the padding slot
-        return out, new_kv, last_tokens.at[batch.out_slot].set(proposals), draft_probs
-
-    def _forward_and_verify(self, params, kv_cache, last_tokens, batch: StepInput, draft_probs=None):
+    def _forward_and_verify(self, params, kv_cache, last_tokens, batch: StepInput):
         tokens = input_tokens(batch, last_tokens)  # [T]
         index = jnp.maximum(batch.logits_index, 0)  # [S, Q]
         T, (S, Q) = tokens.shape[0], index.shape
@@ -138,11 +116,7 @@ class Steps:
             logits, new_kv = self.model.apply(params, tokens, kv_cache, batch.rows, index)
         # The proposal a scored position is checked against is the token after it in the row.
         drafts = tokens[jnp.minimum(index[:, :-1] + 1, T - 1)]  # [S, Q - 1]
-        q = None
-        if draft_probs is not None:  # each row's q of proposal j is where the draft put generated token step + j
-            position = (batch.sampling.step[:, None] + jnp.arange(Q - 1)) % draft_probs.shape[1]  # [S, Q - 1]
-            q = draft_probs[jnp.maximum(batch.out_slot, 0)[:, None], position]  # [S, Q - 1, V]
-        v = verify(logits, drafts, batch.num_draft, q, batch.sampling)
+        v = verify(logits, drafts, batch.num_draft, batch.sampling)
         num_tokens = jnp.where(batch.logits_index[:, 0] >= 0, v["num_tokens"], 0)  # [S]
         out = StepOutput(tokens=v["tokens"], num_tokens=num_tokens, logprobs=v["logprobs"], ranks=v["ranks"],
                          top_ids=v["top_ids"], top_logprobs=v["top_logprobs"])
@@ -157,7 +131,7 @@ class Steps:
 
     def num_compiled(self) -> int:
         """Programs compiled so far for serving (forwards and cache writes)."""
-        return sum(f._cache_size() for f in (self._forward, self._verify, self._propose, self._write))
+        return sum(f._cache_size() for f in (self._forward, self._verify, self._write))
 
 
 @functools.cache

@@ -54,9 +54,9 @@ def test_no_compilation_after_warmup(tiny_dir, other_tiny_dir, speculation):
     used = set()
     step = llm.runner.steps.step
 
-    def recording(params, kv_cache, last_tokens, batch, draft_probs=None):
+    def recording(params, kv_cache, last_tokens, batch):
         used.add((batch.num_tokens, batch.num_rows, batch.logits_index.shape[1] > 1))
-        return step(params, kv_cache, last_tokens, batch, draft_probs)
+        return step(params, kv_cache, last_tokens, batch)
 
     llm.runner.steps.step = recording
     # Count every XLA compilation, not only the steps': an eager op on a device array compiles a program too.

@@ -1,21 +1,31 @@
 """One engine over several processes on localhost (each with its own CPU device, gloo collectives between them), as
 over several hosts: the offline API and `jaxserve serve` give one process's outputs, and a process that dies takes
-the others down within a bounded time instead of leaving them hanging."""
+the others down within a bounded time instead of leaving them hanging. The leader's messages are data only and
+authenticated, a slow follower holds the leader back rather than losing messages, and a failed or stopped process
+ends the whole run cleanly."""
+import itertools
 import json
 import os
+import pickle
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
+import jax
+import numpy as np
 import pytest
 import requests
 from hf_models import save_tiny_model
 from multihost_worker import ENGINE, PARAMS, PROMPTS
 from serving import free_port
 
-from jaxserve import LLM, SamplingParams
+from jaxserve import LLM, SamplingParams, multihost
+from jaxserve.batching.batch_builder import Row, RowSampling, build_batch
+from jaxserve.multihost import MessageRefused, StepChannel
+from jaxserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 
 ROOT = Path(__file__).parent.parent
 WORKER = Path(__file__).parent / "multihost_worker.py"
@@ -42,11 +52,11 @@ def one_process_outputs(tp_dir):
     return [[o.outputs[0].token_ids for o in llm.generate(PROMPTS, p, use_tqdm=False)] for p in PARAMS]
 
 
-@pytest.mark.parametrize("n", [2, 4])
-def test_offline_api_over_processes_gives_one_process_outputs(tp_dir, tmp_path, n):
+@pytest.mark.parametrize("n, options", [(2, ["keep=4"]), (4, [])])
+def test_offline_api_over_processes_gives_one_process_outputs(tp_dir, tmp_path, n, options):
     """Every process runs the same script; process 0 schedules; all of them return the outputs, greedy and seeded
-    sampling alike equal to one process's."""
-    workers = start_workers(tp_dir, n, tmp_path)
+    sampling alike equal to one process's (with 2, through a window of 4 messages: acknowledged every one)."""
+    workers = start_workers(tp_dir, n, tmp_path, *options)
     logs = [w.communicate(timeout=240)[0] for w in workers]
     assert [w.returncode for w in workers] == [0] * n, logs[0][-3000:]
     want = one_process_outputs(tp_dir)
@@ -119,3 +129,243 @@ def test_a_lost_process_takes_the_others_down(tp_dir, tmp_path, victim, how):
     finally:
         for w in workers:
             w.kill()
+
+
+# ---- the leader's messages (a coordination service in this process: the store the processes' channels share) ----
+
+@pytest.fixture(scope="module")
+def kv_client():
+    from jax._src.lib import _jax  # what jax.distributed starts, without touching this process's JAX backends
+    address = f"127.0.0.1:{free_port()}"
+    service = _jax.get_distributed_runtime_service(address, 1, heartbeat_timeout=10, shutdown_timeout=5)
+    client = _jax.get_distributed_runtime_client(address, 0, init_timeout=10, heartbeat_timeout=10,
+                                                 shutdown_timeout=5)
+    client.connect()
+    yield client
+    client.shutdown()
+    service.shutdown()
+
+
+_names = itertools.count()
+SECRET = b"0123456789abcdef"
+
+
+def leader_and_follower(client, follower_secret=SECRET):
+    name = f"test{next(_names)}"  # each test its own keys
+    return StepChannel(SECRET, name, client, 0, 2), StepChannel(follower_secret, name, client, 1, 2), name
+
+
+def within(seconds, fn):
+    """fn()'s result or error, failing (rather than hanging) if it takes longer than `seconds`."""
+    box = []
+    thread = threading.Thread(target=lambda: box.append(_outcome(fn)), daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert box, f"still waiting after {seconds} s"
+    ok, value = box[0]
+    if not ok:
+        raise value
+    return value
+
+
+def _outcome(fn):
+    try:
+        return True, fn()
+    except BaseException as e:  # noqa: BLE001 - handed to the test's thread
+        return False, e
+
+
+def test_every_message_kind_round_trips(kv_client):
+    """Steps (their page table sent only as wide as used, restored to full width), results as plain data rebuilt
+    into their dataclasses, errors as a known type or a RuntimeError naming the type, abort and shutdown."""
+    leader, follower, _ = leader_and_follower(kv_client)
+    rows = [Row([5, 6, 7], 8, [3, 4, 9], RowSampling(temperature=0.5, seed=7, banned=(1, 2)), slot=1),
+            Row([0], 20, [1, 2, 5, 6, 10, 11], slot=2, chained=True)]
+    batch = build_batch(rows, 4, 320, 16, 4, 24)
+    completion = CompletionOutput(0, "héllo", [3, 4], -1.25, [{3: Logprob(-0.5, 1, "h"), 9: Logprob(-2.0, 2, None)},
+                                                             {4: Logprob(float("-inf"), 7)}], "length", 4)
+    output = RequestOutput("r1", None, [1, 2], [completion, CompletionOutput(1, "", [], None, None)], True,
+                           RequestMetrics(1.5, 2.0, None, 3.25, 1))
+    messages = [("step", 1, batch), ("end", [output]), ("end", ["a", "b"]), ("end", None), ("end", []),
+                ("end", {"tok_s": 1.5, "runs": [1, 2]}),
+                ("error", ValueError("bad prompt")), ("abort", "why"), ("shutdown",)]
+    for message in messages:
+        leader.send(message)
+    for message in messages:
+        got = follower.receive()
+        if message[0] == "step":
+            assert got[:2] == ("step", 1)
+            sent, back = jax.tree.leaves(message[2]), jax.tree.leaves(got[2])
+            assert [(a.dtype, a.shape) for a in sent] == [(b.dtype, b.shape) for b in back]
+            assert all(np.array_equal(a, b) for a, b in zip(sent, back))
+        elif message[0] == "error":
+            assert type(got[1]) is ValueError and str(got[1]) == "bad prompt"
+        else:
+            assert got == message
+    leader.send(("error", OSError("disk")))  # not a type followers raise: a RuntimeError that names it
+    got = follower.receive()[1]
+    assert type(got) is RuntimeError and str(got) == "OSError: disk"
+    with pytest.raises(TypeError, match="cannot receive"):  # only plain data: refused on the leader, not garbled
+        leader.send(("end", (1, 2)))
+
+
+def test_the_page_table_goes_only_as_wide_as_used(kv_client):
+    """A step's page table is sent up to its last used column, so a message does not grow with max_model_len."""
+    leader, _, _ = leader_and_follower(kv_client)
+    rows = [Row([1], 8, [3, 4, 9])]
+    narrow, wide = (build_batch(rows, 4, 320, 1, 1, width) for width in (24, 2400))
+    leader.send(("step", 0, narrow))
+    small = leader.bytes_sent
+    leader.send(("step", 0, wide))
+    assert leader.bytes_sent - small == small + 2  # the width the follower restores: two more digits
+
+
+def test_a_forged_pickle_is_refused_unread(kv_client, tmp_path):
+    """Whoever reaches the coordinator's port can write a message key; what it writes is never unpickled."""
+    _, follower, name = leader_and_follower(kv_client)
+    marker = tmp_path / "pwned"
+    plant = type("Plant", (), {"__reduce__": lambda self: (open, (str(marker), "w"))})()
+    kv_client.key_value_set_bytes(f"{name}/message/0", pickle.dumps(("step", 0, plant)))
+    with pytest.raises(MessageRefused, match="authentication"):
+        follower.receive()
+    assert not marker.exists()
+
+
+def test_a_wrong_altered_or_replayed_message_is_refused(kv_client):
+    leader, stranger, name = leader_and_follower(kv_client, follower_secret=b"another secret, 16+ bytes")
+    leader.send(("end", ["hello"]))
+    with pytest.raises(MessageRefused, match="authentication"):
+        stranger.receive()
+    data = bytearray(kv_client.key_value_try_get_bytes(f"{name}/message/0"))
+    for key, forged in ((f"{name}/altered/message/0", data[:-3] + b"bye"),  # content changed, MAC kept
+                        (f"{name}/replayed/message/1", data)):  # message 0 again, in place of message 1
+        kv_client.key_value_set_bytes(key, bytes(forged))
+    altered = StepChannel(SECRET, f"{name}/altered", kv_client, 1, 2)
+    with pytest.raises(MessageRefused, match="authentication"):
+        altered.receive()
+    replayed = StepChannel(SECRET, f"{name}/replayed", kv_client, 1, 2)
+    replayed._count = 1
+    with pytest.raises(MessageRefused, match="replayed or reordered"):
+        replayed.receive()
+
+
+def test_a_multi_host_run_needs_a_secret_and_binds_one_interface(monkeypatch):
+    """Reachable from another host (a coordinator address or bind address that is not loopback, or JAX's cluster
+    detection), the run refuses to start without a shared secret; the service binds the coordinator's address."""
+    calls = []
+    monkeypatch.setattr(jax.distributed, "is_initialized", lambda: False)
+    monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: calls.append(kw))
+    monkeypatch.setattr(multihost, "_exposed", True)
+    monkeypatch.delenv(multihost.SECRET_ENV, raising=False)
+    multihost.initialize("127.0.0.1:1234", 2, 1)
+    assert calls[-1]["coordinator_bind_address"] == "127.0.0.1:1234"
+    assert multihost.shared_secret() == b""
+    for address, bind in (("10.1.2.3:1234", None), ("127.0.0.1:1234", "0.0.0.0:1234"), ("auto", None)):
+        multihost.initialize(address, None if address == "auto" else 2, None if address == "auto" else 1, bind)
+        with pytest.raises(ValueError, match="shared secret"):
+            multihost.shared_secret()
+    assert calls[1]["coordinator_bind_address"] == "10.1.2.3:1234"
+    monkeypatch.setenv(multihost.SECRET_ENV, "a secret of 16 bytes or more")
+    assert multihost.shared_secret() == b"a secret of 16 bytes or more"
+
+
+def test_a_slow_follower_holds_the_leader_back(kv_client, monkeypatch):
+    """A burst of more messages than the leader keeps (a draft model catching up a long context) waits for the
+    follower's acknowledgements instead of deleting what it has not read."""
+    monkeypatch.setattr(multihost, "KEEP_MESSAGES", 4)
+    leader, follower, _ = leader_and_follower(kv_client)
+    sent = threading.Thread(target=lambda: [leader.send(("end", [str(i)])) for i in range(20)], daemon=True)
+    sent.start()
+    got, ahead = [], []
+    for _ in range(20):
+        time.sleep(0.02)
+        ahead.append(leader._count - follower._count)
+        got.append(within(10, follower.receive)[1][0])
+    sent.join(10)
+    assert got == [str(i) for i in range(20)] and max(ahead) <= 4
+
+
+def test_a_follower_that_lost_a_message_stops(kv_client):
+    """A message gone before the follower read it (the leader publishes the oldest it keeps) is an error, not an
+    endless wait for it."""
+    leader, follower, name = leader_and_follower(kv_client)
+    leader.send(("end", None))
+    leader.send(("end", None))
+    kv_client.key_value_delete(f"{name}/message/0")
+    kv_client.key_value_set_bytes(f"{name}/oldest", b"1")
+    with pytest.raises(RuntimeError, match="lost the leader's message 0"):
+        within(10, follower.receive)
+
+
+# ---- failures and signals over real processes ----
+
+def test_a_failed_published_step_ends_every_process(tp_dir, tmp_path):
+    """Process 0's step fails after it was published (the follower runs it): rather than go on out of step (a
+    server would carry on), every process ends, process 0 saying why."""
+    workers = start_workers(tp_dir, 2, tmp_path, "fail-step", "no-warmup")
+    start = time.monotonic()
+    logs = [w.communicate(timeout=120)[0] for w in workers]
+    assert all(w.returncode != 0 for w in workers), logs[0][-3000:]
+    assert "failed a step it had sent" in logs[0] and "no longer in step" in logs[0], logs[0][-3000:]
+    assert "generate failed" not in logs[0]  # it did not carry on
+    assert time.monotonic() - start < 120
+    assert not (tmp_path / "0.json").exists()
+
+
+def serve_processes(tp_dir, port, grace):
+    coordinator = f"127.0.0.1:{free_port()}"
+    return [subprocess.Popen(
+        [sys.executable, "-m", "jaxserve.cli", "serve", "--model", tp_dir, "--port", str(port),
+         "--tensor-parallel-size", "2", "--max-model-len", "96", "--block-size", "4", "--max-num-seqs", "4",
+         "--max-num-batched-tokens", "16", "--no-warmup", "--shutdown-grace-period", str(grace),
+         "--coordinator-address", coordinator, "--num-processes", "2", "--process-id", str(i)],
+        env=ENV, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+
+
+def test_sigterm_to_a_follower_ends_the_run_cleanly(tp_dir):
+    """Orchestrators send SIGTERM to every process; one to a follower (which JAX's preemption notifier would
+    swallow) stops the run as one to process 0 does: process 0 drains, and every process exits 0 within the grace
+    period."""
+    port, grace = free_port(), 5
+    procs = serve_processes(tp_dir, port, grace)
+    try:
+        wait_ready(f"http://127.0.0.1:{port}", procs)
+        procs[1].send_signal(signal.SIGTERM)
+        sent = time.monotonic()
+        logs = [p.communicate(timeout=grace + 20)[0] for p in procs]
+        assert time.monotonic() - sent < grace + 10
+        assert [p.returncode for p in procs] == [0, 0], logs[0][-2000:] + logs[1][-2000:]
+    finally:
+        for p in procs:
+            p.kill()
+
+
+def test_generate_over_processes_prints_only_the_answer(tp_dir, tmp_path):
+    """Over several processes gloo writes to file descriptor 1 from C++; stdout must still carry the answer alone
+    (what one process prints), the library's lines going to stderr."""
+    model = tmp_path / "with-tokenizer"
+    model.mkdir()
+    for f in Path(tp_dir).iterdir():
+        (model / f.name).symlink_to(f)
+    save_byte_tokenizer(model)
+    launched = subprocess.run(["bash", str(ROOT / "scripts/launch_multihost.sh"), "2", "generate", "--model",
+                               str(model), "--prompt", "Hello there", "--max-tokens", "6", "--max-model-len", "96",
+                               "--block-size", "4", "--tensor-parallel-size", "2"], env={**ENV, "XLA_FLAGS": ""},
+                              cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert launched.returncode == 0, launched.stderr[-3000:]
+    answer = LLM(str(model), max_model_len=96, block_size=4, max_num_seqs=1, warmup=False).stream(
+        "Hello there", SamplingParams(temperature=0, max_tokens=6))  # what `jaxserve generate` prints alone
+    assert launched.stdout == "".join(answer) + "\n"
+    assert "Gloo" in launched.stderr  # the line this is about: on stderr, not gone
+
+
+def save_byte_tokenizer(path):
+    """A byte-level tokenizer.json for the tiny model's 320 ids: the 256 bytes, then 64 two-byte tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {c: i for i, c in enumerate(alphabet)}
+    vocab.update({alphabet[i] + alphabet[i + 1]: 256 + i for i in range(64)})
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.save(str(path / "tokenizer.json"))

@@ -1,7 +1,7 @@
 """Speculative decoding in the engine: proposers, verification rows in the ragged step, rollback, the controller.
 
-The exactness of rejection sampling itself is tested in test_rejection_sampler.py; here, that the engine around it
-emits what plain decoding would (greedy: token for token), leaks no page, and switches itself on and off.
+The verification rule itself is tested in test_verification.py; here, that the engine around it emits what
+plain decoding would (token for token, greedy or seeded), leaks no page, and switches itself on and off.
 """
 import numpy as np
 import pytest
@@ -95,15 +95,39 @@ def test_seeded_sampling_does_not_depend_on_the_batch(tiny_dir):
     together = tokens(llm, ps, sp)
     alone = [tokens(llm, [p], sp)[0] for p in ps]
     assert together == alone
-    # The draft is the target, so its q is the target's p and min(1, p / q) accepts all (a one-hot q would
-    # accept only with probability p(x)): the draft's distributions reach the verification.
+    # The draft is the target and draws with the target's keys, so its proposals are the target's own draws and
+    # are all accepted (drawn with keys of their own, they would match only by chance): the coupling is wired.
     stats = llm.stats()
     assert stats.spec_decode_num_accepted_tokens >= 0.97 * stats.spec_decode_num_draft_tokens > 0, stats
 
 
+@pytest.mark.parametrize("proposer", ["ngram", "draft-self", "draft-other"])
+def test_seeded_sampling_gives_the_plain_text_when_speculating(tiny_dir, other_tiny_dir, proposer):
+    """The README's promise: the same seed gives the same text whatever else is batched, so whether a sequence
+    speculates (which the adaptive controller decides from the batch) must not change it either. Every filter is
+    in play, and a ban (min_tokens)."""
+    seed = int(np.random.default_rng().integers(2**31))
+    rng = np.random.default_rng(seed)
+    ps = mixed_prompts(rng)
+    sps = [SamplingParams(temperature=t, top_k=k, top_p=tp, min_p=mp, seed=int(rng.integers(2**31)), max_tokens=30,
+                          min_tokens=3, ignore_eos=True)
+           for t, k, tp, mp in [(0.7, 0, 1.0, 0.0), (1.0, 20, 0.9, 0.0), (0.5, 0, 0.8, 0.05), (1.2, 5, 1.0, 0.1)]]
+    sps = [sps[i % len(sps)] for i in range(len(ps))]
+    config = {"ngram": spec("ngram", prompt_lookup_min=1), "draft-self": spec("draft_model", model=tiny_dir),
+              "draft-other": spec("draft_model", model=other_tiny_dir)}[proposer]
+    plain = tokens(make_llm(tiny_dir), ps, sps)
+    llm = make_llm(tiny_dir, speculative_config=config)
+    assert tokens(llm, ps, sps) == plain, f"seed {seed}"
+    stats = llm.stats()
+    assert stats.spec_decode_num_draft_tokens > 0, f"seed {seed}: {stats}"
+    if proposer == "draft-self":  # its proposals are the target's own draws: kept, so accepted runs are covered
+        assert stats.spec_decode_num_accepted_tokens >= 0.97 * stats.spec_decode_num_draft_tokens, f"seed {seed}"
+    llm.core.assert_idle_and_clean()
+
+
 def test_sampled_tokens_follow_the_targets_distribution(tiny_dir, other_tiny_dir):
     """The second and third tokens (the first ones a verification emits) of many seeded samples, with and without
-    a (bad) draft: the same distribution. The exactness proof is in test_rejection_sampler.py; this catches wiring
+    a (bad) draft: the same distribution. The exactness proof is in test_verification.py; this catches wiring
     (positions, steps, keys)."""
     p = {"prompt_token_ids": [5, 17, 99, 3]}
     sp = SamplingParams(n=300, temperature=1.0, top_k=4, max_tokens=3, ignore_eos=True, seed=7)

@@ -3,9 +3,10 @@
 The draft has its own paged KV cache, indexed by the target's page ids: a sequence's pages hold its K/V in both
 caches, so pages are allocated, freed, preempted and rolled back once, for both models. The draft computes a
 sequence's tokens only when it is asked to speculate for it (`Sequence.num_draft_cached` says how far it got), so
-it costs nothing while speculation is off. It draws its proposals with the sequence's own sampling parameters (its
-argmax for a greedy sequence) from a random stream of its own, and keeps each draw's distribution q on device for
-the verification step's rejection sampling (`ModelRunner.draft_probs`).
+it costs nothing while speculation is off. It draws its proposals as sample() draws (its argmax for a greedy
+sequence) with the sequence's own sampling parameters and seed: its proposal for generated token number n takes
+the uniform the target's draw of n takes, so where the two models' distributions are alike the two draws agree
+and verification (`jaxserve.verification`) accepts it.
 """
 from __future__ import annotations
 
@@ -13,8 +14,6 @@ import dataclasses
 
 from jaxserve.batching.batch_builder import Row
 from jaxserve.batching.model_runner import ModelRunner
-
-DRAFT_SEED_SALT = 0x5DEECE66  # xor-ed into a sequence's seed for its draft's draws
 
 
 class DraftProposer:
@@ -56,10 +55,10 @@ class DraftProposer:
 
     @staticmethod
     def _sampling(seq, j: int):
-        """The sequence's sampling parameters for its proposal j, with a seed of the draft's own: a proposal drawn
-        with the uniform that will test it would bias the test."""
+        """The sequence's sampling parameters for its proposal j: its seed and generated token number, so the draw
+        is coupled with the target's (a proposal's logprobs are the target's business)."""
         row = seq.sampling_row()
-        return dataclasses.replace(row, seed=row.seed ^ DRAFT_SEED_SALT, step=row.step + j)
+        return dataclasses.replace(row, step=row.step + j, want_top_logprobs=False)
 
     def _catch_up_steps(self, seqs):
         """Steps of at most max_tokens tokens and max_rows rows covering every sequence's unseen tokens, a long

@@ -26,25 +26,21 @@ logger = logging.getLogger("jaxserve")
 class ModelRunner:
     def __init__(self, config, params, dtype, num_pages: int, page_size: int, buckets: Buckets, num_slots: int,
                  attention_backend: str = "reference", kv_cache_dtype: str = "auto", num_speculative_tokens: int = 0,
-                 proposes: bool = False, mesh=None):
-        """num_speculative_tokens: k, for verification programs (a target) or the proposals kept (a draft:
-        proposes=True, whose steps keep each draw's distribution in `draft_probs` for the target to verify).
-        mesh: the device group to split the model and its cache over (None: the default device)."""
+                 mesh=None):
+        """num_speculative_tokens: k, for verification programs (a target's; a draft model's runner has none: it
+        draws its proposals in plain steps). mesh: the device group to split the model and its cache over (None:
+        the default device)."""
         self.config = config
         self.page_size = page_size
         self.buckets = buckets
         self.num_speculative_tokens = num_speculative_tokens
         self.mesh = mesh
-        self.steps = steps_for(config, dtype, attention_backend, 0 if proposes else num_speculative_tokens, mesh,
-                               kv_cache_dtype)
-        # A draft's: [slots + 1, k, V], the distribution each proposal of each sequence was drawn from.
-        draft_probs = (num_slots + 1, num_speculative_tokens, config.vocab_size) if proposes else None
-        self.draft: ModelRunner | None = None  # a target's draft, whose draft_probs its verifications read
+        self.steps = steps_for(config, dtype, attention_backend, num_speculative_tokens, mesh, kv_cache_dtype)
+        self.draft: ModelRunner | None = None  # a target's draft model's runner
         if mesh is None:
             self.params = params
             self.kv_cache = init_kv_cache(config, num_pages, page_size, dtype, kv_cache_dtype)
             self.last_tokens = jnp.zeros(num_slots + 1, jnp.int32)  # [slots + 1]: the last one takes padding rows
-            self.draft_probs = jnp.zeros(draft_probs, jnp.float32) if proposes else None
         else:
             tp = mesh.shape["model"]
             self.params = place(params, shardings(mesh, param_specs(params, self.steps.partitioning, tp)))
@@ -56,7 +52,6 @@ class ModelRunner:
             def zeros(shape, dtype):  # replicated, made on every device of the group (of every process)
                 return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=replicated(mesh))()
             self.last_tokens = zeros(num_slots + 1, jnp.int32)
-            self.draft_probs = zeros(draft_probs, jnp.float32) if proposes else None
         # Seconds per step by (tokens, scored per row), measured at warm-up: what speculation's controller weighs.
         self.step_times: dict[tuple[int, int], float] = {}
         # A multi-process leader's: where each dispatched batch is published, and this runner's index there.
@@ -71,22 +66,22 @@ class ModelRunner:
         scored = self.num_speculative_tokens + 1 if any(r.num_draft for r in rows) else 1
         batch = build_batch(rows, self.page_size, self.config.vocab_size, tokens, self.buckets.num_rows(tokens),
                             self.buckets.pages_per_row, scored)
-        if self.channel is not None:  # a multi-process leader: every process runs the same step (jaxserve.multihost)
+        if self.channel is None:
+            out = self.run(batch)
+        else:  # a multi-process leader: every process runs the same step (jaxserve.multihost)
             self.channel.send(("step", self.channel_index, batch))
-        out = self.run(batch)
+            try:
+                out = self.run(batch)
+            except BaseException as e:  # the followers run it regardless: no later step could line up
+                self.channel.abort(f"process 0 failed a step it had sent to the other processes "
+                                   f"({type(e).__name__}: {e})")
         if not any(r.sampling.want_top_logprobs for r in rows):
             out = dataclasses.replace(out, top_ids=None, top_logprobs=None)  # nothing to copy back
         return len(rows), out
 
     def run(self, batch: StepInput) -> StepOutput:
         """The device side of a step whose batch is built (all a multi-process follower does of it)."""
-        if self.draft_probs is not None:
-            out, self.kv_cache, self.last_tokens, self.draft_probs = self.steps.propose(
-                self.params, self.kv_cache, self.last_tokens, self.draft_probs, batch)
-        else:
-            q = self.draft.draft_probs if self.draft is not None and batch.logits_index.shape[1] > 1 else None
-            out, self.kv_cache, self.last_tokens = self.steps.step(self.params, self.kv_cache, self.last_tokens,
-                                                                   batch, q)
+        out, self.kv_cache, self.last_tokens = self.steps.step(self.params, self.kv_cache, self.last_tokens, batch)
         return out
 
     def fetch(self, handle: tuple[int, StepOutput]) -> StepOutput:

@@ -1,17 +1,20 @@
-"""Speculative verification on device (jaxserve.rejection_sampler.verify): plain rows are sample() exactly, greedy
-rows are the greedy chain, and sampled rows emit tokens whose law is exactly the target's (checked statistically,
-and the check is shown to catch inexact samplers)."""
+"""Speculative verification on device (jaxserve.verification.verify): plain rows are sample() exactly, greedy
+rows are the greedy chain, sampled rows emit sample()'s own draws at each generated token number (so speculation
+does not change a seeded text), their law is exactly the target's whatever the proposals (checked statistically,
+and the check is shown to catch inexact verifiers), and a one-hot proposal x is accepted with probability p(x)."""
+import dataclasses
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.scipy.stats import chi2
 
-from jaxserve import rejection_sampler
+from jaxserve import verification
 from jaxserve.batch import SamplingInput
-from jaxserve.rejection_sampler import verify
-from jaxserve.sampling import sample
+from jaxserve.verification import verify
+from jaxserve.sampling import draw, sample, step_keys
 from jaxserve.sampling_params import MAX_BANNED_TOKENS
 
 verify_jit = jax.jit(verify)
@@ -74,17 +77,18 @@ def target_probs(logits, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, banned=
 
 # Bit for bit where XLA reduces a row of the [S * Q, V] logits as it does a row of [S, V]: on XLA:CPU it does at
 # these sizes, but not on small arrays (log_softmax of [8, 200] differs in the last bit from its rows in [24, 200]).
-@pytest.mark.parametrize("S, Q, V", [(24, 4, 1000), (8, 3, 49152)])
-@pytest.mark.parametrize("with_draft_probs", [False, True])
-def test_plain_rows_are_sample_exactly(S, Q, V, with_draft_probs):
-    seed = 1000 * V + with_draft_probs
+SIZES = [(24, 4, 1000), (8, 3, 49152)]
+
+
+@pytest.mark.parametrize("S, Q, V", SIZES)
+def test_plain_rows_are_sample_exactly(S, Q, V):
+    seed = 1000 * V
     rng = np.random.default_rng(seed)
     logits = rng.normal(0, 3, (S, Q, V)).astype(np.float32)
     p = mixed_rows(S, V, rng)
     draft = rng.integers(0, V, (S, Q - 1)).astype(np.int32)
-    draft_probs = rng.random((S, Q - 1, V)).astype(np.float32) if with_draft_probs else None
     num_draft = np.where(np.arange(S) % 2 == 0, 0, rng.integers(0, Q, S)).astype(np.int32)  # plain rows among others
-    got = verify_jit(logits, draft, num_draft, draft_probs, p)
+    got = verify_jit(logits, draft, num_draft, p)
     want = sample_jit(logits[:, 0], p)
     plain = num_draft == 0
     for k, v in want.items():
@@ -98,7 +102,7 @@ def test_every_row_plain_with_greedy_and_sorting_fast_paths_off():
     logits = rng.normal(0, 3, (S, Q, V)).astype(np.float32)
     draft, num_draft = np.zeros((S, Q - 1), np.int32), np.zeros(S, np.int32)
     for p in [rows(S, V, temperature=0.0), rows(S, V), rows(S, V, temperature=0.7, min_p=0.1)]:
-        got, want = verify_jit(logits, draft, num_draft, None, p), sample_jit(logits[:, 0], p)
+        got, want = verify_jit(logits, draft, num_draft, p), sample_jit(logits[:, 0], p)
         for k, v in want.items():
             np.testing.assert_array_equal(np.asarray(got[k])[:, 0], np.asarray(v), err_msg=k)
 
@@ -127,7 +131,7 @@ def test_greedy_rows_emit_the_greedy_chain():
     draft[::3] = raw_best[::3, :K]  # some rows propose the raw argmax, banned or not
     num_draft = rng.integers(0, K + 1, S).astype(np.int32)
     p = rows(S, V, temperature=0.0, step=step, min_tokens=min_tokens, banned=banned, want_top_logprobs=True)
-    got = verify_jit(logits, draft.astype(np.int32), num_draft, None, p)
+    got = verify_jit(logits, draft.astype(np.int32), num_draft, p)
     tokens, n = np.asarray(got["tokens"]), np.asarray(got["num_tokens"])
     logprobs = np.asarray(jax.nn.log_softmax(logits, axis=-1))
     for s in range(S):
@@ -149,14 +153,34 @@ def test_a_row_does_not_depend_on_the_others():
     logits = rng.normal(0, 2, (S, Q, V)).astype(np.float32)
     p = mixed_rows(S, V, rng)
     draft = logits[:, :-1].argmax(-1).astype(np.int32)  # likely proposals: long accepted runs
-    draft_probs = rng.random((S, Q - 1, V)).astype(np.float32)
     num_draft = rng.integers(0, Q, S).astype(np.int32)
-    full = verify_jit(logits, draft, num_draft, draft_probs, p)
+    full = verify_jit(logits, draft, num_draft, p)
     perm = rng.permutation(S)
-    shuffled = verify_jit(logits[perm], draft[perm], num_draft[perm], draft_probs[perm],
-                          jax.tree.map(lambda a: a[perm], p))
+    shuffled = verify_jit(logits[perm], draft[perm], num_draft[perm], jax.tree.map(lambda a: a[perm], p))
     for k in ("tokens", "num_tokens", "logprobs"):
         np.testing.assert_array_equal(np.asarray(shuffled[k]), np.asarray(full[k])[perm], err_msg=k)
+
+
+@pytest.mark.parametrize("S, Q, V", SIZES)
+def test_rows_emit_sample_draws_up_to_the_first_miss(S, Q, V):
+    """Position j of a row emits what sample() draws for its generated token number step + j (its key, its ban),
+    and the row keeps its proposals while they equal those draws: the text of plain decoding, token for token."""
+    seed = 7 * V
+    rng = np.random.default_rng(seed)
+    logits = rng.normal(0, 3, (S, Q, V)).astype(np.float32)
+    p = mixed_rows(S, V, rng)
+    want = np.stack([np.asarray(sample_jit(logits[:, j], dataclasses.replace(p, step=p.step + j))["tokens"])
+                     for j in range(Q)], axis=1)  # [S, Q]
+    match = np.arange(S) % Q  # proposals equal to the draws before the first miss
+    draft = np.where(np.arange(Q - 1)[None, :] < match[:, None], want[:, :-1], (want[:, :-1] + 1) % V)
+    num_draft = np.full(S, Q - 1, np.int32)
+    num_draft[::4] = rng.integers(0, Q, len(num_draft[::4]))  # some rows propose fewer, or nothing
+    got = verify_jit(logits, draft.astype(np.int32), num_draft, p)
+    n = np.asarray(got["num_tokens"])
+    np.testing.assert_array_equal(n, np.minimum(match, num_draft) + 1, err_msg=f"seed {seed}")
+    for s in range(S):
+        np.testing.assert_array_equal(np.asarray(got["tokens"])[s, :n[s]], want[s, :n[s]], err_msg=f"seed {seed}")
+    assert (n == 1).any() and (n == Q).any()  # some rows kept nothing, some every proposal
 
 
 # ---- sampled rows: the law of the emitted tokens
@@ -205,8 +229,9 @@ def dirichlet(rng, V, concentration):
 
 
 def scenario(name, seed):
-    """Logits at Q = 3 positions, sampling parameters, and the draft: q [K, V] (None: one-hot proposals) and a way
-    to propose. Returns (logits [Q, V], params, q or None, propose(rng) -> draft tokens [N, K])."""
+    """Logits at Q = 3 positions, sampling parameters, and the proposer. A draft model's (q [K, V]) draws with the
+    key of the target's draw it is checked against, as the engine's does: the proposals that lean hardest on the
+    uniform deciding them. Returns (logits [Q, V], params, propose(rng, seeds [N], step) -> draft tokens [N, K])."""
     rng = np.random.default_rng(seed)
     V, Q, K = V_SMALL, 3, 2
     logits = rng.normal(0, 1.5, (Q, V)).astype(np.float32)
@@ -223,17 +248,18 @@ def scenario(name, seed):
     else:
         q = None
     if q is not None:
-        q = q.astype(np.float32)
-        qn = q.astype(np.float64)
-        qn /= qn.sum(-1, keepdims=True)
-        propose = lambda rng: np.stack([rng.choice(V, N, p=qn[j]) for j in range(K)], axis=1)
-        q = 0.5 * q  # the draft's law need not be normalised
+        q = jnp.asarray(q, jnp.float32)  # [K, V]
+
+        def propose(rng, seeds, step):
+            steps = np.full(len(seeds), step, np.int32)
+            return np.stack([np.asarray(draw(jnp.broadcast_to(q[j], (len(seeds), V)), step_keys(seeds, steps + j)))
+                             for j in range(K)], axis=1)
     elif name in ("onehot_fixed", "filtered_onehot"):
         fixed = np.array([np.argsort(p[0])[-2], np.argsort(p[1])[-1]])  # a likely token, then the most likely
-        propose = lambda rng: np.broadcast_to(fixed, (N, K))
+        propose = lambda rng, seeds, step: np.broadcast_to(fixed, (len(seeds), K))
     else:  # "onehot_random": an n-gram's proposals, unrelated to p
-        propose = lambda rng: rng.integers(0, V, (N, K))
-    return logits, params, q, propose
+        propose = lambda rng, seeds, step: rng.integers(0, V, (len(seeds), K))
+    return logits, params, propose
 
 
 def target_probs_all(logits, params):
@@ -246,20 +272,21 @@ def target_probs_all(logits, params):
 
 
 def run_scenario(name, seed, verifier=verify_jit):
-    logits, params, q, propose = scenario(name, seed)
+    """Returns the tokens a row continues with [N, Q] (its kept proposals, then the emitted token; junk after
+    num_tokens), num_tokens [N], the target's law [Q, V], and the rng for law_pvalues."""
+    logits, params, propose = scenario(name, seed)
     Q, V = logits.shape
     rng = np.random.default_rng(seed + 1)
-    draft = propose(rng).astype(np.int32)
+    seeds = (np.arange(N) + 7919 * seed).astype(np.uint32)
+    draft = propose(rng, seeds, params.get("step", 0)).astype(np.int32)
     num_draft = np.full(N, Q - 1, np.int32)
     num_draft[:N // 10] = rng.integers(0, Q, N // 10)  # some rows propose fewer, or nothing
-    p_in = rows(N, V, seed=np.arange(N) + 7919 * seed, **params)
-    out = verifier(np.broadcast_to(logits, (N, Q, V)), draft, num_draft,
-                   None if q is None else np.broadcast_to(q, (N, Q - 1, V)), p_in)
+    out = verifier(np.broadcast_to(logits, (N, Q, V)), draft, num_draft, rows(N, V, seed=seeds, **params))
     tokens, num_tokens = np.asarray(out["tokens"]), np.asarray(out["num_tokens"])
-    assert ((num_tokens >= 1) & (num_tokens <= num_draft + 1)).all()
-    assert (tokens[np.arange(Q)[None, :] < num_tokens[:, None] - 1] == draft[np.arange(Q - 1)[None, :] <
-                                                                            num_tokens[:, None] - 1]).all()
-    return tokens, num_tokens, target_probs_all(logits, params), rng
+    # What the row continues with is its kept proposals (already in its KV cache), then the emitted token.
+    kept = np.arange(Q)[None, :] < num_tokens[:, None] - 1
+    continued = np.where(kept, np.pad(draft, ((0, 0), (0, 1))), tokens)
+    return continued, tokens, num_tokens, num_draft, target_probs_all(logits, params), rng
 
 
 SCENARIOS = ["bad", "good", "onehot_fixed", "onehot_random", "filtered", "filtered_onehot", "banned"]
@@ -268,7 +295,9 @@ SCENARIOS = ["bad", "good", "onehot_fixed", "onehot_random", "filtered", "filter
 @pytest.mark.parametrize("name", SCENARIOS)
 def test_emitted_tokens_follow_the_target_law(name):
     seed = SCENARIOS.index(name) + 1
-    tokens, num_tokens, p, rng = run_scenario(name, seed)
+    continued, tokens, num_tokens, num_draft, p, rng = run_scenario(name, seed)
+    assert ((num_tokens >= 1) & (num_tokens <= num_draft + 1)).all()
+    np.testing.assert_array_equal(continued, tokens)  # a kept proposal is the token emitted there
     pvalues = law_pvalues(tokens, num_tokens, p, rng)
     assert min(pvalues.values()) > ALPHA, f"scenario {name}, seed {seed}: p-values {pvalues}"
     # Not a vacuous pass: some rows accepted every proposal, some none.
@@ -276,26 +305,48 @@ def test_emitted_tokens_follow_the_target_law(name):
 
 
 def test_the_ban_holds_per_position():
-    tokens, num_tokens, p, _ = run_scenario("banned", 7)
+    _, tokens, num_tokens, _, p, _ = run_scenario("banned", 7)
     banned = set(scenario("banned", 7)[1]["banned"][:2].tolist())
     for j in (0, 1):
         assert not banned & set(tokens[num_tokens > j, j].tolist())
     assert banned & set(tokens[num_tokens > 2, 2].tolist())  # step 5: no longer banned
 
 
+def one_key_for_every_position(p, Q):
+    return jax.tree.map(lambda a: jnp.repeat(a, Q, axis=0), p)
+
+
 INEXACT = {
-    "always accept": ("_accept", lambda u, p_x, q_x: u >= 0),
-    "accept with p, not p / q": ("_accept", lambda u, p_x, q_x: u < p_x),
-    "resample from p, not the residual": ("_residual", lambda p, q: p),
+    "one key for every position": ("per_position", one_key_for_every_position),
+    "accept every proposal": ("_leading", lambda ok, num_draft: num_draft),
 }
 
 
-@pytest.mark.parametrize("variant, name", [(v, n) for v in INEXACT for n in ("bad", "onehot_fixed")
-                                           if (v, n) != ("accept with p, not p / q", "onehot_fixed")])  # q(x) = 1
-def test_the_check_catches_inexact_samplers(monkeypatch, variant, name):
+@pytest.mark.parametrize("variant, name", [(v, n) for v in INEXACT for n in ("bad", "onehot_fixed")])
+def test_the_check_catches_inexact_verifiers(monkeypatch, variant, name):
     attr, wrong = INEXACT[variant]
     seed = 1 + SCENARIOS.index(name)
-    monkeypatch.setattr(rejection_sampler, attr, wrong)
-    tokens, num_tokens, p, rng = run_scenario(name, seed, jax.jit(functools.partial(verify)))  # traced anew
-    pvalues = law_pvalues(tokens, num_tokens, p, rng)
+    monkeypatch.setattr(verification, attr, wrong)
+    continued, _, num_tokens, _, p, rng = run_scenario(name, seed, jax.jit(functools.partial(verify)))  # traced anew
+    pvalues = law_pvalues(continued, num_tokens, p, rng)
     assert min(pvalues.values()) < ALPHA, f"{variant}, scenario {name}, seed {seed}: p-values {pvalues}"
+
+
+# ---- acceptance
+
+@pytest.mark.parametrize("params", [{}, dict(temperature=0.8, top_k=8, top_p=0.95, min_p=0.02)])
+def test_a_one_hot_proposal_is_accepted_with_its_probability(params):
+    """An n-gram's proposal x is accepted with probability p(x), as rejection sampling accepts it (min(1, p / 1)):
+    coupling the proposal to the target's draw costs prompt lookup nothing."""
+    seed = 31 + len(params)
+    rng = np.random.default_rng(seed)
+    V, n = V_SMALL, N
+    logits = rng.normal(0, 1.5, (2, V)).astype(np.float32)
+    p0 = target_probs_all(logits, params)[0]
+    for x in np.argsort(p0)[::-1][:3]:  # the three likeliest tokens
+        seeds = (np.arange(n) + n * int(x) + seed).astype(np.uint32)
+        out = verify_jit(np.broadcast_to(logits, (n, 2, V)), np.full((n, 1), x, np.int32), np.ones(n, np.int32),
+                         rows(n, V, seed=seeds, **params))
+        rate = float((np.asarray(out["num_tokens"]) == 2).mean())
+        tolerance = 5 * np.sqrt(p0[x] * (1 - p0[x]) / n)  # five standard errors: a false failure ~1e-6
+        assert abs(rate - p0[x]) < tolerance, f"seed {seed}, token {x}: accepted {rate:.4f}, p(x) = {p0[x]:.4f}"
