@@ -187,7 +187,7 @@ def compile_serving(config: ModelConfig, dtype, device, *, max_num_seqs: int, ma
     (forward + sampling) of each token bucket and its cache write, and the ragged attention kernel alone at the
     largest step. only_extremes: of the buckets, only the smallest, the largest that can be all decode rows
     (tokens = rows = max_num_seqs) and the largest (the same programs at other sizes, for a quicker check).
-    num_speculative_tokens: also the verification step (k + 1 scored tokens a row, rejection sampling) of each
+    num_speculative_tokens: also the verification step (k + 1 scored tokens a row, verified on device) of each
     bucket but the one-token one.
 
     tensor_parallel_size > 1: `device` is a list of (at least that many) compile-only devices, of which the first

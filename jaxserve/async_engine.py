@@ -121,11 +121,11 @@ class AsyncEngine:
             except StepError as e:  # its requests end; the engine goes on for the others while a replica serves
                 logger.error("engine step failed; ending %d request(s)", len(e.failed), exc_info=e.cause)
                 self._publish(e.changed)  # read back before the failure: these requests are owed their results
+                self._stats = self.llm.stats()  # before anyone hears of the failure: /health and stats() tell it
                 for request_id, error in e.failed.items():
                     stream = self._streams.pop(request_id, None)
                     if stream is not None:
                         stream.put(error)
-                self._stats = self.llm.stats()
                 if self._stats.num_replicas_healthy == 0:
                     # Not a bad request but a broken engine: say so (health turns 503) rather than fail forever.
                     logger.error("every engine replica failed %d steps in a row: the engine stops", MAX_FAILED_STEPS)

@@ -93,7 +93,7 @@ def _lead(llm, command, grace_s: float = 30.0) -> None:
 
     SIGTERM (JAX's preemption notifier would swallow it) ends the run wherever it lands: on process 0 as a stop
     (serve drains for its grace period), on another process as a request to process 0 to stop the same way; that
-    process ends on its own if the run has not ended grace_s (plus the heartbeat timeout) later."""
+    process ends on its own if the run has not ended when process 0's drain (grace_s) and shutdown should be over."""
     import signal
 
     from jaxserve.multihost import HEARTBEAT_TIMEOUT_S, exit_now
@@ -104,7 +104,9 @@ def _lead(llm, command, grace_s: float = 30.0) -> None:
             import threading
             signal.signal(signal.SIGTERM, signal.SIG_IGN)  # asked once
             llm.channel.request_stop()
-            limit = grace_s + HEARTBEAT_TIMEOUT_S
+            # Process 0's drain: the grace period, then its engines' shutdown (30 s at most) and the server's
+            # cleanup (5 s), and the heartbeat that tells this process it is gone.
+            limit = grace_s + 30 + 5 + 2 * HEARTBEAT_TIMEOUT_S
             timer = threading.Timer(limit, exit_now, (1, f"jaxserve: error: process 0 did not end the run within "
                                                          f"{limit:.0f} s of this process's SIGTERM"))
             timer.daemon = True

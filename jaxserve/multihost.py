@@ -69,6 +69,8 @@ def initialize(coordinator_address: str, num_processes: int | None, process_id: 
         _exposed = True  # the processes are on several hosts
     else:
         bind_address = bind_address or coordinator_address
+        if process_id == 0:
+            _warn_if_unreachable(bind_address, num_processes)
         args = dict(coordinator_address=coordinator_address, num_processes=num_processes, process_id=process_id,
                     coordinator_bind_address=bind_address)
         _exposed = not (_is_loopback(coordinator_address) and _is_loopback(bind_address))
@@ -76,6 +78,28 @@ def initialize(coordinator_address: str, num_processes: int | None, process_id: 
                                shutdown_timeout_seconds=SHUTDOWN_TIMEOUT_S)
     logger.info("process %d of %d: %d local devices, %d in all", jax.process_index(), jax.process_count(),
                 jax.local_device_count(), jax.device_count())
+
+
+def _warn_if_unreachable(bind_address: str, num_processes: int | None) -> None:
+    """A host name that resolves to loopback here (Debian's /etc/hosts maps the machine's own name to 127.0.1.1)
+    makes the service unreachable from other hosts, which then wait for it until their start-up times out."""
+    import socket
+    host = bind_address.rsplit(":", 1)[0].strip("[]")
+    if _is_loopback(bind_address) or (num_processes or 1) < 2:
+        return
+    try:
+        ipaddress.ip_address(host)
+        return  # an address literal means what it says
+    except ValueError:
+        pass
+    try:
+        resolved = socket.gethostbyname(host)
+    except OSError:
+        return
+    if ipaddress.ip_address(resolved).is_loopback:
+        logger.warning("the coordinator binds %s, which is %s (loopback) on this host: processes on other hosts "
+                       "cannot reach it; give --coordinator-bind-address HOST_IP:PORT (or 0.0.0.0:PORT)",
+                       bind_address, resolved)
 
 
 def _is_loopback(address: str) -> bool:

@@ -163,27 +163,68 @@ def _keeps_text(pre: dict | None) -> bool:
     return pre.get("type") in _KEEPING_PRE_TOKENIZERS and pre.get("behavior") != "Removed"
 
 
-def _max_chars_per_token(tok: tokenizers.Tokenizer) -> int | None:
-    """The most characters of a text that one token can stand for, or None where no bound holds: a text longer than
-    max_model_len times this is certainly too long, found without tokenizing it.
+def _has_byte_level(pre: dict | None) -> bool:
+    if pre is None:
+        return False
+    if pre.get("type") == "Sequence":
+        return any(map(_has_byte_level, pre["pretokenizers"]))
+    return pre.get("type") == "ByteLevel"
+
+
+_NEVER_IN_UTF8 = {0xC0, 0xC1, *range(0xF5, 0x100)}
+
+
+def _unspellable(missing: set[int]) -> re.Pattern | None | bool:
+    """The characters a byte-level vocabulary drops (no unknown token) for want of the `missing` bytes, as a regex
+    character class (None: there are none); False where they are no few ranges (a continuation byte is missing).
+    A lead byte's range is taken whole (its shorter code points too): counting more characters as dropped only
+    lowers the floor."""
+    ranges = []
+    for b in sorted(missing - _NEVER_IN_UTF8):
+        if 0x80 <= b < 0xC0:
+            return False
+        shift, bits = (0, 0x7F) if b < 0x80 else (6, 0x1F) if b < 0xE0 else (12, 0x0F) if b < 0xF0 else (18, 0x07)
+        ranges.append(((b & bits) << shift, ((b & bits) << shift) + (1 << shift) - 1))
+    if not ranges:
+        return None
+    return re.compile("[" + "".join(f"\\U{lo:08x}-\\U{hi:08x}" for lo, hi in ranges) + "]")
+
+
+def _length_bound(tok: tokenizers.Tokenizer) -> tuple[int | None, re.Pattern | None]:
+    """The most characters of a text that one token can stand for (None where no bound holds), and the characters
+    the vocabulary drops unseen, which count for nothing: a text with more of the others than max_model_len times
+    that bound is certainly too long, found without tokenizing it.
 
     A token covers a piece of the normalized text no longer than its vocabulary spelling: one symbol per byte in a
     byte-level vocabulary (a character is at least a byte), a character per character in SentencePiece's (a '▁' per
     space, a <0xNN> piece for at most one character), an added token's content as written. So the longest spelling
     bounds it, times what the normalizer may shorten the text by; provided nothing is dropped (pre-tokenizer,
-    truncation) and no run of unknown characters folds into one token (BPE's fuse_unk without byte fallback)."""
+    truncation, a character the vocabulary cannot spell when there is no unknown token), no run of unknown
+    characters folds into one token (BPE's fuse_unk) and no added token swallows the whitespace beside it (lstrip /
+    rstrip)."""
     def state(component):
         return None if component is None else json.loads(component.__getstate__())
 
+    no_bound = None, None
     model = tok.model
-    if not isinstance(model, models.BPE) or tok.truncation is not None or not _keeps_text(state(tok.pre_tokenizer)):
-        return None
+    pre = state(tok.pre_tokenizer)
+    if not isinstance(model, models.BPE) or tok.truncation is not None or not _keeps_text(pre):
+        return no_bound
+    if any(t.lstrip or t.rstrip for t in tok.get_added_tokens_decoder().values()):
+        return no_bound
     vocab = tok.get_vocab(with_added_tokens=True)
-    if model.unk_token is not None and model.fuse_unk and not (
-            model.byte_fallback and all(f"<0x{b:02X}>" in vocab for b in range(256))):
-        return None
+    dropped = None
+    if not (model.byte_fallback and all(f"<0x{b:02X}>" in vocab for b in range(256))):
+        if model.fuse_unk and model.unk_token is not None:
+            return no_bound
+        if model.unk_token is None:  # what the vocabulary cannot spell vanishes
+            if not _has_byte_level(pre):
+                return no_bound
+            dropped = _unspellable({_BYTE_OF_CHAR[c] for c in pre_tokenizers.ByteLevel.alphabet() if c not in vocab})
+            if dropped is False:
+                return no_bound
     shrink = _shrink(state(tok.normalizer))
-    return None if shrink is None else shrink * max(map(len, vocab), default=1)
+    return (None, None) if shrink is None else (shrink * max(map(len, vocab), default=1), dropped)
 
 
 def read_chat_template(path) -> str:
@@ -209,7 +250,7 @@ class Tokenizer:
         self._decoders = {d.get("type") for d in decoder.get("decoders", [decoder])}
         self._added = set(tok.get_added_tokens_decoder())
         self._bytes: dict[int, bytes] = {}
-        self.max_chars_per_token = _max_chars_per_token(tok)
+        self.max_chars_per_token, self._dropped = _length_bound(tok)
 
     @property
     def chat_template(self) -> str | None:
@@ -263,7 +304,10 @@ class Tokenizer:
 
     def min_tokens(self, text: str) -> int:
         """A floor on len(encode(text)), from its length alone (0 where the vocabulary gives no bound)."""
-        return -(-len(text) // self.max_chars_per_token) if self.max_chars_per_token else 0
+        if not self.max_chars_per_token:
+            return 0
+        kept = len(text) - (len(self._dropped.findall(text)) if self._dropped is not None else 0)
+        return -(-kept // self.max_chars_per_token)
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)

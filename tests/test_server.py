@@ -185,7 +185,7 @@ def test_the_length_bound_never_refuses_a_prompt_that_fits(default_gguf_path):
 
     import gguf
     from tokenizers import Tokenizer as Inner
-    from tokenizers import models, normalizers, pre_tokenizers
+    from tokenizers import AddedToken, models, normalizers, pre_tokenizers
 
     from jaxserve.tokenizer import _BYTE_OF_CHAR, Tokenizer, _byte_level_bpe, _gemma_bpe
     tok = Tokenizer.from_gguf_fields(gguf.GGUFReader(default_gguf_path))
@@ -198,6 +198,8 @@ def test_the_length_bound_never_refuses_a_prompt_that_fits(default_gguf_path):
     texts += ["".join(chr(rng.choice([rng.randrange(32, 0x2FF), rng.randrange(0x4E00, 0x9FFF),
                                       rng.randrange(0x1F300, 0x1FAFF)])) for _ in range(2000)) for _ in range(5)]
     texts += [" " * 5000, "\n" * 5000, "9" * 5000, "<|im_start|>" * 100]
+    # Characters whose bytes the vocabulary lacks vanish (it has no unknown token): they count for nothing.
+    texts += ["a" + "\x04" * 10_000 + "b", "a" + "\U00050000" * 1000 + "b"]
     for text in texts:
         assert len(tok.encode(text, add_special_tokens=False)) >= tok.min_tokens(text) > 0, text[:40]
 
@@ -222,11 +224,20 @@ def test_the_length_bound_never_refuses_a_prompt_that_fits(default_gguf_path):
     dropping = Inner(models.BPE({"a": 0}, []))
     dropping.pre_tokenizer = pre_tokenizers.Whitespace()
     assert made(dropping).max_chars_per_token is None
-    stripping = Inner(models.BPE({"a": 0}, []))
+    stripping = Inner(models.BPE({"<unk>": 0, "a": 1}, [], unk_token="<unk>"))
     stripping.normalizer = normalizers.Sequence([normalizers.NFC(), normalizers.Strip()])
     assert made(stripping).max_chars_per_token is None
     stripping.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
-    assert made(stripping).max_chars_per_token == 1
+    assert made(stripping).max_chars_per_token == 5  # "<unk>", one per unknown character
+    # A vocabulary that cannot spell a character and has no unknown token drops it: "a" + 10k "é" + "b" is 2 tokens.
+    unspelled = Inner(models.BPE({"a": 0, "b": 1}, []))
+    assert len(unspelled.encode("a" + "\u00e9" * 10_000 + "b").ids) == 2
+    assert made(unspelled).max_chars_per_token is None
+    # An added token with rstrip (Phi-3's <|end|>) swallows the whitespace after it, however long.
+    swallowing = Inner(models.BPE({"<unk>": 0, "a": 1}, [], unk_token="<unk>"))
+    swallowing.add_special_tokens([AddedToken("<|end|>", rstrip=True)])
+    assert len(swallowing.encode("<|end|>" + " " * 10_000 + "a").ids) <= 2
+    assert made(swallowing).max_chars_per_token is None
 
 
 def test_a_megabyte_prompt_is_refused_untokenized(real, monkeypatch):

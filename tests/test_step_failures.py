@@ -82,6 +82,36 @@ async def _collect(stream):
     return [tokens, reasons]
 
 
+def test_an_engine_whose_decodes_all_fail_stops(tiny_dir):
+    """Prefills succeed, every step with a decode row fails when read back: each request fails after its first
+    token, and after MAX_FAILED_STEPS of them the engine stops (a successful prefill used to reset the count, so
+    it never did, failing every request while it looked healthy)."""
+    llm = make_llm(tiny_dir)
+    dispatch, fetch, decoding = llm.runner.dispatch, llm.runner.fetch, set()
+
+    def dispatching(plan):
+        handle = dispatch(plan)
+        if plan.decode:
+            decoding.add(id(handle))
+        return handle
+
+    def fetching(handle):
+        if id(handle) in decoding:
+            raise RuntimeError("decode lost")
+        return fetch(handle)
+    llm.runner.dispatch, llm.runner.fetch = dispatching, fetching
+    for i in range(MAX_FAILED_STEPS):
+        assert llm.core.healthy
+        llm.add_request({"prompt_token_ids": [5, 6, 7 + i]}, GREEDY)
+        with pytest.raises(StepError):
+            while llm.has_unfinished_requests():
+                llm.step()
+    assert not llm.core.healthy and llm.stats().num_replicas_healthy == 0
+    with pytest.raises(EngineDeadError):
+        llm.add_request({"prompt_token_ids": [5, 6]}, GREEDY)
+    llm.core.assert_idle_and_clean()
+
+
 # ---- data parallelism ----
 
 def break_replica(llm, index: int, where: str = "fetch"):
@@ -165,7 +195,7 @@ def test_health_and_metrics_show_a_stopped_replica_and_the_server_serves_on(tiny
         st.stop()
 
 
-@needs_devices
+@pytest.mark.skipif(len(jax.devices()) < 4, reason="needs XLA_FLAGS=--xla_force_host_platform_device_count=4 or more")
 def test_the_router_hashes_a_prompt_once(tiny_dir, monkeypatch):
     import jaxserve.batching.data_parallel as dp
     calls = []

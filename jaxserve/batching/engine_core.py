@@ -85,7 +85,7 @@ class EngineCore:
         self._rate_window_s = rate_window_s
         self._recent: list[tuple[float, int]] = []  # (time, tokens) of recent steps, for tokens/s
         self._changed: list[tuple[Sequence, str]] = []  # what the current step has read back so far
-        self.failed_steps = 0  # in a row: reset when a step's results come back
+        self.failed_steps = 0  # in a row: reset when a sequence decodes a token after its first
 
     @property
     def healthy(self) -> bool:
@@ -112,6 +112,7 @@ class EngineCore:
         for request_id in failed:
             self.scheduler.abort(request_id)
         self._in_flight = None
+        self._last_fetch = self._last_arrival = None  # the failure's gap is no step time
         return failed
 
     def abort_all(self) -> None:
@@ -132,10 +133,11 @@ class EngineCore:
             self._step()
         except Exception as e:  # noqa: BLE001 - any failure: its requests end, the others go on
             self.failed_steps += 1
+            held = {q.request_id for q in self.scheduler.waiting + self.scheduler.running}
             try:
                 failed = dict.fromkeys(self._fail_running(), e)
             except Exception:  # noqa: BLE001 - state too broken to tell: every request ends, none hangs
-                failed = {q.request_id: e for q in self.scheduler.waiting + self.scheduler.running}
+                failed = dict.fromkeys(held, e)
                 self.abort_all()
             if not self.healthy:
                 dead = EngineDeadError(f"the engine stopped after {self.failed_steps} failed steps in a row: {e}")
@@ -208,7 +210,6 @@ class EngineCore:
         wait = time.perf_counter()
         out = self.runner.fetch(handle)  # the step's one blocking copy
         self._fetch_wait = time.perf_counter() - wait
-        self.failed_steps = 0  # a step's results came back (a dispatch alone proves nothing: errors surface later)
         self.scheduler.written(plan)
         now = time.monotonic()
         if self.scheduler.slo is not None and self._last_arrival is not None:
@@ -223,6 +224,10 @@ class EngineCore:
             if not counts[i] or seq.finished:
                 continue  # a chunk short of its prompt's end; or stopped or aborted while this step ran
             seq.pending -= 1  # a row's tokens land together
+            if seq.output_token_ids:
+                # A sequence went past its first token: this replica decodes (a prefill alone proves little, as
+                # every new request's succeeds while a broken decode would fail each one after it).
+                self.failed_steps = 0
             proposed = plan.proposals.get(seq)
             if proposed:
                 self.controller.observe(seq, len(proposed), counts[i] - 1)
