@@ -112,6 +112,23 @@ def test_an_engine_whose_decodes_all_fail_stops(tiny_dir):
     llm.core.assert_idle_and_clean()
 
 
+def test_occasional_failures_between_one_token_answers_do_not_stop_the_engine(tiny_dir):
+    """Scoring-style requests (max_tokens 1) never decode; each one that finishes shows the engine serves, so
+    failures between them never add up to a stop."""
+    llm = make_llm(tiny_dir)
+    fetch = llm.runner.fetch
+    for i in range(MAX_FAILED_STEPS + 2):
+        llm.runner.fetch = _raise
+        llm.add_request({"prompt_token_ids": [5, 6, 7 + i]}, SHORT)
+        with pytest.raises(StepError):
+            while llm.has_unfinished_requests():
+                llm.step()
+        llm.runner.fetch = fetch
+        assert llm.generate({"prompt_token_ids": [5, 6, 7 + i]}, SHORT, use_tqdm=False)[0].outputs[0].token_ids
+    assert llm.core.healthy
+    llm.core.assert_idle_and_clean()
+
+
 # ---- data parallelism ----
 
 def break_replica(llm, index: int, where: str = "fetch"):

@@ -85,7 +85,7 @@ class EngineCore:
         self._rate_window_s = rate_window_s
         self._recent: list[tuple[float, int]] = []  # (time, tokens) of recent steps, for tokens/s
         self._changed: list[tuple[Sequence, str]] = []  # what the current step has read back so far
-        self.failed_steps = 0  # in a row: reset when a sequence decodes a token after its first
+        self.failed_steps = 0  # in a row: reset when a sequence decodes past its first token or finishes
 
     @property
     def healthy(self) -> bool:
@@ -224,10 +224,6 @@ class EngineCore:
             if not counts[i] or seq.finished:
                 continue  # a chunk short of its prompt's end; or stopped or aborted while this step ran
             seq.pending -= 1  # a row's tokens land together
-            if seq.output_token_ids:
-                # A sequence went past its first token: this replica decodes (a prefill alone proves little, as
-                # every new request's succeeds while a broken decode would fail each one after it).
-                self.failed_steps = 0
             proposed = plan.proposals.get(seq)
             if proposed:
                 self.controller.observe(seq, len(proposed), counts[i] - 1)
@@ -240,6 +236,10 @@ class EngineCore:
                 emitted += 1
                 if seq.finish_reason is not None:
                     break  # never a token past a stop
+            if seq.finish_reason is not None or len(seq.output_token_ids) > 1:
+                # This replica serves: a sequence decoded past its first token, or finished. A prefill alone proves
+                # little: every new request's succeeds while a broken decode fails each one after it.
+                self.failed_steps = 0
             if seq.first_token_time is None:
                 seq.first_token_time = now
             if seq.finish_reason is not None:
