@@ -2,9 +2,15 @@
 
 Every process runs the same step programs on the same global batch, each computing on its own devices' shards.
 Process 0 (the leader) owns the scheduler, the tokenizer and the HTTP server; it publishes each step's batch, and
-the others (followers) run what it published, in order. The batch goes through the coordination service's
-key-value store (~1 ms a step, measured on localhost), not through a device collective: a collective needs the same
-shapes on every process before it starts, and a batch's shapes vary with its bucket.
+the others (followers) run what it published, in order. `LeaderFollower` is that protocol: the leader runs a
+collective phase (a warm-up, a generate call, a stream) and publishes a `StepMessage` before each device step and
+an `EndMessage` or `ErrorMessage` when the phase is over; a follower runs the steps and returns the leader's result
+or raises its error. `AbortMessage` ends every process (the leader failed a step it had published), and
+`ShutdownMessage` ends a follower that follows until the leader is done (a server's).
+
+The messages go through the coordination service's key-value store (`StepChannel`; ~1 ms a step, measured on
+localhost), not through a device collective: a collective needs the same shapes on every process before it
+starts, and a batch's shapes vary with its bucket.
 
 Whoever reaches the coordination service's port can write its keys, so a message is data only, never code: a JSON
 header and raw arrays of whitelisted dtypes, results as plain values rebuilt into their dataclasses, errors as a
@@ -35,6 +41,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any, Callable, ClassVar, Iterable, Iterator, Union
 
 import jax
 import numpy as np
@@ -130,6 +137,68 @@ def is_leader() -> bool:
     return jax.process_index() == 0
 
 
+# ---- the leader's messages ----
+
+class _Message:
+    # LEGACY, until engine.py stops unpacking `kind, *rest = channel.receive()`: a message iterates as the tagged
+    # tuple it replaced, ("step", runner_index, batch) and so on. Delete with `_from_tuple`.
+    kind: ClassVar[str]  # its tag on the wire
+
+    def __iter__(self):
+        return iter((self.kind, *(getattr(self, f.name) for f in dataclasses.fields(self))))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)  # eq: a batch's arrays have no truth value
+class StepMessage(_Message):
+    """Run this device step: the batch the leader's runner number `runner_index` (in the order every process builds
+    its runners) runs next."""
+    runner_index: int
+    batch: StepInput
+    kind: ClassVar[str] = "step"
+
+
+@dataclasses.dataclass(frozen=True)
+class EndMessage(_Message):
+    """A collective phase is over and returned `result`: a list of RequestOutputs (generate), of text pieces
+    (stream), or JSON-able plain data (warm-up's None, a benchmark's figures)."""
+    result: Any
+    kind: ClassVar[str] = "end"
+
+
+@dataclasses.dataclass(frozen=True)
+class ErrorMessage(_Message):
+    """A collective phase failed on the leader with `error`; followers raise it (a type they do not know as a
+    RuntimeError naming it)."""
+    error: BaseException
+    kind: ClassVar[str] = "error"
+
+
+@dataclasses.dataclass(frozen=True)
+class AbortMessage(_Message):
+    """The processes can no longer stay in step (the leader failed a step it had published): every one ends."""
+    reason: str
+    kind: ClassVar[str] = "abort"
+
+
+@dataclasses.dataclass(frozen=True)
+class ShutdownMessage(_Message):
+    """No more steps: a follower following until shutdown returns."""
+    kind: ClassVar[str] = "shutdown"
+
+
+Message = Union[StepMessage, EndMessage, ErrorMessage, AbortMessage, ShutdownMessage]
+_KINDS = {cls.kind: cls for cls in (StepMessage, EndMessage, ErrorMessage, AbortMessage, ShutdownMessage)}
+
+
+def _from_tuple(message: tuple) -> Message:
+    """LEGACY: a tagged tuple, ("step", runner_index, batch) and so on, as its message. Delete once nothing sends
+    tuples (engine.py, batching/model_runner.py, scripts/step_message_size.py)."""
+    kind, *fields = message
+    if kind not in _KINDS:
+        raise ValueError(f"unknown message kind {kind!r}")
+    return _KINDS[kind](*fields)
+
+
 class MessageRefused(RuntimeError):
     """A message that failed its check: forged, altered, replayed, reordered or malformed. Never acted on."""
 
@@ -157,16 +226,18 @@ def _build(arrays: dict, cls=StepInput, prefix: str = ""):
                   else arrays[prefix + f.name] for f in dataclasses.fields(cls)})
 
 
-def encode(message: tuple, seq: int, secret: bytes) -> bytes:
-    """One message as bytes: ("step", runner index, StepInput), ("end", result), ("error", exception),
-    ("abort", reason) or ("shutdown",)."""
-    kind, *rest = message
-    header, buffers = {"kind": kind}, []
-    if kind == "step":
-        index, batch = rest
+def encode(message: Message, seq: int, secret: bytes) -> bytes:
+    """One message as bytes, authenticated as the channel's message number seq. A result followers cannot receive
+    (not plain data) is a TypeError, raised before anything is sent."""
+    if isinstance(message, tuple):  # LEGACY: a tagged tuple
+        message = _from_tuple(message)
+    if not isinstance(message, tuple(_KINDS.values())):
+        raise TypeError(f"not a message: {type(message).__name__}")
+    header, buffers = {"kind": message.kind}, []
+    if isinstance(message, StepMessage):
         arrays = {}
         for name in _STEP_FIELDS:
-            value = batch
+            value = message.batch
             for part in name.split("."):
                 value = getattr(value, part)
             arrays[name] = np.asarray(value)
@@ -175,27 +246,25 @@ def encode(message: tuple, seq: int, secret: bytes) -> bytes:
         table = arrays["rows.page_table"]
         used = np.flatnonzero((table != SCRATCH_PAGE).any(axis=0))
         width = int(used[-1]) + 1 if used.size else 0
-        header.update(runner=index, page_table_width=table.shape[1])
+        header.update(runner=int(message.runner_index), page_table_width=table.shape[1])
         arrays["rows.page_table"] = table[:, :width]
         header["arrays"] = [[name, a.dtype.name, list(a.shape)] for name, a in arrays.items()]
         buffers = [np.ascontiguousarray(a).tobytes() for a in arrays.values()]
-    elif kind == "end":
-        header["result"] = _plain_result(rest[0])
-    elif kind == "error":
-        error = rest[0]
+    elif isinstance(message, EndMessage):
+        header["result"] = _plain_result(message.result)
+    elif isinstance(message, ErrorMessage):
+        error = message.error
         name = type(error).__name__
         header.update(type=name, message=str(error)) if name in _ERRORS else header.update(
             type="RuntimeError", message=f"{name}: {error}")
-    elif kind == "abort":
-        header["message"] = str(rest[0])
-    elif kind != "shutdown":
-        raise ValueError(f"unknown message kind {kind!r}")
+    elif isinstance(message, AbortMessage):
+        header["message"] = str(message.reason)
     text = json.dumps(header).encode()
     body = _PREFIX.pack(seq, len(text)) + text + b"".join(buffers)
     return hmac.digest(secret, body, hashlib.sha256) + body
 
 
-def decode(data: bytes, seq: int, secret: bytes) -> tuple:
+def decode(data: bytes, seq: int, secret: bytes) -> Message:
     """The message encode made, once its MAC and sequence number check out; MessageRefused otherwise."""
     mac, body = data[:_MAC_BYTES], data[_MAC_BYTES:]
     if not hmac.compare_digest(mac, hmac.digest(secret, body, hashlib.sha256)):
@@ -215,7 +284,7 @@ def decode(data: bytes, seq: int, secret: bytes) -> tuple:
         raise MessageRefused(f"message {seq} is malformed ({type(e).__name__}: {e})") from e
 
 
-def _message(header: dict, data: memoryview) -> tuple:
+def _message(header: dict, data: memoryview) -> Message:
     kind = header["kind"]
     if kind == "step":
         arrays, offset = {}, 0
@@ -232,15 +301,15 @@ def _message(header: dict, data: memoryview) -> tuple:
         table = arrays["rows.page_table"]  # back to the width the programs were compiled for
         arrays["rows.page_table"] = np.pad(table, ((0, 0), (0, int(header["page_table_width"]) - table.shape[1])),
                                            constant_values=SCRATCH_PAGE)
-        return "step", int(header["runner"]), _build(arrays)
+        return StepMessage(int(header["runner"]), _build(arrays))
     if kind == "end":
-        return "end", _result(header["result"])
+        return EndMessage(_result(header["result"]))
     if kind == "error":
-        return "error", _ERRORS[header["type"]](header["message"])
+        return ErrorMessage(_ERRORS[header["type"]](header["message"]))
     if kind == "abort":
-        return "abort", str(header["message"])
+        return AbortMessage(str(header["message"]))
     if kind == "shutdown":
-        return ("shutdown",)
+        return ShutdownMessage()
     raise ValueError(f"unknown message kind {kind!r}")
 
 
@@ -278,12 +347,12 @@ def _result(plain: dict):
 
 
 class StepChannel:
-    """The leader's messages to its followers, in order: ("step", runner index, batch) for each device step it
-    dispatches, ("end", result) or ("error", exception) when a collective phase (a warm-up, a generate call) is
-    over, ("abort", reason) when the processes can no longer stay in step, ("shutdown",) at the end.
+    """The leader's messages to its followers, in order, through the coordination service's key-value store: the
+    leader `send`s, each follower `receive`s every message (see `LeaderFollower` for what they mean).
 
     A follower acknowledges every ack_every() messages it has read; the leader deletes a message only once every
-    follower has acknowledged it, waiting for them if need be."""
+    follower has acknowledged it, waiting for them if need be. client, process_index, process_count: the
+    coordination service's client and this process's place (default: jax.distributed's)."""
 
     def __init__(self, secret: bytes, name: str = "jaxserve", client=None, process_index: int | None = None,
                  process_count: int | None = None):
@@ -302,7 +371,8 @@ class StepChannel:
         self.bytes_sent, self.seconds_sending = 0, 0.0  # the leader's cost of publishing (benchmarks)
         self._watching = False
 
-    def send(self, message: tuple) -> None:
+    def send(self, message: Message) -> None:
+        """On the leader: publishes the next message (waiting, if KEEP_MESSAGES are unread, for the followers)."""
         start = time.perf_counter()
         n = self._count
         data = encode(message, n, self._secret)
@@ -333,7 +403,9 @@ class StepChannel:
             self._client.key_value_delete(key)
         self._acked = target
 
-    def receive(self) -> tuple:
+    def receive(self) -> Message:
+        """On a follower: the leader's next message, once it is published. MessageRefused if it is not authentic,
+        RuntimeError if it was deleted unread."""
         n = self._count
         while (data := _get(self._client, f"{self._prefix}{n}")) is None:
             oldest = _try_get(self._client, self._oldest)
@@ -351,7 +423,7 @@ class StepChannel:
         and ends this process. Never returns."""
         try:
             if self._acked > self._count - KEEP_MESSAGES:  # never wait on followers stuck in the failed step
-                self.send(("abort", reason))
+                self.send(AbortMessage(reason))
         finally:
             exit_now(1, f"jaxserve: error: {reason}; every process ends, as they are no longer in step")
 
@@ -381,6 +453,157 @@ class StepChannel:
             self._watching = False
             self._watcher.join()
 
+
+
+class LeaderFollower:
+    """The leader/follower protocol: how every process takes part in a collective phase (a warm-up, a generate
+    call, a stream) that only the leader schedules.
+
+    On the leader, `run(fn)` runs fn, which publishes each device step before it runs it (`lead_step`, or
+    `publish_step` then the step), then publishes fn's result (EndMessage) or error (ErrorMessage). On a follower,
+    `run(fn)` does not call fn: it runs the published steps as they come, each with `run_step(runner_index, batch)`
+    (waited for: in step with the leader, not queued), and returns the leader's result or raises its error. A
+    run() inside another's fn is part of the outer phase. `follow()` follows every phase until the leader's
+    `shutdown()` (a server's followers). A step the leader fails after publishing it ends every process (`abort`).
+
+    channel None (one process): run(fn) is fn(), a step is just run, and nothing is published.
+    """
+
+    def __init__(self, channel: StepChannel | None, is_leader: bool,
+                 run_step: Callable[[int, StepInput], Any] | None = None):
+        """run_step(runner_index, batch): runs a published step on this process's runner of that index and returns
+        its output (the follower waits for it); needed on followers only."""
+        self.channel = channel
+        self._is_leader = is_leader
+        self._run_step = run_step
+        self._in_phase = False
+
+    @classmethod
+    def for_this_process(cls, run_step: Callable[[int, StepInput], Any] | None = None,
+                         secret_file: str | None = None) -> "LeaderFollower":
+        """After `initialize` (or in a single process): a channel over jax.distributed's coordination service if
+        there are several processes, authenticated with shared_secret(secret_file)."""
+        channel = StepChannel(shared_secret(secret_file)) if jax.process_count() > 1 else None
+        return cls(channel, is_leader(), run_step)
+
+    @property
+    def is_leader(self) -> bool:
+        """Process 0, which schedules (True in a single process)."""
+        return self._is_leader
+
+    @property
+    def multi_process(self) -> bool:
+        return self.channel is not None
+
+    @property
+    def is_follower(self) -> bool:
+        """A process other than 0 of a multi-process run: it runs the leader's steps, never its own."""
+        return self.channel is not None and not self._is_leader
+
+    def run(self, fn: Callable[[], Any]):
+        """fn's device work on every process: fn()'s result on every process (on followers, the leader's, received)
+        or its error raised. One process: just fn()."""
+        if self.channel is None or self._in_phase:  # one phase: a generate inside another's fn is part of it
+            return fn()
+        if not self._is_leader:
+            return self._follow()
+        self._in_phase = True
+        try:
+            result = fn()
+        except BaseException as e:
+            self.channel.send(ErrorMessage(e))
+            raise
+        finally:
+            self._in_phase = False
+        self.channel.send(EndMessage(result))
+        return result
+
+    def stream(self, pieces: Callable[[], Iterable[str]]) -> Iterator[str]:
+        """A streaming phase: on the leader, yields what pieces() yields and, however the stream ends (finished,
+        failed, or closed by its consumer), publishes those yielded as the phase's result (end_stream); on a
+        follower, yields the leader's pieces once its stream is over. One process: pieces()."""
+        if self.is_follower:
+            yield from self._follow()
+            return
+        yielded = []
+        try:
+            for piece in pieces():
+                yielded.append(piece)
+                yield piece
+        finally:
+            self.end_stream(yielded)
+
+    def end_stream(self, pieces: list[str]) -> None:
+        """On the leader: a stream is over, with these text pieces (what a follower's stream yields). Nothing in a
+        single process."""
+        if self.channel is not None and self._is_leader:
+            self.channel.send(EndMessage(pieces))
+
+    def publish_step(self, runner_index: int, batch: StepInput) -> None:
+        """On the leader, before it runs a step on its runner of this index: every follower runs it too. Nothing in
+        a single process."""
+        if self.channel is None:
+            return
+        if not self._is_leader:
+            raise RuntimeError("a follower runs the leader's steps: it publishes none")
+        self.channel.send(StepMessage(runner_index, batch))
+
+    def lead_step(self, runner_index: int, batch: StepInput, run: Callable[[StepInput], Any]):
+        """run(batch) on the leader, published first: its output. If it fails once published, every process ends
+        (abort): the followers run it regardless, so no later step could line up."""
+        if self.channel is None:
+            return run(batch)
+        self.publish_step(runner_index, batch)
+        try:
+            return run(batch)
+        except BaseException as e:
+            self.abort(f"process 0 failed a step it had sent to the other processes ({type(e).__name__}: {e})")
+
+    def abort(self, reason: str) -> None:
+        """On the leader, which failed a step it had published: tells the followers, and ends this process. Never
+        returns."""
+        if self.channel is None or not self._is_leader:
+            raise RuntimeError("abort is for the leader of a multi-process run")
+        self.channel.abort(reason)
+
+    def follow(self) -> None:
+        """On a follower: run the leader's steps until it shuts down (`jaxserve serve` on processes other than 0)."""
+        if not self.is_follower:
+            raise RuntimeError("follow() is for processes other than 0 of a multi-process run")
+        self._follow(until_shutdown=True)
+
+    def _follow(self, until_shutdown: bool = False):
+        """Runs the leader's steps as they come, to the end of its current phase (its result, or its error raised)
+        or, until_shutdown, of all of them."""
+        while True:
+            message = self.channel.receive()
+            if isinstance(message, StepMessage):
+                jax.block_until_ready(self._run_step(message.runner_index, message.batch))
+            elif isinstance(message, ShutdownMessage):
+                return None
+            elif isinstance(message, AbortMessage):  # the leader failed a step this process ran: out of step
+                exit_now(1, f"jaxserve: error: {message.reason}")
+            elif until_shutdown:
+                continue
+            elif isinstance(message, EndMessage):
+                return message.result
+            else:
+                raise message.error
+
+    def shutdown(self) -> None:
+        """On the leader: tells the followers there are no more steps, and stops watching for stop requests.
+        Nothing elsewhere."""
+        if self.channel is not None and self._is_leader:
+            self.channel.send(ShutdownMessage())
+            self.channel.close()
+
+    def request_stop(self) -> None:
+        """On a follower (its SIGTERM): asks the leader to end the run."""
+        self.channel.request_stop()
+
+    def watch_stop_requests(self, on_request: Callable[[], None]) -> None:
+        """On the leader: on_request() (on another thread) once a follower asks to stop, until shutdown()."""
+        self.channel.watch_stop_requests(on_request)
 
 def ack_every() -> int:
     """A follower acknowledges every this many messages: a quarter of the window, so the leader rarely waits."""

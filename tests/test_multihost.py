@@ -2,7 +2,8 @@
 over several hosts: the offline API and `jaxserve serve` give one process's outputs, and a process that dies takes
 the others down within a bounded time instead of leaving them hanging. The leader's messages are data only and
 authenticated, a slow follower holds the leader back rather than losing messages, and a failed or stopped process
-ends the whole run cleanly."""
+ends the whole run cleanly. The leader/follower protocol (phases, their results and errors, nesting, streams,
+aborts) is also tested without processes, over a key-value store in memory."""
 import itertools
 import json
 import os
@@ -24,7 +25,8 @@ from serving import free_port
 
 from jaxserve import LLM, SamplingParams, multihost
 from jaxserve.batching.batch_builder import Row, RowSampling, build_batch
-from jaxserve.multihost import MessageRefused, StepChannel
+from jaxserve.multihost import (AbortMessage, EndMessage, ErrorMessage, LeaderFollower, MessageRefused,
+                                ShutdownMessage, StepChannel, StepMessage)
 from jaxserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 
 ROOT = Path(__file__).parent.parent
@@ -186,27 +188,53 @@ def test_every_message_kind_round_trips(kv_client):
                                                              {4: Logprob(float("-inf"), 7)}], "length", 4)
     output = RequestOutput("r1", None, [1, 2], [completion, CompletionOutput(1, "", [], None, None)], True,
                            RequestMetrics(1.5, 2.0, None, 3.25, 1))
-    messages = [("step", 1, batch), ("end", [output]), ("end", ["a", "b"]), ("end", None), ("end", []),
-                ("end", {"tok_s": 1.5, "runs": [1, 2]}),
-                ("error", ValueError("bad prompt")), ("abort", "why"), ("shutdown",)]
+    messages = [StepMessage(1, batch), EndMessage([output]), EndMessage(["a", "b"]), EndMessage(None),
+                EndMessage([]), EndMessage({"tok_s": 1.5, "runs": [1, 2]}), ErrorMessage(ValueError("bad prompt")),
+                AbortMessage("why"), ShutdownMessage()]
     for message in messages:
         leader.send(message)
     for message in messages:
         got = follower.receive()
-        if message[0] == "step":
-            assert got[:2] == ("step", 1)
-            sent, back = jax.tree.leaves(message[2]), jax.tree.leaves(got[2])
-            assert [(a.dtype, a.shape) for a in sent] == [(b.dtype, b.shape) for b in back]
-            assert all(np.array_equal(a, b) for a, b in zip(sent, back))
-        elif message[0] == "error":
-            assert type(got[1]) is ValueError and str(got[1]) == "bad prompt"
+        assert type(got) is type(message)
+        if isinstance(message, StepMessage):
+            assert got.runner_index == 1 and type(got.batch) is type(batch)
+            assert_same_batch(got.batch, batch)
+        elif isinstance(message, ErrorMessage):
+            assert type(got.error) is ValueError and str(got.error) == "bad prompt"
         else:
             assert got == message
-    leader.send(("error", OSError("disk")))  # not a type followers raise: a RuntimeError that names it
-    got = follower.receive()[1]
+    leader.send(ErrorMessage(OSError("disk")))  # not a type followers raise: a RuntimeError that names it
+    got = follower.receive().error
     assert type(got) is RuntimeError and str(got) == "OSError: disk"
     with pytest.raises(TypeError, match="cannot receive"):  # only plain data: refused on the leader, not garbled
-        leader.send(("end", (1, 2)))
+        leader.send(EndMessage((1, 2)))
+    with pytest.raises(TypeError, match="not a message"):
+        leader.send({"kind": "shutdown"})
+
+
+def assert_same_batch(got, want):
+    got, want = jax.tree.leaves(got), jax.tree.leaves(want)
+    assert [(a.dtype, a.shape) for a in got] == [(b.dtype, b.shape) for b in want]
+    assert all(np.array_equal(a, b) for a, b in zip(got, want))
+
+
+def test_tagged_tuples_still_work_until_the_engine_sends_messages(kv_client):
+    """LEGACY (delete with multihost._from_tuple and _Message.__iter__): a tagged tuple is sent as its message, and
+    a received message unpacks as the tuple it replaced."""
+    leader, follower, _ = leader_and_follower(kv_client)
+    rows = [Row([5, 6, 7], 8, [3, 4, 9], slot=1)]
+    batch = build_batch(rows, 4, 320, 16, 4, 24)
+    for message in (("step", 2, batch), ("end", ["a"]), ("error", KeyError("k")), ("abort", "why"), ("shutdown",)):
+        leader.send(message)
+    kind, index, got = follower.receive()
+    assert (kind, index) == ("step", 2)
+    assert_same_batch(got, batch)
+    assert list(follower.receive()) == ["end", ["a"]]
+    kind, error = follower.receive()
+    assert kind == "error" and type(error) is KeyError
+    assert list(follower.receive()) == ["abort", "why"] and tuple(follower.receive()) == ("shutdown",)
+    with pytest.raises(ValueError, match="unknown message kind"):
+        leader.send(("bogus",))
 
 
 def test_the_page_table_goes_only_as_wide_as_used(kv_client):
@@ -214,9 +242,9 @@ def test_the_page_table_goes_only_as_wide_as_used(kv_client):
     leader, _, _ = leader_and_follower(kv_client)
     rows = [Row([1], 8, [3, 4, 9])]
     narrow, wide = (build_batch(rows, 4, 320, 1, 1, width) for width in (24, 2400))
-    leader.send(("step", 0, narrow))
+    leader.send(StepMessage(0, narrow))
     small = leader.bytes_sent
-    leader.send(("step", 0, wide))
+    leader.send(StepMessage(0, wide))
     assert leader.bytes_sent - small == small + 2  # the width the follower restores: two more digits
 
 
@@ -233,7 +261,7 @@ def test_a_forged_pickle_is_refused_unread(kv_client, tmp_path):
 
 def test_a_wrong_altered_or_replayed_message_is_refused(kv_client):
     leader, stranger, name = leader_and_follower(kv_client, follower_secret=b"another secret, 16+ bytes")
-    leader.send(("end", ["hello"]))
+    leader.send(EndMessage(["hello"]))
     with pytest.raises(MessageRefused, match="authentication"):
         stranger.receive()
     data = bytearray(kv_client.key_value_try_get_bytes(f"{name}/message/0"))
@@ -274,13 +302,13 @@ def test_a_slow_follower_holds_the_leader_back(kv_client, monkeypatch):
     follower's acknowledgements instead of deleting what it has not read."""
     monkeypatch.setattr(multihost, "KEEP_MESSAGES", 4)
     leader, follower, _ = leader_and_follower(kv_client)
-    sent = threading.Thread(target=lambda: [leader.send(("end", [str(i)])) for i in range(20)], daemon=True)
+    sent = threading.Thread(target=lambda: [leader.send(EndMessage([str(i)])) for i in range(20)], daemon=True)
     sent.start()
     got, ahead = [], []
     for _ in range(20):
         time.sleep(0.02)
         ahead.append(leader._count - follower._count)
-        got.append(within(10, follower.receive)[1][0])
+        got.append(within(10, follower.receive).result[0])
     sent.join(10)
     assert got == [str(i) for i in range(20)] and max(ahead) <= 4
 
@@ -289,12 +317,222 @@ def test_a_follower_that_lost_a_message_stops(kv_client):
     """A message gone before the follower read it (the leader publishes the oldest it keeps) is an error, not an
     endless wait for it."""
     leader, follower, name = leader_and_follower(kv_client)
-    leader.send(("end", None))
-    leader.send(("end", None))
+    leader.send(EndMessage(None))
+    leader.send(EndMessage(None))
     kv_client.key_value_delete(f"{name}/message/0")
     kv_client.key_value_set_bytes(f"{name}/oldest", b"1")
     with pytest.raises(RuntimeError, match="lost the leader's message 0"):
         within(10, follower.receive)
+
+
+# ---- the leader/follower protocol (its channels over a key-value store in memory: no processes) ----
+
+class MemoryStore:
+    """What StepChannel uses of the coordination service's client, in memory. The protocol tests run the leader's
+    part to its end before the follower's, so a follower reading a message not yet sent is an error, not a wait."""
+
+    def __init__(self):
+        self.data = {}
+
+    def key_value_set_bytes(self, key, value, allow_overwrite=False):
+        assert allow_overwrite or key not in self.data, key
+        self.data[key] = bytes(value)
+
+    def blocking_key_value_get_bytes(self, key, timeout_ms):
+        if key not in self.data:
+            raise AssertionError(f"nothing at {key}: the leader sent no such message")
+        return self.data[key]
+
+    def key_value_try_get_bytes(self, key):
+        if key not in self.data:
+            raise RuntimeError(f"NOT_FOUND: {key}")
+        return self.data[key]
+
+    def key_value_delete(self, key):
+        self.data.pop(key, None)
+
+
+class Exited(BaseException):
+    """What multihost.exit_now raises in these tests instead of ending the process."""
+
+
+@pytest.fixture
+def exits(monkeypatch):
+    """multihost.exit_now's calls (each raises Exited)."""
+    calls = []
+
+    def exit_now(code=1, message=None):
+        calls.append((code, message))
+        raise Exited(message)
+    monkeypatch.setattr(multihost, "exit_now", exit_now)
+    return calls
+
+
+def leader_and_follower_protocols():
+    """(leader, follower, the steps the follower ran as (runner index, batch))."""
+    store, ran = MemoryStore(), []
+    leader = LeaderFollower(StepChannel(SECRET, "p", store, 0, 2), True)
+    follower = LeaderFollower(StepChannel(SECRET, "p", store, 1, 2), False,
+                              run_step=lambda index, batch: ran.append((index, batch)))
+    return leader, follower, ran
+
+
+def a_batch(first_token):
+    return build_batch([Row([first_token, 6, 7], 8, [3, 4, 9], slot=1)], 4, 320, 16, 4, 24)
+
+
+def published(protocol):
+    """The messages the leader has sent so far, as a follower reads them."""
+    channel = protocol.channel
+    reader = StepChannel(SECRET, "p", channel._client, 1, 2)
+    return [reader.receive() for _ in range(channel._count)]
+
+
+def test_the_leader_publishes_its_steps_and_the_phase_result():
+    """Each step before it runs (with its runner's index), then the phase's result; the follower runs the steps in
+    order, without calling fn, and returns the leader's result."""
+    leader, follower, ran = leader_and_follower_protocols()
+    batches, local = [a_batch(1), a_batch(2), a_batch(3)], []
+
+    def phase():
+        for i, batch in enumerate(batches):
+            assert leader.lead_step(i % 2, batch, lambda b: local.append(b) or len(local)) == len(local)
+        return ["done"]
+    assert leader.run(phase) == ["done"]
+    assert local == batches
+    messages = published(leader)
+    assert [type(m) for m in messages] == [StepMessage] * 3 + [EndMessage]
+    assert [m.runner_index for m in messages[:3]] == [0, 1, 0] and messages[3].result == ["done"]
+    assert follower.run(lambda: pytest.fail("a follower does not run the phase itself")) == ["done"]
+    assert [index for index, _ in ran] == [0, 1, 0]
+    for (_, got), want in zip(ran, batches):
+        assert_same_batch(got, want)
+    assert (leader.is_leader, leader.multi_process, leader.is_follower) == (True, True, False)
+    assert (follower.is_leader, follower.multi_process, follower.is_follower) == (False, True, True)
+
+
+def test_an_error_on_the_leader_is_raised_on_the_follower():
+    """A failed phase fails on every process, after the steps it took (a type followers do not know: a
+    RuntimeError that names it)."""
+    leader, follower, ran = leader_and_follower_protocols()
+
+    def failing(error):
+        def phase():
+            leader.publish_step(0, a_batch(1))
+            raise error
+        return phase
+    with pytest.raises(ValueError, match="bad prompt"):
+        leader.run(failing(ValueError("bad prompt")))
+    with pytest.raises(OSError):
+        leader.run(failing(OSError("disk")))
+    assert leader.run(lambda: None) is None  # the leader goes on with its next phase, as do the followers
+    with pytest.raises(ValueError, match="bad prompt"):
+        follower.run(lambda: None)
+    with pytest.raises(RuntimeError, match="^OSError: disk$"):
+        follower.run(lambda: None)
+    assert follower.run(lambda: 1) is None
+    assert len(ran) == 2
+
+
+def test_a_nested_run_is_part_of_the_outer_phase():
+    """A generate inside another phase's fn (a benchmark's timed run) publishes no result of its own."""
+    leader, follower, ran = leader_and_follower_protocols()
+
+    def inner():
+        leader.publish_step(0, a_batch(1))
+        return 1
+    assert leader.run(lambda: leader.run(inner) + leader.run(inner)) == 2
+    assert [type(m) for m in published(leader)] == [StepMessage, StepMessage, EndMessage]
+    assert follower.run(lambda: None) == 2 and len(ran) == 2
+    with pytest.raises(KeyError):  # the phase is over even when it failed: the next one publishes its own result
+        leader.run(lambda: leader.run(lambda: {}["missing"]))
+    assert leader.run(lambda: 5) == 5 and [type(m) for m in published(leader)][3:] == [ErrorMessage, EndMessage]
+
+
+def test_a_failed_published_step_aborts_every_process(exits):
+    """The leader's step fails once published: it tells the followers and ends; a follower runs the step, then
+    ends too, saying why."""
+    leader, follower, ran = leader_and_follower_protocols()
+
+    def broken(batch):
+        raise RuntimeError("injected device failure")
+    with pytest.raises(Exited):
+        leader.lead_step(1, a_batch(1), broken)
+    assert exits == [(1, "jaxserve: error: process 0 failed a step it had sent to the other processes "
+                          "(RuntimeError: injected device failure); every process ends, as they are no longer in "
+                          "step")]
+    assert [type(m) for m in published(leader)] == [StepMessage, AbortMessage]
+    with pytest.raises(Exited):
+        follower.run(lambda: None)
+    assert len(ran) == 1
+    assert exits[1] == (1, "jaxserve: error: process 0 failed a step it had sent to the other processes "
+                           "(RuntimeError: injected device failure)")
+
+
+def test_follow_runs_every_phase_until_shutdown(exits):
+    """A server's follower: every phase's steps, their results and errors ignored, until the leader's shutdown."""
+    leader, follower, ran = leader_and_follower_protocols()
+    leader.run(lambda: leader.publish_step(0, a_batch(1)))
+
+    def failing():
+        leader.publish_step(1, a_batch(2))
+        raise ValueError("bad prompt")
+    with pytest.raises(ValueError):
+        leader.run(failing)
+    assert list(leader.stream(lambda: iter(["a", "b"]))) == ["a", "b"]
+    leader.shutdown()
+    assert follower.follow() is None
+    assert [index for index, _ in ran] == [0, 1]
+    with pytest.raises(RuntimeError, match="for processes other than 0"):
+        leader.follow()
+    assert exits == []
+
+
+def test_a_stream_publishes_what_it_yielded_however_it_ends():
+    """Finished, closed early by its consumer, or failed: the follower's stream yields the leader's pieces."""
+    leader, follower, _ = leader_and_follower_protocols()
+    assert list(leader.stream(lambda: iter(["a", "b"]))) == ["a", "b"]
+    stream = leader.stream(lambda: iter(["c", "d", "e"]))
+    assert next(stream) == "c"
+    stream.close()
+
+    def failing():
+        yield "f"
+        raise ValueError("mid-stream")
+    with pytest.raises(ValueError):
+        list(leader.stream(failing))
+    leader.end_stream(["g"])
+    assert [m.result for m in published(leader)] == [["a", "b"], ["c"], ["f"], ["g"]]
+    for want in (["a", "b"], ["c"], ["f"], ["g"]):
+        assert list(follower.stream(lambda: pytest.fail("a follower does not stream itself"))) == want
+
+
+def test_one_process_publishes_nothing():
+    """No channel: run(fn) is fn(), a step is just run, a stream just yields, and shutdown does nothing."""
+    alone = LeaderFollower(None, True)
+    assert (alone.is_leader, alone.multi_process, alone.is_follower) == (True, False, False)
+    assert alone.run(lambda: alone.run(lambda: 3)) == 3
+    with pytest.raises(ValueError):
+        alone.run(lambda: int("x"))
+    assert alone.lead_step(0, "batch", lambda b: b * 2) == "batchbatch"
+    alone.publish_step(0, "batch")
+    assert list(alone.stream(lambda: iter(["a"]))) == ["a"]
+    alone.end_stream(["a"])
+    alone.shutdown()
+    with pytest.raises(RuntimeError):
+        alone.follow()
+    with pytest.raises(RuntimeError):
+        alone.abort("why")
+
+
+def test_a_follower_publishes_no_step():
+    _, follower, _ = leader_and_follower_protocols()
+    with pytest.raises(RuntimeError, match="publishes none"):
+        follower.publish_step(0, a_batch(1))
+    with pytest.raises(RuntimeError, match="leader of a multi-process run"):
+        follower.abort("why")
+    follower.shutdown()  # nothing: only the leader ends the run
+    assert follower.channel._client.data == {}
 
 
 # ---- failures and signals over real processes ----
