@@ -5,9 +5,9 @@ the step (in its pages, positions 0 .. cached_len - 1) and the step's own new ke
 position (not yet in the cache: the step writes them after the forward, see `jaxserve.steps`).
 
 `attention` picks the implementation by backend, resolved once (`resolve_attention_backend`): "reference" is
-`ragged_attention` below (blocked jnp, the CPU path); "pallas" runs the ragged Pallas kernels.
-`ragged_attention_reference` is the same function written as directly as possible: the oracle for every other
-implementation in the tests.
+`ragged_attention` below (blocked jnp, the CPU path); "pallas" runs the ragged Pallas kernels; "dense" is
+`ragged_attention_reference` (`jaxserve.pallas_kernels.reference`, the same function written as directly as
+possible: the oracle for every other implementation in the tests; slow, but differentiable, which training needs).
 """
 from __future__ import annotations
 
@@ -16,20 +16,24 @@ import jax.numpy as jnp
 
 from jaxserve import pallas_kernels as pk
 from jaxserve.batch import RaggedRows
-from jaxserve.cache.kv_cache import Int8Pages, read_pages, write_pages
+from jaxserve.cache.kv_cache import read_pages, write_pages
+from jaxserve.options import ATTENTION_BACKENDS as BACKENDS
+from jaxserve.pallas_kernels.reference import ragged_attention_reference
 
-BACKENDS = ("auto", "reference", "pallas", "pallas-gpu", "pallas-tpu")
+__all__ = ["BACKENDS", "attention", "ragged_attention", "ragged_attention_reference", "resolve_attention_backend",
+           "write_kv"]
 
 
 def resolve_attention_backend(name: str, platform: str | None = None) -> str:
-    """auto | reference | pallas | pallas-gpu | pallas-tpu -> what runs: "reference", "pallas-gpu", "pallas-tpu",
-    or on CPU "pallas-gpu-interpret" / "pallas-tpu-interpret" (the kernels interpreted: correct, slow)."""
+    """auto | reference | dense | pallas | pallas-gpu | pallas-tpu -> what runs: "reference", "dense", "pallas-gpu",
+    "pallas-tpu", or on CPU "pallas-gpu-interpret" / "pallas-tpu-interpret" (the kernels interpreted: correct,
+    slow)."""
     if name not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {BACKENDS}, got {name!r}")
     platform = platform or jax.devices()[0].platform
     if name == "auto":
         return "pallas-" + platform if platform in ("gpu", "tpu") else "reference"
-    if name == "reference":
+    if name in ("reference", "dense"):
         return name
     if name == "pallas":
         name = "pallas-" + (platform if platform in ("gpu", "tpu") else "gpu")
@@ -62,43 +66,6 @@ def write_kv(k_pages, v_pages, k, v, slot_mapping):
     slot_mapping:     [T] flat slot (page * page_size + offset); padding tokens point into the scratch page 0.
     """
     return write_pages(k_pages, k, slot_mapping), write_pages(v_pages, v, slot_mapping)
-
-
-def ragged_attention_reference(q, k, v, k_pages, v_pages, rows: RaggedRows, *, sliding_window=None):
-    """Causal grouped-query attention of each token over its row's cached keys and the step's own keys.
-
-    q:       [T, num_heads, head_dim]  new queries (already rotated)
-    k, v:    [T, kv_heads, head_dim]   this step's keys/values, not yet in the cache
-    k_pages: [num_pages, page_size, kv_heads, head_dim] (or Int8Pages)  the cache before this step
-    rows:    positions [T] (-1: padding), token_row [T], cached_lens [S], page_table [S, P]
-    returns  [T, num_heads, head_dim]; padding tokens give zeros
-    """
-    T, H, D = q.shape
-    _, page_size, KVH, _ = k_pages.shape
-    L = rows.page_table.shape[1] * page_size
-    pos, row = rows.positions, rows.token_row
-
-    def gather(pages):  # every token's row's cache: [T, L, kv_heads, head_dim]
-        dtype = q.dtype if isinstance(pages, Int8Pages) else pages.dtype
-        return read_pages(pages, rows.page_table[row], dtype).reshape(T, L, KVH, D).astype(jnp.float32)
-
-    keys = jnp.concatenate([gather(k_pages), jnp.broadcast_to(k.astype(jnp.float32), (T, T, KVH, D))], axis=1)
-    values = jnp.concatenate([gather(v_pages), jnp.broadcast_to(v.astype(jnp.float32), (T, T, KVH, D))], axis=1)
-    cached_pos = jnp.broadcast_to(jnp.arange(L), (T, L))
-    visible = jnp.concatenate([cached_pos < rows.cached_lens[row][:, None],
-                               (row[None, :] == row[:, None]) & (pos[None, :] >= 0) & (pos[None, :] <= pos[:, None])],
-                              axis=1)  # [T, L + T]
-    key_pos = jnp.concatenate([cached_pos, jnp.broadcast_to(pos, (T, T))], axis=1)
-    if sliding_window is not None:
-        visible &= key_pos > pos[:, None] - sliding_window
-    visible &= (pos >= 0)[:, None]
-    s = jnp.einsum("tkgd,tlkd->tkgl", q.reshape(T, KVH, H // KVH, D).astype(jnp.float32), keys) * D ** -0.5
-    s = jnp.where(visible[:, None, None, :], s, -jnp.inf)
-    m = s.max(axis=-1, keepdims=True)
-    p = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0))
-    l = p.sum(axis=-1, keepdims=True)
-    out = jnp.einsum("tkgl,tlkd->tkgd", p / jnp.where(l > 0, l, 1.0), values)
-    return out.reshape(T, H, D).astype(q.dtype)
 
 
 def ragged_attention(q, k, v, k_pages, v_pages, rows: RaggedRows, *, sliding_window=None, block_pages=8,

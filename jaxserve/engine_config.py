@@ -1,7 +1,8 @@
 """EngineConfig: every engine argument, validated once, shared by LLM, AsyncEngine, the server and the CLI.
 
-The `jaxserve` command's engine flags are declared here too (`add_cli_args` / `from_cli_args`, vLLM's EngineArgs
-pattern), so a new argument is a field and a flag in one place.
+The `jaxserve` command's engine flags are declared on the fields too (`flag(...)`: help, choices, metavar in each
+field's metadata; see jaxserve.cli_flags); `add_cli_args` makes the argparse flags from them and `from_cli_args`
+reads them back (vLLM's EngineArgs pattern), so a new option is one field, written once.
 """
 from __future__ import annotations
 
@@ -10,17 +11,47 @@ import dataclasses
 import os
 from pathlib import Path
 
-from jaxserve.attention import BACKENDS
-from jaxserve.batching.scheduler import POLICIES
 from jaxserve.cache import KV_CACHE_DTYPES, check_kv_cache_dtype
-from jaxserve.multihost import AUTO_CLUSTER
+from jaxserve.cli_flags import FlagGroup, add_flags, flag, read_flags
+from jaxserve.options import ATTENTION_BACKENDS, AUTO_CLUSTER, CPU_KV_CACHE_BYTES, DTYPES, SCHEDULING_POLICIES
 from jaxserve.quant import QUANTIZATIONS
 from jaxserve.spec_config import SpeculativeConfig
 from jaxserve.tokenizer import read_chat_template
-from jaxserve.weights import _DTYPES
 from jaxserve.weights.default_model import DEFAULT_MODEL
 
-DTYPES = ("auto", *_DTYPES)
+
+def _read_file(path: str | None) -> str | None:
+    return Path(path).read_text() if path else None
+
+
+def _add_speculative_cli_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--speculative-method", default=None, choices=["ngram", "draft_model"],
+                   help="speculative decoding: ngram (prompt lookup, no model) or draft_model (--draft-model)")
+    p.add_argument("--num-speculative-tokens", type=int, default=None,
+                   help="tokens proposed per verification (default 4 with a speculative method)")
+    p.add_argument("--draft-model", default=None,
+                   help="the draft for draft_model: a model sharing the target's tokenizer (.gguf, HF dir, checkpoint; "
+                        "scripts/train_draft.py distills one for the default model)")
+    p.add_argument("--prompt-lookup-max", type=int, default=4, help="ngram: the longest suffix looked up")
+    p.add_argument("--prompt-lookup-min", type=int, default=2, help="ngram: the shortest suffix looked up")
+    p.add_argument("--no-adaptive-speculation", dest="adaptive_speculation", action="store_false",
+                   help="speculate for every sequence every step, not only where measured acceptance and step "
+                        "costs say it pays")
+
+
+def _speculative_config(args: argparse.Namespace) -> dict | None:
+    method = args.speculative_method or ("draft_model" if args.draft_model else None)
+    if method is None:
+        if args.num_speculative_tokens is not None:
+            raise ValueError("--num-speculative-tokens needs --speculative-method (or --draft-model)")
+        return None
+    config = dict(method=method, num_speculative_tokens=4 if args.num_speculative_tokens is None
+                  else args.num_speculative_tokens, adaptive=args.adaptive_speculation)
+    if method == "ngram":
+        config.update(prompt_lookup_max=args.prompt_lookup_max, prompt_lookup_min=args.prompt_lookup_min)
+    elif args.draft_model:
+        config["model"] = args.draft_model
+    return config
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,8 +72,8 @@ class EngineConfig:
     ttft_slo, tpot_slo: latency targets in seconds; with them the running batch is sized from measured step times
         (see jaxserve.batching.slo).
     attention_backend: "auto" (the Pallas kernels on GPU and TPU if they pass a start-up check, else and on CPU
-        the jnp reference), "reference", or "pallas" / "pallas-gpu" / "pallas-tpu" (insist; on CPU the kernels run
-        in Pallas interpret mode: correct, slow).
+        the jnp reference), "reference", "dense" (the oracle itself: slow, differentiable), or "pallas" /
+        "pallas-gpu" / "pallas-tpu" (insist; on CPU the kernels run in Pallas interpret mode: correct, slow).
     quantization: weight-only, of every linear layer: None, "int8" (a scale per output channel), "int4" (a scale
         and minimum per group of input rows, two values a byte) or "awq" (int4 with activation-aware input scales
         calibrated on `calibration_text`, by default a text the package ships). A checkpoint written quantized
@@ -70,35 +101,60 @@ class EngineConfig:
     chat_template: a jinja chat template file to use instead of the model's own (or where the model has none).
     """
 
-    model: str | None = None
-    max_model_len: int | None = None
-    dtype: str = "auto"
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
-    block_size: int = 16
-    kv_cache_memory_bytes: int | None = None
-    gpu_memory_utilization: float = 0.9
-    seed: int = 0
-    enable_prefix_caching: bool = True
-    scheduling_policy: str = "fcfs"
-    ttft_slo: float | None = None
-    tpot_slo: float | None = None
-    attention_backend: str = "auto"
-    quantization: str | None = None
-    quantization_group_size: int | None = None
-    quantize_embeddings: bool = False
-    calibration_text: str | None = None
-    kv_cache_dtype: str = "auto"
-    speculative_config: SpeculativeConfig | None = None
-    warmup: bool = True
-    tensor_parallel_size: int = 1
-    data_parallel_size: int = 1
-    coordinator_address: str | None = None
-    num_processes: int | None = None
-    process_id: int | None = None
-    coordinator_bind_address: str | None = None
-    coordinator_secret_file: str | None = None
-    chat_template: str | None = None
+    model: str | None = flag(
+        f"a .gguf file, a HF model directory, or a jaxserve checkpoint (default: {DEFAULT_MODEL}, fetched once into "
+        "~/.cache/jaxserve or $JAXSERVE_CACHE)", repeat_in_serve=True,
+        serve_help="; give it again to serve several models at once, an engine each")
+    max_model_len: int | None = flag("longest prompt + output in tokens (default: the model's context length)")
+    dtype: str = flag("parameter and activation dtype (auto: float32 on CPU, bfloat16 on GPU/TPU)", default="auto",
+                      choices=DTYPES)
+    max_num_seqs: int = flag("most sequences decoding together", default=64, serve_only=True, offline_default=1)
+    max_num_batched_tokens: int = flag("tokens per step: one per decoding sequence, the rest prompt chunks",
+                                       default=512, serve_only=True)
+    block_size: int = flag("tokens per KV-cache page", default=16)
+    kv_cache_memory_bytes: int | None = flag(
+        "KV-cache budget per device, in bytes (default: 2 GiB on CPU, --gpu-memory-utilization of device memory less "
+        "the weights on an accelerator)",
+        serve_help=". With several --model it applies to each engine as given; without it each engine gets an equal "
+                   "share: --gpu-memory-utilization / (number of models) of device memory (less its own weights), or "
+                   "on CPU 2 GiB / (number of models)")
+    gpu_memory_utilization: float = flag("fraction of each accelerator's memory for weights and KV cache (default 0.9)",
+                                         default=0.9)
+    seed: int = 0  # no flag: generate's --seed seeds its sampling, not the engine
+    enable_prefix_caching: bool = flag("do not reuse the KV pages of prompt prefixes seen before", default=True,
+                                       serve_only=True)
+    scheduling_policy: str = flag(None, default="fcfs", choices=SCHEDULING_POLICIES, serve_only=True)
+    ttft_slo: float | None = flag("time-to-first-token target, seconds", serve_only=True)
+    tpot_slo: float | None = flag("time-per-output-token target, seconds", serve_only=True)
+    attention_backend: str = flag(None, default="auto", choices=ATTENTION_BACKENDS, serve_only=True)
+    quantization: str | None = flag(
+        "weight-only quantization of the linear layers: int8 (a scale per output channel), int4 (groups of input "
+        "rows, two values a byte), awq (int4 with calibrated input scales)", choices=QUANTIZATIONS[1:])
+    quantization_group_size: int | None = flag(
+        "input rows per int4 group (default: 32 for int4, as llama.cpp's Q4_1; 128 for awq)")
+    quantize_embeddings: bool = flag("also quantize the LM head and the embedding table", default=False)
+    calibration_text: str | None = flag("text to calibrate awq on (default: a public-domain text the package ships)",
+                                        name="calibration-file", read_value=_read_file)
+    kv_cache_dtype: str = flag("KV-cache pages: auto (the model's dtype) or int8 (about twice the sequences per byte)",
+                               default="auto", choices=KV_CACHE_DTYPES)
+    speculative_config: SpeculativeConfig | None = dataclasses.field(
+        default=None, metadata={"cli": FlagGroup(_add_speculative_cli_args, _speculative_config)})
+    warmup: bool = flag("compile shapes on first use instead of before serving", default=True,
+                        offline_default=False, offline_help="compile every shape bucket before generating")
+    tensor_parallel_size: int = flag("devices each model replica is sharded over (weights and KV heads)", default=1)
+    data_parallel_size: int = flag("model replicas, each running its own sequences", default=1)
+    coordinator_address: str | None = flag(
+        "host:port of process 0, to run over several hosts (jax.distributed; with --num-processes and --process-id), "
+        "or 'auto' for JAX's cluster detection (TPU pod slices, SLURM)")
+    num_processes: int | None = flag("processes in a multi-host run")
+    process_id: int | None = flag("this process's index in a multi-host run, 0 to --num-processes - 1")
+    coordinator_bind_address: str | None = flag(
+        "where process 0's coordination service listens (default: --coordinator-address's host, not every "
+        "interface)", metavar="HOST:PORT")
+    coordinator_secret_file: str | None = flag(
+        "a file with the secret (16+ bytes, the same on every process) that authenticates process 0's messages; "
+        "default $JAXSERVE_COORDINATOR_SECRET; required across hosts", metavar="FILE")
+    chat_template: str | None = flag("a jinja chat template file, used instead of the model's own", metavar="FILE")
 
     def __post_init__(self):
         # Nothing here may touch JAX's backends: jax.distributed must initialise before they start.
@@ -120,13 +176,13 @@ class EngineConfig:
         _check_type("seed", self.seed, int)
         for name in ("enable_prefix_caching", "quantize_embeddings", "warmup"):
             _check_type(name, getattr(self, name), bool)
-        _check_choice("scheduling_policy", self.scheduling_policy, POLICIES)
+        _check_choice("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES)
         for name in ("ttft_slo", "tpot_slo"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)
                                       or not value > 0):
                 raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
-        _check_choice("attention_backend", self.attention_backend, BACKENDS)
+        _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         self._check_quantization()
         check_kv_cache_dtype(self.kv_cache_dtype)
         object.__setattr__(self, "speculative_config", SpeculativeConfig.from_value(self.speculative_config))
@@ -165,79 +221,23 @@ class EngineConfig:
         if all(given) and self.process_id >= self.num_processes:
             raise ValueError(f"process_id must be in [0, num_processes = {self.num_processes}), got {self.process_id}")
 
-    # ---- the command line ----
+    # ---- the command line (the flags are declared on the fields: see Flag) ----
 
     @staticmethod
     def add_cli_args(p: argparse.ArgumentParser, serving: bool = False) -> None:
         """The engine flags of `jaxserve generate / chat` (serving=False: one prompt at a time) and `serve`."""
-        # serve may take several models (an engine each); the others one.
-        p.add_argument("--model", default=None, action="append" if serving else "store",
-                       help=f"a .gguf file, a HF model directory, or a jaxserve checkpoint (default: {DEFAULT_MODEL}, "
-                            "fetched once into ~/.cache/jaxserve or $JAXSERVE_CACHE)" + (
-                                "; give it again to serve several models at once, an engine each" if serving else ""))
-        p.add_argument("--kv-cache-memory-bytes", type=int, default=None,
-                       help="KV-cache budget per device, in bytes (default: 2 GiB on CPU, --gpu-memory-utilization of "
-                            "device memory less the weights on an accelerator)" + (
-                                ". With several --model it applies to each engine as given; without it each engine "
-                                "gets an equal share: --gpu-memory-utilization / (number of models) of device memory "
-                                "(less its own weights), or on CPU 2 GiB / (number of models)" if serving else ""))
-        p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                       help="fraction of each accelerator's memory for weights and KV cache (default 0.9)")
-        p.add_argument("--chat-template", default=None, metavar="FILE",
-                       help="a jinja chat template file, used instead of the model's own")
-        p.add_argument("--dtype", default="auto", choices=list(DTYPES),
-                       help="parameter and activation dtype (auto: float32 on CPU, bfloat16 on GPU/TPU)")
-        p.add_argument("--max-model-len", type=int, default=None,
-                       help="longest prompt + output in tokens (default: the model's context length)")
-        p.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache page")
-        add_quantization_cli_args(p)
-        p.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
-                       help="KV-cache pages: auto (the model's dtype) or int8 (about twice the sequences per byte)")
-        _add_speculative_cli_args(p)
-        if serving:
-            p.add_argument("--max-num-seqs", type=int, default=64, help="most sequences decoding together")
-            p.add_argument("--max-num-batched-tokens", type=int, default=512,
-                           help="tokens per step: one per decoding sequence, the rest prompt chunks")
-            p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
-                           help="do not reuse the KV pages of prompt prefixes seen before")
-            p.add_argument("--scheduling-policy", default="fcfs", choices=list(POLICIES))
-            p.add_argument("--ttft-slo", type=float, default=None, help="time-to-first-token target, seconds")
-            p.add_argument("--tpot-slo", type=float, default=None, help="time-per-output-token target, seconds")
-            p.add_argument("--attention-backend", default="auto", choices=list(BACKENDS))
-            p.add_argument("--no-warmup", dest="warmup", action="store_false",
-                           help="compile shapes on first use instead of before serving")
-        else:
-            # One prompt at a time: a single decode row keeps the set of compiled programs (and start-up) small.
-            p.set_defaults(max_num_seqs=1)
-            p.add_argument("--warmup", action="store_true", help="compile every shape bucket before generating")
-        p.add_argument("--tensor-parallel-size", type=int, default=1,
-                       help="devices each model replica is sharded over (weights and KV heads)")
-        p.add_argument("--data-parallel-size", type=int, default=1,
-                       help="model replicas, each running its own sequences")
-        p.add_argument("--coordinator-address", default=None,
-                       help="host:port of process 0, to run over several hosts (jax.distributed; with "
-                            "--num-processes and --process-id), or 'auto' for JAX's cluster detection (TPU pod "
-                            "slices, SLURM)")
-        p.add_argument("--num-processes", type=int, default=None, help="processes in a multi-host run")
-        p.add_argument("--process-id", type=int, default=None,
-                       help="this process's index in a multi-host run, 0 to --num-processes - 1")
-        p.add_argument("--coordinator-bind-address", default=None, metavar="HOST:PORT",
-                       help="where process 0's coordination service listens (default: --coordinator-address's host, "
-                            "not every interface)")
-        p.add_argument("--coordinator-secret-file", default=None, metavar="FILE",
-                       help="a file with the secret (16+ bytes, the same on every process) that authenticates process "
-                            "0's messages; default $JAXSERVE_COORDINATOR_SECRET; required across hosts")
+        add_flags(EngineConfig, p, serving)
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "EngineConfig":
         """The config from flags `add_cli_args` declared (a flag another command lacks keeps its default)."""
-        # By name, not all of args: a command's other flags (generate's sampling --seed) are not engine arguments.
-        given = {name: getattr(args, name) for name in _CLI_FIELDS if hasattr(args, name)}
+        # By field, not all of args: a command's other flags (generate's sampling --seed) are not engine arguments.
+        given = read_flags(cls, args)
         if isinstance(given.get("model"), list):  # serve's --model, which may be repeated
             if len(given["model"]) > 1:
                 raise ValueError("several --model: one config per model is EngineConfig.per_model_from_cli_args")
             given["model"] = given["model"][0]
-        return cls(**given, **quantization_from_cli_args(args), speculative_config=_speculative_config(args))
+        return cls(**given)
 
     @classmethod
     def per_model_from_cli_args(cls, args: argparse.Namespace) -> list["EngineConfig"]:
@@ -269,65 +269,21 @@ class EngineConfig:
             import jax
             device = jax.devices()[0]
             if device.platform == "cpu" or not (device.memory_stats() or {}).get("bytes_limit"):
-                from jaxserve.engine import _CPU_KV_CACHE_BYTES
-                share["kv_cache_memory_bytes"] = _CPU_KV_CACHE_BYTES // len(models)
+                share["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES // len(models)
         return [dataclasses.replace(base, model=model, **share) for model in models]
 
 
-_CLI_FIELDS = ("model", "kv_cache_memory_bytes", "gpu_memory_utilization", "dtype", "max_model_len", "block_size",
-               "kv_cache_dtype", "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching", "scheduling_policy",
-               "ttft_slo", "tpot_slo",
-               "attention_backend", "warmup", "tensor_parallel_size", "data_parallel_size", "coordinator_address",
-               "num_processes", "process_id", "coordinator_bind_address", "coordinator_secret_file", "chat_template")
+_QUANTIZATION_FIELDS = ("quantization", "quantization_group_size", "quantize_embeddings", "calibration_text")
 
 
 def add_quantization_cli_args(p: argparse.ArgumentParser) -> None:
-    """The quantization flags (also `jaxserve convert`'s)."""
-    p.add_argument("--quantization", default=None, choices=[q for q in QUANTIZATIONS if q],
-                   help="weight-only quantization of the linear layers: int8 (a scale per output channel), int4 "
-                        "(groups of input rows, two values a byte), awq (int4 with calibrated input scales)")
-    p.add_argument("--quantization-group-size", type=int, default=None,
-                   help="input rows per int4 group (default: 32 for int4, as llama.cpp's Q4_1; 128 for awq)")
-    p.add_argument("--quantize-embeddings", action="store_true",
-                   help="also quantize the LM head and the embedding table")
-    p.add_argument("--calibration-file", default=None,
-                   help="text to calibrate awq on (default: a public-domain text the package ships)")
+    """The quantization flags alone (`jaxserve convert`'s)."""
+    add_flags(EngineConfig, p, False, _QUANTIZATION_FIELDS)
 
 
 def quantization_from_cli_args(args: argparse.Namespace) -> dict:
-    text = Path(args.calibration_file).read_text() if args.calibration_file else None
-    return dict(quantization=args.quantization, quantization_group_size=args.quantization_group_size,
-                quantize_embeddings=args.quantize_embeddings, calibration_text=text)
-
-
-def _add_speculative_cli_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--speculative-method", default=None, choices=["ngram", "draft_model"],
-                   help="speculative decoding: ngram (prompt lookup, no model) or draft_model (--draft-model)")
-    p.add_argument("--num-speculative-tokens", type=int, default=None,
-                   help="tokens proposed per verification (default 4 with a speculative method)")
-    p.add_argument("--draft-model", default=None,
-                   help="the draft for draft_model: a model sharing the target's tokenizer (.gguf, HF dir, checkpoint; "
-                        "scripts/train_draft.py distills one for the default model)")
-    p.add_argument("--prompt-lookup-max", type=int, default=4, help="ngram: the longest suffix looked up")
-    p.add_argument("--prompt-lookup-min", type=int, default=2, help="ngram: the shortest suffix looked up")
-    p.add_argument("--no-adaptive-speculation", dest="adaptive_speculation", action="store_false",
-                   help="speculate for every sequence every step, not only where measured acceptance and step "
-                        "costs say it pays")
-
-
-def _speculative_config(args: argparse.Namespace) -> dict | None:
-    method = args.speculative_method or ("draft_model" if args.draft_model else None)
-    if method is None:
-        if args.num_speculative_tokens is not None:
-            raise ValueError("--num-speculative-tokens needs --speculative-method (or --draft-model)")
-        return None
-    config = dict(method=method, num_speculative_tokens=4 if args.num_speculative_tokens is None
-                  else args.num_speculative_tokens, adaptive=args.adaptive_speculation)
-    if method == "ngram":
-        config.update(prompt_lookup_max=args.prompt_lookup_max, prompt_lookup_min=args.prompt_lookup_min)
-    elif args.draft_model:
-        config["model"] = args.draft_model
-    return config
+    """{quantization, quantization_group_size, quantize_embeddings, calibration_text} from those flags."""
+    return read_flags(EngineConfig, args, _QUANTIZATION_FIELDS)
 
 
 def _check_int(name: str, value, low: int, optional: bool = False) -> None:

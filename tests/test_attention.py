@@ -3,7 +3,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.attention import ragged_attention, ragged_attention_reference, write_kv
+from jaxserve.attention import attention, ragged_attention, ragged_attention_reference, write_kv
 from ragged import KINDS, expected, random_ragged_case, row_lengths
 
 
@@ -15,11 +15,20 @@ def test_matches_dense_attention(kind, page_size, heads, kv_heads, window):
     rng = np.random.default_rng(seed)
     case = random_ragged_case(rng, row_lengths(rng, kind), page_size=page_size, heads=heads, kv_heads=kv_heads)
     want = expected(case, window)
-    for attention in (ragged_attention_reference, ragged_attention):
-        got = np.asarray(attention(case.q, case.k, case.v, jnp.asarray(case.k_pages), jnp.asarray(case.v_pages),
+    for fn in (ragged_attention_reference, ragged_attention):
+        got = np.asarray(fn(case.q, case.k, case.v, jnp.asarray(case.k_pages), jnp.asarray(case.v_pages),
                                    case.rows, sliding_window=window))
         assert np.isfinite(got).all(), f"seed {seed}"
-        np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-5, err_msg=f"{attention.__name__}, seed {seed}")
+        np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-5, err_msg=f"{fn.__name__}, seed {seed}")
+
+
+def test_the_dense_backend_is_the_oracle():
+    """attention_backend "dense": the oracle itself (what training differentiates), through the model's entry point."""
+    rng = np.random.default_rng(0)
+    case = random_ragged_case(rng, row_lengths(rng, "mixed"), page_size=4, heads=6, kv_heads=2)
+    args = (case.q, case.k, case.v, jnp.asarray(case.k_pages), jnp.asarray(case.v_pages), case.rows)
+    np.testing.assert_array_equal(np.asarray(attention(*args, sliding_window=5, backend="dense")),
+                                  np.asarray(ragged_attention_reference(*args, sliding_window=5)))
 
 
 def test_long_row_and_sorted_groups():

@@ -120,3 +120,26 @@ def test_cli_serve_flags(tmp_path):
 def test_cli_errors(argv, message):
     with pytest.raises(ValueError, match=message):
         parse(*argv)
+
+
+def test_every_flag_is_declared_on_its_field():
+    """The flags are made from the fields' metadata: each field but seed (generate's --seed seeds sampling) is set
+    by a flag of serve, and each of those flags sets a field back."""
+    fields = {f.name for f in dataclasses.fields(EngineConfig)}
+    flagged = {f.name for f in dataclasses.fields(EngineConfig) if "cli" in f.metadata}
+    assert fields - flagged == {"seed"}
+    serve = build_parser().parse_args(["serve"])
+    assert EngineConfig.from_cli_args(serve) == EngineConfig()
+    assert flagged - {"calibration_text", "speculative_config"} <= set(vars(serve))
+
+
+def test_the_option_values_are_those_their_code_implements():
+    """jaxserve.options holds what the config checks; the code that implements each option agrees."""
+    from jaxserve import multihost, options
+    from jaxserve.batching import scheduler
+    from jaxserve.weights import resolve_dtype
+    assert multihost.AUTO_CLUSTER == options.AUTO_CLUSTER
+    assert getattr(scheduler, "POLICIES", options.SCHEDULING_POLICIES) == options.SCHEDULING_POLICIES
+    for dtype in options.DTYPES[1:]:
+        resolve_dtype(dtype)  # each one the config accepts loads
+    assert EngineConfig(attention_backend="dense").attention_backend == "dense"

@@ -162,10 +162,12 @@ def test_one_request_may_not_take_more_than_the_batch(st, prompt, n):
 
 
 def test_the_request_bound_is_configurable(st, tiny_dir):
-    assert Server(st.engine, "x").max_request_sequences == 4  # the engine's max_num_seqs
-    assert Server(st.engine, "x", max_request_sequences=2).max_request_sequences == 2
+    def bound(**args):
+        return Server(st.engine, "x", **args).models["x"].max_request_sequences
+    assert bound() == 4  # the engine's max_num_seqs
+    assert bound(max_request_sequences=2) == 2
     # Never more than the server admits at all (4 running + 1 queued).
-    assert Server(st.engine, "x", max_queued_requests=1, max_request_sequences=100).max_request_sequences == 5
+    assert bound(max_queued_requests=1, max_request_sequences=100) == 5
     for flag, value in [("--max-request-sequences", "0"), ("--stream-write-timeout", "0"),
                         ("--header-timeout", "-1"), ("--body-timeout", "0")]:
         assert main(["serve", "--model", tiny_dir, flag, value]) == 1, flag
@@ -205,7 +207,7 @@ def test_a_huge_prompt_is_admitted_first_and_tokenized_off_the_event_loop(st, ch
                   ("/v1/completions", {"prompt": text}))
     body = {**body, "n": 4, "max_tokens": 2}
     threads = [threading.Thread(target=lambda: results.append(call(st, "POST", path, body))) for _ in range(2)]
-    st.server.tokenizer, tokenizer = tok, st.server.tokenizer
+    st.server.default.tokenizer, tokenizer = tok, st.server.default.tokenizer
     try:
         for t in threads:
             t.start()
@@ -222,7 +224,7 @@ def test_a_huge_prompt_is_admitted_first_and_tokenized_off_the_event_loop(st, ch
         tok.release.set()
         for t in threads:
             t.join(30)
-        st.server.tokenizer = tokenizer
+        st.server.default.tokenizer = tokenizer
     assert [r[0] for r in results] == [200, 200], results
     wait_idle(st)
 
@@ -232,7 +234,7 @@ def test_a_client_that_leaves_while_its_prompt_is_tokenized_holds_its_place_unti
     could pile up tokenizing work without bound by sending and leaving."""
     tok = SlowTokenizer()
     body = json.dumps({"prompt": "a" * 100_000, "n": 4, "max_tokens": 2}).encode()
-    st.server.tokenizer, tokenizer = tok, st.server.tokenizer
+    st.server.default.tokenizer, tokenizer = tok, st.server.default.tokenizer
     try:
         s = connect(st)
         s.sendall(head("/v1/completions", len(body)) + body)
@@ -244,7 +246,7 @@ def test_a_client_that_leaves_while_its_prompt_is_tokenized_holds_its_place_unti
         wait_for(lambda: st.server.in_flight == 0, 10, "the place was never given back")
     finally:
         tok.release.set()
-        st.server.tokenizer = tokenizer
+        st.server.default.tokenizer = tokenizer
     wait_idle(st)
 
 
@@ -271,7 +273,7 @@ def test_a_prompt_certainly_too_long_is_refused_before_it_is_tokenized(st, chat)
     """256 tokens of context, 16 to generate, at most 4 characters a token: 961 characters are certainly too many
     (a 400 naming the limit, nothing tokenized) while 960 "a"s (240 tokens) still fit and are served."""
     calls = []
-    st.server.tokenizer, tokenizer = tiny_tokenizer(calls), st.server.tokenizer
+    st.server.default.tokenizer, tokenizer = tiny_tokenizer(calls), st.server.default.tokenizer
     path, key = ("/v1/chat/completions", "messages") if chat else ("/v1/completions", "prompt")
 
     def ask(text, **extra):
@@ -290,7 +292,7 @@ def test_a_prompt_certainly_too_long_is_refused_before_it_is_tokenized(st, chat)
                                                     "total_tokens": 256}, reply
         assert calls == [960]
     finally:
-        st.server.tokenizer = tokenizer
+        st.server.default.tokenizer = tokenizer
     wait_idle(st)
 
 
@@ -310,7 +312,7 @@ def test_a_lone_surrogate_is_a_400(st, path, body, param):
     """JSON may escape half a UTF-16 pair ("\\ud800"), which no text holds: 400 naming the field, not a 500."""
     raw = json.dumps({**body, "max_tokens": 2}).encode()
     assert b"\\ud800" in raw or b"\\udfff" in raw or b"\\udc00" in raw  # sent as the escape, as a client would
-    st.server.tokenizer, tokenizer = tiny_tokenizer(), st.server.tokenizer
+    st.server.default.tokenizer, tokenizer = tiny_tokenizer(), st.server.default.tokenizer
     try:
         s = connect(st)
         s.sendall(head(path, len(raw)) + raw)
@@ -320,7 +322,7 @@ def test_a_lone_surrogate_is_a_400(st, path, body, param):
         error = json.loads(reply.read())["error"]
         s.close()
     finally:
-        st.server.tokenizer = tokenizer
+        st.server.default.tokenizer = tokenizer
     assert reply.status == 400 and error["param"] == param and "surrogate" in error["message"], error
     wait_idle(st)
 

@@ -12,15 +12,15 @@ import pytest
 
 from jaxserve import SamplingParams
 from jaxserve.cli import build_parser, main
-from jaxserve.engine import _CPU_KV_CACHE_BYTES
 from jaxserve.engine_config import EngineConfig
+from jaxserve.options import CPU_KV_CACHE_BYTES
 from jaxserve.server import Server
 from serving import ServerThread, metric_samples, wait_idle
 from tiny import make_llm
 
 PROMPT = [5, 6, 7, 8, 9]
 # Two models' equal share of the default KV budget where it is a fixed one (CPU); none on an accelerator.
-CPU_SHARE = _CPU_KV_CACHE_BYTES // 2 if jax.devices()[0].platform == "cpu" else None
+CPU_SHARE = CPU_KV_CACHE_BYTES // 2 if jax.devices()[0].platform == "cpu" else None
 BODY = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": True, "logprobs": 0}
 
 

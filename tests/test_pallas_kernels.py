@@ -9,10 +9,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.attention import attention, ragged_attention_reference, resolve_attention_backend
+from jaxserve.attention import attention, resolve_attention_backend
 from jaxserve.batch import RaggedRows
 from jaxserve.cache.kv_cache import Int8Pages
 from jaxserve.pallas_kernels import BLOCK_SIZES, ragged_attention_gpu
+from jaxserve.pallas_kernels.reference import ragged_attention_reference
 from jaxserve.pallas_kernels.self_check import quantize_pages
 from ragged import KINDS, expected, random_ragged_case, row_lengths
 
@@ -101,6 +102,8 @@ def test_backend_resolution():
     assert resolve_attention_backend("pallas", "tpu") == "pallas-tpu"
     assert resolve_attention_backend("pallas", "cpu") == "pallas-gpu-interpret"
     assert resolve_attention_backend("pallas-tpu", "cpu") == "pallas-tpu-interpret"
+    assert resolve_attention_backend("reference", "gpu") == "reference"
+    assert resolve_attention_backend("dense", "tpu") == "dense"  # the oracle itself, on any platform
     with pytest.raises(ValueError, match="cannot run on gpu"):
         resolve_attention_backend("pallas-tpu", "gpu")
     with pytest.raises(ValueError, match="attention_backend"):
@@ -148,6 +151,8 @@ def test_start_up_check_accepts_good_kernels_and_reports_failures(monkeypatch):
     wrong = lambda q, *args, **kwargs: q  # noqa: E731
     monkeypatch.setattr(self_check, "ragged_kernel_for", lambda backend: wrong)
     assert "disagrees" in self_check.check_kernels("pallas-gpu", 6, 2, 64, 8, jnp.float32)
+    for plain in ("reference", "dense"):  # no kernel: nothing to check
+        assert self_check.check_kernels(plain, 6, 2, 64, 8, jnp.float32) is None
 
 
 def test_auto_falls_back_to_the_reference_when_the_check_fails(monkeypatch, caplog):

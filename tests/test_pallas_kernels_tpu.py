@@ -8,10 +8,10 @@ import jax.numpy as jnp
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
-from jaxserve.attention import ragged_attention_reference
 from jaxserve.batch import RaggedRows
 from jaxserve.cache.kv_cache import Int8Pages, write_pages
 from jaxserve.pallas_kernels.ragged_attention_tpu import ragged_attention_tpu
+from jaxserve.pallas_kernels.reference import ragged_attention_reference
 from ragged import KINDS, expected, random_ragged_case, row_lengths
 
 # Uninitialised VMEM reads as NaN, so a value the kernel never wrote shows in the output.

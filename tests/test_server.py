@@ -242,7 +242,7 @@ def test_the_length_bound_never_refuses_a_prompt_that_fits(default_gguf_path):
 
 def test_a_megabyte_prompt_is_refused_untokenized(real, monkeypatch):
     """512 tokens of context: a 1 MB prompt (over a second to tokenize) is a 400 naming the limit, never tokenized."""
-    tok, calls = real.server.tokenizer, []
+    tok, calls = real.server.default.tokenizer, []
     monkeypatch.setattr(tok, "encode", lambda text, *a, **k: calls.append(len(text)))
     r = asyncio.run(_completion(real, {"prompt": "hello " * 166_000, "max_tokens": 4}))
     assert r.status_code == 400 and "maximum context length is 512 tokens" in r.json()["error"]["message"]

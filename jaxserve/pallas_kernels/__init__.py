@@ -1,8 +1,8 @@
 """Pallas kernels: ragged paged attention for GPU (Triton lowering; `ragged_attention`) and TPU (Mosaic;
-`ragged_attention_tpu`), both with the arguments and result of `jaxserve.attention.ragged_attention_reference`.
-`jaxserve.attention.attention` reaches them through `ragged_kernel_for`, by the resolved backend; on CPU they run
-in Pallas interpret mode (tests). Also weight-only int8 / int4 matmuls that dequantize in the kernel (GPU;
-`quantized_matmul`).
+`ragged_attention_tpu`), both with the arguments and result of their plain-jnp oracle, `ragged_attention_reference`
+(`reference`). `jaxserve.attention.attention` reaches them through `ragged_kernel_for`, by the resolved backend; on
+CPU they run in Pallas interpret mode (tests). Also weight-only int8 / int4 matmuls that dequantize in the kernel
+(GPU; `quantized_matmul`).
 """
 import functools
 

@@ -1,5 +1,5 @@
 """Ragged paged attention for the GPU (Pallas' Triton lowering): same arguments and result as
-`jaxserve.attention.ragged_attention_reference`.
+`jaxserve.pallas_kernels.reference.ragged_attention_reference`.
 
 Each row's new tokens are cut into query blocks of `block_q` tokens; a block never spans two rows, so a program of
 the grid (query block, KV head) serves one row. Which row and which of its tokens a block holds is worked out in
@@ -67,7 +67,7 @@ def _kernel(meta_ref, q_pos_ref, table_ref, q_ref, k_ref, v_ref, k_pos_ref, k_pa
             v = dequantize(v, v_scale_ref[pages].reshape(block, 1), q.dtype)
         key_pos = i * block + jnp.arange(block)[None, :]
         visible = (key_pos < cached) & in_window(key_pos)
-        return softmax_block(*carry, scores(q, k, scale, None), visible, v.astype(q.dtype))
+        return softmax_block(*carry, scores(q, k, scale), visible, v.astype(q.dtype))
 
     def visit_new(i, carry):
         first = row_start + i * block_k
@@ -76,7 +76,7 @@ def _kernel(meta_ref, q_pos_ref, table_ref, q_ref, k_ref, v_ref, k_pos_ref, k_pa
         key_pos = k_pos_ref[pl.ds(first, block_k)][None, :]
         mine = (i * block_k + jnp.arange(block_k))[None, :] < num_new  # the rest belongs to the next rows
         visible = mine & (key_pos >= 0) & (key_pos <= q_pos) & in_window(key_pos)
-        return softmax_block(*carry, scores(q, k, scale, None), visible, v.astype(q.dtype))
+        return softmax_block(*carry, scores(q, k, scale), visible, v.astype(q.dtype))
 
     num_blocks = jnp.minimum(pl.cdiv(cached, block), table_ref.shape[0] // block_pages)
     carry = softmax_init(rows, head_dim)

@@ -1,5 +1,5 @@
 """Ragged paged attention for TPU (Pallas Mosaic): same arguments and result as
-`jaxserve.attention.ragged_attention_reference`.
+`jaxserve.pallas_kernels.reference.ragged_attention_reference`.
 
 Each row's new tokens are cut into query blocks of `block_q` tokens; a block never spans two rows, so one program
 of the grid (one per query block) serves one row. The wrapper lays the blocks out in a static number of slots
@@ -87,7 +87,7 @@ def _kernel(block_row_ref, first_block_ref, query_start_ref, cached_lens_ref, ta
 
     def attend(visible, load_k, load_v):  # every KV head with its query heads, on one block of keys
         for h in range(num_kv_heads):
-            m, l, acc = softmax_block(m_sc[h], l_sc[h], acc_sc[h], scores(q_ref[h], load_k(h), sm_scale, None), visible,
+            m, l, acc = softmax_block(m_sc[h], l_sc[h], acc_sc[h], scores(q_ref[h], load_k(h), sm_scale), visible,
                                       load_v(h))
             m_sc[h], l_sc[h], acc_sc[h] = m, l, acc
 

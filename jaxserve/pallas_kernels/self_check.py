@@ -12,21 +12,24 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.attention import ragged_attention_reference
 from jaxserve.batch import RaggedRows
 from jaxserve.cache.kv_cache import Int8Pages, check_kv_cache_dtype, write_pages
 from jaxserve.pallas_kernels import ragged_kernel_for
+from jaxserve.pallas_kernels.reference import ragged_attention_reference
 
 
 def check_kernels(backend: str, num_heads: int, kv_heads: int, head_dim: int, page_size: int, dtype,
                   sliding_window: int | None = None, serving: dict | None = None, *,
                   kv_cache_dtype: str = "auto") -> str | None:
-    """None if the ragged kernel of `backend` compiles and agrees with the oracle; else what went wrong.
+    """None if the ragged kernel of `backend` compiles and agrees with the oracle (or `backend` has no kernel:
+    "reference" and "dense" are plain jnp); else what went wrong.
 
     serving: {num_pages, pages_per_seq, max_num_seqs, max_tokens}, the largest step to compile (not run).
     kv_cache_dtype: "auto" (pages in `dtype`) or "int8" (the kernel reads Int8Pages).
     """
     int8 = check_kv_cache_dtype(kv_cache_dtype) == "int8"
+    if not backend.startswith("pallas-"):
+        return None
     tol = 2e-2 if jnp.dtype(dtype) == jnp.bfloat16 else 1e-3
     try:
         kernel = ragged_kernel_for(backend)

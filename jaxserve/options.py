@@ -1,0 +1,22 @@
+"""The values engine options may take, and the defaults more than one layer needs.
+
+A leaf: it imports nothing of jaxserve. `EngineConfig` checks options against these; the code that implements an
+option (the scheduler, the engine, the weight loaders, the attention dispatch, the multi-host start) imports its
+values from here too, so the config never imports the engine and the engine never defines what the config checks.
+"""
+from __future__ import annotations
+
+# Parameter and activation dtypes; "auto" is float32 on CPU, bfloat16 on GPU/TPU.
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+# Waiting sequences in arrival order, or lowest `priority` first (a better one may preempt a worse one).
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+# What one may ask `attention_backend` for (see jaxserve.attention.resolve_attention_backend).
+ATTENTION_BACKENDS = ("auto", "reference", "dense", "pallas", "pallas-gpu", "pallas-tpu")
+
+# The KV-cache budget where a device states no memory limit (CPU), unless kv_cache_memory_bytes says otherwise.
+CPU_KV_CACHE_BYTES = 2 << 30
+
+# coordinator_address for JAX's own cluster detection (TPU pod slices, SLURM).
+AUTO_CLUSTER = "auto"

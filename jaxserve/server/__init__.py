@@ -1,0 +1,27 @@
+"""`jaxserve serve`: an OpenAI-compatible HTTP server (aiohttp) over an AsyncEngine.
+
+/v1/completions and /v1/chat/completions (streamed as server-sent events or whole), /v1/models, /health and
+/metrics (Prometheus). Every error is an OpenAI-style body with a 4xx/5xx status; a bad request never reaches
+the engine. A client that goes away aborts its request (its pages are freed before the next step). When more
+sequences are admitted than the engine runs plus `max_queued_requests`, the answer is 429 with Retry-After. On
+SIGTERM the server stops accepting, lets running requests finish for a grace period, aborts the rest, exits 0.
+
+One client must not hurt another: a request asks for at most `max_request_sequences` (n x prompts); admission is
+decided before any costly work, a prompt certainly too long for the context (by its length in characters, see
+Tokenizer.max_chars_per_token) is refused before it is tokenized, and tokenizing runs off the event loop on each
+model's own `tokenizer_threads` (requests past them wait for that model's threads only, as many as it admits); a
+request head, a body, and each write of a stream have a time limit, past which the connection is closed (408 for a
+body).
+
+Several models: `Server({name: engine, ...})` serves each engine under its name; a request's `model` field picks
+the engine (none: the first), an unknown one is a 404 (code model_not_found, as OpenAI's). Each engine has its own
+admission capacity and metrics series (label model_name); /v1/models lists them all; /health is 200 only while every
+engine is alive.
+
+`app` is the HTTP side (routes, middleware, endpoints, `serve`), `served_model` a model's own state (admission
+capacity, tokenizing threads, metrics) and checks, `responses` a request's outputs as a JSON body or an SSE stream;
+`jaxserve.openai_api` the wire format, `jaxserve.metrics` the Prometheus metrics.
+"""
+from jaxserve.server.app import Server, serve
+
+__all__ = ["Server", "serve"]

@@ -1,0 +1,255 @@
+"""The HTTP side of the server: the aiohttp application (routes, error and auth middleware), the endpoints, the choice
+of model per request, and `serve` (run until SIGTERM, then drain). See jaxserve.server."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import signal
+import time
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from jaxserve.async_engine import AsyncEngine, EngineDeadError
+from jaxserve.metrics import ServerMetrics
+from jaxserve.openai_api import ApiError, parse_chat, parse_completion, render_chat, wants_usage_in_stream
+from jaxserve.server.responses import CompletionResponse, merged
+from jaxserve.server.served_model import ServedModel
+
+logger = logging.getLogger("jaxserve")
+
+
+class Server:
+    """Server(engine, model_name, ...) serves one engine; Server({model_name: engine, ...}, ...) several, the first
+    being the default for requests that name no model. The other arguments apply to each engine (tokenizer_threads:
+    the threads each model tokenizes and renders chat templates on)."""
+
+    def __init__(self, engine: AsyncEngine | dict[str, AsyncEngine], model_name: str | None = None, *,
+                 api_key: str | None = None, max_queued_requests: int = 256, max_request_sequences: int | None = None,
+                 stream_write_timeout_s: float = 30.0, header_timeout_s: float = 10.0, body_timeout_s: float = 30.0,
+                 tokenizer_threads: int = 2):
+        if isinstance(engine, dict):
+            if model_name is not None:
+                raise TypeError("with several engines ({name: engine}) the names are the dict's keys: no model_name")
+            engines = engine
+        else:
+            if model_name is None:
+                raise TypeError("Server(engine, model_name): a single engine needs its model name")
+            engines = {model_name: engine}
+        if not engines or not all(isinstance(name, str) and name for name in engines):
+            raise ValueError("a server needs at least one engine, each under a non-empty name")
+        self._api_key = api_key.encode() if api_key else None
+        self.metrics = ServerMetrics()
+        self.models = {name: ServedModel(name, e, self.metrics.add_model(name, e.stats), max_queued_requests,
+                                         max_request_sequences, tokenizer_threads)
+                       for name, e in engines.items()}
+        self.default = next(iter(self.models.values()))
+        self.stream_write_timeout_s = stream_write_timeout_s
+        self.header_timeout_s, self.body_timeout_s = header_timeout_s, body_timeout_s
+        self.draining = False
+
+    @property
+    def in_flight(self) -> int:
+        """Sequences admitted and not finished, over every model."""
+        return sum(m.in_flight for m in self.models.values())
+
+    def engines(self) -> list[AsyncEngine]:
+        return [m.engine for m in self.models.values()]
+
+    def app(self) -> web.Application:
+        # aiohttp closes a connection whose next request head is not complete within keepalive_timeout of its
+        # opening or of the previous response (idle keep-alive connections alike): that is the header timeout.
+        app = web.Application(middlewares=[self._errors, self._auth],
+                              handler_args={"keepalive_timeout": self.header_timeout_s})
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.prometheus)
+        app.router.add_get("/v1/models", self.list_models)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        return app
+
+    # ---- middleware ----
+
+    @web.middleware
+    async def _errors(self, request, handler):
+        try:
+            return await handler(request)
+        except ApiError as e:
+            return self._error_response(e)
+        except web.HTTPException as e:  # aiohttp's own (unknown route, wrong method, body too large)
+            if e.status < 400:
+                raise
+            # Its headers stay (Allow on a 405); its body is replaced.
+            headers = {k: v for k, v in e.headers.items() if k.lower() not in ("content-type", "content-length")}
+            return self._error_response(ApiError(e.status, e.reason or "error"), headers)
+        except Exception:  # noqa: BLE001 - a bug answers 500 and the server goes on
+            logger.exception("request %s %s failed", request.method, request.path)
+            return self._error_response(ApiError(500, "internal server error"))
+
+    @staticmethod
+    def _error_response(e: ApiError, headers: dict | None = None) -> web.Response:
+        headers = dict(headers or {})
+        if e.status in (429, 503):
+            headers["Retry-After"] = "1"
+        if e.status == 401:
+            headers["WWW-Authenticate"] = "Bearer"  # RFC 6750: says which credentials were expected
+        return web.json_response(e.body(), status=e.status, headers=headers)
+
+    @web.middleware
+    async def _auth(self, request, handler):
+        if self._api_key is not None and request.path.startswith("/v1/"):
+            given = request.headers.get("Authorization", "")
+            # surrogateescape: aiohttp decodes non-UTF-8 header bytes that way; they must compare, not raise.
+            token = given[len("Bearer "):].encode("utf-8", "surrogateescape") if given.startswith("Bearer ") else b""
+            if not hmac.compare_digest(token, self._api_key):  # constant time
+                raise ApiError(401, "invalid or missing API key (Authorization: Bearer KEY)", code="invalid_api_key")
+        return await handler(request)
+
+    # ---- plain endpoints ----
+
+    async def health(self, request):
+        """200 while every engine serves; "degraded" (still 200: requests are served) names the models with stopped
+        data-parallel replicas."""
+        alive = all(m.engine.alive() for m in self.models.values()) and not self.draining
+        if not alive:
+            return web.json_response({"status": "unavailable"}, status=503)
+        snapshots = {name: m.engine.stats() for name, m in self.models.items()}
+        stopped = {name: s.num_replicas - s.num_replicas_healthy for name, s in snapshots.items()
+                   if s.num_replicas_healthy < s.num_replicas}
+        if stopped:
+            return web.json_response({"status": "degraded", "stopped_replicas": stopped})
+        return web.json_response({"status": "ok"})
+
+    async def prometheus(self, request):
+        return web.Response(body=self.metrics.exposition(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def list_models(self, request):
+        created = int(time.time())
+        return web.json_response({"object": "list", "data": [{
+            "id": m.name, "object": "model", "created": created, "owned_by": "jaxserve",
+            "max_model_len": m.engine.llm.max_model_len} for m in self.models.values()]})
+
+    # ---- generation ----
+
+    async def completions(self, request):
+        body = await self._body(request)
+        m = self._model(body)
+        prompts, params = parse_completion(body)
+        for p in prompts:
+            if isinstance(p, str):
+                m.fits_by_length(p, params)
+        seqs = params.n * len(prompts)
+        with self._admitted(m, seqs):
+            # Off the event loop: a 1 MiB prompt takes a while to tokenize, and everyone else must still be served.
+            prompts = await m.off_loop(seqs, lambda: [m.tokenized(p, params) for p in prompts])
+            return await self._generate(m, request, body, prompts, params, chat=False)
+
+    async def chat_completions(self, request):
+        body = await self._body(request)
+        m = self._model(body)
+        if m.tokenizer is None:
+            raise ApiError(400, "this model has no tokenizer: use /v1/completions with token ids")
+        messages, params = parse_chat(body)
+        with self._admitted(m, params.n):
+            # Off the event loop too: the template renders the conversation, then it is refused by its length or
+            # tokenized.
+            prompt = await m.off_loop(params.n, lambda: m.tokenized(
+                render_chat(messages, m.tokenizer), params, add_special_tokens=False))
+            return await self._generate(m, request, body, [prompt], params, chat=True)
+
+    async def _body(self, request) -> dict:
+        try:
+            # A body trickled in (or never sent) would hold its connection and handler forever.
+            async with asyncio.timeout(self.body_timeout_s):
+                body = await request.json()
+        except TimeoutError:
+            raise ApiError(408, f"the request body did not arrive within {self.body_timeout_s:g} s",
+                           code="request_timeout", type="invalid_request_error") from None
+        except (ValueError, LookupError, RecursionError) as e:  # bad JSON, bad UTF-8, bad charset, too deep
+            raise ApiError(400, f"the request body is not valid JSON: {type(e).__name__}: {e}") from None
+        if not isinstance(body, dict):
+            raise ApiError(400, "the request body must be a JSON object")
+        return body
+
+    def _model(self, body: dict) -> ServedModel:
+        """The engine the request's `model` names (none: the default one)."""
+        name = body.get("model")
+        if name is None:
+            return self.default
+        if not isinstance(name, str):
+            raise ApiError(400, f"model must be a string, got {type(name).__name__}", "model")
+        m = self.models.get(name)
+        if m is None:  # OpenAI's answer: 404, invalid_request_error, code model_not_found
+            served = ", ".join(f"`{n}`" for n in self.models)
+            raise ApiError(404, f"The model `{name}` does not exist; this server serves {served}", "model",
+                           "model_not_found")
+        return m
+
+    @contextlib.contextmanager
+    def _admitted(self, m: ServedModel, seqs: int):
+        """Holds `seqs` of the model's capacity for the block, or refuses the request (503 while draining): checked
+        before anything costly."""
+        if self.draining:
+            raise ApiError(503, "the server is shutting down")
+        with m.admitted(seqs):
+            yield
+
+    async def _generate(self, m: ServedModel, request, body, prompts: list, params, chat: bool):
+        """prompts: tokenized, one engine request each (a completions batch); choice k * n + i is prompt k's i-th
+        sample. Runs within _admitted."""
+        stream = body.get("stream") is True
+        include_usage = wants_usage_in_stream(body)
+        run = CompletionResponse(m, body, params, chat, len(prompts), self.stream_write_timeout_s)
+        admitted = []
+        try:
+            streams = []
+            for k, prompt in enumerate(prompts):
+                try:
+                    streams.append(await m.engine.add_request(prompt, params, f"{run.id}-{k}"))
+                    admitted.append(f"{run.id}-{k}")
+                except (ValueError, TypeError) as e:  # bad token ids, a request the cache can never hold, ...
+                    raise ApiError(400, str(e)) from None
+                except EngineDeadError as e:
+                    raise ApiError(503, str(e)) from None
+            async with contextlib.aclosing(merged(streams)) as outputs:
+                return await (run.stream(request, outputs, include_usage) if stream else run.whole(outputs))
+        finally:
+            # However it ended (a client gone, a cancelled handler, an error): a no-op for a finished request.
+            for request_id in admitted:
+                m.engine.abort(request_id)
+            if admitted:
+                for reason in run.finish:
+                    if reason is None:
+                        m.metrics.finished("abort")
+
+
+async def serve(server: Server, host: str, port: int, grace_period_s: float = 30.0,
+                ready: asyncio.Event | None = None) -> None:
+    """Serves until SIGTERM/SIGINT; then stops accepting, gives running requests grace_period_s to finish
+    (cancelling the rest aborts them), and shuts the engine down."""
+    runner = web.AppRunner(server.app(), handler_cancellation=True, shutdown_timeout=5.0)
+    await runner.setup()
+    await web.TCPSite(runner, host, port).start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    logger.warning("serving %s on http://%s:%d", ", ".join(server.models), host, port)
+    if ready is not None:
+        ready.set()
+    await stop.wait()
+    logger.warning("shutting down: finishing %d running sequences (at most %.0f s)", server.in_flight,
+                   grace_period_s)
+    server.draining = True
+    for site in list(runner.sites):
+        await site.stop()  # no new connections
+    deadline = time.monotonic() + grace_period_s
+    while server.in_flight and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    # What still runs ends now: its streams get an error event and [DONE], its pages go back. Every engine at once.
+    await asyncio.gather(*(loop.run_in_executor(None, engine.shutdown, 30.0) for engine in server.engines()))
+    for m in server.models.values():
+        m.tokenizing.shutdown(wait=False, cancel_futures=True)
+    await runner.cleanup()

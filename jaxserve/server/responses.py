@@ -1,0 +1,204 @@
+"""A request's engine outputs turned into its HTTP response: whole (one JSON body) or streamed (server-sent events),
+per choice its text, tokens, logprobs and timing, and the model's latency metrics as they come."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import socket
+import struct
+import time
+
+from aiohttp import web
+
+from jaxserve.async_engine import EngineDeadError
+from jaxserve.openai_api import ApiError, chat_logprobs, completion_body, completion_logprobs, new_id, usage
+from jaxserve.server.served_model import ServedModel
+
+logger = logging.getLogger("jaxserve")
+
+
+async def merged(streams):
+    """(k, output) from several requests' output iterators as they come; each is closed (= aborted if unfinished)
+    when this is."""
+    async with contextlib.AsyncExitStack() as stack:
+        for s in streams:
+            await stack.enter_async_context(contextlib.aclosing(s))
+        if len(streams) == 1:
+            async for out in streams[0]:
+                yield 0, out
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(k, s):
+            try:
+                async for out in s:
+                    queue.put_nowait((k, out))
+                queue.put_nowait((k, None))
+            except Exception as e:  # noqa: BLE001 - re-raised by the reader
+                queue.put_nowait((k, e))
+
+        tasks = [asyncio.create_task(pump(k, s)) for k, s in enumerate(streams)]
+        try:
+            left = len(streams)
+            while left:
+                k, item = await queue.get()
+                if item is None:
+                    left -= 1
+                elif isinstance(item, Exception):
+                    raise item
+                else:
+                    yield k, item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class CompletionResponse:
+    """One request's outputs as they come: per choice its text, tokens and timing, and the bodies built from them."""
+
+    def __init__(self, model: ServedModel, body: dict, params, chat: bool, num_prompts: int = 1,
+                 stream_write_timeout_s: float = 30.0):
+        self.model, self.params, self.chat = model, params, chat
+        self.stream_write_timeout_s = stream_write_timeout_s
+        self.id = new_id("chatcmpl" if chat else "cmpl")
+        self.arrival = time.monotonic()
+        self.first_token_seen = False
+        self.top = body.get("top_logprobs") or 0
+        self.prompt_tokens = [0] * num_prompts
+        choices = params.n * num_prompts
+        self.text = [""] * choices
+        self.text_offset = [0] * choices  # completions logprobs: where the next token's text starts
+        self.tokens = [0] * choices
+        self.last_token_at = [None] * choices
+        self.finish = [None] * choices
+        self.logprobs = [[] for _ in range(choices)]
+
+    def _token_text(self, token_id: int) -> str:
+        tok = self.model.tokenizer
+        return tok.decode([token_id], skip_special_tokens=False) if tok is not None else str(token_id)
+
+    def _logprobs(self, out, offset: int):
+        if self.chat:
+            tok = self.model.tokenizer
+            return chat_logprobs(out, self._token_text, self.top, tok.token_bytes if tok is not None else None)
+        return completion_logprobs(out, self._token_text, offset)
+
+    async def _each(self, outputs):
+        """Yields (choice index, CompletionOutput delta) for each new piece, after recording it (metrics too)."""
+        metrics = self.model.metrics
+        try:
+            async for k, out in outputs:
+                now = time.monotonic()
+                self.prompt_tokens[k] = len(out.prompt_token_ids)
+                if not self.first_token_seen and any(c.token_ids for c in out.outputs):
+                    # When it happens (as vLLM), so a request aborted later still counts; from the server's receipt.
+                    self.first_token_seen = True
+                    metrics.ttft.observe(now - self.arrival)
+                for c in out.outputs:
+                    i = k * self.params.n + c.index
+                    if c.token_ids and self.last_token_at[i] is not None:
+                        metrics.itl.observe(now - self.last_token_at[i])
+                    if c.token_ids:
+                        self.last_token_at[i] = now
+                    self.tokens[i] += len(c.token_ids)
+                    if c.finish_reason is not None:
+                        self.finish[i] = c.finish_reason
+                        metrics.finished(c.finish_reason)
+                    yield i, c
+                if out.finished and out.metrics is not None:
+                    metrics.observe_request(out.metrics)
+        except EngineDeadError as e:
+            raise ApiError(503, str(e)) from None
+        except ApiError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a failed engine step fails this request only
+            raise ApiError(500, f"generation failed: {type(e).__name__}: {e}") from None
+
+    def _usage(self) -> dict:
+        return usage(sum(self.prompt_tokens), sum(self.tokens))
+
+    def _choice(self, i: int, c) -> dict:
+        """The chunk (stream) entry of choice i for the delta c."""
+        lp = self._logprobs(c, self.text_offset[i])
+        self.text[i] += c.text
+        if lp is not None and not self.chat:  # each token's own text, sent or still held back from the stream
+            self.text_offset[i] += sum(map(len, lp["tokens"]))
+        if self.chat:
+            return {"index": i, "delta": {"content": c.text} if c.text else {}, "logprobs": lp,
+                    "finish_reason": c.finish_reason}
+        return {"index": i, "text": c.text, "logprobs": lp, "finish_reason": c.finish_reason}
+
+    async def whole(self, outputs) -> web.Response:
+        async for i, c in self._each(outputs):
+            lp = self._choice(i, c)["logprobs"]
+            if lp is not None:
+                self.logprobs[i].append(lp)
+        choices = []
+        for i in range(len(self.text)):
+            lp = merge_logprobs(self.logprobs[i]) if self.params.logprobs is not None else None
+            if self.chat:
+                choices.append({"index": i, "message": {"role": "assistant", "content": self.text[i]},
+                                "logprobs": lp, "finish_reason": self.finish[i]})
+            else:
+                choices.append({"index": i, "text": self.text[i], "logprobs": lp, "finish_reason": self.finish[i]})
+        return web.json_response(completion_body(self.id, self.model.name, choices, self._usage(),
+                                                 self.chat, chunk=False))
+
+    async def stream(self, request, outputs, include_usage: bool) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        name = self.model.name
+
+        async def write(data: bytes, eof: bool = False) -> None:
+            try:
+                async with asyncio.timeout(self.stream_write_timeout_s):
+                    await (resp.write_eof(data) if eof else resp.write(data))
+            except TimeoutError:
+                # A client that stopped reading (its window is zero) would hold its capacity forever: it is dropped
+                # with a reset, which also frees what the kernel still queues for it.
+                transport = request.transport
+                if transport is not None:
+                    sock = transport.get_extra_info("socket")
+                    if sock is not None:
+                        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                    transport.abort()
+                raise ConnectionResetError("the client stopped reading its stream") from None
+
+        async def send(body) -> None:
+            await write(b"data: " + json.dumps(body).encode() + b"\n\n")
+
+        try:
+            try:
+                if self.chat:  # the role first, as OpenAI sends it
+                    role = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                             "finish_reason": None} for i in range(len(self.text))]
+                    await send(completion_body(self.id, name, role, None, True, chunk=True))
+                async for i, c in self._each(outputs):
+                    await send(completion_body(self.id, name, [self._choice(i, c)], None, self.chat, chunk=True))
+                if include_usage:
+                    await send(completion_body(self.id, name, [], self._usage(), self.chat, chunk=True))
+            except ConnectionError:
+                raise  # below: nothing to tell a client that is gone
+            except Exception as e:  # noqa: BLE001 - the status line is gone: the error goes in the stream, as vLLM's
+                if not isinstance(e, ApiError):
+                    logger.exception("streaming %s failed", self.id)
+                    e = ApiError(500, f"internal server error: {type(e).__name__}")
+                await send(e.body())
+            await write(b"data: [DONE]\n\n", eof=True)
+        except ConnectionError:  # the client is gone: nothing to tell it (the caller aborts the request)
+            pass
+        return resp
+
+
+def merge_logprobs(parts: list[dict]) -> dict | None:
+    """Per-delta logprobs objects -> one (lists concatenated)."""
+    if not parts:
+        return None
+    merged = {k: [] for k in parts[0]}
+    for part in parts:
+        for k, v in part.items():
+            merged[k] += v
+    return merged

@@ -1,0 +1,81 @@
+"""One served model: its engine, its admission capacity, its tokenizing threads and its metrics, and the per-model
+half of handling a request (admission, tokenizing off the event loop, the context-length checks)."""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+
+from jaxserve.async_engine import AsyncEngine
+from jaxserve.metrics import ModelMetrics
+from jaxserve.openai_api import ApiError, context_length_error
+
+
+class ServedModel:
+    """One served engine and what the server keeps for it: its name, capacity, admitted sequences and metrics."""
+
+    def __init__(self, name: str, engine: AsyncEngine, metrics: ModelMetrics, max_queued_requests: int,
+                 max_request_sequences: int | None, tokenizer_threads: int):
+        self.name, self.engine, self.metrics = name, engine, metrics
+        self.tokenizer = engine.llm.tokenizer
+        # Sequences (n per request) admitted and not finished: bounded, so a burst gets 429s, not an endless queue.
+        max_num_seqs = engine.llm.engine_config.max_num_seqs
+        self.capacity = max_num_seqs + max_queued_requests
+        # Per request, so one request cannot take the whole capacity and leave every other client a 429.
+        self.max_request_sequences = min(max_num_seqs if max_request_sequences is None else max_request_sequences,
+                                         self.capacity)
+        self.in_flight = 0
+        # Its own threads, so that another model's long prompts cannot keep this one's requests from being tokenized.
+        self.tokenizing = concurrent.futures.ThreadPoolExecutor(tokenizer_threads, f"tokenize-{name}")
+
+    @contextlib.contextmanager
+    def admitted(self, seqs: int):
+        """Holds `seqs` of the model's capacity for the block, or refuses the request: checked before anything
+        costly."""
+        if seqs > self.max_request_sequences:
+            raise ApiError(400, f"{seqs} sequences (n x prompts) are more than one request may ask for on this "
+                                f"server ({self.max_request_sequences})", "n")
+        if self.in_flight + seqs > self.capacity:
+            raise ApiError(429, "too many requests are queued; retry later", code="rate_limit_exceeded")
+        self.in_flight += seqs
+        try:
+            yield
+        finally:
+            self.in_flight -= seqs
+
+    def tokenized(self, prompt, params, add_special_tokens: bool = True) -> dict:
+        """{"prompt_token_ids", "prompt"}, refused when prompt + max_tokens cannot fit max_model_len (as vLLM)."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ApiError(400, "this model has no tokenizer: send the prompt as an array of token ids", "prompt")
+            self.fits_by_length(prompt, params)
+            try:
+                ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+            except ValueError as e:  # text no tokenizer takes (a lone surrogate from a chat template's other fields)
+                raise ApiError(400, str(e)) from None
+            prompt = {"prompt_token_ids": ids, "prompt": prompt}
+        n, limit = len(prompt["prompt_token_ids"]), self.engine.llm.max_model_len
+        if n + (params.max_tokens or 1) > limit:
+            raise context_length_error(limit, n, params.max_tokens)
+        return prompt
+
+    def fits_by_length(self, text: str, params) -> None:
+        """Refuses a text certainly too long from its length alone: tokenizing 1 MB takes over a second."""
+        min_tokens = getattr(self.tokenizer, "min_tokens", None)  # a stand-in tokenizer (tests) may state no bound
+        if min_tokens is None:
+            return
+        floor, limit = min_tokens(text), self.engine.llm.max_model_len
+        if floor + (params.max_tokens or 1) > limit:
+            raise context_length_error(limit, floor, params.max_tokens, at_least=True)
+
+    async def off_loop(self, seqs: int, fn, *args):
+        """fn(*args) on one of the model's tokenizing threads, for work too heavy for the event loop. Runs
+        within `admitted`: if the client leaves meanwhile, its `seqs` of capacity stay taken until the thread is done,
+        so clients that send long prompts and leave cannot pile work up beyond the capacity."""
+        future = asyncio.get_running_loop().run_in_executor(self.tokenizing, fn, *args)
+        try:
+            return await asyncio.shield(future)
+        except asyncio.CancelledError:
+            self.in_flight += seqs  # `admitted` gives it back as the handler unwinds; the thread still works
+            future.add_done_callback(lambda _: setattr(self, "in_flight", self.in_flight - seqs))
+            raise
