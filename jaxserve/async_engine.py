@@ -6,6 +6,7 @@ aborts from a queue between steps and handing each step's new tokens to the requ
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import queue
 import threading
@@ -13,7 +14,8 @@ import uuid
 from typing import AsyncIterator
 
 from jaxserve.batching.engine_core import MAX_FAILED_STEPS, EngineDeadError, EngineStats, StepError
-from jaxserve.engine import LLM, request_metrics
+from jaxserve.batching.output_processor import SequenceDelta, request_metrics
+from jaxserve.engine import LLM, Request
 from jaxserve.engine_config import EngineConfig
 from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.sampling_params import SamplingParams
@@ -23,14 +25,28 @@ logger = logging.getLogger("jaxserve")
 __all__ = ["AsyncEngine", "EngineDeadError", "MAX_FAILED_STEPS"]
 
 
+# What the event loop tells the engine thread, between steps.
+@dataclasses.dataclass
+class _Add:
+    request: Request
+
+
+@dataclasses.dataclass
+class _Abort:
+    request_id: str
+
+
+@dataclasses.dataclass
+class _Stop:
+    pass
+
+
 class _Stream:
-    def __init__(self, loop: asyncio.AbstractEventLoop, prompt: str | None, seqs):
+    def __init__(self, loop: asyncio.AbstractEventLoop, request: Request):
         self.loop = loop
         self.queue: asyncio.Queue = asyncio.Queue()
-        self.prompt, self.prompt_token_ids = prompt, seqs[0].prompt_token_ids
-        self.seqs = seqs
-        self.unfinished = len(seqs)
-        self.sent = [0] * len(seqs)  # tokens of each sequence already put out (a step may add several)
+        self.request = request
+        self.unfinished = len(request.seqs)
 
     def put(self, item) -> None:
         try:
@@ -72,13 +88,13 @@ class AsyncEngine:
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already running")
         params = sampling_params or SamplingParams()
-        request_id, text, seqs = self.llm.make_request(prompt, params, priority, request_id)
-        stream = _Stream(asyncio.get_running_loop(), text, seqs)
+        request = self.llm.make_request(prompt, params, priority, request_id)
+        stream = _Stream(asyncio.get_running_loop(), request)
         self._streams[request_id] = stream
         if self._stopping:  # shut down while this request was being checked
             self._streams.pop(request_id, None)
             raise EngineDeadError("the engine is shut down")
-        self._commands.put(("add", seqs))
+        self._commands.put(_Add(request))
         return self._iterate(request_id, stream)
 
     async def _iterate(self, request_id: str, stream: _Stream) -> AsyncIterator[RequestOutput]:
@@ -96,7 +112,7 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         """Stops a request and frees its pages before the next step (no-op if it already finished)."""
-        self._commands.put(("abort", request_id))
+        self._commands.put(_Abort(request_id))
 
     def alive(self) -> bool:
         return self._thread.is_alive() and not self._stopping
@@ -108,7 +124,7 @@ class AsyncEngine:
     def shutdown(self, timeout: float | None = None) -> None:
         """Aborts whatever runs and stops the engine thread."""
         self._stopping = True
-        self._commands.put(("stop", None))
+        self._commands.put(_Stop())
         self._thread.join(timeout)
 
     # ---- the engine thread ----
@@ -143,12 +159,12 @@ class AsyncEngine:
         block = not llm.has_unfinished_requests()  # wait for a command only when there is nothing to step
         try:
             while True:
-                command, arg = self._commands.get(block=block)
+                command = self._commands.get(block=block)
                 block = False
-                if command == "stop":
+                if isinstance(command, _Stop):
                     self._fail_all(EngineDeadError("the engine shut down"))
                     return True
-                self._apply(command, arg)
+                self._apply(command)
         except queue.Empty:
             pass
         if llm.has_unfinished_requests():
@@ -156,46 +172,39 @@ class AsyncEngine:
         self._stats = llm.stats()
         return False
 
-    def _apply(self, command: str, arg) -> None:
-        if command == "add":
-            request_id = arg[0].request_id
+    def _apply(self, command: _Add | _Abort) -> None:
+        if isinstance(command, _Add):
+            request_id = command.request.request_id
             if request_id not in self._streams:
                 return  # failed or aborted before it was ever added
             try:
-                self.llm.submit(arg)
+                self.llm.submit(command.request)
             except Exception as e:  # noqa: BLE001 - nowhere to run it (every replica stopped): this request fails
                 self.llm.abort_request(request_id)  # any of its sequences already queued
                 stream = self._streams.pop(request_id, None)
                 if stream is not None:
                     stream.put(e)
-        elif command == "abort":
-            self.llm.abort_request(arg)
-            stream = self._streams.pop(arg, None)
+        else:
+            self.llm.abort_request(command.request_id)
+            stream = self._streams.pop(command.request_id, None)
             if stream is not None:
-                stream.put(RequestOutput(arg, stream.prompt, stream.prompt_token_ids, [], True))
+                r = stream.request
+                stream.put(RequestOutput(r.request_id, r.prompt, r.prompt_token_ids, [], True))
 
-    def _publish(self, changed) -> None:
+    def _publish(self, deltas: list[SequenceDelta]) -> None:
         by_request: dict[str, list[CompletionOutput]] = {}
-        for seq, delta in changed:
-            stream = self._streams.get(seq.request_id)
-            if stream is None:
-                continue  # aborted since
-            sent, stream.sent[seq.index] = stream.sent[seq.index], len(seq.output_token_ids)
-            new = CompletionOutput(seq.index, delta, seq.output_token_ids[sent:],
-                                   seq.cumulative_logprob if seq.logprobs is not None else None,
-                                   seq.logprobs[sent:] if seq.logprobs is not None else None,
-                                   seq.finish_reason, seq.stop_reason)
-            by_request.setdefault(seq.request_id, []).append(new)
+        for d in deltas:
+            if d.seq.request_id in self._streams:  # else aborted since
+                by_request.setdefault(d.seq.request_id, []).append(d.output)
         for request_id, outputs in by_request.items():
-            stream = self._streams.get(request_id)
-            if stream is None:
-                continue  # aborted since
+            stream = self._streams[request_id]
             stream.unfinished -= sum(o.finish_reason is not None for o in outputs)
             done = stream.unfinished == 0
             if done:
                 del self._streams[request_id]
-            metrics = request_metrics(stream.seqs) if done else None
-            stream.put(RequestOutput(request_id, stream.prompt, stream.prompt_token_ids, outputs, done, metrics))
+            r = stream.request
+            metrics = request_metrics(r.seqs) if done else None
+            stream.put(RequestOutput(request_id, r.prompt, r.prompt_token_ids, outputs, done, metrics))
 
     def _fail_all(self, error: BaseException) -> None:
         # pop(.., None): a request being added on the event loop may take itself out at the same time.

@@ -48,11 +48,11 @@ import numpy as np
 
 from jaxserve.batch import RaggedRows, SamplingInput, StepInput
 from jaxserve.cache import SCRATCH_PAGE
+from jaxserve.options import AUTO_CLUSTER
 from jaxserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 
 logger = logging.getLogger("jaxserve")
 
-AUTO_CLUSTER = "auto"  # coordinator_address for JAX's own cluster detection (TPU pod slices, SLURM)
 HEARTBEAT_TIMEOUT_S = 10  # a dead or hung process is noticed in about this long (measured ~9 s)
 SHUTDOWN_TIMEOUT_S = 15
 POLL_MS = 1000  # a follower's wait per read: an idle leader is not an error, only a silent death would be
@@ -139,17 +139,8 @@ def is_leader() -> bool:
 
 # ---- the leader's messages ----
 
-class _Message:
-    # LEGACY, until engine.py stops unpacking `kind, *rest = channel.receive()`: a message iterates as the tagged
-    # tuple it replaced, ("step", runner_index, batch) and so on. Delete with `_from_tuple`.
-    kind: ClassVar[str]  # its tag on the wire
-
-    def __iter__(self):
-        return iter((self.kind, *(getattr(self, f.name) for f in dataclasses.fields(self))))
-
-
 @dataclasses.dataclass(frozen=True, eq=False)  # eq: a batch's arrays have no truth value
-class StepMessage(_Message):
+class StepMessage:
     """Run this device step: the batch the leader's runner number `runner_index` (in the order every process builds
     its runners) runs next."""
     runner_index: int
@@ -158,7 +149,7 @@ class StepMessage(_Message):
 
 
 @dataclasses.dataclass(frozen=True)
-class EndMessage(_Message):
+class EndMessage:
     """A collective phase is over and returned `result`: a list of RequestOutputs (generate), of text pieces
     (stream), or JSON-able plain data (warm-up's None, a benchmark's figures)."""
     result: Any
@@ -166,7 +157,7 @@ class EndMessage(_Message):
 
 
 @dataclasses.dataclass(frozen=True)
-class ErrorMessage(_Message):
+class ErrorMessage:
     """A collective phase failed on the leader with `error`; followers raise it (a type they do not know as a
     RuntimeError naming it)."""
     error: BaseException
@@ -174,29 +165,20 @@ class ErrorMessage(_Message):
 
 
 @dataclasses.dataclass(frozen=True)
-class AbortMessage(_Message):
+class AbortMessage:
     """The processes can no longer stay in step (the leader failed a step it had published): every one ends."""
     reason: str
     kind: ClassVar[str] = "abort"
 
 
 @dataclasses.dataclass(frozen=True)
-class ShutdownMessage(_Message):
+class ShutdownMessage:
     """No more steps: a follower following until shutdown returns."""
     kind: ClassVar[str] = "shutdown"
 
 
 Message = Union[StepMessage, EndMessage, ErrorMessage, AbortMessage, ShutdownMessage]
 _KINDS = {cls.kind: cls for cls in (StepMessage, EndMessage, ErrorMessage, AbortMessage, ShutdownMessage)}
-
-
-def _from_tuple(message: tuple) -> Message:
-    """LEGACY: a tagged tuple, ("step", runner_index, batch) and so on, as its message. Delete once nothing sends
-    tuples (engine.py, batching/model_runner.py, scripts/step_message_size.py)."""
-    kind, *fields = message
-    if kind not in _KINDS:
-        raise ValueError(f"unknown message kind {kind!r}")
-    return _KINDS[kind](*fields)
 
 
 class MessageRefused(RuntimeError):
@@ -229,8 +211,6 @@ def _build(arrays: dict, cls=StepInput, prefix: str = ""):
 def encode(message: Message, seq: int, secret: bytes) -> bytes:
     """One message as bytes, authenticated as the channel's message number seq. A result followers cannot receive
     (not plain data) is a TypeError, raised before anything is sent."""
-    if isinstance(message, tuple):  # LEGACY: a tagged tuple
-        message = _from_tuple(message)
     if not isinstance(message, tuple(_KINDS.values())):
         raise TypeError(f"not a message: {type(message).__name__}")
     header, buffers = {"kind": message.kind}, []

@@ -41,7 +41,7 @@ def bench_jaxserve(batch_sizes, fmt="float32", prompt_len=512, decode_steps=32, 
     def prefill_time():
         row = Row(prompt, 0, list(range(1, 1 + prompt_len // runner.page_size)))
         t = time.perf_counter()
-        runner.fetch(runner.dispatch_rows([row]))
+        runner.fetch(runner.dispatch([row]))
         return time.perf_counter() - t
 
     prefill_time()  # compile

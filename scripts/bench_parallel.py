@@ -81,7 +81,7 @@ def worker(args):
     runs, channel = [], llm.channel
     for _ in range(3):
         sent, seconds, count = channel.bytes_sent, channel.seconds_sending, channel._count
-        run = llm._collectively(lambda: timed_run(llm, args.batch))
+        run = llm.processes.run(lambda: timed_run(llm, args.batch))
         run.update(publish_ms_per_message=1e3 * (channel.seconds_sending - seconds) / max(1, channel._count - count),
                    publish_kb_per_message=(channel.bytes_sent - sent) / 1e3 / max(1, channel._count - count))
         runs.append(run)

@@ -127,7 +127,7 @@ def host_loop(batch: int, steps: int = 20) -> dict:
     prompt = np.random.default_rng(0).integers(100, llm.config.vocab_size, 64).tolist()
     params = SamplingParams(temperature=0.8, top_p=0.95, seed=0, max_tokens=10 * steps, ignore_eos=True)
     for i in range(batch):
-        detok = llm._sequences({"prompt_token_ids": prompt}, params)[2][0].detokenizer
+        detok = llm._request({"prompt_token_ids": prompt}, params).seqs[0].output.detokenizer
         core.add(Sequence(f"h{i}", 0, prompt, params, i, llm.max_model_len, [], detok))
     for _ in range(steps):  # prefill, compile the decode bucket
         core.step()

@@ -12,7 +12,7 @@ import pickle
 from jaxserve.batching.batch_builder import Row, RowSampling, build_batch
 from jaxserve.buckets import Buckets, round_up
 from jaxserve.cache import pages_needed
-from jaxserve.multihost import encode
+from jaxserve.multihost import StepMessage, encode
 
 # (what, max_num_seqs, max_num_batched_tokens, block_size, max_model_len, context)
 CASES = [("defaults, 1,000-token contexts", 64, 512, 16, 8192, 1000),
@@ -29,7 +29,7 @@ def message_bytes(max_num_seqs, max_num_batched_tokens, block_size, max_model_le
     tokens = round_up(len(rows), buckets.num_tokens)
     batch = build_batch(rows, block_size, 49152, tokens, buckets.num_rows(tokens), buckets.pages_per_row)
     full = len(pickle.dumps(("step", 0, batch)))
-    return full, len(encode(("step", 0, batch), 0, b"s" * 32)), buckets.pages_per_row
+    return full, len(encode(StepMessage(0, batch), 0, b"s" * 32)), buckets.pages_per_row
 
 
 def main():

@@ -35,8 +35,8 @@ def serve(llm: LLM, reqs) -> list[tuple[float, float, float]]:
         now = time.monotonic() - t0
         while nxt < len(reqs) and reqs[nxt].arrival <= now:
             r = reqs[nxt]
-            _, _, (seq,) = llm._sequences({"prompt_token_ids": r.prompt_token_ids},
-                                          SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True))
+            (seq,) = llm._request({"prompt_token_ids": r.prompt_token_ids},
+                                  SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True)).seqs
             seq.arrival_time = t0 + r.arrival
             core.add(seq)
             seqs.append(seq)

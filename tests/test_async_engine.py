@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from jaxserve import AsyncEngine, SamplingParams
-from tiny import first_decode_fails, make_llm, prompts
+from fake_runner import fake_llm, has_decode_row
+from tiny import make_llm, prompts
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
@@ -111,69 +112,61 @@ def test_bad_requests_raise_before_queueing(engine):
     assert len(asyncio.run(main())[0][0]) == 12
 
 
-def test_a_failed_step_fails_its_requests_and_the_engine_goes_on(engine):
-    async def main():
-        with first_decode_fails(engine.llm.runner):
-            with pytest.raises(RuntimeError, match="device lost"):
-                await collect(await engine.add_request({"prompt_token_ids": [5, 6, 7]}, GREEDY))
-        return await collect(await engine.add_request({"prompt_token_ids": [5, 6, 7]}, GREEDY))
-
-    assert len(asyncio.run(main())[0][0]) == 12
-    wait_idle(engine)
-    engine.llm.core.assert_idle_and_clean()
-
-
-def test_a_failed_step_spares_the_requests_still_waiting(tiny_dir):
-    """One sequence runs at a time: the running request fails with its step, the waiting one was in no step and
-    completes."""
-    engine = AsyncEngine(make_llm(tiny_dir, max_num_seqs=1, max_num_batched_tokens=16))
+def test_a_failed_step_fails_its_requests_and_the_engine_goes_on():
+    llm = fake_llm()
+    llm.runner.fail("dispatch", has_decode_row)
+    engine = AsyncEngine(llm)
     try:
         async def main():
-            with first_decode_fails(engine.llm.runner):
-                first = await engine.add_request({"prompt_token_ids": [5, 6, 7]}, GREEDY)
-                second = await engine.add_request({"prompt_token_ids": [8, 9]}, GREEDY)
-                return await asyncio.gather(collect(first), collect(second), return_exceptions=True)
+            with pytest.raises(RuntimeError, match="device lost"):
+                await collect(await engine.add_request({"prompt_token_ids": [5, 6, 7]}, GREEDY))
+            return await collect(await engine.add_request({"prompt_token_ids": [5, 6, 7]}, GREEDY))
 
-        first, second = asyncio.run(main())
-        assert isinstance(first, RuntimeError) and "device lost" in str(first)
-        assert len(second[0][0]) == 12 and second[2]
+        assert asyncio.run(main())[0][0] == list(range(8, 20))
         wait_idle(engine)
         engine.llm.core.assert_idle_and_clean()
     finally:
         engine.shutdown()
 
 
-def test_a_failed_step_ends_every_request_it_held(tiny_dir):
+def test_a_failed_step_spares_the_requests_still_waiting():
+    """One sequence runs at a time: the running request fails with its step, the waiting one was in no step and
+    completes."""
+    llm = fake_llm(max_num_seqs=1)
+    llm.runner.fail("dispatch", has_decode_row)
+    engine = AsyncEngine(llm)
+    try:
+        async def main():
+            first = await engine.add_request({"prompt_token_ids": [5, 6, 7]}, GREEDY)
+            second = await engine.add_request({"prompt_token_ids": [8, 9]}, GREEDY)
+            return await asyncio.gather(collect(first), collect(second), return_exceptions=True)
+
+        first, second = asyncio.run(main())
+        assert isinstance(first, RuntimeError) and "device lost" in str(first)
+        assert second[0][0] == list(range(10, 22)) and second[2]
+        wait_idle(engine)
+        engine.llm.core.assert_idle_and_clean()
+    finally:
+        engine.shutdown()
+
+
+def test_a_failed_step_ends_every_request_it_held():
     """A sequence preempted while its token was in flight, then that step fails: its request ends with the error
     (it used to wait forever for a token that never lands, the engine thread spinning), the rest complete."""
-    from tiny import TINY_PAGE_BYTES
-    llm = make_llm(tiny_dir, max_num_seqs=4, max_num_batched_tokens=16, kv_cache_memory_bytes=13 * TINY_PAGE_BYTES,
-                   max_model_len=48)
-    sched, runner = llm.scheduler, llm.runner
-    schedule, fetch, armed = sched.schedule, runner.fetch, []
-
-    def scheduling(*a):
-        plan = schedule(*a)
-        if not armed and any(s.pending for s in sched.waiting):  # preempted with a token in flight
-            armed.append(next(s.request_id for s in sched.waiting if s.pending))
-        return plan
-
-    def fetching(handles):
-        if len(armed) == 1:
-            armed.append("failed")
-            raise RuntimeError("device lost")
-        return fetch(handles)
-
-    sched.schedule, runner.fetch = scheduling, fetching
+    llm = fake_llm(max_num_seqs=4, max_num_batched_tokens=16, num_pages=13, max_model_len=48)
+    sched = llm.scheduler
+    # The first read-back while a preempted sequence waits with its token in flight fails.
+    fault = llm.runner.fail("fetch", lambda rows: any(s.pending for s in sched.waiting))
     engine = AsyncEngine(llm)
     try:
         async def main():
             sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-            streams = [await engine.add_request(p, sp) for p in prompts(np.random.default_rng(0), [9, 10, 11, 12])]
+            streams = [await engine.add_request(p, sp) for p in prompts(np.random.default_rng(0), [9, 10, 11, 12],
+                                                                          vocab_size=64)]
             return await asyncio.wait_for(asyncio.gather(*[collect(s) for s in streams], return_exceptions=True), 60)
 
         results = asyncio.run(main())
-        assert len(armed) == 2, "no sequence was preempted with a token in flight"
+        assert fault.times == 0, "no sequence was preempted with a token in flight"
         failed = [r for r in results if isinstance(r, BaseException)]
         assert failed and all("device lost" in str(r) for r in failed)
         assert all(len(r[0][0]) == 20 for r in results if not isinstance(r, BaseException))
@@ -185,16 +178,13 @@ def test_a_failed_step_ends_every_request_it_held(tiny_dir):
 
 
 @pytest.mark.parametrize("where", ["dispatch", "fetch"])
-def test_an_engine_that_keeps_failing_reports_dead(tiny_dir, where):
+def test_an_engine_that_keeps_failing_reports_dead(where):
     """Every step fails, when dispatched or (as device errors do) when its results are read: each request gets the
     error, and after a few failed steps in a row the engine stops and says so (alive() is False, new requests are
     refused) instead of failing forever."""
     from jaxserve.async_engine import MAX_FAILED_STEPS, EngineDeadError
-    llm = make_llm(tiny_dir)
-
-    def broken(*args):
-        raise RuntimeError("device lost")
-    setattr(llm.runner, where, broken)
+    llm = fake_llm()
+    llm.runner.fail(where, times=-1)
     engine = AsyncEngine(llm)
     try:
         async def main():

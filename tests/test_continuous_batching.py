@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 
 from jaxserve import SamplingParams
 from jaxserve.batching.slo import SloController
+from fake_runner import fake_llm
 from tiny import TINY_PAGE_BYTES, make_llm, prompts
 
 VOCAB = 320
@@ -97,8 +98,15 @@ def small_pool_llm(tiny_dir, other_tiny_dir, request):
 @given(data=st.data())
 def test_pages_are_accounted_for_after_aborts_and_preemptions(small_pool_llm, data):
     llm, core, sched = small_pool_llm, small_pool_llm.core, small_pool_llm.scheduler
-    # Each example starts from an empty prefix cache: hypothesis replays an example and needs it to draw the same
-    # (the step count, and so the draws, depend on what earlier examples left cached).
+    # Each example starts from an idle engine and an empty prefix cache: hypothesis replays an example and needs it
+    # to draw the same (the step count, and so the draws, depend on what earlier examples left behind). An example
+    # hypothesis cuts short (a draw past the choices it allows raises StopTest, a BaseException) leaves its
+    # sequences, and a step in flight, in this module's engine: they end first.
+    for s in sched.waiting + sched.running:
+        core.abort(s.request_id)
+    while core.has_unfinished():
+        core.step()
+    core.assert_idle_and_clean()
     llm.reset_prefix_cache()
     rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
     shared = rng.integers(0, 4, 12).tolist()  # few distinct tokens: prefixes collide often
@@ -108,10 +116,10 @@ def test_pages_are_accounted_for_after_aborts_and_preemptions(small_pool_llm, da
         prompt = (shared + rng.integers(0, VOCAB, n).tolist())[:max(n, 2)] if i % 2 else \
             rng.integers(0, VOCAB, n).tolist()
         sp = SamplingParams(temperature=0, max_tokens=int(rng.integers(1, 30)), ignore_eos=True)
-        request_id, _, seqs = llm._sequences({"prompt_token_ids": prompt}, sp)
-        for s in seqs:
+        request = llm._request({"prompt_token_ids": prompt}, sp)
+        for s in request.seqs:
             core.add(s)
-        ids.append(request_id)
+        ids.append(request.request_id)
     for _ in range(400):
         if not core.has_unfinished():
             break
@@ -137,12 +145,12 @@ def test_interactive_requests_run_before_batch_ones(tiny_dir):
         llm = make_llm(tiny_dir, max_num_seqs=1, scheduling_policy=policy)
         request_ids = []
         for p, priority in zip(ps, [1, 1, 1, 0]):  # the interactive request arrives last
-            rid, _, seqs = llm._sequences(p, sp, priority)
-            llm.core.add(seqs[0])
-            request_ids.append((rid, seqs[0]))
+            request = llm._request(p, sp, priority)
+            llm.core.add(request.seqs[0])
+            request_ids.append((request.request_id, request.seqs[0]))
         order = []
         while llm.core.has_unfinished():
-            order += [s.request_id for s, _ in llm.core.step() if s.finish_reason]
+            order += [d.seq.request_id for d in llm.core.step() if d.finished]
         assert (order[0] == request_ids[-1][0]) == interactive_first, (policy, order)
 
 
@@ -150,14 +158,13 @@ def test_a_batch_request_is_not_starved_by_interactive_ones(tiny_dir):
     rng = np.random.default_rng()
     llm = make_llm(tiny_dir, max_num_seqs=2, scheduling_policy="priority")
     core = llm.core
-    _, _, (batch,) = llm._sequences({"prompt_token_ids": rng.integers(0, VOCAB, 10).tolist()},
-                                    SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), priority=1)
+    (batch,) = llm._request({"prompt_token_ids": rng.integers(0, VOCAB, 10).tolist()},
+                            SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), priority=1).seqs
     core.add(batch)
     interactive = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
     for step in range(3000):
         while len(core.scheduler.waiting) < 3:  # a steady stream of better-priority requests
-            _, _, seqs = llm._sequences(prompts(rng, [5])[0], interactive, priority=0)
-            core.add(seqs[0])
+            core.add(llm._request(prompts(rng, [5])[0], interactive, priority=0).seqs[0])
         core.step()
         if batch.finished:
             break
@@ -193,39 +200,25 @@ def test_slo_policy_keeps_outputs_and_runs(tiny_dir, one_at_a_time):
     llm.core.assert_idle_and_clean()
 
 
-def test_next_step_is_dispatched_before_the_previous_is_read(tiny_dir):
-    llm = make_llm(tiny_dir)
-    events = []
-    runner = llm.runner
-    for name in ("dispatch", "fetch"):
-        def wrapped(*a, _f=getattr(runner, name), _n=name, **kw):
-            events.append("fetch" if _n == "fetch" else "dispatch")
-            return _f(*a, **kw)
-        setattr(runner, name, wrapped)
-    out = llm.generate(prompts(np.random.default_rng(), [5]), SamplingParams(max_tokens=30, ignore_eos=True),
+def test_next_step_is_dispatched_before_the_previous_is_read():
+    llm = fake_llm()
+    out = llm.generate({"prompt_token_ids": [3, 4, 5]}, SamplingParams(max_tokens=30, ignore_eos=True),
                        use_tqdm=False)
-    assert len(out[0].outputs[0].token_ids) == 30
+    assert out[0].outputs[0].token_ids == list(range(6, 36))
+    events = llm.runner.events
     fetches = [i for i, e in enumerate(events) if e == "fetch"]
     assert len(fetches) == 30  # one blocking copy per step
     waited = [i for i in fetches if events[i - 1] != "dispatch"]
     assert len(waited) == 1  # only the last step had no successor to overlap with
 
 
-def test_a_failed_step_leaves_the_engine_clean(tiny_dir):
-    llm = make_llm(tiny_dir)
-    ps = prompts(np.random.default_rng(), [9, 14])
+def test_a_failed_step_leaves_the_engine_clean():
+    llm = fake_llm()
+    ps = prompts(np.random.default_rng(), [9, 14], vocab_size=64)
     sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     want = token_ids(llm.generate(ps, sp, use_tqdm=False))
-    dispatch = llm.runner.dispatch
-    calls = []
-
-    def failing(plan):
-        calls.append(1)
-        if len(calls) == 3:
-            raise RuntimeError("device lost")
-        return dispatch(plan)
-
-    llm.runner.dispatch = failing
+    dispatched = len(llm.runner.steps)
+    llm.runner.fail("dispatch", lambda rows: len(llm.runner.steps) == dispatched + 2)  # the third step
     with pytest.raises(RuntimeError, match="device lost"):
         llm.generate(ps, sp, use_tqdm=False)
     llm.core.assert_idle_and_clean()
@@ -233,20 +226,15 @@ def test_a_failed_step_leaves_the_engine_clean(tiny_dir):
     assert token_ids(llm.generate(ps, sp, use_tqdm=False)) == want
 
 
-def test_pages_reach_the_prefix_cache_only_after_their_step_completed(tiny_dir):
+def test_pages_reach_the_prefix_cache_only_after_their_step_completed():
     """A step that fails on the device (its fetch raises) may not have written its pages: none of them may be
     served to a later request as a cached prefix."""
-    llm = make_llm(tiny_dir)
-    p = prompts(np.random.default_rng(), [13])  # three full pages of 4 tokens
+    llm = fake_llm()
+    p = prompts(np.random.default_rng(), [13], vocab_size=64)  # three full pages of 4 tokens
     sp = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
-    fetch = llm.runner.fetch
-
-    def failing(handle):
-        raise RuntimeError("device lost")
-    llm.runner.fetch = failing
+    llm.runner.fail("fetch")
     with pytest.raises(RuntimeError, match="device lost"):
         llm.generate(p, sp, use_tqdm=False)
-    llm.runner.fetch = fetch
     llm.core.assert_idle_and_clean()
     assert llm.scheduler.cache.num_cached == 0
     before = llm.stats().prefix_cache_hits
@@ -260,13 +248,13 @@ def test_prompt_chunks_are_cut_to_a_bucket_rather_than_padded_far():
     would pad a quarter or less, and a small step pads freely; decode tokens are never cut."""
     from types import SimpleNamespace
 
-    from jaxserve.batching.scheduler import Chunk, Scheduler, StepPlan
+    from jaxserve.batching.scheduler import Chunk, ScheduledBatch, Scheduler
     from jaxserve.cache import PageAllocator, PrefixCache
     scheduler = Scheduler(PrefixCache(PageAllocator(8), 4), 64, 512, (1, 4, 8, 16, 32, 64, 128, 256, 512))
     seq = SimpleNamespace(token_ids=[0] * 1000)
 
     def fit(decodes, chunk_lengths):
-        plan = StepPlan([seq] * decodes, [Chunk(seq, 0, n) for n in chunk_lengths])
+        plan = ScheduledBatch([seq] * decodes, [Chunk(seq, 0, n) for n in chunk_lengths])
         scheduler._fit_to_bucket(plan)
         return [c.length for c in plan.prefill]
 

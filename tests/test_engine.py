@@ -238,10 +238,11 @@ def test_request_api_step_by_step(tiny_dir):
     assert llm.engine_config.max_num_seqs == 4
     ps = prompts(np.random.default_rng(), [7, 12])
     want = [o.outputs[0].token_ids for o in llm.generate(ps, GREEDY, use_tqdm=False)]
-    kept, _, seqs = llm.make_request(ps[0], GREEDY, request_id="kept")
+    kept = llm.make_request(ps[0], GREEDY, request_id="kept")
+    seqs = kept.seqs
     assert not llm.has_unfinished_requests()  # made, not yet submitted
-    llm.submit(seqs)
-    dropped, _, _ = llm.add_request(ps[1], GREEDY)
+    llm.submit(kept)
+    dropped = llm.add_request(ps[1], GREEDY).request_id
     llm.step()
     llm.abort_request(dropped)
     while llm.has_unfinished_requests():

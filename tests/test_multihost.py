@@ -218,25 +218,6 @@ def assert_same_batch(got, want):
     assert all(np.array_equal(a, b) for a, b in zip(got, want))
 
 
-def test_tagged_tuples_still_work_until_the_engine_sends_messages(kv_client):
-    """LEGACY (delete with multihost._from_tuple and _Message.__iter__): a tagged tuple is sent as its message, and
-    a received message unpacks as the tuple it replaced."""
-    leader, follower, _ = leader_and_follower(kv_client)
-    rows = [Row([5, 6, 7], 8, [3, 4, 9], slot=1)]
-    batch = build_batch(rows, 4, 320, 16, 4, 24)
-    for message in (("step", 2, batch), ("end", ["a"]), ("error", KeyError("k")), ("abort", "why"), ("shutdown",)):
-        leader.send(message)
-    kind, index, got = follower.receive()
-    assert (kind, index) == ("step", 2)
-    assert_same_batch(got, batch)
-    assert list(follower.receive()) == ["end", ["a"]]
-    kind, error = follower.receive()
-    assert kind == "error" and type(error) is KeyError
-    assert list(follower.receive()) == ["abort", "why"] and tuple(follower.receive()) == ("shutdown",)
-    with pytest.raises(ValueError, match="unknown message kind"):
-        leader.send(("bogus",))
-
-
 def test_the_page_table_goes_only_as_wide_as_used(kv_client):
     """A step's page table is sent up to its last used column, so a message does not grow with max_model_len."""
     leader, _, _ = leader_and_follower(kv_client)

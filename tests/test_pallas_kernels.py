@@ -156,15 +156,15 @@ def test_start_up_check_accepts_good_kernels_and_reports_failures(monkeypatch):
 
 
 def test_auto_falls_back_to_the_reference_when_the_check_fails(monkeypatch, caplog):
-    from jaxserve import engine
+    from jaxserve import engine_factory
     from jaxserve.pallas_kernels import self_check
     from jaxserve.config import ModelConfig
     config = ModelConfig("LlamaForCausalLM", 320, 64, 128, 2, 4, 2, 16)
     monkeypatch.setattr(self_check, "check_kernels", lambda *a, **kw: "cannot lower")
-    assert engine._checked_backend("pallas-gpu", "auto", config, 16, jnp.bfloat16) == "reference"
+    assert engine_factory.checked_backend("pallas-gpu", "auto", config, 16, jnp.bfloat16) == "reference"
     assert "cannot lower" in caplog.text
     with pytest.raises(RuntimeError, match="cannot lower"):
-        engine._checked_backend("pallas-gpu", "pallas", config, 16, jnp.bfloat16)
+        engine_factory.checked_backend("pallas-gpu", "pallas", config, 16, jnp.bfloat16)
 
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(32, 8, 128), (9, 3, 64)])  # a serving size; SmolLM2

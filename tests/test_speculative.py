@@ -160,7 +160,7 @@ def test_bad_configurations_are_refused(tiny_dir):
 
 
 def test_a_draft_with_another_tokenizer_is_refused():
-    from jaxserve.engine import _check_same_tokenizer
+    from jaxserve.engine_factory import _check_same_tokenizer
 
     class Chars:
         def __init__(self, shift):

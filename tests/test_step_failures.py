@@ -3,59 +3,56 @@
 leaves the routing after its failure streak and shows in /health and /metrics while the others serve on."""
 import asyncio
 
-import jax
 import pytest
-from tiny import make_llm
+from fake_runner import fake_llm, has_decode_row
 
 from jaxserve import AsyncEngine, SamplingParams
 from jaxserve.batching.engine_core import MAX_FAILED_STEPS, EngineDeadError, StepError
+from jaxserve.batching.ngram_proposer import NgramProposer
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 SHORT = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-NGRAM = dict(method="ngram", num_speculative_tokens=2, adaptive=False)
-needs_devices = pytest.mark.skipif(len(jax.devices()) < 2, reason="needs XLA_FLAGS=--xla_force_host_platform_"
-                                   "device_count=2 or more")
 
 
-def first_step_reading_back_a_finish_fails(llm):
-    """Makes the first speculative round that reads back a finished sequence fail after that read-back."""
-    core = llm.core
-    update, failed = core._update, []
+class FailsOnce(NgramProposer):
+    """Its first proposing fails. With requests a (one token) and b (twelve) prefilled together, that is in the
+    round that first reads back: the round's read-back comes before its proposing, so a has just finished."""
 
-    def updating(plan, handle):
-        update(plan, handle)
-        if not failed and any(s.finish_reason is not None for s in plan.decode + [c.seq for c in plan.prefill]):
-            failed.append(1)
-            core.proposer.propose = _raise  # the round goes on to propose: that is where it fails
-    core._update = updating
-    return failed
+    def __init__(self):
+        super().__init__(2, 3, 1)
+        self.failed = False
 
-
-def _raise(*_):
-    raise RuntimeError("proposer lost")
+    def propose(self, batch):
+        if not self.failed:
+            self.failed = True
+            raise RuntimeError("proposer lost")
+        return super().propose(batch)
 
 
-def test_a_request_finished_in_a_failed_speculative_round_still_ends(tiny_dir):
+def speculating_llm():
+    proposer = FailsOnce()
+    return fake_llm(ngram=2, proposer=proposer), proposer
+
+
+def test_a_request_finished_in_a_failed_speculative_round_still_ends():
     """Request a finishes at its first token, read back at the start of a speculative round whose proposing then
     fails: a's result reaches it (it used to be dropped with the round: a's stream never ended, its capacity stayed
     taken), b, which was in the failed round, gets the error; nothing is held afterwards."""
-    llm = make_llm(tiny_dir, speculative_config=NGRAM)
-    failed = first_step_reading_back_a_finish_fails(llm)
+    llm, proposer = speculating_llm()
     llm.add_request({"prompt_token_ids": [5, 6, 7]}, SHORT, request_id="a")
     llm.add_request({"prompt_token_ids": [8, 9, 10, 11]}, GREEDY, request_id="b")
     with pytest.raises(StepError) as info:
         while llm.has_unfinished_requests():
             llm.step()
-    assert failed, "no speculative round read back a finished sequence"
-    done = {s.request_id: s for s, _ in info.value.changed}
-    assert done["a"].finish_reason == "length" and len(done["a"].output_token_ids) == 1
+    assert proposer.failed
+    done = {d.seq.request_id: d for d in info.value.changed}
+    assert done["a"].output.finish_reason == "length" and done["a"].token_ids == [8]  # 7's successor, by hand
     assert set(info.value.failed) == {"b"} and "proposer lost" in str(info.value.failed["b"])
     llm.core.assert_idle_and_clean()
 
 
-def test_the_async_engine_ends_a_request_finished_in_a_failed_round(tiny_dir):
-    llm = make_llm(tiny_dir, speculative_config=NGRAM)
-    failed = first_step_reading_back_a_finish_fails(llm)
+def test_the_async_engine_ends_a_request_finished_in_a_failed_round():
+    llm, proposer = speculating_llm()
     engine = AsyncEngine(llm)
     try:
         async def main():
@@ -64,8 +61,8 @@ def test_the_async_engine_ends_a_request_finished_in_a_failed_round(tiny_dir):
             return await asyncio.wait_for(asyncio.gather(_collect(a), _collect(b), return_exceptions=True), 30)
 
         a, b = asyncio.run(main())
-        assert failed
-        assert len(a[0]) == 1 and a[1] == ["length"], a
+        assert proposer.failed
+        assert a[0] == [8] and a[1] == ["length"], a
         assert isinstance(b, RuntimeError) and "proposer lost" in str(b)
         assert engine.alive() and engine.stats().num_running == 0
     finally:
@@ -82,24 +79,12 @@ async def _collect(stream):
     return [tokens, reasons]
 
 
-def test_an_engine_whose_decodes_all_fail_stops(tiny_dir):
+def test_an_engine_whose_decodes_all_fail_stops():
     """Prefills succeed, every step with a decode row fails when read back: each request fails after its first
     token, and after MAX_FAILED_STEPS of them the engine stops (a successful prefill used to reset the count, so
     it never did, failing every request while it looked healthy)."""
-    llm = make_llm(tiny_dir)
-    dispatch, fetch, decoding = llm.runner.dispatch, llm.runner.fetch, set()
-
-    def dispatching(plan):
-        handle = dispatch(plan)
-        if plan.decode:
-            decoding.add(id(handle))
-        return handle
-
-    def fetching(handle):
-        if id(handle) in decoding:
-            raise RuntimeError("decode lost")
-        return fetch(handle)
-    llm.runner.dispatch, llm.runner.fetch = dispatching, fetching
+    llm = fake_llm()
+    llm.runner.fail("fetch", has_decode_row, RuntimeError("decode lost"), times=-1)
     for i in range(MAX_FAILED_STEPS):
         assert llm.core.healthy
         llm.add_request({"prompt_token_ids": [5, 6, 7 + i]}, GREEDY)
@@ -112,19 +97,18 @@ def test_an_engine_whose_decodes_all_fail_stops(tiny_dir):
     llm.core.assert_idle_and_clean()
 
 
-def test_occasional_failures_between_one_token_answers_do_not_stop_the_engine(tiny_dir):
+def test_occasional_failures_between_one_token_answers_do_not_stop_the_engine():
     """Scoring-style requests (max_tokens 1) never decode; each one that finishes shows the engine serves, so
     failures between them never add up to a stop."""
-    llm = make_llm(tiny_dir)
-    fetch = llm.runner.fetch
+    llm = fake_llm()
     for i in range(MAX_FAILED_STEPS + 2):
-        llm.runner.fetch = _raise
+        llm.runner.fail("fetch")
         llm.add_request({"prompt_token_ids": [5, 6, 7 + i]}, SHORT)
         with pytest.raises(StepError):
             while llm.has_unfinished_requests():
                 llm.step()
-        llm.runner.fetch = fetch
-        assert llm.generate({"prompt_token_ids": [5, 6, 7 + i]}, SHORT, use_tqdm=False)[0].outputs[0].token_ids
+        assert llm.generate({"prompt_token_ids": [5, 6, 7 + i]}, SHORT, use_tqdm=False)[0].outputs[0].token_ids == \
+            [8 + i]
     assert llm.core.healthy
     llm.core.assert_idle_and_clean()
 
@@ -132,17 +116,15 @@ def test_occasional_failures_between_one_token_answers_do_not_stop_the_engine(ti
 # ---- data parallelism ----
 
 def break_replica(llm, index: int, where: str = "fetch"):
-    """Every step of replica `index` fails from now on (when its results are read, as device errors surface)."""
-    def broken(*_):
-        raise RuntimeError(f"replica {index} lost its device")
-    setattr(llm.replicas[index].runner, where, broken)
+    """Every step of replica `index` fails from now on (by default when its results are read, as device errors
+    surface)."""
+    llm.replicas[index].runner.fail(where, error=RuntimeError(f"replica {index} lost its device"), times=-1)
 
 
-@needs_devices
-def test_a_failed_replica_spares_the_other_replicas_results(tiny_dir):
+def test_a_failed_replica_spares_the_other_replicas_results():
     """Both replicas step in one round; the second fails. The first's results of that round (a finished request)
     are returned with the error, not dropped; only the second's requests end; the router forgets both."""
-    llm = make_llm(tiny_dir, data_parallel_size=2)
+    llm = fake_llm(num_replicas=2)
     llm.add_request({"prompt_token_ids": [5, 6, 7]}, SHORT, request_id="a")
     llm.add_request({"prompt_token_ids": [8, 9, 10]}, GREEDY, request_id="b")
     assert llm.core._placed["a"] is llm.replicas[0] and llm.core._placed["b"] is llm.replicas[1]
@@ -150,18 +132,17 @@ def test_a_failed_replica_spares_the_other_replicas_results(tiny_dir):
     break_replica(llm, 1)
     with pytest.raises(StepError) as info:
         llm.step()
-    assert [(s.request_id, s.finish_reason) for s, _ in info.value.changed] == [("a", "length")]
+    assert [(d.seq.request_id, d.output.finish_reason) for d in info.value.changed] == [("a", "length")]
     assert set(info.value.failed) == {"b"}
     llm.step()  # replica 0 reads back its last (empty) step
     llm.core.assert_idle_and_clean()
 
 
-@needs_devices
-def test_a_broken_replica_fails_only_its_requests_and_leaves_the_routing(tiny_dir):
+def test_a_broken_replica_fails_only_its_requests_and_leaves_the_routing():
     """Replica 1 fails every step. Its requests fail; after MAX_FAILED_STEPS in a row it stops and takes no more
     requests (it used to be picked again and again, being the least loaded after its requests failed), while every
     request on replica 0 completes, before and after; a healthy replica's steps do not reset its streak."""
-    llm = make_llm(tiny_dir, data_parallel_size=2)
+    llm = fake_llm(num_replicas=2)
     break_replica(llm, 1)
     outcomes = {}
     for round_ in range(MAX_FAILED_STEPS + 2):
@@ -170,14 +151,14 @@ def test_a_broken_replica_fails_only_its_requests_and_leaves_the_routing(tiny_di
             llm.add_request({"prompt_token_ids": [5, 6, 7 + round_]}, GREEDY, request_id=rid)
         while llm.has_unfinished_requests():
             try:
-                for seq, _ in llm.step():
-                    if seq.finish_reason is not None:
-                        outcomes[seq.request_id] = seq.finish_reason
+                for d in llm.step():
+                    if d.finished:
+                        outcomes[d.seq.request_id] = d.output.finish_reason
             except StepError as e:
                 outcomes.update({r: e.failed[r] for r in e.failed})
-                for seq, _ in e.changed:
-                    if seq.finish_reason is not None:
-                        outcomes[seq.request_id] = seq.finish_reason
+                for d in e.changed:
+                    if d.finished:
+                        outcomes[d.seq.request_id] = d.output.finish_reason
     assert set(outcomes) == {f"{r}-{i}" for r in range(MAX_FAILED_STEPS + 2) for i in range(2)}
     errors = [r for r, o in outcomes.items() if isinstance(o, BaseException)]
     assert len(errors) == MAX_FAILED_STEPS, outcomes  # one per round until replica 1 stopped, none after
@@ -189,12 +170,11 @@ def test_a_broken_replica_fails_only_its_requests_and_leaves_the_routing(tiny_di
     llm.core.assert_idle_and_clean()
 
 
-@needs_devices
-def test_health_and_metrics_show_a_stopped_replica_and_the_server_serves_on(tiny_dir):
+def test_health_and_metrics_show_a_stopped_replica_and_the_server_serves_on():
     import requests
     from serving import ServerThread, metric_samples
 
-    llm = make_llm(tiny_dir, data_parallel_size=2)
+    llm = fake_llm(num_replicas=2)
     break_replica(llm, 1, "dispatch")
     st = ServerThread(llm, "tiny")
     try:
@@ -212,12 +192,11 @@ def test_health_and_metrics_show_a_stopped_replica_and_the_server_serves_on(tiny
         st.stop()
 
 
-@pytest.mark.skipif(len(jax.devices()) < 4, reason="needs XLA_FLAGS=--xla_force_host_platform_device_count=4 or more")
-def test_the_router_hashes_a_prompt_once(tiny_dir, monkeypatch):
+def test_the_router_hashes_a_prompt_once(monkeypatch):
     import jaxserve.batching.data_parallel as dp
     calls = []
     page_keys = dp.page_keys
     monkeypatch.setattr(dp, "page_keys", lambda *a: calls.append(1) or page_keys(*a))
-    llm = make_llm(tiny_dir, data_parallel_size=4)
+    llm = fake_llm(num_replicas=4)
     llm.add_request({"prompt_token_ids": list(range(40))}, GREEDY)
     assert len(calls) == 1

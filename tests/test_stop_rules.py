@@ -3,6 +3,8 @@ and the ending-token sets are bounded."""
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from jaxserve.batching.output_processor import take_token
+from jaxserve.batching.scheduler import row_sampling
 from jaxserve.batching.sequence import Sequence
 from jaxserve.sampling_params import MAX_STOP, MAX_STOP_LENGTH, MAX_STOP_TOKEN_IDS, SamplingParams
 
@@ -23,7 +25,7 @@ def run(pieces, **params):
                    PieceDetokenizer(pieces))
     deltas = []
     for i in range(len(pieces)):
-        deltas.append(seq.append_token(i, 0.0, 1, []))
+        deltas.append(take_token(seq, i))
         if seq.finish_reason:
             break
     return deltas, seq
@@ -47,7 +49,7 @@ def test_held_back_text_is_released_when_the_sequence_ends_otherwise():
     assert "".join(deltas) == seq.text == "x\n\nThe" and seq.finish_reason == "length"
     seq = Sequence("r", 0, [0], SamplingParams(max_tokens=8, stop=["\n\nThese"]), 0, 10_000, [7],
                    PieceDetokenizer({1: "x", 2: "\n\nThe", 7: "<eos>"}))
-    assert [seq.append_token(t, 0.0, 1, []) for t in (1, 2, 7)] == ["x", "", "\n\nThe"]
+    assert [take_token(seq, t) for t in (1, 2, 7)] == ["x", "", "\n\nThe"]
     assert seq.text == "x\n\nThe" and seq.finish_reason == "stop" and seq.stop_reason is None
 
 
@@ -90,7 +92,7 @@ def test_stop_limits_are_enforced():
 
 def test_ending_tokens_are_banned_once_each():
     seq = Sequence("r", 0, [0], SamplingParams(min_tokens=2, stop_token_ids=[5, 2, 5]), 0, 100, [2, 3])
-    assert seq.sampling_row().banned == (2, 3, 5)
+    assert row_sampling(seq).banned == (2, 3, 5)
 
 
 def test_a_ban_list_past_the_device_width_is_a_clear_error():

@@ -2,6 +2,7 @@
 import contextlib
 
 import numpy as np
+from fake_runner import has_decode_row
 
 from jaxserve import LLM
 from jaxserve.batching.batch_builder import Row, build_batch
@@ -24,11 +25,11 @@ def first_decode_fails(runner, message="device lost"):
     ones run."""
     dispatch, failed = runner.dispatch, []
 
-    def failing(plan):
-        if not failed and plan.decode:
+    def failing(rows):
+        if not failed and has_decode_row(rows):
             failed.append(1)
             raise RuntimeError(message)
-        return dispatch(plan)
+        return dispatch(rows)
 
     runner.dispatch = failing
     try:

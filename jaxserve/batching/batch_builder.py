@@ -1,4 +1,4 @@
-"""The one place where scheduled sequences become a step's device arrays: numpy, padded to a bucket, copied to the
+"""The one place where a step's rows become its device arrays: numpy, padded to a bucket, copied to the
 device in one go (see `jaxserve.batch` for the layout)."""
 from __future__ import annotations
 
@@ -39,19 +39,6 @@ class Row:
     @property
     def end(self) -> int:
         return self.start_pos + len(self.token_ids)
-
-
-def plan_rows(plan) -> list[Row]:
-    """A scheduler's StepPlan as rows, from the sequences as they stand before the plan is counted in: decode rows
-    (whose token the step before sampled is taken straight from the device), then prompt chunks."""
-    rows = []
-    for s in plan.decode:
-        proposals = plan.proposals.get(s, [])
-        rows.append(Row([0 if s.pending else s.last_token] + proposals, s.num_tokens - 1, s.pages, s.sampling_row(),
-                        s.slot, chained=bool(s.pending), num_draft=len(proposals)))
-    rows += [Row(c.seq.token_ids[c.start:c.start + c.length], c.start, c.seq.pages, c.seq.sampling_row(),
-                 c.seq.slot if c.is_last else -1, samples=c.is_last) for c in plan.prefill]
-    return rows
 
 
 def build_batch(rows: list[Row], page_size: int, vocab_size: int, num_tokens: int, num_rows: int,

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxserve.batching.engine_core import EngineCore, EngineDeadError, EngineStats, StepError
+from jaxserve.batching.output_processor import SequenceDelta
 from jaxserve.batching.sequence import Sequence
 from jaxserve.cache import page_keys
 
@@ -51,7 +52,7 @@ class DataParallel:
         core.add(seq)
         self._placed[seq.request_id] = core
 
-    def step(self) -> list[tuple[Sequence, str]]:
+    def step(self) -> list[SequenceDelta]:
         """Steps every replica with work. If any failed: StepError with every replica's results and the failed
         replicas' ended requests (the rest of the round ran)."""
         changed, failed, cause = [], {}, None
@@ -63,9 +64,9 @@ class DataParallel:
                     changed += e.changed
                     failed.update(e.failed)
                     cause = cause or e.cause
-        for seq, _ in changed:
-            if seq.finish_reason is not None and not self._holds(seq.request_id):
-                self._placed.pop(seq.request_id, None)
+        for d in changed:
+            if d.finished and not self._holds(d.seq.request_id):
+                self._placed.pop(d.seq.request_id, None)
         for request_id in failed:
             self._placed.pop(request_id, None)
         if cause is not None:

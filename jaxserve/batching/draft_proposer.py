@@ -10,14 +10,14 @@ and verification (`jaxserve.verification`) accepts it.
 """
 from __future__ import annotations
 
-import dataclasses
-
 from jaxserve.batching.batch_builder import Row
-from jaxserve.batching.model_runner import ModelRunner
+from jaxserve.batching.proposer import Proposals
+from jaxserve.batching.runner import Runner
+from jaxserve.batching.scheduler import row_sampling
 
 
 class DraftProposer:
-    def __init__(self, runner: ModelRunner, max_num_batched_tokens: int, max_num_seqs: int):
+    def __init__(self, runner: Runner, max_num_batched_tokens: int, max_num_seqs: int):
         self.runner = runner
         self.max_tokens = max_num_batched_tokens
         self.max_rows = max_num_seqs
@@ -25,40 +25,34 @@ class DraftProposer:
     def available(self, seq) -> None:
         return None  # a draft can always propose
 
-    def propose(self, plan) -> None:
-        """Runs the draft for the sequences granted proposals in `plan` and fills plan.proposals.
+    def propose(self, plan) -> Proposals:
+        """Runs the draft for the sequences granted proposals in `plan` (a ScheduledBatch).
 
         First step(s): each sequence's tokens the draft has not seen, up to its last, which gives the first
         proposal; then one step per further proposal, each taking the token the step before chose straight from
         the device. Everything is dispatched before anything is read back: one wait for all k steps.
         """
         seqs = [s for s in plan.decode if plan.num_draft.get(s, 0) > 0]
+        proposals = Proposals({s: [] for s in seqs})
         if not seqs:
-            return
+            return proposals
         handles = []  # (handle, [(row, seq)]) of the steps whose rows give a proposal
         for rows, sources in self._catch_up_steps(seqs):
-            handles.append((self.runner.dispatch_rows(rows), sources))
+            handles.append((self.runner.dispatch(rows), sources))
         for j in range(1, max(plan.num_draft[s] for s in seqs)):
             going = [s for s in seqs if plan.num_draft[s] > j]
-            rows = [Row([0], s.num_tokens - 1 + j, s.pages, self._sampling(s, j), s.slot, chained=True)
+            rows = [Row([0], s.num_tokens - 1 + j, s.pages, row_sampling(s, j, top_logprobs=False), s.slot,
+                        chained=True)
                     for s in going]
-            handles.append((self.runner.dispatch_rows(rows), list(enumerate(going))))
-        for s in seqs:
-            plan.proposals[s] = []
+            handles.append((self.runner.dispatch(rows), list(enumerate(going))))
         for handle, sources in handles:
             tokens = self.runner.fetch(handle).tokens[:, 0].tolist()
             for i, s in sources:
-                plan.proposals[s].append(tokens[i])
+                proposals.tokens[s].append(tokens[i])
         for s in seqs:
             # The last proposal's K/V is not computed: a next round that accepts it takes it in its catch-up.
-            s.num_draft_cached = s.num_tokens - 1 + plan.num_draft[s]
-
-    @staticmethod
-    def _sampling(seq, j: int):
-        """The sequence's sampling parameters for its proposal j: its seed and generated token number, so the draw
-        is coupled with the target's (a proposal's logprobs are the target's business)."""
-        row = seq.sampling_row()
-        return dataclasses.replace(row, step=row.step + j, want_top_logprobs=False)
+            proposals.draft_cached[s] = s.num_tokens - 1 + plan.num_draft[s]
+        return proposals
 
     def _catch_up_steps(self, seqs):
         """Steps of at most max_tokens tokens and max_rows rows covering every sequence's unseen tokens, a long
@@ -75,7 +69,7 @@ class DraftProposer:
                 last = stop == end
                 if last:
                     sources.append((len(rows), s))
-                rows.append(Row(s.token_ids[start:stop], start, s.pages, self._sampling(s, 0),
+                rows.append(Row(s.token_ids[start:stop], start, s.pages, row_sampling(s, top_logprobs=False),
                                 s.slot if last else -1, samples=last))
                 used += stop - start
                 start = stop

@@ -16,8 +16,11 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from jaxserve.batching.model_runner import ModelRunner
-from jaxserve.batching.scheduler import Scheduler, StepPlan
+from jaxserve.batching import output_processor
+from jaxserve.batching.output_processor import SequenceDelta
+from jaxserve.batching.proposer import Proposer
+from jaxserve.batching.runner import Runner, StepHandle
+from jaxserve.batching.scheduler import ScheduledBatch, Scheduler
 from jaxserve.batching.sequence import Sequence, Status
 from jaxserve.batching.spec_controller import SpecController
 
@@ -33,8 +36,7 @@ class StepError(RuntimeError):
     """A step failed. `changed`: the results read back before it did, which must still reach their requests;
     `failed`: request id -> the error that ended it (its sequences are out and their pages free)."""
 
-    def __init__(self, cause: BaseException, changed: list[tuple[Sequence, str]],
-                 failed: dict[str, BaseException]):
+    def __init__(self, cause: BaseException, changed: list[SequenceDelta], failed: dict[str, BaseException]):
         super().__init__(str(cause))
         self.cause, self.changed, self.failed = cause, changed, failed
 
@@ -67,9 +69,16 @@ class EngineStats:
     num_replicas_healthy: int = 1
 
 
+@dataclasses.dataclass
+class InFlight:
+    """A step dispatched and not yet read back."""
+    batch: ScheduledBatch
+    handle: StepHandle
+
+
 class EngineCore:
-    def __init__(self, scheduler: Scheduler, runner: ModelRunner, rate_window_s: float = 5.0, proposer=None,
-                 controller: SpecController | None = None, adaptive: bool = True):
+    def __init__(self, scheduler: Scheduler, runner: Runner, rate_window_s: float = 5.0,
+                 proposer: Proposer | None = None, controller: SpecController | None = None, adaptive: bool = True):
         """proposer (an NgramProposer or DraftProposer) and controller: speculative decoding, off without them;
         adaptive=False speculates for every decoding sequence every step (as vLLM does)."""
         self.scheduler = scheduler
@@ -77,14 +86,14 @@ class EngineCore:
         self.proposer, self.controller, self.adaptive = proposer, controller, adaptive
         self._last_fetch: float | None = None  # when the last pipelined step was read back
         self._fetch_wait = 0.0  # how long the last read-back waited for the device
-        self._in_flight: tuple[StepPlan, tuple] | None = None
+        self._in_flight: InFlight | None = None
         self._last_arrival: float | None = None
         self.steps = 0
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self._rate_window_s = rate_window_s
         self._recent: list[tuple[float, int]] = []  # (time, tokens) of recent steps, for tokens/s
-        self._changed: list[tuple[Sequence, str]] = []  # what the current step has read back so far
+        self._changed: list[SequenceDelta] = []  # what the current step has read back so far
         self.failed_steps = 0  # in a row: reset when a sequence decodes past its first token or finishes
 
     @property
@@ -124,9 +133,9 @@ class EngineCore:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._in_flight is not None
 
-    def step(self) -> list[tuple[Sequence, str]]:
-        """Dispatches the next step and returns (sequence, new text) for each token of the previous one (and, in a
-        speculative step, of this one). Raises StepError if it fails, with the requests it ended and what it had
+    def step(self) -> list[SequenceDelta]:
+        """Dispatches the next step and returns what the previous one (and, in a speculative step, this one) added
+        to each sequence. Raises StepError if it fails, with the requests it ended and what it had
         read back before; the engine is then clean for the next step."""
         self._changed = []
         try:
@@ -152,20 +161,19 @@ class EngineCore:
             if lengths:
                 return self._speculative_step(lengths)
             self.controller.num_speculating = 0
-        plan = self.scheduler.schedule()
-        dispatched = self._dispatch(plan) if plan else None
+        batch = self.scheduler.schedule()
+        dispatched = self._dispatch(batch) if batch else None
         done, self._in_flight = self._in_flight, dispatched
         if done is None:
             if dispatched is None and self.scheduler.has_unfinished():
                 raise RuntimeError("the scheduler can neither run nor admit any sequence")  # a bug, never a wait
             return
-        self._update(*done)
+        self._update(done)
         now = time.perf_counter()
         if self.adaptive and self.controller is not None:
-            rows = len(done[0].decode) + len(done[0].prefill)
-            self.controller.observe_host(rows, now - start - self._fetch_wait)
+            self.controller.observe_host(len(done.batch.rows), now - start - self._fetch_wait)
             if self._last_fetch is not None:
-                self.controller.observe_step(done[0].num_tokens, now - self._last_fetch, False)
+                self.controller.observe_step(done.batch.num_tokens, now - self._last_fetch, False)
         self._last_fetch = now if dispatched is not None else None
 
     def _speculation_lengths(self) -> dict[Sequence, int]:
@@ -182,72 +190,47 @@ class EngineCore:
         host's work no longer overlaps the device's for this step (what that costs: BENCHMARKS.md)."""
         if self._in_flight is not None:
             done, self._in_flight = self._in_flight, None  # its results are lost with it if reading it fails
-            self._update(*done)
+            self._update(done)
         self._last_fetch = None
         start = time.perf_counter()
-        plan = self.scheduler.schedule(lengths)
-        if not plan:
+        batch = self.scheduler.schedule(lengths, self.proposer.propose)
+        if not batch:
             return
-        self.proposer.propose(plan)
-        plan.num_draft = {s: len(p) for s, p in plan.proposals.items()}
-        self._update(*self._dispatch(plan))
-        speculating = [k for k in plan.num_draft.values() if k]
+        self._update(self._dispatch(batch))
+        speculating = [k for k in batch.num_draft.values() if k]
         self.controller.num_speculating = len(speculating)
         if self.adaptive:
-            rows = len(plan.decode) + len(plan.prefill)
-            self.controller.observe_step(plan.num_tokens, time.perf_counter() - start, True, rows, len(speculating),
-                                         max(speculating, default=0))
+            self.controller.observe_step(batch.num_tokens, time.perf_counter() - start, True, len(batch.rows),
+                                         len(speculating), max(speculating, default=0))
 
-    def _dispatch(self, plan: StepPlan) -> tuple[StepPlan, tuple]:
-        handle = self.runner.dispatch(plan)
-        self.scheduler.count_in(plan)
-        self.prompt_tokens += sum(c.length for c in plan.prefill)
-        return plan, handle
+    def _dispatch(self, batch: ScheduledBatch) -> InFlight:
+        handle = self.runner.dispatch(batch.rows)
+        self.prompt_tokens += sum(c.length for c in batch.prefill)
+        return InFlight(batch, handle)
 
-    def _update(self, plan: StepPlan, handle: tuple) -> None:
-        """Reads a step back and applies it, adding (sequence, new text) to the step's results as it goes: a
-        failure later in this step must not lose what has already been applied."""
+    def _update(self, done: InFlight) -> None:
+        """Reads a step back and applies it; what it added joins the step's results only once applied whole (a
+        failure later in this step must not lose it)."""
         wait = time.perf_counter()
-        out = self.runner.fetch(handle)  # the step's one blocking copy
+        out = self.runner.fetch(done.handle)  # the step's one blocking copy
         self._fetch_wait = time.perf_counter() - wait
-        self.scheduler.written(plan)
+        batch = done.batch
         now = time.monotonic()
         if self.scheduler.slo is not None and self._last_arrival is not None:
-            self.scheduler.slo.observe(len(plan.decode), now - self._last_arrival)
+            self.scheduler.slo.observe(len(batch.decode), now - self._last_arrival)
         self._last_arrival = now if self._in_flight is not None else None  # idle gaps are not step time
         self.steps += 1
-        # Rows in the order plan_rows laid them out: decode rows, then prompt chunks.
-        row_seqs = plan.decode + [c.seq for c in plan.prefill]
-        emitted = 0
-        tokens, counts = out.tokens.tolist(), out.num_tokens.tolist()
-        for i, seq in enumerate(row_seqs):
-            if not counts[i] or seq.finished:
-                continue  # a chunk short of its prompt's end; or stopped or aborted while this step ran
-            seq.pending -= 1  # a row's tokens land together
-            proposed = plan.proposals.get(seq)
-            if proposed:
-                self.controller.observe(seq, len(proposed), counts[i] - 1)
-            delta = []
-            for j in range(counts[i]):
-                top = []
-                if seq.params.logprobs:
-                    top = list(zip(out.top_ids[i, j].tolist(), out.top_logprobs[i, j].tolist()))
-                delta.append(seq.append_token(tokens[i][j], float(out.logprobs[i, j]), int(out.ranks[i, j]), top))
-                emitted += 1
-                if seq.finish_reason is not None:
-                    break  # never a token past a stop
-            if seq.finish_reason is not None or len(seq.output_token_ids) > 1:
-                # This replica serves: a sequence decoded past its first token, or finished. A prefill alone proves
-                # little: every new request's succeeds while a broken decode fails each one after it.
-                self.failed_steps = 0
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-            if seq.finish_reason is not None:
-                seq.finish_time = now
-                self.scheduler.finish(seq)
-            elif proposed is not None:
-                self.scheduler.roll_back(seq, len(proposed) - (counts[i] - 1))
-            self._changed.append((seq, "".join(delta)))
+        deltas = output_processor.process(batch.row_seqs, out)
+        for d in deltas:
+            if batch.proposals.get(d.seq):
+                self.controller.observe(d.seq, len(batch.proposals[d.seq]), d.num_emitted - 1)
+        self.scheduler.update(batch, deltas, now)
+        if any(d.finished or len(d.seq.output_token_ids) > 1 for d in deltas):
+            # This replica serves: a sequence decoded past its first token, or finished. A prefill alone proves
+            # little: every new request's succeeds while a broken decode fails each one after it.
+            self.failed_steps = 0
+        self._changed += deltas
+        emitted = sum(len(d.token_ids) for d in deltas)
         self.generation_tokens += emitted
         self._recent = [(t, n) for t, n in self._recent if now - t <= self._rate_window_s] + [(now, emitted)]
 

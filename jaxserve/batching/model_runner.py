@@ -14,87 +14,93 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.batch import StepInput, StepOutput
-from jaxserve.batching.batch_builder import Row, build_batch, plan_rows
+from jaxserve.batching.batch_builder import Row, build_batch
+from jaxserve.batching.runner import StepHandle
 from jaxserve.buckets import Buckets, round_up
 from jaxserve.cache import init_kv_cache, pages_needed
-from jaxserve.distributed import log_placement, param_specs, place, replicated, shardings
+from jaxserve.multihost import LeaderFollower
+from jaxserve.distributed import log_placement, place, replicated
 from jaxserve.steps import steps_for
 
 logger = logging.getLogger("jaxserve")
 
 
+@dataclasses.dataclass(frozen=True)
+class RunnerConfig:
+    """How a runner lays out a model's steps and cache: all a ModelRunner needs beyond the model itself."""
+    dtype: object  # of the weights and (unless kv_cache_dtype says int8) the KV cache
+    num_pages: int
+    page_size: int
+    buckets: Buckets
+    num_slots: int  # rows of the device-side buffer of last sampled tokens: max_num_seqs
+    attention_backend: str = "reference"
+    kv_cache_dtype: str = "auto"
+    # k, for verification programs (a target's; a draft model's runner has none: it draws proposals in plain steps).
+    num_speculative_tokens: int = 0
+
+
 class ModelRunner:
-    def __init__(self, config, params, dtype, num_pages: int, page_size: int, buckets: Buckets, num_slots: int,
-                 attention_backend: str = "reference", kv_cache_dtype: str = "auto", num_speculative_tokens: int = 0,
-                 mesh=None):
-        """num_speculative_tokens: k, for verification programs (a target's; a draft model's runner has none: it
-        draws its proposals in plain steps). mesh: the device group to split the model and its cache over (None:
-        the default device)."""
+    def __init__(self, config, params, rc: RunnerConfig, mesh=None, leader: LeaderFollower | None = None,
+                 index: int = 0):
+        """mesh: the device group to split the model and its cache over (None: the default device). leader: a
+        multi-process leader's protocol, which publishes each step to the followers (as this runner's `index`)
+        before it runs here."""
         self.config = config
-        self.page_size = page_size
-        self.buckets = buckets
-        self.num_speculative_tokens = num_speculative_tokens
+        self.page_size = rc.page_size
+        self.buckets = rc.buckets
+        self.num_speculative_tokens = rc.num_speculative_tokens
         self.mesh = mesh
-        self.steps = steps_for(config, dtype, attention_backend, num_speculative_tokens, mesh, kv_cache_dtype)
-        self.draft: ModelRunner | None = None  # a target's draft model's runner
+        self.leader, self.index = leader, index
+        self.steps = steps_for(config, rc.dtype, rc.attention_backend, rc.num_speculative_tokens, mesh,
+                               rc.kv_cache_dtype)
+
+        def new_cache():
+            return init_kv_cache(config, rc.num_pages, rc.page_size, rc.dtype, rc.kv_cache_dtype)
         if mesh is None:
             self.params = params
-            self.kv_cache = init_kv_cache(config, num_pages, page_size, dtype, kv_cache_dtype)
-            self.last_tokens = jnp.zeros(num_slots + 1, jnp.int32)  # [slots + 1]: the last one takes padding rows
+            self.kv_cache = new_cache()
+            self.last_tokens = jnp.zeros(rc.num_slots + 1, jnp.int32)  # [slots + 1]: the last one takes padding rows
         else:
-            tp = mesh.shape["model"]
-            self.params = place(params, shardings(mesh, param_specs(params, self.steps.partitioning, tp)))
+            self.params = place(params, self.steps.param_shardings(params))
             log_placement("weights", self.params)
             # Made where they live: the cache never exists whole on one device.
-            self.kv_cache = jax.jit(lambda: init_kv_cache(config, num_pages, page_size, dtype, kv_cache_dtype),
-                                    out_shardings=self.steps.cache_sharding)()
+            self.kv_cache = jax.jit(new_cache, out_shardings=self.steps.cache_sharding)()
             log_placement("KV cache", self.kv_cache)
-            def zeros(shape, dtype):  # replicated, made on every device of the group (of every process)
-                return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=replicated(mesh))()
-            self.last_tokens = zeros(num_slots + 1, jnp.int32)
+            # Replicated, made on every device of the group (of every process).
+            self.last_tokens = jax.jit(lambda: jnp.zeros(rc.num_slots + 1, jnp.int32),
+                                       out_shardings=replicated(mesh))()
         # Seconds per step by (tokens, scored per row), measured at warm-up: what speculation's controller weighs.
         self.step_times: dict[tuple[int, int], float] = {}
-        # A multi-process leader's: where each dispatched batch is published, and this runner's index there.
-        self.channel, self.channel_index = None, 0
 
-    def dispatch(self, plan) -> tuple[int, StepOutput]:
-        """Starts the step of a scheduler's plan; returns a handle for `fetch`."""
-        return self.dispatch_rows(plan_rows(plan))
-
-    def dispatch_rows(self, rows: list[Row]) -> tuple[int, StepOutput]:
+    def dispatch(self, rows: list[Row]) -> StepHandle:
+        """Starts a step over `rows` without waiting for it; returns the handle `fetch` reads it back with."""
         tokens = round_up(sum(len(r.token_ids) for r in rows), self.buckets.num_tokens)
         scored = self.num_speculative_tokens + 1 if any(r.num_draft for r in rows) else 1
         batch = build_batch(rows, self.page_size, self.config.vocab_size, tokens, self.buckets.num_rows(tokens),
                             self.buckets.pages_per_row, scored)
-        if self.channel is None:
+        if self.leader is None:
             out = self.run(batch)
-        else:  # a multi-process leader: every process runs the same step (jaxserve.multihost)
-            self.channel.send(("step", self.channel_index, batch))
-            try:
-                out = self.run(batch)
-            except BaseException as e:  # the followers run it regardless: no later step could line up
-                self.channel.abort(f"process 0 failed a step it had sent to the other processes "
-                                   f"({type(e).__name__}: {e})")
+        else:  # a multi-process leader: every process runs the same step
+            out = self.leader.lead_step(self.index, batch, self.run)
         if not any(r.sampling.want_top_logprobs for r in rows):
             out = dataclasses.replace(out, top_ids=None, top_logprobs=None)  # nothing to copy back
-        return len(rows), out
+        return StepHandle(len(rows), out)
 
     def run(self, batch: StepInput) -> StepOutput:
         """The device side of a step whose batch is built (all a multi-process follower does of it)."""
         out, self.kv_cache, self.last_tokens = self.steps.step(self.params, self.kv_cache, self.last_tokens, batch)
         return out
 
-    def fetch(self, handle: tuple[int, StepOutput]) -> StepOutput:
+    def fetch(self, handle: StepHandle) -> StepOutput:
         """Waits for a dispatched step and copies what it sampled to the host in one transfer, cut to its rows."""
-        n, out = handle
         # Whole arrays, cut on the host: slicing a device array would compile a small program for every new
         # (bucket, rows) pair while serving.
-        got = jax.device_get(out)
-        return jax.tree.map(lambda x: x[:n], got)
+        got = jax.device_get(handle.output)
+        return jax.tree.map(lambda x: x[:handle.num_rows], got)
 
     def _time(self, rows: list[Row]) -> float:
         start = time.perf_counter()
-        self.fetch(self.dispatch_rows(rows))
+        self.fetch(self.dispatch(rows))
         return time.perf_counter() - start
 
     def warmup(self, progress: bool = True, time_steps: bool = False) -> int:
@@ -118,7 +124,7 @@ class ModelRunner:
             drafts = [min(num_draft, lengths[0] - 1)] + [0] * (len(lengths) - 1)
             rows = [Row([0] * n, 0, [0] * pages_needed(n + 1, self.page_size), num_draft=d)
                     for n, d in zip(lengths, drafts)]
-            self.fetch(self.dispatch_rows(rows))
+            self.fetch(self.dispatch(rows))
             if time_steps:  # the fastest of a few: one page fault or GC pause must not set a cost for good
                 self.step_times[tokens, 1 + k if num_draft else 1] = min(self._time(rows) for _ in range(3))
         compiled = self.steps.num_compiled() - before

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import weakref
 
+from jaxserve.batching.proposer import Proposals
+
 
 class NgramIndex:
     """For one sequence: for each n-gram (min_n <= n <= max_n) the position just after its latest occurrence that
@@ -54,7 +56,6 @@ class NgramProposer:
         index.tokens += seq.output_token_ids[len(index.tokens) - len(seq.prompt_token_ids):]
         return index.lookup(self.k)
 
-    def propose(self, plan) -> None:
-        """Fills plan.proposals for the sequences the plan granted proposals, up to the number granted."""
-        for seq, k in plan.num_draft.items():
-            plan.proposals[seq] = self.available(seq)[:k]
+    def propose(self, plan) -> Proposals:
+        """Proposals for the sequences `plan` (a ScheduledBatch) granted them, up to the number granted."""
+        return Proposals({seq: self.available(seq)[:k] for seq, k in plan.num_draft.items()})

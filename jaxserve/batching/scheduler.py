@@ -9,21 +9,28 @@ policy says so):
      priority order once a slot and the pages for their whole prompt (less what the prefix cache holds) are free.
 A step is planned before the previous one's tokens are known (see `jaxserve.batching.engine_core`): a sequence may
 carry one in-flight token (`Sequence.pending`), which a decode row then takes straight from the device.
+
+The scheduler is the one writer of a Sequence's fields (its tokens, pages, slot, status and counters): `schedule`
+lays a step's rows out and counts them in, `update` applies the step's result once the output processor has cut its
+tokens at any stop, `finish` and `abort` take sequences out.
 """
 from __future__ import annotations
 
 import dataclasses
 import time
 
+from jaxserve.batching.batch_builder import Row, RowSampling
+from jaxserve.batching.output_processor import SequenceDelta
+from jaxserve.batching.proposer import Proposals
 from jaxserve.batching.sequence import Sequence, Status
 from jaxserve.batching.slo import SloController
 from jaxserve.buckets import round_up
 from jaxserve.cache import PrefixCache, page_keys, pages_needed
+from jaxserve.options import SCHEDULING_POLICIES
 
 # A waiting sequence gains one priority level per this many steps it waits, so a steady stream of better-priority
 # requests cannot starve it.
 AGING_STEPS = 64
-POLICIES = ("fcfs", "priority")
 # Below this many tokens a step reads weights more than it computes, so padding it is nearly free.
 COMPUTE_BOUND_TOKENS = 64
 
@@ -41,16 +48,25 @@ class Chunk:
 
 
 @dataclasses.dataclass
-class StepPlan:
+class Write:
+    """Tokens of a sequence whose K/V a step writes: published to the prefix cache only after the step has
+    completed, and only if the sequence was not preempted since (its pages went back)."""
+    seq: Sequence
+    end: int  # tokens of it cached once the step has run
+    num_preemptions: int  # its preemption count when the step was scheduled
+
+
+@dataclasses.dataclass
+class ScheduledBatch:
     decode: list[Sequence]  # one token each, and any proposals after it
     prefill: list[Chunk]  # at most one chunk per sequence
     # Speculative decoding: how many proposals a decoding sequence has pages and budget for, then the proposals
-    # themselves (at most that many; see jaxserve.batching.speculator).
+    # themselves (at most that many; see jaxserve.batching.proposer).
     num_draft: dict[Sequence, int] = dataclasses.field(default_factory=dict)
     proposals: dict[Sequence, list[int]] = dataclasses.field(default_factory=dict)
-    # (sequence, tokens of it cached once the step has run, its preemption count when planned): what the step
-    # writes, to publish to the prefix cache only after the step has completed.
-    writes: list[tuple[Sequence, int, int]] = dataclasses.field(default_factory=list)
+    writes: list[Write] = dataclasses.field(default_factory=list)
+    # The step's rows, laid out once the batch is complete: decode rows, then prompt chunks.
+    rows: list[Row] = dataclasses.field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.decode or self.prefill)
@@ -59,13 +75,31 @@ class StepPlan:
     def num_tokens(self) -> int:
         return len(self.decode) + sum(self.num_draft.values()) + sum(c.length for c in self.prefill)
 
+    @property
+    def row_seqs(self) -> list[Sequence]:
+        """Each row's sequence, in the rows' order."""
+        return self.decode + [c.seq for c in self.prefill]
+
+
+def row_sampling(seq: Sequence, ahead: int = 0, top_logprobs: bool = True) -> RowSampling:
+    """How a row of `seq` samples its next token, or (a draft model's row) the token `ahead` tokens later: with its
+    seed and generated token number, so a draft's draw is coupled with the target's. top_logprobs=False: a row whose
+    logprobs nobody reads (a draft's)."""
+    p = seq.params
+    # min_tokens: until reached, ending tokens may not be sampled at all (a device-side ban, as in vLLM; the
+    # device counts, since one verification row samples several tokens).
+    banned = seq.ending_token_ids if seq.num_generated < p.min_tokens else ()
+    return RowSampling(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p, seed=seq.seed,
+                       step=seq.num_generated + ahead, banned=banned, min_tokens=p.min_tokens,
+                       want_top_logprobs=bool(p.logprobs) and top_logprobs)
+
 
 class Scheduler:
     def __init__(self, cache: PrefixCache, max_num_seqs: int, max_num_batched_tokens: int,
                  token_buckets: tuple[int, ...] | None = None, policy: str = "fcfs",
                  slo: SloController | None = None):
-        if policy not in POLICIES:
-            raise ValueError(f"scheduling_policy must be one of {POLICIES}, got {policy!r}")
+        if policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {policy!r}")
         self.cache = cache
         self.page_size = cache.page_size
         self.max_num_seqs = max_num_seqs
@@ -115,10 +149,22 @@ class Scheduler:
     def priority(self, seq: Sequence):
         return seq.effective_priority if self.policy == "priority" else (0, seq.arrival)
 
-    def schedule(self, num_draft: dict[Sequence, int] | None = None) -> StepPlan:
-        """num_draft: proposals wanted per decoding sequence (speculative decoding); granted where pages are free
-        without preempting anyone and the token budget allows, after every sequence has its one decode token."""
-        plan = StepPlan([], [])
+    def schedule(self, num_draft: dict[Sequence, int] | None = None, propose=None) -> ScheduledBatch:
+        """The next step, its rows laid out and counted in (its tokens computed, their samples in flight).
+
+        num_draft: proposals wanted per decoding sequence (speculative decoding); granted where pages are free
+        without preempting anyone and the token budget allows, after every sequence has its one decode token.
+        propose(batch) -> Proposals: fills the grants (a Proposer's `propose`), before the rows are laid out.
+        """
+        plan = self._plan(num_draft)
+        if plan and propose is not None:
+            self._take_proposals(plan, propose(plan))
+        plan.rows = self._rows(plan)
+        self._count_in(plan)
+        return plan
+
+    def _plan(self, num_draft: dict[Sequence, int] | None) -> ScheduledBatch:
+        plan = ScheduledBatch([], [])
         budget = self.max_num_batched_tokens
         preemptions = self.num_preemptions
         for seq in sorted(self.running, key=self.priority):
@@ -160,13 +206,32 @@ class Scheduler:
         self._fit_to_bucket(plan)
         # A decode row's proposals are left out: they may be rejected, and a page holding a rejected token must
         # never be published. Accepted ones are published with the step that next writes after them.
-        plan.writes = [(s, s.num_tokens, s.num_preemptions) for s in plan.decode] + \
-                      [(c.seq, c.start + c.length, c.seq.num_preemptions) for c in plan.prefill]
+        plan.writes = [Write(s, s.num_tokens, s.num_preemptions) for s in plan.decode] + \
+                      [Write(c.seq, c.start + c.length, c.seq.num_preemptions) for c in plan.prefill]
         return plan
 
-    def count_in(self, plan: StepPlan) -> None:
-        """Once the plan's step is dispatched (its inputs were read from the sequences as planned): its tokens are
-        computed and their samples in flight."""
+    def _take_proposals(self, plan: ScheduledBatch, proposals: Proposals) -> None:
+        plan.proposals = proposals.tokens
+        plan.num_draft = {s: len(p) for s, p in proposals.tokens.items()}
+        for seq, n in proposals.draft_cached.items():
+            seq.num_draft_cached = n
+
+    @staticmethod
+    def _rows(plan: ScheduledBatch) -> list[Row]:
+        """The batch as rows, from the sequences as they stand before it is counted in: decode rows (whose token the
+        step before sampled is taken straight from the device), then prompt chunks."""
+        rows = []
+        for s in plan.decode:
+            proposals = plan.proposals.get(s, [])
+            rows.append(Row([0 if s.pending else s.last_token] + proposals, s.num_tokens - 1, s.pages,
+                            row_sampling(s), s.slot, chained=bool(s.pending), num_draft=len(proposals)))
+        rows += [Row(c.seq.token_ids[c.start:c.start + c.length], c.start, c.seq.pages, row_sampling(c.seq),
+                     c.seq.slot if c.is_last else -1, samples=c.is_last) for c in plan.prefill]
+        return rows
+
+    def _count_in(self, plan: ScheduledBatch) -> None:
+        """Its rows read, the batch's tokens count as computed and their samples as in flight (a step that then
+        fails to run ends every sequence in it)."""
         for seq in plan.decode:
             seq.num_cached += 1 + len(plan.proposals.get(seq, ()))
             seq.pending += 1
@@ -174,18 +239,34 @@ class Scheduler:
             chunk.seq.num_cached += chunk.length
             chunk.seq.pending += chunk.is_last
 
-    def written(self, plan: StepPlan) -> None:
+    def update(self, batch: ScheduledBatch, deltas: list[SequenceDelta], now: float) -> None:
+        """Applies a completed step: its pages are published, each sequence takes the tokens the output processor
+        took for it, and one that ended is finished; a verification row's rejected proposals are rolled back."""
+        self._written(batch)
+        for d in deltas:
+            seq = d.seq
+            seq.pending -= 1  # a row's tokens land together
+            seq.output_token_ids += d.token_ids
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            if d.finished:
+                seq.finish_time = now
+                self.finish(seq)
+            elif seq in batch.proposals:
+                self._roll_back(seq, len(batch.proposals[seq]) - (d.num_emitted - 1))
+
+    def _written(self, plan: ScheduledBatch) -> None:
         """After `plan`'s step has completed: its full pages are in the cache, so the prefix cache may serve them.
 
         Never earlier: a step that fails on the device leaves pages that were never written, which must not be
         served as cached prefixes. A sequence preempted since the step was planned has given those pages back.
         """
-        for seq, end, preemptions in plan.writes:
-            if seq.status is Status.RUNNING and seq.num_preemptions == preemptions:
-                seq.num_written = max(seq.num_written, end)
-                self.publish(seq)
+        for w in plan.writes:
+            if w.seq.status is Status.RUNNING and w.seq.num_preemptions == w.num_preemptions:
+                w.seq.num_written = max(w.seq.num_written, w.end)
+                self.publish(w.seq)
 
-    def roll_back(self, seq: Sequence, num_rejected: int) -> None:
+    def _roll_back(self, seq: Sequence, num_rejected: int) -> None:
         """After a verification step: the rejected proposals' K/V stay in the cache unread, past the sequence's
         length, to be overwritten; pages holding nothing but them go back."""
         seq.num_cached -= num_rejected
@@ -203,13 +284,13 @@ class Scheduler:
             self.cache.publish(seq.pages, seq.token_ids, keys[:full], seq.num_published)
             seq.num_published = full
 
-    def _add_chunks(self, plan: StepPlan, seq: Sequence, budget: int) -> int:
+    def _add_chunks(self, plan: ScheduledBatch, seq: Sequence, budget: int) -> int:
         """Plans up to `budget` of the sequence's next prompt tokens, as one chunk; returns how many."""
         n = min(seq.num_to_compute, budget)
         plan.prefill.append(Chunk(seq, seq.num_cached, n))
         return n
 
-    def _fit_to_bucket(self, plan: StepPlan) -> None:
+    def _fit_to_bucket(self, plan: ScheduledBatch) -> None:
         """Cuts prompt chunks (the last planned first) down to the bucket below when the step would otherwise pad
         more than a quarter of the bucket above: a padded token costs a real one in every matmul once a step is
         compute-bound, while a cut token only waits a step. Decode tokens are never cut."""

@@ -1,0 +1,148 @@
+"""From sampled tokens to what a request says: detokenizing, stop rules, logprobs, and the deltas streamed.
+
+The output processor is the one writer of each sequence's `OutputState`. It reads a step's result row by row,
+takes each row's tokens up to the first that ends the sequence (EOS, a stop id, a stop string, a length limit),
+and says so; the scheduler then applies the tokens it took (`Scheduler.update`). Text that could still grow into
+a stop string is held back until it cannot (or the sequence ends), so no part of a stop string is ever shown, as
+in OpenAI's and vLLM's APIs.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from jaxserve.batch import StepOutput
+from jaxserve.batching.sequence import Sequence
+from jaxserve.outputs import CompletionOutput, Logprob, RequestMetrics
+
+
+@dataclasses.dataclass
+class SequenceDelta:
+    """One sequence's part of a step's result: the tokens it took, and what is new for its request."""
+    seq: Sequence
+    num_emitted: int  # tokens the step emitted for it (a verification row: accepted proposals + 1)
+    output: CompletionOutput  # new text, the tokens taken (up to any stop), their logprobs; finish reason if it ended
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.output.token_ids
+
+    @property
+    def finished(self) -> bool:
+        return self.output.finish_reason is not None
+
+
+def process(rows: list[Sequence], result: StepOutput) -> list[SequenceDelta]:
+    """A step's result, rows in the order the scheduler laid them out; rows that emitted nothing (a prompt chunk
+    short of its end) and sequences finished or aborted while the step ran are skipped."""
+    tokens, counts = result.tokens.tolist(), result.num_tokens.tolist()
+    deltas = []
+    for i, seq in enumerate(rows):
+        if not counts[i] or seq.finished:
+            continue
+        out = seq.output
+        start_logprobs = len(out.logprobs) if out.logprobs is not None else 0
+        taken = []
+        for j in range(counts[i]):
+            top = []
+            if seq.params.logprobs:
+                top = list(zip(result.top_ids[i, j].tolist(), result.top_logprobs[i, j].tolist()))
+            taken.append(tokens[i][j])
+            _take_token(seq, tokens[i][j], float(result.logprobs[i, j]), int(result.ranks[i, j]), top)
+            if out.finish_reason is not None:
+                break  # never a token past a stop
+        new_logprobs = out.logprobs[start_logprobs:] if out.logprobs is not None else None
+        deltas.append(SequenceDelta(seq, counts[i], completion_output(seq, _release(seq), taken, new_logprobs)))
+    return deltas
+
+
+def take_token(seq: Sequence, token: int, logprob: float = 0.0, rank: int = 1,
+               top: list[tuple[int, float]] = ()) -> str:
+    """Takes one token (checking every stop rule) and returns the text it releases to the stream: `process`,
+    one token at a time (tests and tools that feed tokens by hand)."""
+    _take_token(seq, token, logprob, rank, list(top))
+    return _release(seq)
+
+
+def completion_output(seq: Sequence, text: str | None = None, token_ids: list[int] | None = None,
+                      logprobs: list[dict[int, Logprob]] | None = None) -> CompletionOutput:
+    """The one place a CompletionOutput is made: the whole output so far (no arguments), or a delta."""
+    out = seq.output
+    return CompletionOutput(seq.index, out.text if text is None else text,
+                            list(seq.output_token_ids) if token_ids is None else token_ids,
+                            out.cumulative_logprob if out.logprobs is not None else None,
+                            out.logprobs if logprobs is None else logprobs, out.finish_reason, out.stop_reason)
+
+
+def request_metrics(seqs: list[Sequence]) -> RequestMetrics:
+    """One request's timestamps, over its n sequences: the first start and first token, the last finish."""
+    def first(values):
+        values = [v for v in values if v is not None]
+        return min(values) if values else None
+    finished = [s.finish_time for s in seqs]
+    return RequestMetrics(seqs[0].arrival_time, first(s.first_scheduled_time for s in seqs),
+                          first(s.first_token_time for s in seqs),
+                          None if None in finished else max(finished), sum(s.num_preemptions for s in seqs))
+
+
+def _take_token(seq: Sequence, token: int, logprob: float, rank: int, top: list[tuple[int, float]]) -> None:
+    out, params, rules = seq.output, seq.params, seq.stop_rules
+    out.num_tokens += 1
+    out.cumulative_logprob += logprob
+    if out.logprobs is not None:
+        entry = {tid: Logprob(lp, r + 1, _piece(out, tid)) for r, (tid, lp) in enumerate(top[:params.logprobs])}
+        entry.setdefault(token, Logprob(logprob, rank, _piece(out, token)))
+        out.logprobs.append(entry)
+    piece = out.detokenizer.add(token) if out.detokenizer is not None else ""
+    n = out.num_tokens
+    if n >= params.min_tokens and (token in rules.eos or token in rules.stop_ids):
+        # The ending token's text is not part of the output unless asked, as in vLLM.
+        out.finish_reason, out.stop_reason = "stop", None if token in rules.eos else token
+        if params.include_stop_str_in_output:
+            out.text += piece
+        return
+    out.text += piece
+    if piece and params.stop and n >= params.min_tokens:
+        _check_stop_strings(seq, len(out.text) - len(piece))
+        if out.finish_reason:
+            return
+    if n >= (params.max_tokens or seq.max_model_len) or len(seq.prompt_token_ids) + n >= seq.max_model_len:
+        out.finish_reason = "length"
+
+
+def _check_stop_strings(seq: Sequence, old_len: int) -> None:
+    """Ends the text at the first stop string that the text since old_len completed."""
+    out, params = seq.output, seq.params
+    # A match must end in the new text: one wholly before it was written under min_tokens, and stays (as vLLM).
+    hits = [(at, s) for s in params.stop if (at := out.text.find(s, max(0, old_len - len(s) + 1))) >= 0]
+    if hits:
+        at, stop = min(hits)
+        out.text = out.text[:at + (len(stop) if params.include_stop_str_in_output else 0)]
+        out.finish_reason, out.stop_reason = "stop", stop
+
+
+def _stop_prefix_length(seq: Sequence) -> int:
+    """Characters at the end of the text that are the start of some stop string (0 if none)."""
+    out, stops, rules = seq.output, seq.params.stop, seq.stop_rules
+    text = out.text
+    for p in range(max(out.sent, len(text) - rules.longest_stop + 1), len(text)):
+        # Most positions fail the first-character test: a stop string's prefix is looked for only where one
+        # could start, so the host's per-token work stays small.
+        if text[p] in rules.stop_firsts:
+            tail = text[p:]
+            if any(s.startswith(tail) for s in stops):
+                return len(text) - p
+    return 0
+
+
+def _release(seq: Sequence) -> str:
+    """The text not yet streamed, but for a tail that could still become a stop string (none once it ended)."""
+    out = seq.output
+    hold = 0 if out.finish_reason is not None else _stop_prefix_length(seq)
+    end = len(out.text) - hold
+    delta = out.text[out.sent:end]
+    out.sent = max(out.sent, end)
+    return delta
+
+
+def _piece(out, token_id: int) -> str | None:
+    return out.detokenizer.tokenizer.decode([token_id], skip_special_tokens=False) if out.detokenizer else None

@@ -1,0 +1,33 @@
+"""What the engine loop needs of the device side: start a step over rows, read it back, compile ahead.
+
+`ModelRunner` is the real one (a jitted step over a paged KV cache); tests drive the scheduler and the engine loop
+with a fake whose tokens can be worked out by hand (`tests/fake_runner.py`), and inject faults there.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Protocol
+
+from jaxserve.batch import StepOutput
+from jaxserve.batching.batch_builder import Row
+
+
+@dataclasses.dataclass
+class StepHandle:
+    """A dispatched step: its output still on the device (or in flight), and how many of its rows are real."""
+    num_rows: int
+    output: StepOutput
+
+
+class Runner(Protocol):
+    # Seconds per step by (tokens, tokens scored per row), measured at warm-up: what speculation's controller weighs.
+    step_times: dict[tuple[int, int], float]
+
+    def dispatch(self, rows: list[Row]) -> StepHandle:
+        """Starts a step over `rows` without waiting for it."""
+
+    def fetch(self, handle: StepHandle) -> StepOutput:
+        """Waits for a dispatched step; its output on the host, cut to its rows."""
+
+    def warmup(self, progress: bool = True, time_steps: bool = False) -> int:
+        """Compiles every step shape before serving; returns how many programs were compiled."""

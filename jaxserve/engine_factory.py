@@ -1,0 +1,232 @@
+"""From an EngineConfig to a running engine: load (and quantize) the model, size the KV cache, check the kernels,
+and build one engine replica (scheduler, runner, speculation) per device group.
+
+`LLM` is the user's API over what this builds (`Engine`); tests build an `Engine` by hand over fake runners.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from contextlib import nullcontext
+
+import jax
+import jax.numpy as jnp
+
+from jaxserve import multihost
+from jaxserve.attention import resolve_attention_backend
+from jaxserve.batching.data_parallel import DataParallel
+from jaxserve.batching.draft_proposer import DraftProposer
+from jaxserve.batching.engine_core import EngineCore
+from jaxserve.batching.model_runner import ModelRunner, RunnerConfig
+from jaxserve.batching.ngram_proposer import NgramProposer
+from jaxserve.batching.scheduler import Scheduler
+from jaxserve.batching.slo import SloController
+from jaxserve.batching.spec_controller import SpecController
+from jaxserve.buckets import Buckets, geometric
+from jaxserve.cache import PageAllocator, PrefixCache, bytes_per_page, num_pages_for_budget, pages_needed
+from jaxserve.distributed import check_tensor_parallel, device_groups, make_mesh
+from jaxserve.engine_config import EngineConfig
+from jaxserve.model.decoder import repeat_kv_heads
+from jaxserve.options import CPU_KV_CACHE_BYTES
+from jaxserve.quantize import quantize_model
+from jaxserve.spec_config import check_draft
+from jaxserve.tokenizer import read_chat_template
+from jaxserve.weights import load_model, resolve_dtype
+from jaxserve.weights.params import param_bytes
+
+logger = logging.getLogger("jaxserve")
+
+
+@dataclasses.dataclass
+class Engine:
+    """What an LLM serves: the engine (one replica's core, or several behind DataParallel) and what requests are
+    checked against."""
+    core: EngineCore | DataParallel
+    replicas: list[EngineCore]
+    model_name: str
+    vocab_size: int
+    max_model_len: int
+    tokenizer: object | None = None
+    model_config: object | None = None  # the ModelConfig (None for a fake model)
+    runners: list = dataclasses.field(default_factory=list)  # every runner, a replica's target then its draft
+    processes: multihost.LeaderFollower = dataclasses.field(
+        default_factory=lambda: multihost.LeaderFollower(None, True))
+    attention_backend: str = "reference"
+    quantization: str | None = None
+
+    @classmethod
+    def over(cls, replicas: list[EngineCore], vocab_size: int, max_model_len: int, tokenizer=None,
+             model_name: str = "fake") -> "Engine":
+        """An engine over replicas built by hand (tests: over fake runners)."""
+        core = replicas[0] if len(replicas) == 1 else DataParallel(replicas)
+        return cls(core, replicas, model_name, vocab_size, max_model_len, tokenizer)
+
+
+def build_engine(c: EngineConfig) -> Engine:
+    if c.coordinator_address is not None:  # before any backend starts
+        multihost.initialize(c.coordinator_address, c.num_processes, c.process_id, c.coordinator_bind_address)
+    runners: list[ModelRunner] = []
+    # Several processes: the leader (process 0) schedules and publishes each step; the others follow it.
+    processes = multihost.LeaderFollower.for_this_process(lambda index, batch: runners[index].run(batch),
+                                                           c.coordinator_secret_file)
+    tp, dp = c.tensor_parallel_size, c.data_parallel_size
+    groups = device_groups(make_mesh(tp, dp)) if tp * dp > 1 or processes.multi_process else [None]
+    spec = c.speculative_config
+    backend = resolve_attention_backend(c.attention_backend)
+    _enable_compilation_cache()
+    dtype = resolve_dtype(c.dtype)
+    # Over a mesh, weights are loaded (and quantized) in host memory and go from there to their shards: no
+    # accelerator ever holds the whole model.
+    with jax.default_device(jax.local_devices(backend="cpu")[0]) if groups[0] is not None else nullcontext():
+        loaded = quantize_model(load_model(c.model, dtype), c.quantization, group_size=c.quantization_group_size,
+                                quantize_embeddings=c.quantize_embeddings, calibration_text=c.calibration_text)
+        tokenizer = loaded.tokenizer
+        if c.chat_template is not None:
+            if tokenizer is None:
+                raise ValueError(f"chat_template {c.chat_template}: this model has no tokenizer to chat with")
+            tokenizer.chat_template = read_chat_template(c.chat_template)
+        limit = loaded.config.max_position_embeddings
+        if c.max_model_len is not None and c.max_model_len > limit:
+            raise ValueError(f"max_model_len must be an integer in [2, {limit}] for this model, got "
+                             f"{c.max_model_len!r}")
+        max_model_len = c.max_model_len or limit
+        draft = None
+        if spec is not None and spec.method == "draft_model":
+            draft = load_model(spec.model, dtype)
+            check_draft(draft.config, loaded.config, max_model_len)
+            _check_same_tokenizer(draft.tokenizer, tokenizer)
+        # What the runners hold: over a mesh wider than the KV heads, each device gets a copy of the head it reads.
+        config, params = split_for(loaded.config, loaded.params, tp)
+        if draft is not None:
+            draft = dataclasses.replace(draft, **dict(zip(("config", "params"),
+                                                          split_for(draft.config, draft.params, tp, "the draft"))))
+    # The budget is per device, as gpu_memory_utilization is; the weights and the pages split over tp devices.
+    kv_bytes = c.kv_cache_memory_bytes or _default_kv_budget(
+        (param_bytes(params) + (param_bytes(draft.params) if draft else 0)) // tp, c.gpu_memory_utilization)
+    # The draft's pages are the target's page ids in a second cache: a page costs both.
+    num_pages = num_pages_for_budget(config, c.block_size, dtype, kv_bytes * tp, c.kv_cache_dtype,
+                                     draft.config if draft else None)
+    # Never more pages than max_num_seqs full-length sequences can use (+1 for the scratch page).
+    num_pages = min(num_pages, c.max_num_seqs * pages_needed(max_model_len, c.block_size) + 1)
+    max_model_len = _fitted_max_model_len(max_model_len, num_pages, c.block_size, asked=c.max_model_len is not None)
+    logger.info("KV cache: %d pages of %d tokens (%.1f MB, %s)", num_pages, c.block_size,
+                num_pages * bytes_per_page(config, c.block_size, dtype, c.kv_cache_dtype) / 1e6,
+                "int8" if c.kv_cache_dtype == "int8" else jnp.dtype(dtype).name)
+    buckets = Buckets.for_limits(c.max_num_seqs, c.max_num_batched_tokens, pages_needed(max_model_len, c.block_size))
+    serving = dict(num_pages=num_pages, pages_per_seq=buckets.pages_per_row, max_num_seqs=c.max_num_seqs,
+                   max_tokens=buckets.num_tokens[-1])
+    backend = checked_backend(backend, c.attention_backend, config, c.block_size, dtype, serving, c.kv_cache_dtype)
+    runner_config = RunnerConfig(dtype, num_pages, c.block_size, buckets, c.max_num_seqs, backend, c.kv_cache_dtype,
+                                 spec.num_speculative_tokens if spec else 0)
+    # One engine replica per device group: its own runner, KV cache and scheduler (see batching.data_parallel).
+    replicas = [_replica(c, runner_config, config, params, draft, group, processes, runners) for group in groups]
+    engine = Engine(replicas[0] if len(replicas) == 1 else DataParallel(replicas), replicas, loaded.name,
+                    loaded.config.vocab_size, max_model_len, tokenizer, loaded.config, runners, processes, backend,
+                    loaded.quantization)
+    # The controller weighs step times measured at warm-up, so speculation warms up even if asked not to.
+    timed = spec is not None and spec.adaptive
+    if c.warmup or timed:
+        def warm_up():
+            for runner in runners:
+                runner.warmup(time_steps=timed)
+        processes.run(warm_up)
+    return engine
+
+
+def _replica(c: EngineConfig, runner_config: RunnerConfig, config, params, draft, mesh,
+             processes: multihost.LeaderFollower, runners: list) -> EngineCore:
+    """An engine on one device group (mesh None: the default device); its runners join `runners`, whose index is
+    how a multi-process leader names them to the followers."""
+    spec = c.speculative_config
+
+    def runner_for(model_config, model_params, k: int) -> ModelRunner:
+        runner = ModelRunner(model_config, model_params, dataclasses.replace(runner_config, num_speculative_tokens=k),
+                             mesh, processes if processes.is_leader else None, len(runners))
+        runners.append(runner)
+        return runner
+    runner = runner_for(config, params, runner_config.num_speculative_tokens)
+    slo = None
+    if c.ttft_slo is not None or c.tpot_slo is not None:
+        slo = SloController(geometric(1, c.max_num_seqs), c.max_num_seqs, tpot_slo=c.tpot_slo, ttft_slo=c.ttft_slo)
+    cache = PrefixCache(PageAllocator(runner_config.num_pages), c.block_size, c.enable_prefix_caching)
+    scheduler = Scheduler(cache, c.max_num_seqs, c.max_num_batched_tokens, runner_config.buckets.num_tokens,
+                          c.scheduling_policy, slo)
+    if spec is None:
+        return EngineCore(scheduler, runner)
+    k = spec.num_speculative_tokens
+    draft_runner = None
+    if draft is not None:
+        draft_runner = runner_for(draft.config, draft.params, 0)  # a draft draws its proposals in plain steps
+        proposer = DraftProposer(draft_runner, c.max_num_batched_tokens, c.max_num_seqs)
+    else:
+        proposer = NgramProposer(k, spec.prompt_lookup_max, spec.prompt_lookup_min)
+    # Its step times are the runners', filled in at warm-up.
+    controller = SpecController(k, runner_config.buckets.num_tokens, runner.step_times,
+                                draft_runner.step_times if draft_runner else None)
+    return EngineCore(scheduler, runner, proposer=proposer, controller=controller, adaptive=spec.adaptive)
+
+
+def split_for(config, params, tp: int, what: str = "the model"):
+    """(config, params) as a tensor-parallel group of tp devices holds them: checked to split, KV heads repeated
+    up to one per device where there are fewer."""
+    check_tensor_parallel(config, tp, what)
+    return repeat_kv_heads(config, params, max(1, tp // config.num_kv_heads))
+
+
+def _fitted_max_model_len(max_model_len: int, num_pages: int, block_size: int, asked: bool) -> int:
+    """A max_model_len sequence must fit the KV cache, or every request that leaves max_tokens unset (the OpenAI
+    clients' default for chat) is refused while the model advertises the full length. As vLLM: an explicit
+    max_model_len that does not fit is an error, the model's own context is lowered to what fits."""
+    fits = (num_pages - 1) * block_size  # page 0 is scratch
+    if max_model_len <= fits:
+        return max_model_len
+    if asked or fits < 2:
+        raise ValueError(f"max_model_len {max_model_len} does not fit the KV cache, which holds {fits} "
+                         "tokens: lower max_model_len or raise the KV budget (kv_cache_memory_bytes / "
+                         "gpu_memory_utilization)")
+    logger.warning("max_model_len lowered from the model's %d to %d tokens: the most one sequence can hold in "
+                   "the KV cache (raise the KV budget for more)", max_model_len, fits)
+    return fits
+
+
+def _check_same_tokenizer(draft, target) -> None:
+    probe = "Speculative decoding: 42 tokens, café, 日本語 and\n    def f(x): return x"
+    if draft is not None and target is not None and draft.encode(probe) != target.encode(probe):
+        raise ValueError("the draft model's tokenizer is not the target's: a draft must share the target's tokenizer")
+
+
+def checked_backend(backend: str, asked: str, config, page_size: int, dtype, serving: dict | None = None,
+                    kv_cache_dtype: str = "auto") -> str:
+    """The Pallas kernels only if they compile and agree with their references here (see self_check)."""
+    if not backend.startswith("pallas-") or backend.endswith("interpret"):  # no kernel of its own to check
+        return backend
+    from jaxserve.pallas_kernels.self_check import check_kernels
+    problem = check_kernels(backend, config.num_heads, config.num_kv_heads, config.head_dim, page_size, dtype,
+                            config.sliding_window, serving, kv_cache_dtype=kv_cache_dtype)
+    if problem is None:
+        logger.info("attention: %s kernels", backend)
+        return backend
+    if asked != "auto":
+        raise RuntimeError(f"the {backend} attention kernels failed their start-up check: {problem}")
+    logger.warning("attention: the %s kernels failed their start-up check (%s); using the jnp reference", backend,
+                   problem)
+    return "reference"
+
+
+def _enable_compilation_cache() -> None:
+    """Keep compiled steps on disk, so a second start skips most compilation (unless the user chose a cache)."""
+    if jax.config.jax_compilation_cache_dir is None:
+        from jaxserve.weights.default_model import cache_dir
+        jax.config.update("jax_compilation_cache_dir", str(cache_dir() / "xla"))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
+def _default_kv_budget(weight_bytes: int, utilization: float) -> int:
+    device = jax.devices()[0]
+    if device.platform == "cpu":
+        return CPU_KV_CACHE_BYTES
+    limit = (device.memory_stats() or {}).get("bytes_limit")
+    if not limit:
+        return CPU_KV_CACHE_BYTES
+    # Leave a tenth of the remainder for activations and compiled programs.
+    return int((limit * utilization - weight_bytes) * 0.9)

@@ -1,0 +1,130 @@
+"""A runner with no model: the engine loop and the scheduler under test, with tokens worked out by hand.
+
+Every token's successor is `next_token(t) = (t + 1) % vocab_size` (skipping tokens a row bans under min_tokens), so
+a greedy sequence from prompt [.., t] generates t + 1, t + 2, ... A verification row accepts its proposals while
+each equals the successor of the token before it, as the real verifier accepts proposals equal to its own draw.
+Faults are injected by asking for them (`fail`), not by patching a live runner.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from jaxserve import LLM
+from jaxserve.batch import StepOutput
+from jaxserve.batching.batch_builder import Row
+from jaxserve.batching.engine_core import EngineCore
+from jaxserve.batching.ngram_proposer import NgramProposer
+from jaxserve.batching.runner import StepHandle
+from jaxserve.batching.scheduler import Scheduler
+from jaxserve.batching.spec_controller import SpecController
+from jaxserve.cache import PageAllocator, PrefixCache
+from jaxserve.engine_factory import Engine
+from jaxserve.sampling_params import MAX_LOGPROBS
+
+
+@dataclasses.dataclass
+class Fault:
+    on: str  # "dispatch" or "fetch"
+    when: object  # rows -> bool: which step fails
+    error: BaseException
+    times: int  # how many more steps it fails (-1: every one)
+
+
+class FakeRunner:
+    def __init__(self, vocab_size: int = 64, num_speculative_tokens: int = 0):
+        self.vocab_size = vocab_size
+        self.num_speculative_tokens = num_speculative_tokens
+        self.last_tokens: dict[int, int] = {}  # slot -> the token a row last emitted into it (the device buffer)
+        self.step_times: dict[tuple[int, int], float] = {}
+        self.steps: list[list[Row]] = []  # the rows of every dispatched step, in order
+        self.events: list[str] = []  # "dispatch" / "fetch", in order
+        self._faults: list[Fault] = []
+
+    def next_token(self, token: int) -> int:
+        return (token + 1) % self.vocab_size
+
+    def fail(self, on: str = "dispatch", when=lambda rows: True, error: BaseException | None = None,
+             times: int = 1) -> Fault:
+        """The next `times` steps whose rows satisfy `when` fail at `on` with `error` (times=-1: all of them)."""
+        fault = Fault(on, when, error or RuntimeError("device lost"), times)
+        self._faults.append(fault)
+        return fault
+
+    def _check_faults(self, on: str, rows: list[Row]) -> None:
+        for f in self._faults:
+            if f.on == on and f.times != 0 and f.when(rows):
+                f.times -= f.times > 0
+                raise f.error
+
+    def dispatch(self, rows: list[Row]) -> StepHandle:
+        self.events.append("dispatch")
+        self._check_faults("dispatch", rows)
+        self.steps.append(rows)
+        Q = 1 + self.num_speculative_tokens
+        S = len(rows)
+        tokens, counts = np.zeros((S, Q), np.int32), np.zeros(S, np.int32)
+        for i, row in enumerate(rows):
+            ids = list(row.token_ids)
+            if row.chained:
+                ids[0] = self.last_tokens[row.slot]
+            if not row.samples:
+                continue
+            scored = ids[len(ids) - 1 - row.num_draft:]  # the last token and the proposals after it
+            step = row.sampling.step
+            emitted = []
+            for j, t in enumerate(scored):
+                draw = self._draw(t, row, step + j)
+                emitted.append(draw)
+                if j + 1 == len(scored) or scored[j + 1] != draw:
+                    break  # the proposal after it is rejected (or there is none): this draw is the last
+            tokens[i, :len(emitted)] = emitted
+            counts[i] = len(emitted)
+            self.last_tokens[row.slot] = emitted[-1]
+        zeros = np.zeros((S, Q), np.float32)
+        out = StepOutput(tokens=tokens, num_tokens=counts, logprobs=zeros, ranks=np.ones((S, Q), np.int32),
+                         top_ids=np.zeros((S, Q, MAX_LOGPROBS), np.int32),
+                         top_logprobs=np.zeros((S, Q, MAX_LOGPROBS), np.float32))
+        handle = StepHandle(S, out)
+        handle.rows = rows
+        return handle
+
+    def _draw(self, token: int, row: Row, generated: int) -> int:
+        draw = self.next_token(token)
+        while generated < row.sampling.min_tokens and draw in row.sampling.banned:
+            draw = self.next_token(draw)
+        return draw
+
+    def fetch(self, handle: StepHandle) -> StepOutput:
+        self.events.append("fetch")
+        self._check_faults("fetch", handle.rows)
+        return handle.output
+
+    def warmup(self, progress: bool = True, time_steps: bool = False) -> int:
+        return 0
+
+
+def has_decode_row(rows: list[Row]) -> bool:
+    """A step decoding some sequence: a row whose input token the step before sampled."""
+    return any(r.chained or (r.samples and len(r.token_ids) == 1 + r.num_draft and r.start_pos > 0) for r in rows)
+
+
+def fake_replica(num_pages: int = 32, page_size: int = 4, max_num_seqs: int = 4, max_num_batched_tokens: int = 16,
+                 vocab_size: int = 64, ngram: int = 0, enable_prefix_caching: bool = True,
+                 proposer=None) -> EngineCore:
+    """An engine core over a FakeRunner; ngram=k: speculating up to k proposals for every sequence every step, from
+    `proposer` (default: n-gram lookup)."""
+    runner = FakeRunner(vocab_size, ngram)
+    scheduler = Scheduler(PrefixCache(PageAllocator(num_pages), page_size, enable_prefix_caching), max_num_seqs,
+                          max_num_batched_tokens)
+    if not ngram:
+        return EngineCore(scheduler, runner)
+    return EngineCore(scheduler, runner, proposer=proposer or NgramProposer(ngram, 3, 1),
+                      controller=SpecController(ngram, (max_num_batched_tokens,), runner.step_times), adaptive=False)
+
+
+def fake_llm(num_replicas: int = 1, max_model_len: int = 64, vocab_size: int = 64, **replica_args) -> LLM:
+    """An LLM (token-id prompts only) over fake runners: one replica, or several behind data parallelism."""
+    replicas = [fake_replica(vocab_size=vocab_size, **replica_args) for _ in range(num_replicas)]
+    return LLM.over(Engine.over(replicas, vocab_size, max_model_len))
