@@ -52,7 +52,10 @@ class LLM:
     def over(cls, engine: Engine, engine_config: EngineConfig | None = None) -> "LLM":
         """An LLM over an engine built by hand (tests: over fake runners)."""
         llm = cls.__new__(cls)
-        llm.engine_config = engine_config or EngineConfig(max_model_len=engine.max_model_len)
+        s = engine.replicas[0].scheduler
+        llm.engine_config = engine_config or EngineConfig(
+            max_model_len=engine.max_model_len, max_num_seqs=s.max_num_seqs, block_size=s.page_size,
+            max_num_batched_tokens=s.max_num_batched_tokens, data_parallel_size=len(engine.replicas))
         llm._serve(engine)
         return llm
 

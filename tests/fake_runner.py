@@ -14,6 +14,7 @@ import numpy as np
 from jaxserve import LLM
 from jaxserve.batch import StepOutput
 from jaxserve.batching.batch_builder import Row
+from jaxserve.batching.draft_proposer import DraftProposer
 from jaxserve.batching.engine_core import EngineCore
 from jaxserve.batching.ngram_proposer import NgramProposer
 from jaxserve.batching.runner import StepHandle
@@ -33,17 +34,21 @@ class Fault:
 
 
 class FakeRunner:
-    def __init__(self, vocab_size: int = 64, num_speculative_tokens: int = 0):
+    def __init__(self, vocab_size: int = 64, num_speculative_tokens: int = 0, successor=None):
+        """successor(token) -> the token after it (default: the next id): a fake draft model guesses with another
+        rule, so some of its proposals are rejected."""
         self.vocab_size = vocab_size
+        self._successor = successor
         self.num_speculative_tokens = num_speculative_tokens
         self.last_tokens: dict[int, int] = {}  # slot -> the token a row last emitted into it (the device buffer)
         self.step_times: dict[tuple[int, int], float] = {}
         self.steps: list[list[Row]] = []  # the rows of every dispatched step, in order
         self.events: list[str] = []  # "dispatch" / "fetch", in order
         self._faults: list[Fault] = []
+        self.gate = None  # a threading.Event: while set to one, each read-back waits for it (an engine held)
 
     def next_token(self, token: int) -> int:
-        return (token + 1) % self.vocab_size
+        return (token + 1) % self.vocab_size if self._successor is None else self._successor(token) % self.vocab_size
 
     def fail(self, on: str = "dispatch", when=lambda rows: True, error: BaseException | None = None,
              times: int = 1) -> Fault:
@@ -97,6 +102,8 @@ class FakeRunner:
         return draw
 
     def fetch(self, handle: StepHandle) -> StepOutput:
+        if self.gate is not None:
+            self.gate.wait(60)
         self.events.append("fetch")
         self._check_faults("fetch", handle.rows)
         return handle.output
@@ -111,15 +118,18 @@ def has_decode_row(rows: list[Row]) -> bool:
 
 
 def fake_replica(num_pages: int = 32, page_size: int = 4, max_num_seqs: int = 4, max_num_batched_tokens: int = 16,
-                 vocab_size: int = 64, ngram: int = 0, enable_prefix_caching: bool = True,
-                 proposer=None) -> EngineCore:
-    """An engine core over a FakeRunner; ngram=k: speculating up to k proposals for every sequence every step, from
-    `proposer` (default: n-gram lookup)."""
+                 vocab_size: int = 64, ngram: int = 0, enable_prefix_caching: bool = True, proposer=None,
+                 draft: bool = False, scheduling_policy: str = "fcfs") -> EngineCore:
+    """An engine core over a FakeRunner. ngram=k: speculating up to k proposals for every sequence every step, from
+    `proposer` (default: n-gram lookup; draft=True: a fake draft model, right two times in three)."""
     runner = FakeRunner(vocab_size, ngram)
     scheduler = Scheduler(PrefixCache(PageAllocator(num_pages), page_size, enable_prefix_caching), max_num_seqs,
-                          max_num_batched_tokens)
+                          max_num_batched_tokens, policy=scheduling_policy)
     if not ngram:
         return EngineCore(scheduler, runner)
+    if draft:
+        guesser = FakeRunner(vocab_size, successor=lambda t: t + 1 if t % 3 else t + 2)
+        proposer = DraftProposer(guesser, max_num_batched_tokens, max_num_seqs)
     return EngineCore(scheduler, runner, proposer=proposer or NgramProposer(ngram, 3, 1),
                       controller=SpecController(ngram, (max_num_batched_tokens,), runner.step_times), adaptive=False)
 

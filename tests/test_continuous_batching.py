@@ -83,18 +83,15 @@ def test_shared_prefix_is_computed_once(tiny_dir):
 
 
 @pytest.fixture(scope="module", params=["plain", "ngram", "draft"])
-def small_pool_llm(tiny_dir, other_tiny_dir, request):
-    """Plain, and speculating for every sequence every step (rollbacks, and the draft's pages)."""
-    spec = {"plain": None, "ngram": dict(method="ngram", num_speculative_tokens=3, prompt_lookup_min=1),
-            "draft": dict(method="draft_model", model=other_tiny_dir, num_speculative_tokens=3)}[request.param]
-    if spec:
-        spec["adaptive"] = False
-    cost = 2 if request.param == "draft" else 1  # a page in each model's cache
-    return make_llm(tiny_dir, max_num_seqs=3, max_num_batched_tokens=8,
-                    kv_cache_memory_bytes=17 * cost * TINY_PAGE_BYTES, max_model_len=64, speculative_config=spec)
+def small_pool_llm(request):
+    """Plain, and speculating for every sequence every step (rollbacks, and a draft's proposals), over 16 usable
+    pages: preemptions are common."""
+    spec = {"plain": {}, "ngram": dict(ngram=3), "draft": dict(ngram=3, draft=True)}[request.param]
+    return fake_llm(max_num_seqs=3, max_num_batched_tokens=8, num_pages=17, max_model_len=64, vocab_size=VOCAB,
+                    **spec)
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=50, deadline=None)
 @given(data=st.data())
 def test_pages_are_accounted_for_after_aborts_and_preemptions(small_pool_llm, data):
     llm, core, sched = small_pool_llm, small_pool_llm.core, small_pool_llm.scheduler
@@ -138,11 +135,11 @@ def test_pages_are_accounted_for_after_aborts_and_preemptions(small_pool_llm, da
     core.assert_idle_and_clean()
 
 
-def test_interactive_requests_run_before_batch_ones(tiny_dir):
+def test_interactive_requests_run_before_batch_ones():
     ps = prompts(np.random.default_rng(), [6, 6, 6, 6])
     sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     for policy, interactive_first in [("priority", True), ("fcfs", False)]:
-        llm = make_llm(tiny_dir, max_num_seqs=1, scheduling_policy=policy)
+        llm = fake_llm(max_num_seqs=1, scheduling_policy=policy, vocab_size=VOCAB)
         request_ids = []
         for p, priority in zip(ps, [1, 1, 1, 0]):  # the interactive request arrives last
             request = llm._request(p, sp, priority)
@@ -154,9 +151,9 @@ def test_interactive_requests_run_before_batch_ones(tiny_dir):
         assert (order[0] == request_ids[-1][0]) == interactive_first, (policy, order)
 
 
-def test_a_batch_request_is_not_starved_by_interactive_ones(tiny_dir):
+def test_a_batch_request_is_not_starved_by_interactive_ones():
     rng = np.random.default_rng()
-    llm = make_llm(tiny_dir, max_num_seqs=2, scheduling_policy="priority")
+    llm = fake_llm(max_num_seqs=2, scheduling_policy="priority", vocab_size=VOCAB, max_model_len=96)
     core = llm.core
     (batch,) = llm._request({"prompt_token_ids": rng.integers(0, VOCAB, 10).tolist()},
                             SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), priority=1).seqs

@@ -486,14 +486,13 @@ def test_soak_well_behaved_streams_beside_hostile_clients(tiny_dir):
         st.stop()
 
 
-def test_health_turns_503_when_the_engine_stops_making_progress(tiny_dir):
+def test_health_turns_503_when_the_engine_stops_making_progress():
     """An engine whose every step fails stops after a few in a row; /health then says 503 and requests get 503."""
-    from jaxserve.async_engine import MAX_FAILED_STEPS
-    llm = make_llm(tiny_dir)
+    from fake_runner import fake_llm
 
-    def broken(plan):
-        raise RuntimeError("device lost")
-    llm.runner.dispatch = broken
+    from jaxserve.async_engine import MAX_FAILED_STEPS
+    llm = fake_llm()
+    llm.runner.fail("dispatch", times=-1)
     st = ServerThread(llm, "tiny", api_key=KEY)
     try:
         assert call(st, "GET", "/health")[0] == 200

@@ -16,7 +16,8 @@ import pytest
 from jaxserve import LLM, SamplingParams
 from jaxserve.sampling_params import MAX_STOP_TOKEN_IDS
 from serving import ServerThread, free_port, metric_samples, wait_idle
-from tiny import first_decode_fails, make_llm
+from fake_runner import fake_llm, has_decode_row
+from tiny import make_llm
 
 KEY = "sk-test-key"
 
@@ -31,9 +32,10 @@ def real():
 
 
 @pytest.fixture(scope="module")
-def tiny(tiny_dir):
-    """A tiny random model (token-id prompts), with an API key and a small queue."""
-    st = ServerThread(make_llm(tiny_dir, max_num_seqs=4, max_model_len=64), "tiny", api_key=KEY,
+def tiny():
+    """An engine over a fake runner (token-id prompts; each token's successor is the next id), with an API key and
+    a small queue: the server's own behaviour, with tokens worked out by hand."""
+    st = ServerThread(fake_llm(max_num_seqs=4, max_model_len=64, vocab_size=320), "tiny", api_key=KEY,
                       max_queued_requests=4)
     yield st
     st.stop()
@@ -381,8 +383,7 @@ def test_429_when_the_queue_is_full(tiny):
     import threading
     body = {"prompt": [5, 6, 7], "max_tokens": 10, "ignore_eos": True}
     runner, go = tiny.engine.llm.runner, threading.Event()
-    fetch = runner.fetch
-    runner.fetch = lambda handles: (go.wait(60), fetch(handles))[1]
+    runner.gate = go
 
     async def burst():
         tasks = [asyncio.create_task(_request("POST", tiny.url + "/v1/completions", body,
@@ -397,7 +398,7 @@ def test_429_when_the_queue_is_full(tiny):
         results = asyncio.run(burst())
     finally:
         go.set()
-        runner.fetch = fetch
+        runner.gate = None
     statuses = [r.status_code for r in results]
     assert statuses.count(429) == 8 and statuses.count(200) == 8, statuses
     refused = next(r for r in results if r.status_code == 429)
@@ -407,8 +408,8 @@ def test_429_when_the_queue_is_full(tiny):
 
 
 def test_a_failed_step_answers_500_and_the_server_goes_on(tiny):
-    with first_decode_fails(tiny.engine.llm.runner):
-        r = post(tiny, "/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 5})
+    tiny.engine.llm.runner.fail("dispatch", has_decode_row)
+    r = post(tiny, "/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 5})
     assert r.status_code == 500 and "device lost" in r.json()["error"]["message"]
     r = post(tiny, "/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 5, "ignore_eos": True})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5

@@ -1,8 +1,5 @@
 """Engines over the tiny random model, sized so tests cross page, chunk and batch boundaries."""
-import contextlib
-
 import numpy as np
-from fake_runner import has_decode_row
 
 from jaxserve import LLM
 from jaxserve.batching.batch_builder import Row, build_batch
@@ -17,25 +14,6 @@ def make_llm(tiny_dir, **kw):
 
 def prompts(rng, lengths, vocab_size=320):
     return [{"prompt_token_ids": rng.integers(0, vocab_size, n).tolist()} for n in lengths]
-
-
-@contextlib.contextmanager
-def first_decode_fails(runner, message="device lost"):
-    """Within the block the runner's next dispatch of a step with a decode row raises RuntimeError(message); later
-    ones run."""
-    dispatch, failed = runner.dispatch, []
-
-    def failing(rows):
-        if not failed and has_decode_row(rows):
-            failed.append(1)
-            raise RuntimeError(message)
-        return dispatch(rows)
-
-    runner.dispatch = failing
-    try:
-        yield
-    finally:
-        runner.dispatch = dispatch
 
 
 def step_logits(llm, token_ids, cached: int = 0):
