@@ -27,9 +27,8 @@ from jaxserve.buckets import Buckets
 from jaxserve.cache import init_kv_cache, pages_needed
 from jaxserve.collectives import collective_census
 from jaxserve.config import ModelConfig
-from jaxserve.distributed import HEADS, check_tensor_parallel, make_mesh, param_specs, replicated, shardings
-from jaxserve.model.decoder import PARTITIONING
-from jaxserve.model.families import family_of
+from jaxserve.distributed import check_tensor_parallel, make_mesh, replicated
+from jaxserve.model.decoder import declared_params
 from jaxserve.pallas_kernels import ragged_kernel_for
 from jaxserve.steps import Steps
 
@@ -161,12 +160,7 @@ def compile_program(program: str, shape: str, fn, args, device, *, mesh=None, ar
 
 def abstract_params(config: ModelConfig, dtype) -> dict:
     """The params pytree's shapes and dtypes (as the loaders build it), without any weights."""
-    model = family_of(config).model(config, dtype)
-    kv = jax.eval_shape(lambda: init_kv_cache(config, 2, 16, dtype))
-    rows = jax.tree.map(jnp.asarray, build_batch([], 16, config.vocab_size, 1, 1, 1).rows)
-    params = jax.eval_shape(lambda kv: model.init(jax.random.key(0), jnp.zeros(1, jnp.int32), kv, rows,
-                                                  jnp.zeros(1, jnp.int32)), kv)
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, dtype), params)
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, dtype), declared_params(config, dtype)[0])
 
 
 def tensor_parallel_config(config: ModelConfig, tensor_parallel_size: int) -> ModelConfig:
@@ -191,9 +185,10 @@ def compile_serving(config: ModelConfig, dtype, device, *, max_num_seqs: int, ma
     bucket but the one-token one.
 
     tensor_parallel_size > 1: `device` is a list of (at least that many) compile-only devices, of which the first
-    tp make the [data=1, model=tp] mesh; the steps compile as the engine runs them there (weights per
-    `param_specs`, the cache split over KV heads, the batch replicated; KV heads repeated as `repeat_kv_heads` does
-    when tp exceeds them: `params`, if given, must be of that config), each record with its collectives. The
+    tp make the [data=1, model=tp] mesh; the steps compile as the engine runs them there (weights split as
+    `Steps.param_shardings` says, the cache over KV heads, the batch replicated; KV heads repeated as
+    `repeat_kv_heads` does when tp exceeds them: `params`, if given, must be of that config), each record with its
+    collectives. The
     attention kernel alone is compiled at one device's shapes (its heads), as shard_map runs it.
     attention_backend: default the device's Pallas kernel (e.g. "reference" to compile for CPU devices)."""
     tp = tensor_parallel_size
@@ -219,8 +214,6 @@ def compile_serving(config: ModelConfig, dtype, device, *, max_num_seqs: int, ma
             return compile_program(program, shape, fn, args, device)
     else:
         rep = replicated(mesh)
-        param_shardings = shardings(mesh, param_specs(params, PARTITIONING, tp))
-        new_kv_shardings = [(shardings(mesh, HEADS),) * 2] * config.num_layers
 
         def compile_(program, shape, fn, args, arg_shardings):
             # None: replicated (every leaf of that argument)
@@ -228,8 +221,8 @@ def compile_serving(config: ModelConfig, dtype, device, *, max_num_seqs: int, ma
                                   for a, s in zip(args, arg_shardings))
             return compile_program(program, shape, fn, args, device, mesh=mesh, arg_shardings=arg_shardings)
     step_shardings = (None, None, None, None) if mesh is None else \
-        (param_shardings, steps.cache_sharding, None, None)
-    write_shardings = (None, None, None) if mesh is None else (steps.cache_sharding, new_kv_shardings, None)
+        (steps.param_shardings(params), steps.cache_sharding, None, None)
+    write_shardings = (None, None, None) if mesh is None else (steps.cache_sharding, steps.new_kv_sharding, None)
     results = []
     for tokens, rows in shapes:
         batch = build_batch([], page_size, config.vocab_size, tokens, rows, buckets.pages_per_row)

@@ -7,9 +7,10 @@ features and end in one all-reduce; the embedding and the LM head split the voca
 KV cache splits over KV heads, so attention runs per device on its own heads with no communication at all. Data
 parallelism is several groups, each a whole engine.
 
-Which layer is which is declared by the model module beside its parameters (e.g. `jaxserve.model.decoder.PARTITIONING`);
-this module turns that into shardings of whatever leaves a layer holds (float kernels, int8 / int4 weights with their
-scales, AWQ input scales).
+Which dimension of which parameter splits is declared where the model makes the parameter: each names its
+dimensions' *logical* axes (`("embed", "mlp")` for an FFN's up kernel, `("vocab", "embed")` for the embedding
+table; see `jaxserve.model.layers`), quantized leaves take their float kernel's (`jaxserve.quant`), and `RULES`
+below, the one table of the split, maps a logical axis to a mesh axis.
 """
 from __future__ import annotations
 
@@ -26,7 +27,20 @@ from jaxserve.cache.kv_cache import Int8Pages
 logger = logging.getLogger("jaxserve")
 
 DATA, MODEL = "data", "model"
-COLUMN, ROW, VOCAB = "column", "row", "vocab"  # a layer's split: outputs, inputs, embedding rows
+
+# Logical axis -> the mesh axis it splits over (None: kept whole on every device). Attention heads and FFN features
+# split (a device computes whole heads and whole FFN rows: q/k/v, gate and up split their outputs, o and down their
+# inputs and end in one all-reduce), as does the vocabulary (embedding rows, LM head outputs); the hidden size
+# ("embed", norms, residual stream) and a head's own dimensions are replicated. The KV cache splits with its heads.
+RULES = {
+    "embed": None,      # hidden size
+    "heads": MODEL,     # attention heads (num_heads * head_dim, flattened in q_proj's outputs and o_proj's inputs)
+    "kv_heads": MODEL,  # KV heads (k_proj and v_proj outputs, the cache's head axis)
+    "head_dim": None,   # within one head (q_norm, k_norm)
+    "mlp": MODEL,       # FFN features
+    "vocab": MODEL,     # vocabulary
+    "tokens": None, "pages": None, "page": None,  # activations and cache pages: every device has all of them
+}
 
 
 def make_mesh(tensor_parallel_size: int = 1, data_parallel_size: int = 1, devices=None) -> Mesh:
@@ -73,34 +87,33 @@ def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
 
 
-def param_specs(params, partitioning: dict[str, str], tp: int):
-    """A PartitionSpec for every leaf of params. partitioning: layer name -> COLUMN, ROW or VOCAB (others are
-    replicated). A dimension that does not divide by tp is left whole (correct, only less split)."""
-    def spec(path, leaf):
-        names = [getattr(k, "key", getattr(k, "name", None)) for k in path]
-        role = next((partitioning[n] for n in names if n in partitioning), None)
-        if role is None:
-            return P()
-        if leaf.ndim == 2:  # a kernel [in, out] (or its packed / scale / offset [in-ish, out]); a table [vocab, hidden]
-            axis = 0 if role in (ROW, VOCAB) else 1
-        elif leaf.ndim == 1:  # a bias or an int8 scale [out]; an AWQ input scale [in]; an int8 table's scale [vocab]
-            on_inputs = names[-1] == "input_scale"
-            axis = 0 if (role == VOCAB or (role == ROW) == on_inputs) else None
-        else:
-            axis = None
-        if axis is None or leaf.shape[axis] % tp:
-            return P()
-        return P(*[MODEL if i == axis else None for i in range(leaf.ndim)])
-    return jax.tree_util.tree_map_with_path(spec, params)
+def mesh_spec(logical: P) -> P:
+    """Logical axis names (a PartitionSpec of them, None for a dimension with no name) -> mesh axes, by RULES."""
+    return P(*[None if name is None else RULES[name] for name in logical])
+
+
+def param_shardings(mesh: Mesh, params, axes):
+    """A NamedSharding for every leaf of params. axes: the same tree with each leaf's logical axes in its place
+    (`jaxserve.model.decoder.param_axes`). A dimension that does not divide by its mesh axis's size is left whole
+    (correct, only less split: XLA partitions the computation around it)."""
+    def sharding(logical, leaf):
+        if len(logical) != leaf.ndim:
+            raise ValueError(f"logical axes {logical} do not name the {leaf.ndim} dimensions of a {leaf.shape} leaf")
+        spec = [None if axis is None or size % mesh.shape[axis] else axis
+                for axis, size in zip(mesh_spec(logical), leaf.shape)]
+        return NamedSharding(mesh, P(*spec))
+    return jax.tree.map(sharding, axes, params, is_leaf=lambda x: isinstance(x, P))
 
 
 def kv_pages_spec(kv_cache_dtype: str = "auto"):
-    """One layer's K (or V) pages [num_pages, page_size, kv_heads, head_dim]: split over KV heads."""
-    pages = P(None, None, MODEL, None)
-    return Int8Pages(pages, P(None, None, MODEL)) if kv_cache_dtype == "int8" else pages
+    """One layer's K (or V) pages [num_pages, page_size, kv_heads, head_dim]: split over KV heads (an int8 cache's
+    scales [num_pages, page_size, kv_heads] with them)."""
+    pages = mesh_spec(P("pages", "page", "kv_heads", "head_dim"))
+    return Int8Pages(pages, mesh_spec(P("pages", "page", "kv_heads"))) if kv_cache_dtype == "int8" else pages
 
 
-HEADS = P(None, MODEL, None)  # [tokens, heads, head_dim]
+# q [tokens, heads, head_dim], and k or v [tokens, kv_heads, head_dim]: heads and KV heads split alike (RULES).
+HEADS = mesh_spec(P("tokens", "heads", "head_dim"))
 
 
 def shardings(mesh: Mesh, specs):
@@ -150,7 +163,7 @@ def embed_over_vocab(lookup, mesh: Mesh | None, table, token_ids):
     8B's shapes, found by the deviceless compile of `jaxserve.aot`)."""
     tp = model_size(mesh)
     rows = jax.tree.leaves(table)[0].shape[0]
-    if tp == 1 or rows % tp:  # a table that does not split is replicated (param_specs)
+    if tp == 1 or rows % tp:  # a table that does not split is replicated (param_shardings)
         return lookup(table, token_ids)
 
     def local(table, token_ids):

@@ -11,6 +11,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from jaxserve.pallas_kernels.quantized_matmul import int4_dequantize
 
@@ -28,6 +29,11 @@ class Int8Weight:
     values: jax.Array  # int8 [in, out]
     scale: jax.Array  # float32 [out]: weight ~= values * scale
 
+    def logical_axes(self, kernel: P) -> Int8Weight:
+        """Each array's logical axes, from the float kernel's [in, out] ones: a tensor-parallel split of the kernel
+        splits its quantized form the same way."""
+        return Int8Weight(values=kernel, scale=P(kernel[1]))
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
@@ -38,6 +44,12 @@ class Int4Weight:
     # float32 [in] or None. AWQ: the kernel holds W with salient input rows scaled up before rounding, so
     # x @ W ~= (x * input_scale) @ dequantize().
     input_scale: jax.Array | None = None
+
+    def logical_axes(self, kernel: P) -> Int4Weight:
+        """Each array's logical axes, from the float kernel's [in, out] ones: packed rows and groups are runs of
+        input rows, so they split with the inputs (where their count divides; see jaxserve.distributed)."""
+        return Int4Weight(packed=kernel, scale=kernel, offset=kernel,
+                          input_scale=None if self.input_scale is None else P(kernel[0]))
 
     @property
     def group_size(self) -> int:
@@ -54,6 +66,10 @@ class Int8Rows:
     """An embedding table, int8 with a scale per row: a lookup reads only its rows."""
     values: jax.Array  # int8 [vocab, hidden]
     scale: jax.Array  # float32 [vocab]
+
+    def logical_axes(self, table: P) -> Int8Rows:
+        """Each array's logical axes, from the float table's [vocab, hidden] ones."""
+        return Int8Rows(values=table, scale=P(table[0]))
 
 
 def quantize_int8(w: jax.Array) -> Int8Weight:
@@ -165,3 +181,9 @@ def restore_nodes(tree, row_tables=("embed_tokens",)):
 
 def is_quantized(x) -> bool:
     return isinstance(x, (Int8Weight, Int4Weight, Int8Rows))
+
+
+def logical_axes(leaf, declared: P):
+    """The logical axes of a params leaf that the model declared `declared` for its float form: the same, or, for a
+    quantized weight, the tree of its arrays' axes (each kind derives them from the float kernel's)."""
+    return leaf.logical_axes(declared) if is_quantized(leaf) else declared

@@ -1,18 +1,30 @@
 """Sampling on device: one call turns a batch of logits into tokens (and logprobs) under per-row parameters."""
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
 from jaxserve.sampling_params import MAX_LOGPROBS
 
 
-def sample(logits, p):
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Sampled:
+    """What sample() returns for S rows (a pytree: it leaves a jitted function as it is)."""
+    tokens: jax.Array  # int32 [S]
+    logprobs: jax.Array  # float32 [S]: each token's under the model's own distribution (raw log_softmax)
+    ranks: jax.Array  # int32 [S]: 1 is the most likely token
+    top_ids: jax.Array  # int32 [S, MAX_LOGPROBS] (zeros unless a row wants them)
+    top_logprobs: jax.Array  # float32 [S, MAX_LOGPROBS] (zeros unless a row wants them)
+
+
+def sample(logits, p) -> Sampled:
     """logits: [S, V] float32. p: a `jaxserve.batch.SamplingInput`, per-row arrays
         temperature [S] f32 (0: greedy), top_k [S] i32 (0: off), top_p [S] f32, min_p [S] f32,
         seed [S] u32, step [S] i32 (tokens generated so far; with seed it makes the draw reproducible),
         banned [S, B] i32 (token ids that may not be sampled while step < min_tokens [S]; padded with vocab_size).
-    Returns a dict of tokens [S], logprobs [S], ranks [S] (1: most likely), top_ids [S, MAX_LOGPROBS], top_logprobs [S, MAX_LOGPROBS].
     """
     # Logprobs are those of the model's own distribution, before any sampling transform (as vLLM reports them).
     logprobs = jax.nn.log_softmax(logits, axis=-1)
@@ -21,7 +33,7 @@ def sample(logits, p):
 
     sampled = jax.lax.cond(jnp.any(p.temperature > 0), _sample_rows, lambda x, p: greedy, logits, p)
     tokens = jnp.where(p.temperature == 0, greedy, sampled).astype(jnp.int32)
-    return {"tokens": tokens, **token_logprobs(logprobs, tokens, p.want_top_logprobs)}
+    return Sampled(tokens, *token_logprobs(logprobs, tokens, p.want_top_logprobs))
 
 
 def ban(logits, p):
@@ -33,8 +45,8 @@ def ban(logits, p):
 
 
 def token_logprobs(logprobs, tokens, want_top_logprobs):
-    """logprobs [S, V] (log_softmax), tokens [S] -> the tokens' logprobs [S] and ranks [S], and the top
-    MAX_LOGPROBS ids and logprobs [S, MAX_LOGPROBS] (zeros unless a row wants them: the sort is skipped)."""
+    """logprobs [S, V] (log_softmax), tokens [S] -> (the tokens' logprobs [S], ranks [S], the top MAX_LOGPROBS ids
+    and logprobs [S, MAX_LOGPROBS]) (zeros unless a row wants them: the sort is skipped)."""
     S = logprobs.shape[0]
     top_logprobs, top_ids = jax.lax.cond(
         jnp.any(want_top_logprobs),
@@ -42,8 +54,7 @@ def token_logprobs(logprobs, tokens, want_top_logprobs):
         lambda lp: (jnp.zeros((S, MAX_LOGPROBS), lp.dtype), jnp.zeros((S, MAX_LOGPROBS), jnp.int32)),
         logprobs)
     chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=1)  # [S, 1]
-    return {"logprobs": chosen[:, 0], "ranks": 1 + jnp.sum(logprobs > chosen, axis=-1),
-            "top_ids": top_ids, "top_logprobs": top_logprobs}
+    return chosen[:, 0], 1 + jnp.sum(logprobs > chosen, axis=-1), top_ids, top_logprobs
 
 
 def _sample_rows(logits, p):

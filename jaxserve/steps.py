@@ -17,11 +17,10 @@ import numpy as np
 from jaxserve.attention import write_kv
 from jaxserve.batch import StepInput, StepOutput
 from jaxserve.config import ModelConfig
-from jaxserve.distributed import HEADS, kv_pages_spec, replicated, shardings
-from jaxserve.model.decoder import PARTITIONING
-from jaxserve.model.families import family_of
-from jaxserve.verification import verify
+from jaxserve.distributed import HEADS, kv_pages_spec, param_shardings, replicated, shardings
+from jaxserve.model.decoder import DecoderModel, param_axes
 from jaxserve.sampling import sample
+from jaxserve.verification import verify
 
 
 def write_cache(kv_cache, new_kv, slot_mapping):
@@ -51,17 +50,17 @@ class Steps:
         """mesh: a device group's [data=1, model] mesh for tensor parallelism (None: one device). The programs'
         outputs are pinned to the shardings their inputs arrive in (params and cache placed by the runner, the
         batch replicated), so a step never reshards anything."""
-        self.model = family_of(config).model(config, dtype, attention_backend, mesh)
-        self.partitioning = PARTITIONING
+        self.config = config
+        self.model = DecoderModel(config, dtype, attention_backend, mesh)  # every family's (jaxserve.model.families)
         self.num_speculative_tokens = num_speculative_tokens
         self.mesh = mesh
         if mesh is not None:
             rep = replicated(mesh)
-            new_kv = [(shardings(mesh, HEADS),) * 2] * config.num_layers  # this step's (k, v) per layer
+            self.new_kv_sharding = [(shardings(mesh, HEADS),) * 2] * config.num_layers  # this step's (k, v) per layer
             self.cache_sharding = [(shardings(mesh, kv_pages_spec(kv_cache_dtype)),) * 2] * config.num_layers
             self._replicated = rep
-            forward = dict(out_shardings=(rep, new_kv, rep))
-            logits = dict(out_shardings=(rep, new_kv))
+            forward = dict(out_shardings=(rep, self.new_kv_sharding, rep))
+            logits = dict(out_shardings=(rep, self.new_kv_sharding))
             write = dict(out_shardings=self.cache_sharding)
         else:
             forward = logits = write = {}
@@ -69,6 +68,11 @@ class Steps:
         self._verify = jax.jit(self._forward_and_verify, donate_argnums=2, **forward)
         self._logits = jax.jit(self._forward_logits, **logits)
         self._write = jax.jit(self._write_cache, donate_argnums=0, **write)
+
+    def param_shardings(self, params):
+        """Where each leaf of params (loaded, possibly quantized) lives on the mesh: split as the model declares
+        its parameters' logical axes (`jaxserve.model.decoder.param_axes`, `jaxserve.distributed.RULES`)."""
+        return param_shardings(self.mesh, params, param_axes(self.config, params))
 
     def put_batch(self, batch: StepInput) -> StepInput:
         """One host-to-device copy of a step's inputs, shared by its programs. Over a mesh: replicated, from each
@@ -99,10 +103,10 @@ class Steps:
         tokens = input_tokens(batch, last_tokens)
         logits, new_kv = self.model.apply(params, tokens, kv_cache, batch.rows, batch.logits_index[:, 0])
         s = sample(logits, batch.sampling)
-        out = StepOutput(tokens=s["tokens"][:, None], num_tokens=(batch.logits_index[:, 0] >= 0).astype(jnp.int32),
-                         logprobs=s["logprobs"][:, None], ranks=s["ranks"][:, None], top_ids=s["top_ids"][:, None],
-                         top_logprobs=s["top_logprobs"][:, None])
-        last_tokens = last_tokens.at[batch.out_slot].set(s["tokens"])  # -1 wraps to the padding slot
+        out = StepOutput(tokens=s.tokens[:, None], num_tokens=(batch.logits_index[:, 0] >= 0).astype(jnp.int32),
+                         logprobs=s.logprobs[:, None], ranks=s.ranks[:, None], top_ids=s.top_ids[:, None],
+                         top_logprobs=s.top_logprobs[:, None])
+        last_tokens = last_tokens.at[batch.out_slot].set(s.tokens)  # -1 wraps to the padding slot
         return out, new_kv, last_tokens
 
     def _forward_and_verify(self, params, kv_cache, last_tokens, batch: StepInput):
@@ -117,10 +121,10 @@ class Steps:
         # The proposal a scored position is checked against is the token after it in the row.
         drafts = tokens[jnp.minimum(index[:, :-1] + 1, T - 1)]  # [S, Q - 1]
         v = verify(logits, drafts, batch.num_draft, batch.sampling)
-        num_tokens = jnp.where(batch.logits_index[:, 0] >= 0, v["num_tokens"], 0)  # [S]
-        out = StepOutput(tokens=v["tokens"], num_tokens=num_tokens, logprobs=v["logprobs"], ranks=v["ranks"],
-                         top_ids=v["top_ids"], top_logprobs=v["top_logprobs"])
-        last = jnp.take_along_axis(v["tokens"], jnp.maximum(num_tokens - 1, 0)[:, None], axis=1)[:, 0]  # [S]
+        num_tokens = jnp.where(batch.logits_index[:, 0] >= 0, v.num_tokens, 0)  # [S]
+        out = StepOutput(tokens=v.tokens, num_tokens=num_tokens, logprobs=v.logprobs, ranks=v.ranks,
+                         top_ids=v.top_ids, top_logprobs=v.top_logprobs)
+        last = jnp.take_along_axis(v.tokens, jnp.maximum(num_tokens - 1, 0)[:, None], axis=1)[:, 0]  # [S]
         return out, new_kv, last_tokens.at[batch.out_slot].set(last)
 
     def _write_cache(self, kv_cache, new_kv, slot_mapping):

@@ -21,10 +21,19 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxserve.sampling import sample
+from jaxserve.sampling import Sampled, sample
 
 
-def verify(logits, draft_tokens, num_draft, p):
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Verified(Sampled):
+    """What verify() returns for S rows of Q scored positions: sample()'s fields with a [S, Q] lead (tokens int32
+    [S, Q], the emitted ones first, junk after num_tokens; logprobs, ranks; top_ids, top_logprobs [S, Q,
+    MAX_LOGPROBS]), and how many tokens each row emits."""
+    num_tokens: jax.Array  # int32 [S]: accepted proposals + 1, in [1, num_draft + 1]
+
+
+def verify(logits, draft_tokens, num_draft, p) -> Verified:
     """logits: float32 [S, Q, V], the target's logits at a row's Q = K + 1 scored positions: position j predicts
     the row's generated token number p.step + j (position j > 0 assumes the proposals before it).
     draft_tokens: int32 [S, K] proposals (ignored where j >= num_draft). A draft model's proposal for generated
@@ -32,18 +41,16 @@ def verify(logits, draft_tokens, num_draft, p):
     num_draft: int32 [S] in [0, K]; 0 is a plain row: exactly sample(logits[:, 0], p), random numbers included.
     p: a `jaxserve.batch.SamplingInput` of S rows (step: the generated token number of position 0).
 
-    Returns a dict of tokens int32 [S, Q] (the emitted ones first; junk after num_tokens), num_tokens int32 [S]
-    (accepted + 1, in [1, num_draft + 1]), logprobs float32 [S, Q] and ranks int32 [S, Q] of each token under the
-    target's raw log_softmax at its position, top_ids int32 [S, Q, MAX_LOGPROBS] and top_logprobs [S, Q,
-    MAX_LOGPROBS] (zeros unless a row wants them), as sample() reports them.
+    Returns each position's draw as sample() reports it (logprobs and ranks under the target's raw log_softmax at
+    its position) and each row's number of emitted tokens: a `Verified`.
     """
     S, Q, V = logits.shape
     # Position j of row s is row s * Q + j of one sample() call, each with its own generated token number.
     drawn = sample(logits.reshape(S * Q, V), per_position(p, Q))
-    drawn = {k: v.reshape(S, Q, *v.shape[1:]) for k, v in drawn.items()}
-    accepted = _leading(drawn["tokens"][:, :Q - 1] == draft_tokens, num_draft)  # [S]
+    drawn = jax.tree.map(lambda v: v.reshape(S, Q, *v.shape[1:]), drawn)
+    accepted = _leading(drawn.tokens[:, :Q - 1] == draft_tokens, num_draft)  # [S]
     # An accepted proposal is the draw at its position, so the emitted tokens are the draws up to the first miss.
-    return {**drawn, "num_tokens": (accepted + 1).astype(jnp.int32)}
+    return Verified(**vars(drawn), num_tokens=(accepted + 1).astype(jnp.int32))
 
 
 def per_position(p, Q):

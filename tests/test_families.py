@@ -62,3 +62,25 @@ def test_quantized_weights_and_pages_stay_close(family_dir, case, options, toler
         return step_logits(llm, ids, cached=20)
     want, got = logits(make_llm(family_dir)), logits(make_llm(family_dir, **options))
     assert np.abs(got - want).max() / np.abs(want).max() < tolerance
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "gemma3"])  # plain, biases, QK norms, sandwich norms
+def test_every_parameter_declares_its_logical_axes(kind, tmp_path):
+    """Every parameter the model makes names the logical axes of each of its dimensions (declared_params refuses
+    one that does not), with rules for each (jaxserve.distributed.RULES), and a loaded checkpoint's params are
+    exactly the declared tree: no leaf is left to a default split."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+
+    from jaxserve.distributed import RULES
+    from jaxserve.model.decoder import declared_params
+    from jaxserve.weights import load_model
+    save_tiny_model(kind, tmp_path)
+    loaded = load_model(str(tmp_path), jnp.float32)
+    shapes, axes = declared_params(loaded.config)
+    is_spec = lambda x: isinstance(x, P)  # noqa: E731
+    assert jax.tree.structure(axes, is_leaf=is_spec) == jax.tree.structure(loaded.params)
+    for spec, leaf, shape in zip(jax.tree.leaves(axes, is_leaf=is_spec), jax.tree.leaves(loaded.params),
+                                 jax.tree.leaves(shapes)):
+        assert leaf.shape == shape.shape and len(spec) == leaf.ndim and all(name in RULES for name in spec)

@@ -100,6 +100,39 @@ def test_quantize_params_skips_norms_and_quantizes_embeddings_only_when_asked():
         quantize_params(params, "awq")
 
 
+@pytest.mark.parametrize("method", ["int8", "int4", "awq"])
+def test_quantized_leaves_take_their_float_kernels_axes(tiny_dir, method):
+    """Each array of a quantized weight is split as its float kernel is (jaxserve.distributed.param_shardings):
+    its logical axes come from the kernel's [in, out] ones, or the table's [vocab, hidden]."""
+    from jax.sharding import PartitionSpec as P
+
+    from jaxserve.model.decoder import param_axes
+    from jaxserve.model.families import LINEARS
+    loaded = load_model(tiny_dir, jnp.float32)
+    floats = param_axes(loaded.config, loaded.params)["params"]
+    scales = {("params", name, linear): jnp.ones(kernel["kernel"].shape[0])
+              for name, layer in loaded.params["params"].items() if name.startswith("layers_")
+              for linear, kernel in layer.items() if "kernel" in kernel}
+    scales[("params", "lm_head")] = jnp.ones(loaded.config.hidden_size)
+    params = quantize_params(loaded.params, method, quantize_embeddings=True, group_size=16,
+                             input_scales=scales if method == "awq" else None)
+    axes = param_axes(loaded.config, params)["params"]
+    assert floats["layers_0"]["down_proj"]["kernel"] == P("mlp", "embed")
+    pairs = [(floats["lm_head"], axes["lm_head"])] + [(floats[layer][linear], axes[layer][linear])
+                                                       for layer in floats if layer.startswith("layers_")
+                                                       for linear in LINEARS]
+    for float_layer, layer in pairs:
+        kernel = float_layer["kernel"]  # P(in, out)
+        if method == "int8":
+            assert layer["kernel"] == Int8Weight(values=kernel, scale=P(kernel[1]))
+        else:
+            assert layer["kernel"] == Int4Weight(packed=kernel, scale=kernel, offset=kernel,
+                                                 input_scale=P(kernel[0]) if method == "awq" else None)
+    assert axes["embed_tokens"] == Int8Rows(values=P("vocab", "embed"), scale=P("vocab"))
+    # Norms and biases are not quantized: their axes are the float model's.
+    assert axes["layers_0"]["input_layernorm"] == floats["layers_0"]["input_layernorm"] == {"weight": P("embed")}
+
+
 def test_int8_embedding_rows():
     rng = np.random.default_rng()
     table = jnp.asarray(rng.standard_normal((50, 16)) * rng.uniform(0.1, 3, (50, 1)), jnp.float32)

@@ -26,7 +26,7 @@ sample_jit = jax.jit(sample)
 def draw(logits, n, **overrides):
     """n draws from one row of logits, each with its own seed."""
     batch = np.tile(logits, (n, 1))
-    return np.asarray(sample_jit(jnp.asarray(batch), rows(n, **overrides))["tokens"])
+    return np.asarray(sample_jit(jnp.asarray(batch), rows(n, **overrides)).tokens)
 
 
 @pytest.fixture
@@ -85,10 +85,10 @@ def test_logprobs_are_the_models_and_ranks_count(logits):
     out = sample_jit(jnp.asarray(logits[None]), rows(1, temperature=0.0, want_top_logprobs=True))
     ref = jax.nn.log_softmax(jnp.asarray(logits))
     order = np.argsort(-logits)
-    np.testing.assert_array_equal(out["top_ids"][0], order[:MAX_LOGPROBS])
-    np.testing.assert_allclose(out["top_logprobs"][0], np.asarray(ref)[order[:MAX_LOGPROBS]], rtol=1e-5)
-    assert int(out["ranks"][0]) == 1
-    np.testing.assert_allclose(out["logprobs"][0], ref[order[0]], rtol=1e-5)
+    np.testing.assert_array_equal(out.top_ids[0], order[:MAX_LOGPROBS])
+    np.testing.assert_allclose(out.top_logprobs[0], np.asarray(ref)[order[:MAX_LOGPROBS]], rtol=1e-5)
+    assert int(out.ranks[0]) == 1
+    np.testing.assert_allclose(out.logprobs[0], ref[order[0]], rtol=1e-5)
 
 
 @pytest.mark.parametrize("kwargs", [

@@ -91,9 +91,10 @@ def test_plain_rows_are_sample_exactly(S, Q, V):
     got = verify_jit(logits, draft, num_draft, p)
     want = sample_jit(logits[:, 0], p)
     plain = num_draft == 0
-    for k, v in want.items():
-        np.testing.assert_array_equal(np.asarray(got[k])[plain, 0], np.asarray(v)[plain], err_msg=f"{k}, seed {seed}")
-    assert (np.asarray(got["num_tokens"])[plain] == 1).all()
+    for k, v in vars(want).items():
+        np.testing.assert_array_equal(np.asarray(getattr(got, k))[plain, 0], np.asarray(v)[plain],
+                                      err_msg=f"{k}, seed {seed}")
+    assert (np.asarray(got.num_tokens)[plain] == 1).all()
 
 
 def test_every_row_plain_with_greedy_and_sorting_fast_paths_off():
@@ -103,8 +104,8 @@ def test_every_row_plain_with_greedy_and_sorting_fast_paths_off():
     draft, num_draft = np.zeros((S, Q - 1), np.int32), np.zeros(S, np.int32)
     for p in [rows(S, V, temperature=0.0), rows(S, V), rows(S, V, temperature=0.7, min_p=0.1)]:
         got, want = verify_jit(logits, draft, num_draft, p), sample_jit(logits[:, 0], p)
-        for k, v in want.items():
-            np.testing.assert_array_equal(np.asarray(got[k])[:, 0], np.asarray(v), err_msg=k)
+        for k, v in vars(want).items():
+            np.testing.assert_array_equal(np.asarray(getattr(got, k))[:, 0], np.asarray(v), err_msg=k)
 
 
 def test_greedy_rows_emit_the_greedy_chain():
@@ -132,7 +133,7 @@ def test_greedy_rows_emit_the_greedy_chain():
     num_draft = rng.integers(0, K + 1, S).astype(np.int32)
     p = rows(S, V, temperature=0.0, step=step, min_tokens=min_tokens, banned=banned, want_top_logprobs=True)
     got = verify_jit(logits, draft.astype(np.int32), num_draft, p)
-    tokens, n = np.asarray(got["tokens"]), np.asarray(got["num_tokens"])
+    tokens, n = np.asarray(got.tokens), np.asarray(got.num_tokens)
     logprobs = np.asarray(jax.nn.log_softmax(logits, axis=-1))
     for s in range(S):
         ok = draft[s, :num_draft[s]] == best[s, :num_draft[s]]
@@ -140,10 +141,10 @@ def test_greedy_rows_emit_the_greedy_chain():
         assert n[s] == accepted + 1, s
         np.testing.assert_array_equal(tokens[s, :n[s]], best[s, :n[s]], err_msg=f"row {s}")
         chosen = logprobs[s, np.arange(n[s]), tokens[s, :n[s]]]
-        np.testing.assert_allclose(np.asarray(got["logprobs"])[s, :n[s]], chosen, rtol=1e-6)
+        np.testing.assert_allclose(np.asarray(got.logprobs)[s, :n[s]], chosen, rtol=1e-6)
         ranks = 1 + (logprobs[s, :n[s]] > chosen[:, None]).sum(-1)
-        np.testing.assert_array_equal(np.asarray(got["ranks"])[s, :n[s]], ranks)
-        np.testing.assert_array_equal(np.asarray(got["top_ids"])[s, 0], np.argsort(-logits[s, 0])[:20])
+        np.testing.assert_array_equal(np.asarray(got.ranks)[s, :n[s]], ranks)
+        np.testing.assert_array_equal(np.asarray(got.top_ids)[s, 0], np.argsort(-logits[s, 0])[:20])
     assert len(set(n.tolist())) > 2  # the rows did accept different numbers of proposals
 
 
@@ -158,7 +159,7 @@ def test_a_row_does_not_depend_on_the_others():
     perm = rng.permutation(S)
     shuffled = verify_jit(logits[perm], draft[perm], num_draft[perm], jax.tree.map(lambda a: a[perm], p))
     for k in ("tokens", "num_tokens", "logprobs"):
-        np.testing.assert_array_equal(np.asarray(shuffled[k]), np.asarray(full[k])[perm], err_msg=k)
+        np.testing.assert_array_equal(np.asarray(getattr(shuffled, k)), np.asarray(getattr(full, k))[perm], err_msg=k)
 
 
 @pytest.mark.parametrize("S, Q, V", SIZES)
@@ -169,17 +170,17 @@ def test_rows_emit_sample_draws_up_to_the_first_miss(S, Q, V):
     rng = np.random.default_rng(seed)
     logits = rng.normal(0, 3, (S, Q, V)).astype(np.float32)
     p = mixed_rows(S, V, rng)
-    want = np.stack([np.asarray(sample_jit(logits[:, j], dataclasses.replace(p, step=p.step + j))["tokens"])
+    want = np.stack([np.asarray(sample_jit(logits[:, j], dataclasses.replace(p, step=p.step + j)).tokens)
                      for j in range(Q)], axis=1)  # [S, Q]
     match = np.arange(S) % Q  # proposals equal to the draws before the first miss
     draft = np.where(np.arange(Q - 1)[None, :] < match[:, None], want[:, :-1], (want[:, :-1] + 1) % V)
     num_draft = np.full(S, Q - 1, np.int32)
     num_draft[::4] = rng.integers(0, Q, len(num_draft[::4]))  # some rows propose fewer, or nothing
     got = verify_jit(logits, draft.astype(np.int32), num_draft, p)
-    n = np.asarray(got["num_tokens"])
+    n = np.asarray(got.num_tokens)
     np.testing.assert_array_equal(n, np.minimum(match, num_draft) + 1, err_msg=f"seed {seed}")
     for s in range(S):
-        np.testing.assert_array_equal(np.asarray(got["tokens"])[s, :n[s]], want[s, :n[s]], err_msg=f"seed {seed}")
+        np.testing.assert_array_equal(np.asarray(got.tokens)[s, :n[s]], want[s, :n[s]], err_msg=f"seed {seed}")
     assert (n == 1).any() and (n == Q).any()  # some rows kept nothing, some every proposal
 
 
@@ -282,7 +283,7 @@ def run_scenario(name, seed, verifier=verify_jit):
     num_draft = np.full(N, Q - 1, np.int32)
     num_draft[:N // 10] = rng.integers(0, Q, N // 10)  # some rows propose fewer, or nothing
     out = verifier(np.broadcast_to(logits, (N, Q, V)), draft, num_draft, rows(N, V, seed=seeds, **params))
-    tokens, num_tokens = np.asarray(out["tokens"]), np.asarray(out["num_tokens"])
+    tokens, num_tokens = np.asarray(out.tokens), np.asarray(out.num_tokens)
     # What the row continues with is its kept proposals (already in its KV cache), then the emitted token.
     kept = np.arange(Q)[None, :] < num_tokens[:, None] - 1
     continued = np.where(kept, np.pad(draft, ((0, 0), (0, 1))), tokens)
@@ -347,6 +348,6 @@ def test_a_one_hot_proposal_is_accepted_with_its_probability(params):
         seeds = (np.arange(n) + n * int(x) + seed).astype(np.uint32)
         out = verify_jit(np.broadcast_to(logits, (n, 2, V)), np.full((n, 1), x, np.int32), np.ones(n, np.int32),
                          rows(n, V, seed=seeds, **params))
-        rate = float((np.asarray(out["num_tokens"]) == 2).mean())
+        rate = float((np.asarray(out.num_tokens) == 2).mean())
         tolerance = 5 * np.sqrt(p0[x] * (1 - p0[x]) / n)  # five standard errors: a false failure ~1e-6
         assert abs(rate - p0[x]) < tolerance, f"seed {seed}, token {x}: accepted {rate:.4f}, p(x) = {p0[x]:.4f}"

@@ -16,43 +16,65 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh
+from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxserve.attention import attention
+from jaxserve.batch import RaggedRows
+from jaxserve.cache import init_kv_cache
 from jaxserve.config import ModelConfig
-from jaxserve.distributed import COLUMN, ROW, VOCAB, attention_over_heads, embed_over_vocab
+from jaxserve.distributed import attention_over_heads, embed_over_vocab
 from jaxserve.model.layers import Linear, RMSNorm
 from jaxserve.model.rope import apply_rope, inverse_frequencies
-from jaxserve.quant import embed
+from jaxserve.quant import embed, logical_axes
 
 
-# How each layer splits over a tensor-parallel mesh (see jaxserve.distributed): q/k/v, gate and up split their
-# outputs (whole heads, whole FFN rows per device), o and down their inputs (one all-reduce each), the embedding
-# and the LM head the vocabulary. Everything else (the norms) is replicated.
-PARTITIONING = {"q_proj": COLUMN, "k_proj": COLUMN, "v_proj": COLUMN, "gate_proj": COLUMN, "up_proj": COLUMN,
-                "o_proj": ROW, "down_proj": ROW, "embed_tokens": VOCAB, "lm_head": COLUMN}
+def declared_params(config: ModelConfig, dtype=jnp.float32) -> tuple[dict, dict]:
+    """(shapes, axes): the params tree DecoderModel makes for config, as ShapeDtypeStructs (no weights), and the
+    logical axes (a PartitionSpec of names) each leaf was declared with where its layer makes it. The loaders build
+    the same tree (`jaxserve.weights.params`)."""
+    def init():
+        one = jnp.zeros(1, jnp.int32)
+        rows = RaggedRows(positions=one, token_row=one, query_start=jnp.zeros(2, jnp.int32), cached_lens=one,
+                          page_table=jnp.zeros((1, 1), jnp.int32))
+        return DecoderModel(config, dtype).init(jax.random.key(0), one, init_kv_cache(config, 2, 16, dtype), rows, one)
+    boxed = jax.eval_shape(init)
+    is_boxed = lambda x: isinstance(x, nn.LogicallyPartitioned)  # noqa: E731
+    undeclared = [jax.tree_util.keystr(path) for path, leaf in
+                  jax.tree_util.tree_leaves_with_path(boxed, is_leaf=is_boxed) if not is_boxed(leaf)]
+    if undeclared:  # a parameter made without logical axes would silently be replicated
+        raise TypeError(f"parameters made without logical axes (nn.with_logical_partitioning): {undeclared}")
+    return nn.meta.unbox(boxed), nn.get_partition_spec(boxed)
+
+
+@functools.cache
+def _declared_axes(config: ModelConfig) -> dict:
+    return declared_params(config)[1]
+
+
+def param_axes(config: ModelConfig, params: dict) -> dict:
+    """The logical axes of every leaf of params (loaded, possibly quantized): a tree like params with a
+    PartitionSpec of axis names per leaf, as the model declares them; a quantized weight's arrays take their float
+    kernel's (`jaxserve.quant.logical_axes`)."""
+    return jax.tree.map(lambda axes, leaf: logical_axes(leaf, axes), _declared_axes(config), params,
+                        is_leaf=lambda x: isinstance(x, P))
 
 
 def repeat_kv_heads(config: ModelConfig, params: dict, times: int) -> tuple[ModelConfig, dict]:
     """The same model with each KV head repeated `times` over (adjacent copies): a tensor-parallel mesh wider than
-    the KV heads gives each device a copy of the one head its query heads read, as vLLM does. Every leaf of k_proj
-    and v_proj with the outputs on its last axis (kernel, bias, int8 / int4 scales) is repeated per head."""
+    the KV heads gives each device a copy of the one head its query heads read, as vLLM does. Every leaf whose last
+    axis is KV heads (k_proj's and v_proj's kernels, biases, int8 / int4 scales) is repeated per head."""
     if times == 1:
         return config, params
     kv, hd = config.num_kv_heads, config.head_dim
 
-    def repeat(path, leaf):
-        if getattr(path[-1], "name", None) == "input_scale":
-            return leaf  # per input feature
+    def repeat(axes, leaf):
+        if axes[-1] != "kv_heads":
+            return leaf
         heads = leaf.reshape(*leaf.shape[:-1], kv, hd)
         return jnp.repeat(heads, times, axis=-2).reshape(*leaf.shape[:-1], kv * times * hd)
 
-    layers = dict(params["params"])
-    for name, layer in layers.items():
-        if name.startswith("layers_"):
-            layers[name] = {**layer, **{p: jax.tree_util.tree_map_with_path(repeat, layer[p])
-                                        for p in ("k_proj", "v_proj")}}
-    return dataclasses.replace(config, num_kv_heads=kv * times), {**params, "params": layers}
+    repeated = jax.tree.map(repeat, param_axes(config, params), params, is_leaf=lambda x: isinstance(x, P))
+    return dataclasses.replace(config, num_kv_heads=kv * times), repeated
 
 
 class DecoderLayer(nn.Module):
@@ -68,12 +90,16 @@ class DecoderLayer(nn.Module):
         c, dt, i = self.config, self.dtype, self.layer
         T, _ = x.shape  # x: [T, hidden], the step's tokens of every row back to back
         h = RMSNorm(c.rms_norm_eps, dt, name="input_layernorm")(x)
-        q = Linear(c.num_heads * c.head_dim, c.attention_bias, dt, name="q_proj")(h).reshape(T, c.num_heads, -1)
-        k = Linear(c.num_kv_heads * c.head_dim, c.attention_bias, dt, name="k_proj")(h).reshape(T, c.num_kv_heads, -1)
-        v = Linear(c.num_kv_heads * c.head_dim, c.attention_bias, dt, name="v_proj")(h).reshape(T, c.num_kv_heads, -1)
+        # Logical axes of each kernel's [in, out]: q/k/v split their outputs by head (jaxserve.distributed.RULES).
+        q_axes, kv_axes = ("embed", "heads"), ("embed", "kv_heads")
+        q = Linear(c.num_heads * c.head_dim, q_axes, c.attention_bias, dt, name="q_proj")(h).reshape(T, c.num_heads, -1)
+        k = Linear(c.num_kv_heads * c.head_dim, kv_axes, c.attention_bias, dt, name="k_proj")(h).reshape(
+            T, c.num_kv_heads, -1)
+        v = Linear(c.num_kv_heads * c.head_dim, kv_axes, c.attention_bias, dt, name="v_proj")(h).reshape(
+            T, c.num_kv_heads, -1)
         if c.qk_norm:  # per head, before RoPE
-            q = RMSNorm(c.rms_norm_eps, dt, name="q_norm")(q)
-            k = RMSNorm(c.rms_norm_eps, dt, name="k_norm")(k)
+            q = RMSNorm(c.rms_norm_eps, dt, "head_dim", name="q_norm")(q)
+            k = RMSNorm(c.rms_norm_eps, dt, "head_dim", name="k_norm")(k)
         window = c.layer_window(i)
         local_rope = window is not None and c.rope_local_theta is not None  # Gemma's sliding layers: their own base
         inv_freq = inverse_frequencies(c.head_dim, c.layer_rope_theta(i), None if local_rope else c.rope_scaling)
@@ -83,16 +109,17 @@ class DecoderLayer(nn.Module):
             q = q * jnp.asarray((c.head_dim / c.query_pre_attn_scalar) ** 0.5, dt)  # attention divides by sqrt(head_dim)
         attend = functools.partial(attention, sliding_window=window, backend=self.attention_backend)
         attn = attention_over_heads(attend, self.mesh, q, k, v, kv[0], kv[1], rows)
-        out = Linear(c.hidden_size, False, dt, name="o_proj")(attn.reshape(T, -1))
+        # o_proj and down_proj split their inputs (a device holds its heads' / FFN rows' part): one all-reduce each.
+        out = Linear(c.hidden_size, ("heads", "embed"), False, dt, name="o_proj")(attn.reshape(T, -1))
         if c.sandwich_norm:
             out = RMSNorm(c.rms_norm_eps, dt, name="attn_output_norm")(out)
         x = x + out
         # The FFN's input norm, under Llama's name for it.
         h = RMSNorm(c.rms_norm_eps, dt, name="post_attention_layernorm")(x)
-        gate = Linear(c.intermediate_size, False, dt, name="gate_proj")(h)
-        up = Linear(c.intermediate_size, False, dt, name="up_proj")(h)
+        gate = Linear(c.intermediate_size, ("embed", "mlp"), False, dt, name="gate_proj")(h)
+        up = Linear(c.intermediate_size, ("embed", "mlp"), False, dt, name="up_proj")(h)
         act = nn.silu(gate) if c.hidden_activation == "silu" else nn.gelu(gate, approximate=True)
-        out = Linear(c.hidden_size, False, dt, name="down_proj")(act * up)
+        out = Linear(c.hidden_size, ("mlp", "embed"), False, dt, name="down_proj")(act * up)
         if c.sandwich_norm:
             out = RMSNorm(c.rms_norm_eps, dt, name="ffn_output_norm")(out)
         return x + out, (k, v)
@@ -115,8 +142,8 @@ class DecoderModel(nn.Module):
         if self.has_variable("params", "embed_tokens"):  # float or int8 rows (jaxserve.quant)
             embedding = self.get_variable("params", "embed_tokens")
         else:
-            embedding = self.param("embed_tokens", nn.initializers.normal(0.02), (c.vocab_size, c.hidden_size),
-                                   self.dtype)
+            init = nn.with_logical_partitioning(nn.initializers.normal(0.02), ("vocab", "embed"))
+            embedding = self.param("embed_tokens", init, (c.vocab_size, c.hidden_size), self.dtype)  # split by rows
         x = embed_over_vocab(functools.partial(embed, dtype=self.dtype), self.mesh, embedding, token_ids)  # [T, hidden]
         if c.embedding_multiplier != 1.0:  # in the model's dtype, as HF rounds it
             x = x * jnp.asarray(c.embedding_multiplier, self.dtype)
@@ -130,5 +157,5 @@ class DecoderModel(nn.Module):
         x = RMSNorm(c.rms_norm_eps, self.dtype, name="norm")(x)
         # Always a separate [hidden, vocab] head, even for tied embeddings (the loader copies it): XLA:CPU multiplies
         # by it faster than by the transposed embedding, and a step reads the same bytes either way.
-        logits = Linear(c.vocab_size, False, self.dtype, name="lm_head")(x)
+        logits = Linear(c.vocab_size, ("embed", "vocab"), False, self.dtype, name="lm_head")(x)  # split by vocab
         return logits.astype(jnp.float32), new_kv

@@ -1,5 +1,4 @@
-"""The supported families: for each checkpoint architecture, the model that runs it and how its checkpoint names
-the weights.
+"""The supported families: for each checkpoint architecture, how its checkpoint names the weights.
 
 Every family runs `jaxserve.model.decoder.DecoderModel`, its differences carried by `ModelConfig`; what differs
 here is the checkpoint: the names of its norms (Gemma's post_attention_layernorm is the attention's output norm,
@@ -9,8 +8,6 @@ at load, so one RMSNorm serves all). Linear layers are named alike in every fami
 from __future__ import annotations
 
 import dataclasses
-
-from jaxserve.model.decoder import DecoderModel
 
 # Our linear module -> its name under "model.layers.N." in a HF checkpoint.
 LINEARS = {"q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj", "v_proj": "self_attn.v_proj",
@@ -22,7 +19,6 @@ _QK_NORMS = {"q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm"}
 
 @dataclasses.dataclass(frozen=True)
 class Family:
-    model: type = DecoderModel
     norms: dict = dataclasses.field(default_factory=lambda: dict(_LLAMA_NORMS))  # ours -> the checkpoint's
     norm_offset: float = 0.0  # added to every norm weight at load
 

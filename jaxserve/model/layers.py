@@ -1,4 +1,9 @@
-"""The layers every family shares: a linear layer over float or quantized kernels, and RMSNorm."""
+"""The layers every family shares: a linear layer over float or quantized kernels, and RMSNorm.
+
+Each parameter is made with the logical axes of its dimensions (`nn.with_logical_partitioning`): that declaration,
+read back by `jaxserve.model.decoder.param_axes`, is how a tensor-parallel mesh splits it (`RULES` in
+`jaxserve.distributed` maps logical axes to the mesh's).
+"""
 from __future__ import annotations
 
 from typing import Any
@@ -11,6 +16,7 @@ from jaxserve.quant import matmul
 
 class Linear(nn.Module):
     features: int
+    axes: tuple[str, str]  # the logical axes of the kernel's [in, out], e.g. ("embed", "mlp")
     use_bias: bool = False
     dtype: Any = jnp.float32
 
@@ -21,10 +27,12 @@ class Linear(nn.Module):
         if self.has_variable("params", "kernel"):
             kernel = self.get_variable("params", "kernel")
         else:
-            kernel = self.param("kernel", nn.initializers.normal(0.02), (x.shape[-1], self.features), self.dtype)
+            init = nn.with_logical_partitioning(nn.initializers.normal(0.02), self.axes)
+            kernel = self.param("kernel", init, (x.shape[-1], self.features), self.dtype)
         y = matmul(x, kernel)
-        if self.use_bias:
-            y = y + self.param("bias", nn.initializers.zeros, (self.features,), self.dtype)
+        if self.use_bias:  # [out]: split as the kernel's outputs are
+            init = nn.with_logical_partitioning(nn.initializers.zeros, self.axes[1:])
+            y = y + self.param("bias", init, (self.features,), self.dtype)
         return y
 
 
@@ -32,10 +40,12 @@ class RMSNorm(nn.Module):
     """x / rms(x) * weight, in float32. Gemma's x * (1 + w) is this with the 1 added at load (jaxserve.model.families)."""
     eps: float
     dtype: Any = jnp.float32
+    axis: str = "embed"  # the logical axis of the normalised dimension ("head_dim" for a per-head norm)
 
     @nn.compact
     def __call__(self, x):
-        weight = self.param("weight", nn.initializers.ones, (x.shape[-1],), self.dtype)
+        init = nn.with_logical_partitioning(nn.initializers.ones, (self.axis,))
+        weight = self.param("weight", init, (x.shape[-1],), self.dtype)
         x32 = x.astype(jnp.float32)
         x32 = x32 * jnp.reciprocal(jnp.sqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps))
         return (x32 * weight.astype(jnp.float32)).astype(self.dtype)
