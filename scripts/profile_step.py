@@ -94,7 +94,7 @@ def profile(case, model, context, page_size, repeats):
     head = params["params"]["lm_head"]["kernel"]
     x = jnp.ones((S, config.hidden_size), jnp.float32)
     head_and_sample = jax.jit(lambda x, w, s: sample(x @ w, s))
-    out["lm head + sampling"] = timed(lambda: head_and_sample(x, head, device_batch.sampling)["tokens"], repeats)
+    out["lm head + sampling"] = timed(lambda: head_and_sample(x, head, device_batch.sampling).tokens, repeats)
     new_kv = [(k, k)] * config.num_layers
     write = jax.jit(write_cache, donate_argnums=0)
 

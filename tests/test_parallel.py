@@ -152,7 +152,7 @@ def test_speculation_over_a_mesh_gives_the_plain_tokens(tp_dir, tiny_dir, refere
     assert tokens(llm, ps) == want
     assert llm.stats().spec_decode_num_drafts > 0
     if method == "draft_model":
-        assert len(bytes_per_device(llm.runner.draft.params)) == 2
+        assert len(bytes_per_device(llm.replicas[0].proposer.runner.params)) == 2
 
 
 def test_a_server_over_data_parallel_replicas(tp_dir, reference):

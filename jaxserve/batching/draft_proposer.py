@@ -25,22 +25,22 @@ class DraftProposer:
     def available(self, seq) -> None:
         return None  # a draft can always propose
 
-    def propose(self, plan) -> Proposals:
-        """Runs the draft for the sequences granted proposals in `plan` (a ScheduledBatch).
+    def propose(self, batch) -> Proposals:
+        """Runs the draft for the sequences granted proposals in `batch` (a ScheduledBatch).
 
         First step(s): each sequence's tokens the draft has not seen, up to its last, which gives the first
         proposal; then one step per further proposal, each taking the token the step before chose straight from
         the device. Everything is dispatched before anything is read back: one wait for all k steps.
         """
-        seqs = [s for s in plan.decode if plan.num_draft.get(s, 0) > 0]
+        seqs = [s for s in batch.decode if batch.num_draft.get(s, 0) > 0]
         proposals = Proposals({s: [] for s in seqs})
         if not seqs:
             return proposals
         handles = []  # (handle, [(row, seq)]) of the steps whose rows give a proposal
         for rows, sources in self._catch_up_steps(seqs):
             handles.append((self.runner.dispatch(rows), sources))
-        for j in range(1, max(plan.num_draft[s] for s in seqs)):
-            going = [s for s in seqs if plan.num_draft[s] > j]
+        for j in range(1, max(batch.num_draft[s] for s in seqs)):
+            going = [s for s in seqs if batch.num_draft[s] > j]
             rows = [Row([0], s.num_tokens - 1 + j, s.pages, row_sampling(s, j, top_logprobs=False), s.slot,
                         chained=True)
                     for s in going]
@@ -51,7 +51,7 @@ class DraftProposer:
                 proposals.tokens[s].append(tokens[i])
         for s in seqs:
             # The last proposal's K/V is not computed: a next round that accepts it takes it in its catch-up.
-            proposals.draft_cached[s] = s.num_tokens - 1 + plan.num_draft[s]
+            proposals.draft_cached[s] = s.num_tokens - 1 + batch.num_draft[s]
         return proposals
 
     def _catch_up_steps(self, seqs):

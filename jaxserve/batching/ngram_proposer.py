@@ -56,6 +56,6 @@ class NgramProposer:
         index.tokens += seq.output_token_ids[len(index.tokens) - len(seq.prompt_token_ids):]
         return index.lookup(self.k)
 
-    def propose(self, plan) -> Proposals:
-        """Proposals for the sequences `plan` (a ScheduledBatch) granted them, up to the number granted."""
-        return Proposals({seq: self.available(seq)[:k] for seq, k in plan.num_draft.items()})
+    def propose(self, batch) -> Proposals:
+        """Proposals for the sequences `batch` (a ScheduledBatch) granted them, up to the number granted."""
+        return Proposals({seq: self.available(seq)[:k] for seq, k in batch.num_draft.items()})
