@@ -4,7 +4,7 @@
 
 Every process runs this same script, as on a real multi-host slice; each writes the outputs it got. Options:
 `forever`: write OUT_JSON.ready once the engine is up, then generate until killed; `keep=N`: keep N published
-messages (multihost.KEEP_MESSAGES), so followers must acknowledge often; `no-warmup`: compile on first use;
+messages (multihost.channel.KEEP_MESSAGES), so followers must acknowledge often; `no-warmup`: compile on first use;
 `fail-step`: process 0's fifth step after start-up raises once it is published, and the script carries on
 generating, as a server would.
 """
@@ -36,7 +36,7 @@ if __name__ == "__main__":
     options = sys.argv[7:]
     for option in options:
         if option.startswith("keep="):
-            multihost.KEEP_MESSAGES = int(option[5:])
+            multihost.channel.KEEP_MESSAGES = int(option[5:])
     llm = LLM(model, coordinator_address=coordinator, num_processes=int(num_processes), process_id=int(process_id),
               tensor_parallel_size=int(tp), warmup="no-warmup" not in options, **ENGINE)
     if "forever" in options:

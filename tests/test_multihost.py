@@ -264,7 +264,7 @@ def test_a_multi_host_run_needs_a_secret_and_binds_one_interface(monkeypatch):
     calls = []
     monkeypatch.setattr(jax.distributed, "is_initialized", lambda: False)
     monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: calls.append(kw))
-    monkeypatch.setattr(multihost, "_exposed", True)
+    monkeypatch.setattr(multihost.process, "_exposed", True)
     monkeypatch.delenv(multihost.SECRET_ENV, raising=False)
     multihost.initialize("127.0.0.1:1234", 2, 1)
     assert calls[-1]["coordinator_bind_address"] == "127.0.0.1:1234"
@@ -281,7 +281,7 @@ def test_a_multi_host_run_needs_a_secret_and_binds_one_interface(monkeypatch):
 def test_a_slow_follower_holds_the_leader_back(kv_client, monkeypatch):
     """A burst of more messages than the leader keeps (a draft model catching up a long context) waits for the
     follower's acknowledgements instead of deleting what it has not read."""
-    monkeypatch.setattr(multihost, "KEEP_MESSAGES", 4)
+    monkeypatch.setattr(multihost.channel, "KEEP_MESSAGES", 4)
     leader, follower, _ = leader_and_follower(kv_client)
     sent = threading.Thread(target=lambda: [leader.send(EndMessage([str(i)])) for i in range(20)], daemon=True)
     sent.start()
@@ -334,18 +334,18 @@ class MemoryStore:
 
 
 class Exited(BaseException):
-    """What multihost.exit_now raises in these tests instead of ending the process."""
+    """What multihost.process.exit_now raises in these tests instead of ending the process."""
 
 
 @pytest.fixture
 def exits(monkeypatch):
-    """multihost.exit_now's calls (each raises Exited)."""
+    """multihost.process.exit_now's calls (each raises Exited)."""
     calls = []
 
     def exit_now(code=1, message=None):
         calls.append((code, message))
         raise Exited(message)
-    monkeypatch.setattr(multihost, "exit_now", exit_now)
+    monkeypatch.setattr(multihost.process, "exit_now", exit_now)
     return calls
 
 

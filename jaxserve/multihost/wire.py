@@ -1,0 +1,171 @@
+"""The leader's messages as bytes, authenticated: `encode` and `decode`.
+
+Whoever reaches the coordination service's port can write its keys, so a message is data only, never code: a JSON
+header and raw arrays of whitelisted dtypes, results as plain values rebuilt into their dataclasses, errors as a
+whitelisted type name and a message. Each message carries an HMAC-SHA256 over its sequence number and content with
+a secret every process shares (required unless the service is reachable from this host only: see
+jaxserve.multihost.process.shared_secret): a forged, altered, replayed or reordered message ends the follower that
+reads it, unexecuted.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import hmac
+import json
+import struct
+
+import numpy as np
+
+from jaxserve.batch import RaggedRows, SamplingInput, StepInput
+from jaxserve.cache import SCRATCH_PAGE
+from jaxserve.multihost.messages import AbortMessage, EndMessage, ErrorMessage, Message, ShutdownMessage, StepMessage
+from jaxserve.multihost.process import SECRET_ENV
+from jaxserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+
+
+class MessageRefused(RuntimeError):
+    """A message that failed its check: forged, altered, replayed, reordered or malformed. Never acted on."""
+
+
+# ---- the wire format: MAC (32 bytes) | sequence number (8) | header length (4) | JSON header | raw arrays ----
+
+_KINDS = {cls.kind: cls for cls in (StepMessage, EndMessage, ErrorMessage, AbortMessage, ShutdownMessage)}
+_DTYPES = {"int32", "uint32", "float32", "bool"}  # all a StepInput holds
+_ERRORS = {e.__name__: e for e in (ValueError, TypeError, RuntimeError, KeyError, IndexError, MemoryError,
+                                   NotImplementedError, TimeoutError, KeyboardInterrupt)}
+_NESTED = {"rows": RaggedRows, "sampling": SamplingInput}
+_PREFIX = struct.Struct(">QI")
+_MAC_BYTES = 32
+
+
+def _fields(cls=StepInput, prefix: str = "") -> list[str]:
+    return [name for f in dataclasses.fields(cls)
+            for name in (_fields(_NESTED[f.name], f"{prefix}{f.name}.") if f.name in _NESTED else [prefix + f.name])]
+
+
+_STEP_FIELDS = _fields()
+
+
+def _build(arrays: dict, cls=StepInput, prefix: str = ""):
+    return cls(**{f.name: _build(arrays, _NESTED[f.name], f"{prefix}{f.name}.") if f.name in _NESTED
+                  else arrays[prefix + f.name] for f in dataclasses.fields(cls)})
+
+
+def encode(message: Message, seq: int, secret: bytes) -> bytes:
+    """One message as bytes, authenticated as the channel's message number seq. A result followers cannot receive
+    (not plain data) is a TypeError, raised before anything is sent."""
+    if not isinstance(message, tuple(_KINDS.values())):
+        raise TypeError(f"not a message: {type(message).__name__}")
+    header, buffers = {"kind": message.kind}, []
+    if isinstance(message, StepMessage):
+        arrays = {}
+        for name in _STEP_FIELDS:
+            value = message.batch
+            for part in name.split("."):
+                value = getattr(value, part)
+            arrays[name] = np.asarray(value)
+        # Only the columns of the page table some row uses (the rest is the scratch page): the table's full width
+        # is pages_per_row, most of it unused by most steps. The follower pads it back to the compiled width.
+        table = arrays["rows.page_table"]
+        used = np.flatnonzero((table != SCRATCH_PAGE).any(axis=0))
+        width = int(used[-1]) + 1 if used.size else 0
+        header.update(runner=int(message.runner_index), page_table_width=table.shape[1])
+        arrays["rows.page_table"] = table[:, :width]
+        header["arrays"] = [[name, a.dtype.name, list(a.shape)] for name, a in arrays.items()]
+        buffers = [np.ascontiguousarray(a).tobytes() for a in arrays.values()]
+    elif isinstance(message, EndMessage):
+        header["result"] = _plain_result(message.result)
+    elif isinstance(message, ErrorMessage):
+        error = message.error
+        name = type(error).__name__
+        header.update(type=name, message=str(error)) if name in _ERRORS else header.update(
+            type="RuntimeError", message=f"{name}: {error}")
+    elif isinstance(message, AbortMessage):
+        header["message"] = str(message.reason)
+    text = json.dumps(header).encode()
+    body = _PREFIX.pack(seq, len(text)) + text + b"".join(buffers)
+    return hmac.digest(secret, body, hashlib.sha256) + body
+
+
+def decode(data: bytes, seq: int, secret: bytes) -> Message:
+    """The message encode made, once its MAC and sequence number check out; MessageRefused otherwise."""
+    mac, body = data[:_MAC_BYTES], data[_MAC_BYTES:]
+    if not hmac.compare_digest(mac, hmac.digest(secret, body, hashlib.sha256)):
+        raise MessageRefused(f"message {seq} failed authentication: it was not sent by process 0 with this "
+                             f"process's secret (every process needs the same ${SECRET_ENV} or "
+                             "--coordinator-secret-file)")
+    try:
+        got, length = _PREFIX.unpack_from(body)
+        if got != seq:
+            raise MessageRefused(f"message {seq} carries sequence number {got}: a replayed or reordered message")
+        start = _PREFIX.size + length
+        header = json.loads(body[_PREFIX.size:start])
+        return _message(header, memoryview(body)[start:])
+    except MessageRefused:
+        raise
+    except Exception as e:  # noqa: BLE001 - an authentic but malformed message is a bug, reported as such
+        raise MessageRefused(f"message {seq} is malformed ({type(e).__name__}: {e})") from e
+
+
+def _message(header: dict, data: memoryview) -> Message:
+    kind = header["kind"]
+    if kind == "step":
+        arrays, offset = {}, 0
+        for name, dtype, shape in header["arrays"]:
+            if name not in _STEP_FIELDS or name in arrays or dtype not in _DTYPES or len(shape) > 3:
+                raise ValueError(f"unexpected array {name!r} ({dtype}, {shape})")
+            size = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+            if min(shape, default=0) < 0 or offset + size > len(data):
+                raise ValueError(f"array {name!r} of shape {shape} overruns the message")
+            arrays[name] = np.frombuffer(data[offset:offset + size], dtype).reshape(shape)
+            offset += size
+        if offset != len(data) or set(arrays) != set(_STEP_FIELDS):
+            raise ValueError("the arrays do not make one step")
+        table = arrays["rows.page_table"]  # back to the width the programs were compiled for
+        arrays["rows.page_table"] = np.pad(table, ((0, 0), (0, int(header["page_table_width"]) - table.shape[1])),
+                                           constant_values=SCRATCH_PAGE)
+        return StepMessage(int(header["runner"]), _build(arrays))
+    if kind == "end":
+        return EndMessage(_result(header["result"]))
+    if kind == "error":
+        return ErrorMessage(_ERRORS[header["type"]](header["message"]))
+    if kind == "abort":
+        return AbortMessage(str(header["message"]))
+    if kind == "shutdown":
+        return ShutdownMessage()
+    raise ValueError(f"unknown message kind {kind!r}")
+
+
+def _plain_result(result) -> dict:
+    """What a collective phase returns (generate: RequestOutputs; stream: text pieces; warm-up: None; benchmarks:
+    dicts of figures) as JSON."""
+    if isinstance(result, list) and result and all(isinstance(r, RequestOutput) for r in result):
+        outputs = []
+        for r in result:
+            plain = dataclasses.asdict(r)
+            for c in plain["outputs"]:  # {token id: Logprob} per token: JSON keys are strings, so pairs
+                if c["logprobs"] is not None:
+                    c["logprobs"] = [list(entry.items()) for entry in c["logprobs"]]
+            outputs.append(plain)
+        return {"outputs": outputs}
+    try:
+        plain = json.loads(json.dumps(result)) == result
+    except (TypeError, ValueError):
+        plain = False
+    if not plain:
+        raise TypeError(f"a collective phase returned a {type(result).__name__}, which followers cannot receive")
+    return {"json": result}
+
+
+def _result(plain: dict):
+    if "json" in plain:
+        return plain["json"]
+    outputs = []
+    for r in plain["outputs"]:
+        completions = [CompletionOutput(**{**c, "logprobs": None if c["logprobs"] is None else [
+            {int(t): Logprob(**lp) for t, lp in entry} for entry in c["logprobs"]]}) for c in r["outputs"]]
+        metrics = None if r["metrics"] is None else RequestMetrics(**r["metrics"])
+        outputs.append(RequestOutput(**{**r, "outputs": completions, "metrics": metrics}))
+    return outputs
+
