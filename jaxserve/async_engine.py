@@ -14,7 +14,7 @@ import uuid
 from typing import AsyncIterator
 
 from jaxserve.batching.engine_core import MAX_FAILED_STEPS, EngineDeadError, EngineStats, StepError
-from jaxserve.batching.output_processor import SequenceDelta, request_metrics
+from jaxserve.batching.output_processor import SequenceDelta, merged, request_metrics
 from jaxserve.engine import LLM, Request
 from jaxserve.engine_config import EngineConfig
 from jaxserve.outputs import CompletionOutput, RequestOutput
@@ -195,8 +195,9 @@ class AsyncEngine:
         by_request: dict[str, list[CompletionOutput]] = {}
         for d in deltas:
             if d.seq.request_id in self._streams:  # else aborted since
-                by_request.setdefault(d.seq.request_id, []).append(d.output)
+                by_request.setdefault(d.seq.request_id, []).append(d.completion)
         for request_id, outputs in by_request.items():
+            outputs = merged(outputs)
             stream = self._streams[request_id]
             stream.unfinished -= sum(o.finish_reason is not None for o in outputs)
             done = stream.unfinished == 0

@@ -236,8 +236,8 @@ class LLM:
         try:
             while self.has_unfinished_requests():
                 for d in self.step():
-                    if d.seq.request_id == request_id and d.seq.index == 0 and d.output.text:
-                        yield d.output.text
+                    if d.seq.request_id == request_id and d.seq.index == 0 and d.completion.text:
+                        yield d.completion.text
         finally:
             self.abort_request(request_id)
 

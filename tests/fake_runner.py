@@ -26,6 +26,11 @@ from jaxserve.sampling_params import MAX_LOGPROBS
 
 
 @dataclasses.dataclass
+class FakeHandle(StepHandle):
+    rows: list[Row] = dataclasses.field(default_factory=list)  # what a fault's `when` is asked about at fetch
+
+
+@dataclasses.dataclass
 class Fault:
     on: str  # "dispatch" or "fetch"
     when: object  # rows -> bool: which step fails
@@ -91,9 +96,7 @@ class FakeRunner:
         out = StepOutput(tokens=tokens, num_tokens=counts, logprobs=zeros, ranks=np.ones((S, Q), np.int32),
                          top_ids=np.zeros((S, Q, MAX_LOGPROBS), np.int32),
                          top_logprobs=np.zeros((S, Q, MAX_LOGPROBS), np.float32))
-        handle = StepHandle(S, out)
-        handle.rows = rows
-        return handle
+        return FakeHandle(S, out, rows)
 
     def _draw(self, token: int, row: Row, generated: int) -> int:
         draw = self.next_token(token)
@@ -101,7 +104,7 @@ class FakeRunner:
             draw = self.next_token(draw)
         return draw
 
-    def fetch(self, handle: StepHandle) -> StepOutput:
+    def fetch(self, handle: FakeHandle) -> StepOutput:
         if self.gate is not None:
             self.gate.wait(60)
         self.events.append("fetch")

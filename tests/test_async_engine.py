@@ -204,3 +204,28 @@ def test_an_engine_that_keeps_failing_reports_dead(where):
             asyncio.run(engine.add_request({"prompt_token_ids": [5, 6]}, GREEDY))
     finally:
         engine.shutdown(10)
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 3])
+def test_a_sequence_that_advances_twice_in_a_step_streams_one_output(max_tokens):
+    """Speculating every step, a sequence advances twice in one engine step (the step before is read back, then the
+    speculative one runs): its request still gets one output per completion per update and ends exactly once (the
+    two used to be sent apart, each with the finish reason: the request's count of unfinished completions went
+    below zero and its stream never ended)."""
+    engine = AsyncEngine(fake_llm(ngram=3))
+    try:
+        async def main():
+            sp = SamplingParams(n=2, temperature=0, max_tokens=max_tokens, ignore_eos=True)
+            stream = await engine.add_request({"prompt_token_ids": [5, 6, 7]}, sp)
+            return [out async for out in stream]
+
+        outs = asyncio.run(asyncio.wait_for(main(), 30))
+        for out in outs:
+            assert len({c.index for c in out.outputs}) == len(out.outputs), out
+        assert [out.finished for out in outs] == [False] * (len(outs) - 1) + [True]
+        for index in (0, 1):
+            mine = [c for out in outs for c in out.outputs if c.index == index]
+            assert sum(t for c in mine for t in c.token_ids) == sum(range(8, 8 + max_tokens))
+            assert [c.finish_reason for c in mine if c.finish_reason] == ["length"]
+    finally:
+        engine.shutdown()

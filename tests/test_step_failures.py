@@ -46,7 +46,7 @@ def test_a_request_finished_in_a_failed_speculative_round_still_ends():
             llm.step()
     assert proposer.failed
     done = {d.seq.request_id: d for d in info.value.changed}
-    assert done["a"].output.finish_reason == "length" and done["a"].token_ids == [8]  # 7's successor, by hand
+    assert done["a"].completion.finish_reason == "length" and done["a"].token_ids == [8]  # 7's successor, by hand
     assert set(info.value.failed) == {"b"} and "proposer lost" in str(info.value.failed["b"])
     llm.core.assert_idle_and_clean()
 
@@ -132,7 +132,7 @@ def test_a_failed_replica_spares_the_other_replicas_results():
     break_replica(llm, 1)
     with pytest.raises(StepError) as info:
         llm.step()
-    assert [(d.seq.request_id, d.output.finish_reason) for d in info.value.changed] == [("a", "length")]
+    assert [(d.seq.request_id, d.completion.finish_reason) for d in info.value.changed] == [("a", "length")]
     assert set(info.value.failed) == {"b"}
     llm.step()  # replica 0 reads back its last (empty) step
     llm.core.assert_idle_and_clean()
@@ -153,12 +153,12 @@ def test_a_broken_replica_fails_only_its_requests_and_leaves_the_routing():
             try:
                 for d in llm.step():
                     if d.finished:
-                        outcomes[d.seq.request_id] = d.output.finish_reason
+                        outcomes[d.seq.request_id] = d.completion.finish_reason
             except StepError as e:
                 outcomes.update({r: e.failed[r] for r in e.failed})
                 for d in e.changed:
                     if d.finished:
-                        outcomes[d.seq.request_id] = d.output.finish_reason
+                        outcomes[d.seq.request_id] = d.completion.finish_reason
     assert set(outcomes) == {f"{r}-{i}" for r in range(MAX_FAILED_STEPS + 2) for i in range(2)}
     errors = [r for r, o in outcomes.items() if isinstance(o, BaseException)]
     assert len(errors) == MAX_FAILED_STEPS, outcomes  # one per round until replica 1 stopped, none after

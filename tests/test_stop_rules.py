@@ -1,9 +1,11 @@
 """A sequence's stop rules on the host, with a fake detokenizer: stop strings never leak into what is streamed,
 and the ending-token sets are bounded."""
+import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from jaxserve.batching.output_processor import take_token
+from jaxserve.batch import StepOutput
+from jaxserve.batching.output_processor import process
 from jaxserve.batching.scheduler import row_sampling
 from jaxserve.batching.sequence import Sequence
 from jaxserve.sampling_params import MAX_STOP, MAX_STOP_LENGTH, MAX_STOP_TOKEN_IDS, SamplingParams
@@ -17,6 +19,16 @@ class PieceDetokenizer:
 
     def add(self, token_id):
         return self.pieces[token_id]
+
+
+def take_token(seq, token):
+    """One step's result of one row that emitted `token`, through the output processor: the text it streams."""
+    one = np.zeros((1, 1), np.float32)
+    result = StepOutput(tokens=np.array([[token]], np.int32), num_tokens=np.ones(1, np.int32), logprobs=one,
+                        ranks=np.ones((1, 1), np.int32), top_ids=np.zeros((1, 1, 1), np.int32),
+                        top_logprobs=np.zeros((1, 1, 1), np.float32))
+    (delta,) = process([seq], result)
+    return delta.completion.text
 
 
 def run(pieces, **params):

@@ -20,15 +20,15 @@ class SequenceDelta:
     """One sequence's part of a step's result: the tokens it took, and what is new for its request."""
     seq: Sequence
     num_emitted: int  # tokens the step emitted for it (a verification row: accepted proposals + 1)
-    output: CompletionOutput  # new text, the tokens taken (up to any stop), their logprobs; finish reason if it ended
+    completion: CompletionOutput  # new text, the tokens taken (up to any stop), their logprobs; why it ended
 
     @property
     def token_ids(self) -> list[int]:
-        return self.output.token_ids
+        return self.completion.token_ids
 
     @property
     def finished(self) -> bool:
-        return self.output.finish_reason is not None
+        return self.completion.finish_reason is not None
 
 
 def process(rows: list[Sequence], result: StepOutput) -> list[SequenceDelta]:
@@ -55,14 +55,6 @@ def process(rows: list[Sequence], result: StepOutput) -> list[SequenceDelta]:
     return deltas
 
 
-def take_token(seq: Sequence, token: int, logprob: float = 0.0, rank: int = 1,
-               top: list[tuple[int, float]] = ()) -> str:
-    """Takes one token (checking every stop rule) and returns the text it releases to the stream: `process`,
-    one token at a time (tests and tools that feed tokens by hand)."""
-    _take_token(seq, token, logprob, rank, list(top))
-    return _release(seq)
-
-
 def completion_output(seq: Sequence, text: str | None = None, token_ids: list[int] | None = None,
                       logprobs: list[dict[int, Logprob]] | None = None) -> CompletionOutput:
     """The one place a CompletionOutput is made: the whole output so far (no arguments), or a delta."""
@@ -71,6 +63,25 @@ def completion_output(seq: Sequence, text: str | None = None, token_ids: list[in
                             list(seq.output_token_ids) if token_ids is None else token_ids,
                             out.cumulative_logprob if out.logprobs is not None else None,
                             out.logprobs if logprobs is None else logprobs, out.finish_reason, out.stop_reason)
+
+
+def merged(deltas: list[CompletionOutput]) -> list[CompletionOutput]:
+    """One delta per completion, in order: a sequence can advance twice in one engine step (a speculative step
+    reads back the step before it, then runs its own), and a stream's consumer sees one output per index, as
+    vLLM's DELTA outputs."""
+    by_index: dict[int, CompletionOutput] = {}
+    for d in deltas:
+        if d.index not in by_index:
+            by_index[d.index] = dataclasses.replace(d, token_ids=list(d.token_ids),
+                                                    logprobs=None if d.logprobs is None else list(d.logprobs))
+            continue
+        m = by_index[d.index]
+        m.text += d.text
+        m.token_ids += d.token_ids
+        if m.logprobs is not None:
+            m.logprobs += d.logprobs
+        m.cumulative_logprob, m.finish_reason, m.stop_reason = d.cumulative_logprob, d.finish_reason, d.stop_reason
+    return list(by_index.values())
 
 
 def request_metrics(seqs: list[Sequence]) -> RequestMetrics:

@@ -3,7 +3,7 @@ processor's).
 
 Each field has one writer: the scheduler (`jaxserve.batching.scheduler`) writes a Sequence's own fields, the output
 processor (`jaxserve.batching.output_processor`) writes its `output` (`OutputState`); everything else only reads
-them (`tests/test_layering.py` checks it).
+them (`tests/test_state_owners.py` checks it).
 """
 from __future__ import annotations
 
