@@ -160,7 +160,7 @@ def compile_program(program: str, shape: str, fn, args, device, *, mesh=None, ar
 
 def abstract_params(config: ModelConfig, dtype) -> dict:
     """The params pytree's shapes and dtypes (as the loaders build it), without any weights."""
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, dtype), declared_params(config, dtype)[0])
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, dtype), declared_params(config, dtype).shapes)
 
 
 def tensor_parallel_config(config: ModelConfig, tensor_parallel_size: int) -> ModelConfig:

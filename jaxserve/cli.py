@@ -97,13 +97,14 @@ def _lead(llm, command, grace_s: float = 30.0) -> None:
     import signal
 
     from jaxserve.multihost import HEARTBEAT_TIMEOUT_S, exit_now
-    if llm.channel is not None and not llm.is_leader:
+    processes = llm.processes
+    if processes.is_follower:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C reaches every process: process 0 decides
 
         def stop(*_):
             import threading
             signal.signal(signal.SIGTERM, signal.SIG_IGN)  # asked once
-            llm.channel.request_stop()
+            processes.request_stop()
             # Process 0's drain: the grace period, then its engines' shutdown (30 s at most) and the server's
             # cleanup (5 s), and the heartbeat that tells this process it is gone.
             limit = grace_s + 30 + 5 + 2 * HEARTBEAT_TIMEOUT_S
@@ -119,10 +120,10 @@ def _lead(llm, command, grace_s: float = 30.0) -> None:
             # step: gone, it is noticed by the coordination service, which ends the others.
             exit_now(1, f"jaxserve: error: {type(e).__name__}: {e}")
         return
-    if llm.channel is not None:
+    if processes.multi_process:
         import os
         signal.signal(signal.SIGTERM, signal.default_int_handler)  # generate / chat: as Ctrl-C; serve sets its own
-        llm.channel.watch_stop_requests(lambda: os.kill(os.getpid(), signal.SIGTERM))
+        processes.watch_stop_requests(lambda: os.kill(os.getpid(), signal.SIGTERM))
     try:
         command(llm)
     finally:

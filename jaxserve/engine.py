@@ -77,11 +77,6 @@ class LLM:
         """Process 0 of a multi-process run, which schedules (True in a single process)."""
         return self.processes.is_leader
 
-    @property
-    def channel(self):
-        """The multi-process step channel (None in a single process)."""
-        return self.processes.channel
-
     # ---- requests in ----
 
     def _prompt_ids(self, prompt) -> tuple[str | None, list[int]]:

@@ -78,7 +78,7 @@ def worker(args):
     llm = LLM(tensor_parallel_size=int(n), max_num_seqs=args.batch, coordinator_address=coordinator,
               num_processes=int(n), process_id=int(i), **ENGINE)
     llm.generate(prompts(args.batch), SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True), use_tqdm=False)
-    runs, channel = [], llm.channel
+    runs, channel = [], llm.processes.channel
     for _ in range(3):
         sent, seconds, count = channel.bytes_sent, channel.seconds_sending, channel._count
         run = llm.processes.run(lambda: timed_run(llm, args.batch))

@@ -136,9 +136,9 @@ def host_loop(batch: int, steps: int = 20) -> dict:
 
     def timed_fetch(handle):
         t = time.perf_counter()
-        out = jax.block_until_ready(handle[1])
+        jax.block_until_ready(handle.output)
         waited.append(time.perf_counter() - t)
-        return fetch((handle[0], out))
+        return fetch(handle)
     runner.fetch = timed_fetch
     t = time.perf_counter()
     for _ in range(steps):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import flax.linen as nn
 import jax
@@ -28,10 +28,15 @@ from jaxserve.model.rope import apply_rope, inverse_frequencies
 from jaxserve.quant import embed, logical_axes
 
 
-def declared_params(config: ModelConfig, dtype=jnp.float32) -> tuple[dict, dict]:
-    """(shapes, axes): the params tree DecoderModel makes for config, as ShapeDtypeStructs (no weights), and the
-    logical axes (a PartitionSpec of names) each leaf was declared with where its layer makes it. The loaders build
-    the same tree (`jaxserve.weights.params`)."""
+class DeclaredParams(NamedTuple):
+    """The params tree DecoderModel makes for a config, as declared where its layers make it (no weights)."""
+    shapes: dict  # each leaf a ShapeDtypeStruct
+    axes: dict  # each leaf's logical axes, a PartitionSpec of names
+
+
+def declared_params(config: ModelConfig, dtype=jnp.float32) -> DeclaredParams:
+    """The params tree of config, each leaf with the logical axes its layer declared. The loaders build the same
+    tree (`jaxserve.weights.params`)."""
     def init():
         one = jnp.zeros(1, jnp.int32)
         rows = RaggedRows(positions=one, token_row=one, query_start=jnp.zeros(2, jnp.int32), cached_lens=one,
@@ -43,12 +48,12 @@ def declared_params(config: ModelConfig, dtype=jnp.float32) -> tuple[dict, dict]
                   jax.tree_util.tree_leaves_with_path(boxed, is_leaf=is_boxed) if not is_boxed(leaf)]
     if undeclared:  # a parameter made without logical axes would silently be replicated
         raise TypeError(f"parameters made without logical axes (nn.with_logical_partitioning): {undeclared}")
-    return nn.meta.unbox(boxed), nn.get_partition_spec(boxed)
+    return DeclaredParams(nn.meta.unbox(boxed), nn.get_partition_spec(boxed))
 
 
 @functools.cache
 def _declared_axes(config: ModelConfig) -> dict:
-    return declared_params(config)[1]
+    return declared_params(config).axes
 
 
 def param_axes(config: ModelConfig, params: dict) -> dict:
