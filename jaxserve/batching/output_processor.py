@@ -69,6 +69,8 @@ def merged(deltas: list[CompletionOutput]) -> list[CompletionOutput]:
     """One delta per completion, in order: a sequence can advance twice in one engine step (a speculative step
     reads back the step before it, then runs its own), and a stream's consumer sees one output per index, as
     vLLM's DELTA outputs."""
+    if len({d.index for d in deltas}) == len(deltas):
+        return deltas  # the common case: nothing to merge, nothing copied
     by_index: dict[int, CompletionOutput] = {}
     for d in deltas:
         if d.index not in by_index:
