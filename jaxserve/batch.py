@@ -9,8 +9,10 @@ step reads each weight once however its tokens split between sequences; only att
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
+import numpy as np
 
 
 @jax.tree_util.register_dataclass
@@ -38,6 +40,7 @@ class SamplingInput:
     #                                         g < min_tokens (padded with vocab_size)
     min_tokens: jax.Array  # int32 [S]
     want_top_logprobs: jax.Array  # bool [S]
+    token_mask: jax.Array  # int32 [S, ceil(V / 32)]   the tokens a row may sample (`jaxserve.token_mask`; -1: all)
 
 
 @jax.tree_util.register_dataclass
@@ -73,3 +76,20 @@ class StepOutput:
     ranks: jax.Array  # int32 [S, Q]   1: the most likely token
     top_ids: jax.Array  # int32 [S, Q, MAX_LOGPROBS]   (zeros unless a row asked for top logprobs)
     top_logprobs: jax.Array  # float32 [S, Q, MAX_LOGPROBS]
+
+
+@functools.cache
+def constant(shape: tuple[int, ...], dtype, fill) -> np.ndarray:
+    """A read-only array a batch holds in place of a per-row array no row uses (no row has a token mask, say):
+    `jaxserve.steps.Steps.put_batch` keeps one device copy of each, so such a batch copies nothing for it."""
+    a = np.full(shape, fill, dtype)
+    a.flags.writeable = False
+    _constants[id(a)] = a  # held for good (by the cache too), so an id is never reused
+    return a
+
+
+_constants: dict[int, np.ndarray] = {}
+
+
+def is_constant(x) -> bool:
+    return _constants.get(id(x)) is x

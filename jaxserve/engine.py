@@ -130,6 +130,8 @@ class LLM:
         """Checks a request and makes its n sequences without submitting them. Raises ValueError / TypeError on bad
         input (a prompt too long, a request that can never fit the KV cache). Safe on another thread than the one
         stepping (AsyncEngine checks requests on its event loop)."""
+        if params.structured_outputs is not None:  # until the grammar engine lands: refused, never ignored
+            raise ValueError("structured_outputs are not supported by this engine yet")
         request = self._request(prompt, params, priority, request_id)
         for seq in request.seqs:
             self.scheduler.check_fits(seq)

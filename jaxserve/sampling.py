@@ -24,11 +24,12 @@ def sample(logits, p) -> Sampled:
     """logits: [S, V] float32. p: a `jaxserve.batch.SamplingInput`, per-row arrays
         temperature [S] f32 (0: greedy), top_k [S] i32 (0: off), top_p [S] f32, min_p [S] f32,
         seed [S] u32, step [S] i32 (tokens generated so far; with seed it makes the draw reproducible),
-        banned [S, B] i32 (token ids that may not be sampled while step < min_tokens [S]; padded with vocab_size).
+        banned [S, B] i32 (token ids that may not be sampled while step < min_tokens [S]; padded with vocab_size),
+        token_mask [S, ceil(V / 32)] i32 (the tokens each row may sample at all: `jaxserve.token_mask`).
     """
     # Logprobs are those of the model's own distribution, before any sampling transform (as vLLM reports them).
     logprobs = jax.nn.log_softmax(logits, axis=-1)
-    logits = ban(logits, p)
+    logits = masked(ban(logits, p), p.token_mask)
     greedy = first_argmax(logits)
 
     sampled = jax.lax.cond(jnp.any(p.temperature > 0), _sample_rows, lambda x, p: greedy, logits, p)
@@ -42,6 +43,17 @@ def ban(logits, p):
     rows = jnp.arange(S)[:, None]
     banned = jnp.where((p.step < p.min_tokens)[:, None], p.banned, V)
     return logits.at[rows, banned].set(-jnp.inf, mode="drop")
+
+
+def masked(logits, token_mask):
+    """logits [S, V] at -inf where a row's token_mask [S, ceil(V / 32)] forbids the token; free where no row has a
+    mask (every word -1: the usual batch, whose unpacking is skipped)."""
+    S, V = logits.shape
+
+    def apply(x):
+        bits = (token_mask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1  # [S, W, 32]; -1 >> j is -1
+        return jnp.where(bits.reshape(S, -1)[:, :V] == 1, x, -jnp.inf)
+    return jax.lax.cond(jnp.any(token_mask != -1), apply, lambda x: x, logits)
 
 
 def token_logprobs(logprobs, tokens, want_top_logprobs):

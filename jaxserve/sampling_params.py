@@ -17,6 +17,36 @@ INT32_LIMIT = 2 ** 31
 
 
 @dataclasses.dataclass
+class StructuredOutputsParams:
+    """A grammar the output must follow (vLLM's names): exactly one of a JSON schema, any JSON object, a regular
+    expression, one of a list of strings, or a Lark grammar (llguidance's dialect). Compiled against the model's
+    tokenizer when the request is admitted (`jaxserve.structured_output`)."""
+    json: dict | str | None = None  # a JSON schema, as an object or its JSON text
+    json_object: bool = False  # any JSON object
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self):
+        kinds = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        kinds += ["json_object"] * bool(self.json_object)
+        _check(len(kinds) == 1, f"structured_outputs needs exactly one of json, json_object, regex, choice or grammar, "
+                                f"got {kinds or 'none'}")
+        _check(self.json is None or isinstance(self.json, (dict, str)), "structured_outputs.json must be a JSON "
+                                                                         "schema (an object or its text)")
+        _check(self.regex is None or isinstance(self.regex, str), "structured_outputs.regex must be a string")
+        _check(self.grammar is None or isinstance(self.grammar, str), "structured_outputs.grammar must be a string")
+        _check(self.choice is None or (isinstance(self.choice, list) and self.choice
+                                       and all(isinstance(c, str) for c in self.choice)),
+               "structured_outputs.choice must be a non-empty list of strings")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None) \
+            if not self.json_object else "json_object"
+
+
+@dataclasses.dataclass
 class SamplingParams:
     n: int = 1
     temperature: float = 1.0  # 0 means greedy
@@ -32,6 +62,7 @@ class SamplingParams:
     logprobs: int | None = None  # number of top logprobs per generated token (the chosen token's is always given)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputsParams | None = None  # a grammar the output must follow
 
     def __post_init__(self):
         self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -63,6 +94,8 @@ class SamplingParams:
                f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
         _check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS),
                f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        _check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+               "structured_outputs must be a StructuredOutputsParams")
 
     @property
     def greedy(self) -> bool:

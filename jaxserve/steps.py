@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.attention import write_kv
-from jaxserve.batch import StepInput, StepOutput
+from jaxserve.batch import StepInput, StepOutput, is_constant
 from jaxserve.config import ModelConfig
 from jaxserve.distributed import HEADS, kv_pages_spec, param_shardings, replicated, shardings
 from jaxserve.model.decoder import DecoderModel, param_axes
@@ -68,6 +68,7 @@ class Steps:
         self._verify = jax.jit(self._forward_and_verify, donate_argnums=2, **forward)
         self._logits = jax.jit(self._forward_logits, **logits)
         self._write = jax.jit(self._write_cache, donate_argnums=0, **write)
+        self._constants: dict[tuple, jax.Array] = {}  # (shape, dtype, value) -> its device copy
 
     def param_shardings(self, params):
         """Where each leaf of params (loaded, possibly quantized) lives on the mesh: split as the model declares
@@ -75,11 +76,22 @@ class Steps:
         return param_shardings(self.mesh, params, param_axes(self.config, params))
 
     def put_batch(self, batch: StepInput) -> StepInput:
-        """One host-to-device copy of a step's inputs, shared by its programs. Over a mesh: replicated, from each
-        process's own copy of the same values, with no cross-process check (device_put's is a collective)."""
+        """One host-to-device copy of a step's inputs, shared by its programs (an array no row uses, a
+        `jaxserve.batch.constant`, is copied once and kept). Over a mesh: replicated, from each process's own copy
+        of the same values, with no cross-process check (device_put's is a collective)."""
         if self.mesh is None:
-            return jax.device_put(batch)
-        return jax.tree.map(lambda x: jax.make_array_from_process_local_data(self._replicated, np.asarray(x)), batch)
+            return jax.device_put(jax.tree.map(self._device_constant, batch))
+        return jax.tree.map(lambda x: self._device_constant(x) if is_constant(x) else
+                            jax.make_array_from_process_local_data(self._replicated, np.asarray(x)), batch)
+
+    def _device_constant(self, x):
+        if not is_constant(x):
+            return x
+        key = (x.shape, x.dtype.str, x.flat[0].item())
+        if key not in self._constants:
+            self._constants[key] = (jax.device_put(x) if self.mesh is None else
+                                    jax.make_array_from_process_local_data(self._replicated, np.asarray(x)))
+        return self._constants[key]
 
     def step(self, params, kv_cache, last_tokens, batch: StepInput):
         """One ragged step. Returns (StepOutput, kv_cache, last_tokens); kv_cache and last_tokens [slots] are

@@ -5,16 +5,17 @@ import numpy as np
 import pytest
 
 from jaxserve.batch import SamplingInput
+from jaxserve.batching.batch_builder import neutral_sampling
 from jaxserve.sampling import sample
 from jaxserve.sampling_params import MAX_BANNED_TOKENS, MAX_LOGPROBS, SamplingParams
+from jaxserve import token_mask
 
 V = 50
 
 
 def rows(n, **overrides):
-    p = {"temperature": np.ones(n, np.float32), "top_k": np.zeros(n, np.int32), "top_p": np.ones(n, np.float32),
-         "min_p": np.zeros(n, np.float32), "seed": np.arange(n, dtype=np.uint32), "step": np.zeros(n, np.int32),
-         "min_tokens": np.ones(n, np.int32), "banned": np.full((n, MAX_BANNED_TOKENS), V, np.int32), "want_top_logprobs": np.zeros(n, bool)}
+    p = {**vars(neutral_sampling(n, V)), "temperature": np.ones(n, np.float32), "seed": np.arange(n, dtype=np.uint32),
+         "min_tokens": np.ones(n, np.int32)}
     for k, v in overrides.items():
         p[k] = np.broadcast_to(np.asarray(v, p[k].dtype), p[k].shape).copy()
     return SamplingInput(**p)
@@ -148,3 +149,48 @@ def test_top_k_top_p_cuts_where_sorting_would():
         got, want = np.asarray(cut(x, top_k, top_p)), sorted_top_k_top_p(x, top_k, top_p)
         # Sums in another order could differ in the last bit at a cut; with distinct random values none lands there.
         assert (np.isfinite(got) == np.isfinite(want)).all(), f"seed {seed}, V {V}"
+
+
+def test_token_mask_allows_only_its_tokens_and_leaves_logprobs_raw():
+    """A row's mask (any allowed set, random per row) decides what it samples, greedy or not; unmasked rows in the
+    same batch are untouched, and reported logprobs stay the model's own."""
+    seed = int(np.random.default_rng().integers(2 ** 31))
+    rng = np.random.default_rng(seed)
+    n = 8
+    logits = rng.normal(0, 2, (n, V)).astype(np.float32)
+    allowed = [rng.choice(V, rng.integers(1, 6), replace=False) for _ in range(n)]
+    masks = np.stack([token_mask.allowing(a, V) if i % 4 else token_mask.allow_all(V) for i, a in enumerate(allowed)])
+    for i in range(n):
+        expect = sorted(allowed[i]) if i % 4 else list(range(V))
+        assert token_mask.allowed_ids(masks[i], V).tolist() == expect, f"seed {seed}"
+    for temperature in (0.0, 1.0):
+        out = sample_jit(jnp.asarray(logits), rows(n, temperature=temperature, token_mask=masks, min_tokens=0))
+        tokens = np.asarray(out.tokens)
+        plain = np.asarray(sample_jit(jnp.asarray(logits), rows(n, temperature=temperature, min_tokens=0)).tokens)
+        for i in range(n):
+            if i % 4:
+                assert tokens[i] in allowed[i], f"seed {seed}, row {i}"
+                if temperature == 0:
+                    assert tokens[i] == allowed[i][np.argmax(logits[i, allowed[i]])], f"seed {seed}, row {i}"
+            else:
+                assert tokens[i] == plain[i], f"seed {seed}, row {i}: an unmasked row changed"
+        raw = jax.nn.log_softmax(logits, axis=-1)[np.arange(n), tokens]
+        np.testing.assert_allclose(np.asarray(out.logprobs), raw, rtol=1e-5, err_msg=f"seed {seed}")
+    assert token_mask.allowed_ids(token_mask.forbidding(masks[1], allowed[1][:1]), V).tolist() == \
+        sorted(allowed[1][1:]), f"seed {seed}"
+
+
+def test_a_batch_without_masks_copies_none(tiny_dir):
+    """No row has a mask: the batch holds the shared constant, and every step reuses one device copy of it."""
+    from jaxserve.batch import is_constant
+    from jaxserve.batching.batch_builder import Row, RowSampling, build_batch
+    from tiny import make_llm
+    plain = build_batch([Row([1, 2], 0, [1])], 4, V, 8, 2, 4)
+    assert is_constant(plain.sampling.token_mask)
+    masked = build_batch([Row([1, 2], 0, [1], RowSampling(token_mask=token_mask.allowing([3], V)))], 4, V, 8, 2, 4)
+    assert not is_constant(masked.sampling.token_mask)
+    assert token_mask.allowed_ids(masked.sampling.token_mask[0], V).tolist() == [3]
+    assert token_mask.allowed_ids(masked.sampling.token_mask[1], V).tolist() == list(range(V))
+    steps = make_llm(tiny_dir).runner.steps
+    first, second = steps.put_batch(plain), steps.put_batch(build_batch([Row([3], 0, [1])], 4, V, 8, 2, 4))
+    assert first.sampling.token_mask is second.sampling.token_mask

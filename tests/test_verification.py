@@ -13,6 +13,7 @@ from jax.scipy.stats import chi2
 
 from jaxserve import verification
 from jaxserve.batch import SamplingInput
+from jaxserve.batching.batch_builder import neutral_sampling
 from jaxserve.verification import verify
 from jaxserve.sampling import draw, sample, step_keys
 from jaxserve.sampling_params import MAX_BANNED_TOKENS
@@ -25,10 +26,7 @@ ALPHA = 2e-5
 
 
 def rows(n, V, **overrides):
-    p = {"temperature": np.ones(n, np.float32), "top_k": np.zeros(n, np.int32), "top_p": np.ones(n, np.float32),
-         "min_p": np.zeros(n, np.float32), "seed": np.arange(n, dtype=np.uint32), "step": np.zeros(n, np.int32),
-         "min_tokens": np.zeros(n, np.int32), "banned": np.full((n, MAX_BANNED_TOKENS), V, np.int32),
-         "want_top_logprobs": np.zeros(n, bool)}
+    p = {**vars(neutral_sampling(n, V)), "temperature": np.ones(n, np.float32), "seed": np.arange(n, dtype=np.uint32)}
     for k, v in overrides.items():
         p[k] = np.broadcast_to(np.asarray(v, p[k].dtype), p[k].shape).copy()
     return SamplingInput(**p)

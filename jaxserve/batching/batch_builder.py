@@ -6,9 +6,10 @@ import dataclasses
 
 import numpy as np
 
-from jaxserve.batch import RaggedRows, SamplingInput, StepInput
+from jaxserve.batch import RaggedRows, SamplingInput, StepInput, constant
 from jaxserve.cache import SCRATCH_PAGE, pages_needed
 from jaxserve.sampling_params import MAX_BANNED_TOKENS
+from jaxserve.token_mask import num_words
 
 
 @dataclasses.dataclass
@@ -22,6 +23,7 @@ class RowSampling:
     banned: tuple[int, ...] = ()  # while fewer than min_tokens are generated
     min_tokens: int = 0
     want_top_logprobs: bool = False
+    token_mask: np.ndarray | None = None  # int32 [ceil(V / 32)] (`jaxserve.token_mask`); None: every token allowed
 
 
 @dataclasses.dataclass
@@ -39,6 +41,17 @@ class Row:
     @property
     def end(self) -> int:
         return self.start_pos + len(self.token_ids)
+
+
+def neutral_sampling(num_rows: int, vocab_size: int) -> SamplingInput:
+    """Sampling arrays for num_rows rows that ask for nothing (greedy, no filter, ban or mask): padding rows, and
+    what build_batch fills a row's parameters into."""
+    S = num_rows
+    return SamplingInput(
+        temperature=np.zeros(S, np.float32), top_k=np.zeros(S, np.int32), top_p=np.ones(S, np.float32),
+        min_p=np.zeros(S, np.float32), seed=np.zeros(S, np.uint32), step=np.zeros(S, np.int32),
+        min_tokens=np.zeros(S, np.int32), banned=np.full((S, MAX_BANNED_TOKENS), vocab_size, np.int32),
+        want_top_logprobs=np.zeros(S, bool), token_mask=constant((S, num_words(vocab_size)), np.int32, -1))
 
 
 def build_batch(rows: list[Row], page_size: int, vocab_size: int, num_tokens: int, num_rows: int,
@@ -63,10 +76,9 @@ def build_batch(rows: list[Row], page_size: int, vocab_size: int, num_tokens: in
     logits_index = np.full((S, Q), -1, np.int32)
     num_draft = np.zeros(S, np.int32)
     out_slot = np.full(S, -1, np.int32)
-    sampling = SamplingInput(
-        temperature=np.zeros(S, np.float32), top_k=np.zeros(S, np.int32), top_p=np.ones(S, np.float32),
-        min_p=np.zeros(S, np.float32), seed=np.zeros(S, np.uint32), step=np.zeros(S, np.int32),
-        min_tokens=np.zeros(S, np.int32), banned=np.full((S, MAX_BANNED_TOKENS), vocab_size, np.int32), want_top_logprobs=np.zeros(S, bool))
+    sampling = neutral_sampling(S, vocab_size)
+    if any(r.sampling.token_mask is not None for r in rows):
+        sampling.token_mask = np.array(sampling.token_mask)  # a writeable copy
     t = 0
     for i, row in enumerate(rows):
         n, end = len(row.token_ids), row.end
@@ -102,6 +114,8 @@ def build_batch(rows: list[Row], page_size: int, vocab_size: int, num_tokens: in
         for key in ("temperature", "top_k", "top_p", "min_p", "seed", "step", "min_tokens", "want_top_logprobs"):
             getattr(sampling, key)[i] = getattr(s, key)
         sampling.banned[i, :len(s.banned)] = s.banned
+        if s.token_mask is not None:
+            sampling.token_mask[i] = s.token_mask
         t += n
     rows_in = RaggedRows(positions=positions, token_row=token_row, query_start=query_start, cached_lens=cached_lens,
                          page_table=page_table)
