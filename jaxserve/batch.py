@@ -41,6 +41,18 @@ class SamplingInput:
     min_tokens: jax.Array  # int32 [S]
     want_top_logprobs: jax.Array  # bool [S]
     token_mask: jax.Array  # int32 [S, ceil(V / 32)]   the tokens a row may sample (`jaxserve.token_mask`; -1: all)
+    # Logit controls (`jaxserve.sampling.controlled`); a batch where no row uses one holds a `constant` for it.
+    bad_word_bans: jax.Array  # int32 [S, MAX_BAD_WORD_BANS, 2]   (trigger, banned): banned may not follow the row's
+    #                                         last token if it is trigger (padded with vocab_size)
+    logit_bias_ids: jax.Array  # int32 [S, MAX_LOGIT_BIAS]   padded with vocab_size
+    logit_bias: jax.Array  # float32 [S, MAX_LOGIT_BIAS]
+    presence_penalty: jax.Array  # float32 [S]
+    frequency_penalty: jax.Array  # float32 [S]
+    repetition_penalty: jax.Array  # float32 [S]
+    past_tokens: jax.Array  # int32 [S, H]   each row's tokens by position, H = its most (pages_per_row x page_size):
+    #                                the host fills those before the row's start, the step its new ones (vocab_size
+    #                                elsewhere); counted by the penalties
+    prompt_len: jax.Array  # int32 [S]   positions from this one on are generated tokens
 
 
 @jax.tree_util.register_dataclass

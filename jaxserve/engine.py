@@ -15,6 +15,7 @@ from jaxserve.batching.output_processor import SequenceDelta, completion_output,
 from jaxserve.batching.sequence import Sequence
 from jaxserve.engine_config import EngineConfig
 from jaxserve.engine_factory import Engine, build_engine
+from jaxserve.logit_controls import resolve
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import MAX_BANNED_TOKENS, SamplingParams
 from jaxserve.tokenizer import IncrementalDetokenizer
@@ -115,13 +116,15 @@ class LLM:
         if params.min_tokens and not params.ignore_eos and len(ending) > MAX_BANNED_TOKENS:
             raise ValueError(f"min_tokens can hold back at most {MAX_BANNED_TOKENS} ending tokens; this model's "
                              f"{len(eos)} EOS ids and the stop_token_ids make {len(ending)}")
+        controls = resolve(params, self.engine.vocab_size, self.tokenizer)
         seqs = []
         for i in range(params.n):
             detok = None
             if self.tokenizer is not None:
                 detok = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
             seed = (base_seed + i * 0x9E3779B1) % (1 << 32)  # distinct streams for the n samples of one seed
-            seqs.append(Sequence(request_id, i, ids, params, seed, self.max_model_len, eos, detok, priority))
+            seqs.append(Sequence(request_id, i, ids, params, seed, self.max_model_len, eos, detok, priority,
+                                 controls))
         return Request(request_id, text, ids, seqs)
 
     # ---- the request API: what AsyncEngine drives, and generate / stream / chat under it ----

@@ -25,11 +25,12 @@ def sample(logits, p) -> Sampled:
         temperature [S] f32 (0: greedy), top_k [S] i32 (0: off), top_p [S] f32, min_p [S] f32,
         seed [S] u32, step [S] i32 (tokens generated so far; with seed it makes the draw reproducible),
         banned [S, B] i32 (token ids that may not be sampled while step < min_tokens [S]; padded with vocab_size),
-        token_mask [S, ceil(V / 32)] i32 (the tokens each row may sample at all: `jaxserve.token_mask`).
+        token_mask [S, ceil(V / 32)] i32 (the tokens each row may sample at all: `jaxserve.token_mask`),
+        and the logit controls (`controlled`): logit_bias_ids, logit_bias, the penalties, past_tokens, prompt_len.
     """
     # Logprobs are those of the model's own distribution, before any sampling transform (as vLLM reports them).
     logprobs = jax.nn.log_softmax(logits, axis=-1)
-    logits = masked(ban(logits, p), p.token_mask)
+    logits = controlled(masked(ban(logits, p), p.token_mask), p)
     greedy = first_argmax(logits)
 
     sampled = jax.lax.cond(jnp.any(p.temperature > 0), _sample_rows, lambda x, p: greedy, logits, p)
@@ -54,6 +55,76 @@ def masked(logits, token_mask):
         bits = (token_mask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1  # [S, W, 32]; -1 >> j is -1
         return jnp.where(bits.reshape(S, -1)[:, :V] == 1, x, -jnp.inf)
     return jax.lax.cond(jnp.any(token_mask != -1), apply, lambda x: x, logits)
+
+
+def controlled(logits, p):
+    """vLLM v1's order after the mask and bans: logit_bias, then the penalties."""
+    return penalized(biased(logits, p), p)
+
+
+def biased(logits, p):
+    """logits [S, V] plus each row's logit_bias [S, MAX_LOGIT_BIAS] at logit_bias_ids (padded with V); free where no
+    row has one."""
+    S, V = logits.shape
+    rows = jnp.arange(S)[:, None]
+    return jax.lax.cond(jnp.any(p.logit_bias_ids < V),
+                        lambda x: x.at[rows, p.logit_bias_ids].add(p.logit_bias, mode="drop"), lambda x: x, logits)
+
+
+def penalized(logits, p):
+    """vLLM's penalties on logits [S, V]: a token among the row's prompt and generated tokens has its logit divided
+    by repetition_penalty if positive, multiplied if not (HF's rule); then minus frequency_penalty per time it was
+    generated and presence_penalty once if it was (OpenAI's). Counted from past_tokens [S, H], which must hold the
+    row's tokens up to its last (`with_step_tokens`); positions >= prompt_len are generated. Free where no row has
+    a penalty, and a row without one keeps its logits bit for bit."""
+    S, V = logits.shape
+    uses = _uses_penalties(p)
+
+    def apply(x):
+        rows = jnp.arange(S)[:, None]
+        generated = (jnp.arange(p.past_tokens.shape[1]) >= p.prompt_len[:, None]).astype(jnp.float32)  # [S, H]
+        counts = jnp.zeros((S, V), jnp.float32).at[rows, p.past_tokens].add(generated, mode="drop")  # [S, V]
+        seen = jnp.zeros((S, V), bool).at[rows, p.past_tokens].set(True, mode="drop")  # [S, V]: prompt or generated
+        r = p.repetition_penalty[:, None]
+        y = jnp.where(seen, jnp.where(x > 0, x / r, x * r), x)
+        y = y - p.frequency_penalty[:, None] * counts - p.presence_penalty[:, None] * (counts > 0)
+        return jnp.where(uses[:, None], y, x)
+    return jax.lax.cond(jnp.any(uses), apply, lambda x: x, logits)
+
+
+def _uses_penalties(p):
+    return (p.presence_penalty != 0) | (p.frequency_penalty != 0) | (p.repetition_penalty != 1)  # [S]
+
+
+def with_step_tokens(p, tokens, rows, last_index):
+    """p with what only the device knows of each row's tokens (a chained decode row's input is the token the step
+    before sampled, `jaxserve.steps.input_tokens`): the step's new tokens written into past_tokens at their
+    positions, for the penalties; and the bad words whose other tokens the row's last token completes (the host
+    matched all but that one: `jaxserve.logit_controls`), their last token cleared from its token mask.
+    tokens [T]: the step's; rows: its `jaxserve.batch.RaggedRows`; last_index [S]: each row's last token in tokens
+    (-1: none). Each part is free where no row needs it."""
+    S, H = p.past_tokens.shape
+    W = p.token_mask.shape[1]
+
+    def write(past):
+        positions = jnp.where((rows.positions >= 0) & (rows.positions < H), rows.positions, H)  # padding: dropped
+        return past.at[rows.token_row, positions].set(tokens, mode="drop")
+
+    last = jnp.where(last_index >= 0, tokens[jnp.maximum(last_index, 0)], -1)  # [S]
+    trigger, banned = p.bad_word_bans[..., 0], p.bad_word_bans[..., 1]  # [S, N]; padding: trigger vocab_size
+    hit = trigger == last[:, None]  # [S, N]
+
+    def ban(mask):
+        word = jnp.where(hit, banned // 32, W)  # [S, N]; W: not banned, dropped
+        bit = jnp.left_shift(jnp.uint32(1), (banned % 32).astype(jnp.uint32))
+        # The host sends each (trigger, banned) once, so a row's bits to clear are distinct: their sum is their OR.
+        cleared = jnp.zeros((S, W), jnp.uint32).at[jnp.arange(S)[:, None], word].add(bit, mode="drop")
+        kept = jax.lax.bitcast_convert_type(mask, jnp.uint32) & ~cleared
+        return jax.lax.bitcast_convert_type(kept, jnp.int32)
+
+    past = jax.lax.cond(jnp.any(_uses_penalties(p)), write, lambda x: x, p.past_tokens)
+    mask = jax.lax.cond(jnp.any(hit), ban, lambda x: x, p.token_mask)
+    return dataclasses.replace(p, past_tokens=past, token_mask=mask)
 
 
 def token_logprobs(logprobs, tokens, want_top_logprobs):

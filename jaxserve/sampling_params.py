@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 # Top-n logprobs are computed on device for a fixed n (one program for every request), as OpenAI's cap.
 MAX_LOGPROBS = 20
@@ -12,6 +13,12 @@ MAX_STOP_LENGTH = 256  # characters in one stop string
 MAX_STOP_TOKEN_IDS = 32
 # Tokens that min_tokens keeps from ending a sequence (EOS ids + stop ids), per row, in a fixed-size device array.
 MAX_BANNED_TOKENS = 64
+# Logit controls (OpenAI's and vLLM's limits): logit_bias entries (OpenAI's cap) and their range, the penalties' range,
+# and bad words, whose multi-token spellings become a fixed number of conditional bans per row on device.
+MAX_LOGIT_BIAS = 300
+MAX_BAD_WORDS = 64
+MAX_BAD_WORD_LENGTH = 256  # characters
+MAX_BAD_WORD_BANS = 2 * MAX_BAD_WORDS  # a word has at most two spellings (jaxserve.logit_controls)
 # Integers a step's int32 device arrays hold: a larger top_k or token id must fail here, not in the engine loop.
 INT32_LIMIT = 2 ** 31
 
@@ -63,6 +70,15 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputsParams | None = None  # a grammar the output must follow
+    # Logit controls, applied on device in vLLM's order after the token mask and min_tokens bans: logit_bias, then
+    # the penalties (jaxserve.sampling). Token ids are checked against the vocabulary at admission.
+    presence_penalty: float = 0.0  # OpenAI: minus this from a token's logit once it has been generated
+    frequency_penalty: float = 0.0  # OpenAI: minus this per time a token has been generated
+    repetition_penalty: float = 1.0  # HF/vLLM: a token in the prompt or output has its logit divided (> 0) or
+    #                                  multiplied (< 0) by this
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit
+    allowed_token_ids: list[int] | None = None  # only these may be sampled
+    bad_words: list[str] | None = None  # never generated (vLLM: each word's tokens, with and without a leading space)
 
     def __post_init__(self):
         self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -96,6 +112,39 @@ class SamplingParams:
                f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
         _check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
                "structured_outputs must be a StructuredOutputsParams")
+        self._check_logit_controls()
+
+    def _check_logit_controls(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(_is_number(value) and -2 <= value <= 2, f"{name} must be in [-2, 2], got {value!r}", name)
+        _check(_is_number(self.repetition_penalty) and self.repetition_penalty > 0 and
+               math.isfinite(self.repetition_penalty),
+               f"repetition_penalty must be a number > 0, got {self.repetition_penalty!r}", "repetition_penalty")
+        if self.logit_bias is not None:
+            _check(isinstance(self.logit_bias, dict), "logit_bias must be a dict of token id -> bias", "logit_bias")
+            _check(len(self.logit_bias) <= MAX_LOGIT_BIAS,
+                   f"logit_bias may have at most {MAX_LOGIT_BIAS} entries, got {len(self.logit_bias)}", "logit_bias")
+            _check(all(_is_token_id(t) for t in self.logit_bias),
+                   f"logit_bias keys must be token ids (integers >= 0), got {list(self.logit_bias)[:8]!r}",
+                   "logit_bias")
+            _check(all(_is_number(b) and -100 <= b <= 100 for b in self.logit_bias.values()),
+                   "logit_bias values must be numbers in [-100, 100]", "logit_bias")
+        if self.allowed_token_ids is not None:
+            _check(isinstance(self.allowed_token_ids, list) and self.allowed_token_ids and
+                   all(_is_token_id(t) for t in self.allowed_token_ids),
+                   "allowed_token_ids must be a non-empty list of token ids", "allowed_token_ids")
+        if self.bad_words is not None:
+            _check(isinstance(self.bad_words, list) and all(isinstance(w, str) and w.strip() for w in self.bad_words),
+                   "bad_words must be a list of non-blank strings", "bad_words")
+            _check(len(self.bad_words) <= MAX_BAD_WORDS,
+                   f"at most {MAX_BAD_WORDS} bad_words, got {len(self.bad_words)}", "bad_words")
+            _check(all(len(w) <= MAX_BAD_WORD_LENGTH for w in self.bad_words),
+                   f"a bad word may have at most {MAX_BAD_WORD_LENGTH} characters", "bad_words")
+
+    @property
+    def uses_penalties(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
     @property
     def greedy(self) -> bool:
@@ -106,6 +155,18 @@ def _is_number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
-def _check(ok: bool, message: str) -> None:
+def _is_token_id(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and 0 <= x < INT32_LIMIT
+
+
+class ParamError(ValueError):
+    """A bad request parameter, named (the server's 400 carries it as `param`)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+def _check(ok: bool, message: str, param: str | None = None) -> None:
     if not ok:
-        raise ValueError(message)
+        raise ParamError(message, param)

@@ -19,7 +19,7 @@ from jaxserve.batch import StepInput, StepOutput, is_constant
 from jaxserve.config import ModelConfig
 from jaxserve.distributed import HEADS, kv_pages_spec, param_shardings, replicated, shardings
 from jaxserve.model.decoder import DecoderModel, param_axes
-from jaxserve.sampling import sample
+from jaxserve.sampling import sample, with_step_tokens
 from jaxserve.verification import verify
 
 
@@ -114,7 +114,7 @@ class Steps:
     def _forward_and_sample(self, params, kv_cache, last_tokens, batch: StepInput):
         tokens = input_tokens(batch, last_tokens)
         logits, new_kv = self.model.apply(params, tokens, kv_cache, batch.rows, batch.logits_index[:, 0])
-        s = sample(logits, batch.sampling)
+        s = sample(logits, with_step_tokens(batch.sampling, tokens, batch.rows, batch.logits_index[:, 0]))
         out = StepOutput(tokens=s.tokens[:, None], num_tokens=(batch.logits_index[:, 0] >= 0).astype(jnp.int32),
                          logprobs=s.logprobs[:, None], ranks=s.ranks[:, None], top_ids=s.top_ids[:, None],
                          top_logprobs=s.top_logprobs[:, None])
@@ -132,7 +132,9 @@ class Steps:
             logits, new_kv = self.model.apply(params, tokens, kv_cache, batch.rows, index)
         # The proposal a scored position is checked against is the token after it in the row.
         drafts = tokens[jnp.minimum(index[:, :-1] + 1, T - 1)]  # [S, Q - 1]
-        v = verify(logits, drafts, batch.num_draft, batch.sampling)
+        # Rows whose logit controls depend on the tokens before a position do not speculate: position 0 is theirs.
+        sampling = with_step_tokens(batch.sampling, tokens, batch.rows, batch.logits_index[:, 0])
+        v = verify(logits, drafts, batch.num_draft, sampling)
         num_tokens = jnp.where(batch.logits_index[:, 0] >= 0, v.num_tokens, 0)  # [S]
         out = StepOutput(tokens=v.tokens, num_tokens=num_tokens, logprobs=v.logprobs, ranks=v.ranks,
                          top_ids=v.top_ids, top_logprobs=v.top_logprobs)

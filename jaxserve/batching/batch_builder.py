@@ -8,7 +8,7 @@ import numpy as np
 
 from jaxserve.batch import RaggedRows, SamplingInput, StepInput, constant
 from jaxserve.cache import SCRATCH_PAGE, pages_needed
-from jaxserve.sampling_params import MAX_BANNED_TOKENS
+from jaxserve.sampling_params import MAX_BAD_WORD_BANS, MAX_BANNED_TOKENS, MAX_LOGIT_BIAS
 from jaxserve.token_mask import num_words
 
 
@@ -24,6 +24,16 @@ class RowSampling:
     min_tokens: int = 0
     want_top_logprobs: bool = False
     token_mask: np.ndarray | None = None  # int32 [ceil(V / 32)] (`jaxserve.token_mask`); None: every token allowed
+    # Logit controls (`jaxserve.logit_controls`, SamplingParams): bad words' (trigger, banned) pairs, logit_bias as
+    # (ids int32 [n], biases float32 [n]), the penalties, and what they count: the sequence's tokens (int32, at
+    # least those before the row's start; None where no penalty is asked) and its prompt's length.
+    bad_word_bans: tuple[tuple[int, int], ...] = ()
+    logit_bias: tuple[np.ndarray, np.ndarray] | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    past_tokens: np.ndarray | None = None
+    prompt_len: int = 0
 
 
 @dataclasses.dataclass
@@ -43,15 +53,31 @@ class Row:
         return self.start_pos + len(self.token_ids)
 
 
-def neutral_sampling(num_rows: int, vocab_size: int) -> SamplingInput:
-    """Sampling arrays for num_rows rows that ask for nothing (greedy, no filter, ban or mask): padding rows, and
-    what build_batch fills a row's parameters into."""
-    S = num_rows
+def neutral_sampling(num_rows: int, vocab_size: int, max_len: int = 1) -> SamplingInput:
+    """Sampling arrays for num_rows rows that ask for nothing (greedy, no filter, ban, mask, bias or penalty), rows of
+    up to max_len tokens: padding rows, and what build_batch fills a row's parameters into."""
+    S, V = num_rows, vocab_size
     return SamplingInput(
         temperature=np.zeros(S, np.float32), top_k=np.zeros(S, np.int32), top_p=np.ones(S, np.float32),
         min_p=np.zeros(S, np.float32), seed=np.zeros(S, np.uint32), step=np.zeros(S, np.int32),
-        min_tokens=np.zeros(S, np.int32), banned=np.full((S, MAX_BANNED_TOKENS), vocab_size, np.int32),
-        want_top_logprobs=np.zeros(S, bool), token_mask=constant((S, num_words(vocab_size)), np.int32, -1))
+        min_tokens=np.zeros(S, np.int32), banned=np.full((S, MAX_BANNED_TOKENS), V, np.int32),
+        want_top_logprobs=np.zeros(S, bool), token_mask=constant((S, num_words(V)), np.int32, -1),
+        bad_word_bans=constant((S, MAX_BAD_WORD_BANS, 2), np.int32, V),
+        logit_bias_ids=constant((S, MAX_LOGIT_BIAS), np.int32, V),
+        logit_bias=constant((S, MAX_LOGIT_BIAS), np.float32, 0),
+        presence_penalty=np.zeros(S, np.float32), frequency_penalty=np.zeros(S, np.float32),
+        repetition_penalty=np.ones(S, np.float32), past_tokens=constant((S, max_len), np.int32, V),
+        prompt_len=np.zeros(S, np.int32))
+
+
+# SamplingInput's per-row arrays that stay a `constant` unless a row uses them, and how a RowSampling uses them.
+_USED = {
+    "token_mask": lambda s: s.token_mask is not None,
+    "bad_word_bans": lambda s: bool(s.bad_word_bans),
+    "logit_bias_ids": lambda s: s.logit_bias is not None,
+    "logit_bias": lambda s: s.logit_bias is not None,
+    "past_tokens": lambda s: s.past_tokens is not None,
+}
 
 
 def build_batch(rows: list[Row], page_size: int, vocab_size: int, num_tokens: int, num_rows: int,
@@ -76,9 +102,10 @@ def build_batch(rows: list[Row], page_size: int, vocab_size: int, num_tokens: in
     logits_index = np.full((S, Q), -1, np.int32)
     num_draft = np.zeros(S, np.int32)
     out_slot = np.full(S, -1, np.int32)
-    sampling = neutral_sampling(S, vocab_size)
-    if any(r.sampling.token_mask is not None for r in rows):
-        sampling.token_mask = np.array(sampling.token_mask)  # a writeable copy
+    sampling = neutral_sampling(S, vocab_size, P * page_size)
+    for name, used in _USED.items():
+        if any(used(r.sampling) for r in rows):
+            setattr(sampling, name, np.array(getattr(sampling, name)))  # a writeable copy
     t = 0
     for i, row in enumerate(rows):
         n, end = len(row.token_ids), row.end
@@ -111,13 +138,32 @@ def build_batch(rows: list[Row], page_size: int, vocab_size: int, num_tokens: in
         s = row.sampling
         if len(s.banned) > MAX_BANNED_TOKENS:  # refused at admission (see LLM._sequences): a bug if it gets here
             raise ValueError(f"row {i} bans {len(s.banned)} tokens; a row holds at most {MAX_BANNED_TOKENS}")
-        for key in ("temperature", "top_k", "top_p", "min_p", "seed", "step", "min_tokens", "want_top_logprobs"):
+        for key in ("temperature", "top_k", "top_p", "min_p", "seed", "step", "min_tokens", "want_top_logprobs",
+                    "presence_penalty", "frequency_penalty", "repetition_penalty", "prompt_len"):
             getattr(sampling, key)[i] = getattr(s, key)
         sampling.banned[i, :len(s.banned)] = s.banned
         if s.token_mask is not None:
             sampling.token_mask[i] = s.token_mask
+        _fill_logit_controls(sampling, i, row)
         t += n
     rows_in = RaggedRows(positions=positions, token_row=token_row, query_start=query_start, cached_lens=cached_lens,
                          page_table=page_table)
     return StepInput(token_ids=token_ids, chain_slot=chain_slot, slot_mapping=slot_mapping, rows=rows_in,
                      logits_index=logits_index, num_draft=num_draft, out_slot=out_slot, sampling=sampling)
+
+
+def _fill_logit_controls(sampling: SamplingInput, i: int, row: Row) -> None:
+    s = row.sampling
+    # More than these is refused at admission (SamplingParams, jaxserve.logit_controls): a bug if it gets here.
+    if len(s.bad_word_bans) > MAX_BAD_WORD_BANS:
+        raise ValueError(f"row {i} has {len(s.bad_word_bans)} bad-word bans; a row holds {MAX_BAD_WORD_BANS}")
+    if s.bad_word_bans:
+        sampling.bad_word_bans[i, :len(s.bad_word_bans)] = s.bad_word_bans
+    if s.logit_bias is not None:
+        ids, biases = s.logit_bias
+        if len(ids) > MAX_LOGIT_BIAS:
+            raise ValueError(f"row {i} has {len(ids)} logit_bias entries; a row holds {MAX_LOGIT_BIAS}")
+        sampling.logit_bias_ids[i, :len(ids)] = ids
+        sampling.logit_bias[i, :len(ids)] = biases
+    if s.past_tokens is not None:
+        sampling.past_tokens[i, :row.start_pos] = s.past_tokens[:row.start_pos]

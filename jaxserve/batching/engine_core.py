@@ -76,6 +76,13 @@ class InFlight:
     handle: StepHandle
 
 
+def _position_dependent(seq: Sequence) -> bool:
+    """Its sampling depends on the tokens before the position (penalties, bad words of several tokens), so it
+    does not speculate: a verification step applies a row's controls alike at every scored position, exact at the
+    first only. logit_bias and the token mask do not depend on it, so their rows speculate."""
+    return seq.params.uses_penalties or bool(seq.controls.bad_words)
+
+
 class EngineCore:
     def __init__(self, scheduler: Scheduler, runner: Runner, rate_window_s: float = 5.0,
                  proposer: Proposer | None = None, controller: SpecController | None = None, adaptive: bool = True):
@@ -179,7 +186,8 @@ class EngineCore:
     def _speculation_lengths(self) -> dict[Sequence, int]:
         """Proposals wanted per decoding sequence. Decided on what the host knows: a token still in flight is
         not yet in the n-gram lookup."""
-        seqs = [s for s in self.scheduler.running if s.num_to_compute == 1 and not s.reached_length_limit]
+        seqs = [s for s in self.scheduler.running if s.num_to_compute == 1 and not s.reached_length_limit
+                and not _position_dependent(s)]
         if not self.adaptive:
             return {s: self.controller.k for s in seqs}
         return self.controller.choose(seqs, self.proposer.available)

@@ -26,6 +26,7 @@ from jaxserve.batching.sequence import Sequence, Status
 from jaxserve.batching.slo import SloController
 from jaxserve.buckets import round_up
 from jaxserve.cache import PrefixCache, page_keys, pages_needed
+from jaxserve.logit_controls import bad_word_bans
 from jaxserve.options import SCHEDULING_POLICIES
 
 # A waiting sequence gains one priority level per this many steps it waits, so a steady stream of better-priority
@@ -89,9 +90,15 @@ def row_sampling(seq: Sequence, ahead: int = 0, top_logprobs: bool = True) -> Ro
     # min_tokens: until reached, ending tokens may not be sampled at all (a device-side ban, as in vLLM; the
     # device counts, since one verification row samples several tokens).
     banned = seq.ending_token_ids if seq.num_generated < p.min_tokens else ()
+    c = seq.controls
+    bans = bad_word_bans(c.bad_words, seq.output_token_ids, seq.num_generated) if c.bad_words else ()
     return RowSampling(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p, seed=seq.seed,
                        step=seq.num_generated + ahead, banned=banned, min_tokens=p.min_tokens,
-                       want_top_logprobs=bool(p.logprobs) and top_logprobs)
+                       want_top_logprobs=bool(p.logprobs) and top_logprobs, token_mask=c.token_mask,
+                       bad_word_bans=bans,
+                       logit_bias=c.logit_bias, presence_penalty=p.presence_penalty,
+                       frequency_penalty=p.frequency_penalty, repetition_penalty=p.repetition_penalty,
+                       past_tokens=seq.token_ids_array, prompt_len=len(seq.prompt_token_ids))
 
 
 class Scheduler:
@@ -246,6 +253,9 @@ class Scheduler:
         for d in deltas:
             seq = d.seq
             seq.pending -= 1  # a row's tokens land together
+            if seq.token_ids_array is not None:
+                end = len(seq.prompt_token_ids) + len(seq.output_token_ids)
+                seq.token_ids_array[end:end + len(d.token_ids)] = d.token_ids
             seq.output_token_ids += d.token_ids
             if seq.first_token_time is None:
                 seq.first_token_time = now

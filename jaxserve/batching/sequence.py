@@ -12,6 +12,9 @@ import enum
 import itertools
 import time
 
+import numpy as np
+
+from jaxserve.logit_controls import NONE, LogitControls
 from jaxserve.outputs import Logprob
 from jaxserve.sampling_params import SamplingParams
 
@@ -73,7 +76,8 @@ _arrivals = itertools.count()
 
 class Sequence:
     def __init__(self, request_id: str, index: int, prompt_token_ids: list[int], params: SamplingParams, seed: int,
-                 max_model_len: int, eos_token_ids: list[int], detokenizer=None, priority: int = 0):
+                 max_model_len: int, eos_token_ids: list[int], detokenizer=None, priority: int = 0,
+                 controls: LogitControls = NONE):
         # What the request asked: never changes.
         self.request_id = request_id
         self.index = index  # which of the request's n completions
@@ -87,9 +91,16 @@ class Sequence:
         self.eos_token_ids = [] if params.ignore_eos else list(eos_token_ids)
         # What min_tokens bans on device, each id once: EOS and stop ids.
         self.ending_token_ids = tuple(dict.fromkeys(self.eos_token_ids + params.stop_token_ids))
+        self.controls = controls  # logit_bias, allowed_token_ids and bad_words on the model's vocabulary
         # The scheduler's.
         self.output_token_ids: list[int] = []
         self.token_ids = TokenIds(self.prompt_token_ids, self.output_token_ids)
+        # The same tokens as an array, kept where penalties count them: each step copies a row's tokens from it (from
+        # the lists, 64 rows of 512 tokens took ~1.2 ms a step; from arrays, ~0.12 ms).
+        self.token_ids_array: np.ndarray | None = None
+        if params.uses_penalties:
+            self.token_ids_array = np.zeros(max_model_len, np.int32)
+            self.token_ids_array[:len(self.prompt_token_ids)] = self.prompt_token_ids
         self.status = Status.WAITING
         self.boost = 0  # earned by waiting: subtracted from priority, so no request starves
         self.waited_steps = 0
