@@ -386,13 +386,17 @@ def test_controlled_rows_leave_their_neighbours_alone(tok_llm):
     tok_llm.core.assert_idle_and_clean()
 
 
-def test_speculation_keeps_the_outputs(tiny_dir, tok_llm):
-    """An n-gram speculating engine gives the same tokens (position-dependent rows do not speculate; logit_bias
-    and allowed_token_ids rows do, and verification applies them exactly), on repetitive prompts."""
+@pytest.mark.parametrize("proposer", ["ngram", "draft-self"])
+def test_speculation_keeps_the_outputs(tiny_dir, tok_llm, proposer):
+    """A speculating engine gives the same tokens (position-dependent rows do not speculate; logit_bias and
+    allowed_token_ids rows do, and verification applies them exactly), on repetitive prompts. The target as its own
+    draft proposes what it would sample, so a penalised row that speculated would have proposals accepted where
+    its penalties are wrong."""
     seed = fresh_seed()
     rng = np.random.default_rng(seed)
-    spec = make_llm(tiny_dir, speculative_config=dict(method="ngram", num_speculative_tokens=3, prompt_lookup_min=1,
-                                                      adaptive=False))
+    config = dict(method="ngram", prompt_lookup_min=1) if proposer == "ngram" else \
+        dict(method="draft_model", model=tiny_dir)
+    spec = make_llm(tiny_dir, speculative_config=dict(num_speculative_tokens=3, adaptive=False, **config))
     spec.tokenizer = tok_llm.tokenizer
     pattern = rng.integers(0, VOCAB, 4).tolist()
     requests = [({"prompt_token_ids": (pattern * 10)[:n]}, SamplingParams(
