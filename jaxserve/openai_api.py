@@ -1,8 +1,8 @@
 """The OpenAI wire format: request bodies checked and turned into (prompt, SamplingParams), outputs into response
 and stream-chunk bodies. Pure functions, no HTTP: `jaxserve.server` moves the bytes.
 
-A field the API defines but the engine does not implement is refused unless it has its no-op value (a penalty of
-0, `echo` false), and an unknown field is refused: a client never gets silently different sampling.
+A field the API defines but the engine does not implement is refused unless it has its no-op value (`echo`
+false), and an unknown field is refused: a client never gets silently different sampling.
 """
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import time
 import uuid
 
 from jaxserve.outputs import CompletionOutput
-from jaxserve.sampling_params import MAX_LOGPROBS, MAX_STOP, SamplingParams
+from jaxserve.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP, SamplingParams
 from jaxserve.tokenizer import check_unicode
 
 MAX_N = 16
@@ -39,6 +39,8 @@ _COMMON = {
     "stream": (bool,), "stream_options": (dict,), "user": (str,), "ignore_eos": (bool,), "min_tokens": (int,),
     "stop_token_ids": (list,), "include_stop_str_in_output": (bool,), "skip_special_tokens": (bool,),
     "presence_penalty": _NUMBER, "frequency_penalty": _NUMBER, "logit_bias": (dict,), "best_of": (int,),
+    # vLLM's extensions for logit controls.
+    "repetition_penalty": _NUMBER, "allowed_token_ids": (list,), "bad_words": (list,),
     # Accepted only at their neutral values (below), so common wrappers that always send them still work.
     "response_format": (dict,), "tools": (list,), "tool_choice": (str, dict), "parallel_tool_calls": (bool,),
     "metadata": (dict,), "store": (bool,), "service_tier": (str,),
@@ -61,15 +63,13 @@ def _check_fields(body, fields: dict) -> None:
                                  list: "an array", dict: "an object"}[t] for t in types)
             raise ApiError(400, f"{key} must be {names}, got {type(value).__name__}", key)
     # Defined by the API, not implemented here: refused unless harmless.
-    for key, neutral in [("presence_penalty", 0), ("frequency_penalty", 0), ("echo", False), ("suffix", None),
+    for key, neutral in [("echo", False), ("suffix", None),
                          ("response_format", {"type": "text"}), ("tool_choice", "none"), ("store", False),
                          ("service_tier", "auto")]:
         if body.get(key) not in (None, neutral):
             raise ApiError(400, f"{key} {body[key]!r} is not supported by this server", key)
     if body.get("tools"):
         raise ApiError(400, "tools are not supported by this server", "tools")
-    if body.get("logit_bias"):
-        raise ApiError(400, "logit_bias is not supported by this server", "logit_bias")
     if body.get("best_of") not in (None, 1 if body.get("n") is None else body["n"]):
         raise ApiError(400, "best_of other than n is not supported by this server", "best_of")
 
@@ -111,13 +111,28 @@ def _sampling_params(body: dict, max_tokens_default: int | None, logprobs: int |
     args = dict(n=n, temperature=1.0 if temperature is None else temperature, max_tokens=max_tokens, stop=stop,
                 logprobs=logprobs)
     for key in ("top_p", "top_k", "min_p", "seed", "ignore_eos", "min_tokens", "stop_token_ids",
-                "include_stop_str_in_output", "skip_special_tokens"):
+                "include_stop_str_in_output", "skip_special_tokens", "presence_penalty", "frequency_penalty",
+                "repetition_penalty", "allowed_token_ids", "bad_words"):
         if body.get(key) is not None:
             args[key] = body[key]
+    if body.get("logit_bias") is not None:
+        args["logit_bias"] = _logit_bias(body["logit_bias"])
     try:
         return SamplingParams(**args)
     except ValueError as e:
-        raise ApiError(400, str(e)) from None
+        raise ApiError(400, str(e), getattr(e, "param", None)) from None
+
+
+def _logit_bias(bias: dict) -> dict:
+    """OpenAI's logit_bias: token ids as JSON object keys (strings) -> biases."""
+    if len(bias) > MAX_LOGIT_BIAS:  # before converting a huge object key by key
+        raise ApiError(400, f"logit_bias may have at most {MAX_LOGIT_BIAS} entries, got {len(bias)}", "logit_bias")
+    out = {}
+    for key, value in bias.items():
+        if not (key.isascii() and key.isdigit() and len(key) <= 10):
+            raise ApiError(400, f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
+        out[int(key)] = value
+    return out
 
 
 def parse_completion(body) -> tuple[list, SamplingParams]:

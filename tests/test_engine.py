@@ -71,7 +71,12 @@ def test_no_compilation_after_warmup(tiny_dir, other_tiny_dir, speculation):
              SamplingParams(temperature=0.8, top_k=5, top_p=0.9, min_p=0.05, seed=3, max_tokens=20, logprobs=2,
                             min_tokens=2),
              SamplingParams(n=3, temperature=1.0, max_tokens=int(rng.integers(1, 12)), ignore_eos=True),
-             SamplingParams(temperature=0, max_tokens=9, logprobs=0, ignore_eos=True)]
+             SamplingParams(temperature=0, max_tokens=9, logprobs=0, ignore_eos=True),
+             # Logit controls: penalties (their rows never speculate), logit_bias and allowed ids (theirs do).
+             SamplingParams(temperature=0.7, seed=5, max_tokens=12, ignore_eos=True, presence_penalty=0.5,
+                            frequency_penalty=-0.2, repetition_penalty=1.2),
+             SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logit_bias={3: 2.0, 7: -50.0},
+                            allowed_token_ids=list(range(0, 320, 3)))]
     jax.monitoring.register_event_duration_secs_listener(on_compile)
     try:
         # Batches of 1 to 9 requests (decode batches of every size), prompts from 1 to 90 tokens (both chunk sizes).

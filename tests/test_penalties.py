@@ -407,3 +407,52 @@ def test_speculation_keeps_the_outputs(tiny_dir, tok_llm, proposer):
     assert run(spec, requests) == run(tok_llm, requests), f"seed {seed}"
     assert spec.stats().spec_decode_num_draft_tokens > 0  # the biased, masked row speculated
     spec.core.assert_idle_and_clean()
+
+
+# ---- the server ----
+
+def test_the_server_applies_every_control(tiny_dir):
+    """Completions (OpenAI's logit_bias keys are strings) and chat through the official client (vLLM's extensions
+    in extra_body): the text offline generation gives with the same params."""
+    from openai import OpenAI
+    from serving import ServerThread
+    llm = make_llm(tiny_dir, max_model_len=64)
+    llm.tokenizer = byte_tokenizer()
+    llm.tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    allowed = letters(llm.tokenizer, "bcdefghi")
+    params = dict(temperature=0, max_tokens=10, ignore_eos=True, presence_penalty=1.5, frequency_penalty=0.5,
+                  repetition_penalty=1.3, logit_bias={allowed[2]: 3.0, allowed[5]: -2.0}, allowed_token_ids=allowed,
+                  bad_words=["de", "f"])
+    want = {prompt: llm.generate(prompt, SamplingParams(**params), use_tqdm=False)[0].outputs[0].text
+            for prompt in ("bcdbcd", "ghi")}
+    assert all(want.values()) and not any("de" in t or "f" in t for t in want.values())
+    body = {**params, "logit_bias": {str(t): b for t, b in params["logit_bias"].items()}}
+    st = ServerThread(llm, "tiny")
+    try:
+        c = OpenAI(base_url=st.url + "/v1", api_key="unused", max_retries=0)
+        vllm_only = ("repetition_penalty", "allowed_token_ids", "bad_words", "ignore_eos")
+        r = c.completions.create(model="tiny", prompt="bcdbcd", extra_body={k: body[k] for k in vllm_only},
+                                 **{k: v for k, v in body.items() if k not in vllm_only})
+        assert r.choices[0].text == want["bcdbcd"]
+        r = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "ghi"}],
+                                      extra_body={k: body[k] for k in vllm_only},
+                                      **{k: v for k, v in body.items() if k not in vllm_only})
+        assert r.choices[0].message.content == want["ghi"]
+        r = post_json(st.url + "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                                         "bad_words": ["b"] * 65})
+        assert r[0] == 400 and r[1]["error"]["param"] == "bad_words"
+    finally:
+        st.stop()
+    llm.core.assert_idle_and_clean()
+
+
+def post_json(url, body):
+    import json
+    import urllib.error
+    import urllib.request
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())

@@ -104,7 +104,7 @@ def test_invalid_sampling_params_raise(kwargs):
 
 def test_unknown_sampling_param_is_rejected():
     with pytest.raises(TypeError):
-        SamplingParams(presence_penalty=1.0)  # not implemented: refused, never ignored
+        SamplingParams(length_penalty=1.0)  # not implemented: refused, never ignored
 
 
 def test_two_level_inverse_cdf_and_argmax_match_the_plain_ones():

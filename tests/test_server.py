@@ -289,8 +289,19 @@ def post(st, path, body=None, key=KEY):
     ({"prompt": [1, 2, 3], "temperature": 5}, 400, "temperature"),
     ({"prompt": [1, 2, 3], "top_p": 0}, 400, None),
     ({"prompt": [1, 2, 3], "n": True}, 400, "n"),
-    ({"prompt": [1, 2, 3], "frequency_penalty": 0.5}, 400, "frequency_penalty"),
-    ({"prompt": [1, 2, 3], "logit_bias": {"5": 10}}, 400, "logit_bias"),
+    # Logit controls: out of range, too many, not token ids, outside the vocabulary (320), no tokenizer.
+    ({"prompt": [1, 2, 3], "frequency_penalty": 2.5}, 400, "frequency_penalty"),
+    ({"prompt": [1, 2, 3], "presence_penalty": "high"}, 400, "presence_penalty"),
+    ({"prompt": [1, 2, 3], "repetition_penalty": 0}, 400, "repetition_penalty"),
+    ({"prompt": [1, 2, 3], "logit_bias": {"5": 101}}, 400, "logit_bias"),
+    ({"prompt": [1, 2, 3], "logit_bias": {"five": 1}}, 400, "logit_bias"),
+    ({"prompt": [1, 2, 3], "logit_bias": {"-5": 1}}, 400, "logit_bias"),
+    ({"prompt": [1, 2, 3], "logit_bias": {str(i): 1 for i in range(301)}}, 400, "logit_bias"),
+    ({"prompt": [1, 2, 3], "logit_bias": {"320": 1}}, 400, "logit_bias"),
+    ({"prompt": [1, 2, 3], "allowed_token_ids": []}, 400, "allowed_token_ids"),
+    ({"prompt": [1, 2, 3], "allowed_token_ids": [7, 999999]}, 400, "allowed_token_ids"),
+    ({"prompt": [1, 2, 3], "bad_words": "word"}, 400, "bad_words"),
+    ({"prompt": [1, 2, 3], "bad_words": ["word"]}, 400, "bad_words"),  # the fake model has no tokenizer
     ({"prompt": [1, 2, 3], "temprature": 0.5}, 400, "temprature"),  # unknown field
     ({"prompt": [1, 2, 3], "stream_options": {"include_usage": True, "x": 1}}, 400, "stream_options"),
     ({"prompt": ""}, 400, "prompt"),

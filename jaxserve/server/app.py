@@ -210,7 +210,7 @@ class Server:
                     streams.append(await m.engine.add_request(prompt, params, f"{run.id}-{k}"))
                     admitted.append(f"{run.id}-{k}")
                 except (ValueError, TypeError) as e:  # bad token ids, a request the cache can never hold, ...
-                    raise ApiError(400, str(e)) from None
+                    raise ApiError(400, str(e), getattr(e, "param", None)) from None
                 except EngineDeadError as e:
                     raise ApiError(503, str(e)) from None
             async with contextlib.aclosing(merged(streams)) as outputs:
