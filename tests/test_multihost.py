@@ -24,6 +24,7 @@ from multihost_worker import ENGINE, PARAMS, PROMPTS
 from serving import free_port
 
 from jaxserve import LLM, SamplingParams, multihost
+from jaxserve.batch import is_constant
 from jaxserve.batching.batch_builder import Row, RowSampling, build_batch
 from jaxserve.multihost import (AbortMessage, EndMessage, ErrorMessage, LeaderFollower, MessageRefused,
                                 ShutdownMessage, StepChannel, StepMessage)
@@ -219,14 +220,24 @@ def assert_same_batch(got, want):
 
 
 def test_the_page_table_goes_only_as_wide_as_used(kv_client):
-    """A step's page table is sent up to its last used column, so a message does not grow with max_model_len."""
-    leader, _, _ = leader_and_follower(kv_client)
-    rows = [Row([1], 8, [3, 4, 9])]
-    narrow, wide = (build_batch(rows, 4, 320, 1, 1, width) for width in (24, 2400))
-    leader.send(StepMessage(0, narrow))
-    small = leader.bytes_sent
-    leader.send(StepMessage(0, wide))
-    assert leader.bytes_sent - small == small + 2  # the width the follower restores: two more digits
+    """A step's page table and past tokens are sent up to their last used column, and an array no row uses (a
+    `constant`) as its recipe, so a message does not grow with max_model_len."""
+    leader, follower, _ = leader_and_follower(kv_client)
+    for sampling in (RowSampling(), RowSampling(repetition_penalty=1.2, past_tokens=np.arange(8, dtype=np.int32),
+                                                logit_bias=(np.array([3]), np.array([1.0]))))[::-1]:
+        rows = [Row([1], 8, [3, 4, 9], sampling)]
+        narrow, wide = (build_batch(rows, 4, 320, 1, 1, width) for width in (24, 2400))
+        before = leader.bytes_sent
+        leader.send(StepMessage(0, narrow))
+        small = leader.bytes_sent - before
+        leader.send(StepMessage(0, wide))
+        # The widths the follower restores: two more digits each (the page table's and the past tokens', sent
+        # trimmed or as a constant's shape).
+        assert leader.bytes_sent - before - small == small + 4
+        for want in (narrow, wide):
+            got = follower.receive().batch
+            assert_same_batch(got, want)
+            assert is_constant(got.sampling.past_tokens) == is_constant(want.sampling.past_tokens)
 
 
 def test_a_forged_pickle_is_refused_unread(kv_client, tmp_path):

@@ -17,8 +17,7 @@ import struct
 
 import numpy as np
 
-from jaxserve.batch import RaggedRows, SamplingInput, StepInput
-from jaxserve.cache import SCRATCH_PAGE
+from jaxserve.batch import RaggedRows, SamplingInput, StepInput, constant, is_constant
 from jaxserve.multihost.messages import AbortMessage, EndMessage, ErrorMessage, Message, ShutdownMessage, StepMessage
 from jaxserve.multihost.process import SECRET_ENV
 from jaxserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -45,6 +44,7 @@ def _fields(cls=StepInput, prefix: str = "") -> list[str]:
 
 
 _STEP_FIELDS = _fields()
+_TRIMMED = ("rows.page_table", "sampling.past_tokens")
 
 
 def _build(arrays: dict, cls=StepInput, prefix: str = ""):
@@ -59,19 +59,26 @@ def encode(message: Message, seq: int, secret: bytes) -> bytes:
         raise TypeError(f"not a message: {type(message).__name__}")
     header, buffers = {"kind": message.kind}, []
     if isinstance(message, StepMessage):
-        arrays = {}
+        arrays, constants, widths = {}, [], {}
         for name in _STEP_FIELDS:
             value = message.batch
             for part in name.split("."):
                 value = getattr(value, part)
-            arrays[name] = np.asarray(value)
-        # Only the columns of the page table some row uses (the rest is the scratch page): the table's full width
-        # is pages_per_row, most of it unused by most steps. The follower pads it back to the compiled width.
-        table = arrays["rows.page_table"]
-        used = np.flatnonzero((table != SCRATCH_PAGE).any(axis=0))
-        width = int(used[-1]) + 1 if used.size else 0
-        header.update(runner=int(message.runner_index), page_table_width=table.shape[1])
-        arrays["rows.page_table"] = table[:, :width]
+            if is_constant(value):  # an array no row uses (`jaxserve.batch.constant`): its recipe, not its bytes
+                constants.append([name, value.dtype.name, list(value.shape), value.flat[0].item()])
+            else:
+                arrays[name] = np.asarray(value)
+        # Arrays whose rows are padded at the end with one value (the page table with the scratch page, the past
+        # tokens with vocab_size): sent up to their last column some row uses, for their full width is the most a
+        # sequence can need, most of it unused by most steps. The follower pads them back to the compiled width.
+        for name in _TRIMMED:
+            if name in arrays and arrays[name].size:
+                a = arrays[name]
+                fill = a[0, -1].item()
+                used = np.flatnonzero((a != fill).any(axis=0))
+                arrays[name] = a[:, :int(used[-1]) + 1 if used.size else 0]
+                widths[name] = [a.shape[1], fill]
+        header.update(runner=int(message.runner_index), constants=constants, widths=widths)
         header["arrays"] = [[name, a.dtype.name, list(a.shape)] for name, a in arrays.items()]
         buffers = [np.ascontiguousarray(a).tobytes() for a in arrays.values()]
     elif isinstance(message, EndMessage):
@@ -120,11 +127,15 @@ def _message(header: dict, data: memoryview) -> Message:
                 raise ValueError(f"array {name!r} of shape {shape} overruns the message")
             arrays[name] = np.frombuffer(data[offset:offset + size], dtype).reshape(shape)
             offset += size
+        for name, dtype, shape, fill in header["constants"]:
+            if name not in _STEP_FIELDS or name in arrays or dtype not in _DTYPES or len(shape) > 3:
+                raise ValueError(f"unexpected constant {name!r} ({dtype}, {shape})")
+            arrays[name] = constant(tuple(shape), np.dtype(dtype), fill)
         if offset != len(data) or set(arrays) != set(_STEP_FIELDS):
             raise ValueError("the arrays do not make one step")
-        table = arrays["rows.page_table"]  # back to the width the programs were compiled for
-        arrays["rows.page_table"] = np.pad(table, ((0, 0), (0, int(header["page_table_width"]) - table.shape[1])),
-                                           constant_values=SCRATCH_PAGE)
+        for name, (width, fill) in header["widths"].items():  # back to the width the programs were compiled for
+            a = arrays[name]
+            arrays[name] = np.pad(a, ((0, 0), (0, int(width) - a.shape[1])), constant_values=fill)
         return StepMessage(int(header["runner"]), _build(arrays))
     if kind == "end":
         return EndMessage(_result(header["result"]))
