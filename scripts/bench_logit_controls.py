@@ -1,0 +1,148 @@
+"""What logit controls (penalties, logit_bias, bad_words) cost: the default model's decode step with them against
+plain rows, and the host's work to build a step's batch with them.
+
+    python scripts/bench_logit_controls.py [--rows 64] [--context 512] [--steps 16] [--repeats 3]
+                                           [--out scripts/bench_results/logit_controls.json]
+
+Decode: ms per engine step (host loop included: planning, the batch, the step, the one copy back) over `steps`
+steps of `rows` greedy sequences after the same `context`-token prompt (prefix-cached), the median of `repeats`;
+every row plain, every row controlled, or one row controlled among plain ones (a batch pays for a control once any
+row uses it). Host: ms to lay out `rows` decode rows of `context` tokens (row_sampling for each, then build_batch),
+and with the penalties' history copied from the token lists instead of each sequence's token array.
+"""
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent))
+import peers  # noqa: E402
+
+from jaxserve import LLM, SamplingParams  # noqa: E402
+from jaxserve.batching.batch_builder import Row, build_batch  # noqa: E402
+from jaxserve.batching.scheduler import row_sampling  # noqa: E402
+from jaxserve.batching.sequence import Sequence  # noqa: E402
+from jaxserve.buckets import round_up  # noqa: E402
+from jaxserve.logit_controls import resolve  # noqa: E402
+from jaxserve.sampling_params import MAX_LOGIT_BIAS  # noqa: E402
+
+PENALTIES = dict(presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.1)
+
+
+def controls(vocab_size: int) -> dict:
+    rng = np.random.default_rng(0)
+    bias = {int(t): float(b) for t, b in zip(rng.choice(vocab_size, MAX_LOGIT_BIAS, replace=False),
+                                             rng.uniform(-5, 5, MAX_LOGIT_BIAS))}
+    return {"penalties": PENALTIES, f"logit_bias ({MAX_LOGIT_BIAS} ids)": dict(logit_bias=bias),
+            "bad_words (8)": dict(bad_words=["apple pie", "banana", "the end", "Paris", "however", "x y z", "no", "!"]),
+            "all of them": dict(PENALTIES, logit_bias=bias)}
+
+
+def sequences(llm, prompt, count, params, name):
+    c = resolve(params, llm.config.vocab_size, llm.tokenizer)
+    return [Sequence(f"{name}-{i}", 0, prompt, params, i, llm.max_model_len, [], controls=c) for i in range(count)]
+
+
+def decode_rows(llm, prompt, rows, extra: dict | None, controlled_rows: int) -> list[Row]:
+    """`rows` decode rows of len(prompt) + 8 tokens (8 generated), the first `controlled_rows` with the controls."""
+    r = llm.runner
+    base = dict(temperature=0, max_tokens=64, ignore_eos=True)
+    seqs = sequences(llm, prompt, controlled_rows, SamplingParams(**base, **(extra or {})), "controlled") + \
+        sequences(llm, prompt, rows - controlled_rows, SamplingParams(**base), "plain")
+    generated = np.random.default_rng(1).integers(0, llm.config.vocab_size, 8).tolist()
+    for s in seqs:  # as if 8 tokens had been generated
+        s.output_token_ids += generated
+        if s.token_ids_array is not None:
+            s.token_ids_array[len(prompt):len(prompt) + 8] = generated
+    pages = list(range(1, 1 + -(-(len(prompt) + 9) // r.page_size)))
+    return seqs, [Row([s.last_token], s.num_tokens - 1, pages, row_sampling(s), i) for i, s in enumerate(seqs)]
+
+
+def device_ms(llm, batches: dict, rounds: int) -> dict:
+    """Median ms of each batch's step (its copy to the device, the forward and sampling, the cache write), the
+    batches taken in turn so that the shared machine's drift falls on all of them alike."""
+    import jax
+    r = llm.runner
+    times = {name: [] for name in batches}
+    for _ in range(rounds + 1):
+        for name, batch in batches.items():
+            t = time.perf_counter()
+            jax.block_until_ready(r.run(batch).tokens)
+            times[name].append((time.perf_counter() - t) * 1e3)
+    return {name: statistics.median(t[1:]) for name, t in times.items()}  # the first round compiles
+
+
+def host_ms(llm, prompt, rows, extra: dict | None, from_lists=False, repeats=50) -> float:
+    """row_sampling + build_batch for `rows` decode rows of len(prompt) + 8 tokens."""
+    r = llm.runner
+    seqs, batch_rows = decode_rows(llm, prompt, rows, extra, rows)
+    tokens = round_up(rows, r.buckets.num_tokens)
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        laid_out = []
+        for row, s in zip(batch_rows, seqs):
+            sampling = row_sampling(s)
+            if from_lists and sampling.past_tokens is not None:
+                sampling.past_tokens = np.asarray(s.token_ids[:s.num_tokens], np.int32)
+            laid_out.append(Row(row.token_ids, row.start_pos, row.pages, sampling, row.slot, chained=True))
+        build_batch(laid_out, r.page_size, r.config.vocab_size, tokens, r.buckets.num_rows(tokens),
+                    r.buckets.pages_per_row)
+        times.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(times)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", type=int, default=64)
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--rounds", type=int, default=20, help="steps of each batch, taken in turn")
+    ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--out", default="scripts/bench_results/logit_controls.json")
+    args = ap.parse_args()
+    llm = LLM(max_model_len=args.max_model_len, max_num_seqs=args.rows, max_num_batched_tokens=512, warmup=False)
+    prompt = peers._prompt_ids(args.context, llm.config.vocab_size)
+    cases = controls(llm.config.vocab_size)
+    r = llm.runner
+    tokens = round_up(args.rows, r.buckets.num_tokens)
+
+    def batch(extra, controlled):
+        return build_batch(decode_rows(llm, prompt, args.rows, extra, controlled)[1], r.page_size,
+                           llm.config.vocab_size, tokens, r.buckets.num_rows(tokens), r.buckets.pages_per_row)
+    batches = {("plain", 0): batch(None, 0)}
+    for name, extra in cases.items():
+        for controlled in (args.rows, 1):
+            batches[name, controlled] = batch(extra, controlled)
+    ms = device_ms(llm, batches, args.rounds)
+    plain = ms["plain", 0]
+    decode = [dict(case=name, rows_controlled=controlled, step_ms=round(t, 2), vs_plain=round(t / plain, 3))
+              for (name, controlled), t in ms.items()]
+    host = [dict(case="plain", ms=round(host_ms(llm, prompt, args.rows, None), 3))]
+    host += [dict(case=name, ms=round(host_ms(llm, prompt, args.rows, extra), 3)) for name, extra in cases.items()]
+    host.append(dict(case="penalties, history from the token lists",
+                     ms=round(host_ms(llm, prompt, args.rows, PENALTIES, from_lists=True), 3)))
+    import jax
+    results = {"date": time.strftime("%Y-%m-%d"), "backend": jax.default_backend(), "rows": args.rows,
+               "context": args.context, "max_model_len": args.max_model_len, "vocab_size": llm.config.vocab_size,
+               "decode": decode, "host_batch": host}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=1))
+    print(f"decode step: {args.rows} rows of {args.context + 8} tokens, max_model_len {args.max_model_len}, "
+          f"{jax.default_backend()}")
+    print(f"{'case':34} {'controlled rows':>15} {'ms/step':>9} {'vs plain':>9}")
+    for d in decode:
+        print(f"{d['case']:34} {d['rows_controlled']:15d} {d['step_ms']:9.2f} {d['vs_plain']:9.3f}")
+    print(f"\nhost: row_sampling + build_batch, {args.rows} decode rows of {args.context + 8} tokens")
+    print(f"{'case':42} {'ms':>7}")
+    for h in host:
+        print(f"{h['case']:42} {h['ms']:7.3f}")
+    print(f"\nwrote {out}")
+
+
+if __name__ == "__main__":
+    main()
