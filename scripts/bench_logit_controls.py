@@ -76,6 +76,29 @@ def device_ms(llm, batches: dict, rounds: int) -> dict:
     return {name: statistics.median(t[1:]) for name, t in times.items()}  # the first round compiles
 
 
+def sampler_ms(llm, batches: dict, rounds: int) -> dict:
+    """Median ms of the sampler alone (the step's tokens into the controls, then sample()) on random [rows, V]
+    logits, for each batch, in turn: the controls' own cost, measured where a shared machine's noise is small."""
+    import jax
+    from jaxserve.sampling import sample, with_step_tokens
+
+    @jax.jit
+    def sampler(logits, batch):
+        p = with_step_tokens(batch.sampling, batch.token_ids, batch.rows, batch.logits_index[:, 0])
+        return sample(logits, p).tokens
+    r = llm.runner
+    on_device = {name: r.steps.put_batch(b) for name, b in batches.items()}
+    S = next(iter(batches.values())).num_rows
+    logits = jax.random.normal(jax.random.key(0), (S, llm.config.vocab_size)) * 3
+    times = {name: [] for name in batches}
+    for _ in range(rounds + 1):
+        for name, b in on_device.items():
+            t = time.perf_counter()
+            jax.block_until_ready(sampler(logits, b))
+            times[name].append((time.perf_counter() - t) * 1e3)
+    return {name: statistics.median(t[1:]) for name, t in times.items()}
+
+
 def host_ms(llm, prompt, rows, extra: dict | None, from_lists=False, repeats=50) -> float:
     """row_sampling + build_batch for `rows` decode rows of len(prompt) + 8 tokens."""
     r = llm.runner
@@ -101,7 +124,7 @@ def main():
     ap.add_argument("--rows", type=int, default=64)
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--rounds", type=int, default=20, help="steps of each batch, taken in turn")
-    ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--max-model-len", type=int, default=8192, help="the default model's own: the past tokens' width")
     ap.add_argument("--out", default="scripts/bench_results/logit_controls.json")
     args = ap.parse_args()
     llm = LLM(max_model_len=args.max_model_len, max_num_seqs=args.rows, max_num_batched_tokens=512, warmup=False)
@@ -118,8 +141,12 @@ def main():
         for controlled in (args.rows, 1):
             batches[name, controlled] = batch(extra, controlled)
     ms = device_ms(llm, batches, args.rounds)
-    plain = ms["plain", 0]
-    decode = [dict(case=name, rows_controlled=controlled, step_ms=round(t, 2), vs_plain=round(t / plain, 3))
+    alone = sampler_ms(llm, batches, 5 * args.rounds)
+    plain, plain_sampler = ms["plain", 0], alone["plain", 0]
+    # The controls' cost on the step: what they add to the sampler, over the plain step's time.
+    decode = [dict(case=name, rows_controlled=controlled, step_ms=round(t, 2), vs_plain=round(t / plain, 3),
+                   sampler_ms=round(alone[name, controlled], 3),
+                   added_by_sampler=round((alone[name, controlled] - plain_sampler) / plain, 4))
               for (name, controlled), t in ms.items()]
     host = [dict(case="plain", ms=round(host_ms(llm, prompt, args.rows, None), 3))]
     host += [dict(case=name, ms=round(host_ms(llm, prompt, args.rows, extra), 3)) for name, extra in cases.items()]
@@ -134,9 +161,11 @@ def main():
     out.write_text(json.dumps(results, indent=1))
     print(f"decode step: {args.rows} rows of {args.context + 8} tokens, max_model_len {args.max_model_len}, "
           f"{jax.default_backend()}")
-    print(f"{'case':34} {'controlled rows':>15} {'ms/step':>9} {'vs plain':>9}")
+    print(f"{'case':24} {'controlled rows':>15} {'ms/step':>9} {'vs plain':>9} {'sampler ms':>11} "
+          f"{'sampler adds':>13}")
     for d in decode:
-        print(f"{d['case']:34} {d['rows_controlled']:15d} {d['step_ms']:9.2f} {d['vs_plain']:9.3f}")
+        print(f"{d['case']:24} {d['rows_controlled']:15d} {d['step_ms']:9.2f} {d['vs_plain']:9.3f} "
+              f"{d['sampler_ms']:11.3f} {100 * d['added_by_sampler']:12.2f}%")
     print(f"\nhost: row_sampling + build_batch, {args.rows} decode rows of {args.context + 8} tokens")
     print(f"{'case':42} {'ms':>7}")
     for h in host:

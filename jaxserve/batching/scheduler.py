@@ -94,11 +94,13 @@ def row_sampling(seq: Sequence, ahead: int = 0, top_logprobs: bool = True) -> Ro
     bans = bad_word_bans(c.bad_words, seq.output_token_ids, seq.num_generated) if c.bad_words else ()
     return RowSampling(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p, seed=seq.seed,
                        step=seq.num_generated + ahead, banned=banned, min_tokens=p.min_tokens,
-                       want_top_logprobs=bool(p.logprobs) and top_logprobs, token_mask=c.token_mask,
-                       bad_word_bans=bans,
-                       logit_bias=c.logit_bias, presence_penalty=p.presence_penalty,
-                       frequency_penalty=p.frequency_penalty, repetition_penalty=p.repetition_penalty,
-                       past_tokens=seq.token_ids_array, prompt_len=len(seq.prompt_token_ids))
+                       want_top_logprobs=bool(p.logprobs) and top_logprobs,
+                       # Logit controls: the request's mask and bias (resolved at admission), the bad words the
+                       # row's last token may complete, the penalties and the tokens they count.
+                       token_mask=c.token_mask, bad_word_bans=bans, logit_bias=c.logit_bias,
+                       presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
+                       repetition_penalty=p.repetition_penalty, past_tokens=seq.token_ids_array,
+                       prompt_len=len(seq.prompt_token_ids))
 
 
 class Scheduler:
