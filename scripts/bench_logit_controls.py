@@ -99,8 +99,9 @@ def sampler_ms(llm, batches: dict, rounds: int) -> dict:
     return {name: statistics.median(t[1:]) for name, t in times.items()}
 
 
-def host_ms(llm, prompt, rows, extra: dict | None, from_lists=False, repeats=50) -> float:
-    """row_sampling + build_batch for `rows` decode rows of len(prompt) + 8 tokens."""
+def host_ms(llm, prompt, rows, extra: dict | None, from_lists=False, repeats=200) -> dict:
+    """row_sampling + build_batch for `rows` decode rows of len(prompt) + 8 tokens: the median and the fastest (the
+    least disturbed by other work on a shared machine) of `repeats`."""
     r = llm.runner
     seqs, batch_rows = decode_rows(llm, prompt, rows, extra, rows)
     tokens = round_up(rows, r.buckets.num_tokens)
@@ -116,7 +117,7 @@ def host_ms(llm, prompt, rows, extra: dict | None, from_lists=False, repeats=50)
         build_batch(laid_out, r.page_size, r.config.vocab_size, tokens, r.buckets.num_rows(tokens),
                     r.buckets.pages_per_row)
         times.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(times)
+    return {"median": round(statistics.median(times), 3), "min": round(min(times), 3)}
 
 
 def main():
@@ -125,6 +126,7 @@ def main():
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--rounds", type=int, default=20, help="steps of each batch, taken in turn")
     ap.add_argument("--max-model-len", type=int, default=8192, help="the default model's own: the past tokens' width")
+    ap.add_argument("--parts", default="device,host", help="comma list of device, host")
     ap.add_argument("--out", default="scripts/bench_results/logit_controls.json")
     args = ap.parse_args()
     llm = LLM(max_model_len=args.max_model_len, max_num_seqs=args.rows, max_num_batched_tokens=512, warmup=False)
@@ -136,40 +138,49 @@ def main():
     def batch(extra, controlled):
         return build_batch(decode_rows(llm, prompt, args.rows, extra, controlled)[1], r.page_size,
                            llm.config.vocab_size, tokens, r.buckets.num_rows(tokens), r.buckets.pages_per_row)
-    batches = {("plain", 0): batch(None, 0)}
-    for name, extra in cases.items():
-        for controlled in (args.rows, 1):
-            batches[name, controlled] = batch(extra, controlled)
-    ms = device_ms(llm, batches, args.rounds)
-    alone = sampler_ms(llm, batches, 5 * args.rounds)
-    plain, plain_sampler = ms["plain", 0], alone["plain", 0]
-    # The controls' cost on the step: what they add to the sampler, over the plain step's time.
-    decode = [dict(case=name, rows_controlled=controlled, step_ms=round(t, 2), vs_plain=round(t / plain, 3),
-                   sampler_ms=round(alone[name, controlled], 3),
-                   added_by_sampler=round((alone[name, controlled] - plain_sampler) / plain, 4))
-              for (name, controlled), t in ms.items()]
-    host = [dict(case="plain", ms=round(host_ms(llm, prompt, args.rows, None), 3))]
-    host += [dict(case=name, ms=round(host_ms(llm, prompt, args.rows, extra), 3)) for name, extra in cases.items()]
-    host.append(dict(case="penalties, history from the token lists",
-                     ms=round(host_ms(llm, prompt, args.rows, PENALTIES, from_lists=True), 3)))
+    parts = set(args.parts.split(","))
+    decode, host = [], []
+    if "device" in parts:
+        batches = {("plain", 0): batch(None, 0)}
+        for name, extra in cases.items():
+            for controlled in (args.rows, 1):
+                batches[name, controlled] = batch(extra, controlled)
+        ms = device_ms(llm, batches, args.rounds)
+        alone = sampler_ms(llm, batches, 5 * args.rounds)
+        plain, plain_sampler = ms["plain", 0], alone["plain", 0]
+        # The controls' cost on the step: what they add to the sampler, over the plain step's time.
+        decode = [dict(case=name, rows_controlled=controlled, step_ms=round(t, 2), vs_plain=round(t / plain, 3),
+                       sampler_ms=round(alone[name, controlled], 3),
+                       added_by_sampler=round((alone[name, controlled] - plain_sampler) / plain, 4))
+                  for (name, controlled), t in ms.items()]
+    if "host" in parts:
+        host = [dict(case="plain", ms=host_ms(llm, prompt, args.rows, None))]
+        host += [dict(case=name, ms=host_ms(llm, prompt, args.rows, extra)) for name, extra in cases.items()]
+        host.append(dict(case="penalties, history from the token lists",
+                         ms=host_ms(llm, prompt, args.rows, PENALTIES, from_lists=True)))
     import jax
-    results = {"date": time.strftime("%Y-%m-%d"), "backend": jax.default_backend(), "rows": args.rows,
-               "context": args.context, "max_model_len": args.max_model_len, "vocab_size": llm.config.vocab_size,
-               "decode": decode, "host_batch": host}
     out = Path(args.out)
+    # A run of one part keeps the other's figures from an earlier run into the same file.
+    results = json.loads(out.read_text()) if out.exists() and parts != {"device", "host"} else {}
+    results.update({"date": time.strftime("%Y-%m-%d"), "backend": jax.default_backend(), "rows": args.rows,
+                    "context": args.context, "max_model_len": args.max_model_len,
+                    "vocab_size": llm.config.vocab_size})
+    results.update({k: v for k, v in (("decode", decode), ("host_batch", host)) if v})
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=1))
-    print(f"decode step: {args.rows} rows of {args.context + 8} tokens, max_model_len {args.max_model_len}, "
-          f"{jax.default_backend()}")
-    print(f"{'case':24} {'controlled rows':>15} {'ms/step':>9} {'vs plain':>9} {'sampler ms':>11} "
-          f"{'sampler adds':>13}")
-    for d in decode:
-        print(f"{d['case']:24} {d['rows_controlled']:15d} {d['step_ms']:9.2f} {d['vs_plain']:9.3f} "
-              f"{d['sampler_ms']:11.3f} {100 * d['added_by_sampler']:12.2f}%")
-    print(f"\nhost: row_sampling + build_batch, {args.rows} decode rows of {args.context + 8} tokens")
-    print(f"{'case':42} {'ms':>7}")
-    for h in host:
-        print(f"{h['case']:42} {h['ms']:7.3f}")
+    if decode:
+        print(f"decode step: {args.rows} rows of {args.context + 8} tokens, max_model_len {args.max_model_len}, "
+              f"{jax.default_backend()}")
+        print(f"{'case':24} {'controlled rows':>15} {'ms/step':>9} {'vs plain':>9} {'sampler ms':>11} "
+              f"{'sampler adds':>13}")
+        for d in decode:
+            print(f"{d['case']:24} {d['rows_controlled']:15d} {d['step_ms']:9.2f} {d['vs_plain']:9.3f} "
+                  f"{d['sampler_ms']:11.3f} {100 * d['added_by_sampler']:12.2f}%")
+    if host:
+        print(f"\nhost: row_sampling + build_batch, {args.rows} decode rows of {args.context + 8} tokens")
+        print(f"{'case':42} {'median ms':>10} {'min ms':>8}")
+        for h in host:
+            print(f"{h['case']:42} {h['ms']['median']:10.3f} {h['ms']['min']:8.3f}")
     print(f"\nwrote {out}")
 
 
