@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from jaxserve import LLM, EngineConfig, SamplingParams
+from jaxserve.sampling_params import StructuredOutputsParams
 from jaxserve.steps import steps_for
 from tiny import TINY_PAGE_BYTES, make_llm, prompts
 
@@ -37,13 +38,14 @@ def test_batching_does_not_change_greedy_tokens(tiny_dir):
 
 
 @pytest.mark.parametrize("speculation", [None, "ngram", "draft"])
-def test_no_compilation_after_warmup(tiny_dir, other_tiny_dir, speculation):
+def test_no_compilation_after_warmup(tiny_tokenized_dir, other_tiny_dir, speculation):
+    """Every bucket, plain and verifying, with every sampling feature in use: a grammar's masks among them."""
     steps_for.cache_clear()  # jitted steps are shared per model config; start from none compiled
     config = {None: None, "ngram": dict(method="ngram", num_speculative_tokens=2, prompt_lookup_min=1),
               "draft": dict(method="draft_model", model=other_tiny_dir, num_speculative_tokens=2)}[speculation]
     if config:
         config["adaptive"] = False  # verification programs in every step where a sequence decodes
-    llm = make_llm(tiny_dir, max_num_batched_tokens=64, warmup=True,  # steps of 1, 4, 8 ... 64 tokens
+    llm = make_llm(tiny_tokenized_dir, max_num_batched_tokens=64, warmup=True,  # steps of 1, 4, 8 ... 64 tokens
                    speculative_config=config)
     runners = [llm.runner] + ([llm.core.proposer.runner] if speculation == "draft" else [])
     compiled = [r.steps.num_compiled() for r in runners]
@@ -71,7 +73,11 @@ def test_no_compilation_after_warmup(tiny_dir, other_tiny_dir, speculation):
              SamplingParams(temperature=0.8, top_k=5, top_p=0.9, min_p=0.05, seed=3, max_tokens=20, logprobs=2,
                             min_tokens=2),
              SamplingParams(n=3, temperature=1.0, max_tokens=int(rng.integers(1, 12)), ignore_eos=True),
-             SamplingParams(temperature=0, max_tokens=9, logprobs=0, ignore_eos=True)]
+             SamplingParams(temperature=0, max_tokens=9, logprobs=0, ignore_eos=True),
+             SamplingParams(n=2, temperature=0.9, max_tokens=int(rng.integers(1, 30)), logprobs=1,
+                            structured_outputs=StructuredOutputsParams(regex=r"[a-z]{2,6}( [0-9]{1,3}){0,8}")),
+             SamplingParams(temperature=0, max_tokens=40, structured_outputs=StructuredOutputsParams(
+                 json={"type": "object", "properties": {"k": {"type": "integer"}, "s": {"type": "string"}}}))]
     jax.monitoring.register_event_duration_secs_listener(on_compile)
     try:
         # Batches of 1 to 9 requests (decode batches of every size), prompts from 1 to 90 tokens (both chunk sizes).

@@ -85,8 +85,9 @@ TOKENIZERS = ["smollm2-gguf", "smollm2-hf-dir", "gemma3-gguf"]
 @pytest.mark.parametrize("name", TOKENIZERS)
 def test_the_mask_allows_exactly_what_the_matcher_takes(tokenizers_by_name, name):
     """At the start, at random cuts of a valid output and at its end, the parallel fill's mask allows exactly the
-    tokens llguidance's matcher takes one at a time (a brute force over the whole vocabulary), but for those that
-    spell less of the bytes the grammar forces than an allowed one does, and EOS, allowed alone at the end."""
+    tokens llguidance's matcher takes one at a time (a brute force over the whole vocabulary), but where the grammar
+    forces bytes (it then allows its own tokenization's first token, not the ones that spell less of them), and EOS,
+    allowed alone at the end."""
     tok = tokenizers_by_name[name]
     V = tok.vocab_size
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, "n": {"type": "integer"},
@@ -109,7 +110,8 @@ def test_the_mask_allows_exactly_what_the_matcher_takes(tokenizers_by_name, name
         assert allowed <= brute and ids[cut] in brute, where
         for t in brute - allowed:
             b = tok.token_bytes(t)
-            assert forced.startswith(b) and any(forced.startswith(s) and len(s) > len(b) for s in spelled), where
+            # >=: Gemma spells some bytes twice (a piece, and its <0xNN> byte-fallback token); one is allowed.
+            assert forced.startswith(b) and any(forced.startswith(s) and len(s) >= len(b) for s in spelled), where
 
 
 @pytest.mark.parametrize("name", TOKENIZERS)
@@ -135,7 +137,7 @@ def test_the_mask_allows_exactly_the_tokens_whose_bytes_continue_the_text(tokeni
 
 CHATS = {
     "json": "Describe a person as JSON: Alice, 30 years old, likes chess.",
-    "json_object": "Give a JSON object with the capital of France.",
+    "json_object": 'Write {"color": "blue"} and nothing else.',
     "regex": "Invent a short code word and a number.",
     "choice": "Is the sky blue? Answer yes or no.",
     "grammar": "What is 12 plus 30? Write it as a sum.",
@@ -150,7 +152,7 @@ def _every_kind(llm: LLM) -> None:
     kinds = {**KINDS, "json": (Structured(json=REAL_SCHEMA),
                                lambda t: jsonschema.validate(json.loads(t), REAL_SCHEMA) is None)}
     conversations = [[{"role": "user", "content": CHATS[k]}] for k in kinds]
-    params = [SamplingParams(temperature=0, max_tokens=100, structured_outputs=s) for s, _ in kinds.values()]
+    params = [SamplingParams(temperature=0, max_tokens=60, structured_outputs=s) for s, _ in kinds.values()]
     outs = llm.chat(conversations, params, use_tqdm=False)
     for (kind, (_, check)), out in zip(kinds.items(), outs):
         c = out.outputs[0]
