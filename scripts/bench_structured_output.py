@@ -70,7 +70,8 @@ def bench_decode(batch_sizes: list[int], constrained: list[int], prompt_len: int
     rows = []
     for b in batch_sizes:
         for c in sorted({min(c, b) for c in constrained}):
-            plain = SamplingParams(temperature=0, max_tokens=steps * (repeats + 1) + 8, ignore_eos=True)
+            # Room for the steps that prefill the batch (the first sequences decode meanwhile) and the measured ones.
+            plain = SamplingParams(temperature=0, max_tokens=1024 - prompt_len, ignore_eos=True)
             schema = SamplingParams(temperature=0, max_tokens=plain.max_tokens, ignore_eos=True,
                                     structured_outputs=StructuredOutputsParams(json=SCHEMA))
             requests = [llm.add_request(prompt, schema if i < c else plain) for i in range(b)]
@@ -84,7 +85,8 @@ def bench_decode(batch_sizes: list[int], constrained: list[int], prompt_len: int
                 for _ in range(steps):
                     llm.step()
                 runs.append(b * steps / (time.perf_counter() - t))
-            assert all(not s.finished for r in requests for s in r.seqs), "a sequence ended while measured"
+            ended = [(s.finish_reason, s.text[-80:]) for r in requests for s in r.seqs if s.finished]
+            assert not ended, f"a sequence ended while measured: {ended}"
             rows.append({"batch": b, "constrained": c, "decode_tok_s": round(statistics.median(runs), 1)})
             for r in requests:
                 llm.abort_request(r.request_id)
@@ -108,12 +110,11 @@ def main():
     fill = {}
     for name, path in vocabularies.items():
         fill[name] = bench_fill(Tokenizer.from_gguf_fields(open_gguf(path)), ints(args.rows))
-    decode = bench_decode(ints(args.batch_sizes), ints(args.constrained))
-
     print("\nHost mask fill (llguidance's parallel fill), microseconds per row")
     print(f"{'vocabulary':<16}" + "".join(f"{f'{r} rows':>10}" for r in ints(args.rows)))
     for name, per_rows in fill.items():
         print(f"{name:<16}" + "".join(f"{per_rows[r]:>10}" for r in ints(args.rows)))
+    decode = bench_decode(ints(args.batch_sizes), ints(args.constrained))
     print("\nDecode, default model (tok/s, host loop included)")
     print(f"{'batch':>6}{'constrained':>13}{'tok/s':>10}{'vs none':>9}")
     for r in decode:
