@@ -30,8 +30,8 @@ SCHEMA = {"type": "object", "properties": {
     "required": ["id", "ok", "tag", "name"], "additionalProperties": False}
 REGEX = r"[a-z]{2,4}-[0-9]{1,3}"
 CHOICES = ["yes", "no", "maybe not"]
-LARK = 'start: NUMBER ("+" NUMBER)*\nNUMBER: /[1-9][0-9]{0,2}/\n'
-LARK_LANGUAGE = r"[1-9][0-9]{0,2}(\+[1-9][0-9]{0,2})*"
+LARK = 'start: sum\nsum: NUMBER | NUMBER "+" NUMBER | NUMBER "+" NUMBER "+" NUMBER\nNUMBER: /[1-9][0-9]{0,2}/\n'
+LARK_LANGUAGE = r"[1-9][0-9]{0,2}(\+[1-9][0-9]{0,2}){0,2}"
 # Each kind with a check of a finished output, written without llguidance.
 KINDS = {
     "json": (Structured(json=SCHEMA), lambda t: jsonschema.validate(json.loads(t), SCHEMA) is None),
