@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from jaxserve import LLM, EngineConfig, SamplingParams
+from jaxserve.sampling_params import StructuredOutputsParams
 from jaxserve.steps import steps_for
 from tiny import TINY_PAGE_BYTES, make_llm, prompts
 
@@ -37,13 +38,14 @@ def test_batching_does_not_change_greedy_tokens(tiny_dir):
 
 
 @pytest.mark.parametrize("speculation", [None, "ngram", "draft"])
-def test_no_compilation_after_warmup(tiny_dir, other_tiny_dir, speculation):
+def test_no_compilation_after_warmup(tiny_tokenized_dir, other_tiny_dir, speculation):
+    """Every bucket, plain and verifying, with every sampling feature in use: a grammar's masks among them."""
     steps_for.cache_clear()  # jitted steps are shared per model config; start from none compiled
     config = {None: None, "ngram": dict(method="ngram", num_speculative_tokens=2, prompt_lookup_min=1),
               "draft": dict(method="draft_model", model=other_tiny_dir, num_speculative_tokens=2)}[speculation]
     if config:
         config["adaptive"] = False  # verification programs in every step where a sequence decodes
-    llm = make_llm(tiny_dir, max_num_batched_tokens=64, warmup=True,  # steps of 1, 4, 8 ... 64 tokens
+    llm = make_llm(tiny_tokenized_dir, max_num_batched_tokens=64, warmup=True,  # steps of 1, 4, 8 ... 64 tokens
                    speculative_config=config)
     runners = [llm.runner] + ([llm.core.proposer.runner] if speculation == "draft" else [])
     compiled = [r.steps.num_compiled() for r in runners]
@@ -76,7 +78,11 @@ def test_no_compilation_after_warmup(tiny_dir, other_tiny_dir, speculation):
              SamplingParams(temperature=0.7, seed=5, max_tokens=12, ignore_eos=True, presence_penalty=0.5,
                             frequency_penalty=-0.2, repetition_penalty=1.2),
              SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logit_bias={3: 2.0, 7: -50.0},
-                            allowed_token_ids=list(range(0, 320, 3)))]
+                            allowed_token_ids=list(range(0, 320, 3))),
+             SamplingParams(n=2, temperature=0.9, max_tokens=int(rng.integers(1, 30)), logprobs=1,
+                            structured_outputs=StructuredOutputsParams(regex=r"[a-z]{2,6}( [0-9]{1,3}){0,8}")),
+             SamplingParams(temperature=0, max_tokens=40, structured_outputs=StructuredOutputsParams(
+                 json={"type": "object", "properties": {"k": {"type": "integer"}, "s": {"type": "string"}}}))]
     jax.monitoring.register_event_duration_secs_listener(on_compile)
     try:
         # Batches of 1 to 9 requests (decode batches of every size), prompts from 1 to 90 tokens (both chunk sizes).
