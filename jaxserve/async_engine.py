@@ -47,6 +47,16 @@ class _Stream:
         self.queue: asyncio.Queue = asyncio.Queue()
         self.request = request
         self.unfinished = len(request.seqs)
+        # Prompt logprobs, once whole, go with the next output (the first sequence collects them).
+        self.unsent_prompt_logprobs = request.seqs[0].output.prompt_logprobs
+
+    def take_prompt_logprobs(self):
+        """The prompt logprobs if they are whole and not yet sent; then never again."""
+        scored = self.unsent_prompt_logprobs
+        if scored is None or len(scored) < len(self.request.prompt_token_ids):
+            return None
+        self.unsent_prompt_logprobs = None
+        return scored
 
     def put(self, item) -> None:
         try:
@@ -205,7 +215,8 @@ class AsyncEngine:
                 del self._streams[request_id]
             r = stream.request
             metrics = request_metrics(r.seqs) if done else None
-            stream.put(RequestOutput(request_id, r.prompt, r.prompt_token_ids, outputs, done, metrics))
+            stream.put(RequestOutput(request_id, r.prompt, r.prompt_token_ids, outputs, done, metrics,
+                                     stream.take_prompt_logprobs()))
 
     def _fail_all(self, error: BaseException) -> None:
         # pop(.., None): a request being added on the event loop may take itself out at the same time.
