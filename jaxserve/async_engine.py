@@ -47,8 +47,15 @@ class _Stream:
         self.queue: asyncio.Queue = asyncio.Queue()
         self.request = request
         self.unfinished = len(request.seqs)
-        # Prompt logprobs, once whole, go with the next output (the first sequence collects them).
+        # Prompt logprobs go with the first output: the first sequence collects them, and another's output that
+        # comes earlier (its prompt a prefix-cache hit) is held until they are whole.
         self.unsent_prompt_logprobs = request.seqs[0].output.prompt_logprobs
+        self.held: list[CompletionOutput] = []
+
+    @property
+    def awaits_prompt_logprobs(self) -> bool:
+        scored = self.unsent_prompt_logprobs
+        return scored is not None and len(scored) < len(self.request.prompt_token_ids)
 
     def take_prompt_logprobs(self):
         """The prompt logprobs if they are whole and not yet sent; then never again."""
@@ -207,8 +214,12 @@ class AsyncEngine:
             if d.seq.request_id in self._streams:  # else aborted since
                 by_request.setdefault(d.seq.request_id, []).append(d.completion)
         for request_id, outputs in by_request.items():
-            outputs = merged(outputs)
             stream = self._streams[request_id]
+            outputs, stream.held = stream.held + outputs, []
+            if stream.awaits_prompt_logprobs:
+                stream.held = outputs
+                continue
+            outputs = merged(outputs)
             stream.unfinished -= sum(o.finish_reason is not None for o in outputs)
             done = stream.unfinished == 0
             if done:

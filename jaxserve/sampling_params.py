@@ -80,7 +80,7 @@ class SamplingParams:
         _check(_is_number(self.min_p) and 0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p!r}")
         _check(self.seed is None or isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}")
         _check(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 0),
-               f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+               f"max_tokens must be an integer >= 1 (or 0 with prompt_logprobs), got {self.max_tokens!r}")
         _check(self.max_tokens != 0 or self.prompt_logprobs is not None,
                "max_tokens may be 0 only with prompt_logprobs (to score a prompt without generating)")
         _check(isinstance(self.min_tokens, int) and 0 <= self.min_tokens < INT32_LIMIT,

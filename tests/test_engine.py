@@ -71,7 +71,10 @@ def test_no_compilation_after_warmup(tiny_dir, other_tiny_dir, speculation):
              SamplingParams(temperature=0.8, top_k=5, top_p=0.9, min_p=0.05, seed=3, max_tokens=20, logprobs=2,
                             min_tokens=2),
              SamplingParams(n=3, temperature=1.0, max_tokens=int(rng.integers(1, 12)), ignore_eos=True),
-             SamplingParams(temperature=0, max_tokens=9, logprobs=0, ignore_eos=True)]
+             SamplingParams(temperature=0, max_tokens=9, logprobs=0, ignore_eos=True),
+             # prompt logprobs: the step's scorer runs over the asking tokens, in programs compiled at warm-up
+             SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=2, ignore_eos=True),
+             SamplingParams(max_tokens=0, prompt_logprobs=0)]
     jax.monitoring.register_event_duration_secs_listener(on_compile)
     try:
         # Batches of 1 to 9 requests (decode batches of every size), prompts from 1 to 90 tokens (both chunk sizes).

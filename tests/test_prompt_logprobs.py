@@ -129,3 +129,123 @@ def test_max_tokens_zero_scores_without_generating(tiny):
 def test_bad_params(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**kwargs)
+
+
+# ---- the default model: against HF, and through the server ----
+
+def test_default_model_prompt_logprobs_equal_hf(default_llm, hf_default_model):
+    """Two prompt chunks (the engine's step holds 256 tokens), float32, against HF's log_softmax."""
+    tok = default_llm.tokenizer
+    text = " ".join(["The quick brown fox jumps over the lazy dog while the cat sleeps in the sun."] * 20)
+    ids = tok.encode(text)[:300]
+    out = default_llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=0, prompt_logprobs=5),
+                               use_tqdm=False)[0]
+    check_against_hf(out, hf_default_model, 5, atol=1e-4)
+    assert out.prompt_logprobs[1][ids[1]].decoded_token == tok.decode([ids[1]], skip_special_tokens=False)
+
+
+@pytest.fixture(scope="module")
+def served(default_llm):
+    from serving import ServerThread
+    st = ServerThread(default_llm, "SmolLM2-135M-Instruct")
+    yield st
+    st.stop()
+
+
+def post(st, path, body):
+    import requests
+    return requests.post(st.url + path, json=body, timeout=120)
+
+
+def test_echo_returns_the_prompt_then_the_completion(served, default_llm):
+    prompt = "The capital of France is"
+    ids = default_llm.tokenizer.encode(prompt)
+    plain = post(served, "/v1/completions", {"prompt": prompt, "max_tokens": 4, "temperature": 0, "logprobs": 2})
+    echoed = post(served, "/v1/completions", {"prompt": prompt, "max_tokens": 4, "temperature": 0, "logprobs": 2,
+                                              "echo": True, "prompt_logprobs": 1})
+    assert plain.status_code == echoed.status_code == 200, echoed.text
+    p, e = plain.json()["choices"][0], echoed.json()["choices"][0]
+    assert e["text"] == prompt + p["text"]
+    lp = e["logprobs"]
+    n = len(ids)
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == n + 4
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert lp["token_logprobs"][n:] == p["logprobs"]["token_logprobs"]
+    assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
+    assert all(len(top) in (2, 3) for top in lp["top_logprobs"][1:])
+    # vLLM's prompt_logprobs, beside: the same scores, its own top n
+    plp = e["prompt_logprobs"]
+    assert plp[0] is None and len(plp) == n
+    for i in range(1, n):
+        entry = plp[i][str(ids[i])]
+        assert entry["logprob"] == lp["token_logprobs"][i]
+        assert len(plp[i]) in (1, 2) and all(v["rank"] <= 1 or k == str(ids[i]) for k, v in plp[i].items())
+    ref = default_llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=0, prompt_logprobs=0),
+                               use_tqdm=False)[0].prompt_logprobs
+    assert [ref[i][ids[i]].logprob for i in range(1, n)] == pytest.approx(lp["token_logprobs"][1:n], abs=1e-5)
+
+
+def test_echo_of_token_id_prompts_scores_them_without_generating(served, default_llm):
+    """What lm-evaluation-harness sends for loglikelihoods (here with max_tokens 0): token-id prompts, a batch."""
+    tok = default_llm.tokenizer
+    batch = [tok.encode("Paris is the capital of France."), tok.encode("One, two, three, four")]
+    r = post(served, "/v1/completions", {"prompt": batch, "max_tokens": 0, "echo": True, "logprobs": 1,
+                                         "temperature": 0})
+    assert r.status_code == 200, r.text
+    for ids, choice in zip(batch, sorted(r.json()["choices"], key=lambda c: c["index"])):
+        assert choice["text"] == tok.decode(ids, skip_special_tokens=False)
+        assert choice["finish_reason"] == "length"
+        assert len(choice["logprobs"]["tokens"]) == len(ids)
+        assert choice["logprobs"]["token_logprobs"][0] is None
+        assert all(lp <= 0 for lp in choice["logprobs"]["token_logprobs"][1:])
+    assert r.json()["usage"]["completion_tokens"] == 0
+
+
+def test_streamed_echo_sends_the_prompt_first(served):
+    import json
+    import requests
+    prompt = "Once upon a time"
+    with requests.post(served.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 3, "temperature": 0,
+                                                              "echo": True, "stream": True}, stream=True,
+                       timeout=120) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines(decode_unicode=True)
+                  if line.startswith("data: {")]
+    texts = [c["text"] for e in events for c in e["choices"]]
+    assert texts[0].startswith(prompt) and not any(t.startswith(prompt) for t in texts[1:])
+    whole = post(served, "/v1/completions", {"prompt": prompt, "max_tokens": 3, "temperature": 0, "echo": True})
+    assert "".join(texts) == whole.json()["choices"][0]["text"]
+
+
+def test_chat_prompt_logprobs(served):
+    r = post(served, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2,
+                                              "temperature": 0, "prompt_logprobs": 0})
+    assert r.status_code == 200, r.text
+    plp = r.json()["prompt_logprobs"]
+    tokens = post(served, "/tokenize", {"messages": [{"role": "user", "content": "Hi"}]}).json()["tokens"]
+    assert plp[0] is None and len(plp) == len(tokens) == r.json()["usage"]["prompt_tokens"]
+    assert all(list(entry) == [str(t)] for entry, t in zip(plp[1:], tokens[1:]))
+
+
+def test_tokenizer_endpoints(served, default_llm):
+    tok = default_llm.tokenizer
+    r = post(served, "/tokenize", {"prompt": "Hello world", "add_special_tokens": False})
+    assert r.status_code == 200 and r.json() == {"count": len(tok.encode("Hello world", add_special_tokens=False)),
+                                                 "max_model_len": 512,
+                                                 "tokens": tok.encode("Hello world", add_special_tokens=False)}
+    chat = post(served, "/tokenize", {"messages": [{"role": "user", "content": "Hi"}]}).json()["tokens"]
+    assert chat == tok.encode(tok.apply_chat_template([{"role": "user", "content": "Hi"}]), add_special_tokens=False)
+    assert post(served, "/detokenize", {"tokens": chat}).json() == {"prompt": tok.decode(chat, False)}
+    import requests
+    info = requests.get(served.url + "/tokenizer_info", timeout=30).json()
+    assert info["eos_token"] == tok.id_to_token(tok.eos_token_ids[0]) and info["chat_template"] == tok.chat_template
+    assert info["model_max_length"] == 512
+    for path, body, param in [("/tokenize", {}, "prompt"), ("/tokenize", {"prompt": 5}, "prompt"),
+                              ("/tokenize", {"prompt": "a", "messages": []}, "prompt"),
+                              ("/tokenize", {"prompt": "a", "nope": 1}, "nope"),
+                              ("/tokenize", {"messages": [{"role": "robot", "content": "x"}]}, "messages"),
+                              ("/detokenize", {"tokens": [-1]}, "tokens"),
+                              ("/detokenize", {"tokens": [tok.vocab_size + 10 ** 6]}, "tokens"),
+                              ("/detokenize", {"tokens": "abc"}, "tokens"),
+                              ("/detokenize", {"tokens": [1.5]}, "tokens")]:
+        r = post(served, path, body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (path, body, r.text)
