@@ -17,9 +17,9 @@ import numpy as np
 from jaxserve.attention import write_kv
 from jaxserve.batch import StepInput, StepOutput, is_constant
 from jaxserve.config import ModelConfig
-from jaxserve.distributed import HEADS, kv_pages_spec, param_shardings, replicated, shardings
+from jaxserve.distributed import HEADS, head_over_vocab, kv_pages_spec, param_shardings, replicated, shardings
 from jaxserve.model.decoder import DecoderModel, lm_head, param_axes
-from jaxserve.prompt_logprobs import score_targets
+from jaxserve.prompt_logprobs import block_scores, score_targets, vocab_parallel_block_scores
 from jaxserve.sampling import sample
 from jaxserve.verification import verify
 
@@ -114,9 +114,12 @@ class Steps:
 
     def _prompt_scores(self, params, hidden, batch: StepInput):
         """The logprobs of the prompt tokens the batch asks for (`jaxserve.prompt_logprobs`): the LM head runs
-        only over the tokens that ask, a block at a time (none: not at all)."""
-        return score_targets(hidden, batch.prompt_targets, lambda h: lm_head(self.config, self.model.dtype, params, h),
-                             self.config.vocab_size)
+        only over the tokens that ask, a block at a time (none: not at all); over a mesh, on each device's slice of
+        the vocabulary."""
+        specs = None if self.mesh is None else jax.tree.map(lambda s: s.spec, self.param_shardings(params))
+        score = head_over_vocab(block_scores, vocab_parallel_block_scores,
+                                functools.partial(lm_head, self.config, self.model.dtype), self.mesh, params, specs)
+        return score_targets(hidden, batch.prompt_targets, score, self.config.vocab_size)
 
     def _forward_and_sample(self, params, kv_cache, last_tokens, batch: StepInput):
         tokens = input_tokens(batch, last_tokens)

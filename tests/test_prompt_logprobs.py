@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from jaxserve import SamplingParams
-from jaxserve.prompt_logprobs import block_size, score_targets
+from jaxserve.prompt_logprobs import block_scores, block_size, score_targets
 from hf_models import save_tiny_model
 from tiny import TINY_PAGE_BYTES, make_llm, prompts
 
@@ -57,7 +57,7 @@ def test_blocked_scores_equal_a_plain_log_softmax():
     w = rng.normal(size=(H, V)).astype(np.float32)
     targets = np.where(rng.random(T) < 0.4, rng.integers(0, V, T), -1).astype(np.int32)
     assert block_size(T, V, 8 * V) == 8  # blocks of 8 tokens: several, and a last one part padding
-    got = jax.jit(lambda h, t: score_targets(h, t, lambda x: x @ w, V, 8 * V))(hidden, targets)
+    got = jax.jit(lambda h, t: score_targets(h, t, lambda x, t: block_scores(x @ w, t), V, 8 * V))(hidden, targets)
     ref = np.asarray(jax.nn.log_softmax(hidden @ w, -1))
     asked = np.flatnonzero(targets >= 0)
     n = len(asked)
@@ -104,6 +104,16 @@ def test_prompt_logprobs_survive_preemption(tiny):
     for out in outs:
         check_against_hf(out, model, 1)
     llm.core.assert_idle_and_clean()
+
+
+def test_prompt_logprobs_over_a_vocabulary_split_head(tmp_path):
+    """Tensor parallel (2 devices): each device scores its slice of the vocabulary; the same scores as HF."""
+    model = save_tiny_model("llama-8-heads", tmp_path)
+    llm = make_llm(str(tmp_path), tensor_parallel_size=2, max_num_batched_tokens=16)
+    ps = prompts(np.random.default_rng(), [30, 9])
+    outs = llm.generate(ps, SamplingParams(max_tokens=0, prompt_logprobs=TOP), use_tqdm=False)
+    for out in outs:
+        check_against_hf(out, model, TOP)
 
 
 def test_max_tokens_zero_scores_without_generating(tiny):
