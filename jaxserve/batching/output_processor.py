@@ -137,18 +137,18 @@ def _take_prompt_scores(rows: list[Sequence], layout: list[Row], scores: PromptS
     in the rows' order; a position already collected (a chunk recomputed after a preemption) is not taken twice."""
     k = 0
     for seq, row in zip(rows, layout):
-        n = len(row.prompt_targets)
-        collected = seq.output.prompt_logprobs
-        for j, position in enumerate(row.scored_positions):
-            if collected is None or len(collected) != position + 1:
-                continue
-            target, i = row.prompt_targets[j], k + j
-            entry = {target: Logprob(float(scores.logprobs[i]), int(scores.ranks[i]), _piece(seq.output, target))}
-            tops = zip(scores.top_ids[i, :seq.params.prompt_logprobs].tolist(),
-                       scores.top_logprobs[i, :seq.params.prompt_logprobs].tolist())
-            for rank, (tid, lp) in enumerate(tops, 1):
-                entry.setdefault(tid, Logprob(lp, rank, _piece(seq.output, tid)))
-            collected.append(entry)
+        n, collected, top = len(row.prompt_targets), seq.output.prompt_logprobs, seq.params.prompt_logprobs
+        if n and collected is not None:
+            lps, ranks = scores.logprobs[k:k + n].tolist(), scores.ranks[k:k + n].tolist()
+            top_ids, top_lps = scores.top_ids[k:k + n, :top].tolist(), scores.top_logprobs[k:k + n, :top].tolist()
+            for j, position in enumerate(row.scored_positions):
+                if len(collected) != position + 1:
+                    continue
+                target = row.prompt_targets[j]
+                entry = {target: Logprob(lps[j], ranks[j], _piece(seq.output, target))}
+                for rank, (tid, lp) in enumerate(zip(top_ids[j], top_lps[j]), 1):
+                    entry.setdefault(tid, Logprob(lp, rank, _piece(seq.output, tid)))
+                collected.append(entry)
         k += n
 
 
