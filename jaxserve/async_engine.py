@@ -47,6 +47,23 @@ class _Stream:
         self.queue: asyncio.Queue = asyncio.Queue()
         self.request = request
         self.unfinished = len(request.seqs)
+        # Prompt logprobs go with the first output: the first sequence collects them, and another's output that
+        # comes earlier (its prompt a prefix-cache hit) is held until they are whole.
+        self.unsent_prompt_logprobs = request.seqs[0].output.prompt_logprobs
+        self.held: list[CompletionOutput] = []
+
+    @property
+    def awaits_prompt_logprobs(self) -> bool:
+        scored = self.unsent_prompt_logprobs
+        return scored is not None and len(scored) < len(self.request.prompt_token_ids)
+
+    def take_prompt_logprobs(self):
+        """The prompt logprobs if they are whole and not yet sent; then never again."""
+        scored = self.unsent_prompt_logprobs
+        if scored is None or len(scored) < len(self.request.prompt_token_ids):
+            return None
+        self.unsent_prompt_logprobs = None
+        return scored
 
     def put(self, item) -> None:
         try:
@@ -203,15 +220,20 @@ class AsyncEngine:
             if d.seq.request_id in self._streams:  # else aborted since
                 by_request.setdefault(d.seq.request_id, []).append(d.completion)
         for request_id, outputs in by_request.items():
-            outputs = merged(outputs)
             stream = self._streams[request_id]
+            outputs, stream.held = stream.held + outputs, []
+            if stream.awaits_prompt_logprobs:
+                stream.held = outputs
+                continue
+            outputs = merged(outputs)
             stream.unfinished -= sum(o.finish_reason is not None for o in outputs)
             done = stream.unfinished == 0
             if done:
                 del self._streams[request_id]
             r = stream.request
             metrics = request_metrics(r.seqs) if done else None
-            stream.put(RequestOutput(request_id, r.prompt, r.prompt_token_ids, outputs, done, metrics))
+            stream.put(RequestOutput(request_id, r.prompt, r.prompt_token_ids, outputs, done, metrics,
+                                     stream.take_prompt_logprobs()))
 
     def _fail_all(self, error: BaseException) -> None:
         # pop(.., None): a request being added on the event loop may take itself out at the same time.

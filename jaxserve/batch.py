@@ -68,6 +68,9 @@ class StepInput:
     num_draft: jax.Array  # int32 [S]   proposals at the end of each row (speculative decoding), to accept or not
     out_slot: jax.Array  # int32 [S]   where each row's sampled token is kept on device (-1: the padding slot)
     sampling: SamplingInput
+    # Prompt logprobs: the prompt token after each token, whose logprob the step reports (-1: not wanted; a
+    # `constant` when no row wants any, so a plain batch copies nothing for it).
+    prompt_targets: jax.Array  # int32 [T]
 
     @property
     def num_tokens(self) -> int:
@@ -80,6 +83,17 @@ class StepInput:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
+class PromptScores:
+    """The logprobs of the tokens a step was asked to score (`StepInput.prompt_targets`), packed: entry i is the
+    i-th token, in token order, whose target is >= 0; entries past their number are padding."""
+    logprobs: jax.Array  # float32 [T]   of the target under the model's distribution at that token
+    ranks: jax.Array  # int32 [T]   the target's rank (1: the most likely token)
+    top_ids: jax.Array  # int32 [T, MAX_LOGPROBS]
+    top_logprobs: jax.Array  # float32 [T, MAX_LOGPROBS]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
 class StepOutput:
     """Up to Q sampled tokens per row (Q = k + 1 in a verification program): a row emits num_tokens[r] of them."""
     tokens: jax.Array  # int32 [S, Q]
@@ -88,6 +102,7 @@ class StepOutput:
     ranks: jax.Array  # int32 [S, Q]   1: the most likely token
     top_ids: jax.Array  # int32 [S, Q, MAX_LOGPROBS]   (zeros unless a row asked for top logprobs)
     top_logprobs: jax.Array  # float32 [S, Q, MAX_LOGPROBS]
+    prompt: PromptScores | None = None  # per scored prompt token, not per row (None: no row asked)
 
 
 @functools.cache

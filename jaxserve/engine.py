@@ -215,7 +215,7 @@ class LLM:
             self.abort_all()  # whatever failed (or was interrupted), the engine is clean for the next call
             raise
         return [RequestOutput(r.request_id, r.prompt, r.prompt_token_ids, [completion_output(s) for s in r.seqs],
-                              True, request_metrics(r.seqs)) for r in requests]
+                              True, request_metrics(r.seqs), r.seqs[0].output.prompt_logprobs) for r in requests]
 
     def _run_until_done(self, total: int, use_tqdm: bool) -> None:
         bar = None

@@ -45,11 +45,13 @@ _COMMON = {
     "response_format": (dict,), "tools": (list,), "tool_choice": (str, dict), "parallel_tool_calls": (bool,),
     "metadata": (dict,), "store": (bool,), "service_tier": (str,),
 }
-_COMPLETION = {**_COMMON, "prompt": (str, list), "logprobs": (int,), "echo": (bool,), "suffix": (str,)}
-_CHAT = {**_COMMON, "messages": (list,), "logprobs": (bool,), "top_logprobs": (int,)}
+_COMPLETION = {**_COMMON, "prompt": (str, list), "logprobs": (int,), "echo": (bool,), "suffix": (str,),
+               "prompt_logprobs": (int,)}
+_CHAT = {**_COMMON, "messages": (list,), "logprobs": (bool,), "top_logprobs": (int,), "prompt_logprobs": (int,)}
 
 
-def _check_fields(body, fields: dict) -> None:
+def check_body_fields(body, fields: dict) -> None:
+    """A JSON object whose every field is one of `fields` (name -> the JSON types it accepts), or a 400 naming it."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     for key, value in body.items():
@@ -62,8 +64,12 @@ def _check_fields(body, fields: dict) -> None:
             names = " or ".join({str: "a string", int: "an integer", float: "a number", bool: "a boolean",
                                  list: "an array", dict: "an object"}[t] for t in types)
             raise ApiError(400, f"{key} must be {names}, got {type(value).__name__}", key)
+
+
+def _check_fields(body, fields: dict) -> None:
+    check_body_fields(body, fields)
     # Defined by the API, not implemented here: refused unless harmless.
-    for key, neutral in [("echo", False), ("suffix", None),
+    for key, neutral in [("suffix", None),
                          ("response_format", {"type": "text"}), ("tool_choice", "none"), ("store", False),
                          ("service_tier", "auto")]:
         if body.get(key) not in (None, neutral):
@@ -90,12 +96,16 @@ def context_length_error(limit: int, prompt_tokens: int, max_tokens: int | None,
                          f"{prompt_tokens + generate} ({floor}{prompt_tokens} in the prompt, {generate} to generate)")
 
 
-def _sampling_params(body: dict, max_tokens_default: int | None, logprobs: int | None) -> SamplingParams:
+def _sampling_params(body: dict, max_tokens_default: int | None, logprobs: int | None,
+                     prompt_logprobs: int | None = None) -> SamplingParams:
     max_tokens = body.get("max_completion_tokens")
     if max_tokens is None:
         max_tokens = body.get("max_tokens")
     if max_tokens is None:
         max_tokens = max_tokens_default
+    if max_tokens == 0 and prompt_logprobs is None:
+        raise ApiError(400, "max_tokens 0 (score the prompt without generating) needs echo or prompt_logprobs",
+                       "max_tokens")
     stop = body.get("stop")
     if isinstance(stop, list) and len(stop) > MAX_STOP:
         raise ApiError(400, f"at most {MAX_STOP} stop sequences", "stop")
@@ -109,7 +119,7 @@ def _sampling_params(body: dict, max_tokens_default: int | None, logprobs: int |
     if isinstance(temperature, _NUMBER) and temperature > 2:
         raise ApiError(400, f"temperature must be in [0, 2], got {temperature}", "temperature")
     args = dict(n=n, temperature=1.0 if temperature is None else temperature, max_tokens=max_tokens, stop=stop,
-                logprobs=logprobs)
+                logprobs=logprobs, prompt_logprobs=prompt_logprobs)
     for key in ("top_p", "top_k", "min_p", "seed", "ignore_eos", "min_tokens", "stop_token_ids",
                 "include_stop_str_in_output", "skip_special_tokens", "presence_penalty", "frequency_penalty",
                 "repetition_penalty", "allowed_token_ids", "bad_words"):
@@ -157,7 +167,20 @@ def parse_completion(body) -> tuple[list, SamplingParams]:
     logprobs = body.get("logprobs")
     if logprobs is not None and not 0 <= logprobs <= 5:
         raise ApiError(400, f"logprobs must be in [0, 5], got {logprobs}", "logprobs")  # OpenAI's bound
-    return prompts, _sampling_params(body, 16, logprobs)  # 16: OpenAI's default max_tokens for completions
+    # The prompt's logprobs are computed once, for the larger of what echo's logprobs and vLLM's prompt_logprobs show
+    # (each shows its own top n); echo with max_tokens 0 scores the prompt even if nobody reads the scores.
+    wanted = [n for n in (_prompt_logprobs(body), logprobs if body.get("echo") else None) if n is not None]
+    if body.get("echo") and body.get("max_tokens") == 0 and not wanted:
+        wanted = [0]
+    # 16: OpenAI's default max_tokens for completions
+    return prompts, _sampling_params(body, 16, logprobs, max(wanted) if wanted else None)
+
+
+def _prompt_logprobs(body: dict) -> int | None:
+    n = body.get("prompt_logprobs")
+    if n is not None and not 0 <= n <= MAX_LOGPROBS:
+        raise ApiError(400, f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {n}", "prompt_logprobs")
+    return n
 
 
 def _is_token_ids(x) -> bool:
@@ -188,7 +211,8 @@ def parse_chat(body) -> tuple[list[dict], SamplingParams]:
         raise ApiError(400, f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {top}", "top_logprobs")
     if top and not body.get("logprobs"):
         raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
-    return messages, _sampling_params(body, None, (top or 0) if body.get("logprobs") else None)
+    return messages, _sampling_params(body, None, (top or 0) if body.get("logprobs") else None,
+                                      _prompt_logprobs(body))
 
 
 def render_chat(messages: list[dict], tokenizer) -> str:
@@ -230,6 +254,38 @@ def completion_logprobs(out: CompletionOutput, token_text, offset: int) -> dict 
         offsets.append(offset)
         offset += len(text)
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def echo_logprobs(prompt_ids: list[int], scored: list, token_text, top: int) -> dict:
+    """Legacy completions logprobs of an echoed prompt (as OpenAI's API gave them): the first token's logprob and
+    top_logprobs are None; each other's top_logprobs holds the top `top` and the token itself."""
+    tokens, lps, tops, offsets = [], [], [], []
+    offset = 0
+    for token_id, entry in zip(prompt_ids, scored):
+        text = token_text(token_id)
+        tokens.append(text)
+        offsets.append(offset)
+        offset += len(text)
+        if entry is None:
+            lps.append(None)
+            tops.append(None)
+        else:
+            lps.append(entry[token_id].logprob)
+            tops.append({token_text(t): lp.logprob for t, lp in _top(entry, token_id, top)})
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def prompt_logprobs_body(prompt_ids: list[int], scored: list, top: int) -> list:
+    """vLLM's `prompt_logprobs`: None, then per position {token id: {logprob, rank, decoded_token}} holding the
+    prompt token and the top `top`."""
+    return [None if entry is None else
+            {str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+             for t, lp in _top(entry, token_id, top)} for token_id, entry in zip(prompt_ids, scored)]
+
+
+def _top(entry: dict, token_id: int, top: int):
+    """An entry's token and its top `top` (it may hold more: the prompt is scored once for every view of it)."""
+    return [(t, lp) for t, lp in entry.items() if t == token_id or lp.rank <= top]
 
 
 def chat_logprobs(out: CompletionOutput, token_text, top: int, token_bytes=None) -> dict | None:

@@ -48,3 +48,6 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics | None = None
+    # With prompt_logprobs (vLLM's layout): None for the first prompt token, then per position {token id: Logprob}
+    # holding the prompt token and the top n. A stream carries them once, in its first output after they are whole.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

@@ -61,7 +61,7 @@ class SamplingParams:
     top_k: int = 0  # 0 or -1: off
     min_p: float = 0.0
     seed: int | None = None
-    max_tokens: int | None = 16  # None: up to max_model_len
+    max_tokens: int | None = 16  # None: up to max_model_len; 0 (with prompt_logprobs): score the prompt only
     min_tokens: int = 0
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
@@ -79,6 +79,8 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit
     allowed_token_ids: list[int] | None = None  # only these may be sampled
     bad_words: list[str] | None = None  # never generated (vLLM: each word's tokens, with and without a leading space)
+    # Prompt logprobs (vLLM): None, or each prompt token's logprob (after the first) and the top n at its position.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
         self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -93,8 +95,10 @@ class SamplingParams:
                f"top_k must be an integer >= 0 (or -1), got {self.top_k!r}")
         _check(_is_number(self.min_p) and 0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p!r}")
         _check(self.seed is None or isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}")
-        _check(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
-               f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        _check(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 0),
+               f"max_tokens must be an integer >= 1 (or 0 with prompt_logprobs), got {self.max_tokens!r}")
+        _check(self.max_tokens != 0 or self.prompt_logprobs is not None,
+               "max_tokens may be 0 only with prompt_logprobs (to score a prompt without generating)")
         _check(isinstance(self.min_tokens, int) and 0 <= self.min_tokens < INT32_LIMIT,
                f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
         _check(self.max_tokens is None or self.min_tokens <= self.max_tokens,
@@ -110,6 +114,10 @@ class SamplingParams:
                f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
         _check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS),
                f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        _check(self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int)
+                                                and not isinstance(self.prompt_logprobs, bool)
+                                                and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
+               f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs!r}")
         _check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
                "structured_outputs must be a StructuredOutputsParams")
         self._check_logit_controls()

@@ -17,8 +17,9 @@ import numpy as np
 from jaxserve.attention import write_kv
 from jaxserve.batch import StepInput, StepOutput, is_constant
 from jaxserve.config import ModelConfig
-from jaxserve.distributed import HEADS, kv_pages_spec, param_shardings, replicated, shardings
-from jaxserve.model.decoder import DecoderModel, param_axes
+from jaxserve.distributed import HEADS, head_over_vocab, kv_pages_spec, param_shardings, replicated, shardings
+from jaxserve.model.decoder import DecoderModel, lm_head, param_axes
+from jaxserve.prompt_logprobs import block_scores, score_targets, vocab_parallel_block_scores
 from jaxserve.sampling import sample, with_step_tokens
 from jaxserve.verification import verify
 
@@ -111,13 +112,23 @@ class Steps:
         logits, new_kv = self._logits(params, kv_cache, batch)
         return logits, self._write(kv_cache, new_kv, batch.slot_mapping)
 
+    def _prompt_scores(self, params, hidden, batch: StepInput):
+        """The logprobs of the prompt tokens the batch asks for (`jaxserve.prompt_logprobs`): the LM head runs
+        only over the tokens that ask, a block at a time (none: not at all); over a mesh, on each device's slice of
+        the vocabulary."""
+        specs = None if self.mesh is None else jax.tree.map(lambda s: s.spec, self.param_shardings(params))
+        score = head_over_vocab(block_scores, vocab_parallel_block_scores,
+                                functools.partial(lm_head, self.config, self.model.dtype), self.mesh, params, specs)
+        return score_targets(hidden, batch.prompt_targets, score, self.config.vocab_size)
+
     def _forward_and_sample(self, params, kv_cache, last_tokens, batch: StepInput):
         tokens = input_tokens(batch, last_tokens)
-        logits, new_kv = self.model.apply(params, tokens, kv_cache, batch.rows, batch.logits_index[:, 0])
+        logits, new_kv, hidden = self.model.apply(params, tokens, kv_cache, batch.rows, batch.logits_index[:, 0],
+                                                  return_hidden=True)
         s = sample(logits, with_step_tokens(batch.sampling, tokens, batch.rows, batch.logits_index[:, 0]))
         out = StepOutput(tokens=s.tokens[:, None], num_tokens=(batch.logits_index[:, 0] >= 0).astype(jnp.int32),
                          logprobs=s.logprobs[:, None], ranks=s.ranks[:, None], top_ids=s.top_ids[:, None],
-                         top_logprobs=s.top_logprobs[:, None])
+                         top_logprobs=s.top_logprobs[:, None], prompt=self._prompt_scores(params, hidden, batch))
         last_tokens = last_tokens.at[batch.out_slot].set(s.tokens)  # -1 wraps to the padding slot
         return out, new_kv, last_tokens
 
@@ -126,10 +137,10 @@ class Steps:
         index = jnp.maximum(batch.logits_index, 0)  # [S, Q]
         T, (S, Q) = tokens.shape[0], index.shape
         if T <= S * Q:  # the LM head over every token costs less than over every (row, position)
-            logits, new_kv = self.model.apply(params, tokens, kv_cache, batch.rows)
+            logits, new_kv, hidden = self.model.apply(params, tokens, kv_cache, batch.rows, return_hidden=True)
             logits = logits[index]  # [S, Q, V]
         else:
-            logits, new_kv = self.model.apply(params, tokens, kv_cache, batch.rows, index)
+            logits, new_kv, hidden = self.model.apply(params, tokens, kv_cache, batch.rows, index, return_hidden=True)
         # The proposal a scored position is checked against is the token after it in the row.
         drafts = tokens[jnp.minimum(index[:, :-1] + 1, T - 1)]  # [S, Q - 1]
         # Rows whose logit controls depend on the tokens before a position do not speculate: position 0 is theirs.
@@ -137,7 +148,8 @@ class Steps:
         v = verify(logits, drafts, batch.num_draft, sampling)
         num_tokens = jnp.where(batch.logits_index[:, 0] >= 0, v.num_tokens, 0)  # [S]
         out = StepOutput(tokens=v.tokens, num_tokens=num_tokens, logprobs=v.logprobs, ranks=v.ranks,
-                         top_ids=v.top_ids, top_logprobs=v.top_logprobs)
+                         top_ids=v.top_ids, top_logprobs=v.top_logprobs,
+                         prompt=self._prompt_scores(params, hidden, batch))
         last = jnp.take_along_axis(v.tokens, jnp.maximum(num_tokens - 1, 0)[:, None], axis=1)[:, 0]  # [S]
         return out, new_kv, last_tokens.at[batch.out_slot].set(last)
 

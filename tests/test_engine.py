@@ -82,7 +82,10 @@ def test_no_compilation_after_warmup(tiny_tokenized_dir, other_tiny_dir, specula
              SamplingParams(n=2, temperature=0.9, max_tokens=int(rng.integers(1, 30)), logprobs=1,
                             structured_outputs=StructuredOutputsParams(regex=r"[a-z]{2,6}( [0-9]{1,3}){0,8}")),
              SamplingParams(temperature=0, max_tokens=40, structured_outputs=StructuredOutputsParams(
-                 json={"type": "object", "properties": {"k": {"type": "integer"}, "s": {"type": "string"}}}))]
+                 json={"type": "object", "properties": {"k": {"type": "integer"}, "s": {"type": "string"}}})),
+             # prompt logprobs: the step's scorer runs over the asking tokens, in programs compiled at warm-up
+             SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=2, ignore_eos=True),
+             SamplingParams(max_tokens=0, prompt_logprobs=0)]
     jax.monitoring.register_event_duration_secs_listener(on_compile)
     try:
         # Batches of 1 to 9 requests (decode batches of every size), prompts from 1 to 90 tokens (both chunk sizes).

@@ -11,6 +11,7 @@ from jaxserve import SamplingParams
 from jaxserve.batching.batch_builder import Row, build_batch
 from jaxserve.collectives import collective_census
 from jaxserve.distributed import MODEL, bytes_per_device
+from jaxserve.sampling_params import MAX_LOGPROBS
 from jaxserve.weights.params import param_bytes
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -83,7 +84,11 @@ def test_a_step_gathers_no_weights_and_no_cache(tp_dir):
                                           r.buckets.pages_per_row))
     census = collective_census(r.steps._forward.lower(r.params, r.kv_cache, r.last_tokens, batch).compile().as_text())
     hidden, vocab = r.config.hidden_size, r.config.vocab_size
-    assert [c.arrays for c in census if c.kind == "all-gather"] == [(("f32", (4, vocab)),)], census
+    # The sampled rows' logits, and the prompt-logprob scorer's per-device top K (jaxserve.prompt_logprobs; its
+    # loop runs only when a row asks): never a block of [tokens, vocab] logits.
+    top_k = [(("f32", (4, 2 * MAX_LOGPROBS)),), (("s32", (4, 2 * MAX_LOGPROBS)),)]
+    assert sorted(c.arrays for c in census if c.kind == "all-gather") == sorted([(("f32", (4, vocab)),)] + top_k), \
+        census
     activations = [c for c in census if c.kind == "all-reduce" and ("f32", (4, hidden)) in c.arrays]
     assert len(activations) == 2 * r.config.num_layers + 1, census  # o_proj and down_proj per layer, the embedding
 

@@ -283,7 +283,7 @@ def post(st, path, body=None, key=KEY):
 
 @pytest.mark.parametrize("body,status,param", [
     ({"prompt": [1, 2, 3], "max_tokens": "ten"}, 400, "max_tokens"),
-    ({"prompt": [1, 2, 3], "max_tokens": 0}, 400, None),
+    ({"prompt": [1, 2, 3], "max_tokens": 0}, 400, "max_tokens"),  # 0 only with echo or prompt_logprobs
     ({"prompt": [1, 2, 3], "max_tokens": -3}, 400, None),
     ({"prompt": [1, 2, 3], "temperature": "hot"}, 400, "temperature"),
     ({"prompt": [1, 2, 3], "temperature": 5}, 400, "temperature"),
@@ -313,7 +313,9 @@ def post(st, path, body=None, key=KEY):
     ({"prompt": [1, 2, 3], "model": "gpt-4"}, 404, "model"),
     ({"prompt": [1, 2, 3], "top_k": 10 ** 10}, 400, None),  # past int32: refused, not a failed engine step
     ({"prompt": [1, 2, 3], "min_tokens": 1, "stop_token_ids": [2 ** 40]}, 400, None),
-    ({"prompt": [1, 2, 3], "max_completion_tokens": 0}, 400, None),
+    ({"prompt": [1, 2, 3], "max_completion_tokens": 0}, 400, "max_tokens"),
+    ({"prompt": [1, 2, 3], "prompt_logprobs": 21}, 400, "prompt_logprobs"),
+    ({"prompt": [1, 2, 3], "echo": "yes"}, 400, "echo"),
     ({"prompt": [1, 2, 3], "n": 0}, 400, None),
     ({"prompt": [1, 2, 3], "n": 5, "temperature": 1}, 400, "n"),  # more than one request may ask for (4)
     ({"prompt": [1, 2, 3], "response_format": {"type": "json_object"}}, 400, "response_format"),

@@ -47,10 +47,20 @@ class Row:
     chained: bool = False  # token_ids[0] is a placeholder for the token last sampled into `slot`, still on device
     samples: bool = True  # the step samples the row's next token (not for a prompt chunk short of the prompt's end)
     num_draft: int = 0  # the last num_draft tokens are proposals (speculative decoding): the step scores each
+    # Prompt logprobs: the step reports the logprob of prompt_targets[i] at the row's token score_from + i (the
+    # prompt token after it).
+    prompt_targets: list[int] = dataclasses.field(default_factory=list)
+    score_from: int = 0
 
     @property
     def end(self) -> int:
         return self.start_pos + len(self.token_ids)
+
+    @property
+    def scored_positions(self) -> range:
+        """The positions whose next prompt token the step scores."""
+        start = self.start_pos + self.score_from
+        return range(start, start + len(self.prompt_targets))
 
 
 def neutral_sampling(num_rows: int, vocab_size: int, max_len: int = 1) -> SamplingInput:
@@ -106,6 +116,9 @@ def build_batch(rows: list[Row], page_size: int, vocab_size: int, num_tokens: in
     for name, used in _USED.items():
         if any(used(r.sampling) for r in rows):
             setattr(sampling, name, np.array(getattr(sampling, name)))  # a writeable copy
+    prompt_targets = constant((T,), np.int32, -1)
+    if any(r.prompt_targets for r in rows):
+        prompt_targets = np.full(T, -1, np.int32)
     t = 0
     for i, row in enumerate(rows):
         n, end = len(row.token_ids), row.end
@@ -135,6 +148,11 @@ def build_batch(rows: list[Row], page_size: int, vocab_size: int, num_tokens: in
             out_slot[i] = row.slot
         if row.chained:
             chain_slot[t] = row.slot
+        if row.prompt_targets:
+            if not 0 <= row.score_from <= n - len(row.prompt_targets):
+                raise ValueError(f"row {i}: {len(row.prompt_targets)} prompt targets from token {row.score_from} "
+                                 f"of {n}")
+            prompt_targets[t + row.score_from:t + row.score_from + len(row.prompt_targets)] = row.prompt_targets
         s = row.sampling
         if len(s.banned) > MAX_BANNED_TOKENS:  # refused at admission (see LLM._sequences): a bug if it gets here
             raise ValueError(f"row {i} bans {len(s.banned)} tokens; a row holds at most {MAX_BANNED_TOKENS}")
@@ -149,7 +167,8 @@ def build_batch(rows: list[Row], page_size: int, vocab_size: int, num_tokens: in
     rows_in = RaggedRows(positions=positions, token_row=token_row, query_start=query_start, cached_lens=cached_lens,
                          page_table=page_table)
     return StepInput(token_ids=token_ids, chain_slot=chain_slot, slot_mapping=slot_mapping, rows=rows_in,
-                     logits_index=logits_index, num_draft=num_draft, out_slot=out_slot, sampling=sampling)
+                     logits_index=logits_index, num_draft=num_draft, out_slot=out_slot, sampling=sampling,
+                     prompt_targets=prompt_targets)
 
 
 def _fill_logit_controls(sampling: SamplingInput, i: int, row: Row) -> None:

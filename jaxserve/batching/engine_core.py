@@ -243,7 +243,7 @@ class EngineCore:
             self.scheduler.slo.observe(len(batch.decode), now - self._last_arrival)
         self._last_arrival = now if self._in_flight is not None else None  # idle gaps are not step time
         self.steps += 1
-        deltas = output_processor.process(batch.row_seqs, out)
+        deltas = output_processor.process(batch.row_seqs, out, batch.rows)
         for d in deltas:
             if batch.proposals.get(d.seq):
                 self.controller.observe(d.seq, len(batch.proposals[d.seq]), d.num_emitted - 1)

@@ -84,6 +84,8 @@ class ModelRunner:
             out = self.leader.lead_step(self.index, batch, self.run)
         if not any(r.sampling.want_top_logprobs for r in rows):
             out = dataclasses.replace(out, top_ids=None, top_logprobs=None)  # nothing to copy back
+        if not any(r.prompt_targets for r in rows):
+            out = dataclasses.replace(out, prompt=None)
         return StepHandle(len(rows), out)
 
     def run(self, batch: StepInput) -> StepOutput:
@@ -96,7 +98,8 @@ class ModelRunner:
         # Whole arrays, cut on the host: slicing a device array would compile a small program for every new
         # (bucket, rows) pair while serving.
         got = jax.device_get(handle.output)
-        return jax.tree.map(lambda x: x[:handle.num_rows], got)
+        per_row = jax.tree.map(lambda x: x[:handle.num_rows], dataclasses.replace(got, prompt=None))
+        return dataclasses.replace(per_row, prompt=got.prompt)  # per scored token, not per row
 
     def _time(self, rows: list[Row]) -> float:
         start = time.perf_counter()

@@ -15,7 +15,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from jaxserve.batch import StepOutput
+from jaxserve.batch import PromptScores, StepOutput
+from jaxserve.batching.batch_builder import Row
 from jaxserve.batching.sequence import Sequence
 from jaxserve.outputs import CompletionOutput, Logprob, RequestMetrics
 
@@ -38,15 +39,23 @@ class SequenceDelta:
         return self.completion.finish_reason is not None
 
 
-def process(rows: list[Sequence], result: StepOutput) -> list[SequenceDelta]:
-    """A step's result, rows in the order the scheduler laid them out; rows that emitted nothing (a prompt chunk
-    short of its end) and sequences finished or aborted while the step ran are skipped."""
+def process(rows: list[Sequence], result: StepOutput, layout: list[Row] = ()) -> list[SequenceDelta]:
+    """A step's result, rows in the order the scheduler laid them out (`layout`: the rows themselves, which say
+    which prompt positions the step scored); rows that emitted nothing (a prompt chunk short of its end) and
+    sequences finished or aborted while the step ran are skipped."""
+    if result.prompt is not None:
+        _take_prompt_scores(rows, layout, result.prompt)
     tokens, counts = result.tokens.tolist(), result.num_tokens.tolist()
     deltas = []
     for i, seq in enumerate(rows):
         if not counts[i] or seq.finished:
             continue
         out = seq.output
+        if seq.params.max_tokens == 0:  # a prompt scored without generating: the sampled token is dropped
+            out.finish_reason = "length"
+            deltas.append(SequenceDelta(seq, counts[i], completion_output(seq, "", [], [] if out.logprobs is not None
+                                                                          else None)))
+            continue
         start_logprobs = len(out.logprobs) if out.logprobs is not None else 0
         taken = []
         for j in range(counts[i]):
@@ -129,7 +138,8 @@ def _take_token(seq: Sequence, token: int, logprob: float, rank: int, top: list[
     if complete:
         out.finish_reason, out.stop_reason = "stop", None
         return
-    if n >= (params.max_tokens or seq.max_model_len) or len(seq.prompt_token_ids) + n >= seq.max_model_len:
+    if n >= (seq.max_model_len if params.max_tokens is None else params.max_tokens) or \
+            len(seq.prompt_token_ids) + n >= seq.max_model_len:
         out.finish_reason = "length"
 
 
@@ -146,6 +156,26 @@ def _advance_grammar(seq: Sequence, token: int) -> bool:
 def free_grammar(seq: Sequence) -> None:
     """A sequence taken out (finished or aborted) lets its matcher go now, not when its request is dropped."""
     seq.output.grammar = None
+
+
+def _take_prompt_scores(rows: list[Sequence], layout: list[Row], scores: PromptScores) -> None:
+    """Appends the prompt positions each row's chunk scored to its sequence's prompt logprobs. The scores are packed
+    in the rows' order; a position already collected (a chunk recomputed after a preemption) is not taken twice."""
+    k = 0
+    for seq, row in zip(rows, layout):
+        n, collected, top = len(row.prompt_targets), seq.output.prompt_logprobs, seq.params.prompt_logprobs
+        if n and collected is not None:
+            lps, ranks = scores.logprobs[k:k + n].tolist(), scores.ranks[k:k + n].tolist()
+            top_ids, top_lps = scores.top_ids[k:k + n, :top].tolist(), scores.top_logprobs[k:k + n, :top].tolist()
+            for j, position in enumerate(row.scored_positions):
+                if len(collected) != position + 1:
+                    continue
+                target = row.prompt_targets[j]
+                entry = {target: Logprob(lps[j], ranks[j], _piece(seq.output, target))}
+                for rank, (tid, lp) in enumerate(zip(top_ids[j], top_lps[j]), 1):
+                    entry.setdefault(tid, Logprob(lp, rank, _piece(seq.output, tid)))
+                collected.append(entry)
+        k += n
 
 
 def _check_stop_strings(seq: Sequence, old_len: int) -> None:

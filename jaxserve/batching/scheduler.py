@@ -88,6 +88,21 @@ class ScheduledBatch:
         return self.decode + [c.seq for c in self.prefill]
 
 
+def prompt_targets(chunk: Chunk) -> dict:
+    """A prompt chunk's Row arguments for prompt logprobs: each position from the first not yet collected (a
+    recomputed chunk asks only for what is missing) scores the prompt token after it; the last prompt token has
+    none. Empty when the sequence does not score its prompt."""
+    seq = chunk.seq
+    if not seq.scores_prompt:
+        return {}
+    prompt = seq.prompt_token_ids
+    first = max(chunk.start, len(seq.output.prompt_logprobs) - 1)
+    end = min(chunk.start + chunk.length, len(prompt) - 1)
+    if first >= end:
+        return {}
+    return dict(prompt_targets=prompt[first + 1:end + 1], score_from=first - chunk.start)
+
+
 def row_sampling(seq: Sequence, ahead: int = 0, top_logprobs: bool = True) -> RowSampling:
     """How a row of `seq` samples its next token, or (a draft model's row) the token `ahead` tokens later: with its
     seed and generated token number, so a draft's draw is coupled with the target's. top_logprobs=False: a row whose
@@ -243,7 +258,8 @@ class Scheduler:
             rows.append(Row([0 if s.pending else s.last_token] + proposals, s.num_tokens - 1, s.pages,
                             row_sampling(s), s.slot, chained=bool(s.pending), num_draft=len(proposals)))
         rows += [Row(c.seq.token_ids[c.start:c.start + c.length], c.start, c.seq.pages, row_sampling(c.seq),
-                     c.seq.slot if c.is_last else -1, samples=c.is_last) for c in plan.prefill]
+                     c.seq.slot if c.is_last else -1, samples=c.is_last, **prompt_targets(c))
+                 for c in plan.prefill]
         return rows
 
     @staticmethod
@@ -364,8 +380,9 @@ class Scheduler:
             if len(self.running) < cap:
                 tokens = seq.token_ids
                 keys = page_keys(tokens[:len(tokens) - 1], self.page_size, seq.page_keys)
-                # At least the last token is computed, whatever is cached: its logits give the next token.
-                hit = self.cache.match(tokens, keys, (len(tokens) - 1) // self.page_size)
+                # At least the last token is computed, whatever is cached: its logits give the next token. A
+                # sequence scoring its prompt computes all of it (its pages are still published).
+                hit = self.cache.match(tokens, keys, 0 if seq.scores_prompt else (len(tokens) - 1) // self.page_size)
                 need = pages_needed(len(tokens), self.page_size) - len(hit)
                 if need <= self.cache.num_available:
                     break
@@ -375,7 +392,8 @@ class Scheduler:
         seq.pages = hit + self.cache.allocate(need)
         seq.num_cached = seq.num_written = len(hit) * self.page_size
         seq.num_published = len(hit)
-        self.cache.count_lookup(len(tokens), len(hit) * self.page_size)
+        if not seq.scores_prompt:
+            self.cache.count_lookup(len(tokens), len(hit) * self.page_size)
         seq.status = Status.RUNNING
         if seq.first_scheduled_time is None:
             seq.first_scheduled_time = time.monotonic()

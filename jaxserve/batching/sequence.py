@@ -71,6 +71,9 @@ class OutputState:
     cumulative_logprob: float = 0.0
     logprobs: list[dict[int, Logprob]] | None = None  # per token, when logprobs were asked
     grammar: GrammarMatcher | None = None  # structured output: where the text stands in its grammar, while it runs
+    # Prompt logprobs (vLLM's layout): None for the first prompt token, then per position the prompt token's and the
+    # top n at it; collected chunk by chunk (None when not asked, and for a request's sequences but its first).
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 _arrivals = itertools.count()
@@ -120,7 +123,8 @@ class Sequence:
         self.finish_time: float | None = None
         # The output processor's.
         self.stop_rules = StopRules.of(params, self.eos_token_ids)
-        self.output = OutputState(detokenizer, logprobs=[] if params.logprobs is not None else None, grammar=grammar)
+        self.output = OutputState(detokenizer, logprobs=[] if params.logprobs is not None else None, grammar=grammar,
+                                  prompt_logprobs=[None] if params.prompt_logprobs is not None and index == 0 else None)
 
     @property
     def num_tokens(self) -> int:
@@ -153,9 +157,16 @@ class Sequence:
         return self.num_tokens - self.num_cached
 
     @property
+    def scores_prompt(self) -> bool:
+        """Its prompt's logprobs are asked and not all collected yet: its prompt is computed whole (no prefix-cache
+        hit), and its prompt chunks ask the step for them."""
+        scored = self.output.prompt_logprobs
+        return scored is not None and len(scored) < len(self.prompt_token_ids)
+
+    @property
     def reached_length_limit(self) -> bool:
         """Ends at length once the in-flight token lands: nothing more to schedule."""
-        limit = self.params.max_tokens or self.max_model_len
+        limit = self.max_model_len if self.params.max_tokens is None else self.params.max_tokens
         return self.num_generated >= limit or self.num_tokens >= self.max_model_len
 
     @property

@@ -23,9 +23,9 @@ from jaxserve.batch import RaggedRows
 from jaxserve.cache import init_kv_cache
 from jaxserve.config import ModelConfig
 from jaxserve.distributed import attention_over_heads, embed_over_vocab
-from jaxserve.model.layers import Linear, RMSNorm
+from jaxserve.model.layers import Linear, RMSNorm, rms_norm
 from jaxserve.model.rope import apply_rope, inverse_frequencies
-from jaxserve.quant import embed, logical_axes
+from jaxserve.quant import embed, logical_axes, matmul
 
 
 class DeclaredParams(NamedTuple):
@@ -137,11 +137,12 @@ class DecoderModel(nn.Module):
     mesh: Mesh | None = None
 
     @nn.compact
-    def __call__(self, token_ids, kv_cache, rows, logits_index=None):
+    def __call__(self, token_ids, kv_cache, rows, logits_index=None, return_hidden: bool = False):
         """token_ids: [T]; kv_cache: per layer (k_pages, v_pages), as before this step; rows: `RaggedRows`.
 
         logits_index: [S] or [S, Q], which tokens get logits (None: all of them).
-        Returns (logits [S, V], [S, Q, V] or [T, V] in float32, per layer this step's (k, v), each [T, kv_heads, head_dim]).
+        Returns (logits [S, V], [S, Q, V] or [T, V] in float32, per layer this step's (k, v), each [T, kv_heads, head_dim]),
+        and with return_hidden every token's final hidden state [T, hidden] (before the final norm: `lm_head` takes it).
         """
         c = self.config
         if self.has_variable("params", "embed_tokens"):  # float or int8 rows (jaxserve.quant)
@@ -157,10 +158,22 @@ class DecoderModel(nn.Module):
         for i in range(c.num_layers):
             x, kv = DecoderLayer(c, self.dtype, self.attention_backend, self.mesh, i, name=f"layers_{i}")(x, kv_cache[i], rows)
             new_kv.append(kv)
+        hidden = x  # [T, hidden]
         if logits_index is not None:
             x = x[logits_index]  # [S, hidden] or [S, Q, hidden]
         x = RMSNorm(c.rms_norm_eps, self.dtype, name="norm")(x)
         # Always a separate [hidden, vocab] head, even for tied embeddings (the loader copies it): XLA:CPU multiplies
         # by it faster than by the transposed embedding, and a step reads the same bytes either way.
         logits = Linear(c.vocab_size, ("embed", "vocab"), False, self.dtype, name="lm_head")(x)  # split by vocab
+        if return_hidden:
+            return logits.astype(jnp.float32), new_kv, hidden
         return logits.astype(jnp.float32), new_kv
+
+
+def lm_head(config: ModelConfig, dtype, params: dict, hidden):
+    """What DecoderModel's head computes (the final norm, then lm_head), as a plain function of the params tree:
+    logits [..., V] float32 of final hidden states [..., hidden], for code in a lax loop, where a Flax module cannot
+    be called."""
+    p = params["params"]
+    x = rms_norm(hidden, p["norm"]["weight"], config.rms_norm_eps, dtype)
+    return matmul(x, p["lm_head"]["kernel"]).astype(jnp.float32)

@@ -45,7 +45,11 @@ class RMSNorm(nn.Module):
     @nn.compact
     def __call__(self, x):
         init = nn.with_logical_partitioning(nn.initializers.ones, (self.axis,))
-        weight = self.param("weight", init, (x.shape[-1],), self.dtype)
-        x32 = x.astype(jnp.float32)
-        x32 = x32 * jnp.reciprocal(jnp.sqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps))
-        return (x32 * weight.astype(jnp.float32)).astype(self.dtype)
+        return rms_norm(x, self.param("weight", init, (x.shape[-1],), self.dtype), self.eps, self.dtype)
+
+
+def rms_norm(x, weight, eps: float, dtype):
+    """RMSNorm as a plain function of its weight (what the module computes)."""
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jnp.reciprocal(jnp.sqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps))
+    return (x32 * weight.astype(jnp.float32)).astype(dtype)

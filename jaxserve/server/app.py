@@ -17,8 +17,12 @@ from jaxserve.metrics import ServerMetrics
 from jaxserve.openai_api import ApiError, parse_chat, parse_completion, render_chat, wants_usage_in_stream
 from jaxserve.server.responses import CompletionResponse, merged
 from jaxserve.server.served_model import ServedModel
+from jaxserve.server.tokenizer_endpoints import detokenize, tokenize, tokenizer_info
 
 logger = logging.getLogger("jaxserve")
+
+# Outside /v1 (where vLLM has them), behind the API key all the same: they cost tokenizing work.
+_TOKENIZER_PATHS = ("/tokenize", "/detokenize", "/tokenizer_info")
 
 
 class Server:
@@ -68,6 +72,10 @@ class Server:
         app.router.add_get("/v1/models", self.list_models)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
+        # vLLM's tokenizer endpoints (lm-evaluation-harness's remote tokenizer reads them)
+        app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_post("/detokenize", self.detokenize)
+        app.router.add_get("/tokenizer_info", self.tokenizer_info)
         return app
 
     # ---- middleware ----
@@ -99,7 +107,7 @@ class Server:
 
     @web.middleware
     async def _auth(self, request, handler):
-        if self._api_key is not None and request.path.startswith("/v1/"):
+        if self._api_key is not None and (request.path.startswith("/v1/") or request.path in _TOKENIZER_PATHS):
             given = request.headers.get("Authorization", "")
             # surrogateescape: aiohttp decodes non-UTF-8 header bytes that way; they must compare, not raise.
             token = given[len("Bearer "):].encode("utf-8", "surrogateescape") if given.startswith("Bearer ") else b""
@@ -130,6 +138,25 @@ class Server:
         return web.json_response({"object": "list", "data": [{
             "id": m.name, "object": "model", "created": created, "owned_by": "jaxserve",
             "max_model_len": m.engine.llm.max_model_len} for m in self.models.values()]})
+
+    # ---- tokenizer endpoints ----
+
+    async def tokenize(self, request):
+        body = await self._body(request)
+        m = self._model(body)
+        with self._admitted(m, 1):  # a 1 MiB prompt takes a while: off the event loop, within the capacity
+            return web.json_response(await m.off_loop(1, tokenize, body, m.tokenizer, m.engine.llm.max_model_len))
+
+    async def detokenize(self, request):
+        body = await self._body(request)
+        m = self._model(body)
+        with self._admitted(m, 1):
+            vocab_size = m.engine.llm.engine.vocab_size
+            return web.json_response(await m.off_loop(1, detokenize, body, m.tokenizer, vocab_size))
+
+    async def tokenizer_info(self, request):
+        m = self._model({"model": request.query["model"]} if "model" in request.query else {})
+        return web.json_response(tokenizer_info(m.tokenizer, m.engine.llm.max_model_len))
 
     # ---- generation ----
 

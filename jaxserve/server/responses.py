@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import socket
@@ -13,7 +14,8 @@ import time
 from aiohttp import web
 
 from jaxserve.async_engine import EngineDeadError
-from jaxserve.openai_api import ApiError, chat_logprobs, completion_body, completion_logprobs, new_id, usage
+from jaxserve.openai_api import (ApiError, chat_logprobs, completion_body, completion_logprobs, echo_logprobs, new_id,
+                                 prompt_logprobs_body, usage)
 from jaxserve.server.served_model import ServedModel
 
 logger = logging.getLogger("jaxserve")
@@ -67,6 +69,12 @@ class CompletionResponse:
         self.arrival = time.monotonic()
         self.first_token_seen = False
         self.top = body.get("top_logprobs") or 0
+        # Completions' echo (the prompt before each choice's text and logprobs) and vLLM's prompt_logprobs: per
+        # prompt its token ids, text and scores, from its first output.
+        self.echo = not chat and body.get("echo") is True
+        self.show_prompt_logprobs = body.get("prompt_logprobs")
+        self.prompts: list = [None] * num_prompts  # (token ids, text, scores) per prompt
+        self.started: set[int] = set()  # choices whose first chunk has gone out (with the prompt, if asked)
         self.prompt_tokens = [0] * num_prompts
         choices = params.n * num_prompts
         self.text = [""] * choices
@@ -93,6 +101,8 @@ class CompletionResponse:
             async for k, out in outputs:
                 now = time.monotonic()
                 self.prompt_tokens[k] = len(out.prompt_token_ids)
+                if self.prompts[k] is None:  # the first output of a request carries its prompt logprobs, if asked
+                    self.prompts[k] = (out.prompt_token_ids, out.prompt, out.prompt_logprobs)
                 if not self.first_token_seen and any(c.token_ids for c in out.outputs):
                     # When it happens (as vLLM), so a request aborted later still counts; from the server's receipt.
                     self.first_token_seen = True
@@ -120,16 +130,46 @@ class CompletionResponse:
     def _usage(self) -> dict:
         return usage(sum(self.prompt_tokens), sum(self.tokens))
 
+    def _echo(self, i: int) -> tuple[str, dict | None]:
+        """Choice i's prompt, echoed: its text (a token-id prompt's decoded) and, with logprobs, theirs; the text
+        offsets of the completion's tokens then start after the prompt's."""
+        ids, text, scored = self.prompts[i // self.params.n]
+        if text is None:
+            tok = self.model.tokenizer
+            text = tok.decode(ids, skip_special_tokens=False) if tok is not None else ""
+        lp = None
+        if self.params.logprobs is not None:
+            lp = echo_logprobs(ids, scored, self._token_text, self.params.logprobs)
+            self.text_offset[i] = sum(map(len, lp["tokens"]))
+        return text, lp
+
     def _choice(self, i: int, c) -> dict:
-        """The chunk (stream) entry of choice i for the delta c."""
+        """The chunk (stream) entry of choice i for the delta c (the first, with echo, holds the prompt)."""
+        prefix, prefix_lp, first = "", None, i not in self.started
+        self.started.add(i)
+        if self.echo and first:
+            prefix, prefix_lp = self._echo(i)
         lp = self._logprobs(c, self.text_offset[i])
+        if prefix_lp is not None:
+            lp = merge_logprobs([prefix_lp, lp])
+        c = dataclasses.replace(c, text=prefix + c.text) if prefix else c
         self.text[i] += c.text
         if lp is not None and not self.chat:  # each token's own text, sent or still held back from the stream
             self.text_offset[i] += sum(map(len, lp["tokens"]))
         if self.chat:
             return {"index": i, "delta": {"content": c.text} if c.text else {}, "logprobs": lp,
                     "finish_reason": c.finish_reason}
-        return {"index": i, "text": c.text, "logprobs": lp, "finish_reason": c.finish_reason}
+        choice = {"index": i, "text": c.text, "logprobs": lp, "finish_reason": c.finish_reason}
+        if first and self.show_prompt_logprobs is not None:  # vLLM's, per choice (streamed: in its first chunk)
+            choice["prompt_logprobs"] = self._prompt_logprobs(i // self.params.n)
+        return choice
+
+    def _prompt_logprobs(self, k: int) -> list | None:
+        """vLLM's prompt_logprobs of prompt k, as the request asked them."""
+        if self.show_prompt_logprobs is None or self.prompts[k] is None:
+            return None
+        ids, _, scored = self.prompts[k]
+        return prompt_logprobs_body(ids, scored, self.show_prompt_logprobs)
 
     async def whole(self, outputs) -> web.Response:
         async for i, c in self._each(outputs):
@@ -144,8 +184,12 @@ class CompletionResponse:
                                 "logprobs": lp, "finish_reason": self.finish[i]})
             else:
                 choices.append({"index": i, "text": self.text[i], "logprobs": lp, "finish_reason": self.finish[i]})
-        return web.json_response(completion_body(self.id, self.model.name, choices, self._usage(),
-                                                 self.chat, chunk=False))
+                if self.show_prompt_logprobs is not None:
+                    choices[-1]["prompt_logprobs"] = self._prompt_logprobs(i // self.params.n)
+        body = completion_body(self.id, self.model.name, choices, self._usage(), self.chat, chunk=False)
+        if self.chat and self.show_prompt_logprobs is not None:  # vLLM's chat response holds them at its top
+            body["prompt_logprobs"] = self._prompt_logprobs(0)
+        return web.json_response(body)
 
     async def stream(self, request, outputs, include_usage: bool) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
@@ -170,6 +214,7 @@ class CompletionResponse:
         async def send(body) -> None:
             await write(b"data: " + json.dumps(body).encode() + b"\n\n")
 
+        sent_prompt_logprobs = False
         try:
             try:
                 if self.chat:  # the role first, as OpenAI sends it
@@ -177,7 +222,11 @@ class CompletionResponse:
                              "finish_reason": None} for i in range(len(self.text))]
                     await send(completion_body(self.id, name, role, None, True, chunk=True))
                 async for i, c in self._each(outputs):
-                    await send(completion_body(self.id, name, [self._choice(i, c)], None, self.chat, chunk=True))
+                    chunk = completion_body(self.id, name, [self._choice(i, c)], None, self.chat, chunk=True)
+                    if self.chat and self.show_prompt_logprobs is not None and not sent_prompt_logprobs:
+                        chunk["prompt_logprobs"] = self._prompt_logprobs(0)  # once, in the first chunk
+                        sent_prompt_logprobs = True
+                    await send(chunk)
                 if include_usage:
                     await send(completion_body(self.id, name, [], self._usage(), self.chat, chunk=True))
             except ConnectionError:

@@ -1,0 +1,80 @@
+"""Prompt logprobs on device: the logprob (and rank, and the top MAX_LOGPROBS) of each prompt token under the
+model's distribution at the position before it, for the tokens of a step that ask.
+
+The ragged step computes logits only where a row samples; a prompt's every position needs the LM head too, which at
+T = 2048 tokens and a 262k vocabulary would be a 2 GB [T, V] float32 array. So the tokens that ask are packed to the
+front and the head runs over them in blocks of a fixed size, in a loop whose trip count is their number: a step
+where nobody asks runs it zero times, and a step's memory for it is one block's logits, whatever T.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxserve.batch import PromptScores
+from jaxserve.sampling_params import MAX_LOGPROBS
+
+# Logits (float32 elements) one block of the loop holds: 64 MB.
+BLOCK_ELEMENTS = 1 << 24
+
+
+def block_size(num_tokens: int, vocab_size: int, block_elements: int = BLOCK_ELEMENTS) -> int:
+    """Tokens per block: the largest power of two whose [block, V] logits fit block_elements, at most num_tokens."""
+    b = 1
+    while 2 * b <= min(num_tokens, block_elements // vocab_size):
+        b *= 2
+    return b
+
+
+def score_targets(hidden, targets, score_block, vocab_size: int,
+                  block_elements: int = BLOCK_ELEMENTS) -> PromptScores:
+    """hidden [T, H]: the final hidden states (before the final norm); targets [T]: the token whose logprob each
+    position reports (-1: none); score_block(h [B, H], targets [B]) -> (logprobs [B], ranks [B], top ids and
+    logprobs [B, MAX_LOGPROBS]): `block_scores` of the head's logits (or `vocab_parallel_block_scores` over a
+    vocabulary-split head). Returns the scores packed (see `jaxserve.batch.PromptScores`)."""
+    T = targets.shape[0]
+    B = block_size(T, vocab_size, block_elements)
+    nb = -(-T // B)
+    wanted = targets >= 0
+    order = jnp.nonzero(wanted, size=nb * B, fill_value=0)[0]  # [nb * B]: the asking tokens first, in order
+    num_blocks = (jnp.sum(wanted) + B - 1) // B
+
+    def block(i, acc):
+        idx = jax.lax.dynamic_slice(order, (i * B,), (B,))  # [B]
+        new = score_block(hidden[idx], jnp.maximum(targets[idx], 0))
+        return tuple(jax.lax.dynamic_update_slice_in_dim(a, x, i * B, axis=0) for a, x in zip(acc, new))
+
+    acc = (jnp.zeros(nb * B, jnp.float32), jnp.zeros(nb * B, jnp.int32),
+           jnp.zeros((nb * B, MAX_LOGPROBS), jnp.int32), jnp.zeros((nb * B, MAX_LOGPROBS), jnp.float32))
+    logprobs, ranks, top_ids, top_logprobs = jax.lax.fori_loop(0, num_blocks, block, acc)
+    return PromptScores(logprobs[:T], ranks[:T], top_ids[:T], top_logprobs[:T])
+
+
+def block_scores(logits, targets):
+    """logits [B, V] float32, targets [B] -> (the targets' logprobs [B], ranks [B], top ids and logprobs [B, K])."""
+    logprobs = jax.nn.log_softmax(logits, axis=-1)  # [B, V]
+    chosen = jnp.take_along_axis(logprobs, targets[:, None], axis=1)  # [B, 1]
+    rank = 1 + jnp.sum(logprobs > chosen, axis=-1)
+    top_logprobs, top_ids = jax.lax.top_k(logprobs, MAX_LOGPROBS)
+    return chosen[:, 0], rank.astype(jnp.int32), top_ids.astype(jnp.int32), top_logprobs
+
+
+def vocab_parallel_block_scores(logits, targets, axis: str):
+    """block_scores of logits [B, V / n] split over the vocabulary along the mesh axis `axis` (in a shard_map): each
+    device scores its own slice, and they exchange per-token scalars and their top K, never the [B, V] logits."""
+    local_v = logits.shape[-1]
+    offset = jax.lax.axis_index(axis) * local_v
+    top = jnp.max(logits, axis=-1)
+    m = jax.lax.pmax(top, axis)  # [B]
+    lse = m + jnp.log(jax.lax.psum(jnp.sum(jnp.exp(logits - m[:, None]), axis=-1), axis))  # [B]
+    local = targets - offset
+    mine = (local >= 0) & (local < local_v)
+    picked = jnp.take_along_axis(logits, jnp.clip(local, 0, local_v - 1)[:, None], axis=1)[:, 0]
+    chosen = jax.lax.pmax(jnp.where(mine, picked, -jnp.inf), axis)  # [B]: from the device that holds the target
+    rank = 1 + jax.lax.psum(jnp.sum(logits > chosen[:, None], axis=-1), axis)
+    values, ids = jax.lax.top_k(logits, min(MAX_LOGPROBS, local_v))  # each device's own top K, then theirs
+    values = jax.lax.all_gather(values, axis, axis=1, tiled=True)  # [B, n * K], in vocabulary order
+    ids = jax.lax.all_gather(ids + offset, axis, axis=1, tiled=True)
+    top_values, j = jax.lax.top_k(values, MAX_LOGPROBS)
+    return (chosen - lse, rank.astype(jnp.int32), jnp.take_along_axis(ids, j, axis=1).astype(jnp.int32),
+            top_values - lse[:, None])
