@@ -29,13 +29,26 @@ VARIANTS = {
 }
 
 
-def save_tiny_model(kind: str, path, seed: int = 0):
+def save_tiny_model(kind: str, path, seed: int = 0, **overrides):
+    """overrides: config fields over the variant's (vocab_size=49152 to pair it with the default model's tokenizer)."""
     config_cls, model_cls, extra = VARIANTS[kind]
     torch.manual_seed(seed)
-    model = model_cls(config_cls(**{**TINY, **extra})).eval()
+    model = model_cls(config_cls(**{**TINY, **extra, **overrides})).eval()
     with torch.no_grad():  # norms start at 1 (or Gemma's 0): random ones show a misplaced or misread norm
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.add_(0.2 * torch.randn_like(p))
     model.save_pretrained(path, safe_serialization=True)
+    return model
+
+
+def save_tiny_chat_model(kind: str, path, chat_template: str, seed: int = 0):
+    """A tiny random checkpoint with a tokenizer (the default model's, 49152 tokens) and the given chat template."""
+    from jaxserve.tokenizer import Tokenizer
+    from jaxserve.weights.default_model import default_model_path
+    from jaxserve.weights.gguf import open_gguf
+    tok = Tokenizer.from_gguf_fields(open_gguf(default_model_path()))
+    tok.chat_template = chat_template
+    model = save_tiny_model(kind, path, seed, vocab_size=tok.vocab_size)
+    tok.save(path)
     return model

@@ -14,7 +14,9 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from jaxserve.async_engine import AsyncEngine, EngineDeadError
 from jaxserve.metrics import ServerMetrics
-from jaxserve.openai_api import ApiError, parse_chat, parse_completion, render_chat, wants_usage_in_stream
+from jaxserve.openai_api import (ApiError, grammar_field, parse_chat, parse_completion, render_chat,
+                                 wants_usage_in_stream)
+from jaxserve.openai_structured import FieldError
 from jaxserve.server.responses import CompletionResponse, merged
 from jaxserve.server.served_model import ServedModel
 
@@ -151,13 +153,18 @@ class Server:
         m = self._model(body)
         if m.tokenizer is None:
             raise ApiError(400, "this model has no tokenizer: use /v1/completions with token ids")
-        messages, params = parse_chat(body)
+        messages, params, tools = parse_chat(body)
+        if tools is not None:
+            try:
+                tools.parser(m.tokenizer.chat_template)  # auto: refused where the model's calls cannot be parsed
+            except FieldError as e:
+                raise ApiError(400, str(e), e.field) from None
         with self._admitted(m, params.n):
             # Off the event loop too: the template renders the conversation, then it is refused by its length or
             # tokenized.
             prompt = await m.off_loop(params.n, lambda: m.tokenized(
-                render_chat(messages, m.tokenizer), params, add_special_tokens=False))
-            return await self._generate(m, request, body, [prompt], params, chat=True)
+                render_chat(messages, m.tokenizer, tools), params, add_special_tokens=False))
+            return await self._generate(m, request, body, [prompt], params, chat=True, tools=tools)
 
     async def _body(self, request) -> dict:
         try:
@@ -196,12 +203,12 @@ class Server:
         with m.admitted(seqs):
             yield
 
-    async def _generate(self, m: ServedModel, request, body, prompts: list, params, chat: bool):
+    async def _generate(self, m: ServedModel, request, body, prompts: list, params, chat: bool, tools=None):
         """prompts: tokenized, one engine request each (a completions batch); choice k * n + i is prompt k's i-th
         sample. Runs within _admitted."""
         stream = body.get("stream") is True
         include_usage = wants_usage_in_stream(body)
-        run = CompletionResponse(m, body, params, chat, len(prompts), self.stream_write_timeout_s)
+        run = CompletionResponse(m, body, params, chat, len(prompts), self.stream_write_timeout_s, tools)
         admitted = []
         try:
             streams = []
@@ -210,7 +217,8 @@ class Server:
                     streams.append(await m.engine.add_request(prompt, params, f"{run.id}-{k}"))
                     admitted.append(f"{run.id}-{k}")
                 except (ValueError, TypeError) as e:  # bad token ids, a request the cache can never hold, ...
-                    raise ApiError(400, str(e)) from None
+                    grammar = params.structured_outputs is not None and str(e).startswith("structured_outputs")
+                    raise ApiError(400, str(e), grammar_field(body) if grammar else None) from None
                 except EngineDeadError as e:
                     raise ApiError(503, str(e)) from None
             async with contextlib.aclosing(merged(streams)) as outputs:
