@@ -105,6 +105,15 @@ def _structured_outputs(body: dict, tools: ToolRequest | None = None):
     return enforced if enforced is not None else structured.params if structured is not None else None
 
 
+def grammar_error(body: dict, error: ValueError) -> ApiError:
+    """The 400 for a grammar the engine could not compile (its ValueError names structured_outputs.KIND): named
+    after the request's own field."""
+    field = grammar_field(body)
+    kind, _, reason = str(error).partition(": ")
+    return ApiError(400, f"{field}: {reason}" if field and reason and kind.startswith("structured_outputs")
+                    else str(error), field)
+
+
 def grammar_field(body: dict) -> str | None:
     """The request field a grammar the engine could not compile is blamed on (the 400's param)."""
     try:

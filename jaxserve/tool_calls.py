@@ -280,7 +280,7 @@ class ArrayCalls:
 
 class HermesCalls:
     """tool_choice auto on a Hermes template: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks in
-    the text. Whitespace between content and a block, and between blocks, is not content. Without
+    the text. Whitespace between content and a call, and between calls, is not content. Without
     parallel_tool_calls only the first call is kept (what follows it is dropped)."""
 
     def __init__(self, functions: dict[str, Function], parallel: bool = True):
@@ -289,6 +289,7 @@ class HermesCalls:
         self._text = ""  # held back: a possible start tag, trailing whitespace, or an open block
         self._in_block = False
         self._after_call = False
+        self._gap = ""  # the whitespace before the open block
         self._done = False
 
     def feed(self, text: str) -> list[dict]:
@@ -313,7 +314,9 @@ class HermesCalls:
                 self._after_call = False
             start = self._text.find(HERMES_START)
             if start >= 0:
-                self._content(self._text[:start].rstrip(), deltas)
+                before = self._text[:start].rstrip()
+                self._content(before, deltas)
+                self._gap = self._text[len(before):start]  # text again if the block is no call
                 self._text, self._in_block = self._text[start + len(HERMES_START):], True
                 continue
             # Send what cannot begin a tag; hold back trailing whitespace (it may precede one) and a partial tag.
@@ -345,7 +348,7 @@ class HermesCalls:
         self._in_block = False
         call = self._call(block)
         if call is None:
-            self._content(HERMES_START + block + (HERMES_END if closed else ""), deltas)
+            self._content(self._gap + HERMES_START + block + (HERMES_END if closed else ""), deltas)
             return
         name, arguments = call
         deltas += [_header(self.calls, name), _arguments(self.calls, arguments)]

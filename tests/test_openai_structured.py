@@ -2,7 +2,7 @@
 way one can be wrong -> a 400 naming the field. Pure parsing: no engine."""
 import pytest
 
-from jaxserve.openai_api import ApiError, grammar_field, parse_chat, parse_completion
+from jaxserve.openai_api import ApiError, grammar_error, grammar_field, parse_chat, parse_completion
 from jaxserve.sampling_params import StructuredOutputsParams
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
@@ -91,3 +91,12 @@ def test_tools_are_chat_only():
     with pytest.raises(ApiError) as e:
         parse_completion({"prompt": "x", "tools": []})
     assert e.value.param == "tools"
+
+
+def test_a_grammar_error_is_named_after_the_request_field():
+    e = grammar_error({"prompt": "x", "guided_regex": "("}, ValueError("structured_outputs.regex: unclosed group"))
+    assert (e.status, e.param, e.message) == (400, "guided_regex", "guided_regex: unclosed group")
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "objet"}}}]
+    e = grammar_error({"messages": MESSAGES, "tools": tools, "tool_choice": "required"},
+                      ValueError("structured_outputs.json: unknown type objet"))
+    assert (e.param, e.message) == ("tools", "tools: unknown type objet")

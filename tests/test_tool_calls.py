@@ -228,6 +228,7 @@ T = {"name": "get_time", "arguments": '{"zone": "CET"}'}
      ('<tool_call>{"name": "get_time", "arguments": [1]}</tool_call>', [])),
     # A good call beside a malformed one: the call, and the bad block as text.
     (CALL_T + '<tool_call>{"name": }</tool_call>', ('<tool_call>{"name": }</tool_call>', [T])),
+    ('So:\n <tool_call>{"name": }</tool_call> ' + CALL_T, ('So:\n <tool_call>{"name": }</tool_call>', [T])),
     # No call: the text exactly, whitespace and tag-like pieces included.
     ("Plain answer, with < and <tool and </tool_call>.  \n", ("Plain answer, with < and <tool and </tool_call>.  \n",
                                                              [])),

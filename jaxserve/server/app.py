@@ -14,7 +14,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from jaxserve.async_engine import AsyncEngine, EngineDeadError
 from jaxserve.metrics import ServerMetrics
-from jaxserve.openai_api import (ApiError, grammar_field, parse_chat, parse_completion, render_chat,
+from jaxserve.openai_api import (ApiError, grammar_error, parse_chat, parse_completion, render_chat,
                                  wants_usage_in_stream)
 from jaxserve.openai_structured import FieldError
 from jaxserve.server.responses import CompletionResponse, merged
@@ -217,8 +217,9 @@ class Server:
                     streams.append(await m.engine.add_request(prompt, params, f"{run.id}-{k}"))
                     admitted.append(f"{run.id}-{k}")
                 except (ValueError, TypeError) as e:  # bad token ids, a request the cache can never hold, ...
-                    grammar = params.structured_outputs is not None and str(e).startswith("structured_outputs")
-                    raise ApiError(400, str(e), grammar_field(body) if grammar else None) from None
+                    if params.structured_outputs is not None and str(e).startswith("structured_outputs"):
+                        raise grammar_error(body, e) from None  # a grammar that does not compile
+                    raise ApiError(400, str(e)) from None
                 except EngineDeadError as e:
                     raise ApiError(503, str(e)) from None
             async with contextlib.aclosing(merged(streams)) as outputs:
