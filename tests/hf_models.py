@@ -30,7 +30,6 @@ VARIANTS = {
 
 
 def save_tiny_model(kind: str, path, seed: int = 0, **overrides):
-    """overrides: config fields over the variant's (vocab_size=49152 to pair it with the default model's tokenizer)."""
     config_cls, model_cls, extra = VARIANTS[kind]
     torch.manual_seed(seed)
     model = model_cls(config_cls(**{**TINY, **extra, **overrides})).eval()
