@@ -48,6 +48,6 @@ def save_tiny_chat_model(kind: str, path, chat_template: str, seed: int = 0):
     from jaxserve.weights.gguf import open_gguf
     tok = Tokenizer.from_gguf_fields(open_gguf(default_model_path()))
     tok.chat_template = chat_template
-    model = save_tiny_model(kind, path, seed, vocab_size=tok.vocab_size)
+    model = save_tiny_model(kind, path, seed, vocab_size=tok.vocab_size, max_position_embeddings=1024)
     tok.save(path)
     return model
