@@ -38,11 +38,12 @@ class FieldError(ValueError):
 
 def parse_structured(body: dict) -> Structured | None:
     """The structured output a request body asks for (None: free text). Raises FieldError."""
-    found = [s for s in (_response_format(body.get("response_format")), _structured_outputs(body.get(
-        "structured_outputs")), *_guided(body)) if s is not None]
+    asked = [_response_format(body.get("response_format")), _structured_outputs(body.get("structured_outputs")),
+             *_guided(body)]
+    found = [s for s in asked if s is not None]
     if len(found) > 1:
         raise FieldError(f"{found[0].field} and {found[1].field} both ask for structured output: send one",
-                              found[1].field)
+                         found[1].field)
     return found[0] if found else None
 
 
@@ -60,7 +61,7 @@ def _response_format(rf: dict | None) -> Structured | None:
     expected = {"text": {"type"}, "json_object": {"type"}, "json_schema": {"type", "json_schema"}}
     if kind not in expected:
         raise FieldError(f"response_format.type must be text, json_object or json_schema, got {kind!r}",
-                              "response_format")
+                         "response_format")
     if set(rf) - expected[kind]:
         raise FieldError(f"unknown response_format fields {sorted(set(rf) - expected[kind])}", "response_format")
     if kind == "text":
@@ -70,7 +71,7 @@ def _response_format(rf: dict | None) -> Structured | None:
     spec = rf.get("json_schema")
     if not isinstance(spec, dict):
         raise FieldError("response_format.json_schema must be an object {name, schema, strict, description}",
-                              "response_format")
+                         "response_format")
     unknown = set(spec) - {"name", "schema", "strict", "description"}
     if unknown:
         raise FieldError(f"unknown response_format.json_schema fields {sorted(unknown)}", "response_format")
@@ -91,7 +92,7 @@ def _structured_outputs(so: dict | None) -> Structured | None:
     unknown = set(so) - set(_SO_KEYS)
     if unknown:
         raise FieldError(f"unsupported structured_outputs fields {sorted(unknown)} (this server takes "
-                              f"{', '.join(_SO_KEYS)})", "structured_outputs")
+                         f"{', '.join(_SO_KEYS)})", "structured_outputs")
     kind = {k: v for k, v in so.items() if v is not None}
     if kind.get("json_object") is False:
         del kind["json_object"]
@@ -104,5 +105,5 @@ def _guided(body: dict) -> list[Structured]:
     backend = body.get("guided_decoding_backend")
     if backend is not None and backend not in BACKENDS:
         raise FieldError(f"guided_decoding_backend {backend!r} is not served here: structured output uses "
-                              f"llguidance ({', '.join(BACKENDS)})", "guided_decoding_backend")
+                         f"llguidance ({', '.join(BACKENDS)})", "guided_decoding_backend")
     return [_make(field, **{kind: body[field]}) for field, kind in _GUIDED.items() if body.get(field) is not None]

@@ -84,6 +84,13 @@ def is_hermes(chat_template: str | None) -> bool:
     return bool(chat_template) and HERMES_START in chat_template
 
 
+def tags_are_special(tokenizer) -> bool:
+    """Whether the Hermes tags are special tokens of this vocabulary, which decoding drops unless told to keep
+    them (Qwen's are ordinary added tokens; some Hermes models' are special)."""
+    return any(tokenizer.decode(tokenizer.encode(tag, add_special_tokens=False)) != tag
+               for tag in (HERMES_START, HERMES_END))
+
+
 def parse_tools(body: dict) -> ToolRequest | None:
     """The tool request of a chat body (None: no tools). Raises FieldError naming the field."""
     tools, choice = body.get("tools"), body.get("tool_choice")

@@ -121,6 +121,30 @@ def test_auto_malformed_call_is_text(default_tokenizer):
         st.stop()
 
 
+def test_auto_with_tags_that_are_special_tokens(default_gguf_path):
+    """Where <tool_call> and </tool_call> are special tokens (decoding drops them by default), auto calls still
+    parse: the server keeps special tokens in such a request's text."""
+    from tokenizers import AddedToken
+
+    from jaxserve.tokenizer import Tokenizer
+    from jaxserve.tool_calls import tags_are_special
+    from jaxserve.weights.gguf import open_gguf
+    tok = Tokenizer.from_gguf_fields(open_gguf(default_gguf_path))
+    assert not tags_are_special(tok)
+    inner = tok._tok
+    inner.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in ("<tool_call>", "</tool_call>")])
+    tok = Tokenizer(inner, bos_token_id=tok.bos_token_id, eos_token_ids=tok.eos_token_ids, add_bos=tok.add_bos,
+                    chat_template=None)
+    assert tags_are_special(tok) and tok.vocab_size == 49154
+    st = scripted_server(tok, SCRIPT)
+    try:
+        r = client(st).chat.completions.create(model="scripted", messages=ASK, tools=TOOLS)
+        assert [t.function.name for t in r.choices[0].message.tool_calls] == ["GetWeather", "GetTime"]
+        assert r.choices[0].message.content == "Let me check."
+    finally:
+        st.stop()
+
+
 def test_auto_on_a_template_without_tool_calls_is_400(tmp_path, default_tokenizer):
     st = ServerThread(fake_llm(vocab_size=49152, max_model_len=64, tokenizer=default_tokenizer.__class__.from_hf_dir(
         _saved(default_tokenizer, tmp_path, "{% for m in messages %}{{ m.content }}{% endfor %}"))), "plain")

@@ -17,6 +17,7 @@ from jaxserve.metrics import ServerMetrics
 from jaxserve.openai_api import (ApiError, grammar_error, parse_chat, parse_completion, render_chat,
                                  wants_usage_in_stream)
 from jaxserve.openai_structured import FieldError
+from jaxserve.tool_calls import tags_are_special
 from jaxserve.server.responses import CompletionResponse, merged
 from jaxserve.server.served_model import ServedModel
 
@@ -159,6 +160,8 @@ class Server:
                 tools.parser(m.tokenizer.chat_template)  # auto: refused where the model's calls cannot be parsed
             except FieldError as e:
                 raise ApiError(400, str(e), e.field) from None
+            if tools.choice == "auto" and tags_are_special(m.tokenizer):
+                params.skip_special_tokens = False  # the parser reads the tags (as vLLM's Hermes parser asks)
         with self._admitted(m, params.n):
             # Off the event loop too: the template renders the conversation, then it is refused by its length or
             # tokenized.
