@@ -88,7 +88,13 @@ class AsyncEngine:
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already running")
         params = sampling_params or SamplingParams()
-        request = self.llm.make_request(prompt, params, priority, request_id)
+        if params.structured_outputs is None:
+            request = self.llm.make_request(prompt, params, priority, request_id)
+        else:  # compiling a grammar may take up to a second: on a thread, so the event loop serves the others
+            request = await asyncio.get_running_loop().run_in_executor(
+                None, self.llm.make_request, prompt, params, priority, request_id)
+            if request_id in self._streams:  # taken while it compiled
+                raise ValueError(f"request id {request_id!r} is already running")
         stream = _Stream(asyncio.get_running_loop(), request)
         self._streams[request_id] = stream
         if self._stopping:  # shut down while this request was being checked

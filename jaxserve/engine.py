@@ -17,6 +17,7 @@ from jaxserve.engine_config import EngineConfig
 from jaxserve.engine_factory import Engine, build_engine
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import MAX_BANNED_TOKENS, SamplingParams
+from jaxserve.structured_output import compile_grammar
 from jaxserve.tokenizer import IncrementalDetokenizer
 
 
@@ -115,23 +116,26 @@ class LLM:
         if params.min_tokens and not params.ignore_eos and len(ending) > MAX_BANNED_TOKENS:
             raise ValueError(f"min_tokens can hold back at most {MAX_BANNED_TOKENS} ending tokens; this model's "
                              f"{len(eos)} EOS ids and the stop_token_ids make {len(ending)}")
+        grammar = None
+        if params.structured_outputs is not None:
+            grammar = compile_grammar(params.structured_outputs, self.tokenizer, self.engine.vocab_size)
         seqs = []
         for i in range(params.n):
             detok = None
             if self.tokenizer is not None:
                 detok = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
             seed = (base_seed + i * 0x9E3779B1) % (1 << 32)  # distinct streams for the n samples of one seed
-            seqs.append(Sequence(request_id, i, ids, params, seed, self.max_model_len, eos, detok, priority))
+            seqs.append(Sequence(request_id, i, ids, params, seed, self.max_model_len, eos, detok, priority,
+                                 grammar.matcher() if grammar is not None else None))
         return Request(request_id, text, ids, seqs)
 
     # ---- the request API: what AsyncEngine drives, and generate / stream / chat under it ----
 
     def make_request(self, prompt, params: SamplingParams, priority: int = 0, request_id: str | None = None) -> Request:
         """Checks a request and makes its n sequences without submitting them. Raises ValueError / TypeError on bad
-        input (a prompt too long, a request that can never fit the KV cache). Safe on another thread than the one
-        stepping (AsyncEngine checks requests on its event loop)."""
-        if params.structured_outputs is not None:  # until the grammar engine lands: refused, never ignored
-            raise ValueError("structured_outputs are not supported by this engine yet")
+        input (a prompt too long, a request that can never fit the KV cache, a grammar that does not compile: see
+        `jaxserve.structured_output.compile_grammar`). Safe on another thread than the one stepping (AsyncEngine
+        checks requests on its event loop, or on a thread when a grammar is to be compiled)."""
         request = self._request(prompt, params, priority, request_id)
         for seq in request.seqs:
             self.scheduler.check_fits(seq)

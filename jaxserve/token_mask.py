@@ -33,6 +33,11 @@ def forbidding(mask: np.ndarray, token_ids) -> np.ndarray:
     return words.view(np.int32)
 
 
+def both(a: np.ndarray | None, b: np.ndarray | None) -> np.ndarray | None:
+    """The tokens both masks allow (None: a mask that allows every token)."""
+    return b if a is None else a if b is None else a & b
+
+
 def allowed_ids(mask: np.ndarray, vocab_size: int) -> np.ndarray:
     """The token ids a mask allows (for tests and error messages)."""
     bits = (mask.view(np.uint32)[:, None] >> np.arange(32, dtype=np.uint32)) & 1  # [W, 32]

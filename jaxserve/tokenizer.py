@@ -248,7 +248,9 @@ class Tokenizer:
         self.chat_template = chat_template
         decoder = json.loads(tok.decoder.__getstate__()) if tok.decoder is not None else {}
         self._decoders = {d.get("type") for d in decoder.get("decoders", [decoder])}
-        self._added = set(tok.get_added_tokens_decoder())
+        added = tok.get_added_tokens_decoder()
+        self._added = set(added)
+        self._special = frozenset(i for i, t in added.items() if t.special)
         self._bytes: dict[int, bytes] = {}
         self.max_chars_per_token, self._dropped = _length_bound(tok)
 
@@ -259,6 +261,11 @@ class Tokenizer:
     @chat_template.setter
     def chat_template(self, template: str | None) -> None:
         self._chat_template, self._template = template, None  # compiled on first use
+
+    @property
+    def special_token_ids(self) -> frozenset[int]:
+        """Control tokens (BOS, EOS, chat-turn markers): matched whole in a prompt, never spelled by text."""
+        return self._special
 
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)

@@ -41,6 +41,18 @@ def tiny_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_tokenized_dir(tiny_dir, tmp_path_factory):
+    """The tiny random Llama with a byte-level tokenizer of its 320 ids, the last an EOS: text prompts, grammars."""
+    import shutil
+
+    from hf_models import save_byte_tokenizer_with_eos
+    path = tmp_path_factory.mktemp("tiny-llama-tokenized")
+    shutil.copytree(tiny_dir, path, dirs_exist_ok=True)
+    save_byte_tokenizer_with_eos(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
 def other_tiny_dir(tmp_path_factory):
     """Another tiny random Llama of the same vocabulary: a draft model that is mostly wrong."""
     from hf_models import save_tiny_model

@@ -1,6 +1,7 @@
 """Tiny random HF checkpoints (written with save_pretrained) for comparing jaxserve with transformers."""
 from __future__ import annotations
 
+import tokenizers
 import torch
 import transformers
 
@@ -51,3 +52,19 @@ def save_tiny_chat_model(kind: str, path, chat_template: str, seed: int = 0):
     model = save_tiny_model(kind, path, seed, vocab_size=tok.vocab_size, max_position_embeddings=1024)
     tok.save(path)
     return model
+
+
+def save_byte_tokenizer_with_eos(path):
+    """A byte-level tokenizer for the tiny model's 320 ids: the 256 bytes, 63 two-byte tokens, and an EOS
+    control token (id 319), saved as an HF directory's tokenizer files."""
+    from tokenizers import AddedToken, decoders, models, pre_tokenizers
+
+    from jaxserve.tokenizer import Tokenizer
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {c: i for i, c in enumerate(alphabet)}
+    vocab.update({alphabet[i] + alphabet[i + 1]: 256 + i for i in range(63)})
+    tok = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken("<|endoftext|>", special=True, normalized=False)])
+    Tokenizer(tok, bos_token_id=None, eos_token_ids=[319], add_bos=False, chat_template=None).save(path)

@@ -17,7 +17,7 @@ OWNERS = {
                      "first_scheduled_time", "first_token_time", "finish_time"], SCHEDULER),
     # OutputState's, reached as `seq.output.<field>` or through a local `out = seq.output`.
     **dict.fromkeys(["num_tokens", "text", "sent", "finish_reason", "stop_reason", "cumulative_logprob",
-                     "logprobs"], OUTPUT_PROCESSOR),
+                     "logprobs", "grammar"], OUTPUT_PROCESSOR),
 }
 MUTATORS = {"append", "extend", "insert", "pop", "remove", "clear", "sort", "reverse", "__setitem__", "__delitem__"}
 

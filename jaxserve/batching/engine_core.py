@@ -8,6 +8,14 @@ stops at step N was also given a row in step N+1, whose token is dropped.
 A speculative step (proposals to verify) is the exception: its proposals must continue the latest tokens and the
 plan after it must know how many were accepted, so it reads the step before back first and is waited for itself.
 
+Structured output is the other: a row under a grammar may sample only what its grammar allows after its latest
+token, so its mask cannot be filled before that token is known. While a step in flight holds such a row, the next
+step is planned only once that one is read back (as a speculative step does). Constrained rows so keep their full
+rate (a token per step) and their mask costs no extra step; what a batch holding one loses is the overlap of the
+host's work on step N (reading it back, detokenizing, filling the next masks) with the device's on step N+1, while
+batches without one keep it (what that costs: BENCHMARKS.md). Constrained rows never speculate; the others of the
+batch may.
+
 A step that fails ends only the requests it held, and the results read back before it failed still reach theirs
 (`StepError`); a replica whose steps keep failing stops (`healthy`) and ends every request it holds.
 """
@@ -161,6 +169,8 @@ class EngineCore:
             if lengths:
                 return self._speculative_step(lengths)
             self.controller.num_speculating = 0
+        if self._in_flight is not None and self._in_flight.batch.constrained:
+            self._read_back()
         batch = self.scheduler.schedule()
         dispatched = self._dispatch(batch) if batch else None
         done, self._in_flight = self._in_flight, dispatched
@@ -179,7 +189,8 @@ class EngineCore:
     def _speculation_lengths(self) -> dict[Sequence, int]:
         """Proposals wanted per decoding sequence. Decided on what the host knows: a token still in flight is
         not yet in the n-gram lookup."""
-        seqs = [s for s in self.scheduler.running if s.num_to_compute == 1 and not s.reached_length_limit]
+        seqs = [s for s in self.scheduler.running if s.num_to_compute == 1 and not s.reached_length_limit
+                and s.output.grammar is None]  # a constrained row's mask needs the token before it: none to guess
         if not self.adaptive:
             return {s: self.controller.k for s in seqs}
         return self.controller.choose(seqs, self.proposer.available)
@@ -188,10 +199,7 @@ class EngineCore:
         """A step planned with every token on the host, and waited for: its proposals continue the latest tokens,
         and the plan after it must know how many were accepted. So the step before is read back first, and the
         host's work no longer overlaps the device's for this step (what that costs: BENCHMARKS.md)."""
-        if self._in_flight is not None:
-            done, self._in_flight = self._in_flight, None  # its results are lost with it if reading it fails
-            self._update(done)
-        self._last_fetch = None
+        self._read_back()
         start = time.perf_counter()
         batch = self.scheduler.schedule(lengths, self.proposer.propose)
         if not batch:
@@ -202,6 +210,13 @@ class EngineCore:
         if self.adaptive:
             self.controller.observe_step(batch.num_tokens, time.perf_counter() - start, True, len(batch.rows),
                                          len(speculating), max(speculating, default=0))
+
+    def _read_back(self) -> None:
+        """Reads the step in flight back before the next is planned, giving up the overlap for this step."""
+        if self._in_flight is not None:
+            done, self._in_flight = self._in_flight, None  # its results are lost with it if reading it fails
+            self._update(done)
+        self._last_fetch = None
 
     def _dispatch(self, batch: ScheduledBatch) -> InFlight:
         handle = self.runner.dispatch(batch.rows)

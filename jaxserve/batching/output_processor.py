@@ -5,14 +5,21 @@ takes each row's tokens up to the first that ends the sequence (EOS, a stop id, 
 and says so; the scheduler then applies the tokens it took (`Scheduler.update`). Text that could still grow into
 a stop string is held back until it cannot (or the sequence ends), so no part of a stop string is ever shown, as
 in OpenAI's and vLLM's APIs.
+
+Under a grammar (structured output) each token taken advances the sequence's matcher, and the token that completes
+the grammar ends the sequence ("stop"); stop strings, EOS and max_tokens end it as they would any other (max_tokens
+may cut the output short of the grammar's end, as in OpenAI's API).
 """
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 from jaxserve.batch import StepOutput
 from jaxserve.batching.sequence import Sequence
 from jaxserve.outputs import CompletionOutput, Logprob, RequestMetrics
+
+logger = logging.getLogger("jaxserve")
 
 
 @dataclasses.dataclass
@@ -107,6 +114,7 @@ def _take_token(seq: Sequence, token: int, logprob: float, rank: int, top: list[
         out.logprobs.append(entry)
     piece = out.detokenizer.add(token) if out.detokenizer is not None else ""
     n = out.num_tokens
+    complete = out.grammar is not None and _advance_grammar(seq, token)
     if n >= params.min_tokens and (token in rules.eos or token in rules.stop_ids):
         # The ending token's text is not part of the output unless asked, as in vLLM.
         out.finish_reason, out.stop_reason = "stop", None if token in rules.eos else token
@@ -118,8 +126,26 @@ def _take_token(seq: Sequence, token: int, logprob: float, rank: int, top: list[
         _check_stop_strings(seq, len(out.text) - len(piece))
         if out.finish_reason:
             return
+    if complete:
+        out.finish_reason, out.stop_reason = "stop", None
+        return
     if n >= (params.max_tokens or seq.max_model_len) or len(seq.prompt_token_ids) + n >= seq.max_model_len:
         out.finish_reason = "length"
+
+
+def _advance_grammar(seq: Sequence, token: int) -> bool:
+    """Moves the sequence's grammar past its new token; True if the grammar is complete (or failed, which its
+    masks cannot let happen but for a per-step limit: the sequence then ends as if complete)."""
+    grammar = seq.output.grammar
+    if grammar.accept(token) and not grammar.error:
+        return grammar.is_terminated
+    logger.warning("request %s: its grammar failed (%s); the sequence ends", seq.request_id, grammar.error)
+    return True
+
+
+def free_grammar(seq: Sequence) -> None:
+    """A sequence taken out (finished or aborted) lets its matcher go now, not when its request is dropped."""
+    seq.output.grammar = None
 
 
 def _check_stop_strings(seq: Sequence, old_len: int) -> None:

@@ -8,7 +8,9 @@ policy says so):
   2. the budget left goes to prompt chunks: running sequences still in prefill first, then waiting ones admitted in
      priority order once a slot and the pages for their whole prompt (less what the prefix cache holds) are free.
 A step is planned before the previous one's tokens are known (see `jaxserve.batching.engine_core`): a sequence may
-carry one in-flight token (`Sequence.pending`), which a decode row then takes straight from the device.
+carry one in-flight token (`Sequence.pending`), which a decode row then takes straight from the device. A row under
+a grammar (structured output) is the exception: its mask, filled here for every such row at once, follows its
+latest token, so the engine reads a step holding one back before planning the next (`ScheduledBatch.constrained`).
 
 The scheduler is the one writer of a Sequence's fields (its tokens, pages, slot, status and counters): `schedule`
 lays a step's rows out and counts them in, `update` applies the step's result once the output processor has cut its
@@ -20,6 +22,7 @@ import dataclasses
 import time
 
 from jaxserve.batching.batch_builder import Row, RowSampling
+from jaxserve.batching import output_processor
 from jaxserve.batching.output_processor import SequenceDelta
 from jaxserve.batching.proposer import Proposals
 from jaxserve.batching.sequence import Sequence, Status
@@ -27,6 +30,8 @@ from jaxserve.batching.slo import SloController
 from jaxserve.buckets import round_up
 from jaxserve.cache import PrefixCache, page_keys, pages_needed
 from jaxserve.options import SCHEDULING_POLICIES
+from jaxserve.structured_output import fill_masks
+from jaxserve.token_mask import both
 
 # A waiting sequence gains one priority level per this many steps it waits, so a steady stream of better-priority
 # requests cannot starve it.
@@ -67,6 +72,7 @@ class ScheduledBatch:
     writes: list[Write] = dataclasses.field(default_factory=list)
     # The step's rows, laid out once the batch is complete: decode rows, then prompt chunks.
     rows: list[Row] = dataclasses.field(default_factory=list)
+    constrained: bool = False  # a row samples under a grammar: the next step needs this one's tokens to plan
 
     def __bool__(self) -> bool:
         return bool(self.decode or self.prefill)
@@ -143,6 +149,7 @@ class Scheduler:
         elif seq.status is Status.WAITING:
             self.waiting.remove(seq)
         seq.status = Status.FINISHED
+        output_processor.free_grammar(seq)
 
     # ---- planning a step ----
 
@@ -160,6 +167,7 @@ class Scheduler:
         if plan and propose is not None:
             self._take_proposals(plan, propose(plan))
         plan.rows = self._rows(plan)
+        self._constrain(plan)
         self._count_in(plan)
         return plan
 
@@ -228,6 +236,21 @@ class Scheduler:
         rows += [Row(c.seq.token_ids[c.start:c.start + c.length], c.start, c.seq.pages, row_sampling(c.seq),
                      c.seq.slot if c.is_last else -1, samples=c.is_last) for c in plan.prefill]
         return rows
+
+    @staticmethod
+    def _constrain(plan: ScheduledBatch) -> None:
+        """Fills the masks of the rows that sample under a grammar, all at once (llguidance's threads, without the
+        GIL), each ANDed with any mask the row has already."""
+        constrained = [(row, seq.output.grammar) for row, seq in zip(plan.rows, plan.row_seqs)
+                       if row.samples and seq.output.grammar is not None]
+        if not constrained:
+            return
+        if any(row.chained for row, _ in constrained):  # the engine reads such a row's last step back first
+            raise RuntimeError("a row under a grammar was planned before its previous token was known")
+        masks = fill_masks([grammar for _, grammar in constrained])  # [R, W]
+        for (row, _), mask in zip(constrained, masks):
+            row.sampling.token_mask = both(row.sampling.token_mask, mask)
+        plan.constrained = True
 
     def _count_in(self, plan: ScheduledBatch) -> None:
         """Its rows read, the batch's tokens count as computed and their samples as in flight (a step that then

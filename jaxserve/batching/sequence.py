@@ -14,6 +14,7 @@ import time
 
 from jaxserve.outputs import Logprob
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.structured_output import GrammarMatcher
 
 
 class Status(enum.Enum):
@@ -66,6 +67,7 @@ class OutputState:
     stop_reason: int | str | None = None
     cumulative_logprob: float = 0.0
     logprobs: list[dict[int, Logprob]] | None = None  # per token, when logprobs were asked
+    grammar: GrammarMatcher | None = None  # structured output: where the text stands in its grammar, while it runs
 
 
 _arrivals = itertools.count()
@@ -73,7 +75,8 @@ _arrivals = itertools.count()
 
 class Sequence:
     def __init__(self, request_id: str, index: int, prompt_token_ids: list[int], params: SamplingParams, seed: int,
-                 max_model_len: int, eos_token_ids: list[int], detokenizer=None, priority: int = 0):
+                 max_model_len: int, eos_token_ids: list[int], detokenizer=None, priority: int = 0,
+                 grammar: GrammarMatcher | None = None):
         # What the request asked: never changes.
         self.request_id = request_id
         self.index = index  # which of the request's n completions
@@ -107,7 +110,7 @@ class Sequence:
         self.finish_time: float | None = None
         # The output processor's.
         self.stop_rules = StopRules.of(params, self.eos_token_ids)
-        self.output = OutputState(detokenizer, logprobs=[] if params.logprobs is not None else None)
+        self.output = OutputState(detokenizer, logprobs=[] if params.logprobs is not None else None, grammar=grammar)
 
     @property
     def num_tokens(self) -> int:
