@@ -1,6 +1,5 @@
 """Structured output and tool calls end to end, through the official `openai` client (and LangChain) against the
 server: whole and streamed, every constrained output parsed and validated."""
-import importlib.util
 import json
 import re
 from pathlib import Path
@@ -164,11 +163,7 @@ def _saved(tokenizer, path, template):
     return path
 
 
-# ---- structured output and enforced tool calls on real models (needs the grammar engine) ----
-
-# Until the structured branch is merged the engine refuses structured_outputs: these wait for it.
-needs_grammar_engine = pytest.mark.skipif(importlib.util.find_spec("jaxserve.structured_output") is None,
-                                          reason="the grammar engine (jaxserve.structured_output) is not merged yet")
+# ---- structured output and enforced tool calls on real models ----
 
 class Person(pydantic.BaseModel):
     name: str = pydantic.Field(max_length=24)
@@ -213,7 +208,6 @@ def smol():
     st.stop()
 
 
-@needs_grammar_engine
 def test_parse_json_object_and_schema_streamed(smol):
     c = client(smol)
     r = c.chat.completions.parse(model="smol", messages=PERSON, response_format=Person, temperature=0,
@@ -242,7 +236,6 @@ def test_parse_json_object_and_schema_streamed(smol):
     wait_idle(smol)
 
 
-@needs_grammar_engine
 def test_choice_regex_and_grammar(smol):
     c = client(smol)
     r = c.chat.completions.create(model="smol", messages=[{"role": "user", "content": "Is Paris in France?"}],
@@ -266,7 +259,6 @@ def test_choice_regex_and_grammar(smol):
     wait_idle(smol)
 
 
-@needs_grammar_engine
 def test_required_and_named_tool_calls(smol):
     c = client(smol)
     for parallel in (True, False):
@@ -295,7 +287,6 @@ def test_required_and_named_tool_calls(smol):
     wait_idle(smol)
 
 
-@needs_grammar_engine
 @pytest.mark.parametrize("body, param", [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
         "type": "object", "properties": {"a": {"type": "string", "pattern": "(unclosed"}}}}}}, "response_format"),
@@ -312,7 +303,6 @@ def test_a_grammar_that_does_not_compile_is_400_naming_the_field(smol, body, par
     wait_idle(smol)
 
 
-@needs_grammar_engine
 def test_langchain_with_structured_output(smol):
     from langchain_openai import ChatOpenAI
     llm = ChatOpenAI(base_url=smol.url + "/v1", api_key="unused", model="smol", temperature=0, max_tokens=150,
@@ -323,7 +313,6 @@ def test_langchain_with_structured_output(smol):
     wait_idle(smol)
 
 
-@needs_grammar_engine
 def test_gemma3_json_schema_and_required_tool_call():
     from jaxserve import LLM
     st = ServerThread(LLM("gemma3-270m", max_model_len=512, max_num_seqs=2, max_num_batched_tokens=128,
@@ -343,7 +332,6 @@ def test_gemma3_json_schema_and_required_tool_call():
         st.stop()
 
 
-@needs_grammar_engine
 def test_auto_on_a_tiny_qwen3_with_a_hermes_template(tmp_path):
     """A real (random) Qwen3 behind a Hermes template, its output held to the Hermes format by a grammar: the auto
     path's parser reads the calls, whole and streamed."""
