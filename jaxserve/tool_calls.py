@@ -190,7 +190,7 @@ class ArrayCalls:
         self._token = []  # the string or scalar being read at depth 2 (a key, or a value)
         self._key = None  # the key whose value is being read at depth 2
         self._expect_key = False
-        self._reading = None  # "arguments" while inside that value
+        self._in_arguments = False  # inside the value of "arguments"
         self._args = []  # its text not yet sent
         self._name = None  # the current element's name, once read
         self._sent_header = False
@@ -212,7 +212,7 @@ class ArrayCalls:
 
     def _step(self, c: str, deltas: list) -> None:
         depth = self._depth
-        if self._reading == "arguments":
+        if self._in_arguments:
             self._args.append(c)
         if self._in_string:
             if self._escaped:
@@ -245,7 +245,7 @@ class ArrayCalls:
                 self._start_value(c)
         elif c in "}]":
             self._depth -= 1
-            if depth == 3 and self._reading == "arguments":
+            if depth == 3 and self._in_arguments:
                 self._end_arguments(deltas)
         elif c == ":" and depth == 2:
             self._expect_key = False
@@ -257,8 +257,8 @@ class ArrayCalls:
             self._token.append(c)
 
     def _start_value(self, c: str) -> None:
-        if self._key == "arguments" and self._reading is None:
-            self._reading = "arguments"
+        if self._key == "arguments" and not self._in_arguments:
+            self._in_arguments = True
             self._args = [c]
 
     def _end_token(self, last: str | None, deltas: list) -> None:
@@ -274,13 +274,13 @@ class ArrayCalls:
             deltas.append(_header(self.calls - 1, self._name))
             self._sent_header = True
             self._flush_arguments(deltas)
-        elif self._reading == "arguments":  # a string or scalar argument value
+        elif self._in_arguments:  # a string or scalar argument value
             if last is None:
                 self._args.pop()  # the delimiter after a scalar is not part of it
             self._end_arguments(deltas)
 
     def _end_arguments(self, deltas: list) -> None:
-        self._reading = None
+        self._in_arguments = False
         self._flush_arguments(deltas)
         self._key = None
 
