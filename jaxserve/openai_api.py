@@ -248,7 +248,11 @@ def _past_tool_call(call, where: str) -> dict:
     try:
         arguments = json.loads(fn["arguments"])
     except ValueError:
-        raise ApiError(400, f"{where}.function.arguments is not JSON", "messages") from None
+        raise ApiError(400, f"{where}.function.arguments is not JSON text", "messages") from None
+    try:
+        openai_structured.check_text(arguments, f"{where}.function.arguments")
+    except FieldError as e:
+        raise ApiError(400, str(e), "messages") from None
     return {**call, "type": "function", "function": {**fn, "arguments": arguments}}
 
 

@@ -9,8 +9,10 @@ naming what the client sent.
 from __future__ import annotations
 
 import dataclasses
+import json
 
 from jaxserve.sampling_params import StructuredOutputsParams
+from jaxserve.tokenizer import check_unicode
 
 # Request fields (both endpoints) and the JSON types each accepts.
 FIELDS = {"response_format": (dict,), "structured_outputs": (dict,), "guided_json": (dict, str),
@@ -49,9 +51,20 @@ def parse_structured(body: dict) -> Structured | None:
 
 def _make(field: str, **kind) -> Structured:
     try:
-        return Structured(StructuredOutputsParams(**kind), field)
+        params = StructuredOutputsParams(**kind)
     except ValueError as e:
         raise FieldError(f"{field}: {e}", field) from None
+    check_text(kind, field)
+    return Structured(params, field)
+
+
+def check_text(value, field: str) -> None:
+    """FieldError if a JSON value holds a lone surrogate (JSON's "\\ud800" escape): no grammar or prompt can
+    spell it."""
+    try:
+        check_unicode(json.dumps(value, ensure_ascii=False), field)
+    except ValueError as e:
+        raise FieldError(str(e), field) from None
 
 
 def _response_format(rf: dict | None) -> Structured | None:

@@ -22,7 +22,7 @@ import json
 import re
 import uuid
 
-from jaxserve.openai_structured import FieldError
+from jaxserve.openai_structured import FieldError, check_text
 from jaxserve.sampling_params import StructuredOutputsParams
 
 FIELDS = {"tools": (list,), "tool_choice": (str, dict), "parallel_tool_calls": (bool,)}
@@ -101,6 +101,7 @@ def parse_tools(body: dict) -> ToolRequest | None:
         return None
     if len(tools) > MAX_TOOLS:
         raise FieldError(f"at most {MAX_TOOLS} tools", "tools")
+    check_text(tools, "tools")
     functions = {}
     for i, tool in enumerate(tools):
         f = _function(tool, i)

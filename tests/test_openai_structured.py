@@ -69,6 +69,11 @@ def test_each_kind(parse, fields, expected):
     ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, "structured_outputs"),
     ({"structured_outputs": {"regex": "a"}, "guided_json": SCHEMA}, "guided_json"),
     ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
+    # A lone surrogate (JSON's "\ud800" escape) no grammar can spell.
+    ({"guided_regex": "a\ud800"}, "guided_regex"),
+    ({"structured_outputs": {"choice": ["a", "\udfff"]}}, "structured_outputs"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {
+        "type": "object", "properties": {"\ud800": {"type": "string"}}}}}}, "response_format"),
 ])
 @pytest.mark.parametrize("parse", [completion, chat], ids=["completions", "chat"])
 def test_bad_fields_are_400_naming_them(parse, fields, param):

@@ -84,6 +84,7 @@ def test_required_grammar_is_an_array_of_calls(parallel):
     ({"tools": [{"type": "function", "function": {"name": f"f{i}"}} for i in range(129)]}, "tools"),
     ({"tools": "get_weather"}, "tools"),
     ({"parallel_tool_calls": "yes"}, "parallel_tool_calls"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "description": "\ud800"}}]}, "tools"),
 ])
 def test_bad_tool_requests_are_400_naming_the_field(fields, param):
     with pytest.raises(ApiError) as e:
@@ -275,6 +276,8 @@ def test_messages_with_tool_calls_and_results():
     {"role": "user", "content": "x", "tool_calls": [{"id": "c", "type": "function",
                                                      "function": {"name": "f", "arguments": "{}"}}]},
     {"role": "function", "content": "x"},
+    {"role": "assistant", "tool_calls": [{"id": "c", "type": "function",
+                                          "function": {"name": "f", "arguments": '{"a": "\\ud800"}'}}]},
 ])
 def test_bad_messages(message):
     with pytest.raises(ApiError) as e:
