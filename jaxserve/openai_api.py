@@ -6,12 +6,16 @@ false), and an unknown field is refused: a client never gets silently different 
 """
 from __future__ import annotations
 
+import json
 import time
 import uuid
 
+from jaxserve import openai_structured, tool_calls
+from jaxserve.openai_structured import FieldError
 from jaxserve.outputs import CompletionOutput
 from jaxserve.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP, SamplingParams
 from jaxserve.tokenizer import check_unicode
+from jaxserve.tool_calls import ToolRequest
 
 MAX_N = 16
 MAX_PROMPTS = 64
@@ -42,12 +46,13 @@ _COMMON = {
     # vLLM's extensions for logit controls.
     "repetition_penalty": _NUMBER, "allowed_token_ids": (list,), "bad_words": (list,),
     # Accepted only at their neutral values (below), so common wrappers that always send them still work.
-    "response_format": (dict,), "tools": (list,), "tool_choice": (str, dict), "parallel_tool_calls": (bool,),
     "metadata": (dict,), "store": (bool,), "service_tier": (str,),
+    **openai_structured.FIELDS,  # response_format, structured_outputs, guided_*
 }
 _COMPLETION = {**_COMMON, "prompt": (str, list), "logprobs": (int,), "echo": (bool,), "suffix": (str,),
                "prompt_logprobs": (int,)}
-_CHAT = {**_COMMON, "messages": (list,), "logprobs": (bool,), "top_logprobs": (int,), "prompt_logprobs": (int,)}
+_CHAT = {**_COMMON, "messages": (list,), "logprobs": (bool,), "top_logprobs": (int,), "prompt_logprobs": (int,),
+         **tool_calls.FIELDS}  # tools, tool_choice, parallel_tool_calls
 
 
 def check_body_fields(body, fields: dict) -> None:
@@ -69,13 +74,9 @@ def check_body_fields(body, fields: dict) -> None:
 def _check_fields(body, fields: dict) -> None:
     check_body_fields(body, fields)
     # Defined by the API, not implemented here: refused unless harmless.
-    for key, neutral in [("suffix", None),
-                         ("response_format", {"type": "text"}), ("tool_choice", "none"), ("store", False),
-                         ("service_tier", "auto")]:
+    for key, neutral in [("suffix", None), ("store", False), ("service_tier", "auto")]:
         if body.get(key) not in (None, neutral):
             raise ApiError(400, f"{key} {body[key]!r} is not supported by this server", key)
-    if body.get("tools"):
-        raise ApiError(400, "tools are not supported by this server", "tools")
     if body.get("best_of") not in (None, 1 if body.get("n") is None else body["n"]):
         raise ApiError(400, "best_of other than n is not supported by this server", "best_of")
 
@@ -96,8 +97,42 @@ def context_length_error(limit: int, prompt_tokens: int, max_tokens: int | None,
                          f"{prompt_tokens + generate} ({floor}{prompt_tokens} in the prompt, {generate} to generate)")
 
 
+def _structured_outputs(body: dict, tools: ToolRequest | None = None):
+    """The grammar a request asks for: its structured-output field's, or the one that enforces its tool calls."""
+    try:
+        structured = openai_structured.parse_structured(body)
+    except FieldError as e:
+        raise ApiError(400, str(e), e.field) from None
+    enforced = tools.structured_outputs() if tools is not None else None
+    if enforced is not None and structured is not None:
+        raise ApiError(400, f"tool_choice {tools.choice if tools.choice != 'function' else 'naming a function'} "
+                            f"is enforced by a grammar, so {structured.field} cannot be used with it", "tool_choice")
+    return enforced if enforced is not None else structured.params if structured is not None else None
+
+
+def grammar_error(body: dict, error: ValueError) -> ApiError:
+    """The 400 for a grammar the engine could not compile (its ValueError names structured_outputs.KIND): named
+    after the request's own field."""
+    field = grammar_field(body)
+    kind, _, reason = str(error).partition(": ")
+    return ApiError(400, f"{field}: {reason}" if field and reason and kind.startswith("structured_outputs")
+                    else str(error), field)
+
+
+def grammar_field(body: dict) -> str | None:
+    """The request field a grammar the engine could not compile is blamed on (the 400's param)."""
+    try:
+        tools = tool_calls.parse_tools(body) if "messages" in body else None
+        if tools is not None and tools.structured_outputs() is not None:
+            return "tools"
+        structured = openai_structured.parse_structured(body)
+    except FieldError:
+        return None
+    return structured.field if structured is not None else None
+
+
 def _sampling_params(body: dict, max_tokens_default: int | None, logprobs: int | None,
-                     prompt_logprobs: int | None = None) -> SamplingParams:
+                     prompt_logprobs: int | None = None, tools: ToolRequest | None = None) -> SamplingParams:
     max_tokens = body.get("max_completion_tokens")
     if max_tokens is None:
         max_tokens = body.get("max_tokens")
@@ -119,7 +154,7 @@ def _sampling_params(body: dict, max_tokens_default: int | None, logprobs: int |
     if isinstance(temperature, _NUMBER) and temperature > 2:
         raise ApiError(400, f"temperature must be in [0, 2], got {temperature}", "temperature")
     args = dict(n=n, temperature=1.0 if temperature is None else temperature, max_tokens=max_tokens, stop=stop,
-                logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+                logprobs=logprobs, prompt_logprobs=prompt_logprobs, structured_outputs=_structured_outputs(body, tools))
     for key in ("top_p", "top_k", "min_p", "seed", "ignore_eos", "min_tokens", "stop_token_ids",
                 "include_stop_str_in_output", "skip_special_tokens", "presence_penalty", "frequency_penalty",
                 "repetition_penalty", "allowed_token_ids", "bad_words"):
@@ -187,38 +222,82 @@ def _is_token_ids(x) -> bool:
     return isinstance(x, list) and bool(x) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
 
 
-def parse_chat(body) -> tuple[list[dict], SamplingParams]:
-    """-> (messages, params); `render_chat` makes the prompt, off the event loop."""
+def parse_chat(body) -> tuple[list[dict], SamplingParams, ToolRequest | None]:
+    """-> (messages, params, tools); `render_chat` makes the prompt, off the event loop."""
     _check_fields(body, _CHAT)
     messages = body.get("messages")
     if not messages:
         raise ApiError(400, "messages must be a non-empty array", "messages")
-    for i, m in enumerate(messages):
-        if not (isinstance(m, dict) and m.get("role") in ("system", "user", "assistant", "developer")
-                and isinstance(m.get("content"), (str, list))):
-            raise ApiError(400, f"messages[{i}] must be an object with a role (system, user, assistant) and "
-                                f"content", "messages")
-        if isinstance(m["content"], list):  # content parts: text only
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                       for p in m["content"]):
-                raise ApiError(400, f"messages[{i}]: only text content parts are supported", "messages")
-            messages[i] = {**m, "content": "".join(p["text"] for p in m["content"])}
-        _check_text(messages[i]["content"], "messages", f"messages[{i}].content")
-        if m["role"] == "developer":
-            messages[i] = {**messages[i], "role": "system"}
+    messages = [_message(m, i) for i, m in enumerate(messages)]
+    try:
+        tools = tool_calls.parse_tools(body)
+    except FieldError as e:
+        raise ApiError(400, str(e), e.field) from None
     top = body.get("top_logprobs")
     if top is not None and not 0 <= top <= MAX_LOGPROBS:
         raise ApiError(400, f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {top}", "top_logprobs")
     if top and not body.get("logprobs"):
         raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
     return messages, _sampling_params(body, None, (top or 0) if body.get("logprobs") else None,
-                                      _prompt_logprobs(body))
+                                      _prompt_logprobs(body), tools), tools
 
 
-def render_chat(messages: list[dict], tokenizer) -> str:
-    """The prompt text of parsed messages: the model's chat template (which writes any BOS itself)."""
+def _message(m, i: int) -> dict:
+    """One message as a chat template gets it (as HF's apply_chat_template): text content parts joined, developer
+    as system, an assistant's tool calls with their arguments as JSON values, not text."""
+    if not (isinstance(m, dict) and m.get("role") in ("system", "user", "assistant", "developer", "tool")):
+        raise ApiError(400, f"messages[{i}] must be an object with a role (system, user, assistant, tool) and "
+                            f"content", "messages")
+    m = dict(m)
+    if m["role"] == "developer":
+        m["role"] = "system"
+    if m["role"] == "assistant" and m.get("tool_calls"):
+        if not isinstance(m["tool_calls"], list):
+            raise ApiError(400, f"messages[{i}].tool_calls must be an array", "messages")
+        m["tool_calls"] = [_past_tool_call(c, f"messages[{i}].tool_calls[{j}]") for j, c in enumerate(m["tool_calls"])]
+        if m.get("content") is None:  # a turn of tool calls only
+            m.pop("content", None)
+            return m
+    elif "tool_calls" in m:
+        if m["tool_calls"] not in (None, []):
+            raise ApiError(400, f"messages[{i}]: only assistant messages have tool_calls", "messages")
+        del m["tool_calls"]
+    if m["role"] == "tool" and not isinstance(m.get("tool_call_id"), str):
+        raise ApiError(400, f"messages[{i}]: a tool message needs the tool_call_id it answers", "messages")
+    if not isinstance(m.get("content"), (str, list)):
+        raise ApiError(400, f"messages[{i}] must have content (a string or text parts)", "messages")
+    if isinstance(m["content"], list):  # content parts: text only
+        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                   for p in m["content"]):
+            raise ApiError(400, f"messages[{i}]: only text content parts are supported", "messages")
+        m["content"] = "".join(p["text"] for p in m["content"])
+    _check_text(m["content"], "messages", f"messages[{i}].content")
+    return m
+
+
+def _past_tool_call(call, where: str) -> dict:
+    """A tool call of an earlier assistant turn: {id, type, function: {name, arguments}}, its arguments parsed."""
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not (isinstance(fn, dict) and call.get("type", "function") == "function" and isinstance(fn.get("name"), str)
+            and isinstance(fn.get("arguments"), str)):
+        raise ApiError(400, f"{where} must be {{id, type: function, function: {{name, arguments (JSON text)}}}}",
+                       "messages")
     try:
-        return tokenizer.apply_chat_template(messages)
+        arguments = json.loads(fn["arguments"])
+    except ValueError:
+        raise ApiError(400, f"{where}.function.arguments is not JSON text", "messages") from None
+    try:
+        openai_structured.check_text(arguments, f"{where}.function.arguments")
+    except FieldError as e:
+        raise ApiError(400, str(e), "messages") from None
+    return {**call, "type": "function", "function": {**fn, "arguments": arguments}}
+
+
+def render_chat(messages: list[dict], tokenizer, tools: ToolRequest | None = None) -> str:
+    """The prompt text of parsed messages: the model's chat template (which writes any BOS itself), given the tools
+    as HF's apply_chat_template(tools=...) gives them (also under tool_choice none, as vLLM does)."""
+    try:
+        return tokenizer.apply_chat_template(messages, tools=tools.tools if tools is not None else None)
     except ValueError as e:
         raise ApiError(400, str(e), "messages") from None
 

@@ -115,6 +115,18 @@ class FakeRunner:
         return 0
 
 
+class ScriptedRunner(FakeRunner):
+    """Every sequence generates `script` (token ids), then `end` forever: a model that writes what a test needs
+    (a tool call in its own format, say), greedy or not."""
+
+    def __init__(self, script: list[int], end: int, vocab_size: int):
+        super().__init__(vocab_size)
+        self.script, self.end = list(script), end
+
+    def _draw(self, token: int, row: Row, generated: int) -> int:
+        return self.script[generated] if generated < len(self.script) else self.end
+
+
 def has_decode_row(rows: list[Row]) -> bool:
     """A step decoding some sequence: a row whose input token the step before sampled."""
     return any(r.chained or (r.samples and len(r.token_ids) == 1 + r.num_draft and r.start_pos > 0) for r in rows)
@@ -122,10 +134,10 @@ def has_decode_row(rows: list[Row]) -> bool:
 
 def fake_replica(num_pages: int = 32, page_size: int = 4, max_num_seqs: int = 4, max_num_batched_tokens: int = 16,
                  vocab_size: int = 64, ngram: int = 0, enable_prefix_caching: bool = True, proposer=None,
-                 draft: bool = False, scheduling_policy: str = "fcfs") -> EngineCore:
+                 draft: bool = False, scheduling_policy: str = "fcfs", runner: FakeRunner | None = None) -> EngineCore:
     """An engine core over a FakeRunner. ngram=k: speculating up to k proposals for every sequence every step, from
     `proposer` (default: n-gram lookup; draft=True: a fake draft model, right two times in three)."""
-    runner = FakeRunner(vocab_size, ngram)
+    runner = runner or FakeRunner(vocab_size, ngram)
     scheduler = Scheduler(PrefixCache(PageAllocator(num_pages), page_size, enable_prefix_caching), max_num_seqs,
                           max_num_batched_tokens, policy=scheduling_policy)
     if not ngram:
@@ -137,7 +149,9 @@ def fake_replica(num_pages: int = 32, page_size: int = 4, max_num_seqs: int = 4,
                       controller=SpecController(ngram, (max_num_batched_tokens,), runner.step_times), adaptive=False)
 
 
-def fake_llm(num_replicas: int = 1, max_model_len: int = 64, vocab_size: int = 64, **replica_args) -> LLM:
-    """An LLM (token-id prompts only) over fake runners: one replica, or several behind data parallelism."""
+def fake_llm(num_replicas: int = 1, max_model_len: int = 64, vocab_size: int = 64, tokenizer=None,
+             **replica_args) -> LLM:
+    """An LLM over fake runners: one replica, or several behind data parallelism. Token-id prompts only, unless
+    given a tokenizer (of vocab_size tokens)."""
     replicas = [fake_replica(vocab_size=vocab_size, **replica_args) for _ in range(num_replicas)]
-    return LLM.over(Engine.over(replicas, vocab_size, max_model_len))
+    return LLM.over(Engine.over(replicas, vocab_size, max_model_len, tokenizer))

@@ -42,6 +42,18 @@ def save_tiny_model(kind: str, path, seed: int = 0, **overrides):
     return model
 
 
+def save_tiny_chat_model(kind: str, path, chat_template: str, seed: int = 0):
+    """A tiny random checkpoint with a tokenizer (the default model's, 49152 tokens) and the given chat template."""
+    from jaxserve.tokenizer import Tokenizer
+    from jaxserve.weights.default_model import default_model_path
+    from jaxserve.weights.gguf import open_gguf
+    tok = Tokenizer.from_gguf_fields(open_gguf(default_model_path()))
+    tok.chat_template = chat_template
+    model = save_tiny_model(kind, path, seed, vocab_size=tok.vocab_size, max_position_embeddings=1024)
+    tok.save(path)
+    return model
+
+
 def save_byte_tokenizer_with_eos(path):
     """A byte-level tokenizer for the tiny model's 320 ids: the 256 bytes, 63 two-byte tokens, and an EOS
     control token (id 319), saved as an HF directory's tokenizer files."""

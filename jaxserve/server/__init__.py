@@ -20,7 +20,8 @@ engine is alive.
 
 `app` is the HTTP side (routes, middleware, endpoints, `serve`), `served_model` a model's own state (admission
 capacity, tokenizing threads, metrics) and checks, `responses` a request's outputs as a JSON body or an SSE stream;
-`jaxserve.openai_api` the wire format, `jaxserve.metrics` the Prometheus metrics.
+`jaxserve.openai_api` the wire format (its structured-output fields in `jaxserve.openai_structured`, tool calls
+in `jaxserve.tool_calls`), `jaxserve.metrics` the Prometheus metrics.
 """
 from jaxserve.server.app import Server, serve
 

@@ -14,7 +14,10 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from jaxserve.async_engine import AsyncEngine, EngineDeadError
 from jaxserve.metrics import ServerMetrics
-from jaxserve.openai_api import ApiError, parse_chat, parse_completion, render_chat, wants_usage_in_stream
+from jaxserve.openai_api import (ApiError, grammar_error, parse_chat, parse_completion, render_chat,
+                                 wants_usage_in_stream)
+from jaxserve.openai_structured import FieldError
+from jaxserve.tool_calls import tags_are_special
 from jaxserve.server.responses import CompletionResponse, merged
 from jaxserve.server.served_model import ServedModel
 from jaxserve.server.tokenizer_endpoints import detokenize, tokenize, tokenizer_info
@@ -178,13 +181,20 @@ class Server:
         m = self._model(body)
         if m.tokenizer is None:
             raise ApiError(400, "this model has no tokenizer: use /v1/completions with token ids")
-        messages, params = parse_chat(body)
+        messages, params, tools = parse_chat(body)
+        if tools is not None:
+            try:
+                tools.parser(m.tokenizer.chat_template)  # auto: refused where the model's calls cannot be parsed
+            except FieldError as e:
+                raise ApiError(400, str(e), e.field) from None
+            if tools.choice == "auto" and tags_are_special(m.tokenizer):
+                params.skip_special_tokens = False  # the parser reads the tags (as vLLM's Hermes parser asks)
         with self._admitted(m, params.n):
             # Off the event loop too: the template renders the conversation, then it is refused by its length or
             # tokenized.
             prompt = await m.off_loop(params.n, lambda: m.tokenized(
-                render_chat(messages, m.tokenizer), params, add_special_tokens=False))
-            return await self._generate(m, request, body, [prompt], params, chat=True)
+                render_chat(messages, m.tokenizer, tools), params, add_special_tokens=False))
+            return await self._generate(m, request, body, [prompt], params, chat=True, tools=tools)
 
     async def _body(self, request) -> dict:
         try:
@@ -223,12 +233,12 @@ class Server:
         with m.admitted(seqs):
             yield
 
-    async def _generate(self, m: ServedModel, request, body, prompts: list, params, chat: bool):
+    async def _generate(self, m: ServedModel, request, body, prompts: list, params, chat: bool, tools=None):
         """prompts: tokenized, one engine request each (a completions batch); choice k * n + i is prompt k's i-th
         sample. Runs within _admitted."""
         stream = body.get("stream") is True
         include_usage = wants_usage_in_stream(body)
-        run = CompletionResponse(m, body, params, chat, len(prompts), self.stream_write_timeout_s)
+        run = CompletionResponse(m, body, params, chat, len(prompts), self.stream_write_timeout_s, tools)
         admitted = []
         try:
             streams = []
@@ -237,6 +247,8 @@ class Server:
                     streams.append(await m.engine.add_request(prompt, params, f"{run.id}-{k}"))
                     admitted.append(f"{run.id}-{k}")
                 except (ValueError, TypeError) as e:  # bad token ids, a request the cache can never hold, ...
+                    if params.structured_outputs is not None and str(e).startswith("structured_outputs"):
+                        raise grammar_error(body, e) from None  # a grammar that does not compile
                     raise ApiError(400, str(e), getattr(e, "param", None)) from None
                 except EngineDeadError as e:
                     raise ApiError(503, str(e)) from None

@@ -17,6 +17,7 @@ from jaxserve.async_engine import EngineDeadError
 from jaxserve.openai_api import (ApiError, chat_logprobs, completion_body, completion_logprobs, echo_logprobs, new_id,
                                  prompt_logprobs_body, usage)
 from jaxserve.server.served_model import ServedModel
+from jaxserve.tool_calls import ToolRequest, assemble
 
 logger = logging.getLogger("jaxserve")
 
@@ -62,7 +63,7 @@ class CompletionResponse:
     """One request's outputs as they come: per choice its text, tokens and timing, and the bodies built from them."""
 
     def __init__(self, model: ServedModel, body: dict, params, chat: bool, num_prompts: int = 1,
-                 stream_write_timeout_s: float = 30.0):
+                 stream_write_timeout_s: float = 30.0, tools: ToolRequest | None = None):
         self.model, self.params, self.chat = model, params, chat
         self.stream_write_timeout_s = stream_write_timeout_s
         self.id = new_id("chatcmpl" if chat else "cmpl")
@@ -83,6 +84,11 @@ class CompletionResponse:
         self.last_token_at = [None] * choices
         self.finish = [None] * choices
         self.logprobs = [[] for _ in range(choices)]
+        # Tool calls: each choice's text goes through its own parser (None: plain content), its deltas kept for a
+        # whole response.
+        template = model.tokenizer.chat_template if model.tokenizer is not None else None
+        self.parsers = [tools.parser(template) if tools is not None else None for _ in range(choices)]
+        self.deltas = [[] for _ in range(choices)]
 
     def _token_text(self, token_id: int) -> str:
         tok = self.model.tokenizer
@@ -143,8 +149,10 @@ class CompletionResponse:
             self.text_offset[i] = sum(map(len, lp["tokens"]))
         return text, lp
 
-    def _choice(self, i: int, c) -> dict:
-        """The chunk (stream) entry of choice i for the delta c (the first, with echo, holds the prompt)."""
+    def _choices(self, i: int, c) -> list[dict]:
+        """The chunk (stream) entries of choice i for the delta c: one, or for tool calls one per delta the parser
+        makes of it (its logprobs on the first, its finish_reason on the last); with echo, the first holds the
+        prompt."""
         prefix, prefix_lp, first = "", None, i not in self.started
         self.started.add(i)
         if self.echo and first:
@@ -156,13 +164,26 @@ class CompletionResponse:
         self.text[i] += c.text
         if lp is not None and not self.chat:  # each token's own text, sent or still held back from the stream
             self.text_offset[i] += sum(map(len, lp["tokens"]))
-        if self.chat:
-            return {"index": i, "delta": {"content": c.text} if c.text else {}, "logprobs": lp,
-                    "finish_reason": c.finish_reason}
-        choice = {"index": i, "text": c.text, "logprobs": lp, "finish_reason": c.finish_reason}
-        if first and self.show_prompt_logprobs is not None:  # vLLM's, per choice (streamed: in its first chunk)
-            choice["prompt_logprobs"] = self._prompt_logprobs(i // self.params.n)
-        return choice
+        if not self.chat:
+            choice = {"index": i, "text": c.text, "logprobs": lp, "finish_reason": c.finish_reason}
+            if first and self.show_prompt_logprobs is not None:  # vLLM's, per choice (streamed: in its first chunk)
+                choice["prompt_logprobs"] = self._prompt_logprobs(i // self.params.n)
+            return [choice]
+        parser = self.parsers[i]
+        if parser is None:
+            return [{"index": i, "delta": {"content": c.text} if c.text else {}, "logprobs": lp,
+                     "finish_reason": c.finish_reason}]
+        deltas = parser.feed(c.text) + (parser.finish() if c.finish_reason is not None else [])
+        self.deltas[i] += deltas
+        entries = [{"index": i, "delta": d, "logprobs": None, "finish_reason": None} for d in deltas or [{}]]
+        entries[0]["logprobs"] = lp
+        entries[-1]["finish_reason"] = self._finish_reason(i, c.finish_reason)
+        return entries
+
+    def _finish_reason(self, i: int, reason: str | None) -> str | None:
+        """A choice that called tools and stopped by itself (or by its grammar's end) ends with "tool_calls"."""
+        parser = self.parsers[i]
+        return "tool_calls" if reason == "stop" and parser is not None and parser.calls else reason
 
     def _prompt_logprobs(self, k: int) -> list | None:
         """vLLM's prompt_logprobs of prompt k, as the request asked them."""
@@ -173,17 +194,22 @@ class CompletionResponse:
 
     async def whole(self, outputs) -> web.Response:
         async for i, c in self._each(outputs):
-            lp = self._choice(i, c)["logprobs"]
+            lp = self._choices(i, c)[0]["logprobs"]
             if lp is not None:
                 self.logprobs[i].append(lp)
         choices = []
         for i in range(len(self.text)):
             lp = merge_logprobs(self.logprobs[i]) if self.params.logprobs is not None else None
+            finish = self._finish_reason(i, self.finish[i])
             if self.chat:
-                choices.append({"index": i, "message": {"role": "assistant", "content": self.text[i]},
-                                "logprobs": lp, "finish_reason": self.finish[i]})
+                message = {"role": "assistant", "content": self.text[i]}
+                if self.parsers[i] is not None:
+                    message["content"], calls = assemble(self.deltas[i])
+                    if calls:
+                        message["tool_calls"] = calls
+                choices.append({"index": i, "message": message, "logprobs": lp, "finish_reason": finish})
             else:
-                choices.append({"index": i, "text": self.text[i], "logprobs": lp, "finish_reason": self.finish[i]})
+                choices.append({"index": i, "text": self.text[i], "logprobs": lp, "finish_reason": finish})
                 if self.show_prompt_logprobs is not None:
                     choices[-1]["prompt_logprobs"] = self._prompt_logprobs(i // self.params.n)
         body = completion_body(self.id, self.model.name, choices, self._usage(), self.chat, chunk=False)
@@ -222,11 +248,12 @@ class CompletionResponse:
                              "finish_reason": None} for i in range(len(self.text))]
                     await send(completion_body(self.id, name, role, None, True, chunk=True))
                 async for i, c in self._each(outputs):
-                    chunk = completion_body(self.id, name, [self._choice(i, c)], None, self.chat, chunk=True)
-                    if self.chat and self.show_prompt_logprobs is not None and not sent_prompt_logprobs:
-                        chunk["prompt_logprobs"] = self._prompt_logprobs(0)  # once, in the first chunk
-                        sent_prompt_logprobs = True
-                    await send(chunk)
+                    for entry in self._choices(i, c):
+                        chunk = completion_body(self.id, name, [entry], None, self.chat, chunk=True)
+                        if self.chat and self.show_prompt_logprobs is not None and not sent_prompt_logprobs:
+                            chunk["prompt_logprobs"] = self._prompt_logprobs(0)  # once, in the first chunk
+                            sent_prompt_logprobs = True
+                        await send(chunk)
                 if include_usage:
                     await send(completion_body(self.id, name, [], self._usage(), self.chat, chunk=True))
             except ConnectionError:

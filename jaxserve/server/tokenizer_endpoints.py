@@ -20,7 +20,7 @@ def tokenize(body: dict, tokenizer, max_model_len: int) -> dict:
     if ("prompt" in body) == ("messages" in body):
         raise ApiError(400, "send exactly one of prompt or messages", "prompt")
     if "messages" in body:
-        messages, _ = parse_chat({"messages": body["messages"]})  # checked as a chat request's
+        messages, _, _ = parse_chat({"messages": body["messages"]})  # checked as a chat request's
         try:
             text = tokenizer.apply_chat_template(messages, body.get("add_generation_prompt", True) is not False)
         except ValueError as e:
