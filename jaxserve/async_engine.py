@@ -105,7 +105,7 @@ class AsyncEngine:
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already running")
         params = sampling_params or SamplingParams()
-        if params.structured_outputs is None:
+        if getattr(params, "structured_outputs", None) is None:  # (not a SamplingParams: make_request says so)
             request = self.llm.make_request(prompt, params, priority, request_id)
         else:  # compiling a grammar may take up to a second: on a thread, so the event loop serves the others
             request = await asyncio.get_running_loop().run_in_executor(
