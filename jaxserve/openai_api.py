@@ -50,7 +50,7 @@ _COMMON = {
     **openai_structured.FIELDS,  # response_format, structured_outputs, guided_*
 }
 _COMPLETION = {**_COMMON, "prompt": (str, list), "logprobs": (int,), "echo": (bool,), "suffix": (str,),
-               "prompt_logprobs": (int,)}
+               "prompt_logprobs": (int,), **tool_calls.FIELDS}  # tools: accepted at their neutral values only
 _CHAT = {**_COMMON, "messages": (list,), "logprobs": (bool,), "top_logprobs": (int,), "prompt_logprobs": (int,),
          **tool_calls.FIELDS}  # tools, tool_choice, parallel_tool_calls
 
@@ -184,6 +184,10 @@ def parse_completion(body) -> tuple[list, SamplingParams]:
     """-> (prompts: each a text or {"prompt_token_ids": [...]}, params). A list of texts or of token-id lists is a
     batch: one engine request per prompt."""
     _check_fields(body, _COMPLETION)
+    # Wrappers that always send the chat fields: harmless unless they ask for tools.
+    for key, neutral in [("tools", []), ("tool_choice", "none")]:
+        if body.get(key) not in (None, neutral):
+            raise ApiError(400, f"{key} is for chat completions (/v1/chat/completions) only", key)
     prompt = body.get("prompt")
     if isinstance(prompt, str) or _is_token_ids(prompt):
         prompt = [prompt]
@@ -205,7 +209,10 @@ def parse_completion(body) -> tuple[list, SamplingParams]:
     # The prompt's logprobs are computed once, for the larger of what echo's logprobs and vLLM's prompt_logprobs show
     # (each shows its own top n); echo with max_tokens 0 scores the prompt even if nobody reads the scores.
     wanted = [n for n in (_prompt_logprobs(body), logprobs if body.get("echo") else None) if n is not None]
-    if body.get("echo") and body.get("max_tokens") == 0 and not wanted:
+    requested = body.get("max_completion_tokens")
+    if requested is None:
+        requested = body.get("max_tokens")
+    if body.get("echo") and requested == 0 and not wanted:
         wanted = [0]
     # 16: OpenAI's default max_tokens for completions
     return prompts, _sampling_params(body, 16, logprobs, max(wanted) if wanted else None)

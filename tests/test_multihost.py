@@ -188,7 +188,8 @@ def test_every_message_kind_round_trips(kv_client):
     completion = CompletionOutput(0, "héllo", [3, 4], -1.25, [{3: Logprob(-0.5, 1, "h"), 9: Logprob(-2.0, 2, None)},
                                                              {4: Logprob(float("-inf"), 7)}], "length", 4)
     output = RequestOutput("r1", None, [1, 2], [completion, CompletionOutput(1, "", [], None, None)], True,
-                           RequestMetrics(1.5, 2.0, None, 3.25, 1))
+                           RequestMetrics(1.5, 2.0, None, 3.25, 1),
+                           prompt_logprobs=[None, {2: Logprob(-0.75, 3, "b"), 5: Logprob(-0.125, 1, "x")}])
     messages = [StepMessage(1, batch), EndMessage([output]), EndMessage(["a", "b"]), EndMessage(None),
                 EndMessage([]), EndMessage({"tok_s": 1.5, "runs": [1, 2]}), ErrorMessage(ValueError("bad prompt")),
                 AbortMessage("why"), ShutdownMessage()]

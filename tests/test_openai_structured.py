@@ -93,9 +93,18 @@ def test_the_field_a_grammar_error_is_blamed_on():
 
 
 def test_tools_are_chat_only():
-    with pytest.raises(ApiError) as e:
-        parse_completion({"prompt": "x", "tools": []})
-    assert e.value.param == "tools"
+    """Completions refuse tools and a tool_choice that asks for them, and accept the fields at their neutral values
+    (wrappers that always send them worked before tools existed)."""
+    for key, value in [("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "auto")]:
+        with pytest.raises(ApiError) as e:
+            parse_completion({"prompt": "x", key: value})
+        assert e.value.param == key
+    parse_completion({"prompt": "x", "tools": [], "tool_choice": "none", "parallel_tool_calls": True})
+
+
+def test_echo_with_max_completion_tokens_zero_scores_the_prompt():
+    params = parse_completion({"prompt": "x", "echo": True, "max_completion_tokens": 0})[1]
+    assert params.max_tokens == 0 and params.prompt_logprobs == 0
 
 
 def test_a_grammar_error_is_named_after_the_request_field():

@@ -129,6 +129,22 @@ def test_max_tokens_zero_scores_without_generating(tiny):
     llm.core.assert_idle_and_clean()
 
 
+def test_max_tokens_zero_when_the_last_chunk_leaves_one_token(tiny):
+    """A prompt whose last chunk is one token (a step's budget plus one, or a budget shared with a decode) is still
+    computed, though its request generates nothing (it used to wait forever: its length limit counted as reached)."""
+    path, _ = tiny
+    llm = make_llm(path)  # 16 tokens a step
+    seed = int(np.random.default_rng().integers(2 ** 31))
+    ps = prompts(np.random.default_rng(seed), [17, 33, 5, 16])
+    params = [SamplingParams(max_tokens=0, prompt_logprobs=0)] * 3 + [
+        SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)]
+    outs = llm.generate(ps, params, use_tqdm=False)
+    assert [len(o.prompt_logprobs) for o in outs[:3]] == [17, 33, 5], f"seed {seed}"
+    assert all(o.outputs[0].finish_reason == "length" and not o.outputs[0].token_ids for o in outs[:3])
+    assert len(outs[3].outputs[0].token_ids) == 8
+    llm.core.assert_idle_and_clean()
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(max_tokens=0), "max_tokens may be 0 only with prompt_logprobs"),
     (dict(prompt_logprobs=21), "prompt_logprobs must be an integer in"),
@@ -182,6 +198,8 @@ def test_echo_returns_the_prompt_then_the_completion(served, default_llm):
     assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
     assert lp["token_logprobs"][n:] == p["logprobs"]["token_logprobs"]
     assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
+    # each token starts where the one before ends, across the prompt / completion boundary too
+    assert all(b - a == len(t) for a, b, t in zip(lp["text_offset"], lp["text_offset"][1:], lp["tokens"]))
     assert all(len(top) in (2, 3) for top in lp["top_logprobs"][1:])
     # vLLM's prompt_logprobs, beside: the same scores, its own top n
     plp = e["prompt_logprobs"]

@@ -165,8 +165,9 @@ class Sequence:
 
     @property
     def reached_length_limit(self) -> bool:
-        """Ends at length once the in-flight token lands: nothing more to schedule."""
-        limit = self.max_model_len if self.params.max_tokens is None else self.params.max_tokens
+        """Ends at length once the in-flight token lands: nothing more to schedule. max_tokens 0 (score a prompt)
+        counts as 1: the prompt's last token must still be computed, and the token it samples is dropped."""
+        limit = self.max_model_len if self.params.max_tokens is None else max(self.params.max_tokens, 1)
         return self.num_generated >= limit or self.num_tokens >= self.max_model_len
 
     @property

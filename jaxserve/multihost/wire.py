@@ -158,6 +158,8 @@ def _plain_result(result) -> dict:
             for c in plain["outputs"]:  # {token id: Logprob} per token: JSON keys are strings, so pairs
                 if c["logprobs"] is not None:
                     c["logprobs"] = [list(entry.items()) for entry in c["logprobs"]]
+            if plain.get("prompt_logprobs") is not None:  # the same, None for the first prompt token
+                plain["prompt_logprobs"] = [None if e is None else list(e.items()) for e in plain["prompt_logprobs"]]
             outputs.append(plain)
         return {"outputs": outputs}
     try:
@@ -177,6 +179,10 @@ def _result(plain: dict):
         completions = [CompletionOutput(**{**c, "logprobs": None if c["logprobs"] is None else [
             {int(t): Logprob(**lp) for t, lp in entry} for entry in c["logprobs"]]}) for c in r["outputs"]]
         metrics = None if r["metrics"] is None else RequestMetrics(**r["metrics"])
-        outputs.append(RequestOutput(**{**r, "outputs": completions, "metrics": metrics}))
+        prompt_logprobs = r.get("prompt_logprobs")
+        if prompt_logprobs is not None:
+            prompt_logprobs = [None if e is None else {int(t): Logprob(**lp) for t, lp in e} for e in prompt_logprobs]
+        outputs.append(RequestOutput(**{**r, "outputs": completions, "metrics": metrics,
+                                        "prompt_logprobs": prompt_logprobs}))
     return outputs
 

@@ -158,12 +158,12 @@ class CompletionResponse:
         if self.echo and first:
             prefix, prefix_lp = self._echo(i)
         lp = self._logprobs(c, self.text_offset[i])
-        if prefix_lp is not None:
+        if lp is not None and not self.chat:  # each token's own text, sent or still held back from the stream
+            self.text_offset[i] += sum(map(len, lp["tokens"]))
+        if prefix_lp is not None:  # the prompt's were counted by _echo
             lp = merge_logprobs([prefix_lp, lp])
         c = dataclasses.replace(c, text=prefix + c.text) if prefix else c
         self.text[i] += c.text
-        if lp is not None and not self.chat:  # each token's own text, sent or still held back from the stream
-            self.text_offset[i] += sum(map(len, lp["tokens"]))
         if not self.chat:
             choice = {"index": i, "text": c.text, "logprobs": lp, "finish_reason": c.finish_reason}
             if first and self.show_prompt_logprobs is not None:  # vLLM's, per choice (streamed: in its first chunk)
