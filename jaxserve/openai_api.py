@@ -304,7 +304,7 @@ def render_chat(messages: list[dict], tokenizer, tools: ToolRequest | None = Non
     """The prompt text of parsed messages: the model's chat template (which writes any BOS itself), given the tools
     as HF's apply_chat_template(tools=...) gives them (also under tool_choice none, as vLLM does)."""
     try:
-        return tokenizer.apply_chat_template(messages, tools=tools.tools if tools is not None else None)
+        return tokenizer.apply_chat_template(messages, **({"tools": tools.tools} if tools is not None else {}))
     except ValueError as e:
         raise ApiError(400, str(e), "messages") from None
 

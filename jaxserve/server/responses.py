@@ -86,8 +86,10 @@ class CompletionResponse:
         self.logprobs = [[] for _ in range(choices)]
         # Tool calls: each choice's text goes through its own parser (None: plain content), its deltas kept for a
         # whole response.
-        template = model.tokenizer.chat_template if model.tokenizer is not None else None
-        self.parsers = [tools.parser(template) if tools is not None else None for _ in range(choices)]
+        self.parsers = [None] * choices
+        if tools is not None:  # (only then is the tokenizer's template read: the rest need none)
+            template = model.tokenizer.chat_template if model.tokenizer is not None else None
+            self.parsers = [tools.parser(template) for _ in range(choices)]
         self.deltas = [[] for _ in range(choices)]
 
     def _token_text(self, token_id: int) -> str:
