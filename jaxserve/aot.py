@@ -29,7 +29,7 @@ from jaxserve.collectives import collective_census
 from jaxserve.config import ModelConfig
 from jaxserve.distributed import check_tensor_parallel, make_mesh, replicated
 from jaxserve.model.decoder import declared_params
-from jaxserve.pallas_kernels import ragged_kernel_for
+from jaxserve.pallas_kernels import page_head_dim_multiple, ragged_kernel_for
 from jaxserve.steps import Steps
 
 
@@ -201,7 +201,8 @@ def compile_serving(config: ModelConfig, dtype, device, *, max_num_seqs: int, ma
         mesh = make_mesh(tp, 1, devices)
     steps = Steps(config, dtype, backend, k, mesh, kv_cache_dtype)
     params = abstract_params(config, dtype) if params is None else params
-    kv = jax.eval_shape(lambda: init_kv_cache(config, num_pages, page_size, dtype, kv_cache_dtype))
+    lanes = page_head_dim_multiple(backend)
+    kv = jax.eval_shape(lambda: init_kv_cache(config, num_pages, page_size, dtype, kv_cache_dtype, lanes))
     buckets = Buckets.for_limits(max_num_seqs, max_num_batched_tokens, pages_needed(max_model_len, page_size))
     last_tokens = jax.ShapeDtypeStruct((max_num_seqs + 1,), jnp.int32)
     shapes = list(buckets.shapes())  # (tokens, rows)
@@ -241,7 +242,7 @@ def compile_serving(config: ModelConfig, dtype, device, *, max_num_seqs: int, ma
     tokens, rows = shapes[-1]
     local = config if tp == 1 else dataclasses.replace(config, num_heads=config.num_heads // tp,
                                                        num_kv_heads=config.num_kv_heads // tp)
-    pages = jax.eval_shape(lambda: init_kv_cache(local, 1, page_size, dtype, kv_cache_dtype))[0][0]
+    pages = jax.eval_shape(lambda: init_kv_cache(local, 1, page_size, dtype, kv_cache_dtype, lanes))[0][0]
     pages = jax.tree.map(lambda x: jax.ShapeDtypeStruct((num_pages, *x.shape[1:]), x.dtype), pages)
     results.append(_compile_kernel(local, dtype, device, backend, pages, tokens, rows, buckets.pages_per_row))
     return results

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 from jaxserve import pallas_kernels as pk
 from jaxserve.batch import RaggedRows
-from jaxserve.cache.kv_cache import read_pages, write_pages
+from jaxserve.cache.kv_cache import read_head_major, write_pages
 from jaxserve.options import ATTENTION_BACKENDS as BACKENDS
 from jaxserve.pallas_kernels.reference import ragged_attention_reference
 
@@ -56,12 +56,17 @@ def attention(q, k, v, k_pages, v_pages, rows: RaggedRows, *, sliding_window=Non
 
 # Finite, so a query with nothing to attend to (padding) gives a harmless value instead of NaN.
 _MASKED = -1e30
+# Scores and weighted values by the keys' rank: the step's own [keys, KVH, D]; pages as stored, shared by every
+# token [block_pages, KVH, page_size, D] or each token's own [n, block_pages, KVH, page_size, D]. Einsums on the
+# stored layout: a transpose to [keys, KVH, D] first would copy every block it reads.
+_SCORES = {3: "tkgd,lkd->tkgl", 4: "tkgd,bkpd->tkgbp", 5: "tkgd,tbkpd->tkgbp"}
+_VALUES = {3: "tkgl,lkd->tkgd", 4: "tkgbp,bkpd->tkgd", 5: "tkgbp,tbkpd->tkgd"}
 
 
 def write_kv(k_pages, v_pages, k, v, slot_mapping):
     """Scatter new keys/values into their cache slots.
 
-    k_pages, v_pages: [num_pages, page_size, kv_heads, head_dim] (or Int8Pages: quantized as they are written)
+    k_pages, v_pages: [num_pages, kv_heads, page_size, head_dim] (or Int8Pages: quantized as they are written)
     k, v:             [T, kv_heads, head_dim]
     slot_mapping:     [T] flat slot (page * page_size + offset); padding tokens point into the scratch page 0.
     """
@@ -86,7 +91,7 @@ def ragged_attention(q, k, v, k_pages, v_pages, rows: RaggedRows, *, sliding_win
     most what as many decode rows' do, and each loop adds ~1.5 s to a program's compile time.
     """
     T, H, D = q.shape
-    _, page_size, KVH, _ = k_pages.shape
+    _, KVH, page_size, _ = k_pages.shape
     G = H // KVH
     block = block_pages * page_size
     num_blocks = -(-rows.page_table.shape[1] // block_pages)
@@ -95,9 +100,10 @@ def ragged_attention(q, k, v, k_pages, v_pages, rows: RaggedRows, *, sliding_win
     q = q.reshape(T, KVH, G, D) * (D ** -0.5)
 
     def masked_scores(q, keys, visible, key_pos, q_pos):
-        # q [n, KVH, G, D]; keys [n, keys, KVH, D] (each token its own) or [keys, KVH, D] (shared by all tokens)
-        spec = "tkgd,tlkd->tkgl" if keys.ndim == 4 else "tkgd,lkd->tkgl"
-        s = jnp.einsum(spec, q, keys.astype(q.dtype), preferred_element_type=jnp.float32)
+        # q [n, KVH, G, D]; keys [n, block_pages, KVH, page_size, D] (each token its own pages, as stored),
+        # [block_pages, KVH, page_size, D] (pages shared by all tokens) or [keys, KVH, D] (the step's own keys)
+        s = jnp.einsum(_SCORES[keys.ndim], q, keys.astype(q.dtype), preferred_element_type=jnp.float32)
+        s = s.reshape(*s.shape[:3], -1)  # [n, KVH, G, keys]
         if sliding_window is not None:
             visible &= key_pos > q_pos[:, None] - sliding_window
         return jnp.where(visible[:, None, None, :], s, _MASKED)  # [n, KVH, G, keys]
@@ -107,13 +113,14 @@ def ragged_attention(q, k, v, k_pages, v_pages, rows: RaggedRows, *, sliding_win
         m_new = jnp.maximum(m, s.max(-1))
         p = jnp.exp(s - m_new[..., None])
         corr = jnp.exp(m - m_new)
-        spec = "tkgl,tlkd->tkgd" if values.ndim == 4 else "tkgl,lkd->tkgd"
-        acc = acc * corr[..., None] + jnp.einsum(spec, p.astype(values.dtype), values,
+        # pages: the keys axis back to (block_pages, page_size)
+        weights = p if values.ndim == 3 else p.reshape(*p.shape[:3], values.shape[-4], values.shape[-2])
+        acc = acc * corr[..., None] + jnp.einsum(_VALUES[values.ndim], weights.astype(values.dtype), values,
                                                  preferred_element_type=jnp.float32)
         return m_new, l * corr + p.sum(-1), acc
 
-    def read_block(pages, page_ids):  # page_ids [n, block_pages] -> [n, block, KVH, D]
-        return read_pages(pages, page_ids, q.dtype).reshape(page_ids.shape[0], block, KVH, D)
+    def read_block(pages, page_ids):  # page_ids [n, block_pages] -> [n, block_pages, KVH, page_size, D]
+        return read_head_major(pages, page_ids, q.dtype, D)
 
     # The step's own keys first: every real token sees at least itself, so the running max starts finite. A row's
     # tokens lie in order, so a token sees none after it in the flat array: blocks of `own_block` queries attend to

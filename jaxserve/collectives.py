@@ -112,7 +112,8 @@ def most_in_one_run(collectives) -> int:
 
 
 def collective_problems(compiled, config: ModelConfig, params, num_pages: int, page_size: int = 16,
-                        kv_cache_dtype: str = "auto", num_speculative_tokens: int = 0) -> list[str]:
+                        kv_cache_dtype: str = "auto", num_speculative_tokens: int = 0,
+                        head_dim_multiple: int = 1) -> list[str]:
     """What is unexpected in a tensor-parallel program's collectives (`compile_serving`'s record; config and params
     as compiled, i.e. `tensor_parallel_config`'s). Expected: a step reduces its [tokens, hidden] activations once
     after each row-parallel layer (o_proj, down_proj) and once after the vocab-split embedding (2 x layers + 1; an
@@ -140,7 +141,8 @@ def collective_problems(compiled, config: ModelConfig, params, num_pages: int, p
     if reductions != 2 * config.num_layers + 1:
         problems.append(f"{reductions} reductions of the [{tokens}, {config.hidden_size}] activations, expected "
                         f"{2 * config.num_layers + 1} (2 per layer + the embedding)")
-    kv = jax.eval_shape(lambda: init_kv_cache(config, num_pages, page_size, jnp.bfloat16, kv_cache_dtype))
+    kv = jax.eval_shape(lambda: init_kv_cache(config, num_pages, page_size, jnp.bfloat16, kv_cache_dtype,
+                                              head_dim_multiple))
     named = [("/".join(str(getattr(k, "key", k)) for k in path[-2:]), x.shape)
              for path, x in jax.tree_util.tree_leaves_with_path(params) if x.ndim > 1]
     named += [("KV cache pages", x.shape) for x in jax.tree.leaves(kv) if x.ndim > 1]

@@ -106,10 +106,10 @@ def param_shardings(mesh: Mesh, params, axes):
 
 
 def kv_pages_spec(kv_cache_dtype: str = "auto"):
-    """One layer's K (or V) pages [num_pages, page_size, kv_heads, head_dim]: split over KV heads (an int8 cache's
-    scales [num_pages, page_size, kv_heads] with them)."""
-    pages = mesh_spec(P("pages", "page", "kv_heads", "head_dim"))
-    return Int8Pages(pages, mesh_spec(P("pages", "page", "kv_heads"))) if kv_cache_dtype == "int8" else pages
+    """One layer's K (or V) pages [num_pages, kv_heads, page_size, head_dim]: split over KV heads (an int8 cache's
+    scales [num_pages, kv_heads, page_size] with them)."""
+    pages = mesh_spec(P("pages", "kv_heads", "page", "head_dim"))
+    return Int8Pages(pages, mesh_spec(P("pages", "kv_heads", "page"))) if kv_cache_dtype == "int8" else pages
 
 
 # q [tokens, heads, head_dim], and k or v [tokens, kv_heads, head_dim]: heads and KV heads split alike (RULES).

@@ -28,6 +28,7 @@ from jaxserve.distributed import check_tensor_parallel, device_groups, make_mesh
 from jaxserve.engine_config import EngineConfig
 from jaxserve.model.decoder import repeat_kv_heads
 from jaxserve.options import CPU_KV_CACHE_BYTES
+from jaxserve.pallas_kernels import page_head_dim_multiple
 from jaxserve.quantize import quantize_model
 from jaxserve.spec_config import check_draft
 from jaxserve.tokenizer import read_chat_template
@@ -104,13 +105,16 @@ def build_engine(c: EngineConfig) -> Engine:
     kv_bytes = c.kv_cache_memory_bytes or _default_kv_budget(
         (param_bytes(params) + (param_bytes(draft.params) if draft else 0)) // tp, c.gpu_memory_utilization)
     # The draft's pages are the target's page ids in a second cache: a page costs both.
+    # (pages padded for the kernel that reads them: the backend before its start-up check, which can only fall
+    # back to unpadded pages, so the count errs on the safe side)
+    lanes = page_head_dim_multiple(backend)
     num_pages = num_pages_for_budget(config, c.block_size, dtype, kv_bytes * tp, c.kv_cache_dtype,
-                                     draft.config if draft else None)
+                                     draft.config if draft else None, lanes)
     # Never more pages than max_num_seqs full-length sequences can use (+1 for the scratch page).
     num_pages = min(num_pages, c.max_num_seqs * pages_needed(max_model_len, c.block_size) + 1)
     max_model_len = _fitted_max_model_len(max_model_len, num_pages, c.block_size, asked=c.max_model_len is not None)
     logger.info("KV cache: %d pages of %d tokens (%.1f MB, %s)", num_pages, c.block_size,
-                num_pages * bytes_per_page(config, c.block_size, dtype, c.kv_cache_dtype) / 1e6,
+                num_pages * bytes_per_page(config, c.block_size, dtype, c.kv_cache_dtype, lanes) / 1e6,
                 "int8" if c.kv_cache_dtype == "int8" else jnp.dtype(dtype).name)
     buckets = Buckets.for_limits(c.max_num_seqs, c.max_num_batched_tokens, pages_needed(max_model_len, c.block_size))
     serving = dict(num_pages=num_pages, pages_per_seq=buckets.pages_per_row, max_num_seqs=c.max_num_seqs,

@@ -41,18 +41,24 @@ import jax.numpy as jnp  # noqa: E402
 from jaxserve import aot  # noqa: E402
 from jaxserve.collectives import collective_problems  # noqa: E402
 from jaxserve.cache import bytes_per_page, pages_needed  # noqa: E402
+from jaxserve.pallas_kernels import page_head_dim_multiple  # noqa: E402
 from jaxserve.weights.params import param_bytes  # noqa: E402
 
 # Dense bf16 peaks (public specs), for the compute side of the roofline.
 PEAK_FLOPS = {"v5e": 197e12, "v6e": 918e12, "h100": 989e12, "h200": 989e12}
 
 
-def kv_pages(config, chip, weight_bytes, args) -> int:
+def lanes_of(target: str) -> int:
+    """The head_dim multiple the target's Pallas kernel stores pages at."""
+    return page_head_dim_multiple("pallas-" + aot.target_devices(target)[0].platform)
+
+
+def kv_pages(config, chip, weight_bytes, args, lanes: int = 1) -> int:
     """Pages from what the chip holds after the weights (90%, as LLM's default budget), within what the engine's
     sequences can use and never less than one max_model_len sequence (so the program still compiles and the table
     can say it does not fit). Tensor parallel: each chip holds 1/tp of the weights and of every page."""
     tp = args.tensor_parallel_size
-    per_page = bytes_per_page(config, 16, jnp.bfloat16, args.kv_cache_dtype) // tp
+    per_page = bytes_per_page(config, 16, jnp.bfloat16, args.kv_cache_dtype, lanes) // tp
     per_seq = pages_needed(args.max_model_len, 16)
     budget = int(chip.hbm_bytes * 0.9) - weight_bytes // tp
     return max(per_seq + 1, min(budget // per_page, args.max_num_seqs * per_seq + 1))
@@ -94,8 +100,9 @@ def main() -> None:
             if tp > len(devices):
                 raise SystemExit(f"--tensor-parallel-size {tp} needs {tp} devices; {target} has {len(devices)}")
             device = devices[0]
-            num_pages = kv_pages(config, chip, weight_bytes, args)
-            kv_per_token = bytes_per_page(config, 16, jnp.bfloat16, args.kv_cache_dtype) / 16
+            lanes = lanes_of(target)
+            num_pages = kv_pages(config, chip, weight_bytes, args, lanes)
+            kv_per_token = bytes_per_page(config, 16, jnp.bfloat16, args.kv_cache_dtype, lanes) / 16
             start = time.perf_counter()
             results = aot.compile_serving(config, jnp.bfloat16, devices if tp > 1 else device,
                                           max_num_seqs=args.max_num_seqs,
@@ -132,7 +139,7 @@ def main() -> None:
                 if tp > 1 and r.program != "ragged attention":
                     row["collective_problems"] = collective_problems(
                         r, config, params, num_pages, kv_cache_dtype=args.kv_cache_dtype,
-                        num_speculative_tokens=args.num_speculative_tokens)
+                        num_speculative_tokens=args.num_speculative_tokens, head_dim_multiple=lanes)
                     ops = collections.Counter(r.collective_ops)
                     print("    collectives: " + (", ".join(f"{n} x {op}" for op, n in ops.items()) or "none")
                           + f"; largest all-gather {r.largest_all_gather_bytes / 1e6:.2f} MB")

@@ -13,7 +13,7 @@ class RaggedCase:
     q: np.ndarray  # [T, H, D]
     k: np.ndarray  # [T, KVH, D] this step's keys
     v: np.ndarray
-    k_pages: np.ndarray  # [num_pages, page_size, KVH, D]
+    k_pages: np.ndarray  # [num_pages, KVH, page_size, D]
     v_pages: np.ndarray
     batch: object  # StepInput (numpy)
     keys: list  # per row: (k_all, v_all) [start + n, KVH, D], every key of the row in position order
@@ -38,8 +38,8 @@ def random_ragged_case(rng, lengths, *, page_size=4, heads=6, kv_heads=2, head_d
     D = head_dim
     need = sum(-(-(s + n) // page_size) for s, n in lengths)
     num_pages = num_pages or need + 8
-    k_pages = rng.normal(size=(num_pages, page_size, kv_heads, D)).astype(dtype)
-    v_pages = rng.normal(size=(num_pages, page_size, kv_heads, D)).astype(dtype)
+    k_pages = rng.normal(size=(num_pages, kv_heads, page_size, D)).astype(dtype)
+    v_pages = rng.normal(size=(num_pages, kv_heads, page_size, D)).astype(dtype)
     free = list(rng.permutation(np.arange(1, num_pages)))
     rows, keys = [], []
     for start, n in lengths:
@@ -47,8 +47,8 @@ def random_ragged_case(rng, lengths, *, page_size=4, heads=6, kv_heads=2, head_d
         k_all = rng.normal(size=(start + n, kv_heads, D)).astype(dtype)
         v_all = rng.normal(size=(start + n, kv_heads, D)).astype(dtype)
         for t in range(start):  # the cached prefix, scattered over the row's pages
-            k_pages[pages[t // page_size], t % page_size] = k_all[t]
-            v_pages[pages[t // page_size], t % page_size] = v_all[t]
+            k_pages[pages[t // page_size], :, t % page_size] = k_all[t]
+            v_pages[pages[t // page_size], :, t % page_size] = v_all[t]
         rows.append(Row([0] * n, start, pages))
         keys.append((k_all, v_all))
     total = sum(n for _, n in lengths)

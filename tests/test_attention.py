@@ -48,9 +48,11 @@ def test_write_puts_new_tokens_in_their_slots_only():
     case = random_ragged_case(rng, [(10, 3), (0, 5), (7, 1)], page_size=4)
     slots = case.batch.slot_mapping
     k_after, _ = write_kv(jnp.asarray(case.k_pages), jnp.asarray(case.v_pages), case.k, case.v, slots)
-    k_after = np.asarray(k_after).reshape(-1, *case.k.shape[1:])
+    def by_slot(pages):  # [num_pages, KVH, page_size, D] -> [slots, KVH, D]
+        return np.swapaxes(np.asarray(pages), 1, 2).reshape(-1, *case.k.shape[1:])
+    k_after = by_slot(k_after)
     real = case.rows.positions >= 0
     np.testing.assert_array_equal(k_after[slots[real]], case.k[real])
-    page_size = case.k_pages.shape[1]
+    page_size = case.k_pages.shape[2]
     untouched = np.setdiff1d(np.arange(page_size, case.k_pages.shape[0] * page_size), slots)  # page 0: scratch
-    np.testing.assert_array_equal(k_after[untouched], case.k_pages.reshape(-1, *case.k.shape[1:])[untouched])
+    np.testing.assert_array_equal(k_after[untouched], by_slot(case.k_pages)[untouched])

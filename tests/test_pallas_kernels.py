@@ -176,7 +176,7 @@ def test_lowers_for_the_gpu(heads, kv_heads, head_dim):
     sds, i32, bf16 = jax.ShapeDtypeStruct, jnp.int32, jnp.bfloat16
     T, S, P, num_pages, page_size = 512, 64, 512, 1024, 16
     rows = RaggedRows(sds((T,), i32), sds((T,), i32), sds((S + 1,), i32), sds((S,), i32), sds((S, P), i32))
-    pages = sds((num_pages, page_size, kv_heads, head_dim), bf16)
+    pages = sds((num_pages, kv_heads, page_size, head_dim), bf16)
     int8_pages = Int8Pages(sds(pages.shape, jnp.int8), sds(pages.shape[:-1], jnp.float32))
     q, kv = sds((T, heads, head_dim), bf16), sds((T, kv_heads, head_dim), bf16)
     # Triton kernels carry no serialization guarantee; lowering them is what is checked.

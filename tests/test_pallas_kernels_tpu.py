@@ -9,9 +9,10 @@ import pytest
 from jax.experimental.pallas import tpu as pltpu
 
 from jaxserve.batch import RaggedRows
-from jaxserve.cache.kv_cache import Int8Pages, write_pages
+from jaxserve.cache.kv_cache import Int8Pages
 from jaxserve.pallas_kernels.ragged_attention_tpu import ragged_attention_tpu
 from jaxserve.pallas_kernels.reference import ragged_attention_reference
+from jaxserve.pallas_kernels.self_check import quantize_pages
 from ragged import KINDS, expected, random_ragged_case, row_lengths
 
 # Uninitialised VMEM reads as NaN, so a value the kernel never wrote shows in the output.
@@ -66,12 +67,7 @@ def test_int8_pages_match_the_oracle_on_the_same_pages():
     rng, seed = fresh_rng()
     case = random_ragged_case(rng, row_lengths(rng, "mixed", max_start=40), page_size=4, head_dim=8)
 
-    def quantize(pages):  # the cache's own quantizer, every slot written
-        num_pages, page_size, kv_heads, head_dim = pages.shape
-        empty = Int8Pages(jnp.zeros(pages.shape, jnp.int8), jnp.zeros(pages.shape[:-1], jnp.float32))
-        return write_pages(empty, jnp.asarray(pages).reshape(-1, kv_heads, head_dim), jnp.arange(num_pages * page_size))
-
-    k_pages, v_pages = quantize(case.k_pages), quantize(case.v_pages)
+    k_pages, v_pages = quantize_pages(jnp.asarray(case.k_pages)), quantize_pages(jnp.asarray(case.v_pages))
     got, args = run(case, k_pages=k_pages, v_pages=v_pages, window=30, block_q=8, pages_per_block=3)
     check(got, np.asarray(ragged_attention_reference(*args, sliding_window=30)), seed)
 
@@ -82,7 +78,7 @@ def lowering_calls(heads, kv_heads, head_dim, sds):
     i32, bf16 = jnp.int32, jnp.bfloat16
     T, S, P, num_pages, page_size = 512, 64, 512, 1024, 16
     rows = RaggedRows(sds((T,), i32), sds((T,), i32), sds((S + 1,), i32), sds((S,), i32), sds((S, P), i32))
-    pages = sds((num_pages, page_size, kv_heads, head_dim), bf16)
+    pages = sds((num_pages, kv_heads, page_size, head_dim), bf16)
     int8_pages = Int8Pages(sds(pages.shape, jnp.int8), sds(pages.shape[:-1], jnp.float32))
     q, kv = sds((T, heads, head_dim), bf16), sds((T, kv_heads, head_dim), bf16)
     for cache in (pages, int8_pages):

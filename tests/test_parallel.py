@@ -57,10 +57,10 @@ def test_weights_and_pages_are_split(tp_dir, tp):
     q = r.params["params"]["layers_0"]["q_proj"]["kernel"]
     assert q.sharding.spec == jax.sharding.PartitionSpec(None, MODEL)
     assert r.params["params"]["layers_0"]["o_proj"]["kernel"].sharding.spec == jax.sharding.PartitionSpec(MODEL, None)
-    k_pages = r.kv_cache[0][0]  # [num_pages, page_size, kv_heads, head_dim]
-    assert k_pages.shape[2] == max(2, tp)  # 2 KV heads, repeated to one per device beyond 2
+    k_pages = r.kv_cache[0][0]  # [num_pages, kv_heads, page_size, head_dim]
+    assert k_pages.shape[1] == max(2, tp)  # 2 KV heads, repeated to one per device beyond 2
     for shard in k_pages.addressable_shards:
-        assert shard.data.shape == (*k_pages.shape[:2], 1 if tp >= 2 else 2, k_pages.shape[3])
+        assert shard.data.shape == (k_pages.shape[0], 1 if tp >= 2 else 2, *k_pages.shape[2:])
     assert len(bytes_per_device(r.kv_cache)) == tp
 
 

@@ -145,12 +145,12 @@ def test_int8_embedding_rows():
 
 def test_int8_kv_pages_round_trip_and_bytes():
     rng = np.random.default_rng()
-    pages = Int8Pages(jnp.zeros((4, 8, 2, 16), jnp.int8), jnp.zeros((4, 8, 2), jnp.float32))
+    pages = Int8Pages(jnp.zeros((4, 2, 8, 16), jnp.int8), jnp.zeros((4, 2, 8), jnp.float32))
     x = jnp.asarray(rng.standard_normal((5, 2, 16)) * rng.uniform(0.1, 10, (5, 2, 1)), jnp.float32)
     slots = jnp.asarray([8, 9, 10, 30, 31])
     pages = write_pages(pages, x, slots)
     flat = read_pages(pages, jnp.arange(4), jnp.float32).reshape(-1, 2, 16)
-    scale = np.asarray(pages.scale).reshape(-1, 2)[np.asarray(slots)]
+    scale = np.swapaxes(np.asarray(pages.scale), 1, 2).reshape(-1, 2)[np.asarray(slots)]
     assert (np.abs(np.asarray(flat[slots]) - np.asarray(x)) <= 0.5 * scale[..., None] + 1e-6).all()
     assert not np.asarray(flat[:8]).any()  # nothing written outside the slots
 

@@ -20,6 +20,7 @@ from jaxserve.buckets import Buckets, round_up
 from jaxserve.cache import init_kv_cache, pages_needed
 from jaxserve.multihost import LeaderFollower
 from jaxserve.distributed import log_placement, place, replicated
+from jaxserve.pallas_kernels import page_head_dim_multiple
 from jaxserve.steps import steps_for
 
 logger = logging.getLogger("jaxserve")
@@ -55,7 +56,8 @@ class ModelRunner:
                                rc.kv_cache_dtype)
 
         def new_cache():
-            return init_kv_cache(config, rc.num_pages, rc.page_size, rc.dtype, rc.kv_cache_dtype)
+            return init_kv_cache(config, rc.num_pages, rc.page_size, rc.dtype, rc.kv_cache_dtype,
+                                 page_head_dim_multiple(rc.attention_backend))
         if mesh is None:
             self.params = params
             self.kv_cache = new_cache()

@@ -1,5 +1,11 @@
 """The paged KV cache: per layer a K and a V page array, a plain pytree donated through every step.
 
+Pages are head-major, [num_pages, kv_heads, page_size, head_dim]: one KV head of one page is a contiguous
+[page_size, head_dim] tile, so a kernel fetches (DMA, TPU) or loads (GPU) a head's keys of a page as one block,
+and TPU's (8, 128)-tiled layout of the two minor dimensions holds them without padding when head_dim is a multiple
+of 128. Where the attention kernel needs that (TPU), the stored head_dim is padded up to `head_dim_multiple`
+with zeros (written as zeros: a query padded alike scores the same); everything that reads pages slices it back.
+
 Pages hold the model's dtype, or int8 with a float32 scale per token and KV head beside them (`Int8Pages`): about
 half of bfloat16's bytes (a quarter of float32's), so a memory budget holds about twice the sequences.
 """
@@ -21,8 +27,8 @@ KV_CACHE_DTYPES = ("auto", "int8")  # auto: the model's dtype
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class Int8Pages:
-    values: jax.Array  # int8 [num_pages, page_size, kv_heads, head_dim]
-    scale: jax.Array  # float32 [num_pages, page_size, kv_heads]: a token's head ~= values * scale
+    values: jax.Array  # int8 [num_pages, kv_heads, page_size, head_dim]
+    scale: jax.Array  # float32 [num_pages, kv_heads, page_size]: a token's head ~= values * scale
 
     @property
     def shape(self):
@@ -35,27 +41,37 @@ def check_kv_cache_dtype(kv_cache_dtype: str) -> str:
     return kv_cache_dtype
 
 
-def bytes_per_page(config: ModelConfig, page_size: int, dtype, kv_cache_dtype: str = "auto") -> int:
-    per_head = (config.head_dim + 4 if kv_cache_dtype == "int8"
-                else config.head_dim * jnp.dtype(dtype).itemsize)  # int8: a byte per value and a float32 scale
+def stored_head_dim(head_dim: int, head_dim_multiple: int = 1) -> int:
+    """head_dim as the pages store it: rounded up to a multiple (TPU: 128 lanes)."""
+    return -(-head_dim // head_dim_multiple) * head_dim_multiple
+
+
+def bytes_per_page(config: ModelConfig, page_size: int, dtype, kv_cache_dtype: str = "auto",
+                   head_dim_multiple: int = 1) -> int:
+    head_dim = stored_head_dim(config.head_dim, head_dim_multiple)
+    per_head = (head_dim + 4 if kv_cache_dtype == "int8"
+                else head_dim * jnp.dtype(dtype).itemsize)  # int8: a byte per value and a float32 scale
     return 2 * config.num_layers * page_size * config.num_kv_heads * per_head
 
 
 def num_pages_for_budget(config: ModelConfig, page_size: int, dtype, memory_bytes: int,
-                         kv_cache_dtype: str = "auto", draft_config: ModelConfig | None = None) -> int:
+                         kv_cache_dtype: str = "auto", draft_config: ModelConfig | None = None,
+                         head_dim_multiple: int = 1) -> int:
     """Pages the budget holds; with a draft model, each page id has a page in the draft's cache too."""
-    per_page = bytes_per_page(config, page_size, dtype, kv_cache_dtype)
+    per_page = bytes_per_page(config, page_size, dtype, kv_cache_dtype, head_dim_multiple)
     if draft_config is not None:
-        per_page += bytes_per_page(draft_config, page_size, dtype, kv_cache_dtype)
+        per_page += bytes_per_page(draft_config, page_size, dtype, kv_cache_dtype, head_dim_multiple)
     n = memory_bytes // per_page
     if n < 2:
         raise ValueError(f"a KV-cache budget of {memory_bytes} bytes holds fewer than 2 pages of {page_size} tokens")
     return int(n)
 
 
-def init_kv_cache(config: ModelConfig, num_pages: int, page_size: int, dtype, kv_cache_dtype: str = "auto"):
-    """Returns per layer (k_pages, v_pages), each [num_pages, page_size, kv_heads, head_dim] (or Int8Pages), zeroed."""
-    shape = (num_pages, page_size, config.num_kv_heads, config.head_dim)
+def init_kv_cache(config: ModelConfig, num_pages: int, page_size: int, dtype, kv_cache_dtype: str = "auto",
+                  head_dim_multiple: int = 1):
+    """Returns per layer (k_pages, v_pages), each [num_pages, kv_heads, page_size, head_dim'] (or Int8Pages), zeroed;
+    head_dim' is head_dim rounded up to head_dim_multiple."""
+    shape = (num_pages, config.num_kv_heads, page_size, stored_head_dim(config.head_dim, head_dim_multiple))
     if check_kv_cache_dtype(kv_cache_dtype) == "int8":
         def pages():
             return Int8Pages(jnp.zeros(shape, jnp.int8), jnp.zeros(shape[:-1], jnp.float32))
@@ -65,11 +81,20 @@ def init_kv_cache(config: ModelConfig, num_pages: int, page_size: int, dtype, kv
     return [(pages(), pages()) for _ in range(config.num_layers)]
 
 
-def read_pages(pages, page_ids, dtype) -> jax.Array:
-    """pages[page_ids] in dtype: [*page_ids.shape, page_size, kv_heads, head_dim]."""
+def read_pages(pages, page_ids, dtype, head_dim: int | None = None) -> jax.Array:
+    """pages[page_ids] in dtype, token-major: [*page_ids.shape, page_size, kv_heads, head_dim] (the stored head_dim
+    cut to head_dim, if given). For oracles and tests; the attention paths read head-major blocks
+    (`read_head_major`)."""
+    return jnp.swapaxes(read_head_major(pages, page_ids, dtype, head_dim), -3, -2)
+
+
+def read_head_major(pages, page_ids, dtype, head_dim: int | None = None) -> jax.Array:
+    """pages[page_ids] in dtype as stored: [*page_ids.shape, kv_heads, page_size, head_dim] (cut to head_dim)."""
     if isinstance(pages, Int8Pages):
-        return take_pages(pages.values, page_ids).astype(dtype) * take_pages(pages.scale, page_ids)[..., None].astype(dtype)
-    return take_pages(pages, page_ids).astype(dtype)
+        x = take_pages(pages.values, page_ids).astype(dtype) * take_pages(pages.scale, page_ids)[..., None].astype(dtype)
+    else:
+        x = take_pages(pages, page_ids).astype(dtype)
+    return x if head_dim is None else x[..., :head_dim]
 
 
 def take_pages(pages, page_ids) -> jax.Array:
@@ -80,14 +105,17 @@ def take_pages(pages, page_ids) -> jax.Array:
 
 
 def write_pages(pages, x, slots):
-    """Scatters x [tokens, kv_heads, head_dim] into flat slots [tokens] (page * page_size + offset)."""
+    """Scatters x [tokens, kv_heads, head_dim] into flat slots [tokens] (page * page_size + offset), zero-padded to
+    the stored head_dim."""
     # Indexed by (page, offset), not through a reshape to flat slots: with a single KV head (Gemma 3) the reshaped
     # scatter made XLA:CPU copy every layer's whole page array instead of writing in place (85 ms a step, measured).
-    page, offset = slots // pages.shape[1], slots % pages.shape[1]
+    page_size, stored = pages.shape[2], pages.shape[3]
+    page, offset = slots // page_size, slots % page_size
+    x = jnp.pad(x, ((0, 0), (0, 0), (0, stored - x.shape[-1])))
     if isinstance(pages, Int8Pages):
         x32 = x.astype(jnp.float32)
         scale = jnp.max(jnp.abs(x32), axis=-1) / 127.0  # [tokens, kv_heads]: per token and head
         scale = jnp.where(scale > 0, scale, 1.0)
         q = jnp.clip(jnp.round(x32 / scale[..., None]), -127, 127).astype(jnp.int8)
-        return Int8Pages(pages.values.at[page, offset].set(q), pages.scale.at[page, offset].set(scale))
-    return pages.at[page, offset].set(x.astype(pages.dtype))
+        return Int8Pages(pages.values.at[page, :, offset].set(q), pages.scale.at[page, :, offset].set(scale))
+    return pages.at[page, :, offset].set(x.astype(pages.dtype))

@@ -21,6 +21,19 @@ BLOCK_SIZES = {
 }
 
 
+# The multiple a backend's pages store head_dim at (`jaxserve.cache.kv_cache`). TPU tiles an array's two minor
+# dimensions by (8, 128): a head's [page_size, head_dim] of a page is whole tiles, which Mosaic DMAs in place, only
+# when head_dim is a multiple of 128. Else XLA relays the whole cache out around every kernel call (deviceless,
+# SmolLM2's head_dim 64: 269 MB of temporaries per call against 50 MB of K pages); padding costs 2x its pages.
+PAGE_HEAD_DIM_MULTIPLE = {"tpu": 128, "tpu-interpret": 128}
+
+
+def page_head_dim_multiple(backend: str) -> int:
+    """What the pages of a resolved backend (reference, dense, pallas-gpu, pallas-tpu, + -interpret) round head_dim
+    up to."""
+    return PAGE_HEAD_DIM_MULTIPLE.get(backend.removeprefix("pallas-"), 1)
+
+
 def ragged_kernel_for(backend: str):
     """The ragged attention kernel of a resolved Pallas backend (pallas-gpu, pallas-tpu, + -interpret), as a function
     with `ragged_attention_reference`'s signature: (q, k, v, k_pages, v_pages, rows, *, sliding_window=None)."""
@@ -37,4 +50,5 @@ def ragged_kernel_for(backend: str):
     return functools.partial(ragged_attention_tpu, interpret=interpret, **sizes)
 
 
-__all__ = ["ragged_attention_gpu", "BLOCK_SIZES", "ragged_kernel_for", "int8_matmul", "int4_matmul"]
+__all__ = ["ragged_attention_gpu", "BLOCK_SIZES", "PAGE_HEAD_DIM_MULTIPLE", "page_head_dim_multiple",
+           "ragged_kernel_for", "int8_matmul", "int4_matmul"]

@@ -30,8 +30,8 @@ from jax.experimental.pallas import triton as pltriton
 
 from jaxserve.batch import RaggedRows
 from jaxserve.pallas_kernels.query_blocks import query_blocks, unblock
-from jaxserve.pallas_kernels.softmax import (dequantize, pow2, scores, softmax_block, softmax_init, softmax_result,
-                                             split_pages)
+from jaxserve.pallas_kernels.softmax import (dequantize, pad_head_dim, pow2, scores, softmax_block, softmax_init,
+                                             softmax_result, split_pages)
 
 _FAR = 2 ** 30  # a position past every real one: "no token here" in the block metadata
 # Per block slot, in the order the kernel reads them: cached keys, first new token of the row (flat index), the
@@ -43,7 +43,7 @@ def _kernel(meta_ref, q_pos_ref, table_ref, q_ref, k_ref, v_ref, k_pos_ref, k_pa
             page_size, block_pages, block_k, sliding_window, scale, quantized):
     # meta_ref [1, 8] (see _CACHED...); q_pos_ref [rows] (-1: no query); table_ref [P]; q_ref [rows, D];
     # k_ref, v_ref [T + block_k, D] this step's keys of this KV head; k_pos_ref [T + block_k] their positions;
-    # k_pages_ref, v_pages_ref [num_pages, page_size, D] (int8 when quantized, then the scales
+    # k_pages_ref, v_pages_ref [num_pages, page_size, D] of this KV head (int8 when quantized, then the scales
     # [num_pages, page_size] float32 follow); o_ref [rows, D]
     o_ref = refs[-1]
     k_scale_ref, v_scale_ref = refs[:2] if quantized else (None, None)
@@ -92,14 +92,15 @@ def _kernel(meta_ref, q_pos_ref, table_ref, q_ref, k_ref, v_ref, k_pos_ref, k_pa
 def ragged_attention_gpu(q, k, v, k_pages, v_pages, rows: RaggedRows, *, sliding_window=None, block_q=16,
                          block_k=32, block_pages=8, interpret=False):
     """Arguments and result as `ragged_attention_reference`: q [T, H, D], k, v [T, KVH, D], pages
-    [num_pages, page_size, KVH, D] (or Int8Pages) -> [T, H, D]; padding tokens give zeros.
+    [num_pages, KVH, page_size, D'] (or Int8Pages; D' >= D, stored padded) -> [T, H, D]; padding tokens give zeros.
 
     block_q: new tokens of one row per program (its dots have block_q * H / KVH rows, padded to a power of two);
     block_k: new keys per step of a program's walk over its row's new tokens (a power of two, >= 16 on GPU);
     block_pages: cached pages per step of the walk over its row's pages.
     """
-    T, H, D = q.shape
-    num_pages, page_size, KVH, _ = k_pages.shape
+    T, H, head_dim = q.shape
+    num_pages, KVH, page_size, D = k_pages.shape
+    q, k, v = pad_head_dim(D, q, k, v)
     G = H // KVH
     S, P = rows.page_table.shape
     NB = T // block_q + S  # a row of n tokens takes cdiv(n, block_q) <= n // block_q + 1 blocks
@@ -134,7 +135,7 @@ def ragged_attention_gpu(q, k, v, k_pages, v_pages, rows: RaggedRows, *, sliding
     Tk, Pt = T + block_k, table.shape[1]
 
     kernel = functools.partial(_kernel, page_size=page_size, block_pages=bp, block_k=block_k,
-                               sliding_window=sliding_window, scale=D ** -0.5, quantized=quantized)
+                               sliding_window=sliding_window, scale=head_dim ** -0.5, quantized=quantized)
     out = pl.pallas_call(
         kernel,
         grid=(NB, KVH),
@@ -146,9 +147,9 @@ def ragged_attention_gpu(q, k, v, k_pages, v_pages, rows: RaggedRows, *, sliding
             pl.BlockSpec((Tk, None, D), lambda b, h: (0, h, 0)),  # this step's keys of this head
             pl.BlockSpec((Tk, None, D), lambda b, h: (0, h, 0)),  # and values
             pl.BlockSpec((Tk,), lambda b, h: (0,)),  # their positions
-            pl.BlockSpec((num_pages, page_size, None, D), lambda b, h: (0, 0, h, 0)),  # K pages of this head
-            pl.BlockSpec((num_pages, page_size, None, D), lambda b, h: (0, 0, h, 0)),  # V pages of this head
-        ] + [pl.BlockSpec((num_pages, page_size, None), lambda b, h: (0, 0, h))] * len(scales),  # their scales
+            pl.BlockSpec((num_pages, None, page_size, D), lambda b, h: (0, h, 0, 0)),  # K pages of this head
+            pl.BlockSpec((num_pages, None, page_size, D), lambda b, h: (0, h, 0, 0)),  # V pages of this head
+        ] + [pl.BlockSpec((num_pages, None, page_size), lambda b, h: (0, h, 0))] * len(scales),  # their scales
         out_specs=pl.BlockSpec((None, None, R, D), lambda b, h: (b, h, 0, 0)),
         out_shape=jax.ShapeDtypeStruct((NB, KVH, R, D), q.dtype),
         # Triton explicitly: JAX now lowers GPU Pallas to Mosaic GPU unless told otherwise.
@@ -160,4 +161,4 @@ def ragged_attention_gpu(q, k, v, k_pages, v_pages, rows: RaggedRows, *, sliding
 
     # Back to the flat tokens: token t of row r sits in slot first_block[r] + local // block_q, at local % block_q.
     out = out[:, :, :block_q * G].reshape(NB, KVH, block_q, G, D).transpose(0, 2, 1, 3, 4).reshape(NB * block_q, H, D)
-    return unblock(out, blocks, rows, q.dtype)
+    return unblock(out[..., :head_dim], blocks, rows, q.dtype)

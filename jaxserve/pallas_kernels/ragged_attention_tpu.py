@@ -14,11 +14,11 @@ window skips the ones before it). All query heads of a KV head are rows of one m
 int8 pages (`Int8Pages`) bring their per-token scales along and are dequantized in VMEM, to the queries' dtype
 as `read_pages` does.
 
-Why whole pages, all KV heads, per program (not a (block, KV head) grid with one head's slice per DMA): in the
-[num_pages, page_size, kv_heads, head_dim] layout the (kv_heads, head_dim) dims are the tiled ones, and Mosaic
-rejects a DMA starting at a head that is not on a tile boundary ("Offsets along tiled dimensions must be aligned
-to tiles"). Taking every head of a page at once reads each page once per query block, which is what a per-head
-grid would read in total too; a head-major cache layout would allow the per-head split.
+The pages are head-major ([num_pages, KVH, page_size, D], `jaxserve.cache.kv_cache`) with D padded to 128 lanes
+on TPU, so a head's [page_size, D] of a page is whole (8, 128) tiles and the kernel DMAs pages straight from the
+cache (in the token-major layout, or at head_dim 64 unpadded, XLA copied the whole cache into Mosaic's tiling
+around every call: 269 MB of temporaries per call at SmolLM2's shape, deviceless v5e). A program still fetches
+every KV head of a page at once: each page is read once per query block, what a per-head grid would read too.
 """
 from __future__ import annotations
 
@@ -31,7 +31,8 @@ from jax.experimental.pallas import tpu as pltpu
 
 from jaxserve.batch import RaggedRows
 from jaxserve.pallas_kernels.query_blocks import query_blocks, unblock
-from jaxserve.pallas_kernels.softmax import MASKED, dequantize, scores, softmax_block, softmax_result, split_pages
+from jaxserve.pallas_kernels.softmax import (MASKED, dequantize, pad_head_dim, scores, softmax_block, softmax_result,
+                                             split_pages)
 
 
 def _stream(lo, hi, start, wait, compute):
@@ -54,11 +55,11 @@ def _stream(lo, hi, start, wait, compute):
 
 def _kernel(block_row_ref, first_block_ref, query_start_ref, cached_lens_ref, table_ref,  # scalar prefetch (SMEM)
             q_pos_ref, q_ref, k_own_hbm, v_own_hbm, k_hbm, v_hbm, *refs,
-            block_q, pages_per_block, pages_per_row, sliding_window, quantized):
+            block_q, pages_per_block, pages_per_row, sliding_window, sm_scale, quantized):
     # q_pos_ref [rows, 1] (rows = block_q * G, token-major; -1: empty slot); q_ref [KVH, rows, D]
-    # k_own_hbm, v_own_hbm [blocks, KVH, block_q, D]; k_hbm, v_hbm [num_pages, page_size, KVH, D] (int8 if quantized,
-    # then k_scale_hbm, v_scale_hbm [num_pages, page_size, KVH] float32); o_ref [KVH, rows, D]; scratch: page
-    # buffers [2, pages_per_block, page_size, KVH, D] (scales [..., KVH]), own-key buffers [2, KVH, block_q, D],
+    # k_own_hbm, v_own_hbm [blocks, KVH, block_q, D]; k_hbm, v_hbm [num_pages, KVH, page_size, D] (int8 if quantized,
+    # then k_scale_hbm, v_scale_hbm [num_pages, KVH, page_size] float32); o_ref [KVH, rows, D]; scratch: page
+    # buffers [2, pages_per_block, KVH, page_size, D] (scales [..., page_size]), own-key buffers [2, KVH, block_q, D],
     # running softmax m_sc, l_sc [KVH, rows, 1], acc_sc [KVH, rows, D] (float32), DMA semaphores [2, 2]
     if quantized:
         k_scale_hbm, v_scale_hbm, o_ref, k_buf, v_buf, k_scale_buf, v_scale_buf, *refs = refs
@@ -66,7 +67,7 @@ def _kernel(block_row_ref, first_block_ref, query_start_ref, cached_lens_ref, ta
         (o_ref, k_buf, v_buf, *refs), k_scale_buf, v_scale_buf = refs, None, None
     own_k_buf, own_v_buf, m_sc, l_sc, acc_sc, sems = refs
     b = pl.program_id(0)
-    _, page_size, num_kv_heads, head_dim = k_hbm.shape
+    _, num_kv_heads, page_size, head_dim = k_hbm.shape
     block_kv = pages_per_block * page_size
     row = block_row_ref[b]
     j = b - first_block_ref[row]  # this block's place in its row
@@ -75,7 +76,6 @@ def _kernel(block_row_ref, first_block_ref, query_start_ref, cached_lens_ref, ta
     first_local = j * block_q  # the block's first token, counted from the row's first new token
     used = first_local < num_new  # False: an empty slot past the last block
     q_pos = q_pos_ref[...]  # [rows, 1]
-    sm_scale = head_dim ** -0.5
 
     def window_lo(first_key_pos):  # the first key position the block's earliest query can see
         if sliding_window is None:
@@ -103,8 +103,8 @@ def _kernel(block_row_ref, first_block_ref, query_start_ref, cached_lens_ref, ta
         return copies
 
     def load_pages(buf, scale_buf, slot, h):  # KV head h of the block: [block_kv, D] in the queries' dtype
-        scale = scale_buf[slot, :, :, h:h + 1] if quantized else None  # [pages_per_block, page_size, 1]
-        x = dequantize(buf[slot, :, :, h, :], scale, q_ref.dtype)  # [pages_per_block, page_size, D]
+        scale = scale_buf[slot, :, h, :][..., None] if quantized else None  # [pages_per_block, page_size, 1]
+        x = dequantize(buf[slot, :, h], scale, q_ref.dtype)  # [pages_per_block, page_size, D]
         return x.reshape(block_kv, head_dim)
 
     def visit_cached(i, slot):
@@ -146,13 +146,15 @@ def _kernel(block_row_ref, first_block_ref, query_start_ref, cached_lens_ref, ta
 def ragged_attention_tpu(q, k, v, k_pages, v_pages, rows: RaggedRows, *, sliding_window=None, block_q=16,
                          pages_per_block=8, interpret=False):
     """Arguments and result as `ragged_attention_reference`: q [T, H, D], k, v [T, KVH, D], pages
-    [num_pages, page_size, KVH, D] (or Int8Pages) -> [T, H, D]; padding tokens give zeros.
+    [num_pages, KVH, page_size, D'] (or Int8Pages; D' >= D, stored padded to TPU's 128 lanes) -> [T, H, D];
+    padding tokens give zeros.
 
     block_q: new tokens of one row per program (its queries are block_q * H / KVH rows of the MXU matmuls).
     pages_per_block: pages per DMA'd block of cached keys.
     """
-    T, H, D = q.shape
-    _, page_size, KVH, _ = k_pages.shape
+    T, H, head_dim = q.shape
+    _, KVH, page_size, D = k_pages.shape
+    q, k, v = pad_head_dim(D, q, k, v)  # the queries and new keys as wide as the pages (zeros score nothing)
     G = H // KVH
     S, P = rows.page_table.shape
     NB = T // block_q + S  # static bound on the query blocks of any ragged split of T tokens into S rows
@@ -175,15 +177,15 @@ def ragged_attention_tpu(q, k, v, k_pages, v_pages, rows: RaggedRows, *, sliding
     (k_values, k_scale), (v_values, v_scale) = split_pages(k_pages), split_pages(v_pages)
     quantized = k_scale is not None
     pages = [k_values, v_values] + ([k_scale, v_scale] if quantized else [])
-    scratch = [pltpu.VMEM((2, pages_per_block, page_size, KVH, D), k_values.dtype)] * 2
+    scratch = [pltpu.VMEM((2, pages_per_block, KVH, page_size, D), k_values.dtype)] * 2
     if quantized:
-        scratch += [pltpu.VMEM((2, pages_per_block, page_size, KVH), jnp.float32)] * 2
+        scratch += [pltpu.VMEM((2, pages_per_block, KVH, page_size), jnp.float32)] * 2
     scratch += [pltpu.VMEM((2, KVH, block_q, D), k.dtype)] * 2
     scratch += [pltpu.VMEM((KVH, rows_g, 1), jnp.float32)] * 2 + [pltpu.VMEM((KVH, rows_g, D), jnp.float32)]
     scratch += [pltpu.SemaphoreType.DMA((2, 2))]  # [cached | own, buffer]
 
     kernel = functools.partial(_kernel, block_q=block_q, pages_per_block=pages_per_block, pages_per_row=P,
-                               sliding_window=sliding_window, quantized=quantized)
+                               sliding_window=sliding_window, sm_scale=head_dim ** -0.5, quantized=quantized)
     any_space = pl.BlockSpec(memory_space=pl.ANY)
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=5,  # block_row [NB], first_block [S], query_start [S + 1], cached_lens [S], table [S * P]
@@ -207,4 +209,4 @@ def ragged_attention_tpu(q, k, v, k_pages, v_pages, rows: RaggedRows, *, sliding
 
     # Back to the flat tokens: token t sits in slot first_block[row] + local // block_q at local % block_q.
     out = out.reshape(NB, KVH, block_q, G, D).transpose(0, 2, 1, 3, 4).reshape(NB * block_q, H, D)
-    return unblock(out, blocks, rows, q.dtype)
+    return unblock(out[..., :head_dim], blocks, rows, q.dtype)

@@ -18,18 +18,19 @@ def ragged_attention_reference(q, k, v, k_pages, v_pages, rows: RaggedRows, *, s
 
     q:       [T, num_heads, head_dim]  new queries (already rotated)
     k, v:    [T, kv_heads, head_dim]   this step's keys/values, not yet in the cache
-    k_pages: [num_pages, page_size, kv_heads, head_dim] (or Int8Pages)  the cache before this step
+    k_pages: [num_pages, kv_heads, page_size, head_dim'] (or Int8Pages)  the cache before this step (head_dim'
+             >= head_dim: stored padded, `jaxserve.cache.kv_cache`)
     rows:    positions [T] (-1: padding), token_row [T], cached_lens [S], page_table [S, P]
     returns  [T, num_heads, head_dim]; padding tokens give zeros
     """
     T, H, D = q.shape
-    _, page_size, KVH, _ = k_pages.shape
+    _, KVH, page_size, _ = k_pages.shape
     L = rows.page_table.shape[1] * page_size
     pos, row = rows.positions, rows.token_row
 
     def gather(pages):  # every token's row's cache: [T, L, kv_heads, head_dim]
         dtype = q.dtype if isinstance(pages, Int8Pages) else pages.dtype
-        return read_pages(pages, rows.page_table[row], dtype).reshape(T, L, KVH, D).astype(jnp.float32)
+        return read_pages(pages, rows.page_table[row], dtype, D).reshape(T, L, KVH, D).astype(jnp.float32)
 
     keys = jnp.concatenate([gather(k_pages), jnp.broadcast_to(k.astype(jnp.float32), (T, T, KVH, D))], axis=1)
     values = jnp.concatenate([gather(v_pages), jnp.broadcast_to(v.astype(jnp.float32), (T, T, KVH, D))], axis=1)

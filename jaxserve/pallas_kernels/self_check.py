@@ -13,8 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.batch import RaggedRows
-from jaxserve.cache.kv_cache import Int8Pages, check_kv_cache_dtype, write_pages
-from jaxserve.pallas_kernels import ragged_kernel_for
+from jaxserve.cache.kv_cache import Int8Pages, check_kv_cache_dtype, stored_head_dim, write_pages
+from jaxserve.pallas_kernels import page_head_dim_multiple, ragged_kernel_for
 from jaxserve.pallas_kernels.reference import ragged_attention_reference
 
 
@@ -33,29 +33,32 @@ def check_kernels(backend: str, num_heads: int, kv_heads: int, head_dim: int, pa
     tol = 2e-2 if jnp.dtype(dtype) == jnp.bfloat16 else 1e-3
     try:
         kernel = ragged_kernel_for(backend)
-        args = small_ragged_batch(np.random.default_rng(0), num_heads, kv_heads, head_dim, page_size, dtype, int8)
+        lanes = page_head_dim_multiple(backend)  # the pages as the backend stores them
+        args = small_ragged_batch(np.random.default_rng(0), num_heads, kv_heads, head_dim, page_size, dtype, int8,
+                                  lanes)
         got = kernel(*args, sliding_window=sliding_window)
         want = ragged_attention_reference(*args, sliding_window=sliding_window)
         if not np.allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=tol, rtol=tol):
             return "ragged attention disagrees with the reference"
         if serving is not None:
             _compile_serving_shape(kernel, num_heads, kv_heads, head_dim, page_size, dtype, sliding_window, int8,
-                                   **serving)
+                                   lanes, **serving)
     except Exception as e:  # noqa: BLE001 - any failure to lower or run is the answer
         return f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
     return None
 
 
-def small_ragged_batch(rng, num_heads, kv_heads, head_dim, page_size, dtype, int8=False):
+def small_ragged_batch(rng, num_heads, kv_heads, head_dim, page_size, dtype, int8=False, head_dim_multiple=1):
     """(q, k, v, k_pages, v_pages, rows): a decode row, a prompt chunk after a cached prefix, a fresh prompt, then
-    padding tokens and a padding row; every row crosses a page."""
+    padding tokens and a padding row; every row crosses a page. Pages stored head_dim_multiple-padded, with random
+    values in the padding too (a kernel must never read them into a result)."""
     cached, new = [page_size + 3, 2 * page_size, 0], [1, 5, page_size + 2]
     S, P = len(cached) + 1, 4
     T = sum(new) + 3
     num_pages = S * P + 1
     normal = lambda *shape: jnp.asarray(rng.standard_normal(shape), dtype)  # noqa: E731
-    k_pages, v_pages = normal(num_pages, page_size, kv_heads, head_dim), normal(num_pages, page_size, kv_heads,
-                                                                                head_dim)
+    stored = stored_head_dim(head_dim, head_dim_multiple)
+    k_pages, v_pages = normal(num_pages, kv_heads, page_size, stored), normal(num_pages, kv_heads, page_size, stored)
     if int8:
         k_pages, v_pages = quantize_pages(k_pages), quantize_pages(v_pages)
     q, k, v = normal(T, num_heads, head_dim), normal(T, kv_heads, head_dim), normal(T, kv_heads, head_dim)
@@ -70,25 +73,27 @@ def small_ragged_batch(rng, num_heads, kv_heads, head_dim, page_size, dtype, int
 
 
 def quantize_pages(pages):
-    """Float pages [num_pages, page_size, kv_heads, head_dim] -> Int8Pages, quantized as the cache writes them."""
-    num_pages, page_size, kv_heads, head_dim = pages.shape
+    """Float pages [num_pages, kv_heads, page_size, head_dim] -> Int8Pages, quantized as the cache writes them."""
+    num_pages, kv_heads, page_size, head_dim = pages.shape
     empty = Int8Pages(jnp.zeros(pages.shape, jnp.int8), jnp.zeros(pages.shape[:-1], jnp.float32))
-    return write_pages(empty, pages.reshape(-1, kv_heads, head_dim), jnp.arange(num_pages * page_size))
+    tokens = jnp.swapaxes(pages, 1, 2).reshape(-1, kv_heads, head_dim)  # [num_pages * page_size, kv_heads, D]
+    return write_pages(empty, tokens, jnp.arange(num_pages * page_size))
 
 
-def serving_shapes(num_heads, kv_heads, head_dim, page_size, dtype, int8, *, num_pages, pages_per_seq, max_num_seqs,
-                   max_tokens):
+def serving_shapes(num_heads, kv_heads, head_dim, page_size, dtype, int8, head_dim_multiple=1, *, num_pages,
+                   pages_per_seq, max_num_seqs, max_tokens):
     """The kernel's arguments, as shapes, at the largest step: max_tokens tokens in min(max_tokens, max_num_seqs)
     rows (as `jaxserve.buckets` pads them)."""
     sds, i32 = jax.ShapeDtypeStruct, jnp.int32
     T, S = max_tokens, min(max_tokens, max_num_seqs)
-    shape = (num_pages, page_size, kv_heads, head_dim)
+    shape = (num_pages, kv_heads, page_size, stored_head_dim(head_dim, head_dim_multiple))
     pages = Int8Pages(sds(shape, jnp.int8), sds(shape[:-1], jnp.float32)) if int8 else sds(shape, dtype)
     rows = RaggedRows(sds((T,), i32), sds((T,), i32), sds((S + 1,), i32), sds((S,), i32), sds((S, pages_per_seq), i32))
     new = sds((T, kv_heads, head_dim), dtype)
     return sds((T, num_heads, head_dim), dtype), new, new, pages, pages, rows
 
 
-def _compile_serving_shape(kernel, num_heads, kv_heads, head_dim, page_size, dtype, sliding_window, int8, **serving):
-    args = serving_shapes(num_heads, kv_heads, head_dim, page_size, dtype, int8, **serving)
+def _compile_serving_shape(kernel, num_heads, kv_heads, head_dim, page_size, dtype, sliding_window, int8, lanes,
+                           **serving):
+    args = serving_shapes(num_heads, kv_heads, head_dim, page_size, dtype, int8, lanes, **serving)
     jax.jit(lambda *a: kernel(*a, sliding_window=sliding_window)).lower(*args).compile()

@@ -59,6 +59,13 @@ def dequantize(values, scale, dtype):
     return values if scale is None else values * scale.astype(dtype)
 
 
+def pad_head_dim(head_dim: int, *xs):
+    """Arrays [..., D] zero-padded to head_dim (the pages' stored width, `jaxserve.cache.kv_cache`): a padded query
+    scores padded keys exactly as the unpadded ones, and a padded value's extra lanes are cut from the output."""
+    return [x if x.shape[-1] == head_dim else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, head_dim - x.shape[-1])])
+            for x in xs]
+
+
 def pow2(n: int, lo: int = 1) -> int:
     """The least power of two >= n and >= lo (Triton's blocks are powers of two)."""
     return max(lo, 1 << (max(n, 1) - 1).bit_length())
