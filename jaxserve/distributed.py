@@ -191,3 +191,17 @@ def head_over_vocab(score, parallel_score, head, mesh: Mesh | None, params, spec
         return parallel_score(head(p, h), targets, MODEL)
     run = jax.shard_map(local, mesh=mesh, in_specs=(head_specs, P(), P()), out_specs=P(), check_vma=False)
     return lambda h, targets: run(head_params, h, targets)
+
+
+def sample_over_vocab(sampler, mesh: Mesh | None, logits, *args):
+    """sampler(logits, *args, axis=MODEL) run by each device on its own slice of logits [..., V] split by vocabulary
+    (the LM head's split, `RULES`): it exchanges per-row values, never the logits (`jaxserve.sampling`); left to
+    the partitioner, sampling would gather the [rows, V] logits whole. args (sampling parameters) are replicated,
+    and so is what sampler returns. Without a split (one device, or a vocabulary that does not divide: the head is
+    then replicated, and each device has the whole logits) sampler(logits, *args)."""
+    tp = model_size(mesh)
+    if tp == 1 or logits.shape[-1] % tp:
+        return sampler(logits, *args)
+    vocab = P(*[None] * (logits.ndim - 1), MODEL)
+    return jax.shard_map(lambda x, *a: sampler(x, *a, axis=MODEL), mesh=mesh, in_specs=(vocab,) + (P(),) * len(args),
+                         out_specs=P(), check_vma=False)(logits, *args)

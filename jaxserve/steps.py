@@ -17,7 +17,8 @@ import numpy as np
 from jaxserve.attention import write_kv
 from jaxserve.batch import StepInput, StepOutput, is_constant
 from jaxserve.config import ModelConfig
-from jaxserve.distributed import HEADS, head_over_vocab, kv_pages_spec, param_shardings, replicated, shardings
+from jaxserve.distributed import (HEADS, head_over_vocab, kv_pages_spec, param_shardings, replicated,
+                                  sample_over_vocab, shardings)
 from jaxserve.model.decoder import DecoderModel, lm_head, param_axes
 from jaxserve.prompt_logprobs import block_scores, score_targets, vocab_parallel_block_scores
 from jaxserve.sampling import sample, with_step_tokens
@@ -125,7 +126,8 @@ class Steps:
         tokens = input_tokens(batch, last_tokens)
         logits, new_kv, hidden = self.model.apply(params, tokens, kv_cache, batch.rows, batch.logits_index[:, 0],
                                                   return_hidden=True)
-        s = sample(logits, with_step_tokens(batch.sampling, tokens, batch.rows, batch.logits_index[:, 0]))
+        s = sample_over_vocab(sample, self.mesh, logits,
+                              with_step_tokens(batch.sampling, tokens, batch.rows, batch.logits_index[:, 0]))
         out = StepOutput(tokens=s.tokens[:, None], num_tokens=(batch.logits_index[:, 0] >= 0).astype(jnp.int32),
                          logprobs=s.logprobs[:, None], ranks=s.ranks[:, None], top_ids=s.top_ids[:, None],
                          top_logprobs=s.top_logprobs[:, None], prompt=self._prompt_scores(params, hidden, batch))
@@ -145,7 +147,7 @@ class Steps:
         drafts = tokens[jnp.minimum(index[:, :-1] + 1, T - 1)]  # [S, Q - 1]
         # Rows whose logit controls depend on the tokens before a position do not speculate: position 0 is theirs.
         sampling = with_step_tokens(batch.sampling, tokens, batch.rows, batch.logits_index[:, 0])
-        v = verify(logits, drafts, batch.num_draft, sampling)
+        v = sample_over_vocab(verify, self.mesh, logits, drafts, batch.num_draft, sampling)
         num_tokens = jnp.where(batch.logits_index[:, 0] >= 0, v.num_tokens, 0)  # [S]
         out = StepOutput(tokens=v.tokens, num_tokens=num_tokens, logprobs=v.logprobs, ranks=v.ranks,
                          top_ids=v.top_ids, top_logprobs=v.top_logprobs,

@@ -33,20 +33,21 @@ class Verified(Sampled):
     num_tokens: jax.Array  # int32 [S]: accepted proposals + 1, in [1, num_draft + 1]
 
 
-def verify(logits, draft_tokens, num_draft, p) -> Verified:
+def verify(logits, draft_tokens, num_draft, p, axis: str | None = None) -> Verified:
     """logits: float32 [S, Q, V], the target's logits at a row's Q = K + 1 scored positions: position j predicts
     the row's generated token number p.step + j (position j > 0 assumes the proposals before it).
     draft_tokens: int32 [S, K] proposals (ignored where j >= num_draft). A draft model's proposal for generated
         token number n is drawn with step_keys(seed, n), the key of the target's draw it is checked against.
     num_draft: int32 [S] in [0, K]; 0 is a plain row: exactly sample(logits[:, 0], p), random numbers included.
     p: a `jaxserve.batch.SamplingInput` of S rows (step: the generated token number of position 0).
+    axis: a mesh axis that splits the vocabulary, as sample()'s (logits [S, Q, V / n] this device's slice).
 
     Returns each position's draw as sample() reports it (logprobs and ranks under the target's raw log_softmax at
     its position) and each row's number of emitted tokens: a `Verified`.
     """
     S, Q, V = logits.shape
     # Position j of row s is row s * Q + j of one sample() call, each with its own generated token number.
-    drawn = sample(logits.reshape(S * Q, V), per_position(p, Q))
+    drawn = sample(logits.reshape(S * Q, V), per_position(p, Q), axis)
     drawn = jax.tree.map(lambda v: v.reshape(S, Q, *v.shape[1:]), drawn)
     accepted = _leading(drawn.tokens[:, :Q - 1] == draft_tokens, num_draft)  # [S]
     # An accepted proposal is the draw at its position, so the emitted tokens are the draws up to the first miss.

@@ -77,18 +77,20 @@ def test_quantized_weights_split_consistently(tp_dir, quantization):
 
 def test_a_step_gathers_no_weights_and_no_cache(tp_dir):
     """The decode step's communication is the all-reduce after each row-parallel layer (and the vocab-parallel
-    embedding) and one gather of the [rows, vocab] logits for sampling: no weight or cache is ever gathered."""
+    embedding) and per-row values of the vocab-parallel sampler: no logits, weight or cache is ever gathered."""
     llm = make_llm(tp_dir, tensor_parallel_size=2)
     r = llm.runner
     batch = r.steps.put_batch(build_batch([Row([7], 0, [1])], r.page_size, r.config.vocab_size, 4, 4,
                                           r.buckets.pages_per_row))
     census = collective_census(r.steps._forward.lower(r.params, r.kv_cache, r.last_tokens, batch).compile().as_text())
     hidden, vocab = r.config.hidden_size, r.config.vocab_size
-    # The sampled rows' logits, and the prompt-logprob scorer's per-device top K (jaxserve.prompt_logprobs; its
-    # loop runs only when a row asks): never a block of [tokens, vocab] logits.
+    # Each device's probability mass (the draw: jaxserve.sampling.inverse_cdf), and its top K for top_logprobs, of
+    # the sampled rows and of the prompt-logprob scorer's (jaxserve.prompt_logprobs; each in a branch or loop that
+    # runs only when a row asks): never logits.
     top_k = [(("f32", (4, 2 * MAX_LOGPROBS)),), (("s32", (4, 2 * MAX_LOGPROBS)),)]
-    assert sorted(c.arrays for c in census if c.kind == "all-gather") == sorted([(("f32", (4, vocab)),)] + top_k), \
+    assert sorted(c.arrays for c in census if c.kind == "all-gather") == sorted([(("f32", (4, 2)),)] + 2 * top_k), \
         census
+    assert not [c for c in census if any(vocab in dims or vocab // 2 in dims for _, dims in c.arrays)], census
     activations = [c for c in census if c.kind == "all-reduce" and ("f32", (4, hidden)) in c.arrays]
     assert len(activations) == 2 * r.config.num_layers + 1, census  # o_proj and down_proj per layer, the embedding
 

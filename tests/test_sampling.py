@@ -194,3 +194,72 @@ def test_a_batch_without_masks_copies_none(tiny_dir):
     steps = make_llm(tiny_dir).runner.steps
     first, second = steps.put_batch(plain), steps.put_batch(build_batch([Row([3], 0, [1])], 4, V, 8, 2, 4))
     assert first.sampling.token_mask is second.sampling.token_mask
+
+
+def every_control(S, V, rng, greedy=False):
+    """S rows, each with its own mix of every sampling control (random ids anywhere in the vocabulary, so over a
+    mesh they fall on every device's slice)."""
+    p = vars(neutral_sampling(S, V, max_len=24))
+    p = {k: np.array(v) for k, v in p.items()}
+    p["temperature"] = np.zeros(S, np.float32) if greedy else rng.uniform(0.3, 2.0, S).astype(np.float32)
+    p["temperature"][::5] = 0.0  # greedy rows among sampled ones
+    p["top_k"] = np.where(rng.random(S) < 0.5, rng.integers(1, V, S), 0).astype(np.int32)
+    p["top_p"] = np.where(rng.random(S) < 0.5, rng.uniform(0.2, 1.0, S), 1.0).astype(np.float32)
+    p["min_p"] = np.where(rng.random(S) < 0.3, rng.uniform(0.0, 0.3, S), 0.0).astype(np.float32)
+    p["seed"], p["step"] = rng.integers(0, 2**32, S).astype(np.uint32), rng.integers(0, 50, S).astype(np.int32)
+    p["min_tokens"] = np.where(rng.random(S) < 0.5, 100, 0).astype(np.int32)
+    p["banned"][:, :10] = rng.integers(0, V, (S, 10))
+    p["want_top_logprobs"] = rng.random(S) < 0.7
+    for i in range(0, S, 3):
+        p["token_mask"][i] = token_mask.allowing(rng.choice(V, rng.integers(1, V // 3), replace=False), V)
+    p["logit_bias_ids"][:, :30] = np.where(rng.random((S, 30)) < 0.5, rng.integers(0, V, (S, 30)), V)
+    p["logit_bias"][:, :30] = rng.normal(0, 3, (S, 30))
+    p["presence_penalty"] = np.where(rng.random(S) < 0.4, rng.uniform(-1, 1, S), 0).astype(np.float32)
+    p["frequency_penalty"] = np.where(rng.random(S) < 0.4, rng.uniform(-1, 1, S), 0).astype(np.float32)
+    p["repetition_penalty"] = np.where(rng.random(S) < 0.4, rng.uniform(0.5, 2, S), 1).astype(np.float32)
+    p["past_tokens"] = rng.integers(0, V, (S, 24)).astype(np.int32)
+    p["prompt_len"] = rng.integers(0, 24, S).astype(np.int32)
+    return SamplingInput(**p)
+
+
+@pytest.mark.skipif(len(jax.devices()) < 4, reason="needs XLA_FLAGS=--xla_force_host_platform_device_count=4")
+def test_sampling_over_a_vocab_split_mesh_is_one_devices():
+    """Each device samples from its own slice of the logits (jaxserve.distributed.sample_over_vocab): the same
+    tokens as one device for greedy and seeded random rows under every control, the same ranks and top ids, and
+    the same logprobs up to the order of the vocabulary's sums; the same for speculative verification. The program
+    gathers no [rows, vocab] array."""
+    from jaxserve.collectives import collective_census
+    from jaxserve.distributed import make_mesh, sample_over_vocab
+    from jaxserve.verification import verify
+    seed = int(np.random.default_rng().integers(2**31))
+    rng = np.random.default_rng(seed)
+    # 4 devices of 250 tokens: neither the token mask's 32-bit words nor the draw's 256-token blocks align with a
+    # device's slice.
+    mesh, V, S, Q = make_mesh(4), 1000, 16, 3
+    sharded = jax.jit(lambda x, p: sample_over_vocab(sample, mesh, x, p)).lower(
+        jax.ShapeDtypeStruct((S, V), jnp.float32), every_control(S, V, rng)).compile()
+    assert not [c for c in collective_census(sharded.as_text()) if any(V in dims for _, dims in c.arrays)], \
+        "the program gathers [rows, vocab] values"
+    for greedy in (True, False):
+        logits = rng.normal(0, 2, (S, V)).astype(np.float32)
+        p = every_control(S, V, rng, greedy)
+        want, got = sample_jit(logits, p), sharded(logits, p)
+        wanted = np.asarray(p.want_top_logprobs)
+        err = f"seed {seed}, greedy {greedy}"
+        np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens), err_msg=err)
+        np.testing.assert_array_equal(np.asarray(got.ranks), np.asarray(want.ranks), err_msg=err)
+        np.testing.assert_allclose(np.asarray(got.logprobs), np.asarray(want.logprobs), rtol=1e-5, atol=1e-5,
+                                   err_msg=err)
+        np.testing.assert_array_equal(np.asarray(got.top_ids)[wanted], np.asarray(want.top_ids)[wanted], err_msg=err)
+        np.testing.assert_allclose(np.asarray(got.top_logprobs)[wanted], np.asarray(want.top_logprobs)[wanted],
+                                   rtol=1e-5, atol=1e-5, err_msg=err)
+
+    logits = rng.normal(0, 2, (S, Q, V)).astype(np.float32)
+    logits[:, 1:] = logits[:, :1] + rng.normal(0, 0.2, (S, Q - 1, V))  # close: some proposals are accepted
+    p = every_control(S, V, rng)
+    drafts = np.asarray(sample_jit(logits[:, 0], p).tokens)[:, None].repeat(Q - 1, axis=1).astype(np.int32)
+    num_draft = rng.integers(0, Q, S).astype(np.int32)
+    want = jax.jit(verify)(logits, drafts, num_draft, p)
+    got = jax.jit(lambda *a: sample_over_vocab(verify, mesh, *a))(logits, drafts, num_draft, p)
+    np.testing.assert_array_equal(np.asarray(got.num_tokens), np.asarray(want.num_tokens), err_msg=f"seed {seed}")
+    np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens), err_msg=f"seed {seed}")
