@@ -201,9 +201,8 @@ def check_tool_calls(message, tools: list, count=None) -> None:
 
 
 @pytest.fixture(scope="module")
-def smol():
-    from jaxserve import LLM
-    st = ServerThread(LLM(max_model_len=512, max_num_seqs=4, max_num_batched_tokens=128, warmup=False), "smol")
+def smol(default_llm):
+    st = ServerThread(default_llm, "smol")
     yield st
     st.stop()
 
