@@ -32,6 +32,15 @@ def default_llm():
 
 
 @pytest.fixture(scope="session")
+def gemma3_llm():
+    """Gemma 3 270M from its real GGUF in an engine sized for tests, shared by every test that needs it: dequantizing
+    its file is the slowest load in the suite. 1024 tokens: a prompt longer than its 512-token sliding window; 8
+    sequences: every kind of structured output in one batch."""
+    from jaxserve import LLM
+    return LLM("gemma3-270m", max_model_len=1024, max_num_seqs=8, max_num_batched_tokens=256, warmup=False)
+
+
+@pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory):
     """A tiny random Llama (HF format, no tokenizer): fast engines for the batching tests."""
     from hf_models import save_tiny_model

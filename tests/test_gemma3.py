@@ -4,17 +4,10 @@ longer than the 512-token sliding window."""
 import json
 from pathlib import Path
 
-import pytest
-
-from jaxserve import LLM, SamplingParams
+from jaxserve import SamplingParams
 
 REFS = json.loads((Path(__file__).parent / "data" / "gemma3_greedy.json").read_text())["cases"]
 NEAR_TIE = 5e-3  # a top-2 logit margin within float32 noise of this model's logits: either token is right
-
-
-@pytest.fixture(scope="module")
-def gemma():
-    return LLM("gemma3-270m", max_model_len=1024, max_num_seqs=4, max_num_batched_tokens=256, warmup=False)
 
 
 def agreed_prefix(case) -> int:
@@ -22,20 +15,20 @@ def agreed_prefix(case) -> int:
     return next((i for i, m in enumerate(case["top2_margins"]) if m < NEAR_TIE), len(case["top2_margins"]))
 
 
-def test_greedy_matches_recorded_hf_reference(gemma):
+def test_greedy_matches_recorded_hf_reference(gemma3_llm):
     """All four cases in one batch (chat and raw prompts generated together)."""
     sp = SamplingParams(temperature=0, max_tokens=len(REFS[0]["greedy_token_ids"]))
     prompts = [{"prompt_token_ids": c["prompt_token_ids"]} for c in REFS]
-    outs = gemma.generate(prompts, sp, use_tqdm=False)
+    outs = gemma3_llm.generate(prompts, sp, use_tqdm=False)
     for case, out in zip(REFS, outs):
         n = agreed_prefix(case)
         assert out.outputs[0].token_ids[:n] == case["greedy_token_ids"][:n], case["name"]
 
 
-def test_chat_template_and_tokenizer_give_hfs_prompt(gemma):
+def test_chat_template_and_tokenizer_give_hfs_prompt(gemma3_llm):
     for case in REFS:
         if "messages" in case:
-            out = gemma.chat(case["messages"], SamplingParams(max_tokens=1), use_tqdm=False)[0]
+            out = gemma3_llm.chat(case["messages"], SamplingParams(max_tokens=1), use_tqdm=False)[0]
         else:
-            out = gemma.generate(case["prompt"], SamplingParams(max_tokens=1), use_tqdm=False)[0]
+            out = gemma3_llm.generate(case["prompt"], SamplingParams(max_tokens=1), use_tqdm=False)[0]
         assert out.prompt_token_ids == case["prompt_token_ids"], case["name"]

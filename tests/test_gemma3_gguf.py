@@ -2,6 +2,9 @@
 every tensor, the SentencePiece tokenizer, the chat template."""
 import argparse
 import dataclasses
+import hashlib
+import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,25 +15,10 @@ from jaxserve.weights import resolve_model_path
 from jaxserve.weights.default_model import KNOWN_MODELS, known_model_path
 from jaxserve.weights.gguf import load_gguf
 
-TEXTS = [
-    "The quick brown fox jumps over the lazy dog. It was a bright cold day in April, and the clocks were striking.",
-    "Café déjà vu, naïve façade. 日本語のテキストです。 Emoji: 🦊🚀👍🏽 and ∑ x² ≠ ∞",
-    "  leading spaces,   runs  of   spaces,\ttabs\t\tand\nnewlines\n\n\nand trailing   ",
-    "12345 3.14 -0.001 1e10 2024-05-17 $1,000,000",
-    "def fib(n):\n    if n < 2:\n        return n\n    return fib(n - 1) + fib(n - 2)\n\n\n"
-    "print([fib(i) for i in range(10)])\n",
-    "<start_of_turn>user\nHello there!<end_of_turn>\n<start_of_turn>model\nHi!<end_of_turn>\n",
-    "<bos>text with <eos> and <unk> written in it",
-    " ",
-    "",
-    "\u2581already a sentencepiece space, and a zero-width\u200bjoiner and \x00 control \x7f bytes",
-]
-CONVERSATION = [
-    {"role": "system", "content": "You are a terse assistant."},
-    {"role": "user", "content": "What is 2 + 2?"},
-    {"role": "assistant", "content": "4"},
-    {"role": "user", "content": "  And 3 + 3?  "},
-]
+# What HF transformers reads from the same file (scripts/record_gemma3_gguf_references.py): recorded, since HF takes
+# minutes to read it. The texts and the conversation are the recording's.
+HF = json.loads((Path(__file__).parent / "data" / "gemma3_gguf_hf.json").read_text())
+CONVERSATION = HF["conversation"]
 EXPECTED_CHAT = ("<bos><start_of_turn>user\nYou are a terse assistant.\n\nWhat is 2 + 2?<end_of_turn>\n"
                  "<start_of_turn>model\n4<end_of_turn>\n"
                  "<start_of_turn>user\nAnd 3 + 3?<end_of_turn>\n"
@@ -47,20 +35,6 @@ def ours(gguf_path):
     return load_gguf(gguf_path)
 
 
-@pytest.fixture(scope="module")
-def hf_model(gguf_path):
-    import torch
-    import transformers
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32).eval()
-
-
-@pytest.fixture(scope="module")
-def hf_tokenizer(gguf_path):
-    import transformers
-    return transformers.AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-
-
 def test_fetched_by_name(gguf_path):
     assert resolve_model_path("gemma3-270m") == gguf_path
     assert gguf_path.stat().st_size == 253_113_024
@@ -70,7 +44,7 @@ def test_fetched_by_name(gguf_path):
     assert set(KNOWN_MODELS) == {"SmolLM2-135M-Instruct", "gemma3-270m"}
 
 
-def test_config_matches_hf(ours, hf_model):
+def test_config_matches_hf(ours):
     config = ours[0]
     assert config.architecture == "Gemma3ForCausalLM"
     assert (config.num_layers, config.hidden_size, config.intermediate_size) == (18, 640, 2048)
@@ -78,20 +52,22 @@ def test_config_matches_hf(ours, hf_model):
     assert (config.sliding_window, config.rope_theta, config.rope_local_theta) == (512, 1e6, 1e4)
     assert config.layer_types == tuple(FULL if i in (5, 11, 17) else SLIDING for i in range(18))
     assert config.query_pre_attn_scalar == 256 and config.tie_word_embeddings and config.rms_norm_eps == 1e-6
-    hf_cfg = dict(hf_model.config.to_dict(), architectures=["Gemma3ForCausalLM"])
+    hf_cfg = dict(HF["config"], architectures=["Gemma3ForCausalLM"])
     want = ModelConfig.from_hf_config(hf_cfg)
     assert want.rms_norm_eps == pytest.approx(1e-6)  # HF keeps the float32 metadata value 9.99999997e-07
     assert config == dataclasses.replace(want, rms_norm_eps=config.rms_norm_eps)
 
 
-def test_tensors_equal_hf(ours, hf_model):
-    """Every tensor equals HF's, norms included (llama.cpp stores Gemma's norm weights + 1; HF's are without)."""
+def test_tensors_equal_hf(ours):
+    """Every tensor equals HF's, norms included (llama.cpp stores Gemma's norm weights + 1; HF's are without):
+    bit for bit, by its SHA-256."""
     params = ours[1]
-    state = {k: v.numpy() for k, v in hf_model.state_dict().items()}
+    state = HF["tensors"]
     assert set(params) == set(state) - {"lm_head.weight"}  # tied: HF lists the embedding a second time
     for name, w in params.items():
         assert w.dtype == np.float32 and w.flags.c_contiguous, name
-        np.testing.assert_array_equal(w, state[name], err_msg=name)
+        assert list(w.shape) == state[name]["shape"] and state[name]["dtype"] == "float32", name
+        assert hashlib.sha256(w.tobytes()).hexdigest() == state[name]["sha256"], name
     assert params["model.layers.0.self_attn.q_proj.weight"].shape == (1024, 640)
     assert params["model.layers.0.self_attn.k_proj.weight"].shape == (256, 640)
     assert params["model.layers.0.self_attn.q_norm.weight"].shape == (256,)
@@ -100,14 +76,14 @@ def test_tensors_equal_hf(ours, hf_model):
         assert f"model.layers.17.{kind}.weight" in params
 
 
-def test_tokenizer_ids_equal_hf(ours, hf_tokenizer):
+def test_tokenizer_ids_equal_hf(ours):
     tokenizer = ours[2]
-    for text in TEXTS:
-        assert tokenizer.encode(text) == hf_tokenizer(text).input_ids, text
-        assert tokenizer.encode(text, add_special_tokens=False) == \
-            hf_tokenizer(text, add_special_tokens=False).input_ids, text
+    for case in HF["texts"]:
+        text = case["text"]
+        assert tokenizer.encode(text) == case["ids"], text
+        assert tokenizer.encode(text, add_special_tokens=False) == case["ids_without_special"], text
         ids = tokenizer.encode(text)
-        assert tokenizer.decode(ids, skip_special_tokens=False) == hf_tokenizer.decode(ids)
+        assert tokenizer.decode(ids, skip_special_tokens=False) == case["decoded"]
         if "\u2581" not in text:  # a '▁' in the text is a SentencePiece space: it decodes as " "
             assert tokenizer.decode(ids, skip_special_tokens=False) == "<bos>" + text
             if "<" not in text:
@@ -121,11 +97,10 @@ def test_tokenizer_ids_equal_hf(ours, hf_tokenizer):
     assert [tokenizer.token_bytes(i) for i in ids] == [b"\x00"]
 
 
-def test_chat_template(ours, hf_tokenizer):
+def test_chat_template(ours):
     tokenizer = ours[2]
     assert tokenizer.apply_chat_template(CONVERSATION, add_generation_prompt=True) == EXPECTED_CHAT
-    assert hf_tokenizer.apply_chat_template(CONVERSATION, chat_template=tokenizer.chat_template,
-                                            add_generation_prompt=True, tokenize=False) == EXPECTED_CHAT
+    assert HF["chat"] == EXPECTED_CHAT  # HF's rendering of the same template
     assert tokenizer.apply_chat_template(CONVERSATION[1:2], add_generation_prompt=False) == \
         "<bos><start_of_turn>user\nWhat is 2 + 2?<end_of_turn>\n"
     with pytest.raises(ValueError, match="alternate"):

@@ -201,9 +201,8 @@ def check_tool_calls(message, tools: list, count=None) -> None:
 
 
 @pytest.fixture(scope="module")
-def smol():
-    from jaxserve import LLM
-    st = ServerThread(LLM(max_model_len=512, max_num_seqs=4, max_num_batched_tokens=128, warmup=False), "smol")
+def smol(default_llm):
+    st = ServerThread(default_llm, "smol")
     yield st
     st.stop()
 
@@ -313,10 +312,8 @@ def test_langchain_with_structured_output(smol):
     wait_idle(smol)
 
 
-def test_gemma3_json_schema_and_required_tool_call():
-    from jaxserve import LLM
-    st = ServerThread(LLM("gemma3-270m", max_model_len=512, max_num_seqs=2, max_num_batched_tokens=128,
-                          warmup=False), "gemma")
+def test_gemma3_json_schema_and_required_tool_call(gemma3_llm):
+    st = ServerThread(gemma3_llm, "gemma")
     try:
         c = client(st)
         r = c.chat.completions.parse(model="gemma", messages=PERSON, response_format=Person, temperature=0,

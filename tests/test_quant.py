@@ -191,8 +191,14 @@ def test_engine_with_int8_kv_cache(tiny_dir):
 
 
 @pytest.fixture(scope="module")
-def model():
-    loaded = load_model(None, jnp.float32)
+def default_float32():
+    """The default model loaded in float32 (a GGUF's dequantizing is slow: loaded once here)."""
+    return load_model(None, jnp.float32)
+
+
+@pytest.fixture(scope="module")
+def model(default_float32):
+    loaded = default_float32
     ids = loaded.tokenizer.encode(TEXT)[:TEST_TOKENS]
     fp32 = perplexity(next_token_logits(loaded.config, loaded.params, ids), ids)
     assert fp32 < 40  # a real text the model reads well
@@ -228,11 +234,11 @@ def test_int8_kv_cache_costs_under_one_percent_of_perplexity(model):
 
 
 def test_engine_generates_with_quantized_weights(default_gguf_path):
-    for method in ("int8", "int4"):
-        llm = LLM(str(default_gguf_path), max_model_len=256, max_num_seqs=2, max_num_batched_tokens=64,
-                  quantization=method, warmup=False)
-        out = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
-        assert "Paris" in out[0].outputs[0].text, method
+    """int4 quantized as the engine loads (int8 weights are served by the convert test below, from a checkpoint)."""
+    llm = LLM(str(default_gguf_path), max_model_len=256, max_num_seqs=2, max_num_batched_tokens=64,
+              quantization="int4", warmup=False)
+    out = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    assert "Paris" in out[0].outputs[0].text
     assert isinstance(llm.runner.params["params"]["layers_0"]["q_proj"]["kernel"], Int4Weight)
     with pytest.raises(ValueError, match="quantization"):
         LLM(str(default_gguf_path), quantization="fp4", warmup=False)
@@ -241,13 +247,14 @@ def test_engine_generates_with_quantized_weights(default_gguf_path):
 
 
 @pytest.mark.parametrize("method", ["int8", "awq"])
-def test_convert_writes_a_quantized_checkpoint_that_loads_directly(default_gguf_path, tmp_path, method):
+def test_convert_writes_a_quantized_checkpoint_that_loads_directly(default_gguf_path, default_float32, tmp_path,
+                                                                   method):
     from jaxserve.cli import main
     dst = tmp_path / "ckpt"
     args = ["convert", str(default_gguf_path), str(dst), "--quantization", method, "--quantize-embeddings"]
     if method == "awq":
         cal = tmp_path / "cal.txt"
-        cal.write_text(CALIBRATION_TEXT.read_text()[:1500])
+        cal.write_text(CALIBRATION_TEXT.read_text()[:400])  # ~90 tokens: the checkpoint, not the scales, is tested
         args += ["--calibration-file", str(cal), "--quantization-group-size", "64"]
     assert main(args) == 0
     loaded = load_model(str(dst), jnp.float32)
@@ -255,7 +262,7 @@ def test_convert_writes_a_quantized_checkpoint_that_loads_directly(default_gguf_
     leaves = jax.tree.leaves(loaded.params["params"]["layers_3"]["down_proj"], is_leaf=lambda x: x is None)
     stored = jnp.dtype(jnp.int8 if method == "int8" else jnp.uint8)
     assert stored in {leaf.dtype for leaf in leaves if leaf is not None}
-    assert param_bytes(loaded.params) < 0.4 * param_bytes(load_model(str(default_gguf_path), jnp.float32).params)
+    assert param_bytes(loaded.params) < 0.4 * param_bytes(default_float32.params)
     # Served as written: quantized again only if asked the same way, refused otherwise.
     assert quantize_model(loaded, method, quantize_embeddings=True,
                           group_size=64 if method == "awq" else None).quantization == loaded.quantization
@@ -279,8 +286,8 @@ def test_quality_script_runs(tmp_path):
     assert rows["int8"]["weight_bytes"] < 0.6 * rows["float32"]["weight_bytes"]
 
 
-def test_awq_refuses_what_it_cannot_calibrate_on(tiny_dir, default_gguf_path):
+def test_awq_refuses_what_it_cannot_calibrate_on(tiny_dir, default_float32):
     with pytest.raises(ValueError, match="tokenizer"):
         quantize_model(load_model(tiny_dir, jnp.float32), "awq")  # no tokenizer to read the text with
     with pytest.raises(ValueError, match="at least 64"):
-        quantize_model(load_model(str(default_gguf_path), jnp.float32), "awq", calibration_text="Too short.")
+        quantize_model(default_float32, "awq", calibration_text="Too short.")

@@ -13,7 +13,7 @@ import time
 import aiohttp
 import pytest
 
-from jaxserve import LLM, SamplingParams
+from jaxserve import SamplingParams
 from jaxserve.sampling_params import MAX_STOP_TOKEN_IDS
 from serving import ServerThread, free_port, metric_samples, wait_idle
 from fake_runner import fake_llm, has_decode_row
@@ -23,10 +23,9 @@ KEY = "sk-test-key"
 
 
 @pytest.fixture(scope="module")
-def real():
+def real(default_llm):
     """The default model behind the server, for the official client."""
-    st = ServerThread(LLM(max_model_len=512, max_num_seqs=4, max_num_batched_tokens=128, warmup=False),
-                      "SmolLM2-135M-Instruct")
+    st = ServerThread(default_llm, "SmolLM2-135M-Instruct")
     yield st
     st.stop()
 

@@ -20,7 +20,6 @@ from jaxserve.sampling_params import StructuredOutputsParams as Structured
 from jaxserve.structured_output import compile_grammar, fill_masks, grammar as grammar_module
 from jaxserve.token_mask import allowed_ids
 from jaxserve.tokenizer import Tokenizer
-from jaxserve.weights import resolve_model_path
 from jaxserve.weights.gguf import open_gguf
 
 # What a random model can finish: every string, number and list bounded.
@@ -58,9 +57,9 @@ def tiny_smol_dir(smol_tokenizer, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def tokenizers_by_name(smol_tokenizer, tiny_smol_dir):
+def tokenizers_by_name(smol_tokenizer, tiny_smol_dir, gemma3_llm):
     return {"smollm2-gguf": smol_tokenizer, "smollm2-hf-dir": Tokenizer.from_hf_dir(tiny_smol_dir),
-            "gemma3-gguf": Tokenizer.from_gguf_fields(open_gguf(resolve_model_path("gemma3-270m")))}
+            "gemma3-gguf": gemma3_llm.tokenizer}  # from its GGUF: the shared engine's (reading the file is slow)
 
 
 @pytest.fixture(scope="module")
@@ -164,8 +163,8 @@ def test_every_kind_on_the_default_model(default_llm):
     _every_kind(default_llm)
 
 
-def test_every_kind_on_gemma3():
-    _every_kind(LLM("gemma3-270m", max_model_len=512, max_num_seqs=8, max_num_batched_tokens=256, warmup=False))
+def test_every_kind_on_gemma3(gemma3_llm):
+    _every_kind(gemma3_llm)
 
 
 # ---- the engine, on a tiny random model (the HF directory's tokenizer) ----
