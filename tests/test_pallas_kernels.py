@@ -255,7 +255,8 @@ for target, kv_cache_dtype, window, tokens, rows in json.loads(sys.argv[1]):
         r = compile_kernel(device, heads, kv_heads, head_dim, kv_cache_dtype, window, tokens, rows)
         print(json.dumps(dict(target=target, shape=[heads, kv_heads, head_dim, kv_cache_dtype, window, tokens, rows],
                               error=r.error, temp_bytes=r.temp_bytes)), flush=True)
-tiny = aot.CHIPS["h100"].gpu_target.replace("shared_memory_per_block_optin: 232448", "shared_memory_per_block_optin: 1024")
+tiny = aot.CHIPS["h100"].gpu_target.replace("shared_memory_per_block_optin: 232448",
+                                           "shared_memory_per_block_optin: 1024")
 device = topologies.get_topology_desc("cuda", "cuda", target_config=tiny, topology="1x1x1").devices[0]
 for tokens, rows in ((512, 64), (64, 64)):
     r = compile_kernel(device, 4, 1, 256, "auto", None, tokens, rows)

@@ -3,10 +3,12 @@
 
 Each row's new tokens are cut into query blocks of `block_q` tokens; a block never spans two rows, so a program of
 the grid (query block, KV head) serves one row. Which row and which of its tokens a block holds is worked out in
-the wrapper with jnp from `query_start` (no host round trip), over a static number of block slots: T // block_q + S
-bounds the blocks of any split of T tokens into S rows; unused slots do no work. The wrapper gathers each slot's
-queries (and the page table of its row) so a program's inputs are plain blocks: its rows are its tokens' queries
-for the query heads sharing its KV head (GQA without repeating K/V), padded to a power of two >= 16 for the dots.
+the wrapper with jnp from `query_start` (no host round trip), over a static number of block slots (`num_slots`:
+min(T, T // block_q + S) bounds the blocks of any split of T tokens into S rows); unused slots do no work. The
+wrapper gathers each slot's queries (and the page table of its row) so a program's inputs are plain blocks: its rows
+are its tokens' queries for the query heads sharing its KV head (GQA without repeating K/V), padded to a power of
+two >= 16 for the dots. A decode-only step (T <= S) packs 16 / G tokens a block, so a decode row is one program
+per KV head whose dot rows are its G query heads; block sizes come from `gpu_blocks` (shared memory, registers).
 
 A program folds into one online softmax first its row's cached keys, walking the row's pages `block_pages` at a
 time through the page table (a dynamic trip count from `cached_lens`, so ragged lengths cost what they hold), then
