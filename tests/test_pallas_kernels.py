@@ -5,6 +5,7 @@ decode-only, prefill-only and mixed steps whose rows cross pages, query blocks a
 backend resolution and dispatch, the start-up check and the engine on the kernels. Small shapes throughout:
 interpret mode runs every program of the grid one by one. (The TPU kernel's tests: test_pallas_kernels_tpu.py.)"""
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -13,6 +14,8 @@ from jaxserve.attention import attention, resolve_attention_backend
 from jaxserve.batch import RaggedRows
 from jaxserve.cache.kv_cache import Int8Pages
 from jaxserve.pallas_kernels import BLOCK_SIZES, ragged_attention_gpu
+from jaxserve.pallas_kernels.gpu_blocks import step_block_q
+from jaxserve.pallas_kernels.ragged_attention import kernel_grid
 from jaxserve.pallas_kernels.reference import ragged_attention_reference
 from jaxserve.pallas_kernels.self_check import quantize_pages
 from ragged import KINDS, expected, random_ragged_case, row_lengths
@@ -65,6 +68,44 @@ def test_block_sizes_do_not_change_the_result():
     case = random_ragged_case(rng, row_lengths(rng, "mixed", max_start=60), page_size=8)
     for sizes in (dict(block_q=1, block_k=16, block_pages=1), dict(block_q=16, block_k=16, block_pages=4)):
         check(run(case, window=9, **sizes)[0], expected(case, 9), seed)
+
+
+def pallas_grids(fn, *args):
+    """The grid of every pallas_call in fn's jaxpr (nested jaxprs included)."""
+    grids = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "pallas_call":
+                grids.append(tuple(eqn.params["grid_mapping"].grid))
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                walk(sub)
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return grids
+
+
+@pytest.mark.parametrize("heads,kv_heads,window", [(6, 2, None), (8, 1, 9)])
+def test_decode_only_step_runs_one_program_per_row_and_kv_head(heads, kv_heads, window):
+    """A step with no more tokens than rows (every decode-only bucket): S programs per KV head, the row's G query
+    heads as one program's dot rows, whatever block_q prefill uses; then a mixed step of the same rows and tokens
+    plus a prompt chunk, which uses block_q."""
+    rng, seed = fresh_rng()
+    lengths = row_lengths(rng, "decode", max_start=60)
+    case = random_ragged_case(rng, lengths, heads=heads, kv_heads=kv_heads, pad_tokens=1, pad_rows=1)
+    T, S = case.q.shape[0], case.rows.page_table.shape[0]
+    assert T == S
+    got, args = run(case, window=window)
+    check(got, expected(case, window), seed)
+    fn = lambda *a: ragged_attention_gpu(*a, sliding_window=window, interpret=True, **SIZES)  # noqa: E731
+    assert pallas_grids(fn, *args) == [(S, kv_heads)] == [kernel_grid(T, S, kv_heads, 1)]
+    # The serving sizes pack the same way (16 / G tokens of a row per program: one, for a decode row).
+    assert step_block_q(T, S, heads // kv_heads, BLOCK_SIZES["gpu"]["block_q"]) * heads // kv_heads <= 16
+
+    mixed = random_ragged_case(rng, lengths + [(5, 21)], heads=heads, kv_heads=kv_heads)
+    got, args = run(mixed, window=window)
+    check(got, expected(mixed, window), seed)
+    T, S = mixed.q.shape[0], mixed.rows.page_table.shape[0]
+    assert pallas_grids(fn, *args) == [(T // SIZES["block_q"] + S, kv_heads)]
 
 
 def test_int8_pages_match_the_oracle_on_the_same_pages():
@@ -189,3 +230,68 @@ def test_lowers_for_the_gpu(heads, kv_heads, head_dim):
             lowered = export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=unchecked)(
                 q, kv, kv, cache, cache, rows)
             assert "__gpu$xla.gpu.triton" in lowered.mlir_module()
+
+
+# Run by the compilers' Python (the CUDA plugin's environment must be set before jax starts): each family's heads
+# through XLA:GPU and Triton for an H100 and an H200, then the compiler's shared memory request beside
+# `shared_memory_bytes`'s bound (read from the error it gives with the opt-in limit set to 1 KB).
+_COMPILE_FAMILIES = r"""
+import dataclasses, json, re, sys
+import jax, jax.numpy as jnp
+from jax.experimental import topologies
+from jaxserve import aot
+from jaxserve.cache import init_kv_cache
+from jaxserve.pallas_kernels.gpu_blocks import dot_rows, gpu_blocks, shared_memory_bytes
+
+def compile_kernel(device, heads, kv_heads, head_dim, kv_cache_dtype, window, tokens, rows):
+    config = dataclasses.replace(aot.MODEL_CONFIGS["smollm2-135m"], num_heads=heads, num_kv_heads=kv_heads,
+                                 head_dim=head_dim, num_layers=1, sliding_window=window)
+    pages = jax.eval_shape(lambda: init_kv_cache(config, 4096, 16, jnp.bfloat16, kv_cache_dtype))[0][0]
+    return aot._compile_kernel(config, jnp.bfloat16, device, "pallas-gpu", pages, tokens, rows, 256)
+
+for target, kv_cache_dtype, window, tokens, rows in json.loads(sys.argv[1]):
+    device = aot.target_devices(target)[0]
+    for heads, kv_heads, head_dim in json.loads(sys.argv[2]):
+        r = compile_kernel(device, heads, kv_heads, head_dim, kv_cache_dtype, window, tokens, rows)
+        print(json.dumps(dict(target=target, shape=[heads, kv_heads, head_dim, kv_cache_dtype, window, tokens, rows],
+                              error=r.error, temp_bytes=r.temp_bytes)), flush=True)
+tiny = aot.CHIPS["h100"].gpu_target.replace("shared_memory_per_block_optin: 232448",
+                                           "shared_memory_per_block_optin: 1024")
+device = topologies.get_topology_desc("cuda", "cuda", target_config=tiny, topology="1x1x1").devices[0]
+for tokens, rows in ((512, 64), (64, 64)):
+    r = compile_kernel(device, 4, 1, 256, "auto", None, tokens, rows)
+    b = gpu_blocks(tokens, rows, 4, 256, 16, 2)
+    keys = max(b.block_pages * 16, b.block_k)
+    print(json.dumps(dict(requested=int(re.search(r"requested (\d+)", r.error).group(1)),
+                          bound=shared_memory_bytes(keys, dot_rows(b.block_q, 4), 256, 2, b.num_stages))), flush=True)
+"""
+
+
+def test_every_family_compiles_for_h100_and_h200():
+    """SmolLM2 (9/3/64), Llama 3 8B (32/8/128), Gemma 3 1B (4/1/256), a Gemma 3 27B-like 32/16/128 and Qwen3
+    (40/8/128) heads: the kernel alone, compiled by XLA:GPU and Triton (shared memory and registers are checked
+    only there), at the largest step of a 64-sequence engine (512 tokens: 16 tokens per program, the most shared
+    memory) in bf16 with a sliding window on an H100 and at its all-decode step (64 x 64) on int8 pages on an H200.
+    Every combination (both steps, both page dtypes, with and without a window, both chips) compiled once by hand:
+    /work/notes/gpukernel_readme.md. Then the bound the block sizes are derived from holds the compiler's request."""
+    import json
+    import os
+    import subprocess
+    from test_aot import ROOT, compilers_python
+    python = compilers_python()
+    if python is None:
+        pytest.skip("the TPU and GPU compilers are not installed: bash scripts/aot_env.sh")
+    steps = [("h100", "auto", 512, 512, 64), ("h200", "int8", None, 64, 64)]
+    families = [(9, 3, 64), (32, 8, 128), (4, 1, 256), (32, 16, 128), (40, 8, 128)]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_SKIP_CUDA_CONSTRAINTS_CHECK": "1",
+           "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    r = subprocess.run([python, "-c", _COMPILE_FAMILIES, json.dumps(steps), json.dumps(families)],
+                       capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+    compiled, probes = lines[:-2], lines[-2:]
+    assert len(compiled) == len(steps) * len(families)
+    failed = [f"{x['target']} {x['shape']}: {x['error']}" for x in compiled if x["error"]]
+    assert not failed, "\n".join(failed)
+    for p in probes:
+        assert 0 < p["requested"] <= p["bound"], p

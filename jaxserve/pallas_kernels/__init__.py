@@ -6,15 +6,16 @@ CPU they run in Pallas interpret mode (tests). Also weight-only int8 / int4 matm
 """
 import functools
 
+from jaxserve.pallas_kernels.gpu_blocks import HOPPER_SHARED_MEMORY
 from jaxserve.pallas_kernels.quantized_matmul import int4_matmul, int8_matmul
 from jaxserve.pallas_kernels.ragged_attention import ragged_attention_gpu
 
-# Block sizes per backend, in one place. gpu: 16 tokens per program (16 x G query rows) and 32-key / 8-page (128
-# tokens at page size 16) key blocks keep a head_dim-128 float32 accumulator in registers and the key blocks within
-# an SM's shared memory; tpu: see ragged_attention_tpu. The interpret sizes are small so that CPU tests, on small
+# Block sizes per backend, in one place. gpu: 16 tokens per program in prefill and mixed steps (16 / G in
+# decode-only ones), the rest derived per shape from the chip's shared memory (H100 / H200) by
+# `gpu_blocks.gpu_blocks`; tpu: see ragged_attention_tpu. The interpret sizes are small so that CPU tests, on small
 # shapes, still cross query, key and page blocks.
 BLOCK_SIZES = {
-    "gpu": {"block_q": 16, "block_k": 32, "block_pages": 8},
+    "gpu": {"block_q": 16, "shared_memory": HOPPER_SHARED_MEMORY},
     "gpu-interpret": {"block_q": 4, "block_k": 4, "block_pages": 2},
     "tpu": {"block_q": 16, "pages_per_block": 8},
     "tpu-interpret": {"block_q": 4, "pages_per_block": 2},

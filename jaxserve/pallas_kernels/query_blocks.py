@@ -2,7 +2,8 @@
 
 Worked out with jnp from `query_start` (no host round trip) over a static number of block slots: a row of n
 tokens takes cdiv(n, block_q) <= n // block_q + 1 blocks, so T // block_q + S slots hold any split of T tokens
-into S rows. Slots past the last block land on row S - 1 with nothing present: a kernel sees them as unused.
+into S rows, and as a block holds a token at least, T slots do too (`num_slots`: the lesser; a decode-only step,
+T <= S, takes T). Slots past the last block land on row S - 1 with nothing present: a kernel sees them as unused.
 """
 from __future__ import annotations
 
@@ -24,13 +25,18 @@ class QueryBlocks(NamedTuple):
     token: jax.Array  # int32 [NB, block_q]   its flat index (0 where none)
 
 
+def num_slots(num_tokens: int, num_rows: int, block_q: int) -> int:
+    """The static number of block slots for any split of num_tokens into num_rows rows."""
+    return min(num_tokens, num_tokens // block_q + num_rows)
+
+
 def query_blocks(rows: RaggedRows, num_tokens: int, block_q: int) -> QueryBlocks:
     S = rows.page_table.shape[0]
     query_start = rows.query_start.astype(jnp.int32)
     num_new = query_start[1:] - query_start[:-1]
     blocks_per_row = -(-num_new // block_q)
     first_block = jnp.cumsum(blocks_per_row) - blocks_per_row
-    slot = jnp.arange(num_tokens // block_q + S, dtype=jnp.int32)
+    slot = jnp.arange(num_slots(num_tokens, S, block_q), dtype=jnp.int32)
     block_row = jnp.minimum(jnp.searchsorted(first_block + blocks_per_row, slot, side="right"), S - 1)
     block_row = block_row.astype(jnp.int32)
     local = (slot - first_block[block_row])[:, None] * block_q + jnp.arange(block_q)

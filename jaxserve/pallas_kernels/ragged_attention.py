@@ -3,10 +3,12 @@
 
 Each row's new tokens are cut into query blocks of `block_q` tokens; a block never spans two rows, so a program of
 the grid (query block, KV head) serves one row. Which row and which of its tokens a block holds is worked out in
-the wrapper with jnp from `query_start` (no host round trip), over a static number of block slots: T // block_q + S
-bounds the blocks of any split of T tokens into S rows; unused slots do no work. The wrapper gathers each slot's
-queries (and the page table of its row) so a program's inputs are plain blocks: its rows are its tokens' queries
-for the query heads sharing its KV head (GQA without repeating K/V), padded to a power of two >= 16 for the dots.
+the wrapper with jnp from `query_start` (no host round trip), over a static number of block slots (`num_slots`:
+min(T, T // block_q + S) bounds the blocks of any split of T tokens into S rows); unused slots do no work. The
+wrapper gathers each slot's queries (and the page table of its row) so a program's inputs are plain blocks: its rows
+are its tokens' queries for the query heads sharing its KV head (GQA without repeating K/V), padded to a power of
+two >= 16 for the dots. A decode-only step (T <= S) packs 16 / G tokens a block, so a decode row is one program
+per KV head whose dot rows are its G query heads; block sizes come from `gpu_blocks` (shared memory, registers).
 
 A program folds into one online softmax first its row's cached keys, walking the row's pages `block_pages` at a
 time through the page table (a dynamic trip count from `cached_lens`, so ragged lengths cost what they hold), then
@@ -29,7 +31,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from jaxserve.batch import RaggedRows
-from jaxserve.pallas_kernels.query_blocks import query_blocks, unblock
+from jaxserve.pallas_kernels.gpu_blocks import HOPPER_SHARED_MEMORY, dot_rows, gpu_blocks
+from jaxserve.pallas_kernels.query_blocks import num_slots, query_blocks, unblock
 from jaxserve.pallas_kernels.softmax import (dequantize, pad_head_dim, pow2, scores, softmax_block, softmax_init,
                                              softmax_result, split_pages)
 
@@ -88,23 +91,38 @@ def _kernel(meta_ref, q_pos_ref, table_ref, q_ref, k_ref, v_ref, k_pos_ref, k_pa
     o_ref[...] = softmax_result(*carry)[0].astype(o_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("sliding_window", "block_q", "block_k", "block_pages", "interpret"))
+def kernel_grid(num_tokens: int, num_rows: int, kv_heads: int, block_q: int) -> tuple[int, int]:
+    """The grid the kernel runs: (query block slots, KV heads)."""
+    return num_slots(num_tokens, num_rows, block_q), kv_heads
+
+
+@functools.partial(jax.jit, static_argnames=("sliding_window", "block_q", "block_k", "block_pages", "num_warps",
+                                             "num_stages", "shared_memory", "interpret"))
 def ragged_attention_gpu(q, k, v, k_pages, v_pages, rows: RaggedRows, *, sliding_window=None, block_q=16,
-                         block_k=32, block_pages=8, interpret=False):
+                         block_k=None, block_pages=None, num_warps=None, num_stages=None,
+                         shared_memory=HOPPER_SHARED_MEMORY, interpret=False):
     """Arguments and result as `ragged_attention_reference`: q [T, H, D], k, v [T, KVH, D], pages
     [num_pages, KVH, page_size, D'] (or Int8Pages; D' >= D, stored padded) -> [T, H, D]; padding tokens give zeros.
 
-    block_q: new tokens of one row per program (its dots have block_q * H / KVH rows, padded to a power of two);
+    Block sizes not given are derived by `gpu_blocks` from the shapes and `shared_memory` (bytes per block):
+    block_q: new tokens of one row per program in steps with more tokens than rows (a step with T <= S, every
+      decode-only one, packs 16 / G tokens: one program per row and KV head; see `step_block_q`);
     block_k: new keys per step of a program's walk over its row's new tokens (a power of two, >= 16 on GPU);
-    block_pages: cached pages per step of the walk over its row's pages.
+    block_pages: cached pages per step of the walk over its row's pages;
+    num_warps, num_stages: Triton's.
     """
     T, H, head_dim = q.shape
     num_pages, KVH, page_size, D = k_pages.shape
     q, k, v = pad_head_dim(D, q, k, v)
     G = H // KVH
     S, P = rows.page_table.shape
-    NB = T // block_q + S  # a row of n tokens takes cdiv(n, block_q) <= n // block_q + 1 blocks
-    R = pow2(block_q * G, 16)
+    (k_values, k_scale), (v_values, v_scale) = split_pages(k_pages), split_pages(v_pages)
+    derived = gpu_blocks(T, S, G, D, page_size, q.dtype.itemsize, shared_memory, block_q)
+    block_q = derived.block_q
+    block_k = block_k or derived.block_k
+    block_pages = block_pages or derived.block_pages
+    NB, _ = kernel_grid(T, S, KVH, block_q)
+    R = dot_rows(block_q, G)
 
     # Which row each block slot serves, and which of its tokens (see query_blocks).
     blocks = query_blocks(rows, T, block_q)
@@ -129,7 +147,6 @@ def ragged_attention_gpu(q, k, v, k_pages, v_pages, rows: RaggedRows, *, sliding
     # The new keys padded by a block, so a walk's last block never reads past them.
     k_new, v_new = (jnp.pad(x, ((0, block_k), (0, 0), (0, 0))) for x in (k, v))
     k_pos = jnp.pad(rows.positions, (0, block_k), constant_values=-1)  # [T + block_k]
-    (k_values, k_scale), (v_values, v_scale) = split_pages(k_pages), split_pages(v_pages)
     quantized = k_scale is not None
     scales = [k_scale, v_scale] if quantized else []
     Tk, Pt = T + block_k, table.shape[1]
@@ -138,7 +155,7 @@ def ragged_attention_gpu(q, k, v, k_pages, v_pages, rows: RaggedRows, *, sliding
                                sliding_window=sliding_window, scale=head_dim ** -0.5, quantized=quantized)
     out = pl.pallas_call(
         kernel,
-        grid=(NB, KVH),
+        grid=(NB, KVH),  # kernel_grid
         in_specs=[
             pl.BlockSpec((1, 8), lambda b, h: (b, 0)),  # block metadata
             pl.BlockSpec((None, R), lambda b, h: (b, 0)),  # query positions
@@ -153,7 +170,8 @@ def ragged_attention_gpu(q, k, v, k_pages, v_pages, rows: RaggedRows, *, sliding
         out_specs=pl.BlockSpec((None, None, R, D), lambda b, h: (b, h, 0, 0)),
         out_shape=jax.ShapeDtypeStruct((NB, KVH, R, D), q.dtype),
         # Triton explicitly: JAX now lowers GPU Pallas to Mosaic GPU unless told otherwise.
-        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2),
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps or derived.num_warps,
+                                                num_stages=num_stages or derived.num_stages),
         interpret=interpret,
         name="ragged_attention",
     )(meta, pos_rows.astype(jnp.int32), table.astype(jnp.int32), q_rows, k_new, v_new, k_pos.astype(jnp.int32),

@@ -30,7 +30,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from jaxserve.batch import RaggedRows
-from jaxserve.pallas_kernels.query_blocks import query_blocks, unblock
+from jaxserve.pallas_kernels.query_blocks import num_slots, query_blocks, unblock
 from jaxserve.pallas_kernels.softmax import (MASKED, dequantize, pad_head_dim, scores, softmax_block, softmax_result,
                                              split_pages)
 
@@ -157,7 +157,7 @@ def ragged_attention_tpu(q, k, v, k_pages, v_pages, rows: RaggedRows, *, sliding
     q, k, v = pad_head_dim(D, q, k, v)  # the queries and new keys as wide as the pages (zeros score nothing)
     G = H // KVH
     S, P = rows.page_table.shape
-    NB = T // block_q + S  # static bound on the query blocks of any ragged split of T tokens into S rows
+    NB = num_slots(T, S, block_q)  # static bound on the query blocks of any ragged split of T tokens into S rows
 
     # Which row each block slot serves, and which of its tokens (see query_blocks).
     blocks = query_blocks(rows, T, block_q)
