@@ -247,12 +247,13 @@ def buffers(tree, *, cache: bool = False) -> list[Buffer]:
     found = []
     for path, x in jax.tree_util.tree_leaves_with_path(tree):
         keys = [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path]
-        if len(x.shape) < 2 or keys[-1] in _NOT_WEIGHTS:
+        last = keys[-1] if keys else ""
+        if len(x.shape) < 2 or last in _NOT_WEIGHTS:
             continue
         shape = x.sharding.shard_shape(x.shape) if getattr(x, "sharding", None) is not None else x.shape
         name = "KV cache pages" if cache else "/".join(k for k in keys if k != "params")
         found.append(Buffer(name, tuple(shape), int(math.prod(shape) * x.dtype.itemsize), cache))
-        if keys[-1] == "packed":
+        if last == "packed":
             unpacked = (2 * shape[0], *shape[1:])
             found.append(Buffer(name.removesuffix("/packed") + " (unpacked)", unpacked, math.prod(unpacked), cache))
     return found
