@@ -188,13 +188,13 @@ def audit(hlo_text: str, buffers: list[Buffer], threshold: int | None = None) ->
     jaxserve.collectives)."""
     computations, entry = parse(hlo_text)
     by_name = {i.name: i for cs in computations.values() for i in cs}
-    shaped, sized = {}, {}  # dims or numel -> the first buffer's name of that shape or size
+    shaped, sized = {}, {}  # dims or numel -> the first buffer of that shape or size
     for b in sorted(buffers, key=lambda b: (not b.is_cache, b.name)):
-        shaped.setdefault(b.dims, b.name)
-        sized.setdefault(b.numel, b.name)
+        shaped.setdefault(b.dims, b)
+        sized.setdefault(b.numel, b)
     threshold = min((b.bytes for b in buffers), default=0) if threshold is None else threshold
 
-    def of(array: Array | None) -> str | None:
+    def of(array: Array | None) -> Buffer | None:
         """The buffer of its shape, or else of its size (a reshaped or transposed one)."""
         return None if array is None else shaped.get(array.dims) or sized.get(array.numel)
 
@@ -219,22 +219,26 @@ def audit(hlo_text: str, buffers: list[Buffer], threshold: int | None = None) ->
                     for a in by_name[o].outputs:
                         arguments[a.numel].append("/".join(re.findall(r"\['([^']*)'\]", by_name[o].op_name)[-3:]))
             for out in i.outputs:
-                if out.memory_space == ON_CHIP_MEMORY_SPACE or out.bytes < threshold:
+                if out.bytes < threshold:
                     continue
-                name = of(out)
-                if name is None and i.op != "fusion" and of(source) is not None:
-                    name = of(source)  # part of a weight or page array, e.g. a slice of it
-                if name is None:
+                buffer = of(out)
+                if buffer is None and i.op != "fusion":
+                    buffer = of(source)  # part of a weight or page array, e.g. a slice of it
+                if buffer is None:
                     continue
                 kind = i.op.removesuffix("-start")
                 if kind == "copy" and source is not None and source.numel == out.numel:
-                    if source.placement != out.placement:
-                        kind = "relayout"
-                    elif source.memory_space != out.memory_space:
-                        continue  # out of VMEM into HBM as it was: written back, not a second copy
+                    kind = "relayout" if source.placement != out.placement else kind
                 elif kind == "fusion" and root is not None and root.op != "tuple":
                     kind = f"fusion ({root.op})"
-                if arguments[out.numel] and name != "KV cache pages":
+                # TPU VMEM: a weight moved there as it is is its dot's own read; the cache moved whole is not (the
+                # kernel reads only the pages its rows use), nor is anything relayouted on the way.
+                if out.memory_space == ON_CHIP_MEMORY_SPACE and kind != "relayout" and not buffer.is_cache:
+                    continue
+                if kind == "copy" and source.memory_space != out.memory_space and not buffer.is_cache:
+                    continue  # a weight out of VMEM into HBM as it was: written back, not a second copy
+                name = buffer.name
+                if arguments[out.numel] and not buffer.is_cache:
                     name = arguments[out.numel].pop(0) or name
                 found.append(Traffic(kind, i.name, out, name, str(source) if kind == "relayout" else ""))
     return found

@@ -83,7 +83,8 @@ def test_copies_transposes_converts_and_weight_sized_fusions_are_listed():
 
 def test_the_kernel_in_place_updates_views_and_vmem_prefetches_are_not_listed():
     hlo = program("""  %bitcast.1 = bf16[128,8]{1,0} bitcast(%k)
-  %copy-start = (bf16[64,32]{1,0:T(8,128)(2,1)S(1)}, bf16[64,32]{1,0:T(8,128)(2,1)}, u32[]{:S(2)}) copy-start(%w)
+  %wt = bf16[64,32]{1,0:T(8,128)(2,1)} parameter(4)
+  %copy-start = (bf16[64,32]{1,0:T(8,128)(2,1)S(1)}, bf16[64,32]{1,0:T(8,128)(2,1)}, u32[]{:S(2)}) copy-start(%wt)
   %copy-done = bf16[64,32]{1,0:T(8,128)(2,1)S(1)} copy-done(%copy-start)
   %input_scatter_fusion = bf16[16,4,2,8]{3,2,1,0} fusion(%k, %i, %u), kind=kInput, calls=%fused_scatter
   %dynamic-update-slice.1 = bf16[16,4,2,8]{3,2,1,0} dynamic-update-slice(%k, %u, %i, %i, %i, %i)
@@ -92,6 +93,20 @@ def test_the_kernel_in_place_updates_views_and_vmem_prefetches_are_not_listed():
   ROOT %r = bf16[4,32]{1,0} fusion(%x, %q8), kind=kOutput, calls=%fused_dot
 """, FUSED_DOT)
     assert audit(hlo, BUFFERS) == []
+
+
+def test_the_cache_moved_into_vmem_is_listed():
+    """Unlike a weight's prefetch, the whole cache moved on chip is read whole (the kernel reads only its rows'
+    pages); and a relayout is one wherever it writes."""
+    pages = "bf16[16,4,2,8]{0,3,2,1:T(8,128)(2,1)"
+    hlo = program(f"  %copy-start.3 = ({pages}S(1)}}, {pages}}}, u32[]{{:S(2)}}) copy-start(%k)\n" + """\
+  %copy.17 = bf16[16,4,2,8]{3,2,1,0:T(4,128)(2,1)S(1)} copy(%k)
+  %copy.18 = bf16[64,32]{0,1:T(8,128)(2,1)S(1)} copy(%w)
+  ROOT %r = bf16[4,32]{1,0} fusion(%x, %q8), kind=kOutput, calls=%fused_dot
+""", FUSED_DOT)
+    found = [(t.kind, t.instruction, t.of) for t in audit(hlo, BUFFERS)]
+    assert found == [("copy", "copy-start.3", "KV cache pages"), ("relayout", "copy.17", "KV cache pages"),
+                     ("relayout", "copy.18", "layers_0/q_proj/kernel")]
 
 
 def test_a_slice_of_the_cache_counts_from_the_threshold():
