@@ -45,6 +45,7 @@ _UPDATES = {"dynamic-update-slice", "scatter"}
 KERNEL_TARGETS = {"tpu_custom_call", "__gpu$xla.gpu.triton"}
 _VIEW_TARGETS = {"ConcatBitcast", "AllocateBuffer", "AssumeGatherIndicesInBound", "GatherScatterIndicesBitpacked"}
 ON_CHIP_MEMORY_SPACE = "1"  # TPU VMEM
+_PACKED = {"u8", "s4", "u4"}  # dtypes a packed int4 weight can arrive in
 _NOT_WEIGHTS = {"scale", "offset", "input_scale"}  # a quantized weight's (jaxserve.quant)
 
 
@@ -216,8 +217,11 @@ def audit(hlo_text: str, buffers: list[Buffer], threshold: int | None = None) ->
             arguments = collections.defaultdict(list)  # numel -> names, in operand order
             for o in i.operands:
                 if o in by_name and by_name[o].op_name:
+                    name = "/".join(re.findall(r"\['([^']*)'\]", by_name[o].op_name)[-3:])
                     for a in by_name[o].outputs:
-                        arguments[a.numel].append("/".join(re.findall(r"\['([^']*)'\]", by_name[o].op_name)[-3:]))
+                        arguments[a.numel].append(name)
+                        if a.dtype in _PACKED:  # two int4 values a byte: what it unpacks to
+                            arguments[2 * a.numel].append(name + " (unpacked)")
             for out in i.outputs:
                 if out.bytes < threshold:
                     continue
