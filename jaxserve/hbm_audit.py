@@ -235,9 +235,11 @@ def audit(hlo_text: str, buffers: list[Buffer], threshold: int | None = None) ->
                     kind = "relayout" if source.placement != out.placement else kind
                 elif kind == "fusion" and root is not None and root.op != "tuple":
                     kind = f"fusion ({root.op})"
-                # TPU VMEM: a weight moved there as it is is its dot's own read; the cache moved whole is not (the
-                # kernel reads only the pages its rows use), nor is anything relayouted on the way.
-                if out.memory_space == ON_CHIP_MEMORY_SPACE and kind != "relayout" and not buffer.is_cache:
+                # TPU VMEM: from VMEM, no HBM traffic; from HBM, a weight moved as it is is its dot's own read, but
+                # the cache moved whole is not (the kernel reads only the pages its rows use), nor is a relayout.
+                if out.memory_space == ON_CHIP_MEMORY_SPACE and (
+                        source is None or source.memory_space == ON_CHIP_MEMORY_SPACE
+                        or (kind != "relayout" and not buffer.is_cache)):
                     continue
                 if kind == "copy" and source.memory_space != out.memory_space and not buffer.is_cache:
                     continue  # a weight out of VMEM into HBM as it was: written back, not a second copy

@@ -97,11 +97,12 @@ def test_the_kernel_in_place_updates_views_and_vmem_prefetches_are_not_listed():
 
 def test_the_cache_moved_into_vmem_is_listed():
     """Unlike a weight's prefetch, the whole cache moved on chip is read whole (the kernel reads only its rows'
-    pages); and a relayout is one wherever it writes."""
+    pages); a relayout out of HBM is one wherever it writes; one from VMEM to VMEM (copy.19) moves no HBM bytes."""
     pages = "bf16[16,4,2,8]{0,3,2,1:T(8,128)(2,1)"
     hlo = program(f"  %copy-start.3 = ({pages}S(1)}}, {pages}}}, u32[]{{:S(2)}}) copy-start(%k)\n" + """\
   %copy.17 = bf16[16,4,2,8]{3,2,1,0:T(4,128)(2,1)S(1)} copy(%k)
   %copy.18 = bf16[64,32]{0,1:T(8,128)(2,1)S(1)} copy(%w)
+  %copy.19 = bf16[64,32]{1,0:T(8,128)(2,1)S(1)} copy(%copy.18)
   ROOT %r = bf16[4,32]{1,0} fusion(%x, %q8), kind=kOutput, calls=%fused_dot
 """, FUSED_DOT)
     found = [(t.kind, t.instruction, t.of) for t in audit(hlo, BUFFERS)]
