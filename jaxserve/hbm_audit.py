@@ -8,7 +8,8 @@ the new tokens' K/V written in place. Anything else of that size is an extra pas
 copied into the layout a kernel wants, an int8 weight widened to a bf16 temporary before its dot. Instructions
 inside fused computations never touch HBM (only a fusion's operands and output do), so only unfused computations
 (the entry, loop bodies, conditional branches) are read. TPU's on-chip memory (layout memory space S(1), VMEM) is
-not HBM: a weight prefetched into it is the dot's own read, not an extra one.
+not HBM: a weight prefetched into it is the dot's own read, not an extra one, and what moves within it moves no HBM
+bytes; but the whole cache moved into it is read whole (the kernel reads only the pages its rows use).
 
 An in-place update (dynamic-update-slice, scatter, or a fusion rooted in one) is never listed itself: XLA updates
 its operand's buffer, and when that cannot be the argument's (donation lost, a layout changed) it inserts a `copy`
@@ -185,8 +186,8 @@ def audit(hlo_text: str, buffers: list[Buffer], threshold: int | None = None) ->
     """Every instruction of a compiled program (`compiled.as_text()`) outside fusions that writes to HBM a buffer
     the size (element count) of one of `buffers`, or at least `threshold` bytes read out of one (a slice, a copy of
     part of a page array); by default the threshold is the smallest buffer's bytes. Not listed: the attention
-    kernel's custom call, in-place updates, views (bitcasts, tuples), buffers in TPU VMEM, collectives (see
-    jaxserve.collectives)."""
+    kernel's custom call, in-place updates, views (bitcasts, tuples), moves within TPU VMEM and a weight's prefetch
+    into it, collectives (see jaxserve.collectives)."""
     computations, entry = parse(hlo_text)
     by_name = {i.name: i for cs in computations.values() for i in cs}
     shaped, sized = {}, {}  # dims or numel -> the first buffer of that shape or size
