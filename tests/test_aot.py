@@ -192,8 +192,9 @@ def extra_traffic(rows, model, *, cache: bool) -> list[str]:
 TPU_CACHE_RELAYOUT = pytest.mark.xfail(strict=True, reason=(
     "v5e, SmolLM2's 3 KV heads x 64: the TPU's default layout of a [pages, 16, 3, 64] page array is pages-minor "
     "({0,3,2,1}); the Pallas kernel and the cache write's scatter take it row-major, so each step and each cache "
-    "write relayouts every layer's K and V pages (and the write copies them back). The head-major page layout with "
-    "head_dim padded to 128 lanes is the fix (issue 24)."))
+    "write relayouts every layer's K and V pages, whole (and the write copies them back): here, 1025 pages, through "
+    "VMEM; at 8192 pages through HBM, 50 MB a page array. The head-major page layout with head_dim padded to 128 "
+    "lanes is the fix (issue 24)."))
 
 
 @needs_compilers
@@ -207,9 +208,24 @@ def test_no_program_copies_the_kv_cache(audited_rows, model, target):
     assert not found, "\n".join(found)
 
 
+TPU_EMBEDDING_RELAYOUT = pytest.mark.xfail(strict=True, reason=(
+    "v5e, SmolLM2: the TPU's default layout of the [49152, 576] embedding table is column-major ({0,1}: 49152 "
+    "divides by 128 lanes, 576 does not), and the 16- and 64-token steps' row gather relayouts the whole table "
+    "(56.6 MB) to row-major first, every step; the 1-token step reads its row with a dynamic-slice. (Llama 3 8B's "
+    "[128256, 4096] table is row-major: not copied.)"))
+GPU_ONE_TOKEN_STRENGTH_REDUCTION = pytest.mark.xfail(strict=True, reason=(
+    "H100, the 1-token step only: XLA:GPU rewrites a [1, in] x [in, out] dot as a multiply and a reduce, and "
+    "writes the bf16 [in, out] product of each weight to HBM between the two fusions (loop_multiply_fusion), then "
+    "reads it back: 3x the weight's bytes. All 7 matrices a layer for SmolLM2; k_proj and v_proj for Llama 3 8B. "
+    "16-token and larger steps keep the weight in their GEMM fusion."))
+
+
 @needs_compilers
 @pytest.mark.parametrize("model, target", [
-    ("smollm2-135m", "v5e:2x2"), ("smollm2-135m", "h100"), ("llama-3-8b", "v5e:2x2"), ("llama-3-8b", "h100")])
+    pytest.param("smollm2-135m", "v5e:2x2", marks=TPU_EMBEDDING_RELAYOUT),
+    pytest.param("smollm2-135m", "h100", marks=GPU_ONE_TOKEN_STRENGTH_REDUCTION),
+    ("llama-3-8b", "v5e:2x2"),
+    pytest.param("llama-3-8b", "h100", marks=GPU_ONE_TOKEN_STRENGTH_REDUCTION)])
 def test_no_program_copies_a_weight(audited_rows, model, target):
     found = extra_traffic(audited_rows(target), model, cache=False)
     assert not found, "\n".join(found)
