@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxserve import hbm_audit
 from jaxserve.batch import RaggedRows
 from jaxserve.batching.batch_builder import build_batch
 from jaxserve.buckets import Buckets
@@ -30,6 +31,7 @@ from jaxserve.config import ModelConfig
 from jaxserve.distributed import check_tensor_parallel, make_mesh, replicated
 from jaxserve.model.decoder import declared_params
 from jaxserve.pallas_kernels import page_head_dim_multiple, ragged_kernel_for
+from jaxserve.quant import quantize_params
 from jaxserve.steps import Steps
 
 
@@ -116,16 +118,22 @@ class Compiled:
     collective_ops: list = dataclasses.field(default_factory=list)
     largest_all_gather_bytes: int = 0
     census: list = dataclasses.field(default_factory=list, repr=False, compare=False)  # the Collective records
+    # What it writes to HBM beyond what it must (jaxserve.hbm_audit): weight- or cache-sized copies, relayouts,
+    # converts, materialised fusions; and their bytes.
+    traffic: list = dataclasses.field(default_factory=list, repr=False, compare=False)  # the Traffic records
+    traffic_bytes: int = 0
 
     @property
     def peak_bytes(self) -> int:
         return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes
 
 
-def compile_program(program: str, shape: str, fn, args, device, *, mesh=None, arg_shardings=None) -> Compiled:
+def compile_program(program: str, shape: str, fn, args, device, *, mesh=None, arg_shardings=None,
+                    roles=()) -> Compiled:
     """Lowers and compiles fn(*args) (a pytree of ShapeDtypeStructs) for `device`; a compiler error is recorded.
     mesh: compile for a tensor-parallel mesh instead, each arg placed on its sharding in arg_shardings (a tree of
-    NamedShardings matching args)."""
+    NamedShardings matching args). roles: per arg, "weights", "cache" or None: the HBM audit looks for copies of
+    the first two's arrays (as each device holds them)."""
     if mesh is None:
         mesh = jax.sharding.Mesh(np.array([device]), ("model",))
         placed = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
@@ -146,7 +154,11 @@ def compile_program(program: str, shape: str, fn, args, device, *, mesh=None, ar
     cost = compiled.cost_analysis() or {}
     if isinstance(cost, list):
         cost = cost[0] if cost else {}
-    census = collective_census(compiled.as_text()) if tp > 1 else []
+    text = compiled.as_text()
+    census = collective_census(text) if tp > 1 else []
+    audited = [b for arg, role in zip(placed, roles) if role
+               for b in hbm_audit.buffers(arg, cache=role == "cache")]
+    traffic = hbm_audit.audit(text, audited) if audited else []
     gathers = [c.bytes for c in census if c.kind == "all-gather"]
     return Compiled(program, shape, argument_bytes=memory.argument_size_in_bytes,
                     output_bytes=memory.output_size_in_bytes, alias_bytes=memory.alias_size_in_bytes,
@@ -155,12 +167,19 @@ def compile_program(program: str, shape: str, fn, args, device, *, mesh=None, ar
                     compile_seconds=time.perf_counter() - start, tensor_parallel_size=tp,
                     collectives=dict(collections.Counter(c.kind for c in census)),
                     collective_ops=[str(c) for c in census],
-                    largest_all_gather_bytes=max(gathers, default=0), census=census)
+                    largest_all_gather_bytes=max(gathers, default=0), census=census, traffic=traffic,
+                    traffic_bytes=sum(t.bytes for t in traffic))
 
 
-def abstract_params(config: ModelConfig, dtype) -> dict:
-    """The params pytree's shapes and dtypes (as the loaders build it), without any weights."""
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, dtype), declared_params(config, dtype).shapes)
+def abstract_params(config: ModelConfig, dtype, quantization: str | None = None, **quantize_options) -> dict:
+    """The params pytree's shapes and dtypes (as the loaders build it), without any weights. quantization: "int8"
+    or "int4", the tree `jaxserve.quant.quantize_params` makes of it (its options, e.g. group_size, passed on)."""
+    params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, dtype), declared_params(config, dtype).shapes)
+    if quantization is None:
+        return params
+    if quantization not in ("int8", "int4"):
+        raise ValueError(f"abstract params quantize as int8 or int4, not {quantization!r} (awq is int4's layout)")
+    return jax.eval_shape(lambda p: quantize_params(p, quantization, **quantize_options), params)
 
 
 def tensor_parallel_config(config: ModelConfig, tensor_parallel_size: int) -> ModelConfig:
@@ -210,16 +229,17 @@ def compile_serving(config: ModelConfig, dtype, device, *, max_num_seqs: int, ma
         decode = [s for s in shapes if s[0] == s[1]][-1:]
         shapes = sorted(set(shapes[:1] + decode + shapes[-1:]))
     if mesh is None:
-        def compile_(program, shape, fn, args, arg_shardings):
-            return compile_program(program, shape, fn, args, device)
+        def compile_(program, shape, fn, args, arg_shardings, roles):
+            return compile_program(program, shape, fn, args, device, roles=roles)
     else:
         rep = replicated(mesh)
 
-        def compile_(program, shape, fn, args, arg_shardings):
+        def compile_(program, shape, fn, args, arg_shardings, roles):
             # None: replicated (every leaf of that argument)
             arg_shardings = tuple(jax.tree.map(lambda _: rep, a) if s is None else s
                                   for a, s in zip(args, arg_shardings))
-            return compile_program(program, shape, fn, args, device, mesh=mesh, arg_shardings=arg_shardings)
+            return compile_program(program, shape, fn, args, device, mesh=mesh, arg_shardings=arg_shardings,
+                                   roles=roles)
     step_shardings = (None, None, None, None) if mesh is None else \
         (steps.param_shardings(params), steps.cache_sharding, None, None)
     write_shardings = (None, None, None) if mesh is None else (steps.cache_sharding, steps.new_kv_sharding, None)
@@ -228,15 +248,16 @@ def compile_serving(config: ModelConfig, dtype, device, *, max_num_seqs: int, ma
         batch = build_batch([], page_size, config.vocab_size, tokens, rows, buckets.pages_per_row)
         batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), batch)
         shape = f"{tokens} tokens x {rows} rows"
-        results.append(compile_("step", shape, steps._forward, (params, kv, last_tokens, batch), step_shardings))
+        results.append(compile_("step", shape, steps._forward, (params, kv, last_tokens, batch), step_shardings,
+                                ("weights", "cache")))
         new_kv = jax.eval_shape(steps._forward, params, kv, last_tokens, batch)[1]
         results.append(compile_("cache write", shape, steps._write, (kv, new_kv, batch.slot_mapping),
-                                write_shardings))
+                                write_shardings, ("cache",)))
         if k and tokens > 1:
             batch = build_batch([], page_size, config.vocab_size, tokens, rows, buckets.pages_per_row, k + 1)
             batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), batch)
             results.append(compile_("verify step", shape, steps._verify, (params, kv, last_tokens, batch),
-                                    step_shardings))
+                                    step_shardings, ("weights", "cache")))
     if not backend.startswith("pallas"):
         return results
     tokens, rows = shapes[-1]
@@ -260,4 +281,5 @@ def _compile_kernel(config, dtype, device, backend, pages, tokens, rows, pages_p
     def run(q, k, v, k_pages, v_pages, ragged):
         return kernel(q, k, v, k_pages, v_pages, ragged, sliding_window=config.sliding_window)
     return compile_program("ragged attention", f"{tokens} tokens x {rows} rows", run,
-                           (sds((tokens, H, D), dtype), new, new, pages, pages, ragged), device)
+                           (sds((tokens, H, D), dtype), new, new, pages, pages, ragged), device,
+                           roles=(None, None, None, "cache", "cache"))

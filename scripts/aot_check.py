@@ -18,6 +18,11 @@ chips, "h100:8": eight GPUs), as a tensor-parallel engine runs them; sizes are t
 collectives (all-reduce, all-gather, reduce-scatter, all-to-all, collective-permute, async forms included) are
 listed and checked: an all-reduce per row-parallel layer (o_proj, down_proj) and one for the vocab-split embedding,
 and no all-gather bigger than the sampled rows' logits (a weight or the cache gathered whole would be).
+
+Every program's HBM audit (jaxserve.hbm_audit) is in the "extra MB" column and the "HBM:" lines under it: each
+instruction that writes a weight- or KV-cache-sized buffer the program did not have to (the cache relayouted for
+the attention kernel, an int8 weight widened to a bf16 copy before its dot), with its bytes. --quantization int8
+or int4 compiles the steps with quantized linear layers, to see the latter.
 """
 from __future__ import annotations
 
@@ -43,6 +48,8 @@ from jaxserve.collectives import collective_problems  # noqa: E402
 from jaxserve.cache import bytes_per_page, pages_needed  # noqa: E402
 from jaxserve.pallas_kernels import page_head_dim_multiple  # noqa: E402
 from jaxserve.weights.params import param_bytes  # noqa: E402
+
+SHOWN_TRAFFIC = 6  # a program's HBM audit lines printed (a relayout per layer repeats)
 
 # Dense bf16 peaks (public specs), for the compute side of the roofline.
 PEAK_FLOPS = {"v5e": 197e12, "v6e": 918e12, "h100": 989e12, "h200": 989e12}
@@ -82,6 +89,9 @@ def main() -> None:
                         "8 on h100:8) and check their collectives")
     p.add_argument("--num-layers", type=int, default=None,
                    help="only this many of the model's layers (the same programs per layer, compiled quicker)")
+    p.add_argument("--quantization", default=None, choices=("int8", "int4"),
+                   help="compile with the linear layers' weights quantized (jaxserve.quant), to see whether the "
+                        "steps read them as such or widen them to bf16 copies first (the HBM audit says)")
     p.add_argument("--out", default=None, help="write the rows as JSON here")
     args = p.parse_args()
     tp = args.tensor_parallel_size
@@ -92,7 +102,7 @@ def main() -> None:
             config = dataclasses.replace(config, num_layers=args.num_layers)
         if tp > 1:
             config = aot.tensor_parallel_config(config, tp)  # KV heads repeated where tp exceeds them
-        params = aot.abstract_params(config, jnp.bfloat16)
+        params = aot.abstract_params(config, jnp.bfloat16, args.quantization)
         weight_bytes = param_bytes(params)
         for target in args.target or list(aot.TARGETS):
             chip, kind = aot.chip_of(target), target.split(":")[0]
@@ -118,7 +128,7 @@ def main() -> None:
                   f"{chip.hbm_bytes / 2**30:.0f} GiB HBM){split}: weights {weight_bytes / 1e9:.2f} GB, KV cache "
                   f"{num_pages} pages of 16 tokens, compiled in {time.perf_counter() - start:.0f} s")
             print(f"  {'program':<16} {'shape':<24} {'result':<9} {'peak GB':>8} {'temp MB':>8} {'fits':>5} "
-                  f"{'GFLOP':>8} {'GB read':>8} {'roofline tok/s':>15}")
+                  f"{'GFLOP':>8} {'GB read':>8} {'roofline tok/s':>15} {'extra MB':>9}")
             for r in results:
                 row = {"model": name, "target": target, "num_pages": num_pages, "weight_bytes": weight_bytes,
                        **dataclasses.asdict(r), "peak_bytes": r.peak_bytes, "fits": r.peak_bytes <= chip.hbm_bytes}
@@ -133,9 +143,14 @@ def main() -> None:
                 result = "ERROR" if r.error else "compiled"
                 counts = (f"{r.flops / 1e9:8.1f} {r.bytes_accessed / 1e9:8.2f}" if r.flops else f"{'':8} {'':8}")
                 print(f"  {r.program:<16} {r.shape:<24} {result:<9} {r.peak_bytes / 1e9:8.2f} "
-                      f"{r.temp_bytes / 1e6:8.1f} {'yes' if row['fits'] else 'NO':>5} {counts} {rate:>15}")
+                      f"{r.temp_bytes / 1e6:8.1f} {'yes' if row['fits'] else 'NO':>5} {counts} {rate:>15} "
+                      f"{r.traffic_bytes / 1e6:9.1f}")
                 if r.error:
                     print(f"    {r.error}")
+                for t in r.traffic[:SHOWN_TRAFFIC]:
+                    print(f"    HBM: {t}")
+                if len(r.traffic) > SHOWN_TRAFFIC:
+                    print(f"    HBM: ... {len(r.traffic) - SHOWN_TRAFFIC} more (--out has them all)")
                 if tp > 1 and r.program != "ragged attention":
                     row["collective_problems"] = collective_problems(
                         r, config, params, num_pages, kv_cache_dtype=args.kv_cache_dtype,
@@ -151,7 +166,8 @@ def main() -> None:
     failed = [r for r in rows if r["error"] or r.get("collective_problems")]
     unexpected = sum(bool(r.get("collective_problems")) for r in rows)
     print(f"\n{sum(not r['error'] for r in rows)} of {len(rows)} programs compiled"
-          + (f"; {unexpected} with unexpected collectives" if tp > 1 else ""))
+          + (f"; {unexpected} with unexpected collectives" if tp > 1 else "")
+          + f"; {sum(bool(r['traffic']) for r in rows)} with extra HBM traffic (weight- or cache-sized copies)")
     raise SystemExit(1 if failed else 0)
 
 
