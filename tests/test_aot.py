@@ -50,9 +50,10 @@ def aot_check(tmp_path, *args, allow_collective_problems: bool = False) -> list[
 @needs_compilers
 def test_default_model_serving_programs_compile_for_tpu_and_gpu(tmp_path):
     """The engine's default shape (64 sequences, 512-token steps): the smallest step, the largest all-decode one and
-    the largest, their cache writes and the ragged attention kernel, for a v5e and an H100."""
+    the largest, their cache writes and the ragged attention kernel, for a v5e and an H100. Two of the 30 layers:
+    every layer compiles to the same program (scripts/aot_check.py without --num-layers compiles them all)."""
     rows = aot_check(tmp_path, "--model", "smollm2-135m", "--target", "v5e:2x2", "--target", "h100",
-                     "--only-extremes", "--num-speculative-tokens", "4")
+                     "--only-extremes", "--num-speculative-tokens", "4", "--num-layers", "2")
     for target in ("v5e:2x2", "h100"):
         programs = {(r["program"], r["shape"]) for r in rows if r["target"] == target}
         assert {("step", "1 tokens x 1 rows"), ("step", "64 tokens x 64 rows"), ("step", "512 tokens x 64 rows"),
@@ -61,14 +62,15 @@ def test_default_model_serving_programs_compile_for_tpu_and_gpu(tmp_path):
     assert all(r["fits"] and r["peak_bytes"] > r["weight_bytes"] for r in rows if r["program"] == "step")
     decode = next(r for r in rows if r["target"] == "v5e:2x2" and r["shape"] == "64 tokens x 64 rows"
                   and r["program"] == "step")
-    assert decode["flops"] > 2 * 64 * 100e6 and decode["roofline_tokens_per_s"] > 0  # ~2 flops per weight per row
+    # ~2 flops per (bf16, 2-byte) weight per row, the tied embedding included: it is the LM head too
+    assert decode["flops"] > 0.9 * 64 * decode["weight_bytes"] and decode["roofline_tokens_per_s"] > 0
 
 
 @needs_compilers
 def test_int8_kv_cache_kernels_compile_for_tpu_and_gpu(tmp_path):
     rows = aot_check(tmp_path, "--model", "smollm2-135m", "--target", "v5e:2x2", "--target", "h100",
                      "--kv-cache-dtype", "int8", "--max-num-seqs", "1", "--max-num-batched-tokens", "16",
-                     "--max-model-len", "256", "--only-extremes")
+                     "--max-model-len", "256", "--only-extremes", "--num-layers", "2")
     assert {r["target"] for r in rows if r["program"] == "ragged attention"} == {"v5e:2x2", "h100"}
 
 
@@ -160,6 +162,8 @@ def test_tensor_parallel_config_is_the_repeated_kv_heads_one():
 # (what it must move is each weight read once by its dot, the pages the kernel reads, the new K/V written in place).
 # The default model's and Llama 3 8B's shapes, two of their layers, a 16-sequence engine of 64-token steps (the
 # 1-token, all-decode 16 x 16 and 64-token steps, their cache writes and the kernel alone), on a TPU and a GPU.
+# 8192-token sequences, so the cache (8193 pages) is serving-sized: XLA:TPU prefetches a cache small enough for VMEM
+# (1025 pages: 12.6 MB a page array) into it whole, which the audit would count as a copy.
 AUDIT_MODELS = ("smollm2-135m", "llama-3-8b")
 AUDIT_TARGETS = ("v5e:2x2", "h100")
 
@@ -174,7 +178,7 @@ def audited_rows(tmp_path_factory):
             models = [a for m in AUDIT_MODELS for a in ("--model", m)]
             rows[target] = aot_check(tmp_path_factory.mktemp("audit"), *models, "--target", target, "--num-layers",
                                      "2", "--only-extremes", "--max-num-seqs", "16", "--max-num-batched-tokens", "64",
-                                     "--max-model-len", "1024")
+                                     "--max-model-len", "8192")
         return rows[target]
     return get
 
@@ -187,19 +191,12 @@ def extra_traffic(rows, model, *, cache: bool) -> list[str]:
             for r in rows if r["model"] == model for t in r["traffic"] if (t["of"] == "KV cache pages") == cache]
 
 
-TPU_CACHE_RELAYOUT = pytest.mark.xfail(strict=True, reason=(
-    "v5e, SmolLM2's 3 KV heads x 64: the TPU's default layout of a [pages, 16, 3, 64] page array is pages-minor "
-    "({0,3,2,1}); the Pallas kernel and the cache write's scatter take it row-major, so each step and each cache "
-    "write relayouts every layer's K and V pages, whole (and the write copies them back): here, 1025 pages, through "
-    "VMEM; at 8192 pages through HBM, 50 MB a page array. The head-major page layout with head_dim padded to 128 "
-    "lanes is the fix (issue 24)."))
-
-
 @needs_compilers
-@pytest.mark.parametrize("model, target", [
-    pytest.param("smollm2-135m", "v5e:2x2", marks=TPU_CACHE_RELAYOUT),
-    ("smollm2-135m", "h100"), ("llama-3-8b", "v5e:2x2"), ("llama-3-8b", "h100")])
+@pytest.mark.parametrize("model, target", [("smollm2-135m", "v5e:2x2"), ("smollm2-135m", "h100"),
+                                           ("llama-3-8b", "v5e:2x2"), ("llama-3-8b", "h100")])
 def test_no_program_copies_the_kv_cache(audited_rows, model, target):
+    """Every program reads the pages in place: the TPU kernel DMAs head-major pages of 128 lanes (before, SmolLM2's
+    token-major [pages, 16, 3, 64] arrays were relaid out whole around every kernel call and cache write)."""
     rows = audited_rows(target)
     assert {r["model"] for r in rows} == set(AUDIT_MODELS) and not any(r["error"] for r in rows)
     found = extra_traffic(rows, model, cache=True)
