@@ -27,7 +27,7 @@ from jaxserve.batching.batch_builder import build_batch
 from jaxserve.buckets import Buckets
 from jaxserve.cache import init_kv_cache, pages_needed
 from jaxserve.collectives import collective_census
-from jaxserve.config import ModelConfig
+from jaxserve.config import FULL, SLIDING, ModelConfig
 from jaxserve.distributed import check_tensor_parallel, make_mesh, replicated
 from jaxserve.model.decoder import declared_params
 from jaxserve.pallas_kernels import page_head_dim_multiple, ragged_kernel_for
@@ -65,7 +65,8 @@ CHIPS = {
 }
 TARGETS = ("v5e:2x2", "v6e:2x2", "h100", "h200")
 
-# Model shapes to compile without their weights: the default model's, and Llama 3 8B's.
+# Model shapes to compile without their weights: the default model's, Llama 3 8B's and Gemma 3 1B's (one KV head
+# of 256, five sliding-window layers to one global: HF's config of google/gemma-3-1b-it).
 MODEL_CONFIGS = {
     "smollm2-135m": ModelConfig("LlamaForCausalLM", vocab_size=49152, hidden_size=576, intermediate_size=1536,
                                 num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64, rope_theta=100000.0,
@@ -75,7 +76,23 @@ MODEL_CONFIGS = {
                               rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
                               max_position_embeddings=131072),
+    "gemma-3-1b": ModelConfig("Gemma3ForCausalLM", vocab_size=262144, hidden_size=1152, intermediate_size=6912,
+                              num_layers=26, num_heads=4, num_kv_heads=1, head_dim=256, rms_norm_eps=1e-6,
+                              rope_theta=1_000_000.0, rope_local_theta=10_000.0, max_position_embeddings=32768,
+                              tie_word_embeddings=True, sliding_window=512, hidden_activation="gelu_tanh",
+                              qk_norm=True, sandwich_norm=True, embedding_multiplier=1152 ** 0.5,
+                              query_pre_attn_scalar=256,
+                              layer_types=tuple(SLIDING if (i + 1) % 6 else FULL for i in range(26))),
 }
+
+
+def with_layers(config: ModelConfig, num_layers: int) -> ModelConfig:
+    """The config with only num_layers layers (each layer compiles to the same program as its kind's others); a model
+    with global and sliding layers keeps one global layer among them."""
+    types = config.layer_types
+    if types is not None:
+        types = types[:num_layers - 1] + ((FULL,) if FULL in types else types[num_layers - 1:num_layers])
+    return dataclasses.replace(config, num_layers=num_layers, layer_types=types)
 
 
 def chip_of(target: str) -> Chip:

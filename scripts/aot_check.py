@@ -99,7 +99,7 @@ def main() -> None:
     for name in args.model or ["smollm2-135m"]:
         config = aot.MODEL_CONFIGS[name]
         if args.num_layers:
-            config = dataclasses.replace(config, num_layers=args.num_layers)
+            config = aot.with_layers(config, args.num_layers)
         if tp > 1:
             config = aot.tensor_parallel_config(config, tp)  # KV heads repeated where tp exceeds them
         params = aot.abstract_params(config, jnp.bfloat16, args.quantization)
@@ -130,7 +130,8 @@ def main() -> None:
             print(f"  {'program':<16} {'shape':<24} {'result':<9} {'peak GB':>8} {'temp MB':>8} {'fits':>5} "
                   f"{'GFLOP':>8} {'GB read':>8} {'roofline tok/s':>15} {'extra MB':>9}")
             for r in results:
-                row = {"model": name, "target": target, "num_pages": num_pages, "weight_bytes": weight_bytes,
+                row = {"model": name, "target": target, "num_layers": config.num_layers, "num_pages": num_pages,
+                       "weight_bytes": weight_bytes,
                        **dataclasses.asdict(r), "peak_bytes": r.peak_bytes, "fits": r.peak_bytes <= chip.hbm_bytes}
                 rate = ""
                 tokens, _, _, batch, _ = r.shape.split()  # "64 tokens x 64 rows"

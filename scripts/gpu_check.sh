@@ -18,13 +18,14 @@ fi
 export PYTHONPATH="$PWD:${PYTHONPATH:-}"  # the package from this checkout, no install (no registry there)
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
 
-# 1. The kernels compiled by Triton for real, against their references (the engine's start-up check), at the
-#    default model's heads and at a serving shape, float and int8 KV pages.
+# 1. The kernels compiled by Triton for real, against their references (the engine's start-up check), at every
+#    family's heads (SmolLM2, Llama 3 8B, Gemma 3 1B's head_dim 256, Qwen3) and at a serving shape, float and int8
+#    KV pages, with the block sizes gpu_blocks derives for the chip's shared memory.
 python3 - <<'PY' 2>&1 | tee "$OUT/self_check.log"
 import jax.numpy as jnp
 from jaxserve.pallas_kernels.self_check import check_kernels
 serving = dict(num_pages=4096, pages_per_seq=512, max_num_seqs=64, max_tokens=512)
-for heads, kv_heads, head_dim in [(9, 3, 64), (32, 8, 128)]:
+for heads, kv_heads, head_dim in [(9, 3, 64), (32, 8, 128), (4, 1, 256), (40, 8, 128)]:
     for kv in ("auto", "int8"):
         problem = check_kernels("pallas-gpu", heads, kv_heads, head_dim, 16, jnp.bfloat16, None, serving,
                                 kv_cache_dtype=kv)
