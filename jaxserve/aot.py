@@ -90,6 +90,8 @@ def with_layers(config: ModelConfig, num_layers: int) -> ModelConfig:
     """The config with only num_layers layers (each layer compiles to the same program as its kind's others); a model
     with global and sliding layers keeps one global layer among them."""
     types = config.layer_types
+    if num_layers >= config.num_layers:
+        return config
     if types is not None:
         types = types[:num_layers - 1] + ((FULL,) if FULL in types else types[num_layers - 1:num_layers])
     return dataclasses.replace(config, num_layers=num_layers, layer_types=types)

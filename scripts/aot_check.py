@@ -17,7 +17,7 @@ With --tensor-parallel-size N the steps compile over a mesh of N of the target's
 chips, "h100:8": eight GPUs), as a tensor-parallel engine runs them; sizes are then per device, and each program's
 collectives (all-reduce, all-gather, reduce-scatter, all-to-all, collective-permute, async forms included) are
 listed and checked: an all-reduce per row-parallel layer (o_proj, down_proj) and one for the vocab-split embedding,
-and no all-gather bigger than the sampled rows' logits (a weight or the cache gathered whole would be).
+and nothing vocab-sized gathered (sampling exchanges per-row values only) and no weight or cache array moved whole.
 
 Every program's HBM audit (jaxserve.hbm_audit) is in the "extra MB" column and the "HBM:" lines under it: each
 instruction that writes a weight- or KV-cache-sized buffer the program did not have to (the cache relayouted for

@@ -28,7 +28,8 @@ import numpy as np
 
 from jaxserve.attention import ragged_attention, ragged_attention_reference, resolve_attention_backend
 from jaxserve.batching.batch_builder import Row, build_batch
-from jaxserve.pallas_kernels import int4_matmul, int8_matmul, ragged_kernel_for
+from jaxserve.cache.kv_cache import stored_head_dim
+from jaxserve.pallas_kernels import int4_matmul, int8_matmul, page_head_dim_multiple, ragged_kernel_for
 from jaxserve.pallas_kernels.quantized_matmul import int4_dequantize, int4_matmul_reference, int8_matmul_reference
 
 KVH, H, D, PAGE = 8, 32, 128, 16
@@ -68,8 +69,9 @@ def ragged_step(rows, dtype):
                         PAGE, 2, sum(n for _, n in rows), len(rows), max(pages))
     normal = lambda *shape: jnp.asarray(rng.standard_normal(shape, np.float32), dtype)  # noqa: E731
     T = batch.num_tokens
-    return (normal(T, H, D), normal(T, KVH, D), normal(T, KVH, D), normal(num_pages, PAGE, KVH, D),
-            normal(num_pages, PAGE, KVH, D), jax.tree.map(jnp.asarray, batch.rows))
+    stored = stored_head_dim(D, page_head_dim_multiple(resolve_attention_backend("pallas")))  # as the engine stores them
+    return (normal(T, H, D), normal(T, KVH, D), normal(T, KVH, D), normal(num_pages, KVH, PAGE, stored),
+            normal(num_pages, KVH, PAGE, stored), jax.tree.map(jnp.asarray, batch.rows))
 
 
 def bench_attention(name, rows, dtype, fns):
@@ -85,7 +87,7 @@ def bench_attention(name, rows, dtype, fns):
         got = np.asarray(fn(*args), np.float32)
         want = got if want is None else want  # the first implementation is the oracle
         r[f"{impl}_err"] = float(np.abs(got - want).max())
-    n_bytes = 2 * sum(c for c, _ in rows) * KVH * D * jnp.dtype(dtype).itemsize
+    n_bytes = 2 * sum(c for c, _ in rows) * KVH * args[3].shape[-1] * jnp.dtype(dtype).itemsize  # pages as stored
     r["kv_bytes"] = n_bytes
     kernel_t = r.get("kernel_ms")
     r["kernel_GBps"] = kernel_t and round(n_bytes / kernel_t / 1e6, 1)

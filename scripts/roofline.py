@@ -20,6 +20,7 @@ import jax.numpy as jnp
 
 from jaxserve import aot
 from jaxserve.cache import bytes_per_page
+from jaxserve.collectives import Collective
 from jaxserve.pallas_kernels import page_head_dim_multiple
 from jaxserve.weights.params import param_bytes
 
@@ -36,12 +37,14 @@ def kv_bytes_per_row(config, context: int, lanes: int) -> float:
 
 
 def audit_extra(audit_rows, model, chip, rows) -> float:
-    """The audit's extra bytes of that model's decode step of `rows` rows on a chip, scaled to all its layers."""
+    """The audit's extra bytes of that model's decode step of `rows` rows on a chip: a layer's findings scaled from
+    the compiled layers to the model's, the rest (the embedding, the cache) once."""
     for r in audit_rows:
         if (r["model"] == model and r["target"].split(":")[0] == chip and r["program"] == "step"
                 and r["shape"] == f"{rows} tokens x {rows} rows"):
-            layers = aot.MODEL_CONFIGS[model].num_layers
-            return r.get("traffic_bytes", 0) * layers / r["num_layers"]
+            scale = aot.MODEL_CONFIGS[model].num_layers / r["num_layers"]
+            return sum(Collective.array_bytes((t["array"]["dtype"], t["array"]["dims"]))
+                       * (scale if t["of"].startswith("layers_") else 1) for t in r.get("traffic", []))
     return 0.0
 
 

@@ -99,8 +99,9 @@ def test_tokenizer_ids_equal_hf(ours):
 
 def test_chat_template(ours):
     tokenizer = ours[2]
-    assert tokenizer.apply_chat_template(CONVERSATION, add_generation_prompt=True) == EXPECTED_CHAT
-    assert HF["chat"] == EXPECTED_CHAT  # HF's rendering of the same template
+    rendered = tokenizer.apply_chat_template(CONVERSATION, add_generation_prompt=True)
+    assert rendered == EXPECTED_CHAT
+    assert rendered == HF["chat"]  # HF's rendering of the template (recorded): a change to ours shows here
     assert tokenizer.apply_chat_template(CONVERSATION[1:2], add_generation_prompt=False) == \
         "<bos><start_of_turn>user\nWhat is 2 + 2?<end_of_turn>\n"
     with pytest.raises(ValueError, match="alternate"):

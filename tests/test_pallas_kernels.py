@@ -13,11 +13,11 @@ import pytest
 from jaxserve.attention import attention, resolve_attention_backend
 from jaxserve.batch import RaggedRows
 from jaxserve.cache.kv_cache import Int8Pages
-from jaxserve.pallas_kernels import BLOCK_SIZES, ragged_attention_gpu
+from jaxserve.pallas_kernels import BLOCK_SIZES, ragged_attention_gpu, ragged_kernel_for
 from jaxserve.pallas_kernels.gpu_blocks import step_block_q
 from jaxserve.pallas_kernels.ragged_attention import kernel_grid
 from jaxserve.pallas_kernels.reference import ragged_attention_reference
-from jaxserve.pallas_kernels.self_check import quantize_pages
+from jaxserve.pallas_kernels.self_check import quantize_pages, small_ragged_batch
 from ragged import KINDS, expected, random_ragged_case, row_lengths
 
 SIZES = BLOCK_SIZES["gpu-interpret"]  # 4 tokens per program, 4-key and 2-page blocks: every row crosses some
@@ -116,6 +116,20 @@ def test_int8_pages_match_the_oracle_on_the_same_pages():
     k_pages, v_pages = quantize_pages(jnp.asarray(case.k_pages)), quantize_pages(jnp.asarray(case.v_pages))
     got, args = run(case, k_pages=k_pages, v_pages=v_pages, window=11)
     check(got, np.asarray(ragged_attention_reference(*args, sliding_window=11)), seed)
+
+
+@pytest.mark.parametrize("backend", ["pallas-gpu-interpret", "pallas-tpu-interpret"])
+def test_pages_stored_wider_than_head_dim(backend):
+    """Pages stored at 128 lanes for head_dim 64 (TPU's layout of SmolLM2's heads), with random values in the
+    padding, float and int8: the kernel reads only the real lanes and scales by head_dim, as the oracle does."""
+    rng, seed = fresh_rng()
+    for int8 in (False, True):
+        args = small_ragged_batch(rng, 4, 2, 64, 8, jnp.float32, int8, head_dim_multiple=128)
+        assert args[3].shape[-1] == 128
+        got = ragged_kernel_for(backend)(*args, sliding_window=9)
+        want = ragged_attention_reference(*args, sliding_window=9)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5,
+                                   err_msg=f"seed {seed}, int8 {int8}")
 
 
 def test_bfloat16():
