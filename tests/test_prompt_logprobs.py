@@ -30,22 +30,24 @@ def hf_logprobs(model, ids: list[int]) -> np.ndarray:
     return torch.log_softmax(logits, -1).numpy()
 
 
-def check_against_hf(out, model, top: int, atol: float = 2e-5):
-    """out.prompt_logprobs against HF: each prompt token's logprob and rank, and the top `top` at each position."""
+def check_against_hf(out, model, top: int, atol: float = 2e-5, rtol: float = 5e-6):
+    """out.prompt_logprobs against HF: each prompt token's logprob and rank, and the top `top` at each position.
+    rtol: float32 logprobs far below 0 differ from HF's by a few ulps of their size (-11.33398 against -11.33396,
+    a prefix hit's attention summed in another order)."""
     ids = out.prompt_token_ids
     ref = hf_logprobs(model, ids)
     scored = out.prompt_logprobs
     assert len(scored) == len(ids) and scored[0] is None
     for p in range(1, len(ids)):
         entry, row, target = scored[p], ref[p - 1], ids[p]
-        assert entry[target].logprob == pytest.approx(row[target], abs=atol), (p, target)
+        assert entry[target].logprob == pytest.approx(row[target], abs=atol, rel=rtol), (p, target)
         assert 1 + np.sum(row > row[target] + atol) <= entry[target].rank <= 1 + np.sum(row > row[target] - atol)
         tops = {t: lp for t, lp in entry.items() if t != target or lp.rank <= top}
         assert len(tops) == top and sorted(lp.rank for lp in tops.values()) == list(range(1, top + 1))
         for t, lp in tops.items():
-            assert lp.logprob == pytest.approx(row[t], abs=atol)
+            assert lp.logprob == pytest.approx(row[t], abs=atol, rel=rtol)
         np.testing.assert_allclose(sorted((lp.logprob for lp in tops.values()), reverse=True),
-                                   np.sort(row)[::-1][:top], atol=atol)
+                                   np.sort(row)[::-1][:top], atol=atol, rtol=rtol)
 
 
 def test_blocked_scores_equal_a_plain_log_softmax():
