@@ -53,15 +53,21 @@ platform_name: "CUDA" dnn_version_info {{ major: 9 minor: 3 }} device_descriptio
 class Chip:
     hbm_bytes: int
     hbm_bandwidth: float  # bytes/s, the decode roofline
+    peak_flops: float  # dense bf16, the compute side of the roofline
     gpu_target: str | None = None  # GPUs: the compiler's device description
+
+    @property
+    def platform(self) -> str:
+        return "tpu" if self.gpu_target is None else "gpu"
 
 
 # Public specs. TPU names are topologies ("v5e:2x2" is four v5e chips); the chip is what one program runs on.
 CHIPS = {
-    "v5e": Chip(16 << 30, 819e9),
-    "v6e": Chip(32 << 30, 1640e9),
-    "h100": Chip(80 * 10 ** 9, 3.35e12, _gpu_target("NVIDIA H100 80GB HBM3", 85_520_809_984, 3_352_320_000_000)),
-    "h200": Chip(141 * 10 ** 9, 4.8e12, _gpu_target("NVIDIA H200", 150_754_820_096, 4_800_000_000_000)),
+    "v5e": Chip(16 << 30, 819e9, 197e12),
+    "v6e": Chip(32 << 30, 1640e9, 918e12),
+    "h100": Chip(80 * 10 ** 9, 3.35e12, 989e12,
+                 _gpu_target("NVIDIA H100 80GB HBM3", 85_520_809_984, 3_352_320_000_000)),
+    "h200": Chip(141 * 10 ** 9, 4.8e12, 989e12, _gpu_target("NVIDIA H200", 150_754_820_096, 4_800_000_000_000)),
 }
 TARGETS = ("v5e:2x2", "v6e:2x2", "h100", "h200")
 

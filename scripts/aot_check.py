@@ -51,13 +51,10 @@ from jaxserve.weights.params import param_bytes  # noqa: E402
 
 SHOWN_TRAFFIC = 6  # a program's HBM audit lines printed (a relayout per layer repeats)
 
-# Dense bf16 peaks (public specs), for the compute side of the roofline.
-PEAK_FLOPS = {"v5e": 197e12, "v6e": 918e12, "h100": 989e12, "h200": 989e12}
-
 
 def lanes_of(target: str) -> int:
     """The head_dim multiple the target's Pallas kernel stores pages at."""
-    return page_head_dim_multiple("pallas-" + aot.target_devices(target)[0].platform)
+    return page_head_dim_multiple("pallas-" + aot.chip_of(target).platform)
 
 
 def kv_pages(config, chip, weight_bytes, args, lanes: int = 1) -> int:
@@ -105,7 +102,7 @@ def main() -> None:
         params = aot.abstract_params(config, jnp.bfloat16, args.quantization)
         weight_bytes = param_bytes(params)
         for target in args.target or list(aot.TARGETS):
-            chip, kind = aot.chip_of(target), target.split(":")[0]
+            chip = aot.chip_of(target)
             devices = aot.target_devices(target)
             if tp > len(devices):
                 raise SystemExit(f"--tensor-parallel-size {tp} needs {tp} devices; {target} has {len(devices)}")
@@ -138,7 +135,7 @@ def main() -> None:
                 batch = int(batch)
                 if r.flops and r.program == "step" and int(tokens) == batch:
                     read = (weight_bytes + batch * args.context_len * kv_per_token) / tp
-                    row["roofline_tokens_per_s"] = batch / max(r.flops / PEAK_FLOPS[kind], read / chip.hbm_bandwidth)
+                    row["roofline_tokens_per_s"] = batch / max(r.flops / chip.peak_flops, read / chip.hbm_bandwidth)
                     rate = f"{row['roofline_tokens_per_s']:.0f}"
                 rows.append(row)
                 result = "ERROR" if r.error else "compiled"

@@ -24,8 +24,6 @@ from jaxserve.collectives import Collective
 from jaxserve.pallas_kernels import page_head_dim_multiple
 from jaxserve.weights.params import param_bytes
 
-PEAK_FLOPS = {"v5e": 197e12, "v6e": 918e12, "h100": 989e12, "h200": 989e12}  # dense bf16, public specs
-PLATFORM = {"v5e": "tpu", "v6e": "tpu", "h100": "gpu", "h200": "gpu"}
 CASES = [("llama-3-8b", None), ("llama-3-8b", "int8"), ("gemma-3-1b", None), ("smollm2-135m", None)]
 
 
@@ -65,17 +63,17 @@ def main() -> None:
         params = param_bytes(aot.abstract_params(config, jnp.bfloat16)) / 2  # weights, counted as bf16 ones
         name = model + (f" {quantization}" if quantization else "")
         for chip, spec in aot.CHIPS.items():
-            lanes = page_head_dim_multiple("pallas-" + PLATFORM[chip])
+            lanes = page_head_dim_multiple("pallas-" + spec.platform)
             cells = []
             for rows in args.rows:
                 for context in args.context:
                     moved = weights + rows * kv_bytes_per_row(config, context, lanes) + audit_extra(
                         audit_rows, model, chip, rows)
-                    seconds = max(moved / spec.hbm_bandwidth, 2 * params * rows / PEAK_FLOPS[chip])
+                    seconds = max(moved / spec.hbm_bandwidth, 2 * params * rows / spec.peak_flops)
                     cells.append(rows / seconds)
                     table.append(dict(model=name, chip=chip, rows=rows, context=context, bytes=moved,
                                       tokens_per_s=rows / seconds, bound="memory" if moved / spec.hbm_bandwidth
-                                      >= 2 * params * rows / PEAK_FLOPS[chip] else "compute"))
+                                      >= 2 * params * rows / spec.peak_flops else "compute"))
             print(f"{name:<22} {chip:<5} {weights / 1e9:10.2f} " + " ".join(f"{c:9.0f}" for c in cells))
     if args.out:
         with open(args.out, "w") as f:
