@@ -30,10 +30,10 @@ def hf_logprobs(model, ids: list[int]) -> np.ndarray:
     return torch.log_softmax(logits, -1).numpy()
 
 
-def check_against_hf(out, model, top: int, atol: float = 2e-5, rtol: float = 5e-6):
+def check_against_hf(out, model, top: int, atol: float = 5e-5, rtol: float = 1e-5):
     """out.prompt_logprobs against HF: each prompt token's logprob and rank, and the top `top` at each position.
-    rtol: float32 logprobs far below 0 differ from HF's by a few ulps of their size (-11.33398 against -11.33396,
-    a prefix hit's attention summed in another order)."""
+    Tolerances: float32 logprobs differ from HF's by tens of ulps of their size when a prefix hit or another chunk
+    split sums attention in another order (-11.33398 against -11.33396; -3.019577 against -3.019556 in CI)."""
     ids = out.prompt_token_ids
     ref = hf_logprobs(model, ids)
     scored = out.prompt_logprobs
