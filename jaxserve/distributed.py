@@ -176,11 +176,11 @@ def embed_over_vocab(lookup, mesh: Mesh | None, table, token_ids):
     return jax.shard_map(local, mesh=mesh, in_specs=(specs, P()), out_specs=P(), check_vma=False)(table, token_ids)
 
 
-def head_over_vocab(score, parallel_score, head, mesh: Mesh | None, params, specs):
+def head_over_vocab(score, head, mesh: Mesh | None, params, specs):
     """A function (h [B, hidden], targets [B]) -> score(head(params, h), targets): the LM head's logits [B, V]
     scored (`jaxserve.prompt_logprobs`). Over a mesh whose model axis splits the head's vocabulary (specs: each of
-    params' leaves' PartitionSpec), each device computes and scores its own slice (`parallel_score(local logits,
-    targets, axis)`): left to the partitioner, the [B, V] logits would be gathered whole for every block."""
+    params' leaves' PartitionSpec), each device computes and scores its own slice (`score(local logits, targets,
+    axis)`): left to the partitioner, the [B, V] logits would be gathered whole for every block."""
     if model_size(mesh) == 1 or not any(
             MODEL in spec for spec in jax.tree.leaves(specs["params"]["lm_head"], is_leaf=lambda x: isinstance(x, P))):
         return lambda h, targets: score(head(params, h), targets)
@@ -188,7 +188,7 @@ def head_over_vocab(score, parallel_score, head, mesh: Mesh | None, params, spec
     head_specs = {"params": {"norm": specs["params"]["norm"], "lm_head": specs["params"]["lm_head"]}}
 
     def local(p, h, targets):
-        return parallel_score(head(p, h), targets, MODEL)
+        return score(head(p, h), targets, MODEL)
     run = jax.shard_map(local, mesh=mesh, in_specs=(head_specs, P(), P()), out_specs=P(), check_vma=False)
     return lambda h, targets: run(head_params, h, targets)
 

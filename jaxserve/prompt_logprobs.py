@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.batch import PromptScores
+from jaxserve.sampling import log_softmax, token_logprobs
 from jaxserve.sampling_params import MAX_LOGPROBS
 
 # Logits (float32 elements) one block of the loop holds: 64 MB.
@@ -30,7 +31,7 @@ def score_targets(hidden, targets, score_block, vocab_size: int,
                   block_elements: int = BLOCK_ELEMENTS) -> PromptScores:
     """hidden [T, H]: the final hidden states (before the final norm); targets [T]: the token whose logprob each
     position reports (-1: none); score_block(h [B, H], targets [B]) -> (logprobs [B], ranks [B], top ids and
-    logprobs [B, MAX_LOGPROBS]): `block_scores` of the head's logits (or `vocab_parallel_block_scores` over a
+    logprobs [B, MAX_LOGPROBS]): `block_scores` of the head's logits (of each device's slice over a
     vocabulary-split head). Returns the scores packed (see `jaxserve.batch.PromptScores`)."""
     T = targets.shape[0]
     B = block_size(T, vocab_size, block_elements)
@@ -50,31 +51,9 @@ def score_targets(hidden, targets, score_block, vocab_size: int,
     return PromptScores(logprobs[:T], ranks[:T], top_ids[:T], top_logprobs[:T])
 
 
-def block_scores(logits, targets):
-    """logits [B, V] float32, targets [B] -> (the targets' logprobs [B], ranks [B], top ids and logprobs [B, K])."""
-    logprobs = jax.nn.log_softmax(logits, axis=-1)  # [B, V]
-    chosen = jnp.take_along_axis(logprobs, targets[:, None], axis=1)  # [B, 1]
-    rank = 1 + jnp.sum(logprobs > chosen, axis=-1)
-    top_logprobs, top_ids = jax.lax.top_k(logprobs, MAX_LOGPROBS)
-    return chosen[:, 0], rank.astype(jnp.int32), top_ids.astype(jnp.int32), top_logprobs
-
-
-def vocab_parallel_block_scores(logits, targets, axis: str):
-    """block_scores of logits [B, V / n] split over the vocabulary along the mesh axis `axis` (in a shard_map): each
-    device scores its own slice, and they exchange per-token scalars and their top K, never the [B, V] logits."""
-    local_v = logits.shape[-1]
-    offset = jax.lax.axis_index(axis) * local_v
-    top = jnp.max(logits, axis=-1)
-    m = jax.lax.pmax(top, axis)  # [B]
-    lse = m + jnp.log(jax.lax.psum(jnp.sum(jnp.exp(logits - m[:, None]), axis=-1), axis))  # [B]
-    local = targets - offset
-    mine = (local >= 0) & (local < local_v)
-    picked = jnp.take_along_axis(logits, jnp.clip(local, 0, local_v - 1)[:, None], axis=1)[:, 0]
-    chosen = jax.lax.pmax(jnp.where(mine, picked, -jnp.inf), axis)  # [B]: from the device that holds the target
-    rank = 1 + jax.lax.psum(jnp.sum(logits > chosen[:, None], axis=-1), axis)
-    values, ids = jax.lax.top_k(logits, min(MAX_LOGPROBS, local_v))  # each device's own top K, then theirs
-    values = jax.lax.all_gather(values, axis, axis=1, tiled=True)  # [B, n * K], in vocabulary order
-    ids = jax.lax.all_gather(ids + offset, axis, axis=1, tiled=True)
-    top_values, j = jax.lax.top_k(values, MAX_LOGPROBS)
-    return (chosen - lse, rank.astype(jnp.int32), jnp.take_along_axis(ids, j, axis=1).astype(jnp.int32),
-            top_values - lse[:, None])
+def block_scores(logits, targets, axis=None):
+    """logits [B, V] float32, targets [B] -> (the targets' logprobs [B], ranks [B], top ids and logprobs [B, K]).
+    Over a mesh axis (in a shard_map) logits are this device's slice of the vocabulary: the devices exchange
+    per-token scalars and their top K, never the [B, V] logits (`jaxserve.sampling.token_logprobs`)."""
+    chosen, rank, top_ids, top_logprobs = token_logprobs(log_softmax(logits, axis), targets, jnp.bool_(True), axis)
+    return chosen, rank.astype(jnp.int32), top_ids.astype(jnp.int32), top_logprobs

@@ -38,7 +38,7 @@ def sample(logits, p, axis: str | None = None) -> Sampled:
     The result is the same on every device of the axis.
     """
     # Logprobs are those of the model's own distribution, before any sampling transform (as vLLM reports them).
-    logprobs = _log_softmax(logits, axis)
+    logprobs = log_softmax(logits, axis)
     logits = controlled(masked(ban(logits, p, axis), p.token_mask, axis), p, axis)
     greedy = first_argmax(logits, axis)
 
@@ -86,7 +86,8 @@ def _softmax(x, axis):
     return e / _sum(e, axis)[:, None]
 
 
-def _log_softmax(x, axis):
+def log_softmax(x, axis=None):
+    """log_softmax of x [S, V] over the whole vocabulary (over a mesh axis: x is this device's slice)."""
     if axis is None:
         return jax.nn.log_softmax(x, axis=-1)
     shifted = x - _max(x, axis)

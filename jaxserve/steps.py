@@ -20,7 +20,7 @@ from jaxserve.config import ModelConfig
 from jaxserve.distributed import (HEADS, head_over_vocab, kv_pages_spec, param_shardings, replicated,
                                   sample_over_vocab, shardings)
 from jaxserve.model.decoder import DecoderModel, lm_head, param_axes
-from jaxserve.prompt_logprobs import block_scores, score_targets, vocab_parallel_block_scores
+from jaxserve.prompt_logprobs import block_scores, score_targets
 from jaxserve.sampling import sample, with_step_tokens
 from jaxserve.verification import verify
 
@@ -118,8 +118,8 @@ class Steps:
         only over the tokens that ask, a block at a time (none: not at all); over a mesh, on each device's slice of
         the vocabulary."""
         specs = None if self.mesh is None else jax.tree.map(lambda s: s.spec, self.param_shardings(params))
-        score = head_over_vocab(block_scores, vocab_parallel_block_scores,
-                                functools.partial(lm_head, self.config, self.model.dtype), self.mesh, params, specs)
+        score = head_over_vocab(block_scores, functools.partial(lm_head, self.config, self.model.dtype), self.mesh,
+                                params, specs)
         return score_targets(hidden, batch.prompt_targets, score, self.config.vocab_size)
 
     def _forward_and_sample(self, params, kv_cache, last_tokens, batch: StepInput):
