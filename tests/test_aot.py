@@ -207,7 +207,9 @@ TPU_EMBEDDING_RELAYOUT = pytest.mark.xfail(strict=True, reason=(
     "v5e, SmolLM2: the TPU's default layout of the [49152, 576] embedding table is column-major ({0,1}: 49152 "
     "divides by 128 lanes, 576 does not), and the 16- and 64-token steps' row gather relayouts the whole table "
     "(56.6 MB) to row-major first, every step; the 1-token step reads its row with a dynamic-slice. (Llama 3 8B's "
-    "[128256, 4096] table is row-major: not copied.)"))
+    "[128256, 4096] table is row-major: not copied.) Tried, compiled, the same relayout: a fori_loop of per-token "
+    "dynamic slices, slices unrolled, vmapped slices, a gather from the transposed view. Left: store the table "
+    "row-major (a layout given to the argument, or 2 rows a [vocab / 2, 1152] row)."))
 
 
 @needs_compilers
