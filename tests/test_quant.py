@@ -56,6 +56,29 @@ def test_int4_packs_two_values_per_byte_within_half_a_step(group_size):
                                rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("platform", ["cpu", "tpu", "cuda"])
+def test_matmul_reads_int4_through_the_pallas_kernel_on_tpu_and_gpu(monkeypatch, platform):
+    """`matmul` as lowered for each platform: on TPU and GPU an int4 weight goes to the Pallas kernel (XLA would
+    write a float copy of the weight first), unless it is split over a mesh (kernels=False); CPU keeps jnp. On GPU
+    a one-row product of a float or int8 weight has a second row (XLA:GPU would write the weight-sized product of a
+    multiply + reduce)."""
+    from jax import export
+    from jax._src.pallas.mosaic import tpu_info
+    monkeypatch.setattr(tpu_info, "get_device_kind", lambda: "TPU v5 lite")  # Mosaic asks which chip it targets
+    monkeypatch.setattr(tpu_info, "get_num_device_cores", lambda: 1)
+    sds = jax.ShapeDtypeStruct
+    w = jax.eval_shape(lambda: quantize_int4(jnp.zeros((576, 192), jnp.float32)))
+    unchecked = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+
+    def lowered(fn, *args):
+        return export.export(jax.jit(fn), platforms=[platform], disabled_checks=unchecked)(*args).mlir_module()
+    x = sds((3, 576), jnp.bfloat16)
+    assert ("custom_call" in lowered(matmul, x, w)) == (platform != "cpu")
+    assert "custom_call" not in lowered(lambda x, w: matmul(x, w, kernels=False), x, w)
+    one_row = lowered(matmul, sds((1, 576), jnp.bfloat16), sds((576, 192), jnp.bfloat16))
+    assert ("tensor<2x576xbf16>" in one_row) == (platform == "cuda")
+
+
 def test_int4_keeps_a_q4_1_grid_exactly():
     """Weights already on llama.cpp's Q4_1 grid (groups of 32, float16 step and minimum) come back unchanged:
     the default model ships so, which is why int4 costs it nothing."""

@@ -1,21 +1,18 @@
-"""The weight-only quantized matmul kernels (int8, group-wise int4; GPU and TPU) in Pallas interpret mode on CPU, on
-fresh random inputs, against their jnp references and against a float64 numpy matmul of weights dequantized here
-(the int4 layout checked independently of the module); SmolLM2's projection shapes, decode-sized M, float32 and
-bfloat16; and their Triton / Mosaic lowering at a serving shape."""
+"""The weight-only group-wise int4 matmul kernels (GPU and TPU) in Pallas interpret mode on CPU, on fresh random
+inputs, against their jnp reference and against a float64 numpy matmul of weights dequantized here (the int4 layout
+checked independently of the module); SmolLM2's projection shapes, decode-sized M, float32 and bfloat16; and their
+Triton / Mosaic lowering at a serving shape."""
 import numpy as np
 import jax
 import jax.numpy as jnp
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
-from jaxserve.pallas_kernels import int4_matmul, int8_matmul
-from jaxserve.pallas_kernels.quantized_matmul import (int4_matmul_reference, int4_matmul_tpu, int8_matmul_reference,
-                                                      int8_matmul_tpu)
+from jaxserve.pallas_kernels import int4_matmul, int4_matmul_tpu
+from jaxserve.pallas_kernels.quantized_matmul import int4_matmul_reference
 
 # The TPU interpreter fills uninitialised buffers with NaN, so an output element (or accumulator) never written shows.
 NAN_MEMORY = pltpu.InterpretParams(uninitialized_memory="nan")
-INT8 = {"gpu": lambda *a, **kw: int8_matmul(*a, interpret=True, **kw),
-        "tpu": lambda *a, **kw: int8_matmul_tpu(*a, interpret=NAN_MEMORY, **kw)}
 INT4 = {"gpu": lambda *a, **kw: int4_matmul(*a, interpret=True, **kw),
         "tpu": lambda *a, **kw: int4_matmul_tpu(*a, interpret=NAN_MEMORY, **kw)}
 
@@ -35,34 +32,6 @@ def check(got, want, dtype, seed):
     np.testing.assert_allclose(got, want, rtol=tol, atol=tol * np.abs(want).max(), err_msg=f"seed {seed}")
 
 
-# (M, K, N, dtype, {target: kernel options}). SmolLM2-135M: q/o, gate/up (576 -> 1536), down (1536 -> 576), k/v
-# (576 -> 192).
-INT8_CASES = [
-    (1, 576, 1536, jnp.float32, {}),
-    (5, 576, 1536, jnp.bfloat16, {"tpu": dict(block_n=256)}),  # 6 N blocks
-    (32, 1536, 576, jnp.float32, {"gpu": dict(max_block_m=16, block_n=64, split_k=4),  # 2 M blocks, 4 K splits
-                                  "tpu": dict(max_block_m=16)}),  # 2 M blocks, 3 K steps
-    (1, 1536, 576, jnp.bfloat16, {}),
-    (5, 576, 192, jnp.float32, {"gpu": dict(split_k=1)}),  # written straight in x's dtype
-    (32, 576, 192, jnp.bfloat16, {}),
-    (3, 40, 24, jnp.float32, {}),  # neither K nor N a multiple of 16: GPU pads (the slow path), TPU takes them whole
-]
-
-
-@pytest.mark.parametrize("target", ["gpu", "tpu"])
-@pytest.mark.parametrize("M,K,N,dtype,options", INT8_CASES)
-def test_int8_matmul(target, M, K, N, dtype, options):
-    rng, seed = fresh_rng()
-    x = jnp.asarray(rng.standard_normal((M, K)), dtype)
-    values = rng.integers(-128, 128, (K, N), dtype=np.int8)
-    scale = rng.uniform(0.5, 2.0, N).astype(np.float32) / 127
-    got = INT8[target](x, jnp.asarray(values), jnp.asarray(scale), **options.get(target, {}))
-    assert got.shape == (M, N) and got.dtype == dtype
-    check(got, int8_matmul_reference(x, jnp.asarray(values), jnp.asarray(scale)), dtype, seed)
-    dense = values.astype(np.float64) * scale.astype(np.float64)[None, :]
-    check(got, np.asarray(x, np.float64) @ dense, dtype, seed)
-
-
 def int4_weights(rng, K, N, group_size):
     """Random packed int4 weights in the fixed layout, and the same weights dequantized here in float64 [K_pad, N]."""
     K_pad = -(-K // group_size) * group_size
@@ -75,7 +44,9 @@ def int4_weights(rng, K, N, group_size):
     return packed, scale, offset, dense
 
 
-INT4_CASES = [  # (M, K, N, group_size, dtype, {target: kernel options})
+# (M, K, N, group_size, dtype, {target: kernel options}). SmolLM2-135M: q/o, gate/up (576 -> 1536), down
+# (1536 -> 576), k/v (576 -> 192).
+INT4_CASES = [
     (1, 576, 1536, 32, jnp.float32, {"tpu": dict(block_n=512)}),
     (5, 576, 1536, 128, jnp.bfloat16, {}),  # 4.5 groups: x zero-padded to 640 columns
     (32, 1536, 576, 64, jnp.bfloat16, {"gpu": dict(max_block_m=16, block_n=64, block_k=128, split_k=3),
@@ -103,17 +74,15 @@ def test_int4_matmul(target, M, K, N, group_size, dtype, options):
 
 def test_bad_shapes_are_refused():
     x = jnp.zeros((2, 64), jnp.float32)
-    for int8, int4 in [(int8_matmul, int4_matmul), (int8_matmul_tpu, int4_matmul_tpu)]:
-        with pytest.raises(ValueError, match="do not agree"):
-            int8(x, jnp.zeros((32, 16), jnp.int8), jnp.ones(16), interpret=True)
+    for int4 in (int4_matmul, int4_matmul_tpu):
         with pytest.raises(ValueError, match="do not agree"):  # x not padded to whole groups
             int4(x[:, :48], jnp.zeros((24, 16), jnp.uint8), jnp.ones((2, 16), jnp.float16),
                  jnp.zeros((2, 16), jnp.float16), group_size=32, interpret=True)
 
 
 @pytest.mark.parametrize("platform", ["cuda", "tpu"])
-@pytest.mark.parametrize("kernel", ["int8", "int4-32", "int4-128"])
-def test_kernels_lower_for_their_hardware(monkeypatch, platform, kernel):
+@pytest.mark.parametrize("group_size", [32, 128])
+def test_kernels_lower_for_their_hardware(monkeypatch, platform, group_size):
     """Lowering at a serving shape (M=8, K=N=4096, bfloat16) runs here without the hardware: Pallas' Triton and
     Mosaic TPU lowerings check block shapes and ops (the device compilers' own checks still wait for hardware)."""
     from jax import export
@@ -122,13 +91,9 @@ def test_kernels_lower_for_their_hardware(monkeypatch, platform, kernel):
     monkeypatch.setattr(tpu_info, "get_num_device_cores", lambda: 1)
     sds, K, N = jax.ShapeDtypeStruct, 4096, 4096
     x = sds((8, K), jnp.bfloat16)
-    int8, int4 = (int8_matmul, int4_matmul) if platform == "cuda" else (int8_matmul_tpu, int4_matmul_tpu)
-    if kernel == "int8":
-        fn, args = int8, (x, sds((K, N), jnp.int8), sds((N,), jnp.float32))
-    else:
-        group_size = int(kernel.split("-")[1])
-        fn = lambda *a: int4(*a, group_size=group_size)  # noqa: E731
-        args = (x, sds((K // 2, N), jnp.uint8), *[sds((K // group_size, N), jnp.float16)] * 2)
+    int4 = int4_matmul if platform == "cuda" else int4_matmul_tpu
+    fn = lambda *a: int4(*a, group_size=group_size)  # noqa: E731
+    args = (x, sds((K // 2, N), jnp.uint8), *[sds((K // group_size, N), jnp.float16)] * 2)
     # Triton kernels carry no serialization guarantee; lowering them is what is checked.
     unchecked = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
     lowered = export.export(jax.jit(fn), platforms=[platform], disabled_checks=unchecked)(*args)

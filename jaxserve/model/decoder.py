@@ -22,7 +22,7 @@ from jaxserve.attention import attention
 from jaxserve.batch import RaggedRows
 from jaxserve.cache import init_kv_cache
 from jaxserve.config import ModelConfig
-from jaxserve.distributed import attention_over_heads, embed_over_vocab
+from jaxserve.distributed import attention_over_heads, embed_over_vocab, model_size
 from jaxserve.model.layers import Linear, RMSNorm, rms_norm
 from jaxserve.model.rope import apply_rope, inverse_frequencies
 from jaxserve.quant import embed, logical_axes, matmul
@@ -94,13 +94,15 @@ class DecoderLayer(nn.Module):
     def __call__(self, x, kv, rows):
         c, dt, i = self.config, self.dtype, self.layer
         T, _ = x.shape  # x: [T, hidden], the step's tokens of every row back to back
+        whole = model_size(self.mesh) == 1  # each device holds whole kernels
         h = RMSNorm(c.rms_norm_eps, dt, name="input_layernorm")(x)
         # Logical axes of each kernel's [in, out]: q/k/v split their outputs by head (jaxserve.distributed.RULES).
         q_axes, kv_axes = ("embed", "heads"), ("embed", "kv_heads")
-        q = Linear(c.num_heads * c.head_dim, q_axes, c.attention_bias, dt, name="q_proj")(h).reshape(T, c.num_heads, -1)
-        k = Linear(c.num_kv_heads * c.head_dim, kv_axes, c.attention_bias, dt, name="k_proj")(h).reshape(
+        q = Linear(c.num_heads * c.head_dim, q_axes, c.attention_bias, dt, whole, name="q_proj")(h).reshape(
+            T, c.num_heads, -1)
+        k = Linear(c.num_kv_heads * c.head_dim, kv_axes, c.attention_bias, dt, whole, name="k_proj")(h).reshape(
             T, c.num_kv_heads, -1)
-        v = Linear(c.num_kv_heads * c.head_dim, kv_axes, c.attention_bias, dt, name="v_proj")(h).reshape(
+        v = Linear(c.num_kv_heads * c.head_dim, kv_axes, c.attention_bias, dt, whole, name="v_proj")(h).reshape(
             T, c.num_kv_heads, -1)
         if c.qk_norm:  # per head, before RoPE
             q = RMSNorm(c.rms_norm_eps, dt, "head_dim", name="q_norm")(q)
@@ -115,16 +117,16 @@ class DecoderLayer(nn.Module):
         attend = functools.partial(attention, sliding_window=window, backend=self.attention_backend)
         attn = attention_over_heads(attend, self.mesh, q, k, v, kv[0], kv[1], rows)
         # o_proj and down_proj split their inputs (a device holds its heads' / FFN rows' part): one all-reduce each.
-        out = Linear(c.hidden_size, ("heads", "embed"), False, dt, name="o_proj")(attn.reshape(T, -1))
+        out = Linear(c.hidden_size, ("heads", "embed"), False, dt, whole, name="o_proj")(attn.reshape(T, -1))
         if c.sandwich_norm:
             out = RMSNorm(c.rms_norm_eps, dt, name="attn_output_norm")(out)
         x = x + out
         # The FFN's input norm, under Llama's name for it.
         h = RMSNorm(c.rms_norm_eps, dt, name="post_attention_layernorm")(x)
-        gate = Linear(c.intermediate_size, ("embed", "mlp"), False, dt, name="gate_proj")(h)
-        up = Linear(c.intermediate_size, ("embed", "mlp"), False, dt, name="up_proj")(h)
+        gate = Linear(c.intermediate_size, ("embed", "mlp"), False, dt, whole, name="gate_proj")(h)
+        up = Linear(c.intermediate_size, ("embed", "mlp"), False, dt, whole, name="up_proj")(h)
         act = nn.silu(gate) if c.hidden_activation == "silu" else nn.gelu(gate, approximate=True)
-        out = Linear(c.hidden_size, ("mlp", "embed"), False, dt, name="down_proj")(act * up)
+        out = Linear(c.hidden_size, ("mlp", "embed"), False, dt, whole, name="down_proj")(act * up)
         if c.sandwich_norm:
             out = RMSNorm(c.rms_norm_eps, dt, name="ffn_output_norm")(out)
         return x + out, (k, v)
@@ -164,7 +166,8 @@ class DecoderModel(nn.Module):
         x = RMSNorm(c.rms_norm_eps, self.dtype, name="norm")(x)
         # Always a separate [hidden, vocab] head, even for tied embeddings (the loader copies it): XLA:CPU multiplies
         # by it faster than by the transposed embedding, and a step reads the same bytes either way.
-        logits = Linear(c.vocab_size, ("embed", "vocab"), False, self.dtype, name="lm_head")(x)  # split by vocab
+        logits = Linear(c.vocab_size, ("embed", "vocab"), False, self.dtype, model_size(self.mesh) == 1,
+                        name="lm_head")(x)  # split by vocab
         if return_hidden:
             return logits.astype(jnp.float32), new_kv, hidden
         return logits.astype(jnp.float32), new_kv

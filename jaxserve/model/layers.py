@@ -19,6 +19,8 @@ class Linear(nn.Module):
     axes: tuple[str, str]  # the logical axes of the kernel's [in, out], e.g. ("embed", "mlp")
     use_bias: bool = False
     dtype: Any = jnp.float32
+    # False: the kernel is split over a tensor-parallel mesh, where `matmul` cannot use a Pallas kernel.
+    whole: bool = True
 
     @nn.compact
     def __call__(self, x):
@@ -29,7 +31,7 @@ class Linear(nn.Module):
         else:
             init = nn.with_logical_partitioning(nn.initializers.normal(0.02), self.axes)
             kernel = self.param("kernel", init, (x.shape[-1], self.features), self.dtype)
-        y = matmul(x, kernel)
+        y = matmul(x, kernel, kernels=self.whole)
         if self.use_bias:  # [out]: split as the kernel's outputs are
             init = nn.with_logical_partitioning(nn.initializers.zeros, self.axes[1:])
             y = y + self.param("bias", init, (self.features,), self.dtype)

@@ -1,13 +1,13 @@
 """Pallas kernels: ragged paged attention for GPU (Triton lowering; `ragged_attention`) and TPU (Mosaic;
 `ragged_attention_tpu`), both with the arguments and result of their plain-jnp oracle, `ragged_attention_reference`
 (`reference`). `jaxserve.attention.attention` reaches them through `ragged_kernel_for`, by the resolved backend; on
-CPU they run in Pallas interpret mode (tests). Also weight-only int8 / int4 matmuls that dequantize in the kernel
-(GPU; `quantized_matmul`).
+CPU they run in Pallas interpret mode (tests). Also weight-only int4 matmuls that dequantize in the kernel (GPU
+and TPU; `quantized_matmul`, run by `jaxserve.quant.matmul`).
 """
 import functools
 
 from jaxserve.pallas_kernels.gpu_blocks import HOPPER_SHARED_MEMORY
-from jaxserve.pallas_kernels.quantized_matmul import int4_matmul, int8_matmul
+from jaxserve.pallas_kernels.quantized_matmul import int4_matmul, int4_matmul_tpu
 from jaxserve.pallas_kernels.ragged_attention import ragged_attention_gpu
 
 # Block sizes per backend, in one place. gpu: 16 tokens per program in prefill and mixed steps (16 / G in
@@ -52,4 +52,4 @@ def ragged_kernel_for(backend: str):
 
 
 __all__ = ["ragged_attention_gpu", "BLOCK_SIZES", "PAGE_HEAD_DIM_MULTIPLE", "page_head_dim_multiple",
-           "ragged_kernel_for", "int8_matmul", "int4_matmul"]
+           "ragged_kernel_for", "int4_matmul", "int4_matmul_tpu"]

@@ -1,18 +1,20 @@
-"""Weight-only quantized matmul for decode-sized activations: the weights cross HBM as int8 or packed int4 and are
-dequantized in registers, a block at a time, right before the tensor-core dot.
+"""Weight-only int4 matmul for decode-sized activations: the packed weights cross HBM as int4 and are dequantized
+in registers (GPU) or VMEM (TPU), a block at a time, right before the dot. `jaxserve.quant.matmul` runs them on
+those platforms.
 
-Decode reads every weight once per step for a handful of activation rows, so its time is bytes / bandwidth: int8
-halves bf16's bytes and int4 (with an f16 scale and offset per group) quarters them, if the dequantization never
-writes a full-precision copy back to HBM (what XLA's `(x @ dequantize(w))` does when it does not fuse).
+Decode reads every weight once per step for a handful of activation rows, so its time is bytes / bandwidth: int4
+(with an f16 scale and offset per group) is about a quarter of bf16's bytes, if the dequantization never writes a
+full-precision copy back to HBM, which XLA's `x @ dequantize(w)` does on both TPU and GPU (the deviceless compiles'
+HBM audit, BENCHMARKS.md issue 24). int8 needs no kernel: XLA keeps an int8 weight as s8 into its dot on both.
 
 Written for Pallas' Triton lowering (see ragged_attention.py for why not Mosaic GPU yet). One program per (block of
 N, block of M rows, split of K) walks its K range with a `fori_loop`, accumulating in float32. Decode's M (1..256)
 is padded to a power of two >= 16 (Triton's dot needs >= 16 in each dimension); with so few rows a GPU has only
 N / block_n programs to run, so K is split (`split_k`, chosen to give about two programs per SM on large GPUs) and
 the float32 partial sums are added outside the kernel. Block sizes are fitted to divide the shapes (the Triton
-lowering has no masked edge blocks here), so real model shapes never copy their weights; only an N (or, for int8, a
-K) that is not a multiple of 16 is padded, weights included, per call (a slow path no real model takes).
-`int8_matmul_tpu` and `int4_matmul_tpu` are the same contracts for TPU (Pallas Mosaic), at the end of this file.
+lowering has no masked edge blocks here), so real model shapes never copy their weights; only an N that is not a
+multiple of 16 is padded, weights included, per call (a slow path no real model takes). `int4_matmul_tpu` is the
+same contract for TPU (Pallas Mosaic), at the end of this file.
 
 Every kernel has its `jax.numpy` reference beside it: the oracle in the tests (which run the kernels in Pallas
 interpret mode on CPU).
@@ -75,13 +77,6 @@ def _precision(dtype):
     return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
 
 
-def _int8_shapes(x, values, scale):
-    (M, K), (K2, N) = x.shape, values.shape
-    if K2 != K or scale.shape != (N,):
-        raise ValueError(f"int8_matmul: x {x.shape}, values {values.shape}, scale {scale.shape} do not agree")
-    return M, K, N
-
-
 def _int4_shapes(x, packed, scale, offset, group_size):
     (M, K), (half_k, N) = x.shape, packed.shape
     groups = K // group_size if group_size else 0
@@ -90,61 +85,6 @@ def _int4_shapes(x, packed, scale, offset, group_size):
         raise ValueError(f"int4_matmul: x {x.shape} (padded to the group size), packed {packed.shape}, scale "
                          f"{scale.shape}, offset {offset.shape}, group_size {group_size} do not agree")
     return M, K, N, groups
-
-
-def _int8_kernel(x_ref, w_ref, s_ref, o_ref, *, block_k, precision):
-    # x_ref [block_m, K / split]; w_ref int8 [K / split, block_n]; s_ref float32 [block_n]; o_ref [block_m, block_n]
-    dtype = x_ref.dtype
-
-    def step(t, acc):
-        cols = pl.ds(pl.multiple_of(t * block_k, block_k), block_k)
-        w = w_ref[cols, :].astype(dtype)  # int8 -> x's dtype in registers (exact: |q| <= 128)
-        return acc + _dot(x_ref[:, cols], w, precision)
-
-    acc = jax.lax.fori_loop(0, w_ref.shape[0] // block_k, step, jnp.zeros(o_ref.shape, jnp.float32))
-    o_ref[...] = (acc * s_ref[...][None, :]).astype(o_ref.dtype)  # the scale after the K sum
-
-
-@functools.partial(jax.jit, static_argnames=("block_n", "block_k", "max_block_m", "split_k", "num_warps",
-                                             "num_stages", "interpret"))
-def int8_matmul(x, values, scale, *, block_n=128, block_k=128, max_block_m=64, split_k=None, num_warps=4,
-                num_stages=3, interpret=False):
-    """x @ (values * scale) in x's dtype, accumulated in float32 with the scale applied after the K sum.
-
-    x [M, K] float32 or bfloat16; values int8 [K, N]; scale float32 [N] (one per output channel).
-    block_n, block_k: upper bounds (fitted to divide N and K); split_k: K splits (None: enough programs to fill a
-    GPU). interpret: Pallas interpret mode (CPU tests).
-    """
-    M, K, N = _int8_shapes(x, values, scale)
-    block_m, Mp = _rows(M, max_block_m)
-    block_n, Np = _fit(N, block_n)
-    block_k, Kp = _fit(K, block_k)
-    x = jnp.pad(x, ((0, Mp - M), (0, Kp - K)))
-    if (Kp, Np) != (K, N):  # slow path, no real model: the weights are copied
-        values = jnp.pad(values, ((0, Kp - K), (0, Np - N)))
-        scale = jnp.pad(scale, (0, Np - N))
-    programs = (Np // block_n) * (Mp // block_m)
-    split = _split_k(Kp // block_k, programs, split_k)
-    Ks = Kp // split
-    out = pl.pallas_call(
-        functools.partial(_int8_kernel, block_k=block_k, precision=_precision(x.dtype)),
-        grid=(Np // block_n, Mp // block_m, split),
-        in_specs=[pl.BlockSpec((block_m, Ks), lambda j, i, s: (i, s)),
-                  pl.BlockSpec((Ks, block_n), lambda j, i, s: (s, j)),
-                  pl.BlockSpec((block_n,), lambda j, i, s: (j,))],
-        out_specs=pl.BlockSpec((None, block_m, block_n), lambda j, i, s: (s, i, j)),
-        out_shape=jax.ShapeDtypeStruct((split, Mp, Np), x.dtype if split == 1 else jnp.float32),
-        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        interpret=interpret,
-        name="int8_matmul",
-    )(x, values, scale.astype(jnp.float32))
-    return out.sum(axis=0).astype(x.dtype)[:M, :N]
-
-
-def int8_matmul_reference(x, values, scale):
-    """The same function, directly: a float32 matmul of x with the int8 values, then the scale."""
-    acc = jnp.matmul(x.astype(jnp.float32), values.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
-    return (acc * scale.astype(jnp.float32)).astype(x.dtype)
 
 
 def _int4_kernel(xe_ref, xo_ref, p_ref, s_ref, z_ref, o_ref, *, group_size, groups_per_step, precision):
@@ -181,8 +121,9 @@ def int4_matmul(x, packed, scale, offset, *, group_size, block_n=128, block_k=25
     x [M, K_pad] float32 or bfloat16, ALREADY zero-padded to K_pad = ceil(K / group_size) * group_size columns (the
     padding rows of W are arbitrary, so x's padding must be zero); packed uint8 [K_pad / 2, N]; scale, offset
     float16 [K_pad / group_size, N]; group_size 32, 64 or 128 (any even size >= 32 lowers).
-    block_k: upper bound on the K rows per loop step (whole groups; fitted to divide the groups); block_n, split_k,
-    interpret as in `int8_matmul`.
+    block_k: upper bound on the K rows per loop step (whole groups; fitted to divide the groups); block_n: upper
+    bound (fitted to divide N); split_k: K splits (None: enough programs to fill a GPU); interpret: Pallas interpret
+    mode (CPU tests).
     """
     M, K, N, groups = _int4_shapes(x, packed, scale, offset, group_size)
     block_m, Mp = _rows(M, max_block_m)
@@ -229,7 +170,7 @@ def int4_matmul_reference(x, packed, scale, offset, *, group_size):
     return jnp.matmul(x.astype(jnp.float32), w, precision=jax.lax.Precision.HIGHEST).astype(x.dtype)
 
 
-# TPU (Pallas Mosaic): the same two contracts. The grid is (block of N, block of M, block of K) with K sequential
+# TPU (Pallas Mosaic): the same contract. The grid is (block of N, block of M, block of K) with K sequential
 # ("arbitrary") and a float32 accumulator in VMEM scratch; BlockSpecs pipeline the weight blocks HBM -> VMEM, where
 # they are widened and dequantized before the MXU dot. Blocks are multiples of (16, 128) that divide the shapes, or
 # a whole dimension where none does (SmolLM2's 576), so no weight is ever copied.
@@ -263,29 +204,6 @@ def _accumulate(acc_ref, product, finish):
     pl.when(k == pl.num_programs(2) - 1)(finish)
 
 
-def _int8_tpu_kernel(x_ref, w_ref, s_ref, o_ref, acc_ref, *, precision):
-    # x_ref [block_m, block_k]; w_ref int8 [block_k, block_n]; s_ref float32 [1, block_n]; acc_ref [block_m, block_n]
-    def finish():
-        o_ref[...] = (acc_ref[...] * s_ref[...]).astype(o_ref.dtype)
-
-    _accumulate(acc_ref, lambda: _dot(x_ref[...], w_ref[...].astype(x_ref.dtype), precision), finish)
-
-
-@functools.partial(jax.jit, static_argnames=("block_n", "block_k", "max_block_m", "interpret"))
-def int8_matmul_tpu(x, values, scale, *, block_n=512, block_k=512, max_block_m=256, interpret=False):
-    """Arguments and result as `int8_matmul` (x [M, K], values int8 [K, N], scale float32 [N] -> [M, N])."""
-    M, K, N = _int8_shapes(x, values, scale)
-    block_m, Mp = _tpu_rows(M, max_block_m)
-    block_n, block_k = _lanes(N, block_n), _lanes(K, block_k)
-    call = _tpu_matmul_call(functools.partial(_int8_tpu_kernel, precision=_precision(x.dtype)), K // block_k,
-                            [pl.BlockSpec((block_m, block_k), lambda j, i, k: (i, k)),
-                             pl.BlockSpec((block_k, block_n), lambda j, i, k: (k, j)),
-                             pl.BlockSpec((1, block_n), lambda j, i, k: (0, j))],
-                            Mp, N, block_m, block_n, x.dtype, "int8_matmul_tpu", interpret)
-    out = call(jnp.pad(x, ((0, Mp - M), (0, 0))), values, scale.astype(jnp.float32).reshape(1, N))
-    return out[:M]
-
-
 def _tpu_matmul_call(kernel, k_steps, in_specs, Mp, N, block_m, block_n, dtype, name, interpret):
     """A pallas_call over (N blocks, M blocks, K steps) with a float32 VMEM accumulator, [Mp, N] out in dtype."""
     pltpu, params = _tpu_params()
@@ -302,16 +220,27 @@ def _tpu_matmul_call(kernel, k_steps, in_specs, Mp, N, block_m, block_n, dtype, 
     )
 
 
+def _float16_bits_to_float32(bits):
+    """float16 values from their bits (int16, sign-extended to int32) as float32, exactly (finite values): Mosaic
+    cannot load float16 vectors on v5e ("Invalid vector type for load"), int16 it can."""
+    bits = bits & 0xFFFF
+    sign, exponent, mantissa = (bits & 0x8000) << 16, (bits >> 10) & 0x1F, bits & 0x3FF
+    normal = jax.lax.bitcast_convert_type(sign | ((exponent + 112) << 23) | (mantissa << 13), jnp.float32)
+    subnormal = mantissa.astype(jnp.float32) * 2.0 ** -24  # and zero
+    return jnp.where(exponent == 0, jnp.where(sign != 0, -subnormal, subnormal), normal)
+
+
 def _int4_tpu_kernel(xe_ref, xo_ref, p_ref, s_ref, z_ref, o_ref, acc_ref, *, group_size, precision):
-    # xe_ref, xo_ref [block_m, block_k / 2]; p_ref int8 (the packed bytes) [block_k / 2, block_n];
-    # s_ref, z_ref float16 [block_k / group_size, block_n]
+    # xe_ref, xo_ref [block_m, block_k / 2]; p_ref uint8 [block_k / 2, block_n];
+    # s_ref, z_ref int16 (float16 bits) [block_k / group_size, block_n]
     def product():
         dtype = xe_ref.dtype
         packed = p_ref[...].astype(jnp.int32)
-        s = jnp.repeat(s_ref[...].astype(jnp.float32), group_size // 2, axis=0)  # one row per packed row
-        z = jnp.repeat(z_ref[...].astype(jnp.float32), group_size // 2, axis=0)
+        # one row per packed row
+        s = jnp.repeat(_float16_bits_to_float32(s_ref[...].astype(jnp.int32)), group_size // 2, axis=0)
+        z = jnp.repeat(_float16_bits_to_float32(z_ref[...].astype(jnp.int32)), group_size // 2, axis=0)
         low = ((packed & 15).astype(jnp.float32) * s + z).astype(dtype)
-        high = (((packed >> 4) & 15).astype(jnp.float32) * s + z).astype(dtype)  # (sign-extended bytes: mask)
+        high = ((packed >> 4).astype(jnp.float32) * s + z).astype(dtype)
         return _dot(xe_ref[...], low, precision) + _dot(xo_ref[...], high, precision)
 
     def finish():
@@ -323,7 +252,7 @@ def _int4_tpu_kernel(xe_ref, xo_ref, p_ref, s_ref, z_ref, o_ref, acc_ref, *, gro
 @functools.partial(jax.jit, static_argnames=("group_size", "block_n", "block_k", "max_block_m", "interpret"))
 def int4_matmul_tpu(x, packed, scale, offset, *, group_size, block_n=256, block_k=1024, max_block_m=256,
                     interpret=False):
-    """Arguments and result as `int4_matmul` (x already zero-padded to K_pad columns)."""
+    """Arguments and result as `int4_matmul` (x [M, K_pad] already zero-padded to K_pad columns -> [M, N])."""
     M, K, N, groups = _int4_shapes(x, packed, scale, offset, group_size)
     block_m, Mp = _tpu_rows(M, max_block_m)
     block_n = _lanes(N, block_n)
@@ -340,6 +269,7 @@ def int4_matmul_tpu(x, packed, scale, offset, *, group_size, block_n=256, block_
          pl.BlockSpec((block_g, block_n), lambda j, i, k: (k, j)),
          pl.BlockSpec((block_g, block_n), lambda j, i, k: (k, j))],
         Mp, N, block_m, block_n, x.dtype, "int4_matmul_tpu", interpret)
-    out = call(x[:, 0::2], x[:, 1::2], jax.lax.bitcast_convert_type(packed, jnp.int8),  # Mosaic: signed bytes
-               scale.astype(jnp.float16), offset.astype(jnp.float16))
+    # float16 as its bits: a view of the same bytes (a bitcast of the packed bytes to int8 would be a copy)
+    bits = [jax.lax.bitcast_convert_type(a.astype(jnp.float16), jnp.int16) for a in (scale, offset)]
+    out = call(x[:, 0::2], x[:, 1::2], packed, *bits)
     return out[:M]
