@@ -49,22 +49,22 @@ def start_workers(tp_dir, n, out_dir, *extra):
                              stderr=subprocess.STDOUT, text=True) for i in range(n)]
 
 
+@pytest.fixture(scope="module")
 def one_process_outputs(tp_dir):
-    """What multihost_worker.py computes, in this process on one device."""
+    """What multihost_worker.py computes, in this process on one device (once: every process count checks it)."""
     llm = LLM(tp_dir, **ENGINE, warmup=False)
     return [[o.outputs[0].token_ids for o in llm.generate(PROMPTS, p, use_tqdm=False)] for p in PARAMS]
 
 
 @pytest.mark.parametrize("n, options", [(2, ["keep=4"]), (4, [])])
-def test_offline_api_over_processes_gives_one_process_outputs(tp_dir, tmp_path, n, options):
+def test_offline_api_over_processes_gives_one_process_outputs(tp_dir, one_process_outputs, tmp_path, n, options):
     """Every process runs the same script; process 0 schedules; all of them return the outputs, greedy and seeded
     sampling alike equal to one process's (with 2, through a window of 4 messages: acknowledged every one)."""
     workers = start_workers(tp_dir, n, tmp_path, *options)
     logs = [w.communicate(timeout=240)[0] for w in workers]
     assert [w.returncode for w in workers] == [0] * n, logs[0][-3000:]
-    want = one_process_outputs(tp_dir)
     for i in range(n):
-        assert json.loads((tmp_path / f"{i}.json").read_text()) == want, f"process {i}"
+        assert json.loads((tmp_path / f"{i}.json").read_text()) == one_process_outputs, f"process {i}"
 
 
 def wait_ready(url, procs, timeout=180):

@@ -257,8 +257,9 @@ def test_int8_kv_cache_costs_under_one_percent_of_perplexity(model):
 
 
 def test_engine_generates_with_quantized_weights(default_gguf_path):
-    """int4 quantized as the engine loads (int8 weights are served by the convert test below, from a checkpoint)."""
-    llm = LLM(str(default_gguf_path), max_model_len=256, max_num_seqs=2, max_num_batched_tokens=64,
+    """int4 quantized as the engine loads (int8 weights are served by the convert test below, from a checkpoint).
+    One token a step, the prompt's included: one step shape of the 30-layer model to compile."""
+    llm = LLM(str(default_gguf_path), max_model_len=256, max_num_seqs=1, max_num_batched_tokens=1,
               quantization="int4", warmup=False)
     out = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
     assert "Paris" in out[0].outputs[0].text

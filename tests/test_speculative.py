@@ -321,9 +321,10 @@ COPY_PROMPT = [{"role": "user", "content": "Repeat this code exactly, with no co
 def default_spec_llm():
     from jaxserve import LLM
     # Not adaptive: whether speculation pays depends on this machine's measured step times (the controller's
-    # decisions are tested on fixed costs above); this test is about the real model's text.
+    # decisions are tested on fixed costs above); this test is about the real model's text. Compiled on first use:
+    # only the shapes this prompt takes (warm-up compiles every bucket, each a 30-layer program).
     return LLM(max_model_len=512, max_num_seqs=4, max_num_batched_tokens=16,
-               speculative_config=spec("ngram", k=4))
+               speculative_config=spec("ngram", k=4), warmup=False)
 
 
 def test_default_model_copying_speculates_and_gives_the_plain_text(default_llm, default_spec_llm):
