@@ -6,17 +6,18 @@ CPU they run in Pallas interpret mode (tests). Also weight-only int8 / int4 matm
 """
 import functools
 
-from jaxserve.pallas_kernels.gpu_blocks import HOPPER_SHARED_MEMORY
+from jaxserve.pallas_kernels.gpu_blocks import HOPPER_CORES, HOPPER_SHARED_MEMORY
 from jaxserve.pallas_kernels.quantized_matmul import int4_matmul, int8_matmul
 from jaxserve.pallas_kernels.ragged_attention import ragged_attention_gpu
 
 # Block sizes per backend, in one place. gpu: 16 tokens per program in prefill and mixed steps (16 / G in
 # decode-only ones), the rest derived per shape from the chip's shared memory (H100 / H200) by
-# `gpu_blocks.gpu_blocks`; tpu: see ragged_attention_tpu. The interpret sizes are small so that CPU tests, on small
-# shapes, still cross query, key and page blocks.
+# `gpu_blocks.gpu_blocks`, and rows' cached keys split over programs until the grid fills the chip's SMs
+# (`gpu_blocks.key_splits`); tpu: see ragged_attention_tpu. The interpret sizes are small so that CPU tests, on
+# small shapes, still cross query, key and page blocks, and split a few-row decode step's keys.
 BLOCK_SIZES = {
-    "gpu": {"block_q": 16, "shared_memory": HOPPER_SHARED_MEMORY},
-    "gpu-interpret": {"block_q": 4, "block_k": 4, "block_pages": 2},
+    "gpu": {"block_q": 16, "shared_memory": HOPPER_SHARED_MEMORY, "cores": HOPPER_CORES},
+    "gpu-interpret": {"block_q": 4, "block_k": 4, "block_pages": 2, "cores": 16},
     "tpu": {"block_q": 16, "pages_per_block": 8},
     "tpu-interpret": {"block_q": 4, "pages_per_block": 2},
 }

@@ -29,6 +29,8 @@ from typing import NamedTuple
 from jaxserve.pallas_kernels.softmax import pow2
 
 HOPPER_SHARED_MEMORY = 232448  # bytes per block, opt-in (H100, H200); the compile targets in jaxserve.aot say so
+HOPPER_CORES = 132  # SMs (H100 SXM, H200): programs that run at once, one block each at the least
+MIN_SPLIT_BLOCKS = 4  # key blocks a split walks at the least: its partial result (R x D float32) stays ~3% of its reads
 MAX_KEYS = 128  # keys per step of the walk: past this a wider block buys little and costs registers
 MAX_ROWS = 128  # dot rows per program in prefill: block_q x G
 NUM_STAGES = 2  # double buffering: the next key block loads while this one's dots run
@@ -83,3 +85,13 @@ def gpu_blocks(num_tokens: int, num_rows: int, group: int, head_dim: int, page_s
     fp32_tiles = rows * (head_dim + keys)
     num_warps = 4 if fp32_tiles <= 4 * 32 * _REGS_PER_THREAD else 8
     return GpuBlocks(block_q, block_k, block_pages, num_warps, NUM_STAGES)
+
+
+def key_splits(num_programs: int, pages_per_row: int, block_pages: int, cores: int) -> int:
+    """How many programs share one row's cached keys (flash-decoding): enough that num_programs x splits fills
+    `cores` (a decode-only step of 1-4 rows on 8 KV heads is 8-32 programs on a 132-SM chip), but each split at
+    least MIN_SPLIT_BLOCKS key blocks of the longest row the page table holds; 1 when programs are already
+    plentiful. Static: the grid's third axis (a row's splits divide its own cached blocks at run time)."""
+    wanted = -(-cores // max(num_programs, 1))
+    most = pages_per_row // (block_pages * MIN_SPLIT_BLOCKS)
+    return max(1, min(wanted, most))
