@@ -329,7 +329,8 @@ def test_every_family_compiles_for_tpu_and_gpu():
     (40/8/128) heads: the kernel alone, compiled by Mosaic (VMEM, tile alignment of every DMA) for a v5e and a v6e
     and by XLA:GPU and Triton (shared memory and registers) for an H100 and an H200, at the largest step of a
     64-sequence engine (512 tokens: 16 tokens per program, the most shared memory) in bf16 with a sliding window
-    and at its all-decode step (64 x 64) (on int8 pages on the H200). On TPU the kernel reads the cache in place: its
+    and at its all-decode step (64 x 64) (on int8 pages on the H200), and a 4-row decode step on the H100 (its
+    rows' keys split over programs: `key_splits`). On TPU the kernel reads the cache in place: its
     temporaries are below 1% of one layer's K pages at the decode step, and at the 512-token step no more than
     the step's own queries and outputs, blocked (no cache-sized copy). Then the bound the GPU block sizes are
     derived from holds the compiler's request."""
@@ -341,7 +342,7 @@ def test_every_family_compiles_for_tpu_and_gpu():
     if python is None:
         pytest.skip("the TPU and GPU compilers are not installed: bash scripts/aot_env.sh")
     steps = [("v5e:2x2", "auto", 512, 512, 64), ("v6e:2x2", "auto", None, 64, 64),
-             ("h100", "auto", 512, 512, 64), ("h200", "int8", None, 64, 64)]
+             ("h100", "auto", 512, 512, 64), ("h200", "int8", None, 64, 64), ("h100", "auto", None, 4, 4)]
     families = [(9, 3, 64), (32, 8, 128), (4, 1, 256), (32, 16, 128), (40, 8, 128)]
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_SKIP_CUDA_CONSTRAINTS_CHECK": "1",
            "ALLOW_MULTIPLE_LIBTPU_LOAD": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}

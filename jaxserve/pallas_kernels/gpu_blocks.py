@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from jaxserve.pallas_kernels.softmax import pow2
+from jaxserve.pallas_kernels.softmax import pow2, pow2_floor
 
 HOPPER_SHARED_MEMORY = 232448  # bytes per block, opt-in (H100, H200); the compile targets in jaxserve.aot say so
 HOPPER_CORES = 132  # SMs (H100 SXM, H200): programs that run at once, one block each at the least
@@ -45,10 +45,6 @@ class GpuBlocks(NamedTuple):
     num_stages: int
 
 
-def _pow2_floor(n: int) -> int:
-    return 1 << (max(n, 1).bit_length() - 1)
-
-
 def dot_rows(block_q: int, group: int) -> int:
     """A program's dot rows: its tokens' query heads, padded to a power of two >= 16."""
     return pow2(block_q * group, 16)
@@ -61,8 +57,8 @@ def step_block_q(num_tokens: int, num_rows: int, group: int, block_q: int = 16) 
     such a bucket still shares the walk over its cached keys 16 / G tokens at a time. Other steps take `block_q`
     (prompt chunks: fewer programs re-reading the row's pages), capped at MAX_ROWS dot rows."""
     if num_tokens <= num_rows:
-        return _pow2_floor(16 // group) if group <= 16 else 1
-    return max(1, min(block_q, _pow2_floor(MAX_ROWS // group)))
+        return pow2_floor(16 // group) if group <= 16 else 1
+    return max(1, min(block_q, pow2_floor(MAX_ROWS // group)))
 
 
 def shared_memory_bytes(keys: int, rows: int, head_dim: int, q_bytes: int, num_stages: int) -> int:
