@@ -13,8 +13,12 @@ its tiles (8 sublanes x 128 lanes of 32 bits; 16 sublanes for 16-bit dtypes, 32 
   + 3 [rows, keys] float32 + 2 [keys, D]             one head's scores, probabilities, and dequantized K, V
 
 The compiler does not raise its scoped limit by itself (16 MiB on v5e, 32 MiB on v6e, from its
-CompileTimeScopedVmemOom errors, 2026-12-02): the kernel asks for this sum plus headroom as `vmem_limit_bytes`.
-VMEM does not bind at these sizes (Llama 3 8B's heads: ~3 MB); what bounds a key block is the DMA: each page is
+CompileTimeScopedVmemOom errors, 2026-12-02): the kernel asks for this sum times VMEM_HEADROOM as
+`vmem_limit_bytes`. The sum is an estimate, not a bound: the compiler's own figure (its scoped allocation, read
+from the error with the limit set to 64 KiB; deviceless v5e and v6e, the five families of the compile test, 512-
+and 64-token steps of 64 rows and a 4-row one) was 0.3x to 3.8x it (3.8x: v5e, Gemma 3 1B's heads, 512 tokens,
+no bf16 VPU on v5e; 2.2x: v5e, int8 pages). VMEM does not bind at these sizes (at most 6.1 MiB asked, of 128 MiB:
+v5e, Llama 3 8B's heads, int8 pages); what bounds a key block is the DMA: each page is
 one async copy per K and V issued from scalar code, and jax's own tuned ragged-attention table never goes past
 16 pages a block at page size 16 (its MAX_PAGES_PER_SEQ: 32 scalar registers). A block fetches the fewest pages
 that move BLOCK_BYTES of K and V (each block's fixed cost, ~0.35 us a loop step, is then < 1/3 of its transfer on
@@ -30,7 +34,7 @@ from jaxserve.pallas_kernels.softmax import pow2, pow2_floor
 TPU_VMEM = 128 << 20  # v5e and v6e, per core: what serving derives from when no chip says otherwise
 BLOCK_BYTES = 1 << 20  # K and V bytes a key block moves at the least when it can
 MAX_PAGES_PER_BLOCK = 16
-VMEM_HEADROOM = 2  # the limit asked for: the modelled sum times this (Mosaic's internal scratch, spills)
+VMEM_HEADROOM = 4  # the limit asked for: the modelled sum times this (the compiler's figure was up to 3.8x it)
 
 
 class TpuBlocks(NamedTuple):
@@ -72,7 +76,7 @@ def tpu_blocks(num_tokens: int, num_rows: int, pages_per_row: int, group: int, k
                block_q: int = 16) -> TpuBlocks:
     """Block sizes for one step shape: block_q (`decode_block_q` in decode-only steps), then the fewest pages a
     block that move BLOCK_BYTES of K and V, at most MAX_PAGES_PER_BLOCK and the row's pages; halved (pages first,
-    then block_q) until the program fits in half the chip's VMEM."""
+    then block_q) until the limit asked fits in half the chip's VMEM."""
     if num_tokens <= num_rows:
         block_q = decode_block_q(group)
     page_bytes = 2 * kv_heads * page_size * head_dim * kv_bytes  # K and V of one page
