@@ -140,7 +140,8 @@ def test_split_rows_match_the_oracle(kind, heads, kv_heads, window, int8):
     got, args = run(case, k_pages=k_pages, v_pages=v_pages, window=window, num_splits=3)
     want = ragged_attention_reference(*args, sliding_window=window) if int8 else expected(case, window)
     check(got, np.asarray(want), seed)
-    fn = lambda *a: ragged_attention_gpu(*a, sliding_window=window, interpret=True, **{**SIZES, "num_splits": 3})  # noqa: E731
+    sizes = {**SIZES, "num_splits": 3}
+    fn = lambda *a: ragged_attention_gpu(*a, sliding_window=window, interpret=True, **sizes)  # noqa: E731
     T, S = case.q.shape[0], case.rows.page_table.shape[0]
     assert pallas_grids(fn, *args) == [kernel_grid(T, S, kv_heads, 1 if T <= S else SIZES["block_q"], 3)]
 

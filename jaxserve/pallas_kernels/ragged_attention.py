@@ -9,6 +9,10 @@ wrapper gathers each slot's queries (and the page table of its row) so a program
 are its tokens' queries for the query heads sharing its KV head (GQA without repeating K/V), padded to a power of
 two >= 16 for the dots. A decode-only step (T <= S) packs 16 / G tokens a block, so a decode row is one program
 per KV head whose dot rows are its G query heads; block sizes come from `gpu_blocks` (shared memory, registers).
+When those programs are few against the chip's SMs (1-4 rows over 8 KV heads: 8-32 programs on 132 SMs) and the
+page tables long, each row's cached keys are split over a third grid axis (flash-decoding, `key_splits`): split s
+walks the s-th equal part of the row's own cached blocks and writes its partial softmax (output and log-sum-exp,
+float32), merged after by `combine_splits` in jnp (programs x R x D floats: 1 MB for 128 decode programs at D 128).
 
 A program folds into one online softmax first its row's cached keys, walking the row's pages `block_pages` at a
 time through the page table (a dynamic trip count from `cached_lens`, so ragged lengths cost what they hold), then

@@ -18,7 +18,11 @@ The pages are head-major ([num_pages, KVH, page_size, D], `jaxserve.cache.kv_cac
 on TPU, so a head's [page_size, D] of a page is whole (8, 128) tiles and the kernel DMAs pages straight from the
 cache (in the token-major layout, or at head_dim 64 unpadded, XLA copied the whole cache into Mosaic's tiling
 around every call: 269 MB of temporaries per call at SmolLM2's shape, deviceless v5e). A program still fetches
-every KV head of a page at once: each page is read once per query block, what a per-head grid would read too.
+every KV head of a page at once: each page is read once per query block, what a per-head grid would read too. A
+per-KV-head DMA (`k_hbm.at[page, h]`) compiles in this layout (deviceless v5e, no temporaries) and would cut the
+page buffers KVH-fold, but VMEM does not bind (`tpu_blocks`: at most ~6 MiB of 128) while each copy would shrink
+KVH-fold (4 KB at 16 tokens x 128 lanes bf16), so whole pages stay.
+Block sizes and the VMEM limit: `tpu_blocks`, from the shapes and the chip's VMEM.
 """
 from __future__ import annotations
 
