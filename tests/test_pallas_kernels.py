@@ -14,7 +14,7 @@ from jaxserve.attention import attention, resolve_attention_backend
 from jaxserve.batch import RaggedRows
 from jaxserve.cache.kv_cache import Int8Pages
 from jaxserve.pallas_kernels import BLOCK_SIZES, ragged_attention_gpu, ragged_kernel_for
-from jaxserve.pallas_kernels.gpu_blocks import step_block_q
+from jaxserve.pallas_kernels.gpu_blocks import key_splits, step_block_q
 from jaxserve.pallas_kernels.ragged_attention import kernel_grid
 from jaxserve.pallas_kernels.reference import ragged_attention_reference
 from jaxserve.pallas_kernels.self_check import quantize_pages, small_ragged_batch
@@ -86,18 +86,21 @@ def pallas_grids(fn, *args):
 
 @pytest.mark.parametrize("heads,kv_heads,window", [(6, 2, None), (8, 1, 9)])
 def test_decode_only_step_runs_one_program_per_row_and_kv_head(heads, kv_heads, window):
-    """A step with no more tokens than rows (every decode-only bucket): S programs per KV head, the row's G query
-    heads as one program's dot rows, whatever block_q prefill uses; then a mixed step of the same rows and tokens
-    plus a prompt chunk, which uses block_q."""
+    """A step with no more tokens than rows (every decode-only bucket): S programs per KV head and split of the
+    rows' cached keys (here the interpret sizes' 16 "cores" ask for 2), the row's G query heads as one program's
+    dot rows, whatever block_q prefill uses; then a mixed step of the same rows and tokens plus a prompt chunk,
+    which uses block_q."""
     rng, seed = fresh_rng()
     lengths = row_lengths(rng, "decode", max_start=60)
     case = random_ragged_case(rng, lengths, heads=heads, kv_heads=kv_heads, pad_tokens=1, pad_rows=1)
-    T, S = case.q.shape[0], case.rows.page_table.shape[0]
+    T, (S, P) = case.q.shape[0], case.rows.page_table.shape
     assert T == S
     got, args = run(case, window=window)
     check(got, expected(case, window), seed)
     fn = lambda *a: ragged_attention_gpu(*a, sliding_window=window, interpret=True, **SIZES)  # noqa: E731
-    assert pallas_grids(fn, *args) == [(S, kv_heads)] == [kernel_grid(T, S, kv_heads, 1)]
+    splits = key_splits(S * kv_heads, P, SIZES["block_pages"], SIZES["cores"])
+    assert pallas_grids(fn, *args) == [kernel_grid(T, S, kv_heads, 1, splits)]
+    assert pallas_grids(fn, *args)[0][:2] == (S, kv_heads)
     # The serving sizes pack the same way (16 / G tokens of a row per program: one, for a decode row).
     assert step_block_q(T, S, heads // kv_heads, BLOCK_SIZES["gpu"]["block_q"]) * heads // kv_heads <= 16
 
@@ -106,6 +109,41 @@ def test_decode_only_step_runs_one_program_per_row_and_kv_head(heads, kv_heads, 
     check(got, expected(mixed, window), seed)
     T, S = mixed.q.shape[0], mixed.rows.page_table.shape[0]
     assert pallas_grids(fn, *args) == [(T // SIZES["block_q"] + S, kv_heads)]
+
+
+@pytest.mark.parametrize("rows,splits", [(1, 16), (4, 5), (16, 2), (64, 1)])
+def test_few_decode_rows_split_their_keys_to_fill_the_chip(rows, splits):
+    """Llama 3 8B's heads (8 KV heads), 8k-token page tables of 16-token pages, the serving sizes (H100 / H200:
+    132 SMs, 128-key blocks): 1 row x 8 KV heads would run 8 programs on 132 SMs; split 16 ways (each split at
+    least 4 key blocks) it runs 128. 64 rows are 512 programs already: no split. Traced, not run."""
+    sds, i32, bf16 = jax.ShapeDtypeStruct, jnp.int32, jnp.bfloat16
+    P = 8192 // 16
+    ragged = RaggedRows(sds((rows,), i32), sds((rows,), i32), sds((rows + 1,), i32), sds((rows,), i32),
+                        sds((rows, P), i32))
+    pages = sds((4096, 8, 16, 128), bf16)
+    fn = lambda *a: ragged_attention_gpu(*a, **BLOCK_SIZES["gpu"])  # noqa: E731
+    grid = pallas_grids(fn, sds((rows, 32, 128), bf16), sds((rows, 8, 128), bf16), sds((rows, 8, 128), bf16),
+                        pages, pages, ragged)
+    assert grid == [kernel_grid(rows, rows, 8, 1, splits)]
+    assert splits == 1 or rows * 8 * splits >= BLOCK_SIZES["gpu"]["cores"] or splits == P // (8 * 4)
+
+
+@pytest.mark.parametrize("kind,heads,kv_heads,window,int8", [("decode", 8, 1, 13, True), ("mixed", 6, 2, None, False)])
+def test_split_rows_match_the_oracle(kind, heads, kv_heads, window, int8):
+    """Flash-decoding: 3 programs share each row's cached keys (8-key blocks), merged after. Rows of 1 to ~60
+    cached keys (some shorter than one split: the later splits see no key), GQA, a window, int8 pages; in a mixed
+    step a prompt chunk after a cached prefix (its causal keys in the last split)."""
+    rng, seed = fresh_rng()
+    lengths = [(1, 1), (3, 1), (int(rng.integers(40, 60)), 1), (int(rng.integers(9, 30)), 1)]
+    case = random_ragged_case(rng, lengths + ([(17, 6)] if kind == "mixed" else []), heads=heads, kv_heads=kv_heads)
+    k_pages, v_pages = (quantize_pages(jnp.asarray(x)) if int8 else None for x in (case.k_pages, case.v_pages))
+    got, args = run(case, k_pages=k_pages, v_pages=v_pages, window=window, num_splits=3)
+    want = ragged_attention_reference(*args, sliding_window=window) if int8 else expected(case, window)
+    check(got, np.asarray(want), seed)
+    sizes = {**SIZES, "num_splits": 3}
+    fn = lambda *a: ragged_attention_gpu(*a, sliding_window=window, interpret=True, **sizes)  # noqa: E731
+    T, S = case.q.shape[0], case.rows.page_table.shape[0]
+    assert pallas_grids(fn, *args) == [kernel_grid(T, S, kv_heads, 1 if T <= S else SIZES["block_q"], 3)]
 
 
 def test_int8_pages_match_the_oracle_on_the_same_pages():
@@ -291,7 +329,8 @@ def test_every_family_compiles_for_tpu_and_gpu():
     (40/8/128) heads: the kernel alone, compiled by Mosaic (VMEM, tile alignment of every DMA) for a v5e and a v6e
     and by XLA:GPU and Triton (shared memory and registers) for an H100 and an H200, at the largest step of a
     64-sequence engine (512 tokens: 16 tokens per program, the most shared memory) in bf16 with a sliding window
-    and at its all-decode step (64 x 64) (on int8 pages on the H200). On TPU the kernel reads the cache in place: its
+    and at its all-decode step (64 x 64) (on int8 pages on the H200), and a 4-row decode step on the H100 (its
+    rows' keys split over programs: `key_splits`). On TPU the kernel reads the cache in place: its
     temporaries are below 1% of one layer's K pages at the decode step, and at the 512-token step no more than
     the step's own queries and outputs, blocked (no cache-sized copy). Then the bound the GPU block sizes are
     derived from holds the compiler's request."""
@@ -303,7 +342,7 @@ def test_every_family_compiles_for_tpu_and_gpu():
     if python is None:
         pytest.skip("the TPU and GPU compilers are not installed: bash scripts/aot_env.sh")
     steps = [("v5e:2x2", "auto", 512, 512, 64), ("v6e:2x2", "auto", None, 64, 64),
-             ("h100", "auto", 512, 512, 64), ("h200", "int8", None, 64, 64)]
+             ("h100", "auto", 512, 512, 64), ("h200", "int8", None, 64, 64), ("h100", "auto", None, 4, 4)]
     families = [(9, 3, 64), (32, 8, 128), (4, 1, 256), (32, 16, 128), (40, 8, 128)]
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_SKIP_CUDA_CONSTRAINTS_CHECK": "1",
            "ALLOW_MULTIPLE_LIBTPU_LOAD": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}

@@ -117,3 +117,21 @@ def test_compiles_for_tpu(v5e, heads, kv_heads, head_dim):
 
     for fn, args in lowering_calls(heads, kv_heads, head_dim, sds):
         jax.jit(fn).lower(*args).compile()
+
+
+def test_block_sizes_follow_the_pages_and_the_chips_vmem():
+    """`tpu_blocks`: decode-only steps pack 8 / gcd(G, 8) tokens a program (whole 8-row tiles); a key block is the
+    fewest pages that move 1 MiB of K and V, at most 16 (Llama 3 8B's 64 KB pages: 16; Gemma 3 1B's 16 KB: 16), at
+    most the row's pages; a chip with less VMEM gets smaller blocks; the limit asked covers the modelled VMEM."""
+    from jaxserve.pallas_kernels.tpu_blocks import MAX_PAGES_PER_BLOCK, TPU_VMEM, tpu_blocks, vmem_bytes
+    assert [tpu_blocks(64, 64, 512, g, 1, 128, 16, 2, 2, False).block_q for g in (1, 2, 3, 4, 5, 8, 16)] == \
+        [8, 4, 8, 2, 8, 1, 1]
+    assert tpu_blocks(512, 64, 512, 4, 8, 128, 16, 2, 2, False).block_q == 16  # prefill: the block_q given
+    llama = tpu_blocks(512, 64, 512, 4, 8, 128, 16, 2, 2, False)
+    assert llama.pages_per_block == MAX_PAGES_PER_BLOCK
+    assert tpu_blocks(8, 8, 512, 4, 8, 128, 128, 2, 2, False).pages_per_block == 2  # 128-token pages: 512 KB each
+    assert tpu_blocks(8, 8, 4, 4, 8, 128, 16, 2, 2, False).pages_per_block == 4  # short page tables
+    need = vmem_bytes(16, llama.pages_per_block, 4, 8, 128, 16, 2, 2, False)
+    assert need < llama.vmem_limit_bytes <= TPU_VMEM
+    small = tpu_blocks(512, 64, 512, 4, 8, 128, 16, 2, 2, False, vmem=8 << 20)
+    assert small.pages_per_block < llama.pages_per_block and small.vmem_limit_bytes <= 8 << 20

@@ -6,18 +6,21 @@ and TPU; `quantized_matmul`, run by `jaxserve.quant.matmul`).
 """
 import functools
 
-from jaxserve.pallas_kernels.gpu_blocks import HOPPER_SHARED_MEMORY
+from jaxserve.pallas_kernels.gpu_blocks import HOPPER_CORES, HOPPER_SHARED_MEMORY
 from jaxserve.pallas_kernels.quantized_matmul import int4_matmul, int4_matmul_tpu
 from jaxserve.pallas_kernels.ragged_attention import ragged_attention_gpu
 
 # Block sizes per backend, in one place. gpu: 16 tokens per program in prefill and mixed steps (16 / G in
 # decode-only ones), the rest derived per shape from the chip's shared memory (H100 / H200) by
-# `gpu_blocks.gpu_blocks`; tpu: see ragged_attention_tpu. The interpret sizes are small so that CPU tests, on small
-# shapes, still cross query, key and page blocks.
+# `gpu_blocks.gpu_blocks`, and rows' cached keys split over programs until the grid fills the chip's SMs
+# (`gpu_blocks.key_splits`); tpu: 16 tokens per program in prefill and mixed steps (8 / G in decode-only ones),
+# pages per key block and the VMEM limit derived per shape from the chip's VMEM by `tpu_blocks.tpu_blocks` (the
+# chip's own capacity where Mosaic knows the target: `_tpu_vmem`). The interpret sizes are small so that CPU tests, on
+# small shapes, still cross query, key and page blocks, and split a few-row decode step's keys.
 BLOCK_SIZES = {
-    "gpu": {"block_q": 16, "shared_memory": HOPPER_SHARED_MEMORY},
-    "gpu-interpret": {"block_q": 4, "block_k": 4, "block_pages": 2},
-    "tpu": {"block_q": 16, "pages_per_block": 8},
+    "gpu": {"block_q": 16, "shared_memory": HOPPER_SHARED_MEMORY, "cores": HOPPER_CORES},
+    "gpu-interpret": {"block_q": 4, "block_k": 4, "block_pages": 2, "cores": 16},
+    "tpu": {"block_q": 16},
     "tpu-interpret": {"block_q": 4, "pages_per_block": 2},
 }
 
@@ -48,7 +51,17 @@ def ragged_kernel_for(backend: str):
     if interpret:
         from jax.experimental.pallas import tpu as pltpu
         interpret = pltpu.InterpretParams()  # the TPU interpreter: Mosaic semantics, checked
-    return functools.partial(ragged_attention_tpu, interpret=interpret, **sizes)
+    return functools.partial(ragged_attention_tpu, interpret=interpret, **sizes, **({} if interpret else _tpu_vmem()))
+
+
+def _tpu_vmem() -> dict:
+    """{"vmem": bytes of VMEM a core} of the TPU the caller traces for (the chip at hand, or a deviceless compile's
+    target under its mesh); {} (`tpu_blocks.TPU_VMEM`, v5e's and v6e's) when none is known."""
+    from jax.experimental.pallas import tpu as pltpu
+    try:
+        return {"vmem": pltpu.get_tpu_info().vmem_capacity_bytes}
+    except (ValueError, RuntimeError):  # not a TPU: tracing for export, or a test on CPU
+        return {}
 
 
 __all__ = ["ragged_attention_gpu", "BLOCK_SIZES", "PAGE_HEAD_DIM_MULTIPLE", "page_head_dim_multiple",

@@ -26,9 +26,11 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from jaxserve.pallas_kernels.softmax import pow2
+from jaxserve.pallas_kernels.softmax import pow2, pow2_floor
 
 HOPPER_SHARED_MEMORY = 232448  # bytes per block, opt-in (H100, H200); the compile targets in jaxserve.aot say so
+HOPPER_CORES = 132  # SMs (H100 SXM, H200): programs that run at once, one block each at the least
+MIN_SPLIT_BLOCKS = 4  # key blocks a split walks at the least: its partial result (R x D float32) stays ~3% of its reads
 MAX_KEYS = 128  # keys per step of the walk: past this a wider block buys little and costs registers
 MAX_ROWS = 128  # dot rows per program in prefill: block_q x G
 NUM_STAGES = 2  # double buffering: the next key block loads while this one's dots run
@@ -43,10 +45,6 @@ class GpuBlocks(NamedTuple):
     num_stages: int
 
 
-def _pow2_floor(n: int) -> int:
-    return 1 << (max(n, 1).bit_length() - 1)
-
-
 def dot_rows(block_q: int, group: int) -> int:
     """A program's dot rows: its tokens' query heads, padded to a power of two >= 16."""
     return pow2(block_q * group, 16)
@@ -59,8 +57,8 @@ def step_block_q(num_tokens: int, num_rows: int, group: int, block_q: int = 16) 
     such a bucket still shares the walk over its cached keys 16 / G tokens at a time. Other steps take `block_q`
     (prompt chunks: fewer programs re-reading the row's pages), capped at MAX_ROWS dot rows."""
     if num_tokens <= num_rows:
-        return _pow2_floor(16 // group) if group <= 16 else 1
-    return max(1, min(block_q, _pow2_floor(MAX_ROWS // group)))
+        return pow2_floor(16 // group) if group <= 16 else 1
+    return max(1, min(block_q, pow2_floor(MAX_ROWS // group)))
 
 
 def shared_memory_bytes(keys: int, rows: int, head_dim: int, q_bytes: int, num_stages: int) -> int:
@@ -83,3 +81,13 @@ def gpu_blocks(num_tokens: int, num_rows: int, group: int, head_dim: int, page_s
     fp32_tiles = rows * (head_dim + keys)
     num_warps = 4 if fp32_tiles <= 4 * 32 * _REGS_PER_THREAD else 8
     return GpuBlocks(block_q, block_k, block_pages, num_warps, NUM_STAGES)
+
+
+def key_splits(num_programs: int, pages_per_row: int, block_pages: int, cores: int) -> int:
+    """How many programs share one row's cached keys (flash-decoding): enough that num_programs x splits fills
+    `cores` (a decode-only step of 1-4 rows on 8 KV heads is 8-32 programs on a 132-SM chip), but each split at
+    least MIN_SPLIT_BLOCKS key blocks of the longest row the page table holds; 1 when programs are already
+    plentiful. Static: the grid's third axis (a row's splits divide its own cached blocks at run time)."""
+    wanted = -(-cores // max(num_programs, 1))
+    most = pages_per_row // (block_pages * MIN_SPLIT_BLOCKS)
+    return max(1, min(wanted, most))

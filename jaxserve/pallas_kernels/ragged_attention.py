@@ -9,6 +9,10 @@ wrapper gathers each slot's queries (and the page table of its row) so a program
 are its tokens' queries for the query heads sharing its KV head (GQA without repeating K/V), padded to a power of
 two >= 16 for the dots. A decode-only step (T <= S) packs 16 / G tokens a block, so a decode row is one program
 per KV head whose dot rows are its G query heads; block sizes come from `gpu_blocks` (shared memory, registers).
+When those programs are few against the chip's SMs (1-4 rows over 8 KV heads: 8-32 programs on 132 SMs) and the
+page tables long, each row's cached keys are split over a third grid axis (flash-decoding, `key_splits`): split s
+walks the s-th equal part of the row's own cached blocks and writes its partial softmax (output and log-sum-exp,
+float32), merged after by `combine_splits` in jnp (programs x R x D floats: 1 MB for 128 decode programs at D 128).
 
 A program folds into one online softmax first its row's cached keys, walking the row's pages `block_pages` at a
 time through the page table (a dynamic trip count from `cached_lens`, so ragged lengths cost what they hold), then
@@ -31,7 +35,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from jaxserve.batch import RaggedRows
-from jaxserve.pallas_kernels.gpu_blocks import HOPPER_SHARED_MEMORY, dot_rows, gpu_blocks
+from jaxserve.pallas_kernels.gpu_blocks import HOPPER_CORES, HOPPER_SHARED_MEMORY, dot_rows, gpu_blocks, key_splits
 from jaxserve.pallas_kernels.query_blocks import num_slots, query_blocks, unblock
 from jaxserve.pallas_kernels.softmax import (dequantize, pad_head_dim, pow2, scores, softmax_block, softmax_init,
                                              softmax_result, split_pages)
@@ -43,12 +47,13 @@ _CACHED, _ROW_START, _NUM_NEW, _OWN_END, _LOWEST = range(5)
 
 
 def _kernel(meta_ref, q_pos_ref, table_ref, q_ref, k_ref, v_ref, k_pos_ref, k_pages_ref, v_pages_ref, *refs,
-            page_size, block_pages, block_k, sliding_window, scale, quantized):
+            page_size, block_pages, block_k, sliding_window, scale, quantized, splits):
     # meta_ref [1, 8] (see _CACHED...); q_pos_ref [rows] (-1: no query); table_ref [P]; q_ref [rows, D];
     # k_ref, v_ref [T + block_k, D] this step's keys of this KV head; k_pos_ref [T + block_k] their positions;
     # k_pages_ref, v_pages_ref [num_pages, page_size, D] of this KV head (int8 when quantized, then the scales
-    # [num_pages, page_size] float32 follow); o_ref [rows, D]
-    o_ref = refs[-1]
+    # [num_pages, page_size] float32 follow); o_ref [rows, D]; split: then o_ref float32 and lse_ref [rows], this
+    # split's part of the softmax (`combine_splits`)
+    o_ref, lse_ref = refs[-2:] if splits > 1 else (refs[-1], None)
     k_scale_ref, v_scale_ref = refs[:2] if quantized else (None, None)
     rows, head_dim = q_ref.shape
     block = block_pages * page_size
@@ -82,25 +87,42 @@ def _kernel(meta_ref, q_pos_ref, table_ref, q_ref, k_ref, v_ref, k_pos_ref, k_pa
         return softmax_block(*carry, scores(q, k, scale), visible, v.astype(q.dtype))
 
     num_blocks = jnp.minimum(pl.cdiv(cached, block), table_ref.shape[0] // block_pages)
+    first = jnp.minimum(window_start // block, num_blocks)
+    # This program's split of the row's visible cached blocks: equal parts of what the row holds (not of the
+    # table), so a short row's keys spread too; the last split, often the shortest, also takes the new keys.
+    split = pl.program_id(2) if splits > 1 else 0
+    per_split = pl.cdiv(num_blocks - first, splits)
+    lo = jnp.minimum(first + split * per_split, num_blocks)
     carry = softmax_init(rows, head_dim)
-    carry = jax.lax.fori_loop(jnp.minimum(window_start // block, num_blocks), num_blocks, visit_cached, carry)
+    carry = jax.lax.fori_loop(lo, jnp.minimum(lo + per_split, num_blocks), visit_cached, carry)
     # The new keys' blocks start at the row's first token; the window may skip some of them too.
-    new_blocks = pl.cdiv(own_end, block_k)
+    new_blocks = jnp.where(split == splits - 1, pl.cdiv(own_end, block_k), 0)
     first_new = jnp.minimum(jnp.maximum(window_start - cached, 0) // block_k, new_blocks)
     carry = jax.lax.fori_loop(first_new, new_blocks, visit_new, carry)
-    o_ref[...] = softmax_result(*carry)[0].astype(o_ref.dtype)
+    out, lse = softmax_result(*carry)
+    o_ref[...] = out.astype(o_ref.dtype)
+    if splits > 1:
+        lse_ref[...] = lse[:, 0]
 
 
-def kernel_grid(num_tokens: int, num_rows: int, kv_heads: int, block_q: int) -> tuple[int, int]:
-    """The grid the kernel runs: (query block slots, KV heads)."""
-    return num_slots(num_tokens, num_rows, block_q), kv_heads
+def kernel_grid(num_tokens: int, num_rows: int, kv_heads: int, block_q: int, splits: int = 1) -> tuple[int, ...]:
+    """The grid the kernel runs: (query block slots, KV heads), then splits of each row's cached keys if > 1."""
+    return (num_slots(num_tokens, num_rows, block_q), kv_heads) + ((splits,) if splits > 1 else ())
+
+
+def combine_splits(out, lse):
+    """The splits' partial softmaxes, out [..., splits, R, D] (each normalised by its own sum) and lse
+    [..., splits, R] (MASKED where a split saw nothing), merged -> [..., R, D]. A split that saw nothing weighs
+    exp(MASKED - max) = 0; if none did, all weigh 1 and their zeros give 0, never NaN."""
+    w = jnp.exp(lse - lse.max(axis=-2, keepdims=True))  # [..., splits, R]
+    return (w[..., None] * out).sum(axis=-3) / w.sum(axis=-2)[..., None]
 
 
 @functools.partial(jax.jit, static_argnames=("sliding_window", "block_q", "block_k", "block_pages", "num_warps",
-                                             "num_stages", "shared_memory", "interpret"))
+                                             "num_stages", "shared_memory", "cores", "num_splits", "interpret"))
 def ragged_attention_gpu(q, k, v, k_pages, v_pages, rows: RaggedRows, *, sliding_window=None, block_q=16,
                          block_k=None, block_pages=None, num_warps=None, num_stages=None,
-                         shared_memory=HOPPER_SHARED_MEMORY, interpret=False):
+                         shared_memory=HOPPER_SHARED_MEMORY, cores=HOPPER_CORES, num_splits=None, interpret=False):
     """Arguments and result as `ragged_attention_reference`: q [T, H, D], k, v [T, KVH, D], pages
     [num_pages, KVH, page_size, D'] (or Int8Pages; D' >= D, stored padded) -> [T, H, D]; padding tokens give zeros.
 
@@ -109,7 +131,10 @@ def ragged_attention_gpu(q, k, v, k_pages, v_pages, rows: RaggedRows, *, sliding
       decode-only one, packs 16 / G tokens: one program per row and KV head; see `step_block_q`);
     block_k: new keys per step of a program's walk over its row's new tokens (a power of two, >= 16 on GPU);
     block_pages: cached pages per step of the walk over its row's pages;
-    num_warps, num_stages: Triton's.
+    num_warps, num_stages: Triton's;
+    num_splits: programs sharing one row's cached keys (flash-decoding; their partial softmaxes merged after),
+      by default `key_splits`: enough that the grid fills `cores` (the chip's SMs) when rows are few and the page
+      table long, else 1.
     """
     T, H, head_dim = q.shape
     num_pages, KVH, page_size, D = k_pages.shape
@@ -121,8 +146,10 @@ def ragged_attention_gpu(q, k, v, k_pages, v_pages, rows: RaggedRows, *, sliding
     block_q = derived.block_q
     block_k = block_k or derived.block_k
     block_pages = block_pages or derived.block_pages
-    NB, _ = kernel_grid(T, S, KVH, block_q)
+    NB = num_slots(T, S, block_q)
     R = dot_rows(block_q, G)
+    bp = min(block_pages, pow2(P))
+    splits = num_splits or key_splits(NB * KVH, P, bp, cores)
 
     # Which row each block slot serves, and which of its tokens (see query_blocks).
     blocks = query_blocks(rows, T, block_q)
@@ -142,7 +169,6 @@ def ragged_attention_gpu(q, k, v, k_pages, v_pages, rows: RaggedRows, *, sliding
     q_rows = q.reshape(T, KVH, G, D)[token].transpose(0, 2, 1, 3, 4).reshape(NB, KVH, block_q * G, D)
     q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, R - block_q * G), (0, 0)))
     pos_rows = jnp.pad(jnp.repeat(q_pos, G, axis=1), ((0, 0), (0, R - block_q * G)), constant_values=-1)
-    bp = min(block_pages, pow2(P))
     table = jnp.pad(rows.page_table, ((0, 0), (0, pow2(P, bp) - P)))[slot_row]  # [NB, P'] each slot's row's pages
     # The new keys padded by a block, so a walk's last block never reads past them.
     k_new, v_new = (jnp.pad(x, ((0, block_k), (0, 0), (0, 0))) for x in (k, v))
@@ -152,23 +178,32 @@ def ragged_attention_gpu(q, k, v, k_pages, v_pages, rows: RaggedRows, *, sliding
     Tk, Pt = T + block_k, table.shape[1]
 
     kernel = functools.partial(_kernel, page_size=page_size, block_pages=bp, block_k=block_k,
-                               sliding_window=sliding_window, scale=head_dim ** -0.5, quantized=quantized)
+                               sliding_window=sliding_window, scale=head_dim ** -0.5, quantized=quantized,
+                               splits=splits)
+    if splits > 1:  # each split's part of the softmax, float32 until merged
+        out_specs = [pl.BlockSpec((None, None, None, R, D), lambda b, h, s: (b, h, s, 0, 0)),
+                     pl.BlockSpec((None, None, None, R), lambda b, h, s: (b, h, s, 0))]
+        out_shape = [jax.ShapeDtypeStruct((NB, KVH, splits, R, D), jnp.float32),
+                     jax.ShapeDtypeStruct((NB, KVH, splits, R), jnp.float32)]
+    else:
+        out_specs = pl.BlockSpec((None, None, R, D), lambda b, h: (b, h, 0, 0))
+        out_shape = jax.ShapeDtypeStruct((NB, KVH, R, D), q.dtype)
     out = pl.pallas_call(
         kernel,
-        grid=(NB, KVH),  # kernel_grid
+        grid=kernel_grid(T, S, KVH, block_q, splits),
         in_specs=[
-            pl.BlockSpec((1, 8), lambda b, h: (b, 0)),  # block metadata
-            pl.BlockSpec((None, R), lambda b, h: (b, 0)),  # query positions
-            pl.BlockSpec((None, Pt), lambda b, h: (b, 0)),  # the row's page table
-            pl.BlockSpec((None, None, R, D), lambda b, h: (b, h, 0, 0)),  # queries
-            pl.BlockSpec((Tk, None, D), lambda b, h: (0, h, 0)),  # this step's keys of this head
-            pl.BlockSpec((Tk, None, D), lambda b, h: (0, h, 0)),  # and values
-            pl.BlockSpec((Tk,), lambda b, h: (0,)),  # their positions
-            pl.BlockSpec((num_pages, None, page_size, D), lambda b, h: (0, h, 0, 0)),  # K pages of this head
-            pl.BlockSpec((num_pages, None, page_size, D), lambda b, h: (0, h, 0, 0)),  # V pages of this head
-        ] + [pl.BlockSpec((num_pages, None, page_size), lambda b, h: (0, h, 0))] * len(scales),  # their scales
-        out_specs=pl.BlockSpec((None, None, R, D), lambda b, h: (b, h, 0, 0)),
-        out_shape=jax.ShapeDtypeStruct((NB, KVH, R, D), q.dtype),
+            pl.BlockSpec((1, 8), lambda b, h, *_: (b, 0)),  # block metadata
+            pl.BlockSpec((None, R), lambda b, h, *_: (b, 0)),  # query positions
+            pl.BlockSpec((None, Pt), lambda b, h, *_: (b, 0)),  # the row's page table
+            pl.BlockSpec((None, None, R, D), lambda b, h, *_: (b, h, 0, 0)),  # queries
+            pl.BlockSpec((Tk, None, D), lambda b, h, *_: (0, h, 0)),  # this step's keys of this head
+            pl.BlockSpec((Tk, None, D), lambda b, h, *_: (0, h, 0)),  # and values
+            pl.BlockSpec((Tk,), lambda b, h, *_: (0,)),  # their positions
+            pl.BlockSpec((num_pages, None, page_size, D), lambda b, h, *_: (0, h, 0, 0)),  # K pages of this head
+            pl.BlockSpec((num_pages, None, page_size, D), lambda b, h, *_: (0, h, 0, 0)),  # V pages of this head
+        ] + [pl.BlockSpec((num_pages, None, page_size), lambda b, h, *_: (0, h, 0))] * len(scales),  # their scales
+        out_specs=out_specs,
+        out_shape=out_shape,
         # Triton explicitly: JAX now lowers GPU Pallas to Mosaic GPU unless told otherwise.
         compiler_params=pltriton.CompilerParams(num_warps=num_warps or derived.num_warps,
                                                 num_stages=num_stages or derived.num_stages),
@@ -176,6 +211,8 @@ def ragged_attention_gpu(q, k, v, k_pages, v_pages, rows: RaggedRows, *, sliding
         name="ragged_attention",
     )(meta, pos_rows.astype(jnp.int32), table.astype(jnp.int32), q_rows, k_new, v_new, k_pos.astype(jnp.int32),
       k_values, v_values, *scales)
+    if splits > 1:
+        out = combine_splits(*out).astype(q.dtype)  # [NB, KVH, R, D]
 
     # Back to the flat tokens: token t of row r sits in slot first_block[r] + local // block_q, at local % block_q.
     out = out[:, :, :block_q * G].reshape(NB, KVH, block_q, G, D).transpose(0, 2, 1, 3, 4).reshape(NB * block_q, H, D)

@@ -18,7 +18,11 @@ The pages are head-major ([num_pages, KVH, page_size, D], `jaxserve.cache.kv_cac
 on TPU, so a head's [page_size, D] of a page is whole (8, 128) tiles and the kernel DMAs pages straight from the
 cache (in the token-major layout, or at head_dim 64 unpadded, XLA copied the whole cache into Mosaic's tiling
 around every call: 269 MB of temporaries per call at SmolLM2's shape, deviceless v5e). A program still fetches
-every KV head of a page at once: each page is read once per query block, what a per-head grid would read too.
+every KV head of a page at once: each page is read once per query block, what a per-head grid would read too. A
+per-KV-head DMA (`k_hbm.at[page, h]`) compiles in this layout (deviceless v5e, no temporaries) and would cut the
+page buffers KVH-fold, but VMEM does not bind (`tpu_blocks`: at most ~6 MiB of 128) while each copy would shrink
+KVH-fold (4 KB at 16 tokens x 128 lanes bf16), so whole pages stay.
+Block sizes and the VMEM limit: `tpu_blocks`, from the shapes and the chip's VMEM.
 """
 from __future__ import annotations
 
@@ -33,6 +37,7 @@ from jaxserve.batch import RaggedRows
 from jaxserve.pallas_kernels.query_blocks import num_slots, query_blocks, unblock
 from jaxserve.pallas_kernels.softmax import (MASKED, dequantize, pad_head_dim, scores, softmax_block, softmax_result,
                                              split_pages)
+from jaxserve.pallas_kernels.tpu_blocks import TPU_VMEM, tpu_blocks
 
 
 def _stream(lo, hi, start, wait, compute):
@@ -142,21 +147,28 @@ def _kernel(block_row_ref, first_block_ref, query_start_ref, cached_lens_ref, ta
     o_ref[...] = out.astype(o_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("sliding_window", "block_q", "pages_per_block", "interpret"))
+@functools.partial(jax.jit, static_argnames=("sliding_window", "block_q", "pages_per_block", "vmem", "interpret"))
 def ragged_attention_tpu(q, k, v, k_pages, v_pages, rows: RaggedRows, *, sliding_window=None, block_q=16,
-                         pages_per_block=8, interpret=False):
+                         pages_per_block=None, vmem=TPU_VMEM, interpret=False):
     """Arguments and result as `ragged_attention_reference`: q [T, H, D], k, v [T, KVH, D], pages
     [num_pages, KVH, page_size, D'] (or Int8Pages; D' >= D, stored padded to TPU's 128 lanes) -> [T, H, D];
     padding tokens give zeros.
 
-    block_q: new tokens of one row per program (its queries are block_q * H / KVH rows of the MXU matmuls).
-    pages_per_block: pages per DMA'd block of cached keys.
+    block_q: new tokens of one row per program (its queries are block_q * H / KVH rows of the MXU matmuls) in
+      steps with more tokens than rows; a decode-only step packs 8 / G (`tpu_blocks.decode_block_q`).
+    pages_per_block: pages per DMA'd block of cached keys; by default derived by `tpu_blocks` from the page's
+      bytes and `vmem` (bytes of VMEM a core: the chip's), which also sets the kernel's VMEM limit.
     """
     T, H, head_dim = q.shape
     _, KVH, page_size, D = k_pages.shape
     q, k, v = pad_head_dim(D, q, k, v)  # the queries and new keys as wide as the pages (zeros score nothing)
     G = H // KVH
     S, P = rows.page_table.shape
+    (k_values, k_scale), (v_values, v_scale) = split_pages(k_pages), split_pages(v_pages)
+    quantized = k_scale is not None
+    derived = tpu_blocks(T, S, P, G, KVH, D, page_size, q.dtype.itemsize, k_values.dtype.itemsize, quantized, vmem,
+                         block_q)
+    block_q, pages_per_block = derived.block_q, pages_per_block or derived.pages_per_block
     NB = num_slots(T, S, block_q)  # static bound on the query blocks of any ragged split of T tokens into S rows
 
     # Which row each block slot serves, and which of its tokens (see query_blocks).
@@ -174,8 +186,6 @@ def ragged_attention_tpu(q, k, v, k_pages, v_pages, rows: RaggedRows, *, sliding
     q_pos = jnp.repeat(q_pos, G, axis=1)[:, :, None]  # [NB, block_q * G, 1], one per sublane
 
     rows_g = block_q * G  # query rows of a block: its tokens x the query heads of one KV head
-    (k_values, k_scale), (v_values, v_scale) = split_pages(k_pages), split_pages(v_pages)
-    quantized = k_scale is not None
     pages = [k_values, v_values] + ([k_scale, v_scale] if quantized else [])
     scratch = [pltpu.VMEM((2, pages_per_block, KVH, page_size, D), k_values.dtype)] * 2
     if quantized:
@@ -201,7 +211,8 @@ def ragged_attention_tpu(q, k, v, k_pages, v_pages, rows: RaggedRows, *, sliding
         grid_spec=grid_spec,
         out_shape=jax.ShapeDtypeStruct((NB, KVH, rows_g, D), q.dtype),
         # Each program owns its buffers and waits for every DMA it starts: blocks can split across cores.
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",),
+                                             vmem_limit_bytes=derived.vmem_limit_bytes),
         interpret=interpret,
         name="ragged_attention_tpu",
     )(block_row, first_block.astype(jnp.int32), query_start, rows.cached_lens.astype(jnp.int32),

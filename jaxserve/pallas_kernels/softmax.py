@@ -69,3 +69,8 @@ def pad_head_dim(head_dim: int, *xs):
 def pow2(n: int, lo: int = 1) -> int:
     """The least power of two >= n and >= lo (Triton's blocks are powers of two)."""
     return max(lo, 1 << (max(n, 1) - 1).bit_length())
+
+
+def pow2_floor(n: int) -> int:
+    """The greatest power of two <= n (1 for n < 1)."""
+    return 1 << (max(n, 1).bit_length() - 1)
