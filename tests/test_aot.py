@@ -88,7 +88,8 @@ def test_the_default_model_preset_is_the_default_model(default_llm):
 # writes and the kernel alone; a 16 x 16 step is the ragged program a 64-token one is, smaller, and the attention
 # kernel's larger blocks are tests/test_pallas_kernels.py's), and 8192-token sequences, so the cache (8193 pages) is
 # serving-sized: XLA:TPU prefetches a cache small enough for VMEM (1025 pages: 12.6 MB a page array) into it whole,
-# which the audit would count as a copy. A case is (model, tensor-parallel size, quantization).
+# which the audit would count as a copy. A case is (model, tensor-parallel size, quantization): a new one, e.g.
+# ("llama-3-8b", 1, "int4"), is one more entry (compiled in its quantization's process, audited if its model is).
 CHIPS = ("v5e:2x4", "v6e:2x4", "h100:8", "h200:8")  # eight chips each: every size below
 ONE_KV_HEAD_PER_CHIP = {"smollm2-135m": 3, "llama-3-8b": 8, "qwen3-8b": 8, "gemma-3-1b": 4, "gemma-3-12b": 8}
 CASES = [(model, tp, None) for model, one in ONE_KV_HEAD_PER_CHIP.items() for tp in (1, one)]
@@ -195,8 +196,8 @@ def test_tensor_parallel_config_is_the_repeated_kv_heads_one():
 # (what it must move is each weight read once by its dot, the pages the kernel reads, the new K/V written in place),
 # for the default model, Llama 3 8B and Gemma 3 1B at TP 1 and at one KV head per chip (3, 8 and 4), on every chip,
 # from the cases' rows above.
-AUDITED = [(model, tp, chip) for model in ("smollm2-135m", "llama-3-8b", "gemma-3-1b")
-           for tp in (1, ONE_KV_HEAD_PER_CHIP[model]) for chip in CHIPS]
+AUDITED_MODELS = ("smollm2-135m", "llama-3-8b", "gemma-3-1b")
+AUDITED = [(*case, chip) for case in CASES if case[0] in AUDITED_MODELS for chip in CHIPS]
 
 
 def extra_traffic(rows, *, cache: bool) -> list[str]:
@@ -208,11 +209,11 @@ def extra_traffic(rows, *, cache: bool) -> list[str]:
 
 
 @needs_compilers
-@pytest.mark.parametrize("model, tp, chip", AUDITED)
-def test_no_program_copies_the_kv_cache(chip_rows, model, tp, chip):
+@pytest.mark.parametrize("model, tp, quantization, chip", AUDITED)
+def test_no_program_copies_the_kv_cache(chip_rows, model, tp, quantization, chip):
     """Every program reads the pages in place: the TPU kernel DMAs head-major pages of 128 lanes (before, SmolLM2's
     token-major [pages, 16, 3, 64] arrays were relaid out whole around every kernel call and cache write)."""
-    rows = case_rows(chip_rows(chip), model, tp)
+    rows = case_rows(chip_rows(chip), model, tp, quantization)
     assert rows and not any(r["error"] for r in rows)
     found = extra_traffic(rows, cache=True)
     assert not found, "\n".join(found)
@@ -230,15 +231,15 @@ GPU_ONE_TOKEN_STRENGTH_REDUCTION = pytest.mark.xfail(strict=True, reason=(
     "16-token and larger steps keep the weight in their GEMM fusion."))
 
 
-# The copies found so far, by case (model, tp, chip); a case not here must have none.
-WEIGHT_COPIES = {("smollm2-135m", 1, "v5e:2x4"): TPU_EMBEDDING_RELAYOUT,
-                 ("smollm2-135m", 1, "h100:8"): GPU_ONE_TOKEN_STRENGTH_REDUCTION,
-                 ("llama-3-8b", 1, "h100:8"): GPU_ONE_TOKEN_STRENGTH_REDUCTION}
+# The copies found so far, by audited case (model, tp, quantization, chip); a case not here must have none.
+WEIGHT_COPIES = {("smollm2-135m", 1, None, "v5e:2x4"): TPU_EMBEDDING_RELAYOUT,
+                 ("smollm2-135m", 1, None, "h100:8"): GPU_ONE_TOKEN_STRENGTH_REDUCTION,
+                 ("llama-3-8b", 1, None, "h100:8"): GPU_ONE_TOKEN_STRENGTH_REDUCTION}
 
 
 @needs_compilers
-@pytest.mark.parametrize("model, tp, chip", [pytest.param(*case, marks=WEIGHT_COPIES.get(case, ()))
-                                             for case in AUDITED])
-def test_no_program_copies_a_weight(chip_rows, model, tp, chip):
-    found = extra_traffic(case_rows(chip_rows(chip), model, tp), cache=False)
+@pytest.mark.parametrize("model, tp, quantization, chip", [
+    pytest.param(*case, marks=WEIGHT_COPIES.get(case, ())) for case in AUDITED])
+def test_no_program_copies_a_weight(chip_rows, model, tp, quantization, chip):
+    found = extra_traffic(case_rows(chip_rows(chip), model, tp, quantization), cache=False)
     assert not found, "\n".join(found)
