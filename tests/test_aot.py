@@ -142,8 +142,8 @@ def test_every_family_serving_steps_compile(chip_rows, chip):
 def test_tensor_parallel_steps_reduce_over_the_mesh(chip_rows, chip):
     """Over the mesh each step reduces its activations (an all-reduce per row-parallel layer and one for the
     vocab-split embedding) and a cache write is local."""
-    for model, tp, _ in CASES:
-        for r in case_rows(chip_rows(chip), model, tp):
+    for model, tp, quantization in CASES:
+        for r in case_rows(chip_rows(chip), model, tp, quantization):
             if tp > 1 and r["program"] == "step":
                 assert r["tensor_parallel_size"] == tp and r["collectives"]["all-reduce"] >= 2 * 2 + 1, (model, r)
             if tp > 1 and r["program"] == "cache write":
@@ -160,12 +160,12 @@ def test_tensor_parallel_collectives_are_the_expected_ones(chip_rows, chip):
     explicitly vocab-parallel.)"""
     from jaxserve.sampling_params import MAX_LOGPROBS
     rows = chip_rows(chip)
-    problems = [f"{r['model']}@{r['tp']} {r['program']} {r['shape']}: {p}" for r in rows
+    problems = [f"{r['model']}@{r['tp']} {r['quantization'] or ''} {r['program']} {r['shape']}: {p}" for r in rows
                 for p in r.get("collective_problems", [])]
     assert not problems, "\n".join(problems)
-    for model, tp, _ in CASES:
+    for model, tp, quantization in CASES:
         if tp > 1:
-            decode = next(r for r in case_rows(rows, model, tp)
+            decode = next(r for r in case_rows(rows, model, tp, quantization)
                           if r["program"] == "step" and r["shape"] == "16 tokens x 16 rows")
             # The largest: each device's top MAX_LOGPROBS of 16 rows, gathered for top_logprobs (not 16 x V logits).
             assert 0 < decode["largest_all_gather_bytes"] <= 16 * tp * MAX_LOGPROBS * 4, (model, tp)
