@@ -208,8 +208,17 @@ def extra_traffic(rows, *, cache: bool) -> list[str]:
             for r in rows for t in r["traffic"] if (t["of"] == "KV cache pages") == cache]
 
 
+# Measured 2026-12-02 (v5e:2x4, h100:8; v6e and h200 not yet run).
+TPU_CACHE_INTO_VMEM = pytest.mark.xfail(strict=True, reason=(
+    "v5e, SmolLM2 at TP 3: each device's page array (one KV head: bf16[8193, 1, 16, 128], 33.6 MB) fits VMEM, and "
+    "XLA:TPU moves it there whole (copy-start to S(1)) before the 16-token step's kernel: the whole cache read per "
+    "layer per step, not the pages the rows use"))
+CACHE_COPIES = {("smollm2-135m", 3, None, "v5e:2x4"): TPU_CACHE_INTO_VMEM}
+
+
 @needs_compilers
-@pytest.mark.parametrize("model, tp, quantization, chip", AUDITED)
+@pytest.mark.parametrize("model, tp, quantization, chip", [
+    pytest.param(*case, marks=CACHE_COPIES.get(case, ())) for case in AUDITED])
 def test_no_program_copies_the_kv_cache(chip_rows, model, tp, quantization, chip):
     """Every program reads the pages in place: the TPU kernel DMAs head-major pages of 128 lanes (before, SmolLM2's
     token-major [pages, 16, 3, 64] arrays were relaid out whole around every kernel call and cache write)."""
@@ -234,7 +243,14 @@ GPU_ONE_TOKEN_STRENGTH_REDUCTION = pytest.mark.xfail(strict=True, reason=(
 # The copies found so far, by audited case (model, tp, quantization, chip); a case not here must have none.
 WEIGHT_COPIES = {("smollm2-135m", 1, None, "v5e:2x4"): TPU_EMBEDDING_RELAYOUT,
                  ("smollm2-135m", 1, None, "h100:8"): GPU_ONE_TOKEN_STRENGTH_REDUCTION,
-                 ("llama-3-8b", 1, None, "h100:8"): GPU_ONE_TOKEN_STRENGTH_REDUCTION}
+                 ("llama-3-8b", 1, None, "h100:8"): GPU_ONE_TOKEN_STRENGTH_REDUCTION,
+                 # measured 2026-12-02 (the 16-token lines of the first two are activations of a weight's element
+                 # count: [4, 16, 576] and [16, 16, 1152] f32 gemm outputs, a false match of the audit's by size)
+                 ("smollm2-135m", 3, None, "h100:8"): GPU_ONE_TOKEN_STRENGTH_REDUCTION,
+                 ("gemma-3-1b", 1, None, "h100:8"): GPU_ONE_TOKEN_STRENGTH_REDUCTION,
+                 ("llama-3-8b", 8, None, "h100:8"): GPU_ONE_TOKEN_STRENGTH_REDUCTION,
+                 ("gemma-3-1b", 4, None, "h100:8"): GPU_ONE_TOKEN_STRENGTH_REDUCTION,
+                 ("smollm2-135m", 3, None, "v5e:2x4"): TPU_EMBEDDING_RELAYOUT}
 
 
 @needs_compilers
