@@ -71,8 +71,9 @@ CHIPS = {
 }
 TARGETS = ("v5e:2x2", "v6e:2x2", "h100", "h200")
 
-# Model shapes to compile without their weights: the default model's, Llama 3 8B's and Gemma 3 1B's (one KV head
-# of 256, five sliding-window layers to one global: HF's config of google/gemma-3-1b-it).
+# Model shapes to compile without their weights (HF's configs): the default model's (Llama, 3 KV heads of 64), Llama 3
+# 8B's (8 of 128), Qwen3 8B's (8 of 128, QK-norm), Gemma 3 1B's (one KV head of 256, five sliding-window layers to one
+# global) and Gemma 3 12B's (8 KV heads of 256; the text model of google/gemma-3-12b-it).
 MODEL_CONFIGS = {
     "smollm2-135m": ModelConfig("LlamaForCausalLM", vocab_size=49152, hidden_size=576, intermediate_size=1536,
                                 num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64, rope_theta=100000.0,
@@ -89,6 +90,17 @@ MODEL_CONFIGS = {
                               qk_norm=True, sandwich_norm=True, embedding_multiplier=1152 ** 0.5,
                               query_pre_attn_scalar=256,
                               layer_types=tuple(SLIDING if (i + 1) % 6 else FULL for i in range(26))),
+    "qwen3-8b": ModelConfig("Qwen3ForCausalLM", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+                            num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-6,
+                            rope_theta=1_000_000.0, max_position_embeddings=40960, qk_norm=True),
+    "gemma-3-12b": ModelConfig("Gemma3ForCausalLM", vocab_size=262208, hidden_size=3840, intermediate_size=15360,
+                               num_layers=48, num_heads=16, num_kv_heads=8, head_dim=256, rms_norm_eps=1e-6,
+                               rope_theta=1_000_000.0, rope_local_theta=10_000.0,
+                               rope_scaling={"rope_type": "linear", "factor": 8.0}, max_position_embeddings=131072,
+                               tie_word_embeddings=True, sliding_window=1024, hidden_activation="gelu_tanh",
+                               qk_norm=True, sandwich_norm=True, embedding_multiplier=3840 ** 0.5,
+                               query_pre_attn_scalar=256,
+                               layer_types=tuple(SLIDING if (i + 1) % 6 else FULL for i in range(48))),
 }
 
 
@@ -229,10 +241,10 @@ def compile_serving(config: ModelConfig, dtype, device, *, max_num_seqs: int, ma
     bucket but the one-token one.
 
     tensor_parallel_size > 1: `device` is a list of (at least that many) compile-only devices, of which the first
-    tp make the [data=1, model=tp] mesh; the steps compile as the engine runs them there (weights split as
-    `Steps.param_shardings` says, the cache over KV heads, the batch replicated; KV heads repeated as
-    `repeat_kv_heads` does when tp exceeds them: `params`, if given, must be of that config), each record with its
-    collectives. The attention kernel alone is compiled at one device's shapes (its heads), as shard_map runs it.
+    tp make the [data=1, model=tp] mesh (e.g. 3 of a v5e:2x4's 8 chips, all on its first host); the steps compile
+    as the engine runs them there (weights split as `Steps.param_shardings` says, the cache over KV heads, the
+    batch replicated; KV heads repeated as `repeat_kv_heads` does when tp exceeds them: `params`, if given, must
+    be of that config), each record with its collectives. The attention kernel alone is compiled at one device's shapes (its heads), as shard_map runs it.
     attention_backend: default the device's Pallas kernel (e.g. "reference" to compile for CPU devices)."""
     tp = tensor_parallel_size
     devices = list(device) if isinstance(device, (list, tuple)) else [device]
@@ -242,7 +254,7 @@ def compile_serving(config: ModelConfig, dtype, device, *, max_num_seqs: int, ma
     mesh = None
     if tp > 1:
         config = tensor_parallel_config(config, tp)
-        mesh = make_mesh(tp, 1, devices)
+        mesh = make_mesh(tp, 1, devices[:tp])
     steps = Steps(config, dtype, backend, k, mesh, kv_cache_dtype)
     params = abstract_params(config, dtype) if params is None else params
     lanes = page_head_dim_multiple(backend)

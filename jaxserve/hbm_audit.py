@@ -223,10 +223,16 @@ def audit(hlo_text: str, buffers: list[Buffer], threshold: int | None = None) ->
                         arguments[a.numel].append(name)
                         if a.dtype in _PACKED:  # two int4 values a byte: what it unpacks to
                             arguments[2 * a.numel].append(name + " (unpacked)")
+            read = {n for a in (a for o in i.operands if o in by_name for a in by_name[o].outputs)
+                    for n in ((a.numel, 2 * a.numel) if a.dtype in _PACKED else (a.numel,))}
             for out in i.outputs:
                 if out.bytes < threshold:
                     continue
                 buffer = of(out)
+                if buffer is not None and out.dims != buffer.dims and out.numel not in read:
+                    # of a weight's size but not its shape, from nothing of that size: a product of other arrays
+                    # (e.g. a GEMM's [16, 16, 256] output beside a [256, 256] weight), not a copy of one
+                    buffer = None
                 if buffer is None and i.op != "fusion":
                     buffer = of(source)  # part of a weight or page array, e.g. a slice of it
                 if buffer is None:

@@ -18,6 +18,8 @@ chips, "h100:8": eight GPUs), as a tensor-parallel engine runs them; sizes are t
 collectives (all-reduce, all-gather, reduce-scatter, all-to-all, collective-permute, async forms included) are
 listed and checked: an all-reduce per row-parallel layer (o_proj, down_proj) and one for the vocab-split embedding,
 and nothing vocab-sized gathered (sampling exchanges per-row values only) and no weight or cache array moved whole.
+`--model NAME@N` compiles that model at N instead, so one process (one compiler start) compiles several models at
+several sizes: `--model llama-3-8b --model llama-3-8b@8 --model smollm2-135m@3 --target v5e:2x4`.
 
 Every program's HBM audit (jaxserve.hbm_audit) is in the "extra MB" column and the "HBM:" lines under it: each
 instruction that writes a weight- or KV-cache-sized buffer the program did not have to (the cache relayouted for
@@ -57,20 +59,29 @@ def lanes_of(target: str) -> int:
     return page_head_dim_multiple("pallas-" + aot.chip_of(target).platform)
 
 
-def kv_pages(config, chip, weight_bytes, args, lanes: int = 1) -> int:
+def kv_pages(config, chip, weight_bytes, args, lanes: int = 1, tp: int = 1) -> int:
     """Pages from what the chip holds after the weights (90%, as LLM's default budget), within what the engine's
     sequences can use and never less than one max_model_len sequence (so the program still compiles and the table
     can say it does not fit). Tensor parallel: each chip holds 1/tp of the weights and of every page."""
-    tp = args.tensor_parallel_size
     per_page = bytes_per_page(config, 16, jnp.bfloat16, args.kv_cache_dtype, lanes) // tp
     per_seq = pages_needed(args.max_model_len, 16)
     budget = int(chip.hbm_bytes * 0.9) - weight_bytes // tp
     return max(per_seq + 1, min(budget // per_page, args.max_num_seqs * per_seq + 1))
 
 
+def model_case(spec: str) -> tuple[str, int | None]:
+    """"llama-3-8b" or "llama-3-8b@8" -> (name, tensor-parallel size or None: --tensor-parallel-size's)."""
+    name, _, tp = spec.partition("@")
+    if name not in aot.MODEL_CONFIGS or (tp and not tp.isdigit()):
+        raise argparse.ArgumentTypeError(f"{spec!r}: a model of {', '.join(aot.MODEL_CONFIGS)}, optionally @TP")
+    return name, int(tp) if tp else None
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", action="append", choices=list(aot.MODEL_CONFIGS), help="repeatable")
+    p.add_argument("--model", action="append", type=model_case,
+                   help=f"repeatable; one of {', '.join(aot.MODEL_CONFIGS)}, or NAME@TP for that model at tensor "
+                        "parallel size TP (instead of --tensor-parallel-size): one process compiles several")
     p.add_argument("--target", action="append", help=f"repeatable; e.g. {', '.join(aot.TARGETS)}")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
@@ -91,9 +102,9 @@ def main() -> None:
                         "steps read them as such or widen them to bf16 copies first (the HBM audit says)")
     p.add_argument("--out", default=None, help="write the rows as JSON here")
     args = p.parse_args()
-    tp = args.tensor_parallel_size
     rows = []
-    for name in args.model or ["smollm2-135m"]:
+    for name, tp in args.model or [("smollm2-135m", None)]:
+        tp = tp or args.tensor_parallel_size
         config = aot.MODEL_CONFIGS[name]
         if args.num_layers:
             config = aot.with_layers(config, args.num_layers)
@@ -108,7 +119,7 @@ def main() -> None:
                 raise SystemExit(f"--tensor-parallel-size {tp} needs {tp} devices; {target} has {len(devices)}")
             device = devices[0]
             lanes = lanes_of(target)
-            num_pages = kv_pages(config, chip, weight_bytes, args, lanes)
+            num_pages = kv_pages(config, chip, weight_bytes, args, lanes, tp)
             kv_per_token = bytes_per_page(config, 16, jnp.bfloat16, args.kv_cache_dtype, lanes) / 16
             start = time.perf_counter()
             results = aot.compile_serving(config, jnp.bfloat16, devices if tp > 1 else device,
@@ -127,8 +138,8 @@ def main() -> None:
             print(f"  {'program':<16} {'shape':<24} {'result':<9} {'peak GB':>8} {'temp MB':>8} {'fits':>5} "
                   f"{'GFLOP':>8} {'GB read':>8} {'roofline tok/s':>15} {'extra MB':>9}")
             for r in results:
-                row = {"model": name, "target": target, "num_layers": config.num_layers, "num_pages": num_pages,
-                       "weight_bytes": weight_bytes,
+                row = {"model": name, "tp": tp, "target": target, "num_layers": config.num_layers,
+                       "num_pages": num_pages, "weight_bytes": weight_bytes,
                        **dataclasses.asdict(r), "peak_bytes": r.peak_bytes, "fits": r.peak_bytes <= chip.hbm_bytes}
                 rate = ""
                 tokens, _, _, batch, _ = r.shape.split()  # "64 tokens x 64 rows"
@@ -164,7 +175,8 @@ def main() -> None:
     failed = [r for r in rows if r["error"] or r.get("collective_problems")]
     unexpected = sum(bool(r.get("collective_problems")) for r in rows)
     print(f"\n{sum(not r['error'] for r in rows)} of {len(rows)} programs compiled"
-          + (f"; {unexpected} with unexpected collectives" if tp > 1 else "")
+          + (f"; {unexpected} with unexpected collectives" if any(r["tensor_parallel_size"] > 1 for r in rows)
+             else "")
           + f"; {sum(bool(r['traffic']) for r in rows)} with extra HBM traffic (weight- or cache-sized copies)")
     raise SystemExit(1 if failed else 0)
 

@@ -81,6 +81,16 @@ def test_copies_transposes_converts_and_weight_sized_fusions_are_listed():
     # (the int8 weight widened inside the dot's fusion, %fused_dot, is what should happen: not listed)
 
 
+def test_an_activation_of_a_weights_size_but_not_its_shape_is_not_listed():
+    """A GEMM's output with as many elements as a weight ([8, 256] beside the [64, 32] one), made from smaller
+    arrays: no weight was copied (the audit matches reshaped copies by size, so it must also read that size)."""
+    hlo = program("""  %dot.5 = bf16[8,256]{1,0} dot(%x, %x), lhs_contracting_dims={0}, rhs_contracting_dims={0}
+  %copy.5 = bf16[32,64]{1,0} copy(%w)
+  ROOT %r = bf16[4,32]{1,0} fusion(%x, %q8), kind=kOutput, calls=%fused_dot
+""", FUSED_DOT)
+    assert [(t.instruction, t.of) for t in audit(hlo, BUFFERS)] == [("copy.5", "layers_0/q_proj/kernel")]
+
+
 def test_the_kernel_in_place_updates_views_and_vmem_prefetches_are_not_listed():
     hlo = program("""  %bitcast.1 = bf16[128,8]{1,0} bitcast(%k)
   %wt = bf16[64,32]{1,0:T(8,128)(2,1)} parameter(4)
