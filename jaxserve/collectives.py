@@ -139,11 +139,12 @@ def collective_problems(compiled, config: ModelConfig, params, num_pages: int, p
     per_row = max(tokens, scored) * tp * MAX_LOGPROBS
     problems = []
     # (one collective may reduce several arrays: a combined all-reduce counts once per activation array in it)
+    # (a one-token step's row-parallel products on GPU are of two rows, the second zero: jaxserve.quant.matmul)
+    activations = {numel["activations"], (2 if tokens == 1 else 1) * numel["activations"]}
     reductions = most_in_one_run(
-        [c for c in census if c.kind == "all-reduce" for _, dims in c.arrays
-         if math.prod(dims) == numel["activations"]]
+        [c for c in census if c.kind == "all-reduce" for _, dims in c.arrays if math.prod(dims) in activations]
         + [c for c in census if c.kind == "reduce-scatter" for _, dims in c.arrays[-1:]
-           if math.prod(dims) * tp == numel["activations"]])
+           if math.prod(dims) * tp in activations])
     if reductions != 2 * config.num_layers + 1:
         problems.append(f"{reductions} reductions of the [{tokens}, {config.hidden_size}] activations, expected "
                         f"{2 * config.num_layers + 1} (2 per layer + the embedding)")
@@ -162,7 +163,7 @@ def collective_problems(compiled, config: ModelConfig, params, num_pages: int, p
             size = math.prod(array[1])
             if array[1] in by_shape or size in whole:
                 problems.append(f"{c.kind} of a whole {by_shape.get(array[1]) or whole[size]}: {c}")
-            elif size > per_row and size != numel["activations"]:
+            elif size > per_row and size not in activations:
                 what = "the logits" if size == numel["logits"] else f"{per_row} per-row values"
                 problems.append(f"{c.kind} bigger than {what}: {c}")
     return problems
