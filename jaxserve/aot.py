@@ -244,7 +244,8 @@ def compile_serving(config: ModelConfig, dtype, device, *, max_num_seqs: int, ma
     tp make the [data=1, model=tp] mesh (e.g. 3 of a v5e:2x4's 8 chips, all on its first host); the steps compile
     as the engine runs them there (weights split as `Steps.param_shardings` says, the cache over KV heads, the
     batch replicated; KV heads repeated as `repeat_kv_heads` does when tp exceeds them: `params`, if given, must
-    be of that config), each record with its collectives. The attention kernel alone is compiled at one device's shapes (its heads), as shard_map runs it.
+    be of that config), each record with its collectives. The attention kernel alone is compiled at one device's
+    shapes (its heads), as shard_map runs it.
     attention_backend: default the device's Pallas kernel (e.g. "reference" to compile for CPU devices)."""
     tp = tensor_parallel_size
     devices = list(device) if isinstance(device, (list, tuple)) else [device]

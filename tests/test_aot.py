@@ -210,12 +210,13 @@ def extra_traffic(rows, *, cache: bool) -> list[str]:
             for r in rows for t in r["traffic"] if (t["of"] == "KV cache pages") == cache]
 
 
-# Measured 2026-12-02 (v5e:2x4, h100:8).
+# Measured 2026-12-02 (v5e:2x4, v6e:2x4, h100:8, h200:8).
 TPU_CACHE_INTO_VMEM = pytest.mark.xfail(strict=True, reason=(
-    "v5e, SmolLM2 at TP 3: each device's page array (one KV head: bf16[8193, 1, 16, 128], 33.6 MB) fits VMEM, and "
-    "XLA:TPU moves it there whole (copy-start to S(1)) before the 16-token step's kernel: the whole cache read per "
-    "layer per step, not the pages the rows use"))
-CACHE_COPIES = {("smollm2-135m", 3, None, "v5e:2x4"): TPU_CACHE_INTO_VMEM}
+    "v5e and v6e, SmolLM2 at TP 3: each device's page array (one KV head: bf16[8193, 1, 16, 128], 33.6 MB) fits "
+    "VMEM, and XLA:TPU moves it there whole (copy-start to S(1)) before the 16-token step's kernel (on v6e the "
+    "1-token step's too): the whole cache read per layer per step, not the pages the rows use"))
+CACHE_COPIES = {("smollm2-135m", 3, None, "v5e:2x4"): TPU_CACHE_INTO_VMEM,
+                ("smollm2-135m", 3, None, "v6e:2x4"): TPU_CACHE_INTO_VMEM}  # v6e: the 1-token step's too
 
 
 @needs_compilers
@@ -231,8 +232,9 @@ def test_no_program_copies_the_kv_cache(chip_rows, model, tp, quantization, chip
 
 
 TPU_EMBEDDING_RELAYOUT = pytest.mark.xfail(strict=True, reason=(
-    "v5e, SmolLM2: the TPU's default layout of the [49152, 576] embedding table is column-major ({0,1}: 49152 "
-    "divides by 128 lanes, 576 does not), and the multi-token steps' row gather relayouts the whole table "
+    "v5e and v6e, SmolLM2 (and its [16384, 576] shard at TP 3): the TPU's default layout of the [49152, 576] "
+    "embedding table is column-major ({0,1}: 49152 divides by 128 lanes, 576 does not), and the multi-token steps' "
+    "row gather relayouts the whole table "
     "(56.6 MB) to row-major first, every step; the 1-token step reads its row with a dynamic-slice. (Llama 3 8B's "
     "[128256, 4096] table is row-major: not copied.) Tried, compiled, the same relayout: a fori_loop of per-token "
     "dynamic slices, slices unrolled, vmapped slices, a gather from the transposed view. Left: store the table "
@@ -240,8 +242,8 @@ TPU_EMBEDDING_RELAYOUT = pytest.mark.xfail(strict=True, reason=(
 
 
 # The copies found so far, by audited case (model, tp, quantization, chip); a case not here must have none.
-WEIGHT_COPIES = {("smollm2-135m", 1, None, "v5e:2x4"): TPU_EMBEDDING_RELAYOUT,
-                 ("smollm2-135m", 3, None, "v5e:2x4"): TPU_EMBEDDING_RELAYOUT}
+WEIGHT_COPIES = {("smollm2-135m", tp, None, chip): TPU_EMBEDDING_RELAYOUT
+                 for tp in (1, 3) for chip in ("v5e:2x4", "v6e:2x4")}
 
 
 @needs_compilers
