@@ -115,7 +115,7 @@ def matmul(x, w, *, kernels: bool = True):
 
     On TPU and GPU an int4 weight goes through the Pallas int4 matmul, which unpacks a block at a time in VMEM or
     registers: left to XLA, `x @ dequantize(w)` writes a float copy of the whole weight to HBM first, every step
-    (BENCHMARKS.md, issue 24). int8 and float weights stay with XLA, which keeps int8 as s8 into its dot on both;
+    (BENCHMARKS.md, issue 24); above KERNEL_MAX_ROWS rows (prefill) XLA's path. int8 and float weights stay with XLA, which keeps int8 as s8 into its dot on both;
     on GPU a one-row product gets a second, zero row (`_gpu_matmul`). CPU compiles to XLA's program alone.
     kernels=False: the weight is split over a tensor-parallel mesh, which a Pallas call cannot take (the
     partitioner would gather it whole onto every device), so int4 takes XLA's path there.
@@ -144,16 +144,23 @@ def _int4_kernel(kernel, x, w: Int4Weight):
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
-def _takes_kernel(w, kernels: bool) -> bool:
-    return kernels and isinstance(w, Int4Weight) and w.group_size >= 32  # the kernels' smallest group
+# Rows up to which int4 goes through the kernels: decode steps, memory-bound. Their grids re-read (and unpack) each
+# weight block once per block of rows (64 on GPU, 256 on TPU), so a long prefill chunk, compute-bound, does better
+# with XLA's one dequantized copy and a full GEMM.
+KERNEL_MAX_ROWS = 256
+
+
+def _takes_kernel(x, w, kernels: bool) -> bool:
+    return (kernels and isinstance(w, Int4Weight) and w.group_size >= 32  # the kernels' smallest group
+            and x.size // x.shape[-1] <= KERNEL_MAX_ROWS)
 
 
 def _tpu_matmul(kernels, x, w):
-    return _int4_kernel(int4_matmul_tpu, x, w) if _takes_kernel(w, kernels) else _xla_matmul(x, w)
+    return _int4_kernel(int4_matmul_tpu, x, w) if _takes_kernel(x, w, kernels) else _xla_matmul(x, w)
 
 
 def _gpu_matmul(kernels, x, w):
-    if _takes_kernel(w, kernels):
+    if _takes_kernel(x, w, kernels):
         return _int4_kernel(int4_matmul, x, w)
     if x.size != x.shape[-1]:
         return _xla_matmul(x, w)

@@ -72,7 +72,7 @@ def kv_pages(config, chip, weight_bytes, args, lanes: int = 1, tp: int = 1) -> i
 def model_case(spec: str) -> tuple[str, int | None]:
     """"llama-3-8b" or "llama-3-8b@8" -> (name, tensor-parallel size or None: --tensor-parallel-size's)."""
     name, _, tp = spec.partition("@")
-    if name not in aot.MODEL_CONFIGS or (tp and not tp.isdigit()):
+    if name not in aot.MODEL_CONFIGS or (tp and (not tp.isdigit() or int(tp) == 0)):
         raise argparse.ArgumentTypeError(f"{spec!r}: a model of {', '.join(aot.MODEL_CONFIGS)}, optionally @TP")
     return name, int(tp) if tp else None
 
@@ -138,7 +138,7 @@ def main() -> None:
             print(f"  {'program':<16} {'shape':<24} {'result':<9} {'peak GB':>8} {'temp MB':>8} {'fits':>5} "
                   f"{'GFLOP':>8} {'GB read':>8} {'roofline tok/s':>15} {'extra MB':>9}")
             for r in results:
-                row = {"model": name, "tp": tp, "target": target, "num_layers": config.num_layers,
+                row = {"model": name, "tp": tp, "quantization": args.quantization, "target": target, "num_layers": config.num_layers,
                        "num_pages": num_pages, "weight_bytes": weight_bytes,
                        **dataclasses.asdict(r), "peak_bytes": r.peak_bytes, "fits": r.peak_bytes <= chip.hbm_bytes}
                 rate = ""

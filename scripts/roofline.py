@@ -27,19 +27,10 @@ import jax.numpy as jnp
 from jaxserve import aot
 from jaxserve.cache import bytes_per_page
 from jaxserve.collectives import Collective
-from jaxserve.config import ModelConfig
 from jaxserve.pallas_kernels import page_head_dim_multiple
 from jaxserve.weights.params import param_bytes
 
 CASES = [("llama-3-8b", None), ("llama-3-8b", "int8"), ("gemma-3-1b", None), ("smollm2-135m", None)]
-
-# Peer models that are not presets of aot.MODEL_CONFIGS (HF config.json of Qwen/Qwen3-8B).
-PEER_CONFIGS = {
-    "qwen3-8b": ModelConfig("Qwen3ForCausalLM", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
-                            num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-6,
-                            rope_theta=1_000_000.0, max_position_embeddings=40960, qk_norm=True),
-}
-
 
 @dataclasses.dataclass(frozen=True)
 class Peer:
@@ -55,6 +46,7 @@ class Peer:
     context: int
     tokens_per_s: float
     source: str
+    kv_cache_dtype: str = "auto"
 
 
 PEERS = [
@@ -71,31 +63,29 @@ PEERS = [
     # Llama 3 8B, TP 8 on v5e-8, ShareGPT prompts in a 2048-token cache (context taken as 1k), output throughput.
     Peer("JetStream-PyTorch", "llama-3-8b", None, "v5e", 8, 128, 1024, 8249,
          "github.com/AI-Hypercomputer/jetstream-pytorch benchmarks (2024-04-24)"),
-    Peer("JetStream-PyTorch", "llama-3-8b", "int8", "v5e", 8, 256, 1024, 10873, "same table, int8 weights and KV"),
+    Peer("JetStream-PyTorch", "llama-3-8b", "int8", "v5e", 8, 256, 1024, 10873, "same table, int8 weights and KV",
+         "int8"),
 ]
 
 
-def kv_bytes_per_row(config, context: int, lanes: int) -> float:
+def kv_bytes_per_row(config, context: int, lanes: int, kv_cache_dtype: str = "auto") -> float:
     """KV bytes one decode row reads at this context: every layer's pages up to its window."""
-    per_token_layer = bytes_per_page(config, 16, jnp.bfloat16, "auto", lanes) / 16 / config.num_layers
+    per_token_layer = bytes_per_page(config, 16, jnp.bfloat16, kv_cache_dtype, lanes) / 16 / config.num_layers
     read = sum(min(context, config.layer_window(i) or context) for i in range(config.num_layers))
     return per_token_layer * read
 
 
-def audit_extra(audit_rows, model, chip, rows) -> float:
+def audit_extra(audit_rows, model, quantization, chip, rows) -> float:
     """The audit's extra bytes of that model's decode step of `rows` rows on a chip: a layer's findings scaled from
     the compiled layers to the model's, the rest (the embedding, the cache) once."""
     for r in audit_rows:
         if (r["model"] == model and r["target"].split(":")[0] == chip and r["program"] == "step"
-                and r["shape"] == f"{rows} tokens x {rows} rows"):
+                and r["shape"] == f"{rows} tokens x {rows} rows" and r.get("tp", 1) == 1
+                and r.get("quantization") == quantization):
             scale = aot.MODEL_CONFIGS[model].num_layers / r["num_layers"]
             return sum(Collective.array_bytes((t["array"]["dtype"], t["array"]["dims"]))
                        * (scale if t["of"].startswith("layers_") else 1) for t in r.get("traffic", []))
     return 0.0
-
-
-def model_config(model: str) -> ModelConfig:
-    return aot.MODEL_CONFIGS.get(model) or PEER_CONFIGS[model]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,19 +98,19 @@ class Ceiling:
 @functools.lru_cache(maxsize=None)
 def model_bytes(model: str, quantization: str | None) -> tuple[float, float]:
     """(bytes of the weights as stored, the number of weights)."""
-    config = model_config(model)
+    config = aot.MODEL_CONFIGS[model]
     return (param_bytes(aot.abstract_params(config, jnp.bfloat16, quantization)),
             param_bytes(aot.abstract_params(config, jnp.bfloat16)) / 2)
 
 
 def ceiling(model: str, quantization: str | None, chip: str, rows: int, context: int, *, chips: int = 1,
-            extra_bytes: float = 0.0) -> Ceiling:
+            extra_bytes: float = 0.0, kv_cache_dtype: str = "auto") -> Ceiling:
     """The decode rate a step of `rows` rows at `context` tokens cannot beat on `chips` chips of tensor
     parallelism: each chip reads its share of the weights and of the KV pages (collectives counted free)."""
-    config, spec = model_config(model), aot.CHIPS[chip]
+    config, spec = aot.MODEL_CONFIGS[model], aot.CHIPS[chip]
     weights, params = model_bytes(model, quantization)
     lanes = page_head_dim_multiple("pallas-" + spec.platform)
-    moved = (weights + rows * kv_bytes_per_row(config, context, lanes)) / chips + extra_bytes
+    moved = (weights + rows * kv_bytes_per_row(config, context, lanes, kv_cache_dtype)) / chips + extra_bytes
     memory, compute = moved / spec.hbm_bandwidth, 2 * params * rows / chips / spec.peak_flops
     return Ceiling(rows / max(memory, compute), moved, "memory" if memory >= compute else "compute")
 
@@ -136,7 +126,7 @@ def print_ceilings(args, audit_rows) -> list[dict]:
             for rows in args.rows:
                 for context in args.context:
                     c = ceiling(model, quantization, chip, rows, context,
-                                extra_bytes=audit_extra(audit_rows, model, chip, rows))
+                                extra_bytes=audit_extra(audit_rows, model, quantization, chip, rows))
                     cells.append(c.tokens_per_s)
                     table.append(dict(model=name, chip=chip, rows=rows, context=context, bytes=c.bytes,
                                       tokens_per_s=c.tokens_per_s, bound=c.bound))
@@ -148,7 +138,8 @@ def print_peers() -> list[dict]:
     print(f"\n{'peer':<18} {'model':<16} {'chips':<6} {'rows':>4} {'ctx':>5} {'tok/s':>7} {'ceiling':>8} {'share':>6}")
     out = []
     for p in PEERS:
-        c = ceiling(p.model, p.quantization, p.chip, p.rows, p.context, chips=p.chips)
+        c = ceiling(p.model, p.quantization, p.chip, p.rows, p.context, chips=p.chips,
+                    kv_cache_dtype=p.kv_cache_dtype)
         name = p.model + (f" {p.quantization}" if p.quantization else "")
         print(f"{p.engine:<18} {name:<16} {f'{p.chip}-{p.chips}':<6} {p.rows:4d} {p.context:5d} "
               f"{p.tokens_per_s:7.0f} {c.tokens_per_s:8.0f} {p.tokens_per_s / c.tokens_per_s:6.0%}")

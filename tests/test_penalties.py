@@ -308,11 +308,12 @@ def test_bad_words_of_several_tokens_are_banned_where_they_would_complete(tok_ll
         single = next(ch for ch in "bcdefghi" if letters(tok, ch)[0] not in plain[:9])
         params = dict(allowed_token_ids=allowed, bad_words=[tok.decode(plain[3:5]), tok.decode(plain[6:9]), single])
         want = reference_greedy(hf_tiny, prompt, 12, **as_reference(tok, params))
-        if want is not None:
+        # the first word banned as it would complete, not earlier (its tokens may also stand earlier in a
+        # continuation that repeats a letter: [66, 68, 68, 68] bans "dd" from position 1)
+        if want is not None and want[:4] == plain[:4] and want[4] != plain[4]:
             break
     else:
-        raise AssertionError(f"seed {seed}: no prompt without near-ties found")
-    assert want[:4] == plain[:4] and want[4] != plain[4]  # the first word is banned as it would complete
+        raise AssertionError(f"seed {seed}: no prompt without near-ties whose first word completes at 4 found")
     out = tok_llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
                                                                         **params), use_tqdm=False)
     assert out[0].outputs[0].token_ids == want, f"seed {seed}: {params}"

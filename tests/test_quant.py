@@ -12,8 +12,8 @@ from jaxserve.awq import CALIBRATION_TEXT, quantize_awq, search_input_scale
 from jaxserve.cache import Int8Pages, bytes_per_page, init_kv_cache
 from jaxserve.cache.kv_cache import read_pages, write_pages
 from jaxserve.perplexity import next_token_logits, perplexity
-from jaxserve.quant import (Int4Weight, Int8Rows, Int8Weight, embed, matmul, quantize_int4, quantize_int8,
-                            quantize_params, quantize_rows_int8)
+from jaxserve.quant import (KERNEL_MAX_ROWS, Int4Weight, Int8Rows, Int8Weight, embed, matmul, quantize_int4,
+                            quantize_int8, quantize_params, quantize_rows_int8)
 from jaxserve.quantize import quantize_model
 from jaxserve.weights import load_model
 from jaxserve.weights.params import param_bytes
@@ -75,6 +75,7 @@ def test_matmul_reads_int4_through_the_pallas_kernel_on_tpu_and_gpu(monkeypatch,
     x = sds((3, 576), jnp.bfloat16)
     assert ("custom_call" in lowered(matmul, x, w)) == (platform != "cpu")
     assert "custom_call" not in lowered(lambda x, w: matmul(x, w, kernels=False), x, w)
+    assert "custom_call" not in lowered(matmul, sds((KERNEL_MAX_ROWS + 1, 576), jnp.bfloat16), w)  # prefill: XLA
     one_row = lowered(matmul, sds((1, 576), jnp.bfloat16), sds((576, 192), jnp.bfloat16))
     assert ("tensor<2x576xbf16>" in one_row) == (platform == "cuda")
 

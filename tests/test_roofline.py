@@ -22,5 +22,6 @@ def test_tensor_parallelism_splits_the_bytes_and_multiplies_the_ceiling():
 
 def test_every_peer_is_below_its_own_ceiling():
     for p in roofline.PEERS:
-        c = roofline.ceiling(p.model, p.quantization, p.chip, p.rows, p.context, chips=p.chips)
+        c = roofline.ceiling(p.model, p.quantization, p.chip, p.rows, p.context, chips=p.chips,
+                             kv_cache_dtype=p.kv_cache_dtype)
         assert 0.05 < p.tokens_per_s / c.tokens_per_s < 1, p

@@ -13,7 +13,7 @@ from jaxserve.pallas_kernels.ragged_attention import ragged_attention_gpu
 # Block sizes per backend, in one place. gpu: 16 tokens per program in prefill and mixed steps (16 / G in
 # decode-only ones), the rest derived per shape from the chip's shared memory (H100 / H200) by
 # `gpu_blocks.gpu_blocks`, and rows' cached keys split over programs until the grid fills the chip's SMs
-# (`gpu_blocks.key_splits`); tpu: 16 tokens per program in prefill and mixed steps (8 / G in decode-only ones),
+# (`gpu_blocks.key_splits`); tpu: 16 tokens per program in prefill and mixed steps (8 / gcd(G, 8) in decode-only ones),
 # pages per key block and the VMEM limit derived per shape from the chip's VMEM by `tpu_blocks.tpu_blocks` (the
 # chip's own capacity where Mosaic knows the target: `_tpu_vmem`). The interpret sizes are small so that CPU tests, on
 # small shapes, still cross query, key and page blocks, and split a few-row decode step's keys.

@@ -155,7 +155,7 @@ def ragged_attention_tpu(q, k, v, k_pages, v_pages, rows: RaggedRows, *, sliding
     padding tokens give zeros.
 
     block_q: new tokens of one row per program (its queries are block_q * H / KVH rows of the MXU matmuls) in
-      steps with more tokens than rows; a decode-only step packs 8 / G (`tpu_blocks.decode_block_q`).
+      steps with more tokens than rows; a decode-only step packs 8 / gcd(G, 8) (`tpu_blocks.decode_block_q`).
     pages_per_block: pages per DMA'd block of cached keys; by default derived by `tpu_blocks` from the page's
       bytes and `vmem` (bytes of VMEM a core: the chip's), which also sets the kernel's VMEM limit.
     """
@@ -167,8 +167,8 @@ def ragged_attention_tpu(q, k, v, k_pages, v_pages, rows: RaggedRows, *, sliding
     (k_values, k_scale), (v_values, v_scale) = split_pages(k_pages), split_pages(v_pages)
     quantized = k_scale is not None
     derived = tpu_blocks(T, S, P, G, KVH, D, page_size, q.dtype.itemsize, k_values.dtype.itemsize, quantized, vmem,
-                         block_q)
-    block_q, pages_per_block = derived.block_q, pages_per_block or derived.pages_per_block
+                         block_q, pages_per_block)
+    block_q, pages_per_block = derived.block_q, derived.pages_per_block
     NB = num_slots(T, S, block_q)  # static bound on the query blocks of any ragged split of T tokens into S rows
 
     # Which row each block slot serves, and which of its tokens (see query_blocks).

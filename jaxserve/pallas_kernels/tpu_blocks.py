@@ -35,6 +35,7 @@ TPU_VMEM = 128 << 20  # v5e and v6e, per core: what serving derives from when no
 BLOCK_BYTES = 1 << 20  # K and V bytes a key block moves at the least when it can
 MAX_PAGES_PER_BLOCK = 16
 VMEM_HEADROOM = 4  # the limit asked for: the modelled sum times this (the compiler's figure was up to 3.8x it)
+DEFAULT_SCOPED_VMEM = 32 << 20  # never ask for less than the largest chip's default (v6e's; v5e's is 16 MiB)
 
 
 class TpuBlocks(NamedTuple):
@@ -73,21 +74,25 @@ def decode_block_q(group: int) -> int:
 
 def tpu_blocks(num_tokens: int, num_rows: int, pages_per_row: int, group: int, kv_heads: int, head_dim: int,
                page_size: int, q_bytes: int, kv_bytes: int, quantized: bool, vmem: int = TPU_VMEM,
-               block_q: int = 16) -> TpuBlocks:
-    """Block sizes for one step shape: block_q (`decode_block_q` in decode-only steps), then the fewest pages a
-    block that move BLOCK_BYTES of K and V, at most MAX_PAGES_PER_BLOCK and the row's pages; halved (pages first,
-    then block_q) until the limit asked fits in half the chip's VMEM."""
+               block_q: int = 16, pages_per_block: int | None = None) -> TpuBlocks:
+    """Block sizes for one step shape: block_q (`decode_block_q` in decode-only steps), then (unless given) the
+    fewest pages a block that move BLOCK_BYTES of K and V, at most MAX_PAGES_PER_BLOCK and the row's pages; halved
+    (pages first, then block_q while its query rows stay whole sublane tiles) until the limit asked fits in half
+    the chip's VMEM; the limit is for the blocks returned."""
     if num_tokens <= num_rows:
         block_q = decode_block_q(group)
     page_bytes = 2 * kv_heads * page_size * head_dim * kv_bytes  # K and V of one page
-    pages = min(pow2(-(-BLOCK_BYTES // page_bytes)), MAX_PAGES_PER_BLOCK, pow2_floor(pages_per_row))
+    pages = pages_per_block or min(pow2(-(-BLOCK_BYTES // page_bytes)), MAX_PAGES_PER_BLOCK,
+                                   pow2_floor(pages_per_row))
 
     def need(block_q, pages):
         return vmem_bytes(block_q, pages, group, kv_heads, head_dim, page_size, q_bytes, kv_bytes, quantized)
-    while need(block_q, pages) * VMEM_HEADROOM > vmem // 2 and (pages > 1 or block_q > 1):
-        if pages > 1:
+    while need(block_q, pages) * VMEM_HEADROOM > vmem // 2:
+        if pages > 1 and pages_per_block is None:
             pages //= 2
-        else:
+        elif block_q % 2 == 0 and (block_q // 2 * group) % 8 == 0:
             block_q //= 2
-    limit = min(vmem, max(need(block_q, pages) * VMEM_HEADROOM, 16 << 20))  # never below any chip's default
+        else:
+            break
+    limit = min(vmem, max(need(block_q, pages) * VMEM_HEADROOM, DEFAULT_SCOPED_VMEM))
     return TpuBlocks(block_q, pages, limit)
