@@ -115,8 +115,9 @@ def matmul(x, w, *, kernels: bool = True):
 
     On TPU and GPU an int4 weight goes through the Pallas int4 matmul, which unpacks a block at a time in VMEM or
     registers: left to XLA, `x @ dequantize(w)` writes a float copy of the whole weight to HBM first, every step
-    (BENCHMARKS.md, issue 24); above KERNEL_MAX_ROWS rows (prefill) XLA's path. int8 and float weights stay with XLA, which keeps int8 as s8 into its dot on both;
-    on GPU a one-row product gets a second, zero row (`_gpu_matmul`). CPU compiles to XLA's program alone.
+    (BENCHMARKS.md, issue 24); above KERNEL_MAX_ROWS rows (prefill) XLA's path. int8 and float weights stay with
+    XLA, which keeps int8 as s8 into its dot on both; on GPU a one-row product gets a second, zero row
+    (`_gpu_matmul`). CPU compiles to XLA's program alone.
     kernels=False: the weight is split over a tensor-parallel mesh, which a Pallas call cannot take (the
     partitioner would gather it whole onto every device), so int4 takes XLA's path there.
     """

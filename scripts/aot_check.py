@@ -138,8 +138,8 @@ def main() -> None:
             print(f"  {'program':<16} {'shape':<24} {'result':<9} {'peak GB':>8} {'temp MB':>8} {'fits':>5} "
                   f"{'GFLOP':>8} {'GB read':>8} {'roofline tok/s':>15} {'extra MB':>9}")
             for r in results:
-                row = {"model": name, "tp": tp, "quantization": args.quantization, "target": target, "num_layers": config.num_layers,
-                       "num_pages": num_pages, "weight_bytes": weight_bytes,
+                row = {"model": name, "tp": tp, "quantization": args.quantization, "target": target,
+                       "num_layers": config.num_layers, "num_pages": num_pages, "weight_bytes": weight_bytes,
                        **dataclasses.asdict(r), "peak_bytes": r.peak_bytes, "fits": r.peak_bytes <= chip.hbm_bytes}
                 rate = ""
                 tokens, _, _, batch, _ = r.shape.split()  # "64 tokens x 64 rows"
