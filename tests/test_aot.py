@@ -214,7 +214,10 @@ def extra_traffic(rows, *, cache: bool) -> list[str]:
 TPU_CACHE_INTO_VMEM = pytest.mark.xfail(strict=True, reason=(
     "v5e and v6e, SmolLM2 at TP 3: each device's page array (one KV head: bf16[8193, 1, 16, 128], 33.6 MB) fits "
     "VMEM, and XLA:TPU moves it there whole (copy-start to S(1)) before the 16-token step's kernel (on v6e the "
-    "1-token step's too): the whole cache read per layer per step, not the pages the rows use"))
+    "1-token step's too): the whole cache read per layer per step, not the pages the rows use. An artifact of this "
+    "test's cache, small per device at TP 3: with 32769 pages (134 MB a device, more than VMEM) the pages are read "
+    "in place (aot_check.py --target v5e:2x4 --model smollm2-135m@3 --max-model-len 32768, 2026-12-02); what is "
+    "left is a deployment whose whole cache fits VMEM, where moving it costs at most a few microseconds a layer"))
 CACHE_COPIES = {("smollm2-135m", 3, None, "v5e:2x4"): TPU_CACHE_INTO_VMEM,
                 ("smollm2-135m", 3, None, "v6e:2x4"): TPU_CACHE_INTO_VMEM}  # v6e: the 1-token step's too
 
