@@ -86,9 +86,10 @@ def test_the_default_model_preset_is_the_default_model(default_llm):
 # once. Two of each model's layers (every layer compiles to the same program; Gemma keeps a global one), a
 # 16-sequence engine of 16-token steps (--only-extremes: the 1-token step and the 16 x 16 one, with their cache
 # writes and the kernel alone; a 16 x 16 step is the ragged program a 64-token one is, smaller, and the attention
-# kernel's larger blocks are tests/test_pallas_kernels.py's), and 8192-token sequences, so the cache (8193 pages) is
-# serving-sized: XLA:TPU prefetches a cache small enough for VMEM (1025 pages: 12.6 MB a page array) into it whole,
-# which the audit would count as a copy. A case is (model, tensor-parallel size, quantization): a new one, e.g.
+# kernel's larger blocks are tests/test_pallas_kernels.py's), and 32768-token sequences, so each device's cache
+# (32769 pages: 134 MB a page array for SmolLM2's one KV head a chip at TP 3) is serving-sized, larger than VMEM:
+# XLA:TPU prefetches a page array small enough for VMEM into it whole (8193 pages at TP 3, 33.6 MB; 1025 pages at
+# TP 1), which the audit would count as a copy. A case is (model, tensor-parallel size, quantization): a new one, e.g.
 # ("llama-3-8b", 1, "int4"), is one more entry (compiled in its quantization's process, audited if its model is).
 # One TPU and one GPU generation in CI (each chip's process costs 6-8 minutes of this machine's CPU); v6e:2x4 and
 # h200:8 compile the same cases by hand: JAXSERVE_AOT_CHIPS="v6e:2x4 h200:8" python -m pytest tests/test_aot.py
@@ -111,7 +112,7 @@ def chip_rows(tmp_path_factory):
                 rows[chip] += [{**r, "quantization": quantization} for r in aot_check(
                     tmp_path_factory.mktemp("chip"), *models, "--target", chip, "--num-layers", "2",
                     "--only-extremes", "--max-num-seqs", "16", "--max-num-batched-tokens", "16",
-                    "--max-model-len", "8192", *(("--quantization", quantization) if quantization else ()),
+                    "--max-model-len", "32768", *(("--quantization", quantization) if quantization else ()),
                     allow_collective_problems=True)]
         return rows[chip]
     return get
@@ -210,21 +211,8 @@ def extra_traffic(rows, *, cache: bool) -> list[str]:
             for r in rows for t in r["traffic"] if (t["of"] == "KV cache pages") == cache]
 
 
-# Measured 2026-12-02 (v5e:2x4, v6e:2x4, h100:8, h200:8).
-TPU_CACHE_INTO_VMEM = pytest.mark.xfail(strict=True, reason=(
-    "v5e and v6e, SmolLM2 at TP 3: each device's page array (one KV head: bf16[8193, 1, 16, 128], 33.6 MB) fits "
-    "VMEM, and XLA:TPU moves it there whole (copy-start to S(1)) before the 16-token step's kernel (on v6e the "
-    "1-token step's too): the whole cache read per layer per step, not the pages the rows use. An artifact of this "
-    "test's cache, small per device at TP 3: with 32769 pages (134 MB a device, more than VMEM) the pages are read "
-    "in place (aot_check.py --target v5e:2x4 --model smollm2-135m@3 --max-model-len 32768, 2026-12-02); what is "
-    "left is a deployment whose whole cache fits VMEM, where moving it costs at most a few microseconds a layer"))
-CACHE_COPIES = {("smollm2-135m", 3, None, "v5e:2x4"): TPU_CACHE_INTO_VMEM,
-                ("smollm2-135m", 3, None, "v6e:2x4"): TPU_CACHE_INTO_VMEM}  # v6e: the 1-token step's too
-
-
 @needs_compilers
-@pytest.mark.parametrize("model, tp, quantization, chip", [
-    pytest.param(*case, marks=CACHE_COPIES.get(case, ())) for case in AUDITED])
+@pytest.mark.parametrize("model, tp, quantization, chip", AUDITED)
 def test_no_program_copies_the_kv_cache(chip_rows, model, tp, quantization, chip):
     """Every program reads the pages in place: the TPU kernel DMAs head-major pages of 128 lanes (before, SmolLM2's
     token-major [pages, 16, 3, 64] arrays were relaid out whole around every kernel call and cache write)."""
