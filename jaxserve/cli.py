@@ -96,7 +96,7 @@ def _lead(llm, command, grace_s: float = 30.0) -> None:
     process ends on its own if the run has not ended when process 0's drain (grace_s) and shutdown should be over."""
     import signal
 
-    from jaxserve.multihost import HEARTBEAT_TIMEOUT_S, exit_now
+    from jaxserve.multihost import HEARTBEAT_TIMEOUT_S, exit_now, take_held_sigterm
     processes = llm.processes
     if processes.is_follower:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C reaches every process: process 0 decides
@@ -113,6 +113,8 @@ def _lead(llm, command, grace_s: float = 30.0) -> None:
             timer.daemon = True
             timer.start()
         signal.signal(signal.SIGTERM, stop)
+        if take_held_sigterm():  # it came while the model loaded
+            stop()
         try:
             llm.follow()
         except BaseException as e:  # noqa: BLE001 - whatever it is, the leader must not wait for this process
@@ -125,7 +127,8 @@ def _lead(llm, command, grace_s: float = 30.0) -> None:
         signal.signal(signal.SIGTERM, signal.default_int_handler)  # generate / chat: as Ctrl-C; serve sets its own
         processes.watch_stop_requests(lambda: os.kill(os.getpid(), signal.SIGTERM))
     try:
-        command(llm)
+        if not take_held_sigterm():  # one that came while the model loaded ends the run before it starts
+            command(llm)
     finally:
         llm.shutdown()
 

@@ -567,6 +567,20 @@ def test_sigterm_to_a_follower_ends_the_run_cleanly(tp_dir):
             p.kill()
 
 
+def test_a_sigterm_while_the_model_loads_is_held_for_the_run():
+    """Between jax.distributed.initialize (whose preemption notifier would swallow SIGTERM) and the run's own
+    handler, a SIGTERM is remembered, once: the CLI then stops the run it would have missed."""
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        multihost.process.hold_sigterm()
+        assert not multihost.take_held_sigterm()
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert multihost.take_held_sigterm()
+        assert not multihost.take_held_sigterm()  # taken
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
 def test_generate_over_processes_prints_only_the_answer(tp_dir, tmp_path):
     """Over several processes gloo writes to file descriptor 1 from C++; stdout must still carry the answer alone
     (what one process prints), the library's lines going to stderr."""

@@ -4,8 +4,9 @@ Every process runs the same step programs on the same global batch, each computi
 Process 0 (the leader) owns the scheduler, the tokenizer and the HTTP server; it publishes each step's batch, and
 the others (followers) run what it published, in order. One module a concept:
 
-- `process`: starting the processes (`initialize`), the secret they share (`shared_secret`), `is_leader`, and
-  failures bounded by the coordination service's heartbeats (`exit_now`);
+- `process`: starting the processes (`initialize`, which holds an early SIGTERM for `take_held_sigterm`), the
+  secret they share (`shared_secret`), `is_leader`, and failures bounded by the coordination service's heartbeats
+  (`exit_now`);
 - `messages`: what the leader sends (`StepMessage`, `EndMessage`, `ErrorMessage`, `AbortMessage`,
   `ShutdownMessage`);
 - `wire`: a message as authenticated bytes, data only, never code (`encode`, `decode`, `MessageRefused`);
@@ -21,9 +22,11 @@ from jaxserve.multihost.leader_follower import LeaderFollower
 from jaxserve.multihost.messages import (AbortMessage, EndMessage, ErrorMessage, Message, ShutdownMessage,
                                          StepMessage)
 from jaxserve.multihost.process import (HEARTBEAT_TIMEOUT_S, MIN_SECRET_BYTES, SECRET_ENV, SHUTDOWN_TIMEOUT_S,
-                                        exit_now, initialize, is_leader, shared_secret)
+                                        exit_now, initialize, is_leader, shared_secret,
+                                        take_held_sigterm)
 from jaxserve.multihost.wire import MessageRefused, decode, encode
 
 __all__ = ["AbortMessage", "EndMessage", "ErrorMessage", "HEARTBEAT_TIMEOUT_S", "LeaderFollower", "MIN_SECRET_BYTES",
            "Message", "MessageRefused", "SECRET_ENV", "SHUTDOWN_TIMEOUT_S", "ShutdownMessage", "StepChannel",
-           "StepMessage", "ack_every", "decode", "encode", "exit_now", "initialize", "is_leader", "shared_secret"]
+           "StepMessage", "ack_every", "decode", "encode", "exit_now", "initialize", "is_leader", "shared_secret",
+           "take_held_sigterm"]

@@ -15,7 +15,9 @@ from __future__ import annotations
 import ipaddress
 import logging
 import os
+import signal
 import sys
+import threading
 from pathlib import Path
 
 import jax
@@ -31,6 +33,8 @@ MIN_SECRET_BYTES = 16
 
 # Whether the coordination service may be reachable from other hosts: JAX's own default binds every interface.
 _exposed = True
+# A SIGTERM that came between initialize() and the run's own handler (see hold_sigterm).
+_held_sigterm = threading.Event()
 
 
 def initialize(coordinator_address: str, num_processes: int | None, process_id: int | None,
@@ -52,8 +56,25 @@ def initialize(coordinator_address: str, num_processes: int | None, process_id: 
         _exposed = not (_is_loopback(coordinator_address) and _is_loopback(bind_address))
     jax.distributed.initialize(**args, heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_S,
                                shutdown_timeout_seconds=SHUTDOWN_TIMEOUT_S)
+    hold_sigterm()
     logger.info("process %d of %d: %d local devices, %d in all", jax.process_index(), jax.process_count(),
                 jax.local_device_count(), jax.device_count())
+
+
+def hold_sigterm() -> None:
+    """From here until the run installs its own SIGTERM handler, a SIGTERM is remembered (`take_held_sigterm`)
+    rather than swallowed by the preemption notifier jax.distributed.initialize installs: an orchestrator's SIGTERM
+    that lands while the model loads still ends the run. Only the main thread can set a handler; elsewhere JAX's
+    stays."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, lambda *_: _held_sigterm.set())
+
+
+def take_held_sigterm() -> bool:
+    """Whether a SIGTERM came since hold_sigterm(); forgets it."""
+    held = _held_sigterm.is_set()
+    _held_sigterm.clear()
+    return held
 
 
 def _warn_if_unreachable(bind_address: str, num_processes: int | None) -> None:
