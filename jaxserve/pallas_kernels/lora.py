@@ -5,21 +5,28 @@
     row t = (x[t] @ a[slot[t]]) @ b[slot[t]], exactly 0 where slot[t] < 0.
 
 Two halves, each a kernel: the shrink h = x @ A[slot] ([T, R] float32, tiny) and the expand h @ B[slot]. Tokens stay
-in their step's order (no sort: permuting x and the output would move 2 (in + out) bytes a token more, at Llama 3 8B's
-up projection about twice what the kernels themselves must move). Instead the tokens go in blocks, and a block walks
+in their step's order (no sort: permuting x and the output would move them twice more, 38 MB at a 512-token step of
+Llama 3 8B's up projection against the 24 MB that step must move; XLA's sort + `ragged_dot` compiles to far more:
+scripts/aot_lora.py). Instead the tokens go in blocks, and a block walks
 the slots its tokens use (`slot_plan`, computed on device from `slot`: each block's distinct slots, ascending, and how
 many), adding each slot's product under the mask of its tokens. A block therefore reads each adapter it uses once:
 with a decode step in one block (T <= the block size) every used adapter is read once a step, however its rows mix
 them; a prefill chunk's tokens are contiguous runs of one slot, so its blocks use one or two slots each. The compute
 is the block's rows times the slots it uses (a masked product per slot), not times all N slots as a one-hot einsum's.
 
-TPU: the slots are a grid axis of N steps after the token block (scalar-prefetched plan: step s of block i reads
-A[plan[i, s]] / B[plan[i, s]]; steps past the block's count repeat the last slot, so Pallas' pipeline fetches nothing
-and the step is skipped). The shrink's grid is (token block, K block of `in`, slot), its [T, R] float32 output
-resident in VMEM across K and slots; the expand's (token block, N block of `out`, slot) with a float32 accumulator.
+TPU: the slots are the grid's last axis, as many steps as the busiest block has slots (a run-time grid bound; the
+plan scalar-prefetched: step s of block i reads A[plan[i, s]] / B[plan[i, s]]; a block's steps past its count
+repeat its last slot, so Pallas' pipeline fetches nothing and the step is skipped). The shrink's grid is (token
+block, K block of `in`, slot), its [T, R] float32 output resident in VMEM across K and slots; the expand's (token
+block, N block of `out`, slot) with a float32 accumulator. A is read as [N, R, in] through a transpose that costs
+nothing: XLA stores a [N, in, R] argument with `in` minor on TPU (a rank of 16 would fill 16 of 128 lanes), and a
+kernel taking A as it is got the whole of A relaid out into VMEM before it, every call (deviceless v5e, HBM audit).
 GPU: Triton programs cannot share an output across grid steps, so each program (token block, K split or N block)
 loops over its block's slots (`fori_loop` to the count) and loads the slot's weights by index. Triton's dot wants
-each dimension >= 16: ranks below 16 are zero-padded (a copy of A and B a call: set max_lora_rank >= 16 on GPU).
+each dimension >= 16: ranks below 16 are zero-padded (a copy of A and B a call: set max_lora_rank >= 16 on GPU),
+and a T that is not a multiple of the block pads x (a copy; serving's token buckets are). Blocks are 64 tokens (a
+program's float32 accumulator in registers), so a longer step reads a slot once per block that uses it; 8 slots of
+Llama 3 8B's up projection are 4.7 MB, which the H100's 50 MB L2 keeps for the blocks after the first.
 """
 from __future__ import annotations
 
@@ -100,7 +107,7 @@ def _tpu_expand_kernel(plan_ref, counts_ref, slot_ref, h_ref, b_ref, o_ref, acc_
         h = jnp.where(mine, h_ref[...], 0.0).astype(b_ref.dtype)  # bf16 B: the MXU's native product
         acc_ref[...] += _dot(h, b_ref[...], precision)
 
-    @pl.when(s == num_slots - 1)
+    @pl.when(s == pl.num_programs(2) - 1)
     def _finish():
         o_ref[...] = acc_ref[...].astype(o_ref.dtype)
 
@@ -119,6 +126,9 @@ def lora_delta_tpu(x, a, b, slot, *, block_t=TPU_BLOCK_T, block_k=2048, block_n=
     plan, counts = slot_plan(slot, bt, N)
     slots = jnp.pad(slot.astype(jnp.int32), (0, blocks * bt - T), constant_values=-1)[:, None]  # [T', 1]
     params = pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary", "arbitrary"))
+    # The slot axis runs as many steps as the busiest block has slots (a run-time grid bound): a decode step with
+    # one adapter is one step a K or N block, not N; at least one, so that every output block is written.
+    steps = jnp.maximum(counts.max(), 1)
 
     def weights(i, k, s, plan, counts):
         return plan[i * N + s]
@@ -126,7 +136,7 @@ def lora_delta_tpu(x, a, b, slot, *, block_t=TPU_BLOCK_T, block_k=2048, block_n=
     h = pl.pallas_call(
         functools.partial(_tpu_shrink_kernel, num_slots=N, precision=_precision(x.dtype)),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=2, grid=(blocks, d_in // bk, N),
+            num_scalar_prefetch=2, grid=(blocks, d_in // bk, steps),
             in_specs=[pl.BlockSpec((bt, 1), lambda i, k, s, *_: (i, 0)),
                       pl.BlockSpec((bt, bk), lambda i, k, s, *_: (i, k)),  # the last block may overhang T
                       pl.BlockSpec((None, R, bk), lambda i, k, s, *p: (weights(i, k, s, *p), 0, k))],
@@ -137,7 +147,7 @@ def lora_delta_tpu(x, a, b, slot, *, block_t=TPU_BLOCK_T, block_k=2048, block_n=
     return pl.pallas_call(
         functools.partial(_tpu_expand_kernel, num_slots=N, precision=_precision(b.dtype)),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=2, grid=(blocks, d_out // bn, N),
+            num_scalar_prefetch=2, grid=(blocks, d_out // bn, steps),
             in_specs=[pl.BlockSpec((bt, 1), lambda i, j, s, *_: (i, 0)),
                       pl.BlockSpec((bt, R), lambda i, j, s, *_: (i, 0)),
                       pl.BlockSpec((None, R, bn), lambda i, j, s, *p: (weights(i, j, s, *p), 0, j))],
