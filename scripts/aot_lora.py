@@ -55,9 +55,9 @@ def ragged(x, a, b, slot):
     return jnp.zeros_like(out).at[order].set(out).astype(x.dtype)
 
 
-def kernel_bytes(slot, d_in, d_out, rank, itemsize, block_t) -> int:
+def kernel_bytes(slot, num_slots, d_in, d_out, rank, itemsize, block_t) -> int:
     """The kernels' HBM bytes for these slots (module docstring)."""
-    T, reads = len(slot), int(slot_plan(jnp.asarray(slot), block_t, 8)[1].sum())
+    T, reads = len(slot), int(slot_plan(jnp.asarray(slot), block_t, num_slots)[1].sum())
     return T * (d_in + d_out) * itemsize + reads * rank * (d_in + d_out) * itemsize + 2 * T * rank * 4
 
 
@@ -85,7 +85,7 @@ def main():
             for name, fn in (("pallas", None), ("one-hot", one_hot), ("gather", gather), ("ragged", ragged)):
                 if fn is None:
                     c = aot.compile_lora_kernel(device, T, d_in, d_out, N, R)
-                    mine = f"{kernel_bytes(slot, d_in, d_out, R, 2, block_t) / 1e6:9.1f}"
+                    mine = f"{kernel_bytes(slot, N, d_in, d_out, R, 2, block_t) / 1e6:9.1f}"
                 else:
                     c = aot.compile_program("lora " + name, "", fn, shapes, device,
                                             roles=(None, "weights", "weights", None))

@@ -75,7 +75,7 @@ def test_matches_the_reference(target, T, d_in, d_out, N, R, slots, dtype):
 def test_default_blocks_match_the_reference(kernel):
     """The block sizes serving runs (TPU 256 tokens a block, GPU 64): 300 tokens, the last block partial."""
     rng, seed = fresh_rng()
-    T, d_in, d_out, N, R = 300, 256, 256, 4, 16
+    T, d_in, d_out, N, R = 300, 128, 128, 4, 16
     x = jnp.asarray(rng.standard_normal((T, d_in)), jnp.bfloat16)
     a = jnp.asarray(rng.standard_normal((N, d_in, R)) / d_in ** 0.5, jnp.bfloat16)
     b = jnp.asarray(rng.standard_normal((N, R, d_out)), jnp.bfloat16)
