@@ -321,3 +321,17 @@ def _compile_kernel(config, dtype, device, backend, pages, tokens, rows, pages_p
     return compile_program("ragged attention", f"{tokens} tokens x {rows} rows", run,
                            (sds((tokens, H, D), dtype), new, new, pages, pages, ragged), device,
                            roles=(None, None, None, "cache", "cache"))
+
+
+def compile_lora_kernel(device, tokens: int, d_in: int, d_out: int, num_slots: int, rank: int,
+                        dtype=jnp.bfloat16) -> Compiled:
+    """The multi-LoRA kernels (`jaxserve.pallas_kernels.lora`, the device's platform's) alone, for one projection:
+    x [tokens, d_in], A [num_slots, d_in, rank], B [num_slots, rank, d_out], one slot a token. The HBM audit looks
+    for copies of A and B (a relayout of A would be one: `lora_delta_tpu` reads it through a free transpose)."""
+    from jaxserve.pallas_kernels.lora import lora_delta_gpu, lora_delta_tpu
+    kernel = lora_delta_tpu if device.platform == "tpu" else lora_delta_gpu
+    sds = jax.ShapeDtypeStruct
+    args = (sds((tokens, d_in), dtype), sds((num_slots, d_in, rank), dtype), sds((num_slots, rank, d_out), dtype),
+            sds((tokens,), jnp.int32))
+    return compile_program("lora", f"{tokens} tokens, {d_in} -> {d_out}, {num_slots} slots of rank {rank}",
+                           kernel, args, device, roles=(None, "weights", "weights", None))

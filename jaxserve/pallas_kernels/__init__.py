@@ -2,11 +2,13 @@
 `ragged_attention_tpu`), both with the arguments and result of their plain-jnp oracle, `ragged_attention_reference`
 (`reference`). `jaxserve.attention.attention` reaches them through `ragged_kernel_for`, by the resolved backend; on
 CPU they run in Pallas interpret mode (tests). Also weight-only int4 matmuls that dequantize in the kernel (GPU
-and TPU; `quantized_matmul`, run by `jaxserve.quant.matmul`).
+and TPU; `quantized_matmul`, run by `jaxserve.quant.matmul`), and the multi-LoRA term (`lora`: `lora_delta_gpu`,
+`lora_delta_tpu`, with `reference.lora_delta_reference`'s arguments and result).
 """
 import functools
 
 from jaxserve.pallas_kernels.gpu_blocks import HOPPER_CORES, HOPPER_SHARED_MEMORY
+from jaxserve.pallas_kernels.lora import lora_delta_gpu, lora_delta_tpu
 from jaxserve.pallas_kernels.quantized_matmul import int4_matmul, int4_matmul_tpu
 from jaxserve.pallas_kernels.ragged_attention import ragged_attention_gpu
 
@@ -65,4 +67,4 @@ def _tpu_vmem() -> dict:
 
 
 __all__ = ["ragged_attention_gpu", "BLOCK_SIZES", "PAGE_HEAD_DIM_MULTIPLE", "page_head_dim_multiple",
-           "ragged_kernel_for", "int4_matmul", "int4_matmul_tpu"]
+           "ragged_kernel_for", "int4_matmul", "int4_matmul_tpu", "lora_delta_gpu", "lora_delta_tpu"]

@@ -49,3 +49,17 @@ def ragged_attention_reference(q, k, v, k_pages, v_pages, rows: RaggedRows, *, s
     l = p.sum(axis=-1, keepdims=True)
     out = jnp.einsum("tkgl,tlkd->tkgd", p / jnp.where(l > 0, l, 1.0), values)
     return out.reshape(T, H, D).astype(q.dtype)
+
+
+def lora_delta_reference(x, a, b, slot):
+    """The multi-LoRA term, directly: each token's adapter gathered whole, float32 throughout.
+
+    x [T, in]; a [N, in, R]; b [N, R, out] (scaling folded in); slot [T] int32 (-1: no adapter)
+    returns [T, out] in x's dtype: row t = (x[t] @ a[slot[t]]) @ b[slot[t]], exactly 0 where slot[t] < 0
+    """
+    mine = slot >= 0
+    index = jnp.where(mine, slot, 0)
+    f32 = jnp.float32
+    h = jnp.einsum("ti,tir->tr", x.astype(f32), a[index].astype(f32), precision="highest")  # [T, R]
+    out = jnp.einsum("tr,tro->to", h, b[index].astype(f32), precision="highest")  # [T, out]
+    return jnp.where(mine[:, None], out, 0.0).astype(x.dtype)
