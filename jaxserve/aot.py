@@ -29,6 +29,7 @@ from jaxserve.cache import init_kv_cache, pages_needed
 from jaxserve.collectives import collective_census
 from jaxserve.config import FULL, SLIDING, ModelConfig
 from jaxserve.distributed import check_tensor_parallel, make_mesh, replicated
+from jaxserve.layouts import param_formats
 from jaxserve.model.decoder import declared_params
 from jaxserve.pallas_kernels import page_head_dim_multiple, ragged_kernel_for
 from jaxserve.quant import quantize_params
@@ -169,14 +170,15 @@ def compile_program(program: str, shape: str, fn, args, device, *, mesh=None, ar
                     roles=()) -> Compiled:
     """Lowers and compiles fn(*args) (a pytree of ShapeDtypeStructs) for `device`; a compiler error is recorded.
     mesh: compile for a tensor-parallel mesh instead, each arg placed on its sharding in arg_shardings (a tree of
-    NamedShardings matching args). roles: per arg, "weights", "cache" or None: the HBM audit looks for copies of
-    the first two's arrays (as each device holds them)."""
+    NamedShardings (or `Format`s of a layout and a sharding) matching args; without a mesh, arg_shardings may give
+    args' `Format`s on `device`, None for an arg on its default layout. roles: per arg, "weights", "cache" or None:
+    the HBM audit looks for copies of the first two's arrays (as each device holds them)."""
     if mesh is None:
         mesh = jax.sharding.Mesh(np.array([device]), ("model",))
-        placed = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
-            x.shape, x.dtype, sharding=jax.sharding.SingleDeviceSharding(device)), args)
-    else:
-        placed = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), args, arg_shardings)
+        single = jax.sharding.SingleDeviceSharding(device)
+        arg_shardings = tuple(jax.tree.map(lambda _: single, a) if s is None else s
+                              for a, s in zip(args, arg_shardings or (None,) * len(args)))
+    placed = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), args, arg_shardings)
     tp = mesh.shape.get("model", 1) if mesh.devices.size > 1 else 1
     start = time.perf_counter()
     try:
@@ -256,7 +258,7 @@ def compile_serving(config: ModelConfig, dtype, device, *, max_num_seqs: int, ma
     if tp > 1:
         config = tensor_parallel_config(config, tp)
         mesh = make_mesh(tp, 1, devices[:tp])
-    steps = Steps(config, dtype, backend, k, mesh, kv_cache_dtype)
+    steps = Steps(config, dtype, backend, k, mesh, kv_cache_dtype, device.platform)
     params = abstract_params(config, dtype) if params is None else params
     lanes = page_head_dim_multiple(backend)
     kv = jax.eval_shape(lambda: init_kv_cache(config, num_pages, page_size, dtype, kv_cache_dtype, lanes))
@@ -268,7 +270,7 @@ def compile_serving(config: ModelConfig, dtype, device, *, max_num_seqs: int, ma
         shapes = sorted(set(shapes[:1] + decode + shapes[-1:]))
     if mesh is None:
         def compile_(program, shape, fn, args, arg_shardings, roles):
-            return compile_program(program, shape, fn, args, device, roles=roles)
+            return compile_program(program, shape, fn, args, device, arg_shardings=arg_shardings, roles=roles)
     else:
         rep = replicated(mesh)
 
@@ -278,8 +280,10 @@ def compile_serving(config: ModelConfig, dtype, device, *, max_num_seqs: int, ma
                                   for a, s in zip(args, arg_shardings))
             return compile_program(program, shape, fn, args, device, mesh=mesh, arg_shardings=arg_shardings,
                                    roles=roles)
-    step_shardings = (None, None, None, None) if mesh is None else \
-        (steps.param_shardings(params), steps.cache_sharding, None, None)
+    # The params as the runner places them (the embedding table row-major: jaxserve.layouts).
+    where = (jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(device), params) if mesh is None
+             else steps.param_shardings(params))
+    step_shardings = (param_formats(params, where), None if mesh is None else steps.cache_sharding, None, None)
     write_shardings = (None, None, None) if mesh is None else (steps.cache_sharding, steps.new_kv_sharding, None)
     results = []
     for tokens, rows in shapes:

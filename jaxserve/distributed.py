@@ -122,8 +122,9 @@ def shardings(mesh: Mesh, specs):
 
 
 def place(tree, sharding_tree):
-    """Puts every leaf on its sharding from the host: each device is handed only its slice, so no device of the
-    group ever holds the whole array (and each process only copies what its own devices hold)."""
+    """Puts every leaf on its sharding (or `Format`: a layout and a sharding, `jaxserve.layouts`) from the host: each
+    device is handed only its slice, so no device of the group ever holds the whole array (and each process only
+    copies what its own devices hold)."""
     def put(x, s):
         x = np.asarray(x)  # a loader's array on its default device comes through the host (once, at load)
         return jax.make_array_from_callback(x.shape, s, lambda index: x[index])

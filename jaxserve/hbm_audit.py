@@ -9,7 +9,8 @@ copied into the layout a kernel wants, an int8 weight widened to a bf16 temporar
 inside fused computations never touch HBM (only a fusion's operands and output do), so only unfused computations
 (the entry, loop bodies, conditional branches) are read. TPU's on-chip memory (layout memory space S(1), VMEM) is
 not HBM: a weight prefetched into it is the dot's own read, not an extra one, and what moves within it moves no HBM
-bytes; but the whole cache moved into it is read whole (the kernel reads only the pages its rows use).
+bytes; but the whole cache, or the whole embedding table, moved into it is read whole (the kernel reads only the
+pages its rows use, the lookup only its tokens' rows).
 
 An in-place update (dynamic-update-slice, scatter, or a fusion rooted in one) is never listed itself: XLA updates
 its operand's buffer, and when that cannot be the argument's (donation lost, a layout changed) it inserts a `copy`
@@ -25,6 +26,7 @@ import re
 import jax
 
 from jaxserve.collectives import _DTYPE_BYTES, COLLECTIVES
+from jaxserve.layouts import ROW_TABLES
 
 # "name = TYPE opcode(operands), attributes"; TYPE may be a tuple (with TPU layouts, memory spaces in it).
 _INSTRUCTION = re.compile(r"^\s*(?P<root>ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<type>.*?)\s(?P<op>[a-z][\w\-]*)\("
@@ -85,6 +87,7 @@ class Buffer:
     dims: tuple  # per device
     bytes: int
     is_cache: bool = False
+    is_table: bool = False  # an embedding table: read a row at a time (by a lookup), not whole (by a dot)
 
     @property
     def numel(self) -> int:
@@ -243,12 +246,14 @@ def audit(hlo_text: str, buffers: list[Buffer], threshold: int | None = None) ->
                 elif kind == "fusion" and root is not None and root.op != "tuple":
                     kind = f"fusion ({root.op})"
                 # TPU VMEM: from VMEM, no HBM traffic; from HBM, a weight moved as it is is its dot's own read, but
-                # the cache moved whole is not (the kernel reads only the pages its rows use), nor is a relayout.
+                # the cache or an embedding table moved whole is not (the kernel reads only the pages its rows use,
+                # the lookup its tokens' rows), nor is a relayout.
                 if out.memory_space == ON_CHIP_MEMORY_SPACE and (
                         source is None or source.memory_space == ON_CHIP_MEMORY_SPACE
-                        or (kind != "relayout" and not buffer.is_cache)):
+                        or (kind != "relayout" and not (buffer.is_cache or buffer.is_table))):
                     continue
-                if kind == "copy" and source.memory_space != out.memory_space and not buffer.is_cache:
+                if (kind == "copy" and source.memory_space == ON_CHIP_MEMORY_SPACE != out.memory_space
+                        and not buffer.is_cache):
                     continue  # a weight out of VMEM into HBM as it was: written back, not a second copy
                 name = buffer.name
                 if arguments[out.numel] and not buffer.is_cache:
@@ -269,7 +274,8 @@ def buffers(tree, *, cache: bool = False) -> list[Buffer]:
             continue
         shape = x.sharding.shard_shape(x.shape) if getattr(x, "sharding", None) is not None else x.shape
         name = "KV cache pages" if cache else "/".join(k for k in keys if k != "params")
-        found.append(Buffer(name, tuple(shape), int(math.prod(shape) * x.dtype.itemsize), cache))
+        found.append(Buffer(name, tuple(shape), int(math.prod(shape) * x.dtype.itemsize), cache,
+                            not cache and any(k in ROW_TABLES for k in keys)))
         if last == "packed":
             unpacked = (2 * shape[0], *shape[1:])
             found.append(Buffer(name.removesuffix("/packed") + " (unpacked)", unpacked, math.prod(unpacked), cache))

@@ -19,6 +19,7 @@ from jaxserve.batch import StepInput, StepOutput, is_constant
 from jaxserve.config import ModelConfig
 from jaxserve.distributed import (HEADS, head_over_vocab, kv_pages_spec, param_shardings, replicated,
                                   sample_over_vocab, shardings)
+from jaxserve.layouts import lookup_compiler_options
 from jaxserve.model.decoder import DecoderModel, lm_head, param_axes
 from jaxserve.prompt_logprobs import block_scores, score_targets
 from jaxserve.sampling import sample, with_step_tokens
@@ -48,10 +49,12 @@ class Steps:
     """
 
     def __init__(self, config: ModelConfig, dtype, attention_backend: str = "reference",
-                 num_speculative_tokens: int = 0, mesh=None, kv_cache_dtype: str = "auto"):
+                 num_speculative_tokens: int = 0, mesh=None, kv_cache_dtype: str = "auto",
+                 platform: str | None = None):
         """mesh: a device group's [data=1, model] mesh for tensor parallelism (None: one device). The programs'
         outputs are pinned to the shardings their inputs arrive in (params and cache placed by the runner, the
-        batch replicated), so a step never reshards anything."""
+        batch replicated), so a step never reshards anything. platform: what the programs compile for (None: the
+        mesh's devices', or the default device's), for the compiler options of the programs that embed tokens."""
         self.config = config
         self.model = DecoderModel(config, dtype, attention_backend, mesh)  # every family's (jaxserve.model.families)
         self.num_speculative_tokens = num_speculative_tokens
@@ -66,6 +69,9 @@ class Steps:
             write = dict(out_shardings=self.cache_sharding)
         else:
             forward = logits = write = {}
+        platform = platform or (mesh.devices.flat[0] if mesh is not None else jax.devices()[0]).platform
+        embeds = dict(compiler_options=lookup_compiler_options(platform))  # the forward programs look up rows
+        forward, logits = {**forward, **embeds}, {**logits, **embeds}
         self._forward = jax.jit(self._forward_and_sample, donate_argnums=2, **forward)
         self._verify = jax.jit(self._forward_and_verify, donate_argnums=2, **forward)
         self._logits = jax.jit(self._forward_logits, **logits)

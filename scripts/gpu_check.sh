@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU checks and timings this repository wants, as one device-machine call (about 5-8 minutes on an H200).
+# The GPU checks and timings this repository wants, as one device-machine call (about 6-9 minutes on an H200).
 # Nothing here has run on a GPU yet: read the first failure before tuning anything.
 #
 # Before the call, here (the device machine reaches no registry and lacks gguf):
@@ -54,3 +54,7 @@ PY
 
 # 3. Timings: the ragged attention kernel against XLA, the int4 kernel against XLA's int4 and int8 and bf16.
 timeout 420 python3 scripts/bench_kernels.py --out "$OUT/kernels.json" 2>&1 | tee "$OUT/bench_kernels.log" | tail -40
+
+# 4. Flash-decoding: 1, 2 and 4 decode rows after 8k and 32k cached tokens, the kernel with its key splits
+#    (gpu_blocks.key_splits) and unsplit, each against the oracle, timed (a CPU dry run: --smoke).
+timeout 180 python3 scripts/bench_flash_decoding.py --out "$OUT/flash_decoding.json" 2>&1 | tee "$OUT/flash_decoding.log"

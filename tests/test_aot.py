@@ -222,25 +222,12 @@ def test_no_program_copies_the_kv_cache(chip_rows, model, tp, quantization, chip
     assert not found, "\n".join(found)
 
 
-TPU_EMBEDDING_RELAYOUT = pytest.mark.xfail(strict=True, reason=(
-    "v5e and v6e, SmolLM2 (and its [16384, 576] shard at TP 3): the TPU's default layout of the [49152, 576] "
-    "embedding table is column-major ({0,1}: 49152 divides by 128 lanes, 576 does not), and the multi-token steps' "
-    "row gather relayouts the whole table "
-    "(56.6 MB) to row-major first, every step; the 1-token step reads its row with a dynamic-slice. (Llama 3 8B's "
-    "[128256, 4096] table is row-major: not copied.) Tried, compiled, the same relayout: a fori_loop of per-token "
-    "dynamic slices, slices unrolled, vmapped slices, a gather from the transposed view. Left: store the table "
-    "row-major (a layout given to the argument, or 2 rows a [vocab / 2, 1152] row)."))
-
-
-# The copies found so far, by audited case (model, tp, quantization, chip); a case not here must have none.
-WEIGHT_COPIES = {("smollm2-135m", tp, None, chip): TPU_EMBEDDING_RELAYOUT
-                 for tp in (1, 3) for chip in ("v5e:2x4", "v6e:2x4")}
-
-
 @needs_compilers
-@pytest.mark.parametrize("model, tp, quantization, chip", [
-    pytest.param(*case, marks=WEIGHT_COPIES.get(case, ())) for case in AUDITED])
+@pytest.mark.parametrize("model, tp, quantization, chip", AUDITED)
 def test_no_program_copies_a_weight(chip_rows, model, tp, quantization, chip):
+    """Each weight read once by its dot, the embedding table a row per token: on TPU SmolLM2's [49152, 576] table
+    (and its [16384, 576] shard at TP 3) is placed row-major and kept out of VMEM (jaxserve.layouts); before, the
+    TPU default's column-major table was relaid out whole (56.6 MB) by every multi-token step's lookup."""
     found = extra_traffic(case_rows(chip_rows(chip), model, tp, quantization), cache=False)
     assert not found, "\n".join(found)
 
@@ -251,16 +238,16 @@ def test_int4_weights_are_read_as_int4_on_tpu_and_gpu(tmp_path):
     a block at a time in VMEM / registers: no step writes a float (or unpacked) copy of a weight. (XLA's
     dequantize-then-dot wrote one of every weight, every step: on H100 a bf16 copy, on v5e float32, 7.85 GB in
     Llama 3 8B's 2-layer 1-token step.) The default model's awkward widths (576 = 4.5 x 128 lanes), 2 layers. What
-    may remain on v5e: the tied embedding's relayout (the xfail above) and, in the 1-token step, down_proj's packed
-    bytes relaid out on their way into VMEM (its u8 [768, 576] is column-major by TPU's default layout; the kernel
-    reads it whole either way, so no extra HBM pass)."""
+    may remain on v5e: in the 1-token step, down_proj's packed bytes relaid out on their way into VMEM (its u8
+    [768, 576] is column-major by TPU's default layout; the kernel reads it whole either way, so no extra HBM
+    pass)."""
     rows = aot_check(tmp_path, "--model", "smollm2-135m", "--target", "v5e:2x2", "--target", "h100",
                      "--num-layers", "2", "--only-extremes", "--max-num-seqs", "16", "--max-num-batched-tokens", "16",
                      "--max-model-len", "8192", "--quantization", "int4")
     assert {r["target"] for r in rows if r["program"] == "step"} == {"v5e:2x2", "h100"}
     widened = [f"{r['target']} {r['program']} {r['shape']}: {t['kind']} of {t['of']}: {t['instruction']}"
                for r in rows for t in r["traffic"]
-               if t["of"] != "KV cache pages" and "embed_tokens" not in t["of"]
+               if t["of"] != "KV cache pages"
                and (t["array"]["dtype"] != "u8" or t["kind"] != "relayout")]
     assert not widened, "\n".join(widened)
     assert not any(r["traffic"] for r in rows if r["target"] == "h100")

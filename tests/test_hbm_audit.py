@@ -120,6 +120,23 @@ def test_the_cache_moved_into_vmem_is_listed():
                      ("relayout", "copy.18", "layers_0/q_proj/kernel")]
 
 
+def test_the_embedding_table_moved_into_vmem_is_listed():
+    """A lookup reads its tokens' rows: the table moved whole into VMEM (XLA:TPU's cross-program prefetch, at the
+    program's start and again at its end for the next run) is read whole, where a dot's weight moved so is that
+    dot's own read."""
+    table = Buffer("embed_tokens", (128, 32), 128 * 32 * 2, is_table=True)
+    rows, weight = "bf16[128,32]{1,0:T(8,128)(2,1)", "bf16[64,32]{1,0:T(8,128)(2,1)"
+    hlo = program(f"""  %t = {rows}}} parameter(4), metadata={{op_name="params[\\'params\\'][\\'embed_tokens\\']"}}
+  %copy-start.5 = ({rows}S(1)}}, {rows}}}, u32[]{{:S(2)}}) copy-start(%t), cross_program_prefetch_index=0
+  %copy-done.5 = {rows}S(1)}} copy-done(%copy-start.5)
+  %wt = {weight}}} parameter(5)
+  %copy-start.6 = ({weight}S(1)}}, {weight}}}, u32[]{{:S(2)}}) copy-start(%wt)
+  ROOT %r = bf16[4,32]{{1,0}} fusion(%x, %q8), kind=kOutput, calls=%fused_dot
+""", FUSED_DOT)
+    assert [(t.kind, t.instruction, t.of) for t in audit(hlo, BUFFERS + [table])] == [
+        ("copy", "copy-start.5", "params/embed_tokens")]
+
+
 def test_a_slice_of_the_cache_counts_from_the_threshold():
     """Part of a page array written elsewhere in HBM (half of it here) is listed when it is at least the threshold
     (by default the smallest buffer: the pages' 2 KB), and named after what it reads."""
@@ -179,3 +196,4 @@ def test_buffers_are_the_weight_matrices_and_pages_per_device(quantization):
     pages = jax.ShapeDtypeStruct((16, 4, 2, 8), jnp.bfloat16,
                                  sharding=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
     assert buffers([pages], cache=True) == [Buffer("KV cache pages", (16, 4, 2, 8), 2048, True)]
+    assert [b.name for b in buffers(params) if b.is_table] == ["embed_tokens"]

@@ -20,6 +20,7 @@ from jaxserve.buckets import Buckets, round_up
 from jaxserve.cache import init_kv_cache, pages_needed
 from jaxserve.multihost import LeaderFollower
 from jaxserve.distributed import log_placement, place, replicated
+from jaxserve.layouts import param_formats, with_row_major_tables
 from jaxserve.pallas_kernels import page_head_dim_multiple
 from jaxserve.steps import steps_for
 
@@ -58,12 +59,13 @@ class ModelRunner:
         def new_cache():
             return init_kv_cache(config, rc.num_pages, rc.page_size, rc.dtype, rc.kv_cache_dtype,
                                  page_head_dim_multiple(rc.attention_backend))
+        # The embedding table row-major, where the chip's default is not: its lookup then reads rows in place.
         if mesh is None:
-            self.params = params
+            self.params = with_row_major_tables(params)
             self.kv_cache = new_cache()
             self.last_tokens = jnp.zeros(rc.num_slots + 1, jnp.int32)  # [slots + 1]: the last one takes padding rows
         else:
-            self.params = place(params, self.steps.param_shardings(params))
+            self.params = place(params, param_formats(params, self.steps.param_shardings(params)))
             log_placement("weights", self.params)
             # Made where they live: the cache never exists whole on one device.
             self.kv_cache = jax.jit(new_cache, out_shardings=self.steps.cache_sharding)()
