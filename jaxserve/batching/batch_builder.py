@@ -51,6 +51,7 @@ class Row:
     # prompt token after it).
     prompt_targets: list[int] = dataclasses.field(default_factory=list)
     score_from: int = 0
+    lora_slot: int = -1  # the device slot of the row's LoRA adapter (-1: the base model)
 
     @property
     def end(self) -> int:

@@ -37,7 +37,7 @@ class DataParallel:
         if not healthy:
             raise EngineDeadError("every data-parallel replica has stopped after failed steps")
         # Replicas share one page size: the prompt is hashed once, whatever their number.
-        keys = page_keys(seq.prompt_token_ids, self.replicas[0].scheduler.cache.page_size, [])
+        keys = page_keys(seq.prompt_token_ids, self.replicas[0].scheduler.cache.page_size, [], seq.prefix_salt)
 
         def load(i: int) -> tuple[int, int, int]:
             s = self.replicas[i].scheduler
