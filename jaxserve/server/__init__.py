@@ -24,9 +24,9 @@ them (parent: the base model, root: the adapter's path); vLLM's /v1/load_lora_ad
 change them at run time where allowed; /metrics counts each adapter's requests.
 
 `app` is the HTTP side (routes, middleware, endpoints, `serve`), `served_model` a model's own state (admission
-capacity, tokenizing threads, metrics) and checks, `lora_modules` the adapters by name, `responses` a request's outputs as a JSON body or an SSE stream;
-`jaxserve.openai_api` the wire format (its structured-output fields in `jaxserve.openai_structured`, tool calls
-in `jaxserve.tool_calls`), `jaxserve.metrics` the Prometheus metrics.
+capacity, tokenizing threads, metrics) and checks, `lora_modules` the adapters by name, `responses` a request's
+outputs as a JSON body or an SSE stream; `jaxserve.openai_api` the wire format (its structured-output fields in
+`jaxserve.openai_structured`, tool calls in `jaxserve.tool_calls`), `jaxserve.metrics` the Prometheus metrics.
 """
 from jaxserve.server.app import Server, serve
 
