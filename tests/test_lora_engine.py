@@ -1,12 +1,14 @@
 """LoRA adapters above the runner, over fake runners (tests/fake_runner.py: an adapter "shift/N" adds N to every
 successor): the scheduler's slots, preemption, speculation, the prefix cache, data parallelism and bad input."""
+import asyncio
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fake_runner import fake_llm
-from jaxserve import SamplingParams
+from jaxserve import AsyncEngine, SamplingParams
 from jaxserve.lora.adapter import LoRAError
 from jaxserve.lora.request import LoRARequest
 
@@ -156,3 +158,28 @@ def test_bad_adapter_requests_fail_cleanly():
     assert llm.remove_lora(1) and not llm.remove_lora(1) and llm.list_loras() == {2}
     out = llm.generate({"prompt_token_ids": [1, 2]}, sp, use_tqdm=False, lora_request=ADAPTERS[1])[0]
     assert out.outputs[0].token_ids == expected([1, 2], ADAPTERS[1], 8) and llm.list_loras() == {1, 2}
+
+
+def test_async_engine_runs_adapters_and_manages_them():
+    engine = AsyncEngine(fake_llm(vocab_size=VOCAB, max_loras=1, max_cpu_loras=2))
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+    async def main():
+        assert await engine.add_lora(ADAPTERS[2]) and await engine.list_loras() == {2}
+        streams = [await engine.add_request({"prompt_token_ids": [i, i + 1]}, sp, lora_request=lora)
+                   for i, lora in enumerate([ADAPTERS[1], None, ADAPTERS[2]])]
+        with pytest.raises(LoRAError, match="'broken'"):
+            await engine.add_request({"prompt_token_ids": [1, 2]}, sp, lora_request=LoRARequest("broken", 7, "x"))
+        tokens = []
+        for s in streams:
+            tokens.append([t async for out in s for t in out.outputs[0].token_ids])
+        removed = await engine.remove_lora(2)
+        return tokens, removed, await engine.list_loras()
+
+    try:
+        tokens, removed, left = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert tokens == [expected([i, i + 1], lora, 6) for i, lora in enumerate([ADAPTERS[1], None, ADAPTERS[2]])]
+    assert removed and left == {1}
+    engine.llm.core.assert_idle_and_clean()
