@@ -13,6 +13,7 @@ from jaxserve import LoRARequest, SamplingParams
 from jaxserve.cli import main
 from jaxserve.server.lora_modules import LoRAModulePath
 from fake_runner import fake_llm
+from peft_adapters import peft_adapter
 from serving import ServerThread, metric_samples, wait_idle
 from tiny import make_llm
 
@@ -22,30 +23,19 @@ MAX_TOKENS = 10
 LONG = 200  # tokens of the request that streams while adapters come and go: it outlasts them
 
 
-def save_peft_adapter(model_dir, path, seed: int, **lora_config) -> str:
-    """A PEFT LoRA adapter of the HF model at model_dir, with random A and B (peft's default B is zero: an adapter
-    that changes nothing would prove nothing)."""
-    import peft
-    import torch
-    import transformers
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
-    torch.manual_seed(seed)
-    peft.get_peft_model(model, peft.LoraConfig(init_lora_weights=False, **lora_config)).save_pretrained(path)
-    return str(path)
-
-
 @pytest.fixture(scope="module")
 def adapters(tiny_tokenized_dir, tmp_path_factory):
     """Two adapters of different ranks and targets, and a bad one (rank 16, above the server's limit of 8)."""
+    import transformers
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_tokenized_dir).eval()
     root = tmp_path_factory.mktemp("lora-server")
-    return {
-        "sql": save_peft_adapter(tiny_tokenized_dir, root / "sql", 1, r=4, lora_alpha=8,
-                                 target_modules=["q_proj", "v_proj"]),
-        "poet": save_peft_adapter(tiny_tokenized_dir, root / "poet", 2, r=8, lora_alpha=4,
-                                  target_modules=["o_proj", "gate_proj", "down_proj"]),
-        "too-big": save_peft_adapter(tiny_tokenized_dir, root / "too-big", 3, r=16, lora_alpha=16,
-                                     target_modules=["q_proj"]),
-    }
+    made = {}
+    for seed, (name, r, modules) in enumerate([("sql", 4, ["q_proj", "v_proj"]),
+                                                ("poet", 8, ["o_proj", "gate_proj", "down_proj"]),
+                                                ("too-big", 16, ["q_proj"])]):
+        with peft_adapter(hf, root / name, seed, b_std=0.2, r=r, lora_alpha=2 * r, target_modules=modules):
+            made[name] = str(root / name)
+    return made
 
 
 def greedy(max_tokens=MAX_TOKENS):
