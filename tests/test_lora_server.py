@@ -20,7 +20,7 @@ from tiny import make_llm
 BASE = "tiny"
 PROMPTS = ["The cat", "Once upon"]
 MAX_TOKENS = 10
-LONG = 200  # tokens of the request that streams while adapters come and go: it outlasts them
+LONG = 64  # tokens of the request that streams while adapters come and go: it outlasts them (~15 steps)
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +46,7 @@ def greedy(max_tokens=MAX_TOKENS):
 def served(tiny_tokenized_dir, adapters):
     """A server over one engine with the two adapters (and runtime loading), and what the offline LLM answers per
     adapter (None: the base model), worked out on the same engine before it serves."""
-    llm = make_llm(tiny_tokenized_dir, max_model_len=256, enable_lora=True, max_loras=2, max_lora_rank=8)
+    llm = make_llm(tiny_tokenized_dir, enable_lora=True, max_loras=2, max_lora_rank=8)
     expected = {}
     for k, name in enumerate([None, "sql", "poet"]):
         # Ids the server will not give (it counts from 1), so the engine never sees one id under two names.
