@@ -14,7 +14,7 @@ from jaxserve.cli import main
 from jaxserve.server.lora_modules import LoRAModulePath
 from fake_runner import fake_llm
 from peft_adapters import peft_adapter
-from serving import ServerThread, metric_samples, wait_idle
+from serving import ServerThread, http, metric_samples, wait_idle
 from tiny import make_llm
 
 BASE = "tiny"
@@ -68,16 +68,6 @@ def served(tiny_tokenized_dir, adapters):
 def client(st):
     from openai import OpenAI
     return OpenAI(base_url=st.url + "/v1", api_key="unused", max_retries=0)
-
-
-async def _request(method, url, body=None):
-    async with aiohttp.ClientSession() as s:
-        async with s.request(method, url, json=body) as r:
-            return r.status, await r.text()
-
-
-def http(method, url, body=None):
-    return asyncio.run(_request(method, url, body))
 
 
 def test_each_adapter_answers_as_the_offline_llm(served):
@@ -200,7 +190,7 @@ def test_metrics_count_each_adapters_requests(served):
     st, _ = served
 
     def counts():
-        samples = metric_samples(http("GET", st.url + "/metrics")[1])
+        samples = metric_samples(http("GET", st.url + "/metrics")[1].decode())
         return {name: samples.get(("jaxserve:lora_requests_total",
                                    frozenset({f'model_name="{BASE}"', f'lora_name="{name}"'})))
                 for name in ("sql", "poet")}
