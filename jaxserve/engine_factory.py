@@ -128,7 +128,8 @@ def build_engine(c: EngineConfig) -> Engine:
                    max_tokens=buckets.num_tokens[-1])
     backend = checked_backend(backend, c.attention_backend, config, c.block_size, dtype, serving, c.kv_cache_dtype)
     runner_config = RunnerConfig(dtype, num_pages, c.block_size, buckets, c.max_num_seqs, backend, c.kv_cache_dtype,
-                                 spec.num_speculative_tokens if spec else 0)
+                                 spec.num_speculative_tokens if spec else 0,
+                                 *((c.max_loras, c.max_lora_rank) if c.enable_lora else (0, 0)))
     # One engine replica per device group: its own runner, KV cache and scheduler (see batching.data_parallel).
     replicas = [_replica(c, runner_config, config, params, draft, group, processes, runners) for group in groups]
     loras = None
@@ -154,9 +155,12 @@ def _replica(c: EngineConfig, runner_config: RunnerConfig, config, params, draft
     how a multi-process leader names them to the followers."""
     spec = c.speculative_config
 
-    def runner_for(model_config, model_params, k: int) -> ModelRunner:
-        runner = ModelRunner(model_config, model_params, dataclasses.replace(runner_config, num_speculative_tokens=k),
-                             mesh, processes if processes.is_leader else None, len(runners))
+    def runner_for(model_config, model_params, k: int, lora: bool = True) -> ModelRunner:
+        rc = dataclasses.replace(runner_config, num_speculative_tokens=k)
+        if not lora:
+            rc = dataclasses.replace(rc, max_loras=0, max_lora_rank=0)
+        runner = ModelRunner(model_config, model_params, rc, mesh, processes if processes.is_leader else None,
+                             len(runners))
         runners.append(runner)
         return runner
     runner = runner_for(config, params, runner_config.num_speculative_tokens)
@@ -173,7 +177,8 @@ def _replica(c: EngineConfig, runner_config: RunnerConfig, config, params, draft
     k = spec.num_speculative_tokens
     draft_runner = None
     if draft is not None:
-        draft_runner = runner_for(draft.config, draft.params, 0)  # a draft draws its proposals in plain steps
+        # A draft draws its proposals in plain steps, with no adapters (they are the target's).
+        draft_runner = runner_for(draft.config, draft.params, 0, lora=False)
         proposer = DraftProposer(draft_runner, c.max_num_batched_tokens, c.max_num_seqs)
     else:
         proposer = NgramProposer(k, spec.prompt_lookup_max, spec.prompt_lookup_min)
