@@ -90,6 +90,23 @@ def test_each_adapter_answers_as_the_offline_llm(served):
     wait_idle(st)
 
 
+def test_adapters_and_the_base_model_at_once(served):
+    """Concurrent requests on both adapters and the base model (run in the same steps): each its own answer."""
+    from openai import AsyncOpenAI
+    st, expected = served
+
+    async def run():
+        c = AsyncOpenAI(base_url=st.url + "/v1", api_key="unused", max_retries=0)
+        names = [None, "sql", "poet"] * 2
+        answers = await asyncio.gather(*(c.completions.create(
+            model=name or BASE, prompt=PROMPTS, max_tokens=MAX_TOKENS, temperature=0, extra_body={"ignore_eos": True})
+            for name in names))
+        return [[ch.text for ch in r.choices] for r in answers] == [expected[name] for name in names]
+
+    assert asyncio.run(run())
+    wait_idle(st)
+
+
 def test_models_lists_the_adapters_under_their_base(served, adapters):
     st, _ = served
     cards = {m.id: m for m in client(st).models.list().data}
