@@ -91,7 +91,7 @@ def test_each_adapter_answers_as_the_offline_llm(served):
 
 
 def test_adapters_and_the_base_model_at_once(served):
-    """Concurrent requests on both adapters and the base model (run in the same steps): each its own answer."""
+    """Requests on both adapters and the base model at once (batched together as they come): each its own answer."""
     from openai import AsyncOpenAI
     st, expected = served
 
