@@ -134,7 +134,7 @@ def build_engine(c: EngineConfig) -> Engine:
     replicas = [_replica(c, runner_config, config, params, draft, group, processes, runners) for group in groups]
     loras = None
     if c.enable_lora:  # checked against the model's own shapes (a runner splits them as it splits the model)
-        loras = HostAdapters(lambda request: load_adapter(request, loaded.config, c.max_lora_rank),
+        loras = HostAdapters(lambda request: load_adapter(request, loaded.config, c.max_lora_rank, dtype),
                              c.max_cpu_loras or c.max_loras)
     engine = Engine(replicas[0] if len(replicas) == 1 else DataParallel(replicas), replicas, loaded.name,
                     loaded.config.vocab_size, max_model_len, tokenizer, loaded.config, runners, processes, backend,

@@ -25,13 +25,17 @@ def peft_adapter(model, path, seed: int, b_std: float = 0.05, **lora_config):
         wrapped.unload()
 
 
-def hf_greedy(model, prompt: list[int], new_tokens: int, min_margin: float = 1e-3) -> list[int]:
-    """HF's greedy continuation, checked to have no near-tie (where two correct implementations may differ)."""
+def hf_greedy(model, prompts: list[list[int]], new_tokens: int, min_margin: float = 1e-3) -> list[list[int]]:
+    """HF's greedy continuations of prompts of one length (one batch, no padding), checked to have no near-tie
+    (where two correct implementations may differ)."""
+    if len({len(p) for p in prompts}) != 1:
+        raise ValueError("prompts of one length: a batch without padding")
     with torch.no_grad():
-        out = model.generate(input_ids=torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=int),
+        out = model.generate(input_ids=torch.tensor(prompts), attention_mask=torch.ones(len(prompts), len(prompts[0]),
+                                                                                           dtype=torch.long),
                              max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                              output_logits=True, return_dict_in_generate=True, pad_token_id=0)
-    top2 = torch.stack(out.logits)[:, 0].topk(2).values
-    margin = (top2[:, 0] - top2[:, 1]).min().item()
+    top2 = torch.stack(out.logits).topk(2).values  # [new_tokens, B, 2]
+    margin = (top2[..., 0] - top2[..., 1]).min().item()
     assert margin > min_margin, f"a near-tie in HF's greedy tokens (margin {margin:.2g}): pick another prompt or seed"
-    return out.sequences[0, len(prompt):].tolist()
+    return out.sequences[:, len(prompts[0]):].tolist()
