@@ -183,3 +183,12 @@ def test_async_engine_runs_adapters_and_manages_them():
     assert tokens == [expected([i, i + 1], lora, 6) for i, lora in enumerate([ADAPTERS[1], None, ADAPTERS[2]])]
     assert removed and left == {1}
     engine.llm.core.assert_idle_and_clean()
+
+
+def test_several_processes_refuse_enable_lora(monkeypatch):
+    """Followers would have to load each adapter into the leader's slot: refused before any model loads."""
+    from jaxserve import LLM, multihost
+    monkeypatch.setattr(multihost.LeaderFollower, "for_this_process",
+                        classmethod(lambda cls, *a: cls(object(), True)))  # a leader with a channel
+    with pytest.raises(ValueError, match="enable_lora is not supported over several processes"):
+        LLM("/nonexistent-model", enable_lora=True)
