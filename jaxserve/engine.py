@@ -41,8 +41,9 @@ class LLM:
     loads. The config is kept as `engine_config`.
 
     generate / chat / stream run requests to the end, each on the base model or (enable_lora=True) on a LoRA adapter
-per prompt (`lora_request`; add_lora / remove_lora / list_loras manage the adapters the host holds). The request API under them (add_request or make_request +
-    submit, step, abort_request, has_unfinished_requests, ...) drives the engine a step at a time, as AsyncEngine does.
+    per prompt (`lora_request`; add_lora / remove_lora / list_loras manage the adapters the host holds). The request
+    API under them (add_request or make_request + submit, step, abort_request, has_unfinished_requests, ...) drives
+    the engine a step at a time, as AsyncEngine does.
     """
 
     def __init__(self, model: str | None = None, **engine_args):
@@ -231,8 +232,8 @@ per prompt (`lora_request`; add_lora / remove_lora / list_loras manage the adapt
 
         All prompts are submitted at once and batched continuously. priority: one per prompt (with the "priority"
         scheduling policy; lower runs first). lora_request: the LoRA adapter of every prompt, or a list of one per
-        prompt (None: the base model); needs enable_lora. Over several processes every process calls it (one script, run on
-        every host): the leader's prompts run, and every process returns their outputs.
+        prompt (None: the base model); needs enable_lora. Over several processes every process calls it (one script,
+        run on every host): the leader's prompts run, and every process returns their outputs.
         """
         return self.processes.run(lambda: self._generate(prompts, sampling_params, use_tqdm, priority, lora_request))
 
