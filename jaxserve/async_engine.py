@@ -17,6 +17,7 @@ from jaxserve.batching.engine_core import MAX_FAILED_STEPS, EngineDeadError, Eng
 from jaxserve.batching.output_processor import SequenceDelta, merged, request_metrics
 from jaxserve.engine import LLM, Request
 from jaxserve.engine_config import EngineConfig
+from jaxserve.lora.request import LoRARequest
 from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.sampling_params import SamplingParams
 
@@ -92,8 +93,9 @@ class AsyncEngine:
         return cls(LLM.from_config(engine_config))
 
     async def add_request(self, prompt, sampling_params: SamplingParams | None = None, request_id: str | None = None,
-                          priority: int = 0) -> AsyncIterator[RequestOutput]:
-        """Submits a request; returns an async iterator of its incremental outputs.
+                          priority: int = 0, lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
+        """Submits a request (on a LoRA adapter: lora_request, needs enable_lora); returns an async iterator of its
+        incremental outputs.
 
         Each output holds, for the completions that advanced, only what is new (text, token ids, logprobs: vLLM's
         DELTA output kind); the last has finished=True. Bad input raises here, before anything is queued.
@@ -105,11 +107,12 @@ class AsyncEngine:
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already running")
         params = sampling_params or SamplingParams()
-        if getattr(params, "structured_outputs", None) is None:  # (not a SamplingParams: make_request says so)
-            request = self.llm.make_request(prompt, params, priority, request_id)
-        else:  # compiling a grammar may take up to a second: on a thread, so the event loop serves the others
+        if getattr(params, "structured_outputs", None) is None and lora_request is None:
+            request = self.llm.make_request(prompt, params, priority, request_id)  # (not a SamplingParams: it says so)
+        else:  # compiling a grammar, or loading an adapter, may take up to a second: on a thread, so the event loop
+            # serves the others
             request = await asyncio.get_running_loop().run_in_executor(
-                None, self.llm.make_request, prompt, params, priority, request_id)
+                None, self.llm.make_request, prompt, params, priority, request_id, lora_request)
             if request_id in self._streams:  # taken while it compiled
                 raise ValueError(f"request id {request_id!r} is already running")
         stream = _Stream(asyncio.get_running_loop(), request)
@@ -132,6 +135,17 @@ class AsyncEngine:
         finally:
             if not finished:
                 self.abort(request_id)
+
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Loads an adapter onto the host (on a thread: it reads files) ahead of its requests: LLM.add_lora."""
+        return await asyncio.get_running_loop().run_in_executor(None, self.llm.add_lora, lora_request)
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        """LLM.remove_lora: requests running on the adapter finish on it."""
+        return self.llm.remove_lora(lora_int_id)
+
+    async def list_loras(self) -> set[int]:
+        return self.llm.list_loras()
 
     def abort(self, request_id: str) -> None:
         """Stops a request and frees its pages before the next step (no-op if it already finished)."""

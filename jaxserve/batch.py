@@ -71,6 +71,9 @@ class StepInput:
     # Prompt logprobs: the prompt token after each token, whose logprob the step reports (-1: not wanted; a
     # `constant` when no row wants any, so a plain batch copies nothing for it).
     prompt_targets: jax.Array  # int32 [T]
+    # Multi-LoRA: each token's adapter slot in the runner's LoRA buffers (`jaxserve.lora`), -1 for the base model (a
+    # `constant` when no row has an adapter).
+    lora_slot: jax.Array  # int32 [T]
 
     @property
     def num_tokens(self) -> int:

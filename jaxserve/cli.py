@@ -64,6 +64,13 @@ def build_parser() -> argparse.ArgumentParser:
                      help="seconds a request gets to send its whole body before a 408")
     srv.add_argument("--shutdown-grace-period", type=float, default=30.0,
                      help="seconds running requests get to finish after SIGTERM")
+    srv.add_argument("--lora-modules", nargs="+", action="extend", default=None, metavar="NAME=PATH",
+                     help="LoRA adapters (PEFT directories) to serve, each under its name (a request's 'model'), on "
+                          "the first model; or JSON '{\"name\": .., \"path\": .., \"base_model_name\": ..}' for "
+                          "another base. Needs --enable-lora")
+    srv.add_argument("--allow-runtime-lora-updating", action="store_true",
+                     help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's; also on with "
+                          "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1). Needs --enable-lora")
     EngineConfig.add_cli_args(srv, serving=True)
     _verbose_arg(srv)
     conv = sub.add_parser("convert", help="write a model as a jaxserve (orbax) checkpoint that loads faster",
@@ -177,7 +184,8 @@ def cmd_serve(args) -> None:
     import asyncio
 
     from jaxserve.async_engine import AsyncEngine
-    from jaxserve.server import Server, serve
+    from jaxserve.server import Server
+    from jaxserve.server.lora_modules import LoRAModulePath, check_lora_modules
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be in 1-65535, got {args.port}")
     if args.max_queued_requests < 0:
@@ -190,20 +198,46 @@ def cmd_serve(args) -> None:
     # Names and configs are checked before anything loads.
     names = _served_model_names(args.served_model_name, args.model or [None])
     configs = EngineConfig.per_model_from_cli_args(args)
+    lora_modules = [LoRAModulePath.parse(spec) for spec in args.lora_modules or []]
+    check_lora_modules(lora_modules, names)
+    runtime_lora = args.allow_runtime_lora_updating or _env_flag("VLLM_ALLOW_RUNTIME_LORA_UPDATING")
+    if (lora_modules or args.allow_runtime_lora_updating) and not configs[0].enable_lora:
+        flag = "--lora-modules" if lora_modules else "--allow-runtime-lora-updating"
+        raise ValueError(f"{flag} serves LoRA adapters: it needs --enable-lora")
     server_args = dict(api_key=args.api_key, max_queued_requests=args.max_queued_requests,
                        max_request_sequences=args.max_request_sequences,
                        stream_write_timeout_s=args.stream_write_timeout, header_timeout_s=args.header_timeout,
-                       body_timeout_s=args.body_timeout)
+                       body_timeout_s=args.body_timeout, allow_runtime_lora_updating=runtime_lora)
 
     def run(llms) -> None:
         server = Server({name: AsyncEngine(llm) for name, llm in zip(names, llms)}, **server_args)
-        asyncio.run(serve(server, args.host, args.port, args.shutdown_grace_period))
+        asyncio.run(_serve_with_adapters(server, lora_modules, args))
     if len(configs) == 1:  # may be a multi-process run: the other processes follow process 0's steps
         _lead(_load(configs[0]), lambda llm: run([llm]), args.shutdown_grace_period)
         return
     # One after another: each engine's default KV budget is its own share (see per_model_from_cli_args), so the
     # second does not need to know what the first holds.
     run([_load(c) for c in configs])
+
+
+async def _serve_with_adapters(server, lora_modules, args) -> None:
+    """Loads --lora-modules into their engines (a bad one ends the run with the loader's message), then serves."""
+    from jaxserve.openai_api import ApiError
+    from jaxserve.server import serve
+    for module in lora_modules:
+        try:
+            await server.lora.load(module.name, module.path, module.base_model_name)
+        except ApiError as e:
+            for engine in server.engines():
+                engine.shutdown(30.0)
+            raise ValueError(f"--lora-modules {module.name}: {e.message}") from None
+    await serve(server, args.host, args.port, args.shutdown_grace_period)
+
+
+def _env_flag(name: str) -> bool:
+    """An environment switch as vLLM reads its own: "1" or "true" (any case) is on."""
+    import os
+    return os.environ.get(name, "0").strip().lower() in ("1", "true")
 
 
 def _load(config):

@@ -16,6 +16,8 @@ from jaxserve.batching.sequence import Sequence
 from jaxserve.engine_config import EngineConfig
 from jaxserve.engine_factory import Engine, build_engine
 from jaxserve.logit_controls import resolve
+from jaxserve.lora.request import LoRARequest
+from jaxserve.lora.slot_cache import HostAdapters, LoadedAdapter
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import MAX_BANNED_TOKENS, SamplingParams
 from jaxserve.structured_output import compile_grammar
@@ -38,8 +40,10 @@ class LLM:
     EngineConfig's (jaxserve.engine_config); an unknown one is a TypeError, a bad value a ValueError before anything
     loads. The config is kept as `engine_config`.
 
-    generate / chat / stream run requests to the end. The request API under them (add_request or make_request +
-    submit, step, abort_request, has_unfinished_requests, ...) drives the engine a step at a time, as AsyncEngine does.
+    generate / chat / stream run requests to the end, each on the base model or (enable_lora=True) on a LoRA adapter
+    per prompt (`lora_request`; add_lora / remove_lora / list_loras manage the adapters the host holds). The request
+    API under them (add_request or make_request + submit, step, abort_request, has_unfinished_requests, ...) drives
+    the engine a step at a time, as AsyncEngine does.
     """
 
     def __init__(self, model: str | None = None, **engine_args):
@@ -104,7 +108,8 @@ class LLM:
                              "it leaves no room to generate")
         return text, list(ids)
 
-    def _request(self, prompt, params: SamplingParams, priority: int = 0, request_id: str | None = None) -> Request:
+    def _request(self, prompt, params: SamplingParams, priority: int = 0, request_id: str | None = None,
+                 lora_request: LoRARequest | None = None) -> Request:
         if not isinstance(priority, int):
             raise TypeError(f"priority must be an int, got {type(priority).__name__}")
         if not isinstance(params, SamplingParams):
@@ -121,6 +126,7 @@ class LLM:
         grammar = None
         if params.structured_outputs is not None:
             grammar = compile_grammar(params.structured_outputs, self.tokenizer, self.engine.vocab_size)
+        lora = self._adapter(lora_request)  # last: loading from disk is the slowest check
         seqs = []
         for i in range(params.n):
             detok = None
@@ -128,17 +134,52 @@ class LLM:
                 detok = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
             seed = (base_seed + i * 0x9E3779B1) % (1 << 32)  # distinct streams for the n samples of one seed
             seqs.append(Sequence(request_id, i, ids, params, seed, self.max_model_len, eos, detok, priority,
-                                 controls, grammar.matcher() if grammar is not None else None))
+                                 controls, grammar.matcher() if grammar is not None else None, lora))
         return Request(request_id, text, ids, seqs)
+
+    # ---- LoRA adapters (vLLM's names) ----
+
+    def _host_adapters(self, lora_request: LoRARequest | None = None) -> HostAdapters:
+        if self.engine.loras is None:
+            named = f"LoRA adapter {lora_request.lora_name!r} asked, but " if lora_request is not None else ""
+            raise ValueError(f"{named}this engine was started without enable_lora (LLM(enable_lora=True), "
+                             "--enable-lora)")
+        return self.engine.loras
+
+    def _adapter(self, lora_request: LoRARequest | None) -> LoadedAdapter | None:
+        """The request's adapter on the host (loaded now if it is not), or None for the base model. Raises
+        ValueError without enable_lora, and LoRAError (a ValueError) for an adapter that does not load."""
+        if lora_request is None:
+            return None
+        if not isinstance(lora_request, LoRARequest):
+            raise TypeError(f"lora_request must be a LoRARequest or None, got {type(lora_request).__name__}")
+        return self._host_adapters(lora_request).get(lora_request)
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Loads an adapter onto the host ahead of its requests (True; already there: True too). Raises as a
+        request naming it would (LoRAError for a bad adapter). Thread-safe."""
+        self._adapter(lora_request)
+        return True
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forgets an adapter the host holds (False if it holds none of that id). Requests made with it run to their
+        end; a later request naming it loads it again from its path. Thread-safe."""
+        return self._host_adapters().remove(lora_int_id)
+
+    def list_loras(self) -> set[int]:
+        """The ids of the adapters the host holds."""
+        return self._host_adapters().ids()
 
     # ---- the request API: what AsyncEngine drives, and generate / stream / chat under it ----
 
-    def make_request(self, prompt, params: SamplingParams, priority: int = 0, request_id: str | None = None) -> Request:
+    def make_request(self, prompt, params: SamplingParams, priority: int = 0, request_id: str | None = None,
+                     lora_request: LoRARequest | None = None) -> Request:
         """Checks a request and makes its n sequences without submitting them. Raises ValueError / TypeError on bad
         input (a prompt too long, a request that can never fit the KV cache, a grammar that does not compile: see
-        `jaxserve.structured_output.compile_grammar`). Safe on another thread than the one stepping (AsyncEngine
-        checks requests on its event loop, or on a thread when a grammar is to be compiled)."""
-        request = self._request(prompt, params, priority, request_id)
+        `jaxserve.structured_output.compile_grammar`; a LoRA adapter without enable_lora, or one that does not load:
+        LoRAError). Safe on another thread than the one stepping (AsyncEngine checks requests on its event loop, or
+        on a thread when a grammar is to be compiled or an adapter loaded)."""
+        request = self._request(prompt, params, priority, request_id, lora_request)
         for seq in request.seqs:
             self.scheduler.check_fits(seq)
         return request
@@ -148,9 +189,10 @@ class LLM:
         for seq in request.seqs:
             self.core.add(seq)
 
-    def add_request(self, prompt, params: SamplingParams, priority: int = 0, request_id: str | None = None) -> Request:
+    def add_request(self, prompt, params: SamplingParams, priority: int = 0, request_id: str | None = None,
+                    lora_request: LoRARequest | None = None) -> Request:
         """make_request, then submit."""
-        request = self.make_request(prompt, params, priority, request_id)
+        request = self.make_request(prompt, params, priority, request_id, lora_request)
         self.submit(request)
         return request
 
@@ -184,16 +226,18 @@ class LLM:
     # ---- generation ----
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: list[int] | None = None) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: list[int] | None = None,
+                 lora_request: LoRARequest | list[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """prompts: a str, a {'prompt_token_ids': [...]} dict, or a list of them. Returns one output per prompt.
 
         All prompts are submitted at once and batched continuously. priority: one per prompt (with the "priority"
-        scheduling policy; lower runs first). Over several processes every process calls it (one script, run on
-        every host): the leader's prompts run, and every process returns their outputs.
+        scheduling policy; lower runs first). lora_request: the LoRA adapter of every prompt, or a list of one per
+        prompt (None: the base model); needs enable_lora. Over several processes every process calls it (one script,
+        run on every host): the leader's prompts run, and every process returns their outputs.
         """
-        return self.processes.run(lambda: self._generate(prompts, sampling_params, use_tqdm, priority))
+        return self.processes.run(lambda: self._generate(prompts, sampling_params, use_tqdm, priority, lora_request))
 
-    def _generate(self, prompts, sampling_params, use_tqdm: bool, priority) -> list[RequestOutput]:
+    def _generate(self, prompts, sampling_params, use_tqdm: bool, priority, lora_request) -> list[RequestOutput]:
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -206,7 +250,11 @@ class LLM:
         priority = [0] * len(prompts) if priority is None else list(priority)
         if len(priority) != len(prompts):
             raise ValueError(f"{len(priority)} priorities for {len(prompts)} prompts")
-        requests = [self.make_request(p, sp, pr) for p, sp, pr in zip(prompts, params_list, priority)]
+        loras = lora_request if isinstance(lora_request, list) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"{len(loras)} LoRA requests for {len(prompts)} prompts")
+        requests = [self.make_request(p, sp, pr, lora_request=lr)
+                    for p, sp, pr, lr in zip(prompts, params_list, priority, loras)]
         try:
             for request in requests:
                 self.submit(request)
@@ -229,13 +277,14 @@ class LLM:
         if bar is not None:
             bar.close()
 
-    def stream(self, prompt, sampling_params: SamplingParams | None = None) -> Iterable[str]:
+    def stream(self, prompt, sampling_params: SamplingParams | None = None,
+               lora_request: LoRARequest | None = None) -> Iterable[str]:
         """Yields text pieces of one prompt's first completion as they are generated (on a multi-process
         follower: all of them once the leader's stream is over)."""
-        return self.processes.stream(lambda: self._stream(prompt, sampling_params or SamplingParams()))
+        return self.processes.stream(lambda: self._stream(prompt, sampling_params or SamplingParams(), lora_request))
 
-    def _stream(self, prompt, params: SamplingParams) -> Iterable[str]:
-        request_id = self.add_request(prompt, params).request_id
+    def _stream(self, prompt, params: SamplingParams, lora_request: LoRARequest | None) -> Iterable[str]:
+        request_id = self.add_request(prompt, params, lora_request=lora_request).request_id
         try:
             while self.has_unfinished_requests():
                 for d in self.step():
@@ -245,15 +294,17 @@ class LLM:
             self.abort_request(request_id)
 
     def chat(self, messages, sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
-             add_generation_prompt: bool = True) -> list[RequestOutput]:
-        """messages: one conversation (a list of {'role', 'content'} dicts) or a list of conversations."""
+             add_generation_prompt: bool = True,
+             lora_request: LoRARequest | list[LoRARequest | None] | None = None) -> list[RequestOutput]:
+        """messages: one conversation (a list of {'role', 'content'} dicts) or a list of conversations;
+        lora_request as generate's (one per conversation, or one for all)."""
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer, so it has no chat template")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         texts = [self.tokenizer.apply_chat_template(c, add_generation_prompt) for c in conversations]
         # The template writes any BOS itself, so encoding must not add another.
         prompts = [{"prompt": t, "prompt_token_ids": self.tokenizer.encode(t, add_special_tokens=False)} for t in texts]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
     def get_tokenizer(self):
         return self.tokenizer

@@ -99,6 +99,10 @@ class EngineConfig:
         (default: $JAXSERVE_COORDINATOR_SECRET); required unless the coordination service is reachable from this host
         only (see jaxserve.multihost).
     chat_template: a jinja chat template file to use instead of the model's own (or where the model has none).
+    enable_lora: serve PEFT LoRA adapters beside the base model (a request names one with a LoRARequest).
+    max_loras: adapters in one step (their device slots); max_lora_rank: the highest adapter rank they hold (an
+        adapter of higher rank is refused); max_cpu_loras: adapters kept loaded in host memory (None: max_loras;
+        at least max_loras). As vLLM's; each needs enable_lora.
     """
 
     model: str | None = flag(
@@ -155,6 +159,10 @@ class EngineConfig:
         "a file with the secret (16+ bytes, the same on every process) that authenticates process 0's messages; "
         "default $JAXSERVE_COORDINATOR_SECRET; required across hosts", metavar="FILE")
     chat_template: str | None = flag("a jinja chat template file, used instead of the model's own", metavar="FILE")
+    enable_lora: bool = flag("serve LoRA adapters (PEFT directories) beside the base model", default=False)
+    max_loras: int = flag("LoRA adapters in one step (device slots)", default=1)
+    max_lora_rank: int = flag("the highest LoRA rank the slots hold", default=16)
+    max_cpu_loras: int | None = flag("LoRA adapters kept in host memory (default: --max-loras)")
 
     def __post_init__(self):
         # Nothing here may touch JAX's backends: jax.distributed must initialise before they start.
@@ -187,6 +195,7 @@ class EngineConfig:
         check_kv_cache_dtype(self.kv_cache_dtype)
         object.__setattr__(self, "speculative_config", SpeculativeConfig.from_value(self.speculative_config))
         self._check_distributed()
+        self._check_lora()
         if isinstance(self.chat_template, os.PathLike):
             object.__setattr__(self, "chat_template", os.fspath(self.chat_template))
         _check_type("chat_template", self.chat_template, str, optional=True)
@@ -205,6 +214,20 @@ class EngineConfig:
             raise ValueError("quantize_embeddings needs a quantization (int8, int4 or awq)")
         if self.calibration_text is not None and self.quantization != "awq":
             raise ValueError("calibration_text is what awq calibrates on; it needs quantization 'awq'")
+
+    def _check_lora(self) -> None:
+        _check_type("enable_lora", self.enable_lora, bool)
+        _check_int("max_loras", self.max_loras, 1)
+        _check_int("max_lora_rank", self.max_lora_rank, 1)
+        _check_int("max_cpu_loras", self.max_cpu_loras, 1, optional=True)
+        if not self.enable_lora:  # each would be silently ignored
+            given = [name for name, default in (("max_loras", 1), ("max_lora_rank", 16), ("max_cpu_loras", None))
+                     if getattr(self, name) != default]
+            if given:
+                raise ValueError(f"{', '.join(given)} need enable_lora=True")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras}): "
+                             "an adapter in a device slot is also held in host memory")
 
     def _check_distributed(self) -> None:
         _check_type("coordinator_address", self.coordinator_address, str, optional=True)

@@ -26,6 +26,8 @@ from jaxserve.buckets import Buckets, geometric
 from jaxserve.cache import PageAllocator, PrefixCache, bytes_per_page, num_pages_for_budget, pages_needed
 from jaxserve.distributed import check_tensor_parallel, device_groups, make_mesh
 from jaxserve.engine_config import EngineConfig
+from jaxserve.lora.adapter import load_adapter
+from jaxserve.lora.slot_cache import HostAdapters, LoRASlots
 from jaxserve.model.decoder import repeat_kv_heads
 from jaxserve.options import CPU_KV_CACHE_BYTES
 from jaxserve.pallas_kernels import page_head_dim_multiple
@@ -54,13 +56,14 @@ class Engine:
         default_factory=lambda: multihost.LeaderFollower(None, True))
     attention_backend: str = "reference"
     quantization: str | None = None
+    loras: HostAdapters | None = None  # the LoRA adapters on the host, shared by the replicas (None: not enabled)
 
     @classmethod
     def over(cls, replicas: list[EngineCore], vocab_size: int, max_model_len: int, tokenizer=None,
-             model_name: str = "fake") -> "Engine":
+             model_name: str = "fake", loras: HostAdapters | None = None) -> "Engine":
         """An engine over replicas built by hand (tests: over fake runners)."""
         core = replicas[0] if len(replicas) == 1 else DataParallel(replicas)
-        return cls(core, replicas, model_name, vocab_size, max_model_len, tokenizer)
+        return cls(core, replicas, model_name, vocab_size, max_model_len, tokenizer, loras=loras)
 
 
 def build_engine(c: EngineConfig) -> Engine:
@@ -70,6 +73,10 @@ def build_engine(c: EngineConfig) -> Engine:
     # Several processes: the leader (process 0) schedules and publishes each step; the others follow it.
     processes = multihost.LeaderFollower.for_this_process(lambda index, batch: runners[index].run(batch),
                                                            c.coordinator_secret_file)
+    if c.enable_lora and processes.multi_process:
+        # A follower would have to load each adapter into the same slot as the leader, which needs a message of
+        # its own (its arrays, or a path every host can read): not built yet.
+        raise ValueError("enable_lora is not supported over several processes yet")
     tp, dp = c.tensor_parallel_size, c.data_parallel_size
     groups = device_groups(make_mesh(tp, dp)) if tp * dp > 1 or processes.multi_process else [None]
     spec = c.speculative_config
@@ -121,12 +128,17 @@ def build_engine(c: EngineConfig) -> Engine:
                    max_tokens=buckets.num_tokens[-1])
     backend = checked_backend(backend, c.attention_backend, config, c.block_size, dtype, serving, c.kv_cache_dtype)
     runner_config = RunnerConfig(dtype, num_pages, c.block_size, buckets, c.max_num_seqs, backend, c.kv_cache_dtype,
-                                 spec.num_speculative_tokens if spec else 0)
+                                 spec.num_speculative_tokens if spec else 0,
+                                 *((c.max_loras, c.max_lora_rank) if c.enable_lora else (0, 0)))
     # One engine replica per device group: its own runner, KV cache and scheduler (see batching.data_parallel).
     replicas = [_replica(c, runner_config, config, params, draft, group, processes, runners) for group in groups]
+    loras = None
+    if c.enable_lora:  # checked against the model's own shapes (a runner splits them as it splits the model)
+        loras = HostAdapters(lambda request: load_adapter(request, loaded.config, c.max_lora_rank, dtype),
+                             c.max_cpu_loras or c.max_loras)
     engine = Engine(replicas[0] if len(replicas) == 1 else DataParallel(replicas), replicas, loaded.name,
                     loaded.config.vocab_size, max_model_len, tokenizer, loaded.config, runners, processes, backend,
-                    loaded.quantization)
+                    loaded.quantization, loras)
     # The controller weighs step times measured at warm-up, so speculation warms up even if asked not to.
     timed = spec is not None and spec.adaptive
     if c.warmup or timed:
@@ -143,9 +155,12 @@ def _replica(c: EngineConfig, runner_config: RunnerConfig, config, params, draft
     how a multi-process leader names them to the followers."""
     spec = c.speculative_config
 
-    def runner_for(model_config, model_params, k: int) -> ModelRunner:
-        runner = ModelRunner(model_config, model_params, dataclasses.replace(runner_config, num_speculative_tokens=k),
-                             mesh, processes if processes.is_leader else None, len(runners))
+    def runner_for(model_config, model_params, k: int, lora: bool = True) -> ModelRunner:
+        rc = dataclasses.replace(runner_config, num_speculative_tokens=k)
+        if not lora:
+            rc = dataclasses.replace(rc, max_loras=0, max_lora_rank=0)
+        runner = ModelRunner(model_config, model_params, rc, mesh, processes if processes.is_leader else None,
+                             len(runners))
         runners.append(runner)
         return runner
     runner = runner_for(config, params, runner_config.num_speculative_tokens)
@@ -153,14 +168,17 @@ def _replica(c: EngineConfig, runner_config: RunnerConfig, config, params, draft
     if c.ttft_slo is not None or c.tpot_slo is not None:
         slo = SloController(geometric(1, c.max_num_seqs), c.max_num_seqs, tpot_slo=c.tpot_slo, ttft_slo=c.ttft_slo)
     cache = PrefixCache(PageAllocator(runner_config.num_pages), c.block_size, c.enable_prefix_caching)
+    # Each replica's runner has its own adapter slots; a draft model has none (its proposals are only proposals).
+    lora_slots = LoRASlots(c.max_loras, runner.load_lora) if c.enable_lora else None
     scheduler = Scheduler(cache, c.max_num_seqs, c.max_num_batched_tokens, runner_config.buckets.num_tokens,
-                          c.scheduling_policy, slo)
+                          c.scheduling_policy, slo, lora_slots)
     if spec is None:
         return EngineCore(scheduler, runner)
     k = spec.num_speculative_tokens
     draft_runner = None
     if draft is not None:
-        draft_runner = runner_for(draft.config, draft.params, 0)  # a draft draws its proposals in plain steps
+        # A draft draws its proposals in plain steps, with no adapters (they are the target's).
+        draft_runner = runner_for(draft.config, draft.params, 0, lora=False)
         proposer = DraftProposer(draft_runner, c.max_num_batched_tokens, c.max_num_seqs)
     else:
         proposer = NgramProposer(k, spec.prompt_lookup_max, spec.prompt_lookup_min)

@@ -35,6 +35,10 @@ class ServerMetrics:
                                 buckets=_REQUEST_BUCKETS, registry=self.registry)
         self._success = Counter("jaxserve:request_success", "Finished completions, by finish reason.",
                                 ["model_name", "finished_reason"], registry=self.registry)
+        # vLLM has no per-adapter count (its lora_requests_info gauge names the adapters running and waiting): this
+        # counts the requests each adapter served, under its base model's name.
+        self._lora_requests = Counter("jaxserve:lora_requests", "Requests run with a LoRA adapter, by adapter.",
+                                      ["model_name", "lora_name"], registry=self.registry)
         self._engines: dict = {}  # model_name -> its engine's stats callable, read at scrape
         self.registry.register(_EngineCollector(self._engines))
 
@@ -59,9 +63,18 @@ class ModelMetrics:
         self.e2e = parent._e2e.labels(model_name=model_name)
         self.queue = parent._queue.labels(model_name=model_name)
         self._success = parent._success
+        self._lora_requests = parent._lora_requests
 
     def finished(self, reason: str) -> None:
         self._success.labels(model_name=self.model_name, finished_reason=reason).inc()
+
+    def add_adapter(self, lora_name: str) -> None:
+        """An adapter's series, at 0 from its load (kept after an unload: a counter does not go back)."""
+        self._lora_requests.labels(model_name=self.model_name, lora_name=lora_name)
+
+    def lora_request(self, lora_name: str) -> None:
+        """One engine request (a prompt of a batch) run with the adapter."""
+        self._lora_requests.labels(model_name=self.model_name, lora_name=lora_name).inc()
 
     def observe_request(self, metrics) -> None:
         """A finished request's RequestMetrics (time.monotonic stamps). (TTFT is observed by the server as the first

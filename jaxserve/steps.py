@@ -101,22 +101,24 @@ class Steps:
                                     jax.make_array_from_process_local_data(self._replicated, np.asarray(x)))
         return self._constants[key]
 
-    def step(self, params, kv_cache, last_tokens, batch: StepInput):
+    def step(self, params, kv_cache, last_tokens, batch: StepInput, lora=None):
         """One ragged step. Returns (StepOutput, kv_cache, last_tokens); kv_cache and last_tokens [slots] are
         donated: each row's last emitted token is kept at last_tokens[out_slot] for a later step to chain from.
         A batch whose logits_index is [S, k + 1] runs the verification program. A draft model's steps are plain
-        ones: its proposals are drawn as sample() draws, with the sequence's seed and generated token numbers."""
+        ones: its proposals are drawn as sample() draws, with the sequence's seed and generated token numbers.
+        lora: the LoRA adapters' buffers (`jaxserve.lora.buffers`) that batch.lora_slot indexes, or None (no
+        adapters: the base model's programs)."""
         batch = self.put_batch(batch)
         if batch.logits_index.shape[1] > 1:
-            out, new_kv, last_tokens = self._verify(params, kv_cache, last_tokens, batch)
+            out, new_kv, last_tokens = self._verify(params, kv_cache, last_tokens, batch, lora)
         else:
-            out, new_kv, last_tokens = self._forward(params, kv_cache, last_tokens, batch)
+            out, new_kv, last_tokens = self._forward(params, kv_cache, last_tokens, batch, lora)
         return out, self._write(kv_cache, new_kv, batch.slot_mapping), last_tokens
 
-    def forward_logits(self, params, kv_cache, batch: StepInput):
+    def forward_logits(self, params, kv_cache, batch: StepInput, lora=None):
         """Logits of every new token, [T, V] float32, and the updated cache (for tests and perplexity)."""
         batch = self.put_batch(batch)
-        logits, new_kv = self._logits(params, kv_cache, batch)
+        logits, new_kv = self._logits(params, kv_cache, batch, lora)
         return logits, self._write(kv_cache, new_kv, batch.slot_mapping)
 
     def _prompt_scores(self, params, hidden, batch: StepInput):
@@ -128,10 +130,17 @@ class Steps:
                                 params, specs)
         return score_targets(hidden, batch.prompt_targets, score, self.config.vocab_size)
 
-    def _forward_and_sample(self, params, kv_cache, last_tokens, batch: StepInput):
+    def _apply(self, params, lora, batch: StepInput, *args, **kw):
+        """The model over params, with the LoRA adapters if there are any (None: exactly the base model's program:
+        batch.lora_slot is then unused, so jit prunes it)."""
+        if lora is None:
+            return self.model.apply(params, *args, **kw)
+        return self.model.apply({**params, "lora": lora}, *args, **kw, lora_slot=batch.lora_slot)
+
+    def _forward_and_sample(self, params, kv_cache, last_tokens, batch: StepInput, lora=None):
         tokens = input_tokens(batch, last_tokens)
-        logits, new_kv, hidden = self.model.apply(params, tokens, kv_cache, batch.rows, batch.logits_index[:, 0],
-                                                  return_hidden=True)
+        logits, new_kv, hidden = self._apply(params, lora, batch, tokens, kv_cache, batch.rows,
+                                             batch.logits_index[:, 0], return_hidden=True)
         s = sample_over_vocab(sample, self.mesh, logits,
                               with_step_tokens(batch.sampling, tokens, batch.rows, batch.logits_index[:, 0]))
         out = StepOutput(tokens=s.tokens[:, None], num_tokens=(batch.logits_index[:, 0] >= 0).astype(jnp.int32),
@@ -140,15 +149,16 @@ class Steps:
         last_tokens = last_tokens.at[batch.out_slot].set(s.tokens)  # -1 wraps to the padding slot
         return out, new_kv, last_tokens
 
-    def _forward_and_verify(self, params, kv_cache, last_tokens, batch: StepInput):
+    def _forward_and_verify(self, params, kv_cache, last_tokens, batch: StepInput, lora=None):
         tokens = input_tokens(batch, last_tokens)  # [T]
         index = jnp.maximum(batch.logits_index, 0)  # [S, Q]
         T, (S, Q) = tokens.shape[0], index.shape
         if T <= S * Q:  # the LM head over every token costs less than over every (row, position)
-            logits, new_kv, hidden = self.model.apply(params, tokens, kv_cache, batch.rows, return_hidden=True)
+            logits, new_kv, hidden = self._apply(params, lora, batch, tokens, kv_cache, batch.rows, return_hidden=True)
             logits = logits[index]  # [S, Q, V]
         else:
-            logits, new_kv, hidden = self.model.apply(params, tokens, kv_cache, batch.rows, index, return_hidden=True)
+            logits, new_kv, hidden = self._apply(params, lora, batch, tokens, kv_cache, batch.rows, index,
+                                                 return_hidden=True)
         # The proposal a scored position is checked against is the token after it in the row.
         drafts = tokens[jnp.minimum(index[:, :-1] + 1, T - 1)]  # [S, Q - 1]
         # Rows whose logit controls depend on the tokens before a position do not speculate: position 0 is theirs.
@@ -164,8 +174,8 @@ class Steps:
     def _write_cache(self, kv_cache, new_kv, slot_mapping):
         return write_cache(kv_cache, new_kv, slot_mapping)  # a method, so each Steps counts its own programs
 
-    def _forward_logits(self, params, kv_cache, batch: StepInput):
-        return self.model.apply(params, batch.token_ids, kv_cache, batch.rows)
+    def _forward_logits(self, params, kv_cache, batch: StepInput, lora=None):
+        return self._apply(params, lora, batch, batch.token_ids, kv_cache, batch.rows)
 
     def num_compiled(self) -> int:
         """Programs compiled so far for serving (forwards and cache writes)."""

@@ -4,6 +4,9 @@ Every token's successor is `next_token(t) = (t + 1) % vocab_size` (skipping toke
 a greedy sequence from prompt [.., t] generates t + 1, t + 2, ... A verification row accepts its proposals while
 each equals the successor of the token before it, as the real verifier accepts proposals equal to its own draw.
 Faults are injected by asking for them (`fail`), not by patching a live runner.
+
+LoRA: a fake adapter (`fake_adapter`, from a LoRARequest whose path is "shift/N") adds N to every successor of the
+rows that name its slot, so each adapter's tokens differ from the base model's and from each other's.
 """
 from __future__ import annotations
 
@@ -22,6 +25,8 @@ from jaxserve.batching.scheduler import Scheduler
 from jaxserve.batching.spec_controller import SpecController
 from jaxserve.cache import PageAllocator, PrefixCache
 from jaxserve.engine_factory import Engine
+from jaxserve.lora.adapter import LoRAError
+from jaxserve.lora.slot_cache import HostAdapters, LoRASlots
 from jaxserve.sampling_params import MAX_LOGPROBS
 
 
@@ -51,6 +56,7 @@ class FakeRunner:
         self.events: list[str] = []  # "dispatch" / "fetch", in order
         self._faults: list[Fault] = []
         self.gate = None  # a threading.Event: while set to one, each read-back waits for it (an engine held)
+        self.lora_shifts: dict[int, int] = {}  # LoRA slot -> the shift of the fake adapter loaded into it
 
     def next_token(self, token: int) -> int:
         return (token + 1) % self.vocab_size if self._successor is None else self._successor(token) % self.vocab_size
@@ -98,8 +104,13 @@ class FakeRunner:
                          top_logprobs=np.zeros((S, Q, MAX_LOGPROBS), np.float32))
         return FakeHandle(S, out, rows)
 
+    def load_lora(self, slot: int, adapter) -> None:
+        self.lora_shifts[slot] = adapter.shift
+
     def _draw(self, token: int, row: Row, generated: int) -> int:
         draw = self.next_token(token)
+        if row.lora_slot >= 0:
+            draw = (draw + self.lora_shifts[row.lora_slot]) % self.vocab_size
         while generated < row.sampling.min_tokens and draw in row.sampling.banned:
             draw = self.next_token(draw)
         return draw
@@ -132,14 +143,25 @@ def has_decode_row(rows: list[Row]) -> bool:
     return any(r.chained or (r.samples and len(r.token_ids) == 1 + r.num_draft and r.start_pos > 0) for r in rows)
 
 
+def fake_adapter(request):
+    """A fake LoRA adapter: its path "shift/N" says N (any other path fails to load, as a bad adapter does)."""
+    kind, _, n = request.lora_path.partition("/")
+    if kind != "shift" or not n.isdigit():
+        raise LoRAError(f"LoRA adapter {request.lora_name!r}: lora_path: not a fake adapter")
+    return dataclasses.make_dataclass("FakeAdapter", ["shift", "weights"])(int(n), {"shift": np.int32(n)})
+
+
 def fake_replica(num_pages: int = 32, page_size: int = 4, max_num_seqs: int = 4, max_num_batched_tokens: int = 16,
                  vocab_size: int = 64, ngram: int = 0, enable_prefix_caching: bool = True, proposer=None,
-                 draft: bool = False, scheduling_policy: str = "fcfs", runner: FakeRunner | None = None) -> EngineCore:
+                 draft: bool = False, scheduling_policy: str = "fcfs", runner: FakeRunner | None = None,
+                 max_loras: int = 0) -> EngineCore:
     """An engine core over a FakeRunner. ngram=k: speculating up to k proposals for every sequence every step, from
-    `proposer` (default: n-gram lookup; draft=True: a fake draft model, right two times in three)."""
+    `proposer` (default: n-gram lookup; draft=True: a fake draft model, right two times in three). max_loras: LoRA
+    slots (0: adapters not enabled)."""
     runner = runner or FakeRunner(vocab_size, ngram)
     scheduler = Scheduler(PrefixCache(PageAllocator(num_pages), page_size, enable_prefix_caching), max_num_seqs,
-                          max_num_batched_tokens, policy=scheduling_policy)
+                          max_num_batched_tokens, policy=scheduling_policy,
+                          lora_slots=LoRASlots(max_loras, runner.load_lora) if max_loras else None)
     if not ngram:
         return EngineCore(scheduler, runner)
     if draft:
@@ -150,8 +172,11 @@ def fake_replica(num_pages: int = 32, page_size: int = 4, max_num_seqs: int = 4,
 
 
 def fake_llm(num_replicas: int = 1, max_model_len: int = 64, vocab_size: int = 64, tokenizer=None,
-             **replica_args) -> LLM:
+             max_cpu_loras: int = 0, **replica_args) -> LLM:
     """An LLM over fake runners: one replica, or several behind data parallelism. Token-id prompts only, unless
-    given a tokenizer (of vocab_size tokens)."""
+    given a tokenizer (of vocab_size tokens). max_loras (a replica's slots) and max_cpu_loras (the host's): fake
+    LoRA adapters (see fake_adapter)."""
     replicas = [fake_replica(vocab_size=vocab_size, **replica_args) for _ in range(num_replicas)]
-    return LLM.over(Engine.over(replicas, vocab_size, max_model_len, tokenizer))
+    max_loras = replica_args.get("max_loras", 0)
+    loras = HostAdapters(fake_adapter, max_cpu_loras or max_loras) if max_loras else None
+    return LLM.over(Engine.over(replicas, vocab_size, max_model_len, tokenizer, loras=loras))

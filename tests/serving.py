@@ -4,6 +4,7 @@ import socket
 import threading
 import time
 
+import aiohttp
 from aiohttp import web
 
 from jaxserve.async_engine import AsyncEngine
@@ -55,6 +56,17 @@ def wait_idle(st: ServerThread, timeout=30.0):
         assert time.monotonic() < deadline, "the server never went idle"
         time.sleep(0.02)
     st.engine.llm.core.assert_idle_and_clean()
+
+
+async def _request(method, url, body=None):
+    async with aiohttp.ClientSession() as s:
+        async with s.request(method, url, json=body) as r:
+            return r.status, await r.read()
+
+
+def http(method, url, body=None) -> tuple[int, bytes]:
+    """One request (a JSON body, if given) from a client of its own: (status, body bytes)."""
+    return asyncio.run(_request(method, url, body))
 
 
 def metric_samples(text: str) -> dict:

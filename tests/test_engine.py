@@ -56,9 +56,9 @@ def test_no_compilation_after_warmup(tiny_tokenized_dir, other_tiny_dir, specula
     used = set()
     step = llm.runner.steps.step
 
-    def recording(params, kv_cache, last_tokens, batch):
+    def recording(params, kv_cache, last_tokens, batch, lora=None):
         used.add((batch.num_tokens, batch.num_rows, batch.logits_index.shape[1] > 1))
-        return step(params, kv_cache, last_tokens, batch)
+        return step(params, kv_cache, last_tokens, batch, lora)
 
     llm.runner.steps.step = recording
     # Count every XLA compilation, not only the steps': an eager op on a device array compiles a program too.

@@ -15,7 +15,7 @@ from jaxserve.cli import build_parser, main
 from jaxserve.engine_config import EngineConfig
 from jaxserve.options import CPU_KV_CACHE_BYTES
 from jaxserve.server import Server
-from serving import ServerThread, metric_samples, wait_idle
+from serving import ServerThread, http, metric_samples, wait_idle
 from tiny import make_llm
 
 PROMPT = [5, 6, 7, 8, 9]
@@ -39,16 +39,6 @@ def two(tiny_dir, other_tiny_dir):
     st = ServerThread(llms)
     yield st, expected
     st.stop()
-
-
-async def _request(method, url, body=None):
-    async with aiohttp.ClientSession() as s:
-        async with s.request(method, url, json=body) as r:
-            return r.status, await r.read()
-
-
-def http(method, url, body=None):
-    return asyncio.run(_request(method, url, body))
 
 
 def idle(st):

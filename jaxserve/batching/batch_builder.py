@@ -51,6 +51,7 @@ class Row:
     # prompt token after it).
     prompt_targets: list[int] = dataclasses.field(default_factory=list)
     score_from: int = 0
+    lora_slot: int = -1  # the device slot of the row's LoRA adapter (-1: the base model)
 
     @property
     def end(self) -> int:
@@ -119,6 +120,9 @@ def build_batch(rows: list[Row], page_size: int, vocab_size: int, num_tokens: in
     prompt_targets = constant((T,), np.int32, -1)
     if any(r.prompt_targets for r in rows):
         prompt_targets = np.full(T, -1, np.int32)
+    lora_slot = constant((T,), np.int32, -1)
+    if any(r.lora_slot >= 0 for r in rows):
+        lora_slot = np.full(T, -1, np.int32)
     t = 0
     for i, row in enumerate(rows):
         n, end = len(row.token_ids), row.end
@@ -148,6 +152,8 @@ def build_batch(rows: list[Row], page_size: int, vocab_size: int, num_tokens: in
             out_slot[i] = row.slot
         if row.chained:
             chain_slot[t] = row.slot
+        if row.lora_slot >= 0:
+            lora_slot[t:t + n] = row.lora_slot
         if row.prompt_targets:
             if not 0 <= row.score_from <= n - len(row.prompt_targets):
                 raise ValueError(f"row {i}: {len(row.prompt_targets)} prompt targets from token {row.score_from} "
@@ -168,7 +174,7 @@ def build_batch(rows: list[Row], page_size: int, vocab_size: int, num_tokens: in
                          page_table=page_table)
     return StepInput(token_ids=token_ids, chain_slot=chain_slot, slot_mapping=slot_mapping, rows=rows_in,
                      logits_index=logits_index, num_draft=num_draft, out_slot=out_slot, sampling=sampling,
-                     prompt_targets=prompt_targets)
+                     prompt_targets=prompt_targets, lora_slot=lora_slot)
 
 
 def _fill_logit_controls(sampling: SamplingInput, i: int, row: Row) -> None:

@@ -4,10 +4,12 @@ group, behind one request interface (EngineCore's).
 One scheduler per replica, not one global one: replicas share no pages, prefix cache or step, so a global
 scheduler would only tie the groups' steps together; what has to be global is where a request goes. It goes to the
 replica with the fewest sequences queued or running; among equals, to the one whose prefix cache already holds
-the most of its prompt, then to the one sent the fewest requests (so replicas idle in turn share the work); a
+the most of its prompt (under its LoRA adapter, if any), then to one holding its adapter in a slot, then to the one
+sent the fewest requests (so replicas idle in turn share the work); a
 request's n sequences stay together (they share its prompt's pages). Stepping the replicas
 one after the other keeps them all busy: each step dispatches its replica's next step before it reads back the one
-before, so while one replica's host waits for its device the others' devices are computing.
+before, so while one replica's host waits for its device the others' devices are computing. LoRA adapters: the
+host's are shared, and each replica loads them into its own runner's slots as its sequences need them.
 
 A replica is a unit of failure too: a failed step ends only that replica's requests (the others' results of the
 round still reach theirs), and a replica whose steps keep failing leaves the routing for good while the others
@@ -37,12 +39,12 @@ class DataParallel:
         if not healthy:
             raise EngineDeadError("every data-parallel replica has stopped after failed steps")
         # Replicas share one page size: the prompt is hashed once, whatever their number.
-        keys = page_keys(seq.prompt_token_ids, self.replicas[0].scheduler.cache.page_size, [])
+        keys = page_keys(seq.prompt_token_ids, self.replicas[0].scheduler.cache.page_size, [], seq.prefix_salt)
 
-        def load(i: int) -> tuple[int, int, int]:
+        def load(i: int) -> tuple[int, int, bool, int]:
             s = self.replicas[i].scheduler
             return len(s.waiting) + len(s.running), -s.cache.num_cached_pages(seq.prompt_token_ids, keys), \
-                self.routed[i]
+                not _holds_adapter(s, seq), self.routed[i]
         best = min(healthy, key=load)
         self.routed[best] += 1
         return self.replicas[best]
@@ -97,6 +99,12 @@ class DataParallel:
         for core in self.replicas:
             core.assert_idle_and_clean()
         assert not self._placed
+
+
+def _holds_adapter(scheduler, seq: Sequence) -> bool:
+    """The replica has the sequence's LoRA adapter in a slot already (loading it elsewhere costs a copy)."""
+    return seq.lora is not None and scheduler.lora_slots is not None and \
+        scheduler.lora_slots.slot_of(seq.lora) is not None
 
 
 def merge_stats(parts: list[EngineStats]) -> EngineStats:

@@ -3,6 +3,10 @@
 A step is dispatched without waiting (JAX runs it asynchronously); `fetch` is the one blocking device-to-host copy,
 of what it sampled. Each running sequence owns a slot in a small device buffer of last sampled tokens, so a decode
 row can take its input token from the step before it without that token ever visiting the host first.
+
+With LoRA (max_loras > 0) the runner also holds the adapters' device buffers (`jaxserve.lora.buffers`): a row's
+`lora_slot` names one of them; `load_lora` / `clear_lora` fill and empty a slot by one compiled program (the slot
+is an argument), so adapters come and go without a compilation.
 """
 from __future__ import annotations
 
@@ -12,6 +16,8 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxserve.batch import StepInput, StepOutput
 from jaxserve.batching.batch_builder import Row, build_batch
@@ -19,8 +25,10 @@ from jaxserve.batching.runner import StepHandle
 from jaxserve.buckets import Buckets, round_up
 from jaxserve.cache import init_kv_cache, pages_needed
 from jaxserve.multihost import LeaderFollower
-from jaxserve.distributed import log_placement, place, replicated
+from jaxserve.distributed import log_placement, param_shardings, place, replicated
 from jaxserve.layouts import param_formats, with_row_major_tables
+from jaxserve.lora.adapter import LoRAAdapter
+from jaxserve.lora.buffers import empty_lora, lora_axes, slot_arrays
 from jaxserve.pallas_kernels import page_head_dim_multiple
 from jaxserve.steps import steps_for
 
@@ -39,6 +47,9 @@ class RunnerConfig:
     kv_cache_dtype: str = "auto"
     # k, for verification programs (a target's; a draft model's runner has none: it draws proposals in plain steps).
     num_speculative_tokens: int = 0
+    # LoRA adapter slots on device and their rank (0: no LoRA, and the programs are exactly the base model's).
+    max_loras: int = 0
+    max_lora_rank: int = 0
 
 
 class ModelRunner:
@@ -75,9 +86,51 @@ class ModelRunner:
                                        out_shardings=replicated(mesh))()
         # Seconds per step by (tokens, scored per row), measured at warm-up: what speculation's controller weighs.
         self.step_times: dict[tuple[int, int], float] = {}
+        self.max_loras, self.max_lora_rank, self.dtype = rc.max_loras, rc.max_lora_rank, rc.dtype
+        self.lora = None
+        if rc.max_loras:
+            self._init_lora()
+
+    def _init_lora(self):
+        lora = empty_lora(self.config, self.max_loras, self.max_lora_rank, self.dtype)
+        if self.mesh is None:
+            self.lora, write = lora, {}
+        else:
+            # Split like their base kernels; a slot's arrays (no slot axis) like one slot of them.
+            spec = param_shardings(self.mesh, lora, lora_axes(self.config))
+            self.lora = place(lora, spec)
+            log_placement("LoRA buffers", self.lora)
+            one = jax.tree.map(lambda s: NamedSharding(s.mesh, P(*s.spec[1:])), spec)
+            write = dict(in_shardings=(spec, replicated(self.mesh), one), out_shardings=spec)
+
+        def write_slot(lora, slot, arrays):  # slot: a traced int32 scalar, so every slot shares the program
+            return jax.tree.map(lambda buf, x: buf.at[slot].set(x), lora, arrays)
+        self._write_lora = jax.jit(write_slot, donate_argnums=0, **write)
+
+    def load_lora(self, slot: int, adapter: LoRAAdapter) -> None:
+        """Writes adapter into device slot `slot` (in place; a step dispatched before runs with the slot's old
+        contents). Raises ValueError for a slot out of range or an adapter that does not fit."""
+        self._write_slot(slot, adapter)
+
+    def clear_lora(self, slot: int) -> None:
+        """Empties device slot `slot` (all zeros: a row naming it computes the base model)."""
+        self._write_slot(slot, None)
+
+    def _write_slot(self, slot: int, adapter: LoRAAdapter | None) -> None:
+        if self.lora is None:
+            raise ValueError("this runner has no LoRA slots (enable_lora is off)")
+        if not isinstance(slot, int) or not 0 <= slot < self.max_loras:
+            raise ValueError(f"LoRA slot must be an integer in [0, {self.max_loras}), got {slot!r}")
+        arrays = slot_arrays(adapter, self.config, self.max_lora_rank, self.dtype)
+        self.lora = self._write_lora(self.lora, np.int32(slot), arrays)
+
+    def lora_compiled(self) -> int:
+        """Programs compiled so far to fill LoRA slots (at most one)."""
+        return 0 if self.lora is None else self._write_lora._cache_size()
 
     def dispatch(self, rows: list[Row]) -> StepHandle:
         """Starts a step over `rows` without waiting for it; returns the handle `fetch` reads it back with."""
+        self._check_lora_slots(rows)
         tokens = round_up(sum(len(r.token_ids) for r in rows), self.buckets.num_tokens)
         scored = self.num_speculative_tokens + 1 if any(r.num_draft for r in rows) else 1
         batch = build_batch(rows, self.page_size, self.config.vocab_size, tokens, self.buckets.num_rows(tokens),
@@ -92,9 +145,16 @@ class ModelRunner:
             out = dataclasses.replace(out, prompt=None)
         return StepHandle(len(rows), out)
 
+    def _check_lora_slots(self, rows: list[Row]) -> None:
+        for i, r in enumerate(rows):
+            if r.lora_slot != -1 and not 0 <= r.lora_slot < self.max_loras:  # a gather would clamp it silently
+                raise ValueError(f"row {i}: LoRA slot {r.lora_slot} is not one of this runner's "
+                                 f"{self.max_loras} (enable_lora {'on' if self.lora is not None else 'off'})")
+
     def run(self, batch: StepInput) -> StepOutput:
         """The device side of a step whose batch is built (all a multi-process follower does of it)."""
-        out, self.kv_cache, self.last_tokens = self.steps.step(self.params, self.kv_cache, self.last_tokens, batch)
+        out, self.kv_cache, self.last_tokens = self.steps.step(self.params, self.kv_cache, self.last_tokens, batch,
+                                                               self.lora)
         return out
 
     def fetch(self, handle: StepHandle) -> StepOutput:
@@ -135,6 +195,11 @@ class ModelRunner:
             if time_steps:  # the fastest of a few: one page fault or GC pause must not set a cost for good
                 self.step_times[tokens, 1 + k if num_draft else 1] = min(self._time(rows) for _ in range(3))
         compiled = self.steps.num_compiled() - before
+        if self.lora is not None and not self.lora_compiled():
+            # The slot-filling program too, so that loading an adapter never compiles (no slot was ever filled,
+            # so slot 0 is empty already).
+            self.clear_lora(0)
+            compiled += 1
         logger.info("warm-up compiled %d programs (%d shapes) in %.1f s", compiled, len(shapes),
                     time.perf_counter() - start)
         return compiled

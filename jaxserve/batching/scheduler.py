@@ -12,6 +12,12 @@ carry one in-flight token (`Sequence.pending`), which a decode row then takes st
 a grammar (structured output) is the exception: its mask, filled here for every such row at once, follows its
 latest token, so the engine reads a step holding one back before planning the next (`ScheduledBatch.constrained`).
 
+LoRA adapters (`lora_slots`): a running sequence with an adapter holds one of the runner's adapter slots, so a step
+never has more distinct adapters than slots. A waiting sequence whose adapter has no slot (all hold others' adapters,
+each used by a running sequence) waits, and every adapter sequence after it waits too, so the slots drain to it
+rather than to a stream of later requests for the adapters loaded already; base-model sequences need no slot and go
+on being admitted.
+
 The scheduler is the one writer of a Sequence's fields (its tokens, pages, slot, status and counters): `schedule`
 lays a step's rows out and counts them in, `update` applies the step's result once the output processor has cut its
 tokens at any stop, `finish` and `abort` take sequences out.
@@ -30,6 +36,7 @@ from jaxserve.batching.slo import SloController
 from jaxserve.buckets import round_up
 from jaxserve.cache import PrefixCache, page_keys, pages_needed
 from jaxserve.logit_controls import bad_word_bans
+from jaxserve.lora.slot_cache import LoRASlots
 from jaxserve.options import SCHEDULING_POLICIES
 from jaxserve.structured_output import fill_masks
 from jaxserve.token_mask import both
@@ -127,7 +134,8 @@ def row_sampling(seq: Sequence, ahead: int = 0, top_logprobs: bool = True) -> Ro
 class Scheduler:
     def __init__(self, cache: PrefixCache, max_num_seqs: int, max_num_batched_tokens: int,
                  token_buckets: tuple[int, ...] | None = None, policy: str = "fcfs",
-                 slo: SloController | None = None):
+                 slo: SloController | None = None, lora_slots: LoRASlots | None = None):
+        """lora_slots: the runner's LoRA adapter slots (None: adapters are not enabled)."""
         if policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {policy!r}")
         self.cache = cache
@@ -137,6 +145,7 @@ class Scheduler:
         self.token_buckets = token_buckets or (max_num_batched_tokens,)  # the step sizes that compile, ascending
         self.policy = policy
         self.slo = slo
+        self.lora_slots = lora_slots
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self._free_slots = list(range(max_num_seqs - 1, -1, -1))
@@ -153,6 +162,9 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         self.check_fits(seq)
+        if seq.lora is not None and self.lora_slots is None:
+            raise ValueError(f"request {seq.request_id} names LoRA adapter {seq.lora.request.lora_name!r}, but this "
+                             "engine was started without enable_lora")
         seq.status = Status.WAITING
         self.waiting.append(seq)
 
@@ -220,11 +232,15 @@ class Scheduler:
             if budget > 0 and seq.num_to_compute > 1:
                 budget -= self._add_chunks(plan, seq, budget)
         cap = self.max_num_seqs if self.slo is None else min(self.max_num_seqs, self.slo.batch_cap(self.waiting))
+        slot_short = False  # an adapter sequence waits for a LoRA slot: later adapter sequences wait behind it
         for seq in sorted(self.waiting, key=self.priority) if admit else []:
             if budget <= 0:
                 break
             if seq.pending:
                 continue  # preempted with a token in flight: resumable once it lands
+            if seq.lora is not None and (slot_short or not self.lora_slots.can_take(seq.lora)):
+                slot_short = True
+                continue
             if not self._admit(seq, cap):
                 break
             budget -= self._add_chunks(plan, seq, budget)
@@ -256,9 +272,11 @@ class Scheduler:
         for s in plan.decode:
             proposals = plan.proposals.get(s, [])
             rows.append(Row([0 if s.pending else s.last_token] + proposals, s.num_tokens - 1, s.pages,
-                            row_sampling(s), s.slot, chained=bool(s.pending), num_draft=len(proposals)))
+                            row_sampling(s), s.slot, chained=bool(s.pending), num_draft=len(proposals),
+                            lora_slot=s.lora_slot))
         rows += [Row(c.seq.token_ids[c.start:c.start + c.length], c.start, c.seq.pages, row_sampling(c.seq),
-                     c.seq.slot if c.is_last else -1, samples=c.is_last, **prompt_targets(c))
+                     c.seq.slot if c.is_last else -1, samples=c.is_last, lora_slot=c.seq.lora_slot,
+                     **prompt_targets(c))
                  for c in plan.prefill]
         return rows
 
@@ -331,7 +349,7 @@ class Scheduler:
         """Tells the prefix cache about the sequence's pages that completed steps have filled."""
         full = seq.num_written // self.page_size
         if full > seq.num_published:
-            keys = page_keys(seq.token_ids[:full * self.page_size], self.page_size, seq.page_keys)
+            keys = page_keys(seq.token_ids[:full * self.page_size], self.page_size, seq.page_keys, seq.prefix_salt)
             self.cache.publish(seq.pages, seq.token_ids, keys[:full], seq.num_published)
             seq.num_published = full
 
@@ -375,11 +393,14 @@ class Scheduler:
         return True
 
     def _admit(self, seq: Sequence, cap: int) -> bool:
-        """Gives a waiting sequence a slot, its cached prefix, and pages for all its tokens; False if it must wait."""
+        """Gives a waiting sequence a slot, its adapter's slot (the caller saw one can be had), its cached prefix,
+        and pages for all its tokens; False if it must wait."""
+        # The adapter slot first: loading it is the step that can fail, and then nothing else is held yet.
+        lora_slot = self.lora_slots.take(seq.lora) if seq.lora is not None else -1
         while True:
             if len(self.running) < cap:
                 tokens = seq.token_ids
-                keys = page_keys(tokens[:len(tokens) - 1], self.page_size, seq.page_keys)
+                keys = page_keys(tokens[:len(tokens) - 1], self.page_size, seq.page_keys, seq.prefix_salt)
                 # At least the last token is computed, whatever is cached: its logits give the next token. A
                 # sequence scoring its prompt computes all of it (its pages are still published).
                 hit = self.cache.match(tokens, keys, 0 if seq.scores_prompt else (len(tokens) - 1) // self.page_size)
@@ -388,6 +409,8 @@ class Scheduler:
                     break
                 self.cache.release(hit)
             if not self._preempt_for(seq, cap):
+                if lora_slot >= 0:
+                    self.lora_slots.release(lora_slot)  # it keeps the adapter for the next try
                 return False
         seq.pages = hit + self.cache.allocate(need)
         seq.num_cached = seq.num_written = len(hit) * self.page_size
@@ -398,6 +421,7 @@ class Scheduler:
         if seq.first_scheduled_time is None:
             seq.first_scheduled_time = time.monotonic()
         seq.slot = self._free_slots.pop()
+        seq.lora_slot = lora_slot
         self.waiting.remove(seq)
         self.running.append(seq)
         return True
@@ -427,3 +451,6 @@ class Scheduler:
         seq.pages, seq.num_cached, seq.num_written, seq.num_published, seq.num_draft_cached = [], 0, 0, 0, 0
         self._free_slots.append(seq.slot)
         seq.slot = None
+        if seq.lora_slot >= 0:
+            self.lora_slots.release(seq.lora_slot)
+            seq.lora_slot = -1

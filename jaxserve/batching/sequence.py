@@ -11,6 +11,7 @@ import dataclasses
 import enum
 import itertools
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -18,6 +19,10 @@ from jaxserve.logit_controls import NONE, LogitControls
 from jaxserve.outputs import Logprob
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.structured_output import GrammarMatcher
+
+if TYPE_CHECKING:
+    from jaxserve.lora.request import LoRARequest
+    from jaxserve.lora.slot_cache import LoadedAdapter
 
 
 class Status(enum.Enum):
@@ -82,7 +87,8 @@ _arrivals = itertools.count()
 class Sequence:
     def __init__(self, request_id: str, index: int, prompt_token_ids: list[int], params: SamplingParams, seed: int,
                  max_model_len: int, eos_token_ids: list[int], detokenizer=None, priority: int = 0,
-                 controls: LogitControls = NONE, grammar: GrammarMatcher | None = None):
+                 controls: LogitControls = NONE, grammar: GrammarMatcher | None = None,
+                 lora: LoadedAdapter | None = None):
         # What the request asked: never changes.
         self.request_id = request_id
         self.index = index  # which of the request's n completions
@@ -97,6 +103,7 @@ class Sequence:
         # What min_tokens bans on device, each id once: EOS and stop ids.
         self.ending_token_ids = tuple(dict.fromkeys(self.eos_token_ids + params.stop_token_ids))
         self.controls = controls  # logit_bias, allowed_token_ids and bad_words on the model's vocabulary
+        self.lora = lora  # its LoRA adapter (None: the base model), held from here on (see jaxserve.lora.slot_cache)
         # The scheduler's.
         self.output_token_ids: list[int] = []
         self.token_ids = TokenIds(self.prompt_token_ids, self.output_token_ids)
@@ -118,6 +125,7 @@ class Sequence:
         self.num_draft_cached = 0  # tokens whose K/V a draft model has in its own cache (same pages)
         self.pending = 0  # rows sampled by a dispatched step and not yet read back (0 or 1)
         self.slot: int | None = None  # its row in the device-side buffer of last sampled tokens, while running
+        self.lora_slot = -1  # the device slot of its adapter, while running (-1: none)
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
@@ -125,6 +133,16 @@ class Sequence:
         self.stop_rules = StopRules.of(params, self.eos_token_ids)
         self.output = OutputState(detokenizer, logprobs=[] if params.logprobs is not None else None, grammar=grammar,
                                   prompt_logprobs=[None] if params.prompt_logprobs is not None and index == 0 else None)
+
+    @property
+    def lora_request(self) -> LoRARequest | None:
+        return self.lora.request if self.lora is not None else None
+
+    @property
+    def prefix_salt(self) -> bytes:
+        """What its prefix-cache keys start from: the adapter's content key (its KV is that adapter's, never another's
+        nor the base model's), or nothing for the base model."""
+        return self.lora.key if self.lora is not None else b""
 
     @property
     def num_tokens(self) -> int:

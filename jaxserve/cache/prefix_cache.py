@@ -20,11 +20,15 @@ from jaxserve.cache.page_allocator import OutOfPages, PageAllocator
 ROOT_KEY = b""  # the parent of a sequence's first page
 
 
-def page_keys(token_ids: list[int], page_size: int, keys: list[bytes]) -> list[bytes]:
-    """Extends `keys` (the keys of the first len(keys) pages) to every full page of `token_ids`; returns it."""
+def page_keys(token_ids: list[int], page_size: int, keys: list[bytes], salt: bytes = b"") -> list[bytes]:
+    """Extends `keys` (the keys of the first len(keys) pages) to every full page of `token_ids`; returns it.
+
+    salt: what else the pages' KV depends on (a LoRA adapter's content key; empty for the base model), hashed into
+    the first page's key and so into every key after it: the same tokens under another salt share no page.
+    """
     for i in range(len(keys), len(token_ids) // page_size):
         tokens = np.asarray(token_ids[i * page_size:(i + 1) * page_size], "<i4").tobytes()
-        keys.append(hashlib.sha256(_parent(keys, i) + tokens).digest())
+        keys.append(hashlib.sha256((_parent(keys, i) if i else salt) + tokens).digest())
     return keys
 
 

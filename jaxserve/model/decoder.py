@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxserve.attention import attention
@@ -73,13 +74,18 @@ def repeat_kv_heads(config: ModelConfig, params: dict, times: int) -> tuple[Mode
     kv, hd = config.num_kv_heads, config.head_dim
 
     def repeat(axes, leaf):
-        if axes[-1] != "kv_heads":
-            return leaf
-        heads = leaf.reshape(*leaf.shape[:-1], kv, hd)
-        return jnp.repeat(heads, times, axis=-2).reshape(*leaf.shape[:-1], kv * times * hd)
+        return repeat_heads(leaf, hd, times) if axes[-1] == "kv_heads" else leaf
 
     repeated = jax.tree.map(repeat, param_axes(config, params), params, is_leaf=lambda x: isinstance(x, P))
     return dataclasses.replace(config, num_kv_heads=kv * times), repeated
+
+
+def repeat_heads(leaf, head_dim: int, times: int):
+    """leaf [..., heads * head_dim] with each head repeated `times` over (adjacent copies), as `repeat_kv_heads`
+    repeats KV heads (a numpy array stays numpy)."""
+    xp = np if isinstance(leaf, np.ndarray) else jnp
+    heads = leaf.reshape(*leaf.shape[:-1], -1, head_dim)
+    return xp.repeat(heads, times, axis=-2).reshape(*leaf.shape[:-1], -1)
 
 
 class DecoderLayer(nn.Module):
@@ -91,18 +97,19 @@ class DecoderLayer(nn.Module):
     layer: int = 0  # its index: which window and RoPE base it has
 
     @nn.compact
-    def __call__(self, x, kv, rows):
+    def __call__(self, x, kv, rows, lora_slot=None):
+        """lora_slot: int32 [T], each token's LoRA slot (see Linear), or None: no adapters."""
         c, dt, i = self.config, self.dtype, self.layer
         T, _ = x.shape  # x: [T, hidden], the step's tokens of every row back to back
         whole = model_size(self.mesh) == 1  # each device holds whole kernels
         h = RMSNorm(c.rms_norm_eps, dt, name="input_layernorm")(x)
         # Logical axes of each kernel's [in, out]: q/k/v split their outputs by head (jaxserve.distributed.RULES).
         q_axes, kv_axes = ("embed", "heads"), ("embed", "kv_heads")
-        q = Linear(c.num_heads * c.head_dim, q_axes, c.attention_bias, dt, whole, name="q_proj")(h).reshape(
+        q = Linear(c.num_heads * c.head_dim, q_axes, c.attention_bias, dt, whole, name="q_proj")(h, lora_slot).reshape(
             T, c.num_heads, -1)
-        k = Linear(c.num_kv_heads * c.head_dim, kv_axes, c.attention_bias, dt, whole, name="k_proj")(h).reshape(
+        k = Linear(c.num_kv_heads * c.head_dim, kv_axes, c.attention_bias, dt, whole, name="k_proj")(h, lora_slot).reshape(
             T, c.num_kv_heads, -1)
-        v = Linear(c.num_kv_heads * c.head_dim, kv_axes, c.attention_bias, dt, whole, name="v_proj")(h).reshape(
+        v = Linear(c.num_kv_heads * c.head_dim, kv_axes, c.attention_bias, dt, whole, name="v_proj")(h, lora_slot).reshape(
             T, c.num_kv_heads, -1)
         if c.qk_norm:  # per head, before RoPE
             q = RMSNorm(c.rms_norm_eps, dt, "head_dim", name="q_norm")(q)
@@ -117,16 +124,16 @@ class DecoderLayer(nn.Module):
         attend = functools.partial(attention, sliding_window=window, backend=self.attention_backend)
         attn = attention_over_heads(attend, self.mesh, q, k, v, kv[0], kv[1], rows)
         # o_proj and down_proj split their inputs (a device holds its heads' / FFN rows' part): one all-reduce each.
-        out = Linear(c.hidden_size, ("heads", "embed"), False, dt, whole, name="o_proj")(attn.reshape(T, -1))
+        out = Linear(c.hidden_size, ("heads", "embed"), False, dt, whole, name="o_proj")(attn.reshape(T, -1), lora_slot)
         if c.sandwich_norm:
             out = RMSNorm(c.rms_norm_eps, dt, name="attn_output_norm")(out)
         x = x + out
         # The FFN's input norm, under Llama's name for it.
         h = RMSNorm(c.rms_norm_eps, dt, name="post_attention_layernorm")(x)
-        gate = Linear(c.intermediate_size, ("embed", "mlp"), False, dt, whole, name="gate_proj")(h)
-        up = Linear(c.intermediate_size, ("embed", "mlp"), False, dt, whole, name="up_proj")(h)
+        gate = Linear(c.intermediate_size, ("embed", "mlp"), False, dt, whole, name="gate_proj")(h, lora_slot)
+        up = Linear(c.intermediate_size, ("embed", "mlp"), False, dt, whole, name="up_proj")(h, lora_slot)
         act = nn.silu(gate) if c.hidden_activation == "silu" else nn.gelu(gate, approximate=True)
-        out = Linear(c.hidden_size, ("mlp", "embed"), False, dt, whole, name="down_proj")(act * up)
+        out = Linear(c.hidden_size, ("mlp", "embed"), False, dt, whole, name="down_proj")(act * up, lora_slot)
         if c.sandwich_norm:
             out = RMSNorm(c.rms_norm_eps, dt, name="ffn_output_norm")(out)
         return x + out, (k, v)
@@ -139,12 +146,14 @@ class DecoderModel(nn.Module):
     mesh: Mesh | None = None
 
     @nn.compact
-    def __call__(self, token_ids, kv_cache, rows, logits_index=None, return_hidden: bool = False):
+    def __call__(self, token_ids, kv_cache, rows, logits_index=None, return_hidden: bool = False, lora_slot=None):
         """token_ids: [T]; kv_cache: per layer (k_pages, v_pages), as before this step; rows: `RaggedRows`.
 
         logits_index: [S] or [S, Q], which tokens get logits (None: all of them).
         Returns (logits [S, V], [S, Q, V] or [T, V] in float32, per layer this step's (k, v), each [T, kv_heads, head_dim]),
         and with return_hidden every token's final hidden state [T, hidden] (before the final norm: `lm_head` takes it).
+        lora_slot: int32 [T], each token's LoRA adapter slot (-1: none), with the adapters in the "lora" collection
+        (`jaxserve.lora.buffers`); None: the base model alone.
         """
         c = self.config
         if self.has_variable("params", "embed_tokens"):  # float or int8 rows (jaxserve.quant)
@@ -158,7 +167,8 @@ class DecoderModel(nn.Module):
         new_kv = []
         # A Python loop over per-layer weights: on XLA:CPU a scan over stacked layers copies each weight slice.
         for i in range(c.num_layers):
-            x, kv = DecoderLayer(c, self.dtype, self.attention_backend, self.mesh, i, name=f"layers_{i}")(x, kv_cache[i], rows)
+            layer = DecoderLayer(c, self.dtype, self.attention_backend, self.mesh, i, name=f"layers_{i}")
+            x, kv = layer(x, kv_cache[i], rows, lora_slot)
             new_kv.append(kv)
         hidden = x  # [T, hidden]
         if logits_index is not None:

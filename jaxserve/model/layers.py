@@ -11,6 +11,7 @@ from typing import Any
 import flax.linen as nn
 import jax.numpy as jnp
 
+from jaxserve.lora.delta import lora_delta
 from jaxserve.quant import matmul
 
 
@@ -23,7 +24,9 @@ class Linear(nn.Module):
     whole: bool = True
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x, lora_slot=None):
+        """x: [T, in]. lora_slot: int32 [T], each token's adapter slot (-1: none), read with the "lora" collection's
+        a [N, in, R] and b [N, R, out] if the layer has them (`jaxserve.lora.buffers`)."""
         # kernel: [in, out], float or quantized (jaxserve.quant). A quantized kernel's leaves do not have the float
         # kernel's shape, so an existing kernel is read as is rather than through param()'s shape check.
         if self.has_variable("params", "kernel"):
@@ -35,6 +38,8 @@ class Linear(nn.Module):
         if self.use_bias:  # [out]: split as the kernel's outputs are
             init = nn.with_logical_partitioning(nn.initializers.zeros, self.axes[1:])
             y = y + self.param("bias", init, (self.features,), self.dtype)
+        if lora_slot is not None and self.has_variable("lora", "a"):  # after the bias, as PEFT adds it
+            y = y + lora_delta(x, self.get_variable("lora", "a"), self.get_variable("lora", "b"), lora_slot)
         return y
 
 

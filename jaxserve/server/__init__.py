@@ -18,10 +18,15 @@ the engine (none: the first), an unknown one is a 404 (code model_not_found, as 
 admission capacity and metrics series (label model_name); /v1/models lists them all; /health is 200 only while every
 engine is alive.
 
+LoRA adapters (engines with enable_lora): each served under its own name on one model's engine (`lora_modules`); a
+request whose `model` names an adapter runs on its base with it, and its answer names the adapter. /v1/models lists
+them (parent: the base model, root: the adapter's path); vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter
+change them at run time where allowed; /metrics counts each adapter's requests.
+
 `app` is the HTTP side (routes, middleware, endpoints, `serve`), `served_model` a model's own state (admission
-capacity, tokenizing threads, metrics) and checks, `responses` a request's outputs as a JSON body or an SSE stream;
-`jaxserve.openai_api` the wire format (its structured-output fields in `jaxserve.openai_structured`, tool calls
-in `jaxserve.tool_calls`), `jaxserve.metrics` the Prometheus metrics.
+capacity, tokenizing threads, metrics) and checks, `lora_modules` the adapters by name, `responses` a request's
+outputs as a JSON body or an SSE stream; `jaxserve.openai_api` the wire format (its structured-output fields in
+`jaxserve.openai_structured`, tool calls in `jaxserve.tool_calls`), `jaxserve.metrics` the Prometheus metrics.
 """
 from jaxserve.server.app import Server, serve
 

@@ -18,6 +18,7 @@ from jaxserve.openai_api import (ApiError, grammar_error, parse_chat, parse_comp
                                  wants_usage_in_stream)
 from jaxserve.openai_structured import FieldError
 from jaxserve.tool_calls import tags_are_special
+from jaxserve.server.lora_modules import LoRAModules, ServedAdapter
 from jaxserve.server.responses import CompletionResponse, merged
 from jaxserve.server.served_model import ServedModel
 from jaxserve.server.tokenizer_endpoints import detokenize, tokenize, tokenizer_info
@@ -31,12 +32,13 @@ _TOKENIZER_PATHS = ("/tokenize", "/detokenize", "/tokenizer_info")
 class Server:
     """Server(engine, model_name, ...) serves one engine; Server({model_name: engine, ...}, ...) several, the first
     being the default for requests that name no model. The other arguments apply to each engine (tokenizer_threads:
-    the threads each model tokenizes and renders chat templates on)."""
+    the threads each model tokenizes and renders chat templates on; allow_runtime_lora_updating: vLLM's
+    /v1/load_lora_adapter and /v1/unload_lora_adapter, off by default as there). Adapters: `lora` (LoRAModules)."""
 
     def __init__(self, engine: AsyncEngine | dict[str, AsyncEngine], model_name: str | None = None, *,
                  api_key: str | None = None, max_queued_requests: int = 256, max_request_sequences: int | None = None,
                  stream_write_timeout_s: float = 30.0, header_timeout_s: float = 10.0, body_timeout_s: float = 30.0,
-                 tokenizer_threads: int = 2):
+                 tokenizer_threads: int = 2, allow_runtime_lora_updating: bool = False):
         if isinstance(engine, dict):
             if model_name is not None:
                 raise TypeError("with several engines ({name: engine}) the names are the dict's keys: no model_name")
@@ -53,6 +55,8 @@ class Server:
                                          max_request_sequences, tokenizer_threads)
                        for name, e in engines.items()}
         self.default = next(iter(self.models.values()))
+        self.lora = LoRAModules(self.models)
+        self.allow_runtime_lora_updating = allow_runtime_lora_updating
         self.stream_write_timeout_s = stream_write_timeout_s
         self.header_timeout_s, self.body_timeout_s = header_timeout_s, body_timeout_s
         self.draining = False
@@ -79,6 +83,9 @@ class Server:
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/detokenize", self.detokenize)
         app.router.add_get("/tokenizer_info", self.tokenizer_info)
+        if self.allow_runtime_lora_updating:  # else 404s, as vLLM's without VLLM_ALLOW_RUNTIME_LORA_UPDATING
+            app.router.add_post("/v1/load_lora_adapter", self.load_lora_adapter)
+            app.router.add_post("/v1/unload_lora_adapter", self.unload_lora_adapter)
         return app
 
     # ---- middleware ----
@@ -137,35 +144,56 @@ class Server:
         return web.Response(body=self.metrics.exposition(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def list_models(self, request):
+        """The served models, then the adapters (as vLLM: root is the adapter's path, parent its base model)."""
         created = int(time.time())
-        return web.json_response({"object": "list", "data": [{
-            "id": m.name, "object": "model", "created": created, "owned_by": "jaxserve",
-            "max_model_len": m.engine.llm.max_model_len} for m in self.models.values()]})
+
+        def card(name: str, m: ServedModel, root, parent) -> dict:
+            return {"id": name, "object": "model", "created": created, "owned_by": "jaxserve", "root": root,
+                    "parent": parent, "max_model_len": m.engine.llm.max_model_len}
+        return web.json_response({"object": "list", "data": [
+            *(card(m.name, m, m.engine.llm.engine_config.model or m.name, None) for m in self.models.values()),
+            *(card(a.name, a.model, a.lora_request.lora_path, a.model.name) for a in self.lora.adapters.values())]})
+
+    # ---- LoRA adapters at run time (vLLM's endpoints and answers) ----
+
+    async def load_lora_adapter(self, request):
+        body = await self._body(request)
+        if self.draining:
+            raise ApiError(503, "the server is shutting down")
+        name = body.get("lora_name")
+        await self.lora.load(name, body.get("lora_path"), body.get("base_model_name"))
+        return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
+
+    async def unload_lora_adapter(self, request):
+        body = await self._body(request)
+        name = body.get("lora_name")
+        await self.lora.unload(name)
+        return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
 
     # ---- tokenizer endpoints ----
 
     async def tokenize(self, request):
         body = await self._body(request)
-        m = self._model(body)
+        m, _ = self._target(body)
         with self._admitted(m, 1):  # a 1 MiB prompt takes a while: off the event loop, within the capacity
             return web.json_response(await m.off_loop(1, tokenize, body, m.tokenizer, m.engine.llm.max_model_len))
 
     async def detokenize(self, request):
         body = await self._body(request)
-        m = self._model(body)
+        m, _ = self._target(body)
         with self._admitted(m, 1):
             vocab_size = m.engine.llm.engine.vocab_size
             return web.json_response(await m.off_loop(1, detokenize, body, m.tokenizer, vocab_size))
 
     async def tokenizer_info(self, request):
-        m = self._model({"model": request.query["model"]} if "model" in request.query else {})
+        m, _ = self._target({"model": request.query["model"]} if "model" in request.query else {})
         return web.json_response(tokenizer_info(m.tokenizer, m.engine.llm.max_model_len))
 
     # ---- generation ----
 
     async def completions(self, request):
         body = await self._body(request)
-        m = self._model(body)
+        m, adapter = self._target(body)
         prompts, params = parse_completion(body)
         for p in prompts:
             if isinstance(p, str):
@@ -174,11 +202,11 @@ class Server:
         with self._admitted(m, seqs):
             # Off the event loop: a 1 MiB prompt takes a while to tokenize, and everyone else must still be served.
             prompts = await m.off_loop(seqs, lambda: [m.tokenized(p, params) for p in prompts])
-            return await self._generate(m, request, body, prompts, params, chat=False)
+            return await self._generate(m, adapter, request, body, prompts, params, chat=False)
 
     async def chat_completions(self, request):
         body = await self._body(request)
-        m = self._model(body)
+        m, adapter = self._target(body)
         if m.tokenizer is None:
             raise ApiError(400, "this model has no tokenizer: use /v1/completions with token ids")
         messages, params, tools = parse_chat(body)
@@ -194,7 +222,7 @@ class Server:
             # tokenized.
             prompt = await m.off_loop(params.n, lambda: m.tokenized(
                 render_chat(messages, m.tokenizer, tools), params, add_special_tokens=False))
-            return await self._generate(m, request, body, [prompt], params, chat=True, tools=tools)
+            return await self._generate(m, adapter, request, body, [prompt], params, chat=True, tools=tools)
 
     async def _body(self, request) -> dict:
         try:
@@ -210,19 +238,24 @@ class Server:
             raise ApiError(400, "the request body must be a JSON object")
         return body
 
-    def _model(self, body: dict) -> ServedModel:
-        """The engine the request's `model` names (none: the default one)."""
+    def _target(self, body: dict) -> tuple[ServedModel, ServedAdapter | None]:
+        """The engine the request's `model` names (none: the default one), and the adapter if it names one (the
+        engine is then the adapter's base)."""
         name = body.get("model")
         if name is None:
-            return self.default
+            return self.default, None
         if not isinstance(name, str):
             raise ApiError(400, f"model must be a string, got {type(name).__name__}", "model")
         m = self.models.get(name)
-        if m is None:  # OpenAI's answer: 404, invalid_request_error, code model_not_found
-            served = ", ".join(f"`{n}`" for n in self.models)
-            raise ApiError(404, f"The model `{name}` does not exist; this server serves {served}", "model",
-                           "model_not_found")
-        return m
+        if m is not None:
+            return m, None
+        adapter = self.lora.get(name)
+        if adapter is not None:
+            return adapter.model, adapter
+        # OpenAI's answer: 404, invalid_request_error, code model_not_found
+        served = ", ".join(f"`{n}`" for n in [*self.models, *self.lora.adapters])
+        raise ApiError(404, f"The model `{name}` does not exist; this server serves {served}", "model",
+                       "model_not_found")
 
     @contextlib.contextmanager
     def _admitted(self, m: ServedModel, seqs: int):
@@ -233,19 +266,26 @@ class Server:
         with m.admitted(seqs):
             yield
 
-    async def _generate(self, m: ServedModel, request, body, prompts: list, params, chat: bool, tools=None):
+    async def _generate(self, m: ServedModel, adapter: ServedAdapter | None, request, body, prompts: list, params,
+                        chat: bool, tools=None):
         """prompts: tokenized, one engine request each (a completions batch); choice k * n + i is prompt k's i-th
         sample. Runs within _admitted."""
         stream = body.get("stream") is True
         include_usage = wants_usage_in_stream(body)
-        run = CompletionResponse(m, body, params, chat, len(prompts), self.stream_write_timeout_s, tools)
+        # The answer names the model asked for (an adapter: its name, as vLLM's).
+        run = CompletionResponse(m, body, params, chat, len(prompts), self.stream_write_timeout_s, tools,
+                                 adapter.name if adapter is not None else m.name)
+        # Base-model requests pass no lora_request: the engine's own default (an engine without LoRA takes none).
+        lora = {"lora_request": adapter.lora_request} if adapter is not None else {}
         admitted = []
         try:
             streams = []
             for k, prompt in enumerate(prompts):
                 try:
-                    streams.append(await m.engine.add_request(prompt, params, f"{run.id}-{k}"))
+                    streams.append(await m.engine.add_request(prompt, params, f"{run.id}-{k}", **lora))
                     admitted.append(f"{run.id}-{k}")
+                    if adapter is not None:
+                        m.metrics.lora_request(adapter.name)
                 except (ValueError, TypeError) as e:  # bad token ids, a request the cache can never hold, ...
                     if params.structured_outputs is not None and str(e).startswith("structured_outputs"):
                         raise grammar_error(body, e) from None  # a grammar that does not compile

@@ -63,8 +63,10 @@ class CompletionResponse:
     """One request's outputs as they come: per choice its text, tokens and timing, and the bodies built from them."""
 
     def __init__(self, model: ServedModel, body: dict, params, chat: bool, num_prompts: int = 1,
-                 stream_write_timeout_s: float = 30.0, tools: ToolRequest | None = None):
+                 stream_write_timeout_s: float = 30.0, tools: ToolRequest | None = None, name: str | None = None):
+        """name: the model the answer names (the request's adapter, else the served model's name)."""
         self.model, self.params, self.chat = model, params, chat
+        self.name = name or model.name
         self.stream_write_timeout_s = stream_write_timeout_s
         self.id = new_id("chatcmpl" if chat else "cmpl")
         self.arrival = time.monotonic()
@@ -214,7 +216,7 @@ class CompletionResponse:
                 choices.append({"index": i, "text": self.text[i], "logprobs": lp, "finish_reason": finish})
                 if self.show_prompt_logprobs is not None:
                     choices[-1]["prompt_logprobs"] = self._prompt_logprobs(i // self.params.n)
-        body = completion_body(self.id, self.model.name, choices, self._usage(), self.chat, chunk=False)
+        body = completion_body(self.id, self.name, choices, self._usage(), self.chat, chunk=False)
         if self.chat and self.show_prompt_logprobs is not None:  # vLLM's chat response holds them at its top
             body["prompt_logprobs"] = self._prompt_logprobs(0)
         return web.json_response(body)
@@ -222,7 +224,7 @@ class CompletionResponse:
     async def stream(self, request, outputs, include_usage: bool) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
-        name = self.model.name
+        name = self.name
 
         async def write(data: bytes, eof: bool = False) -> None:
             try:

@@ -1,0 +1,75 @@
+"""The device side of multi-LoRA: `max_loras` adapter slots as fixed-shape stacks, read by the model's linear layers.
+
+Per layer and target, a [N, in, R] and b [N, R, out] (N = max_loras, R = max_lora_rank; an adapter of rank r fills
+the first r of R, the rest stays zero, as does a target it leaves out), in the model's dtype, the "lora" collection
+beside the model's "params". Each splits over a tensor-parallel mesh as its base kernel does: a column-parallel
+layer's (q/k/v, gate, up) b by its outputs, a row-parallel layer's (o, down) a by its inputs, so each device
+computes its own part of the term as it does of the layer (`jaxserve.distributed.RULES`).
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from jaxserve.config import ModelConfig
+from jaxserve.lora.adapter import TARGETS, LoRAAdapter
+from jaxserve.model.decoder import declared_params, repeat_heads
+
+
+def lora_axes(config: ModelConfig) -> dict:
+    """The buffers' logical axes: {"layers_i": {target: {"a": P, "b": P}}}, from each base kernel's [in, out]."""
+    axes = declared_params(config).axes["params"]
+    return {f"layers_{i}": {t: _axes(axes[f"layers_{i}"][t]["kernel"]) for t in TARGETS}
+            for i in range(config.num_layers)}
+
+
+def _axes(kernel: P) -> dict:
+    k_in, k_out = kernel
+    return {"a": P(None, k_in, None), "b": P(None, None, k_out)}
+
+
+def lora_shapes(config: ModelConfig, max_loras: int, max_lora_rank: int) -> dict:
+    """The buffers' shapes, a tree like `lora_axes`'."""
+    shapes = declared_params(config).shapes["params"]
+    N, R = max_loras, max_lora_rank
+
+    def of(kernel) -> dict:
+        n_in, n_out = kernel.shape
+        return {"a": (N, n_in, R), "b": (N, R, n_out)}
+    return {f"layers_{i}": {t: of(shapes[f"layers_{i}"][t]["kernel"]) for t in TARGETS}
+            for i in range(config.num_layers)}
+
+
+def empty_lora(config: ModelConfig, max_loras: int, max_lora_rank: int, dtype) -> dict:
+    """Zero buffers (every slot empty), as jnp arrays on the default device."""
+    return {layer: {t: {k: jnp.zeros(shape, dtype) for k, shape in ab.items()} for t, ab in targets.items()}
+            for layer, targets in lora_shapes(config, max_loras, max_lora_rank).items()}
+
+
+def slot_arrays(adapter: LoRAAdapter | None, config: ModelConfig, max_lora_rank: int, dtype) -> dict:
+    """One slot's contents as host arrays, a tree like the buffers' without their slot axis: the adapter's A and B
+    zero-padded to max_lora_rank (None: all zeros, an empty slot). config: the runner's, whose KV heads may be
+    repeated for tensor parallelism (`jaxserve.model.decoder.repeat_kv_heads`): k and v's B are repeated alike."""
+    if adapter is not None and adapter.rank > max_lora_rank:
+        raise ValueError(f"LoRA adapter {adapter.name!r} has rank {adapter.rank}, above max_lora_rank {max_lora_rank}")
+    out = {}
+    for layer, targets in lora_shapes(config, 1, max_lora_rank).items():
+        i = int(layer.removeprefix("layers_"))
+        out[layer] = {}
+        for t, shapes in targets.items():
+            a = np.zeros(shapes["a"][1:], dtype)  # [in, R]
+            b = np.zeros(shapes["b"][1:], dtype)  # [R, out]
+            if adapter is not None and (i, t) in adapter.weights:
+                wa, wb = adapter.weights[i, t]  # [in, r], [r, out]
+                if t in ("k_proj", "v_proj") and b.shape[1] != wb.shape[1] and not b.shape[1] % wb.shape[1]:
+                    # KV heads repeated over a mesh wider than them
+                    wb = repeat_heads(wb, config.head_dim, b.shape[1] // wb.shape[1])
+                if wa.shape[0] != a.shape[0] or wb.shape[1] != b.shape[1]:
+                    raise ValueError(f"LoRA adapter {adapter.name!r}: layer {i} {t}'s [{wa.shape[0]}, "
+                                     f"{wb.shape[1]}] does not fit the model's {a.shape[0], b.shape[1]}")
+                r = wa.shape[1]
+                a[:, :r] = wa
+                b[:r] = wb
+            out[layer][t] = {"a": a, "b": b}
+    return out

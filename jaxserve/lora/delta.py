@@ -1,0 +1,74 @@
+"""The LoRA term of a linear layer over a ragged batch whose tokens each name an adapter slot (or none).
+
+lora_delta(x [T, in], a [N, in, R], b [N, R, out], slot [T]) = x[t] @ a[slot[t]] @ b[slot[t]] per token, exactly 0
+where slot[t] is -1 (a base-model token): one program for any mix of adapters, whatever slots hold.
+
+Ways to compute it, all in jnp (scripts/bench_lora.py measures them):
+- "gather" (BGMV): each token gathers its slot's A and B and multiplies them. Work grows with T, not with N;
+  the gathered copies are T x R x (in + out) values per layer.
+- "segmented" (SGMV): tokens sorted by slot into blocks of one slot each (each slot's run padded to a whole block),
+  each block gathers its slot's A and B once. Gathers (T / block + N) copies instead of T.
+- "ragged": tokens sorted by slot, then `jax.lax.ragged_dot`. XLA:CPU expands it to a dense product per group
+  with masks, so its work grows with N (as would a one-hot einsum over slots).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+F32 = jnp.float32
+
+
+def lora_delta(x, a, b, slot, method: str = "gather"):
+    """[T, out] in x's dtype; rows whose slot is -1 are exactly 0."""
+    return METHODS[method](x, a, b, slot)
+
+
+def _gather(x, a, b, slot):
+    s = jnp.maximum(slot, 0)  # [T]
+    h = jnp.einsum("ti,tir->tr", x, a[s], preferred_element_type=F32)  # [T, R]
+    h = jnp.where(slot[:, None] >= 0, h, 0).astype(b.dtype)
+    return jnp.einsum("tr,tro->to", h, b[s], preferred_element_type=F32).astype(x.dtype)
+
+
+def _sorted(slot, num_slots: int):
+    """Tokens in slot order (base tokens last): (order [T], key [T] in that order, counts [N])."""
+    key = jnp.where(slot >= 0, slot, num_slots)  # [T]
+    order = jnp.argsort(key, stable=True)
+    counts = jnp.bincount(key, length=num_slots + 1)[:num_slots]  # [N]
+    return order, key[order], counts
+
+
+def _ragged(x, a, b, slot):
+    order, key, counts = _sorted(slot, a.shape[0])
+    h = jax.lax.ragged_dot(x[order], a, counts, preferred_element_type=F32).astype(b.dtype)  # [T, R]
+    y = jax.lax.ragged_dot(h, b, counts, preferred_element_type=F32)  # [T, out]
+    y = jnp.where((key < a.shape[0])[:, None], y, 0)
+    return jnp.zeros_like(y).at[order].set(y).astype(x.dtype)
+
+
+def segment_block(num_tokens: int) -> int:
+    """Tokens per block of the segmented method: about 8 blocks' worth of tokens, at least 8."""
+    return max(8, num_tokens // 8)
+
+
+def _segmented(x, a, b, slot):
+    (T, n_in), N = x.shape, a.shape[0]
+    block = segment_block(T)
+    K = -(-T // block) + N  # blocks: each slot's run adds at most one partial block
+    order, key, counts = _sorted(slot, N)
+    padded = -(-counts // block) * block  # [N]
+    ends = jnp.cumsum(padded)  # [N]: the padded runs end to end
+    starts = ends - padded
+    first = jnp.cumsum(counts) - counts  # [N]: where each slot's tokens start in sorted order
+    keyc = jnp.minimum(key, N - 1)
+    dest_sorted = jnp.where(key < N, starts[keyc] + jnp.arange(T) - first[keyc], K * block)  # base tokens: nowhere
+    dest = jnp.zeros(T, jnp.int32).at[order].set(dest_sorted)  # [T]: each token's row in the blocks
+    xs = jnp.zeros((K * block, n_in), x.dtype).at[dest].set(x, mode="drop").reshape(K, block, n_in)
+    block_slot = jnp.minimum(jnp.searchsorted(ends, jnp.arange(K) * block, side="right"), N - 1)  # [K]
+    h = jnp.einsum("kti,kir->ktr", xs, a[block_slot], preferred_element_type=F32).astype(b.dtype)
+    y = jnp.einsum("ktr,kro->kto", h, b[block_slot], preferred_element_type=F32).reshape(K * block, -1)
+    return jnp.take(y, dest, axis=0, mode="fill", fill_value=0).astype(x.dtype)
+
+
+METHODS = {"gather": _gather, "segmented": _segmented, "ragged": _ragged}
