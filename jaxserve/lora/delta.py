@@ -19,9 +19,14 @@ import jax.numpy as jnp
 F32 = jnp.float32
 
 
-def lora_delta(x, a, b, slot, method: str = "gather"):
+# The method the model uses (read when a step is traced): chosen by scripts/bench_lora.py's figures, which set it
+# to compare the others.
+METHOD = "gather"
+
+
+def lora_delta(x, a, b, slot, method: str | None = None):
     """[T, out] in x's dtype; rows whose slot is -1 are exactly 0."""
-    return METHODS[method](x, a, b, slot)
+    return METHODS[method or METHOD](x, a, b, slot)
 
 
 def _gather(x, a, b, slot):
