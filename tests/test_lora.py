@@ -97,9 +97,10 @@ def test_a_ragged_batch_of_two_adapters_and_base_rows_matches_peft(family):
     got = ragged_logits(llm.runner, [(p, SLOTS.get(name, -1)) for p, (name, _) in zip(ps, ROWS)])
     for p, (name, _), logits in zip(ps, ROWS, got):
         assert_close(logits, reference_logits(base, adapters.get(name), p), name)
-    # A base row of a LoRA batch is the base model's row, bit for bit: the same as a step without adapters.
+    # A base row of a LoRA batch is the base model's row: the same as a step without adapters, to float32 rounding
+    # (bit for bit on Llama and Qwen3; XLA:CPU fuses Gemma 3's LoRA program so that it differs by ~1e-6).
     alone = ragged_logits(llm.runner, [(ps[1], -1)], lora=False)[0]
-    np.testing.assert_array_equal(got[1], alone)
+    np.testing.assert_allclose(got[1], alone, rtol=0, atol=1e-5)
     llm.core.assert_idle_and_clean()
 
 
@@ -128,7 +129,7 @@ def test_tensor_parallel_with_adapters_gives_one_devices_logits(llama, one_devic
     # holds each KV head repeated, one per device, at TP 4).
     layer = llm.runner.lora["layers_0"]
     assert layer["q_proj"]["b"].sharding.spec == jax.sharding.PartitionSpec(None, None, MODEL)
-    assert layer["k_proj"]["b"].shape[2] == max(2, tp) * 16
+    assert layer["k_proj"]["b"].shape[2] == max(2, tp) * llm.config.head_dim
     assert layer["k_proj"]["b"].sharding.spec == jax.sharding.PartitionSpec(None, None, MODEL)
     assert layer["o_proj"]["a"].sharding.spec == jax.sharding.PartitionSpec(None, MODEL, None)
     assert layer["down_proj"]["a"].sharding.spec == jax.sharding.PartitionSpec(None, MODEL, None)

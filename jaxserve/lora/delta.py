@@ -19,9 +19,10 @@ import jax.numpy as jnp
 F32 = jnp.float32
 
 
-# The method the model uses (read when a step is traced): chosen by scripts/bench_lora.py's figures, which set it
-# to compare the others.
-METHOD = "gather"
+# The method the model uses (read when a step is traced; scripts/bench_lora.py sets it to compare them). Segmented,
+# by bench_lora's figures on XLA:CPU (BENCHMARKS.md): a 64-row decode step with 8 adapters at ~1.0x the base step
+# (gather 1.35x, ragged 1.15x), a 512-token prefill at 1.3-1.5x (gather 4x, ragged 1.6x).
+METHOD = "segmented"
 
 
 def lora_delta(x, a, b, slot, method: str | None = None):
