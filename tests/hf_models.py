@@ -68,3 +68,26 @@ def save_byte_tokenizer_with_eos(path):
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([AddedToken("<|endoftext|>", special=True, normalized=False)])
     Tokenizer(tok, bos_token_id=None, eos_token_ids=[319], add_bos=False, chat_template=None).save(path)
+
+
+def save_tiny_lora(base_path, path, seed: int = 0, scale: float = 0.1, **lora_config):
+    """A PEFT LoRA adapter for the checkpoint at base_path, saved to path (adapter_config.json +
+    adapter_model.safetensors), its A and B drawn at random (PEFT starts B at zero, which would test nothing).
+    lora_config: peft.LoraConfig's arguments (r, lora_alpha, target_modules, use_rslora, layers_to_transform...)."""
+    import peft
+    model = transformers.AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
+    lora = peft.get_peft_model(model, peft.LoraConfig(**lora_config))
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in lora.named_parameters():
+            if "lora_" in name:
+                p.copy_(scale * torch.randn_like(p))
+    lora.save_pretrained(path)
+    return path
+
+
+def peft_model(base_path, adapter_path):
+    """HF transformers + PEFT float32: the base checkpoint with the adapter applied (the reference)."""
+    import peft
+    model = transformers.AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
+    return peft.PeftModel.from_pretrained(model, adapter_path).eval()

@@ -92,13 +92,14 @@ class ModelRunner:
             self._init_lora()
 
     def _init_lora(self):
-        lora = empty_lora(self.config, self.max_loras, self.max_lora_rank, self.dtype)
+        def empty():
+            return empty_lora(self.config, self.max_loras, self.max_lora_rank, self.dtype)
         if self.mesh is None:
-            self.lora, write = lora, {}
+            self.lora, write = empty(), {}
         else:
-            # Split like their base kernels; a slot's arrays (no slot axis) like one slot of them.
-            spec = param_shardings(self.mesh, lora, lora_axes(self.config))
-            self.lora = place(lora, spec)
+            # Split like their base kernels, made where they live; a slot's arrays (no slot axis) like one slot.
+            spec = param_shardings(self.mesh, jax.eval_shape(empty), lora_axes(self.config))
+            self.lora = jax.jit(empty, out_shardings=spec)()
             log_placement("LoRA buffers", self.lora)
             one = jax.tree.map(lambda s: NamedSharding(s.mesh, P(*s.spec[1:])), spec)
             write = dict(in_shardings=(spec, replicated(self.mesh), one), out_shardings=spec)

@@ -82,7 +82,7 @@ def load_adapter(request: LoRARequest, config: ModelConfig, max_lora_rank: int, 
         pairs.setdefault((layer, target), {})[m["which"]] = value
         modules[layer, target] = m["module"]
     weights = {}
-    for (layer, target), pair in sorted(pairs.items()):
+    for (layer, target), pair in sorted(pairs.items(), key=lambda kv: (kv[0][0], TARGETS.index(kv[0][1]))):
         field = f"layer {layer} {target}"
         if set(pair) != {"A", "B"}:
             fail(field, f"lora_{'B' if 'A' in pair else 'A'} is missing")

@@ -8,6 +8,8 @@ computes its own part of the term as it does of the layer (`jaxserve.distributed
 """
 from __future__ import annotations
 
+import functools
+
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
@@ -17,11 +19,18 @@ from jaxserve.lora.adapter import TARGETS, LoRAAdapter
 from jaxserve.model.decoder import declared_params, repeat_heads
 
 
+@functools.cache
+def _kernels(config: ModelConfig) -> dict:
+    """{"layers_i": {target: (shape [in, out], logical axes)}} of the base kernels, as the model declares them."""
+    declared = declared_params(config)
+    shapes, axes = declared.shapes["params"], declared.axes["params"]
+    return {f"layers_{i}": {t: (shapes[f"layers_{i}"][t]["kernel"].shape, axes[f"layers_{i}"][t]["kernel"])
+                            for t in TARGETS} for i in range(config.num_layers)}
+
+
 def lora_axes(config: ModelConfig) -> dict:
     """The buffers' logical axes: {"layers_i": {target: {"a": P, "b": P}}}, from each base kernel's [in, out]."""
-    axes = declared_params(config).axes["params"]
-    return {f"layers_{i}": {t: _axes(axes[f"layers_{i}"][t]["kernel"]) for t in TARGETS}
-            for i in range(config.num_layers)}
+    return {layer: {t: _axes(axes) for t, (_, axes) in targets.items()} for layer, targets in _kernels(config).items()}
 
 
 def _axes(kernel: P) -> dict:
@@ -31,14 +40,9 @@ def _axes(kernel: P) -> dict:
 
 def lora_shapes(config: ModelConfig, max_loras: int, max_lora_rank: int) -> dict:
     """The buffers' shapes, a tree like `lora_axes`'."""
-    shapes = declared_params(config).shapes["params"]
     N, R = max_loras, max_lora_rank
-
-    def of(kernel) -> dict:
-        n_in, n_out = kernel.shape
-        return {"a": (N, n_in, R), "b": (N, R, n_out)}
-    return {f"layers_{i}": {t: of(shapes[f"layers_{i}"][t]["kernel"]) for t in TARGETS}
-            for i in range(config.num_layers)}
+    return {layer: {t: {"a": (N, n_in, R), "b": (N, R, n_out)} for t, ((n_in, n_out), _) in targets.items()}
+            for layer, targets in _kernels(config).items()}
 
 
 def empty_lora(config: ModelConfig, max_loras: int, max_lora_rank: int, dtype) -> dict:

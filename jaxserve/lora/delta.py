@@ -19,9 +19,15 @@ import jax.numpy as jnp
 F32 = jnp.float32
 
 
-def lora_delta(x, a, b, slot, method: str = "gather"):
+# The method the model uses (read when a step is traced; scripts/bench_lora.py sets it to compare them). Segmented,
+# by bench_lora's figures on XLA:CPU (BENCHMARKS.md): a 64-row decode step with 8 adapters at ~1.0x the base step
+# (gather 1.35x, ragged 1.15x), a 512-token prefill at 1.3-1.5x (gather 4x, ragged 1.6x).
+METHOD = "segmented"
+
+
+def lora_delta(x, a, b, slot, method: str | None = None):
     """[T, out] in x's dtype; rows whose slot is -1 are exactly 0."""
-    return METHODS[method](x, a, b, slot)
+    return METHODS[method or METHOD](x, a, b, slot)
 
 
 def _gather(x, a, b, slot):

@@ -105,12 +105,12 @@ class DecoderLayer(nn.Module):
         h = RMSNorm(c.rms_norm_eps, dt, name="input_layernorm")(x)
         # Logical axes of each kernel's [in, out]: q/k/v split their outputs by head (jaxserve.distributed.RULES).
         q_axes, kv_axes = ("embed", "heads"), ("embed", "kv_heads")
-        q = Linear(c.num_heads * c.head_dim, q_axes, c.attention_bias, dt, whole, name="q_proj")(h, lora_slot).reshape(
-            T, c.num_heads, -1)
-        k = Linear(c.num_kv_heads * c.head_dim, kv_axes, c.attention_bias, dt, whole, name="k_proj")(h, lora_slot).reshape(
-            T, c.num_kv_heads, -1)
-        v = Linear(c.num_kv_heads * c.head_dim, kv_axes, c.attention_bias, dt, whole, name="v_proj")(h, lora_slot).reshape(
-            T, c.num_kv_heads, -1)
+        q = Linear(c.num_heads * c.head_dim, q_axes, c.attention_bias, dt, whole, name="q_proj")(
+            h, lora_slot).reshape(T, c.num_heads, -1)
+        k = Linear(c.num_kv_heads * c.head_dim, kv_axes, c.attention_bias, dt, whole, name="k_proj")(
+            h, lora_slot).reshape(T, c.num_kv_heads, -1)
+        v = Linear(c.num_kv_heads * c.head_dim, kv_axes, c.attention_bias, dt, whole, name="v_proj")(
+            h, lora_slot).reshape(T, c.num_kv_heads, -1)
         if c.qk_norm:  # per head, before RoPE
             q = RMSNorm(c.rms_norm_eps, dt, "head_dim", name="q_norm")(q)
             k = RMSNorm(c.rms_norm_eps, dt, "head_dim", name="k_norm")(k)
