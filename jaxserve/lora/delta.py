@@ -21,7 +21,7 @@ F32 = jnp.float32
 
 # The method the model uses (read when a step is traced; scripts/bench_lora.py sets it to compare them). Segmented,
 # by bench_lora's figures on XLA:CPU (BENCHMARKS.md): a 64-row decode step with 8 adapters at ~1.0x the base step
-# (gather 1.35x, ragged 1.15x), a 512-token prefill at 1.3-1.5x (gather 4x, ragged 1.6x).
+# (gather 1.2x, ragged 1.0x), a 512-token prefill at 1.4-1.7x (gather 5x, ragged 2x).
 METHOD = "segmented"
 
 
