@@ -329,11 +329,11 @@ def _compile_kernel(config, dtype, device, backend, pages, tokens, rows, pages_p
 
 def compile_lora_kernel(device, tokens: int, d_in: int, d_out: int, num_slots: int, rank: int,
                         dtype=jnp.bfloat16) -> Compiled:
-    """The multi-LoRA kernels (`jaxserve.pallas_kernels.lora`, the device's platform's) alone, for one projection:
-    x [tokens, d_in], A [num_slots, d_in, rank], B [num_slots, rank, d_out], one slot a token. The HBM audit looks
-    for copies of A and B (a relayout of A would be one: `lora_delta_tpu` reads it through a free transpose)."""
-    from jaxserve.pallas_kernels.lora import lora_delta_gpu, lora_delta_tpu
-    kernel = lora_delta_tpu if device.platform == "tpu" else lora_delta_gpu
+    """The multi-LoRA term as the model's layers compute it (`jaxserve.lora.delta.lora_delta`: the device's
+    platform's Pallas kernels, `jaxserve.pallas_kernels.lora`) for one projection: x [tokens, d_in], A [num_slots,
+    d_in, rank], B [num_slots, rank, d_out], one slot a token. The HBM audit looks for copies of A and B (a relayout
+    of A would be one: `lora_delta_tpu` reads it through a free transpose)."""
+    from jaxserve.lora.delta import lora_delta as kernel
     sds = jax.ShapeDtypeStruct
     args = (sds((tokens, d_in), dtype), sds((num_slots, d_in, rank), dtype), sds((num_slots, rank, d_out), dtype),
             sds((tokens,), jnp.int32))

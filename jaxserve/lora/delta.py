@@ -10,11 +10,16 @@ Ways to compute it, all in jnp (scripts/bench_lora.py measures them):
   each block gathers its slot's A and B once. Gathers (T / block + N) copies instead of T.
 - "ragged": tokens sorted by slot, then `jax.lax.ragged_dot`. XLA:CPU expands it to a dense product per group
   with masks, so its work grows with N (as would a one-hot einsum over slots).
+On TPU and GPU the term is the Pallas kernels' (`jaxserve.pallas_kernels.lora`: each token block reads each adapter it
+uses once, with no sort), where the layer's A and B are whole on the device.
 """
 from __future__ import annotations
 
+
 import jax
 import jax.numpy as jnp
+
+from jaxserve.pallas_kernels import lora_delta_gpu, lora_delta_tpu
 
 F32 = jnp.float32
 
@@ -25,9 +30,14 @@ F32 = jnp.float32
 METHOD = "segmented"
 
 
-def lora_delta(x, a, b, slot, method: str | None = None):
-    """[T, out] in x's dtype; rows whose slot is -1 are exactly 0."""
-    return METHODS[method or METHOD](x, a, b, slot)
+def lora_delta(x, a, b, slot, method: str | None = None, kernels: bool = True):
+    """[T, out] in x's dtype; rows whose slot is -1 are exactly 0. method: the jnp method (None: METHOD on CPU, the
+    Pallas kernels on TPU and GPU). kernels=False: a and b are split over a tensor-parallel mesh, which a Pallas call
+    cannot take (the partitioner would gather them whole onto every device), so every platform runs the jnp method."""
+    xla = METHODS[method or METHOD]
+    if method is not None or not kernels:
+        return xla(x, a, b, slot)
+    return jax.lax.platform_dependent(x, a, b, slot, tpu=lora_delta_tpu, cuda=lora_delta_gpu, default=xla)
 
 
 def _gather(x, a, b, slot):

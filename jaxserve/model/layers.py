@@ -39,7 +39,8 @@ class Linear(nn.Module):
             init = nn.with_logical_partitioning(nn.initializers.zeros, self.axes[1:])
             y = y + self.param("bias", init, (self.features,), self.dtype)
         if lora_slot is not None and self.has_variable("lora", "a"):  # after the bias, as PEFT adds it
-            delta = lora_delta(x, self.get_variable("lora", "a"), self.get_variable("lora", "b"), lora_slot)
+            delta = lora_delta(x, self.get_variable("lora", "a"), self.get_variable("lora", "b"), lora_slot,
+                               kernels=self.whole)
             # A base token keeps the base output bit for bit: selected, not y + 0, which XLA may fold into the
             # matmul's accumulation (C += A @ B rounds differently).
             y = jnp.where(lora_slot[:, None] >= 0, y + delta, y)
