@@ -27,6 +27,7 @@ from jaxserve.cache import PageAllocator, PrefixCache, bytes_per_page, num_pages
 from jaxserve.distributed import check_tensor_parallel, device_groups, make_mesh
 from jaxserve.engine_config import EngineConfig
 from jaxserve.lora.adapter import load_adapter
+from jaxserve.lora.buffers import lora_bytes
 from jaxserve.lora.slot_cache import HostAdapters, LoRASlots
 from jaxserve.model.decoder import repeat_kv_heads
 from jaxserve.options import CPU_KV_CACHE_BYTES
@@ -109,8 +110,10 @@ def build_engine(c: EngineConfig) -> Engine:
             draft = dataclasses.replace(draft, **dict(zip(("config", "params"),
                                                           split_for(draft.config, draft.params, tp, "the draft"))))
     # The budget is per device, as gpu_memory_utilization is; the weights and the pages split over tp devices.
+    # The LoRA slots too: 8 slots of rank 64 on Llama 3 8B are 2.7 GB, half of what the budget leaves free.
+    adapters = lora_bytes(config, c.max_loras, c.max_lora_rank, dtype) if c.enable_lora else 0
     kv_bytes = c.kv_cache_memory_bytes or _default_kv_budget(
-        (param_bytes(params) + (param_bytes(draft.params) if draft else 0)) // tp, c.gpu_memory_utilization)
+        (param_bytes(params) + (param_bytes(draft.params) if draft else 0) + adapters) // tp, c.gpu_memory_utilization)
     # The draft's pages are the target's page ids in a second cache: a page costs both.
     # (pages padded for the kernel that reads them: the backend before its start-up check, which can only fall
     # back to unpadded pages, so the count errs on the safe side)

@@ -287,6 +287,22 @@ def test_the_adapter_folds_its_scaling_into_b(tiny_adapter, tmp_path):
                                                                                   [(0, "v_proj"), (1, "v_proj")])
 
 
+def test_a_bfloat16_adapter_loads_as_its_float32_values(tiny_adapter, tmp_path):
+    """Adapters are often saved in bf16 (numpy has no bf16 of its own: ml_dtypes')."""
+    import ml_dtypes
+    tmp, _, good = tiny_adapter
+    path = tmp_path / "bf16"
+    shutil.copytree(good, path)
+    _edit_tensors(path, lambda t: t.update({k: v.astype(ml_dtypes.bfloat16) for k, v in t.items()}))
+    config = _config(tmp)
+    got = load_adapter(LoRARequest("bf16", 1, str(path)), config, 16)
+    want = load_adapter(LoRARequest("good", 1, str(good)), config, 16)
+    assert sorted(got.weights) == sorted(want.weights)
+    for key, (a, b) in want.weights.items():
+        np.testing.assert_allclose(got.weights[key][0], a, rtol=1e-2, atol=1e-3, err_msg=str(key))
+        np.testing.assert_allclose(got.weights[key][1], b, rtol=1e-2, atol=1e-3, err_msg=str(key))
+
+
 def test_lora_request_and_engine_options():
     assert jaxserve.LoRARequest is LoRARequest
     assert LoRARequest("x", 1, "/p") == LoRARequest("x", 1, "/p")

@@ -397,6 +397,18 @@ class Scheduler:
         and pages for all its tokens; False if it must wait."""
         # The adapter slot first: loading it is the step that can fail, and then nothing else is held yet.
         lora_slot = self.lora_slots.take(seq.lora) if seq.lora is not None else -1
+        admitted = False
+        try:
+            admitted = self._admit_pages(seq, cap)
+        finally:
+            if lora_slot >= 0 and not admitted:  # it keeps the adapter for the next try; nobody counts as using it
+                self.lora_slots.release(lora_slot)
+        if admitted:
+            seq.lora_slot = lora_slot
+        return admitted
+
+    def _admit_pages(self, seq: Sequence, cap: int) -> bool:
+        """_admit once its adapter has a slot: a slot in the batch, the cached prefix and pages."""
         while True:
             if len(self.running) < cap:
                 tokens = seq.token_ids
@@ -409,8 +421,6 @@ class Scheduler:
                     break
                 self.cache.release(hit)
             if not self._preempt_for(seq, cap):
-                if lora_slot >= 0:
-                    self.lora_slots.release(lora_slot)  # it keeps the adapter for the next try
                 return False
         seq.pages = hit + self.cache.allocate(need)
         seq.num_cached = seq.num_written = len(hit) * self.page_size
@@ -421,7 +431,6 @@ class Scheduler:
         if seq.first_scheduled_time is None:
             seq.first_scheduled_time = time.monotonic()
         seq.slot = self._free_slots.pop()
-        seq.lora_slot = lora_slot
         self.waiting.remove(seq)
         self.running.append(seq)
         return True

@@ -187,9 +187,10 @@ def _read_tensors(path: Path, fail) -> dict[str, np.ndarray]:
     file = path / "adapter_model.safetensors"
     if not file.is_file():
         fail("adapter_model.safetensors", "missing (only safetensors adapters are read)")
+    import ml_dtypes  # noqa: F401 - registers numpy's "bfloat16", without which a bf16 adapter is a TypeError
     from safetensors import SafetensorError
     from safetensors.numpy import load_file
     try:
         return load_file(file)
-    except (SafetensorError, OSError, ValueError) as e:
+    except (SafetensorError, OSError, ValueError, TypeError) as e:
         fail("adapter_model.safetensors", f"unreadable: {e}")

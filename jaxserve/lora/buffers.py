@@ -45,6 +45,12 @@ def lora_shapes(config: ModelConfig, max_loras: int, max_lora_rank: int) -> dict
             for layer, targets in _kernels(config).items()}
 
 
+def lora_bytes(config: ModelConfig, max_loras: int, max_lora_rank: int, dtype) -> int:
+    """The buffers' bytes in all (a tensor-parallel mesh splits each buffer's larger half over its devices)."""
+    return sum((int(np.prod(ab["a"])) + int(np.prod(ab["b"]))) * jnp.dtype(dtype).itemsize
+               for targets in lora_shapes(config, max_loras, max_lora_rank).values() for ab in targets.values())
+
+
 def empty_lora(config: ModelConfig, max_loras: int, max_lora_rank: int, dtype) -> dict:
     """Zero buffers (every slot empty), as jnp arrays on the default device."""
     return {layer: {t: {k: jnp.zeros(shape, dtype) for k, shape in ab.items()} for t, ab in targets.items()}

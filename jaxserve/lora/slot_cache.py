@@ -79,21 +79,33 @@ class HostAdapters:
         """The request's adapter, loaded now if the host does not hold it. Raises LoRAError for a bad adapter, and
         ValueError for an id the host holds under another name or path (remove it first)."""
         with self._lock:
-            held = self._by_id.get(request.lora_int_id)
+            held = self._held(request)
+        if held is not None:
+            return held
+        # Read outside the lock: a slow load holds up no other adapter's requests, nor remove / list (which the
+        # server calls on its event loop). Two threads loading one id at once both read it; the first kept wins.
+        adapter = self._load(request)  # raises before anything changes
+        loaded = LoadedAdapter(request, adapter, content_key(adapter.weights))
+        with self._lock:
+            held = self._held(request)
             if held is not None:
-                old = held.request
-                if (old.lora_name, old.lora_path) != (request.lora_name, request.lora_path):
-                    raise ValueError(f"lora_int_id {request.lora_int_id} is adapter {old.lora_name!r} "
-                                     f"({old.lora_path}), not {request.lora_name!r} ({request.lora_path}): remove "
-                                     "it first, or give the new adapter another id")
-                self._by_id.move_to_end(request.lora_int_id)
                 return held
-            adapter = self._load(request)  # raises before anything changes
-            loaded = LoadedAdapter(request, adapter, content_key(adapter.weights))
             self._by_id[request.lora_int_id] = loaded
             while len(self._by_id) > self.capacity:
                 self._by_id.popitem(last=False)
             return loaded
+
+    def _held(self, request: LoRARequest) -> LoadedAdapter | None:
+        """The adapter held under the request's id (now the most recently used), if any; under the lock."""
+        held = self._by_id.get(request.lora_int_id)
+        if held is not None:
+            old = held.request
+            if (old.lora_name, old.lora_path) != (request.lora_name, request.lora_path):
+                raise ValueError(f"lora_int_id {request.lora_int_id} is adapter {old.lora_name!r} "
+                                 f"({old.lora_path}), not {request.lora_name!r} ({request.lora_path}): remove "
+                                 "it first, or give the new adapter another id")
+            self._by_id.move_to_end(request.lora_int_id)
+        return held
 
     def remove(self, lora_int_id: int) -> bool:
         """Forgets an adapter; False if the host did not hold it. Requests already made with it still run."""
