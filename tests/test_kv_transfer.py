@@ -1,5 +1,6 @@
 """jaxserve.kv_transfer: KV pages between processes, as checked bytes over a socket and by jax.experimental.transfer."""
 import asyncio
+import json
 import os
 import subprocess
 import sys
@@ -15,7 +16,7 @@ from jaxserve.cache.kv_cache import Int8Pages
 from jaxserve.kv_transfer import (JaxTransferEndpoint, KVServer, KVStore, KVTransferError, decode_pages, encode_pages,
                                   fetch_pages)
 from jaxserve.kv_transfer.codec import PREFIX, header_length
-from jaxserve.kv_transfer.protocol import frame, read_message
+from jaxserve.kv_transfer.protocol import FRAME, frame
 
 ROOT = Path(__file__).resolve().parents[1]
 HOST = "127.0.0.1"
@@ -165,6 +166,11 @@ def test_concurrent_fetches_each_get_their_own_pages():
     asyncio.run(main())
 
 
+async def read_frame(reader: asyncio.StreamReader) -> dict:
+    length, = FRAME.unpack(await reader.readexactly(FRAME.size))
+    return json.loads(await reader.readexactly(length))
+
+
 async def fake_server(handler):
     """A TCP server running handler(reader, writer): a peer that misbehaves."""
     server = await asyncio.start_server(handler, HOST, 0)
@@ -175,13 +181,13 @@ def test_a_stream_cut_short_or_a_silent_server_fails_the_fetch():
     data = encode_pages(make_pages("float32"))
 
     async def cut_short(reader, writer):
-        await read_message(reader, "client")
+        await read_frame(reader)
         writer.write(frame({"ok": True, "via": "bytes"}) + data[:len(data) // 2])
         await writer.drain()
         writer.close()
 
     async def corrupt(reader, writer):
-        await read_message(reader, "client")
+        await read_frame(reader)
         bad = bytearray(data)
         bad[-3] ^= 1
         writer.write(frame({"ok": True, "via": "bytes"}) + bad)
@@ -212,7 +218,7 @@ def test_the_server_survives_junk_and_clients_that_leave():
             reader, writer = await asyncio.open_connection(HOST, server.port)
             writer.write(junk)
             await writer.drain()
-            reply = await read_message(reader, "server")
+            reply = await read_frame(reader)
             assert not reply["ok"] and reply["error"]
             writer.close()
         reader, writer = await asyncio.open_connection(HOST, server.port)  # asks, then leaves mid-stream
