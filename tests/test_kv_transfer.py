@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import jax
@@ -197,9 +198,16 @@ def test_a_stream_cut_short_or_a_silent_server_fails_the_fetch():
     async def silent(reader, writer):
         await asyncio.sleep(30)
 
+    async def bad_jax_reply(reader, writer):
+        await read_frame(reader)
+        writer.write(frame({"ok": True, "via": "jax", "address": "127.0.0.1:1", "uuid": 1, "layers": ["dense"],
+                            "arrays": [[[1, 2, 4, 8], "object"], [[1, 2, 4, 8], "object"]]}))
+        await writer.drain()
+
     async def main():
         for handler, match, timeout in [(cut_short, "closed the connection after", 10), (corrupt, "checksum", 10),
-                                        (silent, "timed out after 0.3 s", 0.3)]:
+                                        (silent, "timed out after 0.3 s", 0.3),
+                                        (bad_jax_reply, "jax path, which this fetch did not offer", 10)]:
             server, port = await fake_server(handler)
             with pytest.raises(KVTransferError, match=match):
                 await fetch_pages(HOST, port, "x", timeout=timeout)
@@ -259,6 +267,52 @@ def test_jax_transfer_in_one_process(endpoints, kind):
         assert isinstance(jax.tree.leaves(got)[0], np.ndarray) and server.served == {"bytes": 1, "jax": 0}
         await server.close()
     asyncio.run(main())
+
+
+def test_a_malformed_jax_reply_is_refused_before_any_pull(endpoints):
+    async def bad_jax_reply(reader, writer):
+        await read_frame(reader)
+        writer.write(frame({"ok": True, "via": "jax", "address": "127.0.0.1:1", "uuid": 1, "layers": ["dense"],
+                            "arrays": [[[1, 2, 4, 8], "object"], [[1, 2, 4, 8], "object"]]}))
+        await writer.drain()
+
+    async def main():
+        server, port = await fake_server(bad_jax_reply)
+        with pytest.raises(KVTransferError, match="malformed jax transfer reply"):
+            await fetch_pages(HOST, port, "x", timeout=10, jax_endpoint=endpoints[1])
+        server.close()
+    asyncio.run(main())
+
+
+def test_the_store_is_safe_across_threads():
+    """Engine threads put while the event loop fetches: every transfer arrives once, the byte count returns to 0."""
+    store = KVStore()
+    kv = make_pages("int8", n=1)
+    ids = [f"t{t}-{i}" for t in range(4) for i in range(25)]
+
+    def put(t):
+        for i in range(25):
+            store.put(f"t{t}-{i}", kv)
+
+    async def main():
+        server = await serving(store)
+        threads = [threading.Thread(target=put, args=(t,)) for t in range(4)]
+        for thread in threads:
+            thread.start()
+        got = []
+        for tid in ids:
+            while True:
+                try:
+                    got.append(await fetch_pages(HOST, server.port, tid, timeout=10))
+                    break
+                except KVTransferError:  # not put yet
+                    await asyncio.sleep(0.001)
+        for thread in threads:
+            thread.join()
+        await server.close()
+        return got
+    got = asyncio.run(main())
+    assert len(got) == len(ids) and len(store) == 0 and store.bytes_held == 0 and store.taken == len(ids)
 
 
 SERVE_IN_A_CHILD = textwrap.dedent("""
