@@ -2,6 +2,7 @@
 import asyncio
 import json
 import os
+import socket
 import subprocess
 import sys
 import textwrap
@@ -280,6 +281,27 @@ def test_a_malformed_jax_reply_is_refused_before_any_pull(endpoints):
         server, port = await fake_server(bad_jax_reply)
         with pytest.raises(KVTransferError, match="malformed jax transfer reply"):
             await fetch_pages(HOST, port, "x", timeout=10, jax_endpoint=endpoints[1])
+        server.close()
+    asyncio.run(main())
+
+
+def test_a_jax_pull_from_a_vanished_peer_ends_at_the_timeout(endpoints):
+    """jax.experimental.transfer never fails a pull from an address where nothing listens: the fetch's timeout ends
+    it (and leaves no thread behind that would abort this process at exit)."""
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        dead = f"{HOST}:{s.getsockname()[1]}"
+
+    async def gone_after_reply(reader, writer):
+        await read_frame(reader)
+        writer.write(frame({"ok": True, "via": "jax", "address": dead, "uuid": 1, "layers": ["dense"],
+                            "arrays": [[[1, 2, 4, 8], "float32"], [[1, 2, 4, 8], "float32"]]}))
+        await writer.drain()
+
+    async def main():
+        server, port = await fake_server(gone_after_reply)
+        with pytest.raises(KVTransferError, match="timed out after 0.5 s"):
+            await fetch_pages(HOST, port, "x", timeout=0.5, jax_endpoint=endpoints[1])
         server.close()
     asyncio.run(main())
 

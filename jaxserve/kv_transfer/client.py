@@ -78,4 +78,8 @@ async def _pull(jax_endpoint: JaxTransferEndpoint, reply: dict, peer: str, timeo
     except (KeyError, TypeError, ValueError) as e:
         raise KVTransferError(f"{peer}: a malformed jax transfer reply: {e!r}") from e
     arrays = await asyncio.to_thread(jax_endpoint.pull, address, uuid, specs, timeout_s)  # allocates the buffers
-    return unflatten_pages(kinds, await wait_ready(arrays, f"{peer} (jax transfer server {address})"))
+    try:
+        return unflatten_pages(kinds, await wait_ready(arrays, f"{peer} (jax transfer server {address})"))
+    except BaseException:  # failed or timed out: the next pull from there starts on a new connection
+        jax_endpoint.forget(address)
+        raise
