@@ -179,6 +179,16 @@ async def fake_server(handler):
     return server, server.sockets[0].getsockname()[1]
 
 
+def replying_by_jax(address: str, dtype: str):
+    """A handler that answers any fetch by the jax path: two [1, 2, 4, 8] arrays of dtype to pull from address."""
+    async def handler(reader, writer):
+        await read_frame(reader)
+        writer.write(frame({"ok": True, "via": "jax", "address": address, "uuid": 1, "layers": ["dense"],
+                            "arrays": [[[1, 2, 4, 8], dtype]] * 2}))
+        await writer.drain()
+    return handler
+
+
 def test_a_stream_cut_short_or_a_silent_server_fails_the_fetch():
     data = encode_pages(make_pages("float32"))
 
@@ -199,16 +209,10 @@ def test_a_stream_cut_short_or_a_silent_server_fails_the_fetch():
     async def silent(reader, writer):
         await asyncio.sleep(30)
 
-    async def bad_jax_reply(reader, writer):
-        await read_frame(reader)
-        writer.write(frame({"ok": True, "via": "jax", "address": "127.0.0.1:1", "uuid": 1, "layers": ["dense"],
-                            "arrays": [[[1, 2, 4, 8], "object"], [[1, 2, 4, 8], "object"]]}))
-        await writer.drain()
-
     async def main():
         for handler, match, timeout in [(cut_short, "closed the connection after", 10), (corrupt, "checksum", 10),
                                         (silent, "timed out after 0.3 s", 0.3),
-                                        (bad_jax_reply, "jax path, which this fetch did not offer", 10)]:
+                                        (replying_by_jax(f"{HOST}:1", "float32"), "jax path, which this fetch did not offer", 10)]:
             server, port = await fake_server(handler)
             with pytest.raises(KVTransferError, match=match):
                 await fetch_pages(HOST, port, "x", timeout=timeout)
@@ -271,14 +275,8 @@ def test_jax_transfer_in_one_process(endpoints, kind):
 
 
 def test_a_malformed_jax_reply_is_refused_before_any_pull(endpoints):
-    async def bad_jax_reply(reader, writer):
-        await read_frame(reader)
-        writer.write(frame({"ok": True, "via": "jax", "address": "127.0.0.1:1", "uuid": 1, "layers": ["dense"],
-                            "arrays": [[[1, 2, 4, 8], "object"], [[1, 2, 4, 8], "object"]]}))
-        await writer.drain()
-
     async def main():
-        server, port = await fake_server(bad_jax_reply)
+        server, port = await fake_server(replying_by_jax(f"{HOST}:1", "object"))
         with pytest.raises(KVTransferError, match="malformed jax transfer reply"):
             await fetch_pages(HOST, port, "x", timeout=10, jax_endpoint=endpoints[1])
         server.close()
@@ -292,14 +290,8 @@ def test_a_jax_pull_from_a_vanished_peer_ends_at_the_timeout(endpoints):
         s.bind((HOST, 0))
         dead = f"{HOST}:{s.getsockname()[1]}"
 
-    async def gone_after_reply(reader, writer):
-        await read_frame(reader)
-        writer.write(frame({"ok": True, "via": "jax", "address": dead, "uuid": 1, "layers": ["dense"],
-                            "arrays": [[[1, 2, 4, 8], "float32"], [[1, 2, 4, 8], "float32"]]}))
-        await writer.drain()
-
     async def main():
-        server, port = await fake_server(gone_after_reply)
+        server, port = await fake_server(replying_by_jax(dead, "float32"))
         with pytest.raises(KVTransferError, match="timed out after 0.5 s"):
             await fetch_pages(HOST, port, "x", timeout=0.5, jax_endpoint=endpoints[1])
         server.close()
