@@ -140,6 +140,26 @@ def test_fetch_over_the_socket_takes_once_and_says_why_it_fails():
     asyncio.run(main())
 
 
+def test_pages_whose_export_failed_fail_that_fetch_only():
+    """A page array that holds a device error (its gather failed) fails its own fetch with the reason; the server
+    serves the next."""
+    from jax.experimental.transfer import make_error_array
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    broken = make_error_array(jax.ShapeDtypeStruct((1, 2, 4, 8), np.float32, sharding=sharding), "export failed")
+
+    async def main():
+        store = KVStore()
+        server = await serving(store)
+        store.put("broken", [(broken, broken)])
+        with pytest.raises(KVTransferError, match="could not be sent.*export failed"):
+            await fetch_pages(HOST, server.port, "broken", timeout=10)
+        kv = make_pages("float32")
+        store.put("fine", kv)
+        assert_same_pages(await fetch_pages(HOST, server.port, "fine", timeout=10), kv)
+        await server.close()
+    asyncio.run(main())
+
+
 def test_the_server_expires_unclaimed_transfers_with_no_traffic():
     async def main():
         store = KVStore(ttl_s=0.2)
