@@ -7,6 +7,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import zlib
 from pathlib import Path
 
 import jax
@@ -17,7 +18,7 @@ import pytest
 from jaxserve.cache.kv_cache import Int8Pages
 from jaxserve.kv_transfer import (JaxTransferEndpoint, KVServer, KVStore, KVTransferError, decode_pages, encode_pages,
                                   fetch_pages)
-from jaxserve.kv_transfer.codec import PREFIX, header_length
+from jaxserve.kv_transfer.codec import MAGIC, PREFIX, header_length
 from jaxserve.kv_transfer.protocol import FRAME, frame
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -90,6 +91,29 @@ def test_truncated_overlong_and_foreign_data_are_refused():
         decode_pages(data + b"\0")
     with pytest.raises(KVTransferError, match="not a KV transfer"):
         decode_pages(b"\x80\x04pickle" + data)
+
+
+def test_a_hostile_header_fails_only_with_kv_transfer_error():
+    """Headers changed on purpose (checksum recomputed: a sender's doing, not the line's) decode or fail cleanly."""
+    data = encode_pages(make_pages("int8", layers=1))
+    length = header_length(data)
+    header, payload = data[PREFIX.size:PREFIX.size + length], data[PREFIX.size + length:]
+    fields = json.loads(header)
+    crafted = [{**fields, "layers": [{}]}, {**fields, "layers": "dense"}, {**fields, "arrays": [[[2**62] * 4, "int8"]]},
+               {**fields, "arrays": [[[-1, 2, 4, 8], "int8"]] * 4}, {**fields, "arrays": [["1234", "int8"]] * 4},
+               {**fields, "arrays": [[[1, 2, 4, 8], "object"]] * 4}, {**fields, "payload_bytes": "all"}, [fields], 7]
+    rng = np.random.default_rng(0)
+    mutated = []
+    for _ in range(300):
+        bad = bytearray(header)
+        for i in rng.integers(0, len(bad), rng.integers(1, 4)):
+            bad[i] = rng.choice(list(b'0123456789[]{}",:-e. abcdfilnorstuy'))
+        mutated.append(bytes(bad))
+    for bad in [json.dumps(h).encode() for h in crafted] + mutated:
+        try:
+            decode_pages(PREFIX.pack(MAGIC, len(bad), zlib.crc32(bad)) + bad + payload)
+        except KVTransferError:
+            pass
 
 
 def test_not_kv_pages_is_refused():

@@ -77,7 +77,10 @@ async def _pull(jax_endpoint: JaxTransferEndpoint, reply: dict, peer: str, timeo
         specs = [(shape, DTYPES[dtype]) for shape, dtype in specs]
     except (KeyError, TypeError, ValueError, KVTransferError) as e:
         raise KVTransferError(f"{peer}: a malformed jax transfer reply: {e}") from e
-    arrays = await asyncio.to_thread(jax_endpoint.pull, address, uuid, specs, timeout_s)  # allocates the buffers
+    try:
+        arrays = await asyncio.to_thread(jax_endpoint.pull, address, uuid, specs, timeout_s)  # allocates the buffers
+    except Exception as e:  # noqa: BLE001 - out of memory for what the reply says, a bad address: this fetch fails
+        raise KVTransferError(f"{peer}: the jax transfer could not start: {e!r}") from e
     try:
         return unflatten_pages(kinds, await wait_ready(arrays, f"{peer} (jax transfer server {address})"))
     except BaseException:  # failed or timed out: the next pull from there starts on a new connection

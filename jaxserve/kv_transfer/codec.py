@@ -11,6 +11,7 @@ harm controls the checksum anyway, and can make a decode only fail, never run an
 from __future__ import annotations
 
 import json
+import math
 import struct
 import zlib
 
@@ -65,7 +66,7 @@ def read_header(prefix_and_header: bytes | memoryview) -> dict:
     if header.get("version") != VERSION:
         raise KVTransferError(f"KV transfer version {header.get('version')!r}, this reader knows {VERSION}")
     check_shapes(kinds, specs)
-    if payload_bytes != sum(int(np.prod(shape)) * DTYPES[dtype].itemsize for shape, dtype in specs):
+    if payload_bytes != sum(math.prod(shape) * DTYPES[dtype].itemsize for shape, dtype in specs):
         raise KVTransferError(f"KV transfer header: payload_bytes {payload_bytes} is not the arrays' size")
     return header
 
@@ -98,7 +99,7 @@ def decode_pages(data: bytes | bytearray | memoryview) -> list:
     arrays, offset = [], 0
     for shape, dtype in header["arrays"]:
         dt = DTYPES[dtype]
-        count = int(np.prod(shape))
+        count = math.prod(shape)
         arrays.append(np.frombuffer(payload, dt, count, offset).reshape(shape))
         offset += count * dt.itemsize
     return unflatten_pages(header["layers"], arrays)

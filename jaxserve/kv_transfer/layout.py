@@ -57,7 +57,7 @@ def unflatten_pages(kinds: list[str], arrays: list) -> list:
 def check_shapes(kinds, specs: list[tuple[tuple[int, ...], str]]) -> None:
     """KVTransferError unless specs [(shape, dtype name)] are KVPages of these layer kinds: dtypes of DTYPES, every
     layer's k and v alike, rank 4, int8 values with a float32 scale of their shape less head_dim."""
-    if not isinstance(kinds, list) or any(kind not in ARRAYS_PER_LAYER for kind in kinds):
+    if not isinstance(kinds, list) or any(not isinstance(kind, str) or kind not in ARRAYS_PER_LAYER for kind in kinds):
         raise KVTransferError(f"unknown layer kinds in {kinds!r}: each must be one of {sorted(ARRAYS_PER_LAYER)}")
     if len(specs) != sum(ARRAYS_PER_LAYER[kind] for kind in kinds):
         raise KVTransferError(f"{len(specs)} arrays for layer kinds {kinds}")
