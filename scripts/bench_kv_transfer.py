@@ -1,7 +1,8 @@
 """Cost of moving one request's KV pages from a prefill side to a decode side, per path (issue 26).
 
     XLA_FLAGS=--xla_force_host_platform_device_count=2 python scripts/bench_kv_transfer.py \
-        [--prompt-lens 1024,8192] [--kv-dtypes float32,int8] [--repeats 5] [--out scripts/bench_results/kv_transfer.json]
+        [--prompt-lens 1024,8192] [--kv-dtypes float32,int8] [--repeats 5]
+        [--out scripts/bench_results/kv_transfer.json]
 
 The pages are the default model's (SmolLM2-135M: 30 layers, 3 KV heads, head_dim 64) for a prompt of each length,
 page size 16, starting as jax arrays on the first CPU device (as `ModelRunner.export_pages` leaves them). Paths:

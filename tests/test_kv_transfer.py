@@ -254,9 +254,10 @@ def test_a_stream_cut_short_or_a_silent_server_fails_the_fetch():
         await asyncio.sleep(30)
 
     async def main():
+        answers_by_jax = replying_by_jax(f"{HOST}:1", "float32")  # to a fetch that did not offer the jax path
         for handler, match, timeout in [(cut_short, "closed the connection after", 10), (corrupt, "checksum", 10),
                                         (silent, "timed out after 0.3 s", 0.3),
-                                        (replying_by_jax(f"{HOST}:1", "float32"), "jax path, which this fetch did not offer", 10)]:
+                                        (answers_by_jax, "jax path, which this fetch did not offer", 10)]:
             server, port = await fake_server(handler)
             with pytest.raises(KVTransferError, match=match):
                 await fetch_pages(HOST, port, "x", timeout=timeout)
