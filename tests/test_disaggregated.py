@@ -9,7 +9,10 @@ from fake_runner import fake_llm, fake_replica
 from jaxserve import LLM, SamplingParams
 from jaxserve.batching.engine_core import StepError
 from jaxserve.batching.sequence import Status
+from jaxserve.cache import pages_needed
+from jaxserve.cache.transfer import trimmed
 from jaxserve.engine_factory import Engine
+from jaxserve.tokenizer import Tokenizer
 
 VOCAB = 64
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
@@ -122,3 +125,31 @@ def test_a_failed_decode_step_ends_only_its_requests():
     ok = ({"a", "b"} - set(failed)).pop()
     assert len(tokens[ok]) == 10
     llm.core.assert_idle_and_clean()
+
+
+def test_a_decode_server_takes_a_sequence_it_did_not_prefill(tiny_tokenized_dir):
+    """Two engines as two servers would hold them: the prefill one's KV pages go through host memory (trimmed to
+    the prompt's pages), and the decode one, given the first token, streams only the text after it."""
+    tokenizer = Tokenizer.from_hf_dir(tiny_tokenized_dir)
+    prompt, sp = "pages move", SamplingParams(temperature=0, max_tokens=9, ignore_eos=True)
+    whole = fake_llm(vocab_size=320, tokenizer=tokenizer).generate(prompt, sp, use_tqdm=False)[0].outputs[0]
+    prefill = LLM.over(Engine.over([fake_replica(vocab_size=320, role="prefill")], 320, 64, tokenizer))
+    prefill.add_request(prompt, sp)
+    said = ""
+    while not prefill.scheduler.handed_off:
+        said += "".join(d.completion.text for d in prefill.step())
+    (hand_off,) = prefill.core.take_handed_off()
+    kv = trimmed(hand_off.kv, pages_needed(hand_off.num_cached, prefill.scheduler.page_size))
+    decode = fake_llm(vocab_size=320, tokenizer=tokenizer)
+    request = decode.make_request(prompt, sp)
+    decode.core.add_prefilled(request.seqs[0], kv, hand_off.num_cached, first_token=hand_off.seq.output_token_ids[0])
+    streamed, tokens = "", []
+    while decode.has_unfinished_requests():
+        for d in decode.step():
+            streamed += d.completion.text
+            tokens += d.token_ids
+    assert said and said + streamed == whole.text
+    assert hand_off.seq.output_token_ids + tokens == whole.token_ids
+    assert request.seqs[0].output_token_ids == whole.token_ids
+    prefill.core.assert_idle_and_clean()
+    decode.core.assert_idle_and_clean()
