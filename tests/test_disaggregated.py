@@ -80,6 +80,8 @@ def test_decode_out_of_pages_waits_then_runs():
             done.setdefault(d.seq.request_id, []).extend(d.token_ids)
         waited.append(len(llm.replicas[1].scheduler.waiting))
     assert max(waited) >= 2
+    stats = llm.stats()
+    assert stats.decode_admitted == 4 and stats.decode_queue_seconds > 0
     assert [done[r] for r in sorted(done, key=int)] == [w[0] for w in want]
     llm.core.assert_idle_and_clean()
 
@@ -259,3 +261,4 @@ def test_metrics_show_the_transfers_and_pools():
     assert 'jaxserve:kv_transfer_seconds_count{model_name="m"} 2.0' in text
     assert 'jaxserve:pool_num_requests_running{model_name="m",pool="decode"} 0.0' in text
     assert 'jaxserve:pool_num_requests_waiting{model_name="m",pool="prefill"} 0.0' in text
+    assert 'jaxserve:decode_queue_time_seconds_count{model_name="m"} 2.0' in text

@@ -90,6 +90,9 @@ class EngineStats:
     kv_transfers: int = 0
     kv_transfer_bytes: int = 0
     kv_transfer_seconds: float = 0.0
+    # Prefilled sequences admitted to decode, and their seconds waiting for a slot and pages (the decode queue).
+    decode_admitted: int = 0
+    decode_queue_seconds: float = 0.0
     # Per pool (disaggregated prefill): (pool, running, waiting).
     pools: tuple[tuple[str, int, int], ...] = ()
 
@@ -352,7 +355,8 @@ class EngineCore:
             prompt_tokens=self.prompt_tokens, generation_tokens=self.generation_tokens,
             generation_tokens_per_s=rate, steps=self.steps, num_replicas_healthy=int(self.healthy),
             kv_transfers=self.kv_transfers, kv_transfer_bytes=self.kv_transfer_bytes,
-            kv_transfer_seconds=self.kv_transfer_seconds,
+            kv_transfer_seconds=self.kv_transfer_seconds, decode_admitted=s.num_prefilled_admitted,
+            decode_queue_seconds=s.prefilled_wait_seconds,
             **self._spec_stats())
 
     def _spec_stats(self) -> dict:

@@ -155,7 +155,9 @@ class Scheduler:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         self.role = role
         self.handed_off: list[Sequence] = []  # prefilled, pages held until exported
-        self._imports: dict[Sequence, tuple[int, KVPages]] = {}  # waiting prefilled sequences: (tokens cached, KV)
+        # Waiting prefilled sequences: (tokens cached, KV, when added); how many were admitted, after how long.
+        self._imports: dict[Sequence, tuple[int, KVPages, float]] = {}
+        self.num_prefilled_admitted, self.prefilled_wait_seconds = 0, 0.0
         self._admitted_imports: list[tuple[Sequence, list[int], KVPages]] = []  # while planning a step
         self.cache = cache
         self.page_size = cache.page_size
@@ -202,7 +204,7 @@ class Scheduler:
         if seq.lora is not None:
             raise ValueError(f"request {seq.request_id}: LoRA adapters are not supported with disaggregated prefill")
         self.add(seq)
-        self._imports[seq] = (num_cached, kv)
+        self._imports[seq] = (num_cached, kv, time.monotonic())
 
     def has_unfinished(self) -> bool:
         """Sequences to run (not counting any handed off, which only wait to be taken)."""
@@ -503,7 +505,9 @@ class Scheduler:
         while len(self.running) >= cap or need > self.cache.num_available:
             if not self._preempt_for(seq, cap):
                 return False
-        num_cached, kv = self._imports.pop(seq)
+        num_cached, kv, added = self._imports.pop(seq)
+        self.num_prefilled_admitted += 1
+        self.prefilled_wait_seconds += time.monotonic() - added
         seq.pages = self.cache.allocate(need)
         # Written once the import has run, which comes before any step that reads or publishes them.
         seq.num_cached = seq.num_written = num_cached
