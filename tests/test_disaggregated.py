@@ -262,3 +262,15 @@ def test_metrics_show_the_transfers_and_pools():
     assert 'jaxserve:pool_num_requests_running{model_name="m",pool="decode"} 0.0' in text
     assert 'jaxserve:pool_num_requests_waiting{model_name="m",pool="prefill"} 0.0' in text
     assert 'jaxserve:decode_queue_time_seconds_count{model_name="m"} 2.0' in text
+
+
+def test_a_prefilled_sequence_preempted_on_the_decode_side_is_recomputed_from_its_tokens():
+    """Three sequences admitted with 3 pages each grow past the decode pool's 9: one is preempted, and recomputes
+    its prompt and tokens there (the prefix cache off: every slot it reads, it wrote again)."""
+    reqs = [({"prompt_token_ids": list(range(i, i + 9))}, SamplingParams(temperature=0, max_tokens=12,
+                                                                         ignore_eos=True)) for i in range(3)]
+    want = outputs(fake_llm(vocab_size=VOCAB), reqs)
+    llm = disaggregated_llm(decode_args=dict(num_pages=10, enable_prefix_caching=False))
+    assert outputs(llm, reqs) == want
+    assert llm.stats().num_preemptions > 0
+    llm.core.assert_idle_and_clean()
