@@ -274,3 +274,30 @@ def test_a_prefilled_sequence_preempted_on_the_decode_side_is_recomputed_from_it
     assert outputs(llm, reqs) == want
     assert llm.stats().num_preemptions > 0
     llm.core.assert_idle_and_clean()
+
+
+class Landing(np.ndarray):
+    """Pages still being copied: not ready for the first few polls, or until waited for."""
+    polls = 3
+
+    def is_ready(self) -> bool:
+        self.polls -= 1
+        return self.polls < 0
+
+    def block_until_ready(self):
+        self.polls = -1
+        return self
+
+
+def test_a_sequence_is_admitted_to_decode_only_once_its_kv_has_landed():
+    llm = disaggregated_llm()
+    decode = llm.replicas[1]
+    put = decode.runner.put_pages
+    decode.runner.put_pages = lambda kv: [(k.view(Landing), v.view(Landing)) for k, v in put(kv)]
+    imported = []
+    import_pages = decode.runner.import_pages
+    decode.runner.import_pages = lambda ids, kv: imported.append(kv[0][0].polls) or import_pages(ids, kv)
+    out = llm.generate([{"prompt_token_ids": [1, 2, 3, 4, 5]}, {"prompt_token_ids": [9, 8]}], GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in out] == [list(range(6, 16)), list(range(9, 19))]
+    assert len(imported) == 2 and all(polls < 0 for polls in imported)  # landed (polled or waited for) first
+    llm.core.assert_idle_and_clean()
