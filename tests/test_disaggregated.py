@@ -301,3 +301,25 @@ def test_a_sequence_is_admitted_to_decode_only_once_its_kv_has_landed():
     assert [o.outputs[0].token_ids for o in out] == [list(range(6, 16)), list(range(9, 19))]
     assert len(imported) == 2 and all(polls < 0 for polls in imported)  # landed (polled or waited for) first
     llm.core.assert_idle_and_clean()
+
+
+def test_a_server_over_pools_streams_and_shows_them_in_metrics():
+    import requests
+    from serving import ServerThread, metric_samples
+
+    want = fake_llm(vocab_size=VOCAB).generate({"prompt_token_ids": [5, 6, 7]}, GREEDY, use_tqdm=False)
+    st = ServerThread(disaggregated_llm(1, 2), "pd")
+    try:
+        body = {"prompt": [5, 6, 7], "max_tokens": 10, "temperature": 0, "ignore_eos": True}
+        got = requests.post(st.url + "/v1/completions", json=body, timeout=60).json()
+        stream = requests.post(st.url + "/v1/completions", json={**body, "stream": True}, timeout=60)
+        chunks = [line for line in stream.text.splitlines() if line.startswith("data: {")]
+        assert got["usage"]["completion_tokens"] == len(want[0].outputs[0].token_ids) == 10 and len(chunks) > 2
+        samples = metric_samples(requests.get(st.url + "/metrics", timeout=10).text)
+        label = frozenset(['model_name="pd"'])
+        assert samples["jaxserve:kv_transfer_bytes_count", label] == 2
+        assert samples["jaxserve:num_replicas", label] == 3
+        assert samples["jaxserve:pool_num_requests_running", label | {'pool="decode"'}] == 0
+        assert requests.get(st.url + "/health", timeout=10).status_code == 200
+    finally:
+        st.stop()
