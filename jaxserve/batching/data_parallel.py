@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxserve.batching.engine_core import EngineCore, EngineDeadError, EngineStats, StepError
+from jaxserve.batching.engine_core import EngineCore, EngineDeadError, EngineStats, HandOff, StepError
 from jaxserve.batching.output_processor import SequenceDelta
 from jaxserve.batching.sequence import Sequence
 from jaxserve.cache import page_keys
+from jaxserve.cache.transfer import KVPages
 
 
 class DataParallel:
@@ -53,6 +54,22 @@ class DataParallel:
         core = self.route(seq)
         core.add(seq)
         self._placed[seq.request_id] = core
+
+    def add_prefilled(self, seq: Sequence, kv: KVPages, num_cached: int, **kw) -> None:
+        """A sequence prefilled elsewhere (EngineCore.add_prefilled's arguments), to the replica routing picks (its
+        request's, if it has one here)."""
+        core = self.route(seq)
+        core.add_prefilled(seq, kv, num_cached, **kw)
+        self._placed[seq.request_id] = core
+
+    def take_handed_off(self) -> list[HandOff]:
+        """Every replica's hand-offs (see EngineCore.take_handed_off); a request none of whose sequences is left
+        here is forgotten."""
+        handed = [h for core in self.replicas for h in core.take_handed_off()]
+        for h in handed:
+            if not self._holds(h.seq.request_id):
+                self._placed.pop(h.seq.request_id, None)
+        return handed
 
     def step(self) -> list[SequenceDelta]:
         """Steps every replica with work. If any failed: StepError with every replica's results and the failed

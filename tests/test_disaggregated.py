@@ -1,0 +1,325 @@
+"""Disaggregated prefill: a prefill pool hands each sequence off after its first token, with its KV pages, to a
+decode pool. Over fake runners (whose cache records the token at each slot and fails a row that reads a slot never
+written, so a missing or misplaced import shows) and the tiny model on CPU devices (whose tokens must equal a
+colocated engine's)."""
+import jax
+import numpy as np
+import pytest
+
+from fake_runner import fake_llm, fake_replica
+from jaxserve import LLM, SamplingParams
+from jaxserve.batching.engine_core import StepError
+from jaxserve.batching.sequence import Status
+from jaxserve.cache import pages_needed
+from jaxserve.cache.transfer import trimmed
+from jaxserve.engine_factory import Engine
+from jaxserve.tokenizer import Tokenizer
+from tiny import make_llm
+
+VOCAB = 64
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+
+
+def disaggregated_llm(num_prefill=1, num_decode=1, prefill_args=None, decode_args=None) -> LLM:
+    prefill = [fake_replica(vocab_size=VOCAB, role="prefill", **(prefill_args or {})) for _ in range(num_prefill)]
+    decode = [fake_replica(vocab_size=VOCAB, **(decode_args or {})) for _ in range(num_decode)]
+    return LLM.over(Engine.over(prefill, VOCAB, 64, decode=decode))
+
+
+def fake_requests(rng, n=8):
+    reqs = []
+    for i in range(n):
+        ids = rng.integers(0, VOCAB, int(rng.integers(1, 20))).tolist()
+        sp = SamplingParams(temperature=0, max_tokens=int(rng.integers(1, 12)), ignore_eos=True, n=1 + (i % 3 == 1))
+        reqs.append(({"prompt_token_ids": ids}, sp))
+    return reqs
+
+
+def outputs(llm, reqs):
+    outs = llm.generate([p for p, _ in reqs], [sp for _, sp in reqs], use_tqdm=False)
+    return [[c.token_ids for c in o.outputs] for o in outs]
+
+
+@pytest.mark.parametrize("num_decode", [1, 2])
+def test_fake_pools_give_the_colocated_tokens_and_never_decode_on_the_prefill_side(num_decode):
+    reqs = fake_requests(np.random.default_rng(0))
+    want = outputs(fake_llm(vocab_size=VOCAB), reqs)
+    llm = disaggregated_llm(1, num_decode)
+    assert outputs(llm, reqs) == want
+    prefill, decode = llm.replicas[0], llm.replicas[1:]
+    # Pipelined, yet never a decode row: every row there computes prompt tokens and samples a first token at most.
+    assert all(not r.chained and r.sampling.step == 0 for rows in prefill.runner.steps for r in rows)
+    assert sum(len(d.runner.steps) for d in decode) > 0
+    stats = llm.stats()
+    assert stats.kv_transfers == sum(sp.n for _, sp in reqs if sp.max_tokens > 1)
+    assert stats.kv_transfer_bytes > 0 and [p for p, _, _ in stats.pools] == ["prefill", "decode"]
+    llm.core.assert_idle_and_clean()
+
+
+def test_a_first_token_that_ends_the_request_is_not_handed_off():
+    llm = disaggregated_llm()
+    out = llm.generate({"prompt_token_ids": [3, 4, 5]}, SamplingParams(temperature=0, max_tokens=1),
+                       use_tqdm=False)
+    assert out[0].outputs[0].token_ids == [6]
+    assert llm.stats().kv_transfers == 0 and not llm.replicas[1].runner.steps
+    llm.core.assert_idle_and_clean()
+
+
+def test_decode_out_of_pages_waits_then_runs():
+    """The decode pool holds one sequence at a time (7 usable pages of 4 tokens); the rest wait for its pages."""
+    reqs = [({"prompt_token_ids": list(range(i, i + 9))}, SamplingParams(temperature=0, max_tokens=12,
+                                                                         ignore_eos=True)) for i in range(4)]
+    want = outputs(fake_llm(vocab_size=VOCAB), reqs)
+    llm = disaggregated_llm(decode_args=dict(num_pages=8))
+    waited = []
+    for p, sp in reqs:
+        llm.add_request(p, sp)
+    done = {}
+    while llm.has_unfinished_requests():
+        for d in llm.step():
+            done.setdefault(d.seq.request_id, []).extend(d.token_ids)
+        waited.append(len(llm.replicas[1].scheduler.waiting))
+    assert max(waited) >= 2
+    stats = llm.stats()
+    assert stats.decode_admitted == 4 and stats.decode_queue_seconds > 0
+    assert [done[r] for r in sorted(done, key=int)] == [w[0] for w in want]
+    llm.core.assert_idle_and_clean()
+
+
+@pytest.mark.parametrize("phase", ["prefilling", "waiting for decode pages", "decoding"])
+def test_abort_in_each_phase_frees_every_page(phase):
+    llm = disaggregated_llm(decode_args=dict(num_pages=8))
+    hog = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)  # 6 of the decode's 7 pages at once
+    llm.add_request({"prompt_token_ids": list(range(20))}, hog, request_id="hog")
+    llm.add_request({"prompt_token_ids": list(range(10))}, GREEDY, request_id="r")
+    prefill, decode = llm.replicas
+    for _ in range(50):
+        seqs = {s.request_id: s for s in decode.scheduler.waiting + decode.scheduler.running}
+        if phase == "prefilling" and "r" in {s.request_id for s in prefill.scheduler.running}:
+            break
+        if phase == "waiting for decode pages" and "r" in seqs and seqs["r"].status is Status.WAITING:
+            break
+        if phase == "decoding" and "r" in seqs and seqs["r"].status is Status.RUNNING:
+            break
+        llm.step()
+    else:
+        pytest.fail(f"never reached {phase}")
+    llm.abort_request("r")
+    while llm.has_unfinished_requests():
+        llm.step()
+    llm.core.assert_idle_and_clean()
+
+
+def test_a_failed_decode_step_ends_only_its_requests():
+    llm = disaggregated_llm(num_decode=2)
+    bad = llm.replicas[2].runner
+    bad.fail("dispatch", times=-1)
+    llm.add_request({"prompt_token_ids": [1, 2, 3]}, GREEDY, request_id="a")
+    llm.add_request({"prompt_token_ids": [4, 5, 6]}, GREEDY, request_id="b")
+    failed, tokens = {}, {}
+    while llm.has_unfinished_requests():
+        try:
+            deltas = llm.step()
+        except StepError as e:
+            deltas = e.changed
+            failed.update(e.failed)
+        for d in deltas:
+            tokens.setdefault(d.seq.request_id, []).extend(d.token_ids)
+    assert len(failed) == 1 and "device lost" in str(next(iter(failed.values())))
+    ok = ({"a", "b"} - set(failed)).pop()
+    assert len(tokens[ok]) == 10
+    llm.core.assert_idle_and_clean()
+
+
+def test_a_decode_server_takes_a_sequence_it_did_not_prefill(tiny_tokenized_dir):
+    """Two engines as two servers would hold them: the prefill one's KV pages go through host memory (trimmed to
+    the prompt's pages), and the decode one, given the first token, streams only the text after it."""
+    tokenizer = Tokenizer.from_hf_dir(tiny_tokenized_dir)
+    prompt, sp = "pages move", SamplingParams(temperature=0, max_tokens=9, ignore_eos=True)
+    whole = fake_llm(vocab_size=320, tokenizer=tokenizer).generate(prompt, sp, use_tqdm=False)[0].outputs[0]
+    prefill = LLM.over(Engine.over([fake_replica(vocab_size=320, role="prefill")], 320, 64, tokenizer))
+    prefill.add_request(prompt, sp)
+    said = ""
+    while not prefill.scheduler.handed_off:
+        said += "".join(d.completion.text for d in prefill.step())
+    (hand_off,) = prefill.core.take_handed_off()
+    kv = trimmed(hand_off.kv, pages_needed(hand_off.num_cached, prefill.scheduler.page_size))
+    decode = fake_llm(vocab_size=320, tokenizer=tokenizer)
+    request = decode.make_request(prompt, sp)
+    decode.core.add_prefilled(request.seqs[0], kv, hand_off.num_cached, first_token=hand_off.seq.output_token_ids[0])
+    streamed, tokens = "", []
+    while decode.has_unfinished_requests():
+        for d in decode.step():
+            streamed += d.completion.text
+            tokens += d.token_ids
+    assert said and said + streamed == whole.text
+    assert hand_off.seq.output_token_ids + tokens == whole.token_ids
+    assert request.seqs[0].output_token_ids == whole.token_ids
+    prefill.core.assert_idle_and_clean()
+    decode.core.assert_idle_and_clean()
+
+
+# ---- the tiny model on CPU devices ----
+
+def tiny_workload(rng):
+    """Greedy and seeded-sampling requests (one with n=2), half sharing a prefix of several pages."""
+    prefix = rng.integers(0, 320, 13).tolist()
+    reqs = []
+    for i in range(5):
+        tail = rng.integers(0, 320, int(rng.integers(1, 15))).tolist()
+        ids = prefix + tail if i % 2 else rng.integers(0, 320, int(rng.integers(1, 30))).tolist()
+        if i % 3 == 2:
+            sp = SamplingParams(temperature=0.8, seed=int(rng.integers(1 << 30)), max_tokens=9, ignore_eos=True,
+                                n=2 if i == 2 else 1)
+        else:
+            sp = SamplingParams(temperature=0, max_tokens=int(rng.integers(1, 12)), ignore_eos=True)
+        reqs.append(({"prompt_token_ids": ids}, sp))
+    return reqs
+
+
+@pytest.fixture(scope="module")
+def colocated(tiny_dir):
+    """The workload's tokens from a colocated engine, per KV-cache dtype."""
+    reqs = tiny_workload(np.random.default_rng(26))
+    return reqs, {kv: outputs(make_llm(tiny_dir, kv_cache_dtype=kv), reqs) for kv in ("auto", "int8")}
+
+
+@pytest.mark.parametrize("pools", [dict(prefill_replicas=1, decode_replicas=1, tensor_parallel_size=2,
+                                        decode_tensor_parallel_size=1),
+                                   dict(prefill_replicas=1, decode_replicas=2, decode_tensor_parallel_size=2,
+                                        kv_cache_dtype="int8")],
+                         ids=["P1D1-prefill-tp2", "P1D2-decode-tp2-int8"])
+def test_pools_give_the_colocated_tokens(tiny_dir, colocated, pools):
+    reqs, want = colocated
+    llm = make_llm(tiny_dir, **pools)
+    assert outputs(llm, reqs) == want[pools.get("kv_cache_dtype", "auto")]
+    stats = llm.stats()
+    assert stats.kv_transfers == sum(sp.n for _, sp in reqs if sp.max_tokens > 1) and stats.kv_transfer_bytes > 0
+    assert stats.prefix_cache_hits > 0  # on the prefill side
+    assert [p for p, _, _ in stats.pools] == ["prefill", "decode"]
+    llm.core.assert_idle_and_clean()
+
+
+def test_a_stream_gives_the_colocated_text(tiny_tokenized_dir):
+    sp = SamplingParams(temperature=0.7, seed=11, max_tokens=14, ignore_eos=True)
+    want = "".join(make_llm(tiny_tokenized_dir).stream("a prompt", sp))
+    llm = make_llm(tiny_tokenized_dir, prefill_replicas=1, decode_replicas=1)
+    pieces = list(llm.stream("a prompt", sp))
+    assert len(pieces) > 1 and "".join(pieces) == want
+    llm.core.assert_idle_and_clean()
+
+
+def test_nothing_compiles_after_warmup(tiny_dir):
+    """Pages moved from a one-device prefill replica to a two-device decode replica (a resharding copy) in every
+    page-count bucket: all compiled at warm-up."""
+    llm = make_llm(tiny_dir, prefill_replicas=1, decode_replicas=1, decode_tensor_parallel_size=2, warmup=True,
+                   max_model_len=32, max_num_batched_tokens=8)
+    compiles = []
+
+    def on_compile(event, duration_secs, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(kwargs.get("fun_name"))
+    rng = np.random.default_rng()
+    buckets = llm.runner.page_buckets
+    jax.monitoring.register_event_duration_secs_listener(on_compile)
+    try:  # prompts filling every page-count bucket (pages of 4 tokens, up to 8 a sequence)
+        for pages in buckets:
+            n = min(4 * pages - 1, 28)
+            llm.generate({"prompt_token_ids": rng.integers(0, 320, n).tolist()},
+                         SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(on_compile)
+    assert compiles == []
+    assert llm.stats().kv_transfers == len(buckets)
+    llm.core.assert_idle_and_clean()
+
+
+@pytest.mark.parametrize("args,error", [
+    (dict(prefill_replicas=1), "go together"),
+    (dict(decode_tensor_parallel_size=2), "needs prefill_replicas"),
+    (dict(prefill_replicas=1, decode_replicas=1, data_parallel_size=2), "data_parallel_size"),
+    (dict(prefill_replicas=1, decode_replicas=1, role="prefill"), "one or the other"),
+    (dict(prefill_replicas=1, decode_replicas=1, speculative_config=dict(method="ngram", num_speculative_tokens=2)),
+     "speculative decoding is not supported"),
+    (dict(role="decode", enable_lora=True), "LoRA adapters are not supported"),
+    (dict(role="other"), "role must be one of"),
+    (dict(prefill_replicas=4, decode_replicas=1, tensor_parallel_size=2), "needs 10 devices; there are 8"),
+])
+def test_bad_config_is_refused(tiny_dir, args, error):
+    with pytest.raises(ValueError, match=error):
+        make_llm(tiny_dir, **args)
+
+
+def test_metrics_show_the_transfers_and_pools():
+    from jaxserve.metrics import ServerMetrics
+    llm = disaggregated_llm()
+    llm.generate([{"prompt_token_ids": [1, 2, 3, 4, 5]}] * 2, GREEDY, use_tqdm=False)
+    metrics = ServerMetrics()
+    metrics.add_model("m", llm.stats)
+    text = metrics.exposition().decode()
+    assert 'jaxserve:kv_transfer_bytes_count{model_name="m"} 2.0' in text
+    assert 'jaxserve:kv_transfer_seconds_count{model_name="m"} 2.0' in text
+    assert 'jaxserve:pool_num_requests_running{model_name="m",pool="decode"} 0.0' in text
+    assert 'jaxserve:pool_num_requests_waiting{model_name="m",pool="prefill"} 0.0' in text
+    assert 'jaxserve:decode_queue_time_seconds_count{model_name="m"} 2.0' in text
+
+
+def test_a_prefilled_sequence_preempted_on_the_decode_side_is_recomputed_from_its_tokens():
+    """Three sequences admitted with 3 pages each grow past the decode pool's 9: one is preempted, and recomputes
+    its prompt and tokens there (the prefix cache off: every slot it reads, it wrote again)."""
+    reqs = [({"prompt_token_ids": list(range(i, i + 9))}, SamplingParams(temperature=0, max_tokens=12,
+                                                                         ignore_eos=True)) for i in range(3)]
+    want = outputs(fake_llm(vocab_size=VOCAB), reqs)
+    llm = disaggregated_llm(decode_args=dict(num_pages=10, enable_prefix_caching=False))
+    assert outputs(llm, reqs) == want
+    assert llm.stats().num_preemptions > 0
+    llm.core.assert_idle_and_clean()
+
+
+class Landing(np.ndarray):
+    """Pages still being copied: not ready for the first few polls, or until waited for."""
+    polls = 3
+
+    def is_ready(self) -> bool:
+        self.polls -= 1
+        return self.polls < 0
+
+    def block_until_ready(self):
+        self.polls = -1
+        return self
+
+
+def test_a_sequence_is_admitted_to_decode_only_once_its_kv_has_landed():
+    llm = disaggregated_llm()
+    decode = llm.replicas[1]
+    put = decode.runner.put_pages
+    decode.runner.put_pages = lambda kv: [(k.view(Landing), v.view(Landing)) for k, v in put(kv)]
+    imported = []
+    import_pages = decode.runner.import_pages
+    decode.runner.import_pages = lambda ids, kv: imported.append(kv[0][0].polls) or import_pages(ids, kv)
+    out = llm.generate([{"prompt_token_ids": [1, 2, 3, 4, 5]}, {"prompt_token_ids": [9, 8]}], GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in out] == [list(range(6, 16)), list(range(9, 19))]
+    assert len(imported) == 2 and all(polls < 0 for polls in imported)  # landed (polled or waited for) first
+    llm.core.assert_idle_and_clean()
+
+
+def test_a_server_over_pools_streams_and_shows_them_in_metrics():
+    import requests
+    from serving import ServerThread, metric_samples
+
+    want = fake_llm(vocab_size=VOCAB).generate({"prompt_token_ids": [5, 6, 7]}, GREEDY, use_tqdm=False)
+    st = ServerThread(disaggregated_llm(1, 2), "pd")
+    try:
+        body = {"prompt": [5, 6, 7], "max_tokens": 10, "temperature": 0, "ignore_eos": True}
+        got = requests.post(st.url + "/v1/completions", json=body, timeout=60).json()
+        stream = requests.post(st.url + "/v1/completions", json={**body, "stream": True}, timeout=60)
+        chunks = [line for line in stream.text.splitlines() if line.startswith("data: {")]
+        assert got["usage"]["completion_tokens"] == len(want[0].outputs[0].token_ids) == 10 and len(chunks) > 2
+        samples = metric_samples(requests.get(st.url + "/metrics", timeout=10).text)
+        label = frozenset(['model_name="pd"'])
+        assert samples["jaxserve:kv_transfer_bytes_count", label] == 2
+        assert samples["jaxserve:num_replicas", label] == 3
+        assert samples["jaxserve:pool_num_requests_running", label | {'pool="decode"'}] == 0
+        assert requests.get(st.url + "/health", timeout=10).status_code == 200
+    finally:
+        st.stop()
