@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from jaxserve import multihost
 from jaxserve.attention import resolve_attention_backend
 from jaxserve.batching.data_parallel import DataParallel
+from jaxserve.batching.disaggregated import Disaggregated
 from jaxserve.batching.draft_proposer import DraftProposer
 from jaxserve.batching.engine_core import EngineCore
 from jaxserve.batching.model_runner import ModelRunner, RunnerConfig
@@ -45,7 +46,7 @@ logger = logging.getLogger("jaxserve")
 class Engine:
     """What an LLM serves: the engine (one replica's core, or several behind DataParallel) and what requests are
     checked against."""
-    core: EngineCore | DataParallel
+    core: EngineCore | DataParallel | Disaggregated
     replicas: list[EngineCore]
     model_name: str
     vocab_size: int
@@ -61,10 +62,15 @@ class Engine:
 
     @classmethod
     def over(cls, replicas: list[EngineCore], vocab_size: int, max_model_len: int, tokenizer=None,
-             model_name: str = "fake", loras: HostAdapters | None = None) -> "Engine":
-        """An engine over replicas built by hand (tests: over fake runners)."""
-        core = replicas[0] if len(replicas) == 1 else DataParallel(replicas)
-        return cls(core, replicas, model_name, vocab_size, max_model_len, tokenizer, loras=loras)
+             model_name: str = "fake", loras: HostAdapters | None = None,
+             decode: list[EngineCore] | None = None) -> "Engine":
+        """An engine over replicas built by hand (tests: over fake runners); with decode replicas, the replicas
+        are a prefill pool (disaggregated prefill)."""
+        if decode:
+            core = Disaggregated(replicas, decode)
+        else:
+            core = replicas[0] if len(replicas) == 1 else DataParallel(replicas)
+        return cls(core, replicas + (decode or []), model_name, vocab_size, max_model_len, tokenizer, loras=loras)
 
 
 def build_engine(c: EngineConfig) -> Engine:

@@ -44,9 +44,14 @@ class Fault:
 
 
 class FakeRunner:
-    def __init__(self, vocab_size: int = 64, num_speculative_tokens: int = 0, successor=None):
+    def __init__(self, vocab_size: int = 64, num_speculative_tokens: int = 0, successor=None, num_pages: int = 0,
+                 page_size: int = 0):
         """successor(token) -> the token after it (default: the next id): a fake draft model guesses with another
-        rule, so some of its proposals are rejected."""
+        rule, so some of its proposals are rejected. num_pages, page_size: a fake KV cache (see `kv`)."""
+        # The KV cache as the token written at each slot [num_pages, page_size] (-1: never written): pages move
+        # out and in (export_pages / import_pages), and a row that reads a slot never written fails the step, as
+        # a real one would compute garbage from it (a missing import, say).
+        self.kv = np.full((num_pages, page_size), -1, np.int64) if num_pages else None
         self.vocab_size = vocab_size
         self._successor = successor
         self.num_speculative_tokens = num_speculative_tokens
@@ -78,6 +83,8 @@ class FakeRunner:
         self.events.append("dispatch")
         self._check_faults("dispatch", rows)
         self.steps.append(rows)
+        if self.kv is not None:
+            self._write_kv(rows)
         Q = 1 + self.num_speculative_tokens
         S = len(rows)
         tokens, counts = np.zeros((S, Q), np.int32), np.zeros(S, np.int32)
@@ -103,6 +110,29 @@ class FakeRunner:
                          top_ids=np.zeros((S, Q, MAX_LOGPROBS), np.int32),
                          top_logprobs=np.zeros((S, Q, MAX_LOGPROBS), np.float32))
         return FakeHandle(S, out, rows)
+
+    def _write_kv(self, rows: list[Row]) -> None:
+        page_size = self.kv.shape[1]
+        for i, row in enumerate(rows):
+            slots = [(row.pages[p // page_size], p % page_size) for p in range(row.end)]
+            if any(self.kv[page, offset] < 0 for page, offset in slots[:row.start_pos]):
+                raise RuntimeError(f"row {i} reads K/V never written (pages {row.pages[:row.start_pos]})")
+            ids = list(row.token_ids)
+            if row.chained:
+                ids[0] = self.last_tokens[row.slot]
+            for (page, offset), token in zip(slots[row.start_pos:], ids):
+                self.kv[page, offset] = token
+
+    def export_pages(self, page_ids: list[int]):
+        """Per layer (k, v) [n, page_size]: one layer, K and V both the tokens written."""
+        pages = self.kv[page_ids]
+        return [(pages, pages.copy())]
+
+    def put_pages(self, kv):
+        return [(np.array(k), np.array(v)) for k, v in kv]
+
+    def import_pages(self, page_ids: list[int], kv) -> None:
+        self.kv[page_ids] = np.asarray(kv[0][0])[:len(page_ids)]
 
     def load_lora(self, slot: int, adapter) -> None:
         self.lora_shifts[slot] = adapter.shift
@@ -154,14 +184,14 @@ def fake_adapter(request):
 def fake_replica(num_pages: int = 32, page_size: int = 4, max_num_seqs: int = 4, max_num_batched_tokens: int = 16,
                  vocab_size: int = 64, ngram: int = 0, enable_prefix_caching: bool = True, proposer=None,
                  draft: bool = False, scheduling_policy: str = "fcfs", runner: FakeRunner | None = None,
-                 max_loras: int = 0) -> EngineCore:
+                 max_loras: int = 0, role: str = "both") -> EngineCore:
     """An engine core over a FakeRunner. ngram=k: speculating up to k proposals for every sequence every step, from
     `proposer` (default: n-gram lookup; draft=True: a fake draft model, right two times in three). max_loras: LoRA
     slots (0: adapters not enabled)."""
-    runner = runner or FakeRunner(vocab_size, ngram)
+    runner = runner or FakeRunner(vocab_size, ngram, num_pages=num_pages, page_size=page_size)
     scheduler = Scheduler(PrefixCache(PageAllocator(num_pages), page_size, enable_prefix_caching), max_num_seqs,
                           max_num_batched_tokens, policy=scheduling_policy,
-                          lora_slots=LoRASlots(max_loras, runner.load_lora) if max_loras else None)
+                          lora_slots=LoRASlots(max_loras, runner.load_lora) if max_loras else None, role=role)
     if not ngram:
         return EngineCore(scheduler, runner)
     if draft:

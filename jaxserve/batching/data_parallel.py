@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxserve.batching.engine_core import EngineCore, EngineDeadError, EngineStats, StepError
+from jaxserve.batching.engine_core import EngineCore, EngineDeadError, EngineStats, HandOff, StepError
 from jaxserve.batching.output_processor import SequenceDelta
 from jaxserve.batching.sequence import Sequence
 from jaxserve.cache import page_keys
@@ -53,6 +53,21 @@ class DataParallel:
         core = self.route(seq)
         core.add(seq)
         self._placed[seq.request_id] = core
+
+    def add_prefilled(self, hand_off: HandOff) -> None:
+        """A sequence prefilled elsewhere, to the replica routing picks (its request's, if it has one here)."""
+        core = self.route(hand_off.seq)
+        core.add_prefilled(hand_off.seq, hand_off.kv, hand_off.num_cached, started=hand_off.exported_at)
+        self._placed[hand_off.seq.request_id] = core
+
+    def take_handed_off(self) -> list[HandOff]:
+        """Every replica's hand-offs (see EngineCore.take_handed_off); a request none of whose sequences is left
+        here is forgotten."""
+        handed = [h for core in self.replicas for h in core.take_handed_off()]
+        for h in handed:
+            if not self._holds(h.seq.request_id):
+                self._placed.pop(h.seq.request_id, None)
+        return handed
 
     def step(self) -> list[SequenceDelta]:
         """Steps every replica with work. If any failed: StepError with every replica's results and the failed

@@ -16,6 +16,12 @@ host's work on step N (reading it back, detokenizing, filling the next masks) wi
 batches without one keep it (what that costs: BENCHMARKS.md). Constrained rows never speculate; the others of the
 batch may.
 
+Disaggregated prefill (`jaxserve.batching.disaggregated`): a prefill engine's scheduler hands each sequence off
+once its first token has landed; `take_handed_off` dispatches the export of its pages (a gather on the device) and
+only then gives them back, so a later step that reuses them runs after the gather. A decode engine takes it with
+those pages (`add_prefilled`), copies them to its own devices at once, and writes them into its cache when the
+scheduler admits it, before the step that first reads them is dispatched.
+
 A step that fails ends only the requests it held, and the results read back before it failed still reach theirs
 (`StepError`); a replica whose steps keep failing stops (`healthy`) and ends every request it holds.
 """
@@ -24,6 +30,8 @@ from __future__ import annotations
 import dataclasses
 import time
 
+import jax
+
 from jaxserve.batching import output_processor
 from jaxserve.batching.output_processor import SequenceDelta
 from jaxserve.batching.proposer import Proposer
@@ -31,6 +39,8 @@ from jaxserve.batching.runner import Runner, StepHandle
 from jaxserve.batching.scheduler import ScheduledBatch, Scheduler
 from jaxserve.batching.sequence import Sequence, Status
 from jaxserve.batching.spec_controller import SpecController
+from jaxserve.cache import pages_needed
+from jaxserve.cache.transfer import KVPages, kv_bytes
 
 # Steps of one engine replica that may fail in a row before it declares itself dead instead of going on.
 MAX_FAILED_STEPS = 3
@@ -75,6 +85,31 @@ class EngineStats:
     # Replicas (data parallelism) and how many of them still serve (a replica stops after MAX_FAILED_STEPS).
     num_replicas: int = 1
     num_replicas_healthy: int = 1
+    # KV transfers taken in (disaggregated prefill): how many have landed, their bytes, and their seconds from
+    # export to landing here (polled once per step, so each is late by up to a step).
+    kv_transfers: int = 0
+    kv_transfer_bytes: int = 0
+    kv_transfer_seconds: float = 0.0
+    # Per pool (disaggregated prefill): (pool, running, waiting).
+    pools: tuple[tuple[str, int, int], ...] = ()
+
+
+@dataclasses.dataclass
+class HandOff:
+    """A prefilled sequence leaving its prefill engine: the K/V of its first num_cached tokens (its prompt), as
+    exported pages (perhaps padded past them; still in flight), and when the export was dispatched."""
+    seq: Sequence
+    kv: KVPages
+    num_cached: int
+    exported_at: float  # time.perf_counter()
+
+
+@dataclasses.dataclass
+class Transfer:
+    """KV pages on their way to this engine's devices."""
+    started: float  # time.perf_counter()
+    kv: KVPages
+    num_bytes: int
 
 
 @dataclasses.dataclass
@@ -110,6 +145,8 @@ class EngineCore:
         self._recent: list[tuple[float, int]] = []  # (time, tokens) of recent steps, for tokens/s
         self._changed: list[SequenceDelta] = []  # what the current step has read back so far
         self.failed_steps = 0  # in a row: reset when a sequence decodes past its first token or finishes
+        self._transfers: list[Transfer] = []  # still landing
+        self.kv_transfers, self.kv_transfer_bytes, self.kv_transfer_seconds = 0, 0, 0.0
 
     @property
     def healthy(self) -> bool:
@@ -122,6 +159,42 @@ class EngineCore:
 
     def abort(self, request_id: str) -> list[Sequence]:
         return self.scheduler.abort(request_id)
+
+    def take_handed_off(self) -> list[HandOff]:
+        """The sequences the prefill scheduler has handed off since the last call, their pages' export
+        dispatched; the pages are then free here."""
+        handed = []
+        for seq in list(self.scheduler.handed_off):
+            kv = self.runner.export_pages(seq.pages[:pages_needed(seq.num_cached, self.scheduler.page_size)])
+            handed.append(HandOff(seq, kv, seq.num_cached, time.perf_counter()))
+            self.scheduler.release_handed_off(seq)
+        return handed
+
+    def add_prefilled(self, seq: Sequence, kv: KVPages, num_cached: int, first_token: int | None = None,
+                      logprob: float = 0.0, started: float | None = None) -> None:
+        """A sequence prefilled elsewhere, with the K/V of its first num_cached tokens (kv: from `take_handed_off`
+        or over the wire). It waits here until a slot and pages are free, then decodes. first_token: its first
+        token, for a sequence built here (a decode server's), taken as already said; started: when its export
+        began (time.perf_counter(); default now), for the transfer's seconds. Raises ValueError if it does not fit
+        (nothing is then held)."""
+        if not self.healthy:
+            raise EngineDeadError(f"this engine stopped after {self.failed_steps} failed steps in a row")
+        self.scheduler.check_fits(seq)
+        kv = self.runner.put_pages(kv)
+        if first_token is not None:
+            output_processor.take_as_said(seq, first_token, logprob)
+        self.scheduler.add_prefilled(seq, num_cached, kv, first_token)
+        self._transfers.append(Transfer(time.perf_counter() if started is None else started, kv, kv_bytes(kv)))
+
+    def _landed(self) -> None:
+        """Counts the transfers that have landed (without waiting for any)."""
+        now = time.perf_counter()
+        for t in [t for t in self._transfers if all(getattr(x, "is_ready", lambda: True)()
+                                                    for x in jax.tree.leaves(t.kv))]:
+            self._transfers.remove(t)
+            self.kv_transfers += 1
+            self.kv_transfer_bytes += t.num_bytes
+            self.kv_transfer_seconds += now - t.started
 
     def _fail_running(self) -> set[str]:
         """After a failed step: the requests that had a sequence in the lost steps out (all their sequences),
@@ -141,18 +214,19 @@ class EngineCore:
 
     def abort_all(self) -> None:
         """After a failed step: every sequence out, nothing in flight (its results are lost with it)."""
-        for seq in self.scheduler.waiting + self.scheduler.running:
+        for seq in self.scheduler.waiting + self.scheduler.running + self.scheduler.handed_off:
             self.scheduler.finish(seq)
         self._in_flight = None
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or self._in_flight is not None
+        return self.scheduler.has_unfinished() or self._in_flight is not None or bool(self.scheduler.handed_off)
 
     def step(self) -> list[SequenceDelta]:
         """Dispatches the next step and returns what the previous one (and, in a speculative step, this one) added
         to each sequence. Raises StepError if it fails, with the requests it ended and what it had
         read back before; the engine is then clean for the next step."""
         self._changed = []
+        self._landed()
         try:
             self._step()
         except Exception as e:  # noqa: BLE001 - any failure: its requests end, the others go on
@@ -179,6 +253,7 @@ class EngineCore:
         if self._in_flight is not None and self._in_flight.batch.constrained:
             self._read_back()
         batch = self.scheduler.schedule()
+        self._import(batch)
         dispatched = self._dispatch(batch) if batch else None
         done, self._in_flight = self._in_flight, dispatched
         if done is None:
@@ -210,6 +285,7 @@ class EngineCore:
         self._read_back()
         start = time.perf_counter()
         batch = self.scheduler.schedule(lengths, self.proposer.propose)
+        self._import(batch)
         if not batch:
             return
         self._update(self._dispatch(batch))
@@ -225,6 +301,11 @@ class EngineCore:
             done, self._in_flight = self._in_flight, None  # its results are lost with it if reading it fails
             self._update(done)
         self._last_fetch = None
+
+    def _import(self, batch: ScheduledBatch) -> None:
+        """Writes the K/V of the prefilled sequences admitted to `batch` into their pages, before its step."""
+        for pages, kv in batch.imports:
+            self.runner.import_pages(pages, kv)
 
     def _dispatch(self, batch: ScheduledBatch) -> InFlight:
         handle = self.runner.dispatch(batch.rows)
@@ -248,8 +329,9 @@ class EngineCore:
             if batch.proposals.get(d.seq):
                 self.controller.observe(d.seq, len(batch.proposals[d.seq]), d.num_emitted - 1)
         self.scheduler.update(batch, deltas, now)
-        if any(d.finished or len(d.seq.output_token_ids) > 1 for d in deltas):
-            # This replica serves: a sequence decoded past its first token, or finished. A prefill alone proves
+        if any(d.finished or len(d.seq.output_token_ids) > 1 or d.seq.status is Status.HANDED_OFF for d in deltas):
+            # This replica serves: a sequence decoded past its first token, finished, or was handed off (all a
+            # prefill engine does). A prefill alone (elsewhere) proves
             # little: every new request's succeeds while a broken decode fails each one after it.
             self.failed_steps = 0
         self._changed += deltas
@@ -269,6 +351,8 @@ class EngineCore:
             prefix_cache_hit_rate=cache.hit_rate(), num_preemptions=s.num_preemptions,
             prompt_tokens=self.prompt_tokens, generation_tokens=self.generation_tokens,
             generation_tokens_per_s=rate, steps=self.steps, num_replicas_healthy=int(self.healthy),
+            kv_transfers=self.kv_transfers, kv_transfer_bytes=self.kv_transfer_bytes,
+            kv_transfer_seconds=self.kv_transfer_seconds,
             **self._spec_stats())
 
     def _spec_stats(self) -> dict:

@@ -22,8 +22,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxserve.batch import StepInput, StepOutput
 from jaxserve.batching.batch_builder import Row, build_batch
 from jaxserve.batching.runner import StepHandle
-from jaxserve.buckets import Buckets, round_up
-from jaxserve.cache import init_kv_cache, pages_needed
+from jaxserve.buckets import Buckets, geometric, round_up
+from jaxserve.cache import SCRATCH_PAGE, init_kv_cache, pages_needed
+from jaxserve.cache.transfer import KVPages, gather_pages, num_pages, padded_ids, scatter_pages
 from jaxserve.multihost import LeaderFollower
 from jaxserve.distributed import log_placement, param_shardings, place, replicated
 from jaxserve.layouts import param_formats, with_row_major_tables
@@ -50,6 +51,8 @@ class RunnerConfig:
     # LoRA adapter slots on device and their rank (0: no LoRA, and the programs are exactly the base model's).
     max_loras: int = 0
     max_lora_rank: int = 0
+    # Warm up the programs that move a sequence's pages out of and into the cache (a disaggregated pool's runner).
+    kv_transfer: bool = False
 
 
 class ModelRunner:
@@ -73,7 +76,10 @@ class ModelRunner:
         # The embedding table row-major, where the chip's default is not: its lookup then reads rows in place.
         if mesh is None:
             self.params = with_row_major_tables(params)
-            self.kv_cache = new_cache()
+            cache = new_cache()
+            # Committed to its device, as every program's output is: otherwise the first program to take it is
+            # compiled again once it takes a committed one (seen with the int8 cache's page transfers).
+            self.kv_cache = jax.device_put(cache, jax.tree.leaves(cache)[0].sharding)
             self.last_tokens = jnp.zeros(rc.num_slots + 1, jnp.int32)  # [slots + 1]: the last one takes padding rows
         else:
             self.params = place(params, param_formats(params, self.steps.param_shardings(params)))
@@ -90,6 +96,62 @@ class ModelRunner:
         self.lora = None
         if rc.max_loras:
             self._init_lora()
+        self._init_transfer(rc.kv_transfer)
+
+    def _init_transfer(self, warm: bool) -> None:
+        # Page counts are bucketed like token counts, so moving any sequence's pages runs a program compiled ahead.
+        self.page_buckets = geometric(1, self.buckets.pages_per_row)
+        self.kv_transfer = warm
+        # Where the cache's pages live (over a mesh: split over KV heads), and so where imported pages must go.
+        self._page_shardings = jax.tree.map(lambda x: x.sharding, self.kv_cache)
+        out = {} if self.mesh is None else dict(out_shardings=self.steps.cache_sharding)
+        self._gather = jax.jit(gather_pages, **out)  # its pages keep the cache's sharding
+        self._scatter = jax.jit(scatter_pages, donate_argnums=0, **out)
+
+    def export_pages(self, page_ids: list[int]) -> KVPages:
+        """The pages page_ids as KVPages, dispatched and not waited for. They hold the next page-count bucket's
+        pages: the ones past len(page_ids) are copies of the scratch page. A step dispatched later that
+        overwrites these pages (donating the cache) runs after this read, as JAX orders them."""
+        size = round_up(len(page_ids), self.page_buckets)
+        return self._gather(self.kv_cache, padded_ids(page_ids, size))
+
+    def put_pages(self, kv: KVPages) -> KVPages:
+        """kv where this cache's pages live, split as they are (a copy started, not waited for), padded to a
+        page-count bucket: from host numpy, or another mesh's export (resharded). Raises ValueError for pages of
+        another shape."""
+        kv = [(k, v) for k, v in kv]
+        if len(kv) != len(self.kv_cache) or jax.tree.structure(kv) != jax.tree.structure(self.kv_cache):
+            raise ValueError(f"KV pages of {len(kv)} layers ({jax.tree.structure(kv)}) do not fit this cache's "
+                             f"{len(self.kv_cache)} ({jax.tree.structure(self.kv_cache)})")
+        have = num_pages(kv)
+        for x, pages in zip(jax.tree.leaves(kv), jax.tree.leaves(self.kv_cache)):
+            if x.shape[0] != have or x.shape[1:] != pages.shape[1:]:
+                raise ValueError(f"KV pages of shape {x.shape} do not fit this cache's {pages.shape[1:]} per page")
+        if have > self.page_buckets[-1]:
+            raise ValueError(f"{have} KV pages are more than a sequence here can hold ({self.page_buckets[-1]})")
+        size = round_up(have, self.page_buckets)
+        if size != have:  # a trimmed copy (from the host): padded there, so the import runs a warmed-up program
+            kv = jax.tree.map(lambda x: np.concatenate([np.asarray(x), np.zeros((size - have,) + x.shape[1:],
+                                                                                   x.dtype)]), kv)
+        return jax.device_put(kv, self._page_shardings)
+
+    def import_pages(self, page_ids: list[int], kv: KVPages) -> None:
+        """Writes kv's first len(page_ids) pages at page_ids (in place; dispatched, not waited for). kv comes from
+        anywhere (see put_pages); its pages past len(page_ids) (an export's padding) go to the scratch page."""
+        kv = self.put_pages(kv)
+        if num_pages(kv) < len(page_ids):
+            raise ValueError(f"{len(page_ids)} pages to import, the KV pages hold {num_pages(kv)}")
+        self.kv_cache = self._scatter(self.kv_cache, padded_ids(page_ids, num_pages(kv)), kv)
+
+    def transfer_compiled(self) -> int:
+        """Programs compiled so far to export and import pages."""
+        return self._gather._cache_size() + self._scatter._cache_size()
+
+    def _warm_transfer(self) -> None:
+        """Every page-count bucket's export and import, of the scratch page only (no content touched)."""
+        for size in self.page_buckets:
+            ids = [SCRATCH_PAGE] * size
+            self.import_pages(ids, self.export_pages(ids))
 
     def _init_lora(self):
         def empty():
@@ -196,6 +258,10 @@ class ModelRunner:
             if time_steps:  # the fastest of a few: one page fault or GC pause must not set a cost for good
                 self.step_times[tokens, 1 + k if num_draft else 1] = min(self._time(rows) for _ in range(3))
         compiled = self.steps.num_compiled() - before
+        if self.kv_transfer:
+            before_transfer = self.transfer_compiled()
+            self._warm_transfer()
+            compiled += self.transfer_compiled() - before_transfer
         if self.lora is not None and not self.lora_compiled():
             # The slot-filling program too, so that loading an adapter never compiles (no slot was ever filled,
             # so slot 0 is empty already).

@@ -71,6 +71,16 @@ def process(rows: list[Sequence], result: StepOutput, layout: list[Row] = ()) ->
     return deltas
 
 
+def take_as_said(seq: Sequence, token_id: int, logprob: float = 0.0) -> None:
+    """A first token sampled and streamed elsewhere (by a prefill server): taken as this sequence's first, its text
+    counted as sent (less any tail held back there as the start of a stop string, held back here alike), so what
+    is streamed here starts after it. Raises ValueError if it ends the sequence: then nothing is left to decode."""
+    _take_token(seq, token_id, logprob, 1, [])
+    _release(seq)
+    if seq.output.finish_reason is not None:
+        raise ValueError(f"request {seq.request_id}: its first token ({token_id}) ends it; nothing to decode")
+
+
 def completion_output(seq: Sequence, text: str | None = None, token_ids: list[int] | None = None,
                       logprobs: list[dict[int, Logprob]] | None = None) -> CompletionOutput:
     """The one place a CompletionOutput is made: the whole output so far (no arguments), or a delta."""

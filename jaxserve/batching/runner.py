@@ -10,6 +10,7 @@ from typing import Protocol
 
 from jaxserve.batch import StepOutput
 from jaxserve.batching.batch_builder import Row
+from jaxserve.cache.transfer import KVPages
 
 
 @dataclasses.dataclass
@@ -28,6 +29,15 @@ class Runner(Protocol):
 
     def fetch(self, handle: StepHandle) -> StepOutput:
         """Waits for a dispatched step; its output on the host, cut to its rows."""
+
+    def export_pages(self, page_ids: list[int]) -> KVPages:
+        """The K/V of pages page_ids (dispatched, not waited for; perhaps padded past them)."""
+
+    def put_pages(self, kv: KVPages) -> KVPages:
+        """kv moved to where this runner's cache lives (a copy started, not waited for)."""
+
+    def import_pages(self, page_ids: list[int], kv: KVPages) -> None:
+        """Writes kv's first len(page_ids) pages at page_ids, before any step dispatched after."""
 
     def warmup(self, progress: bool = True, time_steps: bool = False) -> int:
         """Compiles every step shape before serving; returns how many programs were compiled."""

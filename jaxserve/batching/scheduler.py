@@ -18,6 +18,15 @@ each used by a running sequence) waits, and every adapter sequence after it wait
 rather than to a stream of later requests for the adapters loaded already; base-model sequences need no slot and go
 on being admitted.
 
+Disaggregated serving (`jaxserve.batching.disaggregated`) splits a sequence's life over two schedulers. One with
+role "prefill" runs prompts only: once a sequence's first token has landed (and did not end it), `update` moves it
+out of `running` to `handed_off`, its pages held until the engine has exported them (`release_handed_off`); while
+that first token is in flight, the sequence gets no decode row. A decode scheduler (role "decode", or "both") takes
+such a sequence with its KV pages (`add_prefilled`): it waits like any other, and once a slot and pages for all its
+tokens are free it is admitted with its prompt counted as computed and the pages to import listed in the step
+(`ScheduledBatch.imports`), which the engine writes into the cache before the step runs; then it decodes as any
+other, and a preemption later recomputes it from its tokens as usual.
+
 The scheduler is the one writer of a Sequence's fields (its tokens, pages, slot, status and counters): `schedule`
 lays a step's rows out and counts them in, `update` applies the step's result once the output processor has cut its
 tokens at any stop, `finish` and `abort` take sequences out.
@@ -35,6 +44,7 @@ from jaxserve.batching.sequence import Sequence, Status
 from jaxserve.batching.slo import SloController
 from jaxserve.buckets import round_up
 from jaxserve.cache import PrefixCache, page_keys, pages_needed
+from jaxserve.cache.transfer import KVPages
 from jaxserve.logit_controls import bad_word_bans
 from jaxserve.lora.slot_cache import LoRASlots
 from jaxserve.options import SCHEDULING_POLICIES
@@ -46,6 +56,7 @@ from jaxserve.token_mask import both
 AGING_STEPS = 64
 # Below this many tokens a step reads weights more than it computes, so padding it is nearly free.
 COMPUTE_BOUND_TOKENS = 64
+ROLES = ("both", "prefill", "decode")  # what a scheduler runs: everything, prompts only, or handed-off sequences
 
 
 @dataclasses.dataclass
@@ -81,6 +92,8 @@ class ScheduledBatch:
     # The step's rows, laid out once the batch is complete: decode rows, then prompt chunks.
     rows: list[Row] = dataclasses.field(default_factory=list)
     constrained: bool = False  # a row samples under a grammar: the next step needs this one's tokens to plan
+    # Sequences prefilled elsewhere and admitted now: (their first pages, the KV to write there before the step).
+    imports: list[tuple[list[int], KVPages]] = dataclasses.field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.decode or self.prefill)
@@ -134,10 +147,17 @@ def row_sampling(seq: Sequence, ahead: int = 0, top_logprobs: bool = True) -> Ro
 class Scheduler:
     def __init__(self, cache: PrefixCache, max_num_seqs: int, max_num_batched_tokens: int,
                  token_buckets: tuple[int, ...] | None = None, policy: str = "fcfs",
-                 slo: SloController | None = None, lora_slots: LoRASlots | None = None):
-        """lora_slots: the runner's LoRA adapter slots (None: adapters are not enabled)."""
+                 slo: SloController | None = None, lora_slots: LoRASlots | None = None, role: str = "both"):
+        """lora_slots: the runner's LoRA adapter slots (None: adapters are not enabled). role: "prefill" hands
+        every sequence off after its first token (see the module's docstring)."""
         if policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {policy!r}")
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+        self.role = role
+        self.handed_off: list[Sequence] = []  # prefilled, pages held until exported
+        self._imports: dict[Sequence, tuple[int, KVPages]] = {}  # waiting prefilled sequences: (tokens cached, KV)
+        self._admitted_imports: list[tuple[Sequence, list[int], KVPages]] = []  # while planning a step
         self.cache = cache
         self.page_size = cache.page_size
         self.max_num_seqs = max_num_seqs
@@ -168,11 +188,29 @@ class Scheduler:
         seq.status = Status.WAITING
         self.waiting.append(seq)
 
+    def add_prefilled(self, seq: Sequence, num_cached: int, kv: KVPages, first_token: int | None = None) -> None:
+        """A sequence prefilled elsewhere: its first num_cached tokens' K/V are kv's pages, its first token taken
+        (first_token: taken here, for a sequence built here; the output processor has said it already). It waits,
+        holding only kv, until a slot and pages for all its tokens are free."""
+        if first_token is not None and not seq.output_token_ids:
+            if seq.token_ids_array is not None:
+                seq.token_ids_array[len(seq.prompt_token_ids)] = first_token
+            seq.output_token_ids.append(first_token)
+            seq.first_token_time = time.monotonic()
+        if not seq.output_token_ids or seq.pending or num_cached != seq.num_tokens - 1:
+            raise ValueError(f"request {seq.request_id}: a prefilled sequence has its first token and the K/V of "
+                             f"every token before it ({seq.num_tokens - 1}), got {num_cached}")
+        if seq.lora is not None:
+            raise ValueError(f"request {seq.request_id}: LoRA adapters are not supported with disaggregated prefill")
+        self.add(seq)
+        self._imports[seq] = (num_cached, kv)
+
     def has_unfinished(self) -> bool:
+        """Sequences to run (not counting any handed off, which only wait to be taken)."""
         return bool(self.waiting or self.running)
 
     def abort(self, request_id: str) -> list[Sequence]:
-        aborted = [s for s in self.waiting + self.running if s.request_id == request_id]
+        aborted = [s for s in self.waiting + self.running + self.handed_off if s.request_id == request_id]
         for seq in aborted:
             self.finish(seq)
         return aborted
@@ -184,6 +222,9 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status is Status.WAITING:
             self.waiting.remove(seq)
+            self._imports.pop(seq, None)
+        elif seq.status is Status.HANDED_OFF:
+            self.release_handed_off(seq)
         seq.status = Status.FINISHED
         output_processor.free_grammar(seq)
 
@@ -209,11 +250,14 @@ class Scheduler:
 
     def _plan(self, num_draft: dict[Sequence, int] | None) -> ScheduledBatch:
         plan = ScheduledBatch([], [])
+        self._admitted_imports: list[tuple[Sequence, list[int], KVPages]] = []
         budget = self.max_num_batched_tokens
         preemptions = self.num_preemptions
         for seq in sorted(self.running, key=self.priority):
             if seq.status is not Status.RUNNING or seq.num_to_compute != 1 or seq.reached_length_limit:
                 continue  # preempted just now, still in prefill, or ends when its in-flight token lands
+            if self.role == "prefill" and seq.num_generated:
+                continue  # its first token is in flight: handed off once it lands, never decoded here
             if self._grow(seq, seq.num_tokens):
                 plan.decode.append(seq)
                 budget -= 1
@@ -248,6 +292,7 @@ class Scheduler:
         plan.decode = [s for s in plan.decode if s.status is Status.RUNNING]
         plan.num_draft = {s: k for s, k in plan.num_draft.items() if s.status is Status.RUNNING}
         plan.prefill = [c for c in plan.prefill if c.seq.status is Status.RUNNING]
+        plan.imports = [(pages, kv) for seq, pages, kv in self._admitted_imports if seq.status is Status.RUNNING]
         for seq in self.waiting:
             seq.waited_steps += 1
             seq.boost = seq.waited_steps // AGING_STEPS
@@ -323,6 +368,26 @@ class Scheduler:
                 self.finish(seq)
             elif seq in batch.proposals:
                 self._roll_back(seq, len(batch.proposals[seq]) - (d.num_emitted - 1))
+            elif self.role == "prefill":
+                self._hand_off(seq)
+
+    def _hand_off(self, seq: Sequence) -> None:
+        """Its prompt computed and first token taken: out of the batch, its pages held for the export."""
+        self._free_slots.append(seq.slot)
+        seq.slot = None
+        if seq.lora_slot >= 0:
+            self.lora_slots.release(seq.lora_slot)
+            seq.lora_slot = -1
+        self.running.remove(seq)
+        seq.status = Status.HANDED_OFF
+        self.handed_off.append(seq)
+
+    def release_handed_off(self, seq: Sequence) -> None:
+        """A handed-off sequence's pages go back (their export dispatched first: JAX runs a later step that
+        reuses them after it); full ones stay in the prefix cache. Its status is the taker's to set."""
+        self.handed_off.remove(seq)
+        self.cache.release(seq.pages)
+        seq.pages, seq.num_cached, seq.num_written, seq.num_published, seq.num_draft_cached = [], 0, 0, 0, 0
 
     def _written(self, plan: ScheduledBatch) -> None:
         """After `plan`'s step has completed: its full pages are in the cache, so the prefix cache may serve them.
@@ -409,6 +474,8 @@ class Scheduler:
 
     def _admit_pages(self, seq: Sequence, cap: int) -> bool:
         """_admit once its adapter has a slot: a slot in the batch, the cached prefix and pages."""
+        if seq in self._imports:
+            return self._admit_prefilled(seq, cap)
         while True:
             if len(self.running) < cap:
                 tokens = seq.token_ids
@@ -427,13 +494,32 @@ class Scheduler:
         seq.num_published = len(hit)
         if not seq.scores_prompt:
             self.cache.count_lookup(len(tokens), len(hit) * self.page_size)
+        self._start(seq)
+        return True
+
+    def _admit_prefilled(self, seq: Sequence, cap: int) -> bool:
+        """A prefilled sequence: pages for all its tokens, the first ones to be written from its KV before the
+        step; only its first token (the next step's input) is left to compute."""
+        need = pages_needed(seq.num_tokens, self.page_size)
+        while len(self.running) >= cap or need > self.cache.num_available:
+            if not self._preempt_for(seq, cap):
+                return False
+        num_cached, kv = self._imports.pop(seq)
+        seq.pages = self.cache.allocate(need)
+        # Written once the import has run, which comes before any step that reads or publishes them.
+        seq.num_cached = seq.num_written = num_cached
+        seq.num_published = 0
+        self._admitted_imports.append((seq, seq.pages[:pages_needed(num_cached, self.page_size)], kv))
+        self._start(seq)
+        return True
+
+    def _start(self, seq: Sequence) -> None:
         seq.status = Status.RUNNING
         if seq.first_scheduled_time is None:
             seq.first_scheduled_time = time.monotonic()
         seq.slot = self._free_slots.pop()
         self.waiting.remove(seq)
         self.running.append(seq)
-        return True
 
     def _preempt_for(self, seq: Sequence, cap: int) -> bool:
         """Under the priority policy, a waiting sequence displaces a strictly worse running one, if one is enough."""

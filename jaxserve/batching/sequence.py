@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    HANDED_OFF = "handed_off"  # prefilled, its first token taken: its pages wait to be exported to a decode engine
     FINISHED = "finished"
 
 

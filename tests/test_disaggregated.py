@@ -1,0 +1,155 @@
+"""Disaggregated prefill: a prefill pool hands each sequence off after its first token, with its KV pages, to a
+decode pool. Over fake runners (whose cache records the token at each slot and fails a row that reads a slot never
+written, so a missing or misplaced import shows) and the tiny model on CPU devices (whose tokens must equal a
+colocated engine's)."""
+import numpy as np
+import pytest
+
+from fake_runner import fake_llm, fake_replica
+from jaxserve import LLM, SamplingParams
+from jaxserve.batching.engine_core import StepError
+from jaxserve.batching.sequence import Status
+from jaxserve.cache import pages_needed
+from jaxserve.cache.transfer import trimmed
+from jaxserve.engine_factory import Engine
+from jaxserve.tokenizer import Tokenizer
+
+VOCAB = 64
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+
+
+def disaggregated_llm(num_prefill=1, num_decode=1, prefill_args=None, decode_args=None) -> LLM:
+    prefill = [fake_replica(vocab_size=VOCAB, role="prefill", **(prefill_args or {})) for _ in range(num_prefill)]
+    decode = [fake_replica(vocab_size=VOCAB, **(decode_args or {})) for _ in range(num_decode)]
+    return LLM.over(Engine.over(prefill, VOCAB, 64, decode=decode))
+
+
+def fake_requests(rng, n=8):
+    reqs = []
+    for i in range(n):
+        ids = rng.integers(0, VOCAB, int(rng.integers(1, 20))).tolist()
+        sp = SamplingParams(temperature=0, max_tokens=int(rng.integers(1, 12)), ignore_eos=True, n=1 + (i % 3 == 1))
+        reqs.append(({"prompt_token_ids": ids}, sp))
+    return reqs
+
+
+def outputs(llm, reqs):
+    outs = llm.generate([p for p, _ in reqs], [sp for _, sp in reqs], use_tqdm=False)
+    return [[c.token_ids for c in o.outputs] for o in outs]
+
+
+@pytest.mark.parametrize("num_decode", [1, 2])
+def test_fake_pools_give_the_colocated_tokens_and_never_decode_on_the_prefill_side(num_decode):
+    reqs = fake_requests(np.random.default_rng(0))
+    want = outputs(fake_llm(vocab_size=VOCAB), reqs)
+    llm = disaggregated_llm(1, num_decode)
+    assert outputs(llm, reqs) == want
+    prefill, decode = llm.replicas[0], llm.replicas[1:]
+    # Pipelined, yet never a decode row: every row there computes prompt tokens and samples a first token at most.
+    assert all(not r.chained and r.sampling.step == 0 for rows in prefill.runner.steps for r in rows)
+    assert sum(len(d.runner.steps) for d in decode) > 0
+    stats = llm.stats()
+    assert stats.kv_transfers == sum(sp.n for _, sp in reqs if sp.max_tokens > 1)
+    assert stats.kv_transfer_bytes > 0 and [p for p, _, _ in stats.pools] == ["prefill", "decode"]
+    llm.core.assert_idle_and_clean()
+
+
+def test_a_first_token_that_ends_the_request_is_not_handed_off():
+    llm = disaggregated_llm()
+    out = llm.generate({"prompt_token_ids": [3, 4, 5]}, SamplingParams(temperature=0, max_tokens=1),
+                       use_tqdm=False)
+    assert out[0].outputs[0].token_ids == [6]
+    assert llm.stats().kv_transfers == 0 and not llm.replicas[1].runner.steps
+    llm.core.assert_idle_and_clean()
+
+
+def test_decode_out_of_pages_waits_then_runs():
+    """The decode pool holds one sequence at a time (7 usable pages of 4 tokens); the rest wait for its pages."""
+    reqs = [({"prompt_token_ids": list(range(i, i + 9))}, SamplingParams(temperature=0, max_tokens=12,
+                                                                         ignore_eos=True)) for i in range(4)]
+    want = outputs(fake_llm(vocab_size=VOCAB), reqs)
+    llm = disaggregated_llm(decode_args=dict(num_pages=8))
+    waited = []
+    for p, sp in reqs:
+        llm.add_request(p, sp)
+    done = {}
+    while llm.has_unfinished_requests():
+        for d in llm.step():
+            done.setdefault(d.seq.request_id, []).extend(d.token_ids)
+        waited.append(len(llm.replicas[1].scheduler.waiting))
+    assert max(waited) >= 2
+    assert [done[r] for r in sorted(done, key=int)] == [w[0] for w in want]
+    llm.core.assert_idle_and_clean()
+
+
+@pytest.mark.parametrize("phase", ["prefilling", "waiting for decode pages", "decoding"])
+def test_abort_in_each_phase_frees_every_page(phase):
+    llm = disaggregated_llm(decode_args=dict(num_pages=8))
+    hog = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)  # 6 of the decode's 7 pages at once
+    llm.add_request({"prompt_token_ids": list(range(20))}, hog, request_id="hog")
+    llm.add_request({"prompt_token_ids": list(range(10))}, GREEDY, request_id="r")
+    prefill, decode = llm.replicas
+    for _ in range(50):
+        seqs = {s.request_id: s for s in decode.scheduler.waiting + decode.scheduler.running}
+        if phase == "prefilling" and "r" in {s.request_id for s in prefill.scheduler.running}:
+            break
+        if phase == "waiting for decode pages" and "r" in seqs and seqs["r"].status is Status.WAITING:
+            break
+        if phase == "decoding" and "r" in seqs and seqs["r"].status is Status.RUNNING:
+            break
+        llm.step()
+    else:
+        pytest.fail(f"never reached {phase}")
+    llm.abort_request("r")
+    while llm.has_unfinished_requests():
+        llm.step()
+    llm.core.assert_idle_and_clean()
+
+
+def test_a_failed_decode_step_ends_only_its_requests():
+    llm = disaggregated_llm(num_decode=2)
+    bad = llm.replicas[2].runner
+    bad.fail("dispatch", times=-1)
+    llm.add_request({"prompt_token_ids": [1, 2, 3]}, GREEDY, request_id="a")
+    llm.add_request({"prompt_token_ids": [4, 5, 6]}, GREEDY, request_id="b")
+    failed, tokens = {}, {}
+    while llm.has_unfinished_requests():
+        try:
+            deltas = llm.step()
+        except StepError as e:
+            deltas = e.changed
+            failed.update(e.failed)
+        for d in deltas:
+            tokens.setdefault(d.seq.request_id, []).extend(d.token_ids)
+    assert len(failed) == 1 and "device lost" in str(next(iter(failed.values())))
+    ok = ({"a", "b"} - set(failed)).pop()
+    assert len(tokens[ok]) == 10
+    llm.core.assert_idle_and_clean()
+
+
+def test_a_decode_server_takes_a_sequence_it_did_not_prefill(tiny_tokenized_dir):
+    """Two engines as two servers would hold them: the prefill one's KV pages go through host memory (trimmed to
+    the prompt's pages), and the decode one, given the first token, streams only the text after it."""
+    tokenizer = Tokenizer.from_hf_dir(tiny_tokenized_dir)
+    prompt, sp = "pages move", SamplingParams(temperature=0, max_tokens=9, ignore_eos=True)
+    whole = fake_llm(vocab_size=320, tokenizer=tokenizer).generate(prompt, sp, use_tqdm=False)[0].outputs[0]
+    prefill = LLM.over(Engine.over([fake_replica(vocab_size=320, role="prefill")], 320, 64, tokenizer))
+    prefill.add_request(prompt, sp)
+    said = ""
+    while not prefill.scheduler.handed_off:
+        said += "".join(d.completion.text for d in prefill.step())
+    (hand_off,) = prefill.core.take_handed_off()
+    kv = trimmed(hand_off.kv, pages_needed(hand_off.num_cached, prefill.scheduler.page_size))
+    decode = fake_llm(vocab_size=320, tokenizer=tokenizer)
+    request = decode.make_request(prompt, sp)
+    decode.core.add_prefilled(request.seqs[0], kv, hand_off.num_cached, first_token=hand_off.seq.output_token_ids[0])
+    streamed, tokens = "", []
+    while decode.has_unfinished_requests():
+        for d in decode.step():
+            streamed += d.completion.text
+            tokens += d.token_ids
+    assert said and said + streamed == whole.text
+    assert hand_off.seq.output_token_ids + tokens == whole.token_ids
+    assert request.seqs[0].output_token_ids == whole.token_ids
+    prefill.core.assert_idle_and_clean()
+    decode.core.assert_idle_and_clean()
