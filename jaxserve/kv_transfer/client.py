@@ -1,0 +1,81 @@
+"""Fetches a transfer's KV pages from a KVServer (the decode server's side of the protocol in protocol.py)."""
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import numpy as np
+
+from jaxserve.kv_transfer.codec import DTYPES, PREFIX, decode_pages, header_length, read_header
+from jaxserve.kv_transfer.errors import KVTransferError
+from jaxserve.kv_transfer.jax_transfer import JaxTransferEndpoint, wait_ready
+from jaxserve.kv_transfer.layout import check_shapes, unflatten_pages
+from jaxserve.kv_transfer.protocol import frame, read_message, recv_exactly, recv_into, send_all
+
+
+async def fetch_pages(host: str, port: int, transfer_id: str, timeout: float = 30.0,
+                      jax_endpoint: JaxTransferEndpoint | None = None) -> list:
+    """The KVPages held under transfer_id by the KVServer at host:port, taken from it (a second fetch fails).
+    Without jax_endpoint: numpy arrays, sent as bytes with checksums. With one: the server's choice; jax arrays on
+    the endpoint's device if it has a jax transfer server, numpy otherwise. KVTransferError on an unknown or expired
+    id, a checksum mismatch, a refused, dropped or silent connection, or no pages within timeout seconds."""
+    peer = f"KV server {host}:{port}"
+    try:
+        async with asyncio.timeout(timeout):
+            return await _fetch(host, port, transfer_id, jax_endpoint, peer, timeout)
+    except TimeoutError as e:
+        raise KVTransferError(f"KV transfer {transfer_id!r} from {peer} timed out after {timeout} s") from e
+
+
+async def _fetch(host, port, transfer_id, jax_endpoint, peer, timeout) -> list:
+    loop = asyncio.get_running_loop()
+    try:
+        address = (await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM))[0]
+        sock = socket.socket(address[0], socket.SOCK_STREAM)
+    except OSError as e:
+        raise KVTransferError(f"cannot connect to {peer}: {e}") from e
+    with sock:
+        sock.setblocking(False)
+        try:
+            await loop.sock_connect(sock, address[4])
+        except OSError as e:
+            raise KVTransferError(f"cannot connect to {peer}: {e}") from e
+        try:
+            await send_all(sock, frame({"transfer_id": transfer_id,
+                                        "via": ["bytes"] if jax_endpoint is None else ["jax", "bytes"]}))
+            reply = await read_message(sock, peer)
+            if not reply.get("ok"):
+                raise KVTransferError(f"{peer}: {reply.get('error', 'the fetch failed')}")
+            if reply.get("via") == "jax":
+                if jax_endpoint is None:
+                    raise KVTransferError(f"{peer} answered by the jax path, which this fetch did not offer")
+                return await _pull(jax_endpoint, reply, peer, timeout)
+            if reply.get("via") != "bytes":
+                raise KVTransferError(f"{peer} answered by an unknown path {reply.get('via')!r}")
+            return await _receive_bytes(sock, peer)
+        except OSError as e:
+            raise KVTransferError(f"{peer} dropped the connection: {e!r}") from e
+
+
+async def _receive_bytes(sock: socket.socket, peer: str) -> list:
+    prefix = await recv_exactly(sock, PREFIX.size, peer, "the pages' prefix")
+    prefix += await recv_exactly(sock, header_length(prefix), peer, "the pages' header")
+    payload_bytes = read_header(prefix)["payload_bytes"]
+    # The buffer the decoded arrays view, received into in place; np.empty, not bytearray: zeroing 400 MB would
+    # hold the event loop for 0.1 s
+    data = np.empty(len(prefix) + payload_bytes, np.uint8)
+    data[:len(prefix)] = np.frombuffer(prefix, np.uint8)
+    await recv_into(sock, memoryview(data)[len(prefix):], peer, "the pages")
+    return await asyncio.to_thread(decode_pages, data)  # the checksum of 400 MB: 0.2 s off the loop
+
+
+async def _pull(jax_endpoint: JaxTransferEndpoint, reply: dict, peer: str, timeout_s: float) -> list:
+    try:
+        kinds, address, uuid = reply["layers"], str(reply["address"]), int(reply["uuid"])
+        specs = [(tuple(int(d) for d in shape), str(dtype)) for shape, dtype in reply["arrays"]]
+        check_shapes(kinds, specs)
+        specs = [(shape, DTYPES[dtype]) for shape, dtype in specs]
+    except (KeyError, TypeError, ValueError) as e:
+        raise KVTransferError(f"{peer}: a malformed jax transfer reply: {e!r}") from e
+    arrays = await asyncio.to_thread(jax_endpoint.pull, address, uuid, specs, timeout_s)  # allocates the buffers
+    return unflatten_pages(kinds, await wait_ready(arrays, f"{peer} (jax transfer server {address})"))

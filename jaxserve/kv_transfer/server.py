@@ -1,0 +1,117 @@
+"""Serves a KVStore's transfers over TCP, in the prefill server's event loop: one fetch a connection (the
+protocol in protocol.py). What takes time (a device-to-host copy, the checksum, a jax offer) runs in a thread, so
+the loop keeps serving HTTP while a 400 MB transfer goes out."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+
+from jaxserve.kv_transfer.codec import encoded_parts
+from jaxserve.kv_transfer.errors import KVTransferError
+from jaxserve.kv_transfer.jax_transfer import JaxTransferEndpoint
+from jaxserve.kv_transfer.layout import flatten_pages
+from jaxserve.kv_transfer.protocol import frame, read_message, send_all
+from jaxserve.kv_transfer.store import KVStore
+
+logger = logging.getLogger(__name__)
+
+REQUEST_TIMEOUT_S = 10.0  # a connection that sends no request in this long is dropped
+PULL_TIMEOUT_S = 60.0  # an offer on the jax path that the client does not pull in this long is dropped
+
+
+class KVServer:
+    """`await start()` listens on host:port (0: a free port) and returns the port; `await close()` stops it. host is
+    also the address clients use. With a JaxTransferEndpoint, a client that asks for the jax path gets it;
+    otherwise every fetch goes as bytes."""
+
+    def __init__(self, store: KVStore, host: str = "127.0.0.1", port: int = 0,
+                 jax_endpoint: JaxTransferEndpoint | None = None):
+        self.store = store
+        self.host = host
+        self.port = port
+        self.jax_endpoint = jax_endpoint
+        self._listener: socket.socket | None = None
+        self._tasks: set[asyncio.Task] = set()
+        self.served = {"bytes": 0, "jax": 0}  # fetches answered with pages, by path
+        self.bytes_sent = 0
+
+    async def start(self) -> int:
+        self._listener = socket.create_server((self.host, self.port), family=_family(self.host))
+        self._listener.setblocking(False)
+        self.port = self._listener.getsockname()[1]
+        self._spawn(self._accept())
+        self._spawn(self._expire_periodically())
+        return self.port
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        for task in list(self._tasks):
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self._listener is not None:
+            self._listener.close()
+
+    def _spawn(self, coroutine) -> None:
+        task = asyncio.create_task(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _accept(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                sock, address = await loop.sock_accept(self._listener)
+            except OSError as e:  # out of file descriptors, say: this connection is lost, not the server
+                logger.warning("KV server accept failed: %r", e)
+                await asyncio.sleep(0.1)
+                continue
+            sock.setblocking(False)
+            self._spawn(self._serve(sock, f"{address[0]}:{address[1]}"))
+
+    async def _expire_periodically(self) -> None:
+        while True:
+            await asyncio.sleep(min(self.store.ttl_s / 4, 5.0))
+            self.store.expire()
+
+    async def _serve(self, sock: socket.socket, peer: str) -> None:
+        with sock:
+            try:
+                request = await asyncio.wait_for(read_message(sock, peer), REQUEST_TIMEOUT_S)
+                transfer_id = request.get("transfer_id")
+                if not isinstance(transfer_id, str):
+                    raise KVTransferError(f"a fetch request without a transfer_id: {request!r}")
+                kv = self.store.take(transfer_id)
+            except (KVTransferError, TimeoutError) as e:
+                with contextlib.suppress(OSError):
+                    await send_all(sock, frame({"ok": False, "error": str(e) or "no request in time"}))
+                return
+            except OSError:
+                return
+            try:
+                if self.jax_endpoint is not None and "jax" in (request.get("via") or ()):
+                    await self._send_by_jax(kv, sock)
+                else:
+                    await self._send_bytes(kv, sock)
+            except OSError as e:  # the client went away: its pages go with this frame
+                logger.warning("KV transfer %r to %s failed: %r", transfer_id, peer, e)
+
+    async def _send_bytes(self, kv, sock: socket.socket) -> None:
+        parts = await asyncio.to_thread(encoded_parts, kv)
+        await send_all(sock, frame({"ok": True, "via": "bytes"}), *parts)
+        self.served["bytes"] += 1
+        self.bytes_sent += sum(p.nbytes for p in parts)
+
+    async def _send_by_jax(self, kv, sock: socket.socket) -> None:
+        kinds, arrays = flatten_pages(kv)
+        uuid = await asyncio.to_thread(self.jax_endpoint.offer, arrays, PULL_TIMEOUT_S)
+        await send_all(sock, frame({"ok": True, "via": "jax", "address": self.jax_endpoint.address, "uuid": uuid,
+                                    "layers": kinds, "arrays": [[list(a.shape), str(a.dtype)] for a in arrays]}))
+        self.served["jax"] += 1
+        self.bytes_sent += sum(int(a.nbytes) for a in arrays)
+
+
+def _family(host: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
