@@ -109,7 +109,7 @@ class Server:
         self.header_timeout_s, self.body_timeout_s = header_timeout_s, body_timeout_s
         self.draining = False
         # Disaggregated prefill (--role prefill|decode: see jaxserve.server.disaggregated): one model, one role.
-        self.role = getattr(self.default.engine.llm.engine_config, "role", "both")
+        self.role = self.default.engine.role
         if self.role != "both" and len(self.models) > 1:
             raise ValueError(f"a {self.role} server (--role {self.role}) serves one model")
         if self.role != "prefill" and prefill_side is not None:
