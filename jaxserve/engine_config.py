@@ -13,7 +13,8 @@ from pathlib import Path
 
 from jaxserve.cache import KV_CACHE_DTYPES, check_kv_cache_dtype
 from jaxserve.cli_flags import FlagGroup, add_flags, flag, read_flags
-from jaxserve.options import ATTENTION_BACKENDS, AUTO_CLUSTER, CPU_KV_CACHE_BYTES, DTYPES, SCHEDULING_POLICIES
+from jaxserve.options import (ATTENTION_BACKENDS, AUTO_CLUSTER, CPU_KV_CACHE_BYTES, DTYPES, ROLES,
+                              SCHEDULING_POLICIES)
 from jaxserve.quant import QUANTIZATIONS
 from jaxserve.spec_config import SpeculativeConfig
 from jaxserve.tokenizer import read_chat_template
@@ -90,6 +91,14 @@ class EngineConfig:
     tensor_parallel_size: devices each model replica is split over (weights Megatron-style, the KV cache by KV
         heads); it must divide the attention heads (see jaxserve.distributed).
     data_parallel_size: model replicas, each running its own sequences.
+    prefill_replicas, decode_replicas: disaggregated prefill in one engine (see jaxserve.batching.disaggregated):
+        replicas that only prefill and replicas that only decode, each on its own device group
+        (tensor_parallel_size devices for a prefill replica, decode_tensor_parallel_size (default: the same) for a
+        decode one); both 0 (the default): every replica does both. Not with data_parallel_size > 1, speculative
+        decoding, LoRA or several processes.
+    role: "both" (the default), or "prefill" / "decode": this engine is one side of disaggregated prefill across
+        servers (`jaxserve serve --role`): a prefill engine hands every sequence off after its first token, a
+        decode engine takes sequences prefilled elsewhere (EngineCore.add_prefilled).
     coordinator_address, num_processes, process_id: jax.distributed over several hosts ("host:port" of process 0,
         how many processes, this one's index); all three or none, or coordinator_address "auto" alone (JAX's own
         cluster detection: TPU pod slices, SLURM).
@@ -147,6 +156,14 @@ class EngineConfig:
                         offline_default=False, offline_help="compile every shape bucket before generating")
     tensor_parallel_size: int = flag("devices each model replica is sharded over (weights and KV heads)", default=1)
     data_parallel_size: int = flag("model replicas, each running its own sequences", default=1)
+    prefill_replicas: int = flag("replicas that only prefill (disaggregated prefill, with --decode-replicas; 0: "
+                                 "every replica prefills and decodes)", default=0, serve_only=True)
+    decode_replicas: int = flag("replicas that only decode, taking the prefill replicas' KV pages", default=0,
+                                serve_only=True)
+    decode_tensor_parallel_size: int | None = flag("devices each decode replica is sharded over (default: "
+                                                   "--tensor-parallel-size)", serve_only=True)
+    role: str = flag("this server's part in disaggregated prefill across servers: prefill (hands sequences off after "
+                     "their first token) or decode (takes them)", default="both", choices=ROLES, serve_only=True)
     coordinator_address: str | None = flag(
         "host:port of process 0, to run over several hosts (jax.distributed; with --num-processes and --process-id), "
         "or 'auto' for JAX's cluster detection (TPU pod slices, SLURM)")
@@ -196,6 +213,7 @@ class EngineConfig:
         object.__setattr__(self, "speculative_config", SpeculativeConfig.from_value(self.speculative_config))
         self._check_distributed()
         self._check_lora()
+        self._check_disaggregated()
         if isinstance(self.chat_template, os.PathLike):
             object.__setattr__(self, "chat_template", os.fspath(self.chat_template))
         _check_type("chat_template", self.chat_template, str, optional=True)
@@ -228,6 +246,39 @@ class EngineConfig:
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras}): "
                              "an adapter in a device slot is also held in host memory")
+
+    @property
+    def disaggregated(self) -> bool:
+        """Prefill and decode pools in this engine."""
+        return self.prefill_replicas > 0
+
+    def _check_disaggregated(self) -> None:
+        _check_int("prefill_replicas", self.prefill_replicas, 0)
+        _check_int("decode_replicas", self.decode_replicas, 0)
+        _check_int("decode_tensor_parallel_size", self.decode_tensor_parallel_size, 1, optional=True)
+        _check_choice("role", self.role, ROLES)
+        if (self.prefill_replicas > 0) != (self.decode_replicas > 0):
+            raise ValueError(f"prefill_replicas ({self.prefill_replicas}) and decode_replicas "
+                             f"({self.decode_replicas}) go together: both at least 1 (disaggregated prefill), or "
+                             "both 0")
+        if self.decode_tensor_parallel_size is not None and not self.disaggregated:
+            raise ValueError("decode_tensor_parallel_size sizes the decode replicas: it needs prefill_replicas and "
+                             "decode_replicas")
+        if not self.disaggregated and self.role == "both":
+            return
+        what = ("prefill_replicas/decode_replicas" if self.disaggregated else f"role {self.role!r}")
+        if self.disaggregated and self.role != "both":
+            raise ValueError(f"role {self.role!r} is one side of disaggregated prefill across servers; "
+                             "prefill_replicas/decode_replicas run both sides in this engine: give one or the other")
+        if self.disaggregated and self.data_parallel_size > 1:
+            raise ValueError(f"data_parallel_size ({self.data_parallel_size}) does not apply with {what}: the "
+                             "replicas are the pools' (prefill_replicas, decode_replicas)")
+        if self.speculative_config is not None:
+            raise ValueError(f"speculative decoding is not supported with {what} yet")
+        if self.enable_lora:
+            raise ValueError(f"LoRA adapters are not supported with {what} yet")
+        if self.coordinator_address is not None:
+            raise ValueError(f"{what} runs in one process (one host): not with coordinator_address")
 
     def _check_distributed(self) -> None:
         _check_type("coordinator_address", self.coordinator_address, str, optional=True)

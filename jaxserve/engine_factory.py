@@ -85,7 +85,8 @@ def build_engine(c: EngineConfig) -> Engine:
         # its own (its arrays, or a path every host can read): not built yet.
         raise ValueError("enable_lora is not supported over several processes yet")
     tp, dp = c.tensor_parallel_size, c.data_parallel_size
-    groups = device_groups(make_mesh(tp, dp)) if tp * dp > 1 or processes.multi_process else [None]
+    pools = _pools(c, processes.multi_process)  # (role, tensor parallelism, device groups) per pool
+    groups = pools[0][2]
     spec = c.speculative_config
     backend = resolve_attention_backend(c.attention_backend)
     _enable_compilation_cache()
@@ -111,55 +112,102 @@ def build_engine(c: EngineConfig) -> Engine:
             check_draft(draft.config, loaded.config, max_model_len)
             _check_same_tokenizer(draft.tokenizer, tokenizer)
         # What the runners hold: over a mesh wider than the KV heads, each device gets a copy of the head it reads.
-        config, params = split_for(loaded.config, loaded.params, tp)
+        split = {pool_tp: split_for(loaded.config, loaded.params, pool_tp) for _, pool_tp, _ in pools}
+        config, params = split[tp]
+        if len({pool_config.num_kv_heads for pool_config, _ in split.values()}) > 1:
+            raise ValueError(f"tensor_parallel_size {tp} and decode_tensor_parallel_size "
+                             f"{c.decode_tensor_parallel_size} hold different KV heads per page (over more devices "
+                             f"than the model's {loaded.config.num_kv_heads} KV heads, each is repeated): the pools' "
+                             "pages would not match; keep both at most the KV-head count, or equal")
         if draft is not None:
             draft = dataclasses.replace(draft, **dict(zip(("config", "params"),
                                                           split_for(draft.config, draft.params, tp, "the draft"))))
     # The budget is per device, as gpu_memory_utilization is; the weights and the pages split over tp devices.
     # The LoRA slots too: 8 slots of rank 64 on Llama 3 8B are 2.7 GB, half of what the budget leaves free.
     adapters = lora_bytes(config, c.max_loras, c.max_lora_rank, dtype) if c.enable_lora else 0
-    kv_bytes = c.kv_cache_memory_bytes or _default_kv_budget(
-        (param_bytes(params) + (param_bytes(draft.params) if draft else 0) + adapters) // tp, c.gpu_memory_utilization)
-    # The draft's pages are the target's page ids in a second cache: a page costs both.
     # (pages padded for the kernel that reads them: the backend before its start-up check, which can only fall
     # back to unpadded pages, so the count errs on the safe side)
     lanes = page_head_dim_multiple(backend)
-    num_pages = num_pages_for_budget(config, c.block_size, dtype, kv_bytes * tp, c.kv_cache_dtype,
-                                     draft.config if draft else None, lanes)
-    # Never more pages than max_num_seqs full-length sequences can use (+1 for the scratch page).
-    num_pages = min(num_pages, c.max_num_seqs * pages_needed(max_model_len, c.block_size) + 1)
-    max_model_len = _fitted_max_model_len(max_model_len, num_pages, c.block_size, asked=c.max_model_len is not None)
-    logger.info("KV cache: %d pages of %d tokens (%.1f MB, %s)", num_pages, c.block_size,
-                num_pages * bytes_per_page(config, c.block_size, dtype, c.kv_cache_dtype, lanes) / 1e6,
-                "int8" if c.kv_cache_dtype == "int8" else jnp.dtype(dtype).name)
+
+    def pool_pages(pool_tp: int) -> int:
+        pool_params = split[pool_tp][1]
+        kv_bytes = c.kv_cache_memory_bytes or _default_kv_budget(
+            (param_bytes(pool_params) + (param_bytes(draft.params) if draft else 0) + adapters) // pool_tp,
+            c.gpu_memory_utilization)
+        # The draft's pages are the target's page ids in a second cache: a page costs both.
+        n = num_pages_for_budget(config, c.block_size, dtype, kv_bytes * pool_tp, c.kv_cache_dtype,
+                                 draft.config if draft else None, lanes)
+        # Never more pages than max_num_seqs full-length sequences can use (+1 for the scratch page).
+        return min(n, c.max_num_seqs * pages_needed(max_model_len, c.block_size) + 1)
+    pages = {pool_tp: pool_pages(pool_tp) for pool_tp in split}
+    for num_pages in pages.values():  # a sequence of max_model_len fits every pool
+        max_model_len = _fitted_max_model_len(max_model_len, num_pages, c.block_size,
+                                              asked=c.max_model_len is not None)
     buckets = Buckets.for_limits(c.max_num_seqs, c.max_num_batched_tokens, pages_needed(max_model_len, c.block_size))
-    serving = dict(num_pages=num_pages, pages_per_seq=buckets.pages_per_row, max_num_seqs=c.max_num_seqs,
-                   max_tokens=buckets.num_tokens[-1])
-    backend = checked_backend(backend, c.attention_backend, config, c.block_size, dtype, serving, c.kv_cache_dtype)
-    runner_config = RunnerConfig(dtype, num_pages, c.block_size, buckets, c.max_num_seqs, backend, c.kv_cache_dtype,
-                                 spec.num_speculative_tokens if spec else 0,
-                                 *((c.max_loras, c.max_lora_rank) if c.enable_lora else (0, 0)))
-    # One engine replica per device group: its own runner, KV cache and scheduler (see batching.data_parallel).
-    replicas = [_replica(c, runner_config, config, params, draft, group, processes, runners) for group in groups]
+    replicas: list[EngineCore] = []
+    by_role: dict[str, list[EngineCore]] = {}
+    for role, pool_tp, pool_groups in pools:
+        num_pages = pages[pool_tp]
+        logger.info("KV cache%s: %d pages of %d tokens (%.1f MB, %s)", "" if role == "both" else f" ({role})",
+                    num_pages, c.block_size,
+                    num_pages * bytes_per_page(config, c.block_size, dtype, c.kv_cache_dtype, lanes) / 1e6,
+                    "int8" if c.kv_cache_dtype == "int8" else jnp.dtype(dtype).name)
+        serving = dict(num_pages=num_pages, pages_per_seq=buckets.pages_per_row, max_num_seqs=c.max_num_seqs,
+                       max_tokens=buckets.num_tokens[-1])
+        backend = checked_backend(backend, c.attention_backend, config, c.block_size, dtype, serving,
+                                  c.kv_cache_dtype)
+        runner_config = RunnerConfig(dtype, num_pages, c.block_size, buckets, c.max_num_seqs, backend,
+                                     c.kv_cache_dtype, spec.num_speculative_tokens if spec else 0,
+                                     *((c.max_loras, c.max_lora_rank) if c.enable_lora else (0, 0)),
+                                     kv_transfer=c.disaggregated or role != "both")
+        # One engine replica per device group: its own runner, KV cache and scheduler (see batching.data_parallel).
+        pool_config, pool_params = split[pool_tp]
+        by_role[role] = [_replica(c, runner_config, pool_config, pool_params, draft, group, processes, runners, role)
+                         for group in pool_groups]
+        replicas += by_role[role]
     loras = None
     if c.enable_lora:  # checked against the model's own shapes (a runner splits them as it splits the model)
         loras = HostAdapters(lambda request: load_adapter(request, loaded.config, c.max_lora_rank, dtype),
                              c.max_cpu_loras or c.max_loras)
-    engine = Engine(replicas[0] if len(replicas) == 1 else DataParallel(replicas), replicas, loaded.name,
-                    loaded.config.vocab_size, max_model_len, tokenizer, loaded.config, runners, processes, backend,
-                    loaded.quantization, loras)
+    if c.disaggregated:
+        core = Disaggregated(by_role["prefill"], by_role["decode"])
+    else:
+        core = replicas[0] if len(replicas) == 1 else DataParallel(replicas)
+    engine = Engine(core, replicas, loaded.name, loaded.config.vocab_size, max_model_len, tokenizer, loaded.config,
+                    runners, processes, backend, loaded.quantization, loras)
     # The controller weighs step times measured at warm-up, so speculation warms up even if asked not to.
     timed = spec is not None and spec.adaptive
     if c.warmup or timed:
         def warm_up():
             for runner in runners:
                 runner.warmup(time_steps=timed)
+            if c.disaggregated:
+                core.warm_up_transfers()
         processes.run(warm_up)
     return engine
 
 
+def _pools(c: EngineConfig, multi_process: bool) -> list[tuple[str, int, list]]:
+    """(role, tensor parallelism, device groups (None: the default device)) of each pool of replicas: one pool
+    (role c.role) without disaggregated prefill, else a prefill pool on the first devices and a decode pool on the
+    next."""
+    tp, dp = c.tensor_parallel_size, c.data_parallel_size
+    if not c.disaggregated:
+        return [(c.role, tp, device_groups(make_mesh(tp, dp)) if tp * dp > 1 or multi_process else [None])]
+    dtp = c.decode_tensor_parallel_size or tp
+    devices = jax.devices()
+    split = c.prefill_replicas * tp
+    need = split + c.decode_replicas * dtp
+    if need > len(devices):
+        raise ValueError(f"prefill_replicas {c.prefill_replicas} x tensor_parallel_size {tp} + decode_replicas "
+                         f"{c.decode_replicas} x decode_tensor_parallel_size {dtp} needs {need} devices; there are "
+                         f"{len(devices)} ({devices[0].platform})")
+    return [("prefill", tp, device_groups(make_mesh(tp, c.prefill_replicas, devices[:split]))),
+            ("decode", dtp, device_groups(make_mesh(dtp, c.decode_replicas, devices[split:need])))]
+
+
 def _replica(c: EngineConfig, runner_config: RunnerConfig, config, params, draft, mesh,
-             processes: multihost.LeaderFollower, runners: list) -> EngineCore:
+             processes: multihost.LeaderFollower, runners: list, role: str = "both") -> EngineCore:
     """An engine on one device group (mesh None: the default device); its runners join `runners`, whose index is
     how a multi-process leader names them to the followers."""
     spec = c.speculative_config
@@ -180,7 +228,7 @@ def _replica(c: EngineConfig, runner_config: RunnerConfig, config, params, draft
     # Each replica's runner has its own adapter slots; a draft model has none (its proposals are only proposals).
     lora_slots = LoRASlots(c.max_loras, runner.load_lora) if c.enable_lora else None
     scheduler = Scheduler(cache, c.max_num_seqs, c.max_num_batched_tokens, runner_config.buckets.num_tokens,
-                          c.scheduling_policy, slo, lora_slots)
+                          c.scheduling_policy, slo, lora_slots, role)
     if spec is None:
         return EngineCore(scheduler, runner)
     k = spec.num_speculative_tokens

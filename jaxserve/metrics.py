@@ -7,7 +7,7 @@ models has one series per engine (label `model_name`), all in one registry and e
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
 
 # Seconds; vLLM's buckets, which span CPU and accelerator latencies alike.
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
@@ -132,3 +132,25 @@ class _EngineCollector:
         yield family(GaugeMetricFamily, "spec_decode_num_speculating",
                      "Sequences that speculated in the last step (0: speculation is off).",
                      "spec_decode_num_speculating")
+        yield from _disaggregated_families(snapshots)
+
+
+def _disaggregated_families(snapshots):
+    """Disaggregated prefill: the KV transfers into decode engines (count and sum: a mean per transfer), and each
+    pool's running and waiting sequences (label `pool`; none without pools)."""
+    transfers = [("kv_transfer_bytes", "KV-cache bytes moved from prefill to decode, per transfer.",
+                  "kv_transfer_bytes"),
+                 ("kv_transfer_seconds", "Seconds from a KV export to its landing on the decode devices, per "
+                  "transfer (polled once per engine step).", "kv_transfer_seconds")]
+    for name, doc, field in transfers:
+        f = SummaryMetricFamily(f"jaxserve:{name}", doc, labels=["model_name"])
+        for model_name, s in snapshots:
+            f.add_metric([model_name], count_value=s.kv_transfers, sum_value=getattr(s, field))
+        yield f
+    for i, what in ((1, "running"), (2, "waiting")):
+        f = GaugeMetricFamily(f"jaxserve:pool_num_requests_{what}", f"Sequences {what}, by pool.",
+                              labels=["model_name", "pool"])
+        for model_name, s in snapshots:
+            for pool in s.pools:
+                f.add_metric([model_name, pool[0]], pool[i])
+        yield f

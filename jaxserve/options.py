@@ -12,6 +12,10 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 # Waiting sequences in arrival order, or lowest `priority` first (a better one may preempt a worse one).
 SCHEDULING_POLICIES = ("fcfs", "priority")
 
+# An engine's part in disaggregated prefill: everything, prompts only (each sequence handed off after its first
+# token), or sequences prefilled elsewhere (see jaxserve.batching.scheduler).
+ROLES = ("both", "prefill", "decode")
+
 # What one may ask `attention_backend` for (see jaxserve.attention.resolve_attention_backend).
 ATTENTION_BACKENDS = ("auto", "reference", "dense", "pallas", "pallas-gpu", "pallas-tpu")
 

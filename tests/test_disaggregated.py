@@ -2,6 +2,7 @@
 decode pool. Over fake runners (whose cache records the token at each slot and fails a row that reads a slot never
 written, so a missing or misplaced import shows) and the tiny model on CPU devices (whose tokens must equal a
 colocated engine's)."""
+import jax
 import numpy as np
 import pytest
 
@@ -13,6 +14,7 @@ from jaxserve.cache import pages_needed
 from jaxserve.cache.transfer import trimmed
 from jaxserve.engine_factory import Engine
 from jaxserve.tokenizer import Tokenizer
+from tiny import make_llm
 
 VOCAB = 64
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
@@ -153,3 +155,107 @@ def test_a_decode_server_takes_a_sequence_it_did_not_prefill(tiny_tokenized_dir)
     assert request.seqs[0].output_token_ids == whole.token_ids
     prefill.core.assert_idle_and_clean()
     decode.core.assert_idle_and_clean()
+
+
+# ---- the tiny model on CPU devices ----
+
+def tiny_workload(rng):
+    """Greedy and seeded-sampling requests (one with n=2), half sharing a prefix of several pages."""
+    prefix = rng.integers(0, 320, 13).tolist()
+    reqs = []
+    for i in range(5):
+        tail = rng.integers(0, 320, int(rng.integers(1, 15))).tolist()
+        ids = prefix + tail if i % 2 else rng.integers(0, 320, int(rng.integers(1, 30))).tolist()
+        if i % 3 == 2:
+            sp = SamplingParams(temperature=0.8, seed=int(rng.integers(1 << 30)), max_tokens=9, ignore_eos=True,
+                                n=2 if i == 2 else 1)
+        else:
+            sp = SamplingParams(temperature=0, max_tokens=int(rng.integers(1, 12)), ignore_eos=True)
+        reqs.append(({"prompt_token_ids": ids}, sp))
+    return reqs
+
+
+@pytest.fixture(scope="module")
+def colocated(tiny_dir):
+    """The workload's tokens from a colocated engine, per KV-cache dtype."""
+    reqs = tiny_workload(np.random.default_rng(26))
+    return reqs, {kv: outputs(make_llm(tiny_dir, kv_cache_dtype=kv), reqs) for kv in ("auto", "int8")}
+
+
+@pytest.mark.parametrize("pools", [dict(prefill_replicas=1, decode_replicas=1, tensor_parallel_size=2,
+                                        decode_tensor_parallel_size=1),
+                                   dict(prefill_replicas=1, decode_replicas=2, decode_tensor_parallel_size=2,
+                                        kv_cache_dtype="int8")],
+                         ids=["P1D1-prefill-tp2", "P1D2-decode-tp2-int8"])
+def test_pools_give_the_colocated_tokens(tiny_dir, colocated, pools):
+    reqs, want = colocated
+    llm = make_llm(tiny_dir, **pools)
+    assert outputs(llm, reqs) == want[pools.get("kv_cache_dtype", "auto")]
+    stats = llm.stats()
+    assert stats.kv_transfers == sum(sp.n for _, sp in reqs if sp.max_tokens > 1) and stats.kv_transfer_bytes > 0
+    assert stats.prefix_cache_hits > 0  # on the prefill side
+    assert [p for p, _, _ in stats.pools] == ["prefill", "decode"]
+    llm.core.assert_idle_and_clean()
+
+
+def test_a_stream_gives_the_colocated_text(tiny_tokenized_dir):
+    sp = SamplingParams(temperature=0.7, seed=11, max_tokens=14, ignore_eos=True)
+    want = "".join(make_llm(tiny_tokenized_dir).stream("a prompt", sp))
+    llm = make_llm(tiny_tokenized_dir, prefill_replicas=1, decode_replicas=1)
+    pieces = list(llm.stream("a prompt", sp))
+    assert len(pieces) > 1 and "".join(pieces) == want
+    llm.core.assert_idle_and_clean()
+
+
+def test_nothing_compiles_after_warmup(tiny_dir):
+    """Pages moved from a one-device prefill replica to a two-device decode replica (a resharding copy) in every
+    page-count bucket: all compiled at warm-up."""
+    llm = make_llm(tiny_dir, prefill_replicas=1, decode_replicas=1, decode_tensor_parallel_size=2, warmup=True,
+                   max_model_len=32, max_num_batched_tokens=8)
+    compiles = []
+
+    def on_compile(event, duration_secs, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(kwargs.get("fun_name"))
+    rng = np.random.default_rng()
+    buckets = llm.runner.page_buckets
+    jax.monitoring.register_event_duration_secs_listener(on_compile)
+    try:  # prompts filling every page-count bucket (pages of 4 tokens, up to 8 a sequence)
+        for pages in buckets:
+            n = min(4 * pages - 1, 28)
+            llm.generate({"prompt_token_ids": rng.integers(0, 320, n).tolist()},
+                         SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(on_compile)
+    assert compiles == []
+    assert llm.stats().kv_transfers == len(buckets)
+    llm.core.assert_idle_and_clean()
+
+
+@pytest.mark.parametrize("args,error", [
+    (dict(prefill_replicas=1), "go together"),
+    (dict(decode_tensor_parallel_size=2), "needs prefill_replicas"),
+    (dict(prefill_replicas=1, decode_replicas=1, data_parallel_size=2), "data_parallel_size"),
+    (dict(prefill_replicas=1, decode_replicas=1, role="prefill"), "one or the other"),
+    (dict(prefill_replicas=1, decode_replicas=1, speculative_config=dict(method="ngram", num_speculative_tokens=2)),
+     "speculative decoding is not supported"),
+    (dict(role="decode", enable_lora=True), "LoRA adapters are not supported"),
+    (dict(role="other"), "role must be one of"),
+    (dict(prefill_replicas=4, decode_replicas=1, tensor_parallel_size=2), "needs 10 devices; there are 8"),
+])
+def test_bad_config_is_refused(tiny_dir, args, error):
+    with pytest.raises(ValueError, match=error):
+        make_llm(tiny_dir, **args)
+
+
+def test_metrics_show_the_transfers_and_pools():
+    from jaxserve.metrics import ServerMetrics
+    llm = disaggregated_llm()
+    llm.generate([{"prompt_token_ids": [1, 2, 3, 4, 5]}] * 2, GREEDY, use_tqdm=False)
+    metrics = ServerMetrics()
+    metrics.add_model("m", llm.stats)
+    text = metrics.exposition().decode()
+    assert 'jaxserve:kv_transfer_bytes_count{model_name="m"} 2.0' in text
+    assert 'jaxserve:kv_transfer_seconds_count{model_name="m"} 2.0' in text
+    assert 'jaxserve:pool_num_requests_running{model_name="m",pool="decode"} 0.0' in text
+    assert 'jaxserve:pool_num_requests_waiting{model_name="m",pool="prefill"} 0.0' in text

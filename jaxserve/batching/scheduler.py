@@ -47,7 +47,7 @@ from jaxserve.cache import PrefixCache, page_keys, pages_needed
 from jaxserve.cache.transfer import KVPages
 from jaxserve.logit_controls import bad_word_bans
 from jaxserve.lora.slot_cache import LoRASlots
-from jaxserve.options import SCHEDULING_POLICIES
+from jaxserve.options import ROLES, SCHEDULING_POLICIES
 from jaxserve.structured_output import fill_masks
 from jaxserve.token_mask import both
 
@@ -56,7 +56,6 @@ from jaxserve.token_mask import both
 AGING_STEPS = 64
 # Below this many tokens a step reads weights more than it computes, so padding it is nearly free.
 COMPUTE_BOUND_TOKENS = 64
-ROLES = ("both", "prefill", "decode")  # what a scheduler runs: everything, prompts only, or handed-off sequences
 
 
 @dataclasses.dataclass
