@@ -231,7 +231,7 @@ def cmd_serve(args) -> None:
     if (lora_modules or args.allow_runtime_lora_updating) and not configs[0].enable_lora:
         flag = "--lora-modules" if lora_modules else "--allow-runtime-lora-updating"
         raise ValueError(f"{flag} serves LoRA adapters: it needs --enable-lora")
-    role = getattr(configs[0], "role", "both")  # (EngineConfig.role: pd-engine)
+    role = configs[0].role
     if role != "both" and len(configs) > 1:
         raise ValueError(f"--role {role} serves one model")
     if not 0 <= args.kv_transfer_port < 65536:

@@ -10,14 +10,13 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import aiohttp
 import pytest
 from aiohttp import web
 
-from serving import RouterThread, ServerThread, free_port, http, metric_samples, wait_idle
+from serving import AppThread, RouterThread, ServerThread, free_port, http, metric_samples, wait_idle
 from tiny import make_llm
 
 TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}<assistant>"
@@ -31,12 +30,7 @@ def template(tmp_path_factory):
 
 
 def role_llm(path, role, template):
-    try:
-        return make_llm(path, role=role, chat_template=template, max_model_len=128)
-    except TypeError:  # TEMPORARY until EngineConfig.role lands
-        llm = make_llm(path, chat_template=template, max_model_len=128)
-        llm.scheduler.role = role
-        return llm
+    return make_llm(path, role=role, chat_template=template, max_model_len=128)
 
 
 @pytest.fixture(scope="module")
@@ -226,50 +220,29 @@ def test_the_openai_client_through_the_router(pd):
 
 # ---- faults ----
 
-class StubThread:
+def stub(mode: str) -> AppThread:
     """A server whose /health says 200 and whose completions hang ("hang") or reset the connection ("reset")."""
+    async def health(request):
+        return web.json_response({"status": "ok"})
 
-    def __init__(self, mode: str):
-        async def health(request):
-            return web.json_response({"status": "ok"})
+    async def completions(request):
+        await request.read()
+        if mode == "reset":
+            request.transport.abort()
+        await asyncio.sleep(3600)
 
-        async def completions(request):
-            await request.read()
-            if mode == "reset":
-                request.transport.abort()
-            await asyncio.sleep(3600)
-
-        app = web.Application()
-        app.router.add_get("/health", health)
-        app.router.add_post("/v1/completions", completions)
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self._loop = asyncio.new_event_loop()
-        self._runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=0.5)
-        started = threading.Event()
-
-        def run():
-            asyncio.set_event_loop(self._loop)
-            self._loop.run_until_complete(self._runner.setup())
-            self._loop.run_until_complete(web.TCPSite(self._runner, "127.0.0.1", self.port).start())
-            started.set()
-            self._loop.run_forever()
-        self._thread = threading.Thread(target=run, daemon=True)
-        self._thread.start()
-        started.wait(10)
-
-    def stop(self):
-        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(10)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(10)
+    app = web.Application()
+    app.router.add_get("/health", health)
+    app.router.add_post("/v1/completions", completions)
+    return AppThread(app)
 
 
 @pytest.mark.parametrize("mode", ["hang", "reset"])
 def test_a_prefill_server_that_hangs_or_resets_is_retried_once_on_another(pd, mode):
     both, prefill, decode, _ = pd
-    stub = StubThread(mode)
+    stub_server = stub(mode)
     # The stub first (ties go to the first); a long health interval, so the probe does not bring it back meanwhile.
-    router = RouterThread([stub.url, prefill.url], [decode.url], prefill_timeout_s=1.0, health_interval_s=60)
+    router = RouterThread([stub_server.url, prefill.url], [decode.url], prefill_timeout_s=1.0, health_interval_s=60)
     try:
         body = {"model": "tiny", "prompt": "retried", "max_tokens": 6, "temperature": 0}
         t0 = time.monotonic()
@@ -280,7 +253,7 @@ def test_a_prefill_server_that_hangs_or_resets_is_retried_once_on_another(pd, mo
         assert samples["jaxserve_router:retries_total", frozenset({'pool="prefill"'})] == 1
         kind = "timeout" if mode == "hang" else "disconnect"
         assert samples["jaxserve_router:failures_total",
-                       frozenset({'pool="prefill"', f'server="{stub.url}"', f'kind="{kind}"'})] == 1
+                       frozenset({'pool="prefill"', f'server="{stub_server.url}"', f'kind="{kind}"'})] == 1
         health = json.loads(http("GET", router.url + "/health")[1])
         assert [b["healthy"] for b in health["prefill"]] == [False, True] and health["status"] == "ok"
         # Once out of the pool, it is not tried again: no retry.
@@ -289,13 +262,13 @@ def test_a_prefill_server_that_hangs_or_resets_is_retried_once_on_another(pd, mo
             "jaxserve_router:retries_total", frozenset({'pool="prefill"'})] == 1
     finally:
         router.stop()
-        stub.stop()
+        stub_server.stop()
     assert_clean(prefill, decode)
 
 
 def test_no_healthy_prefill_server_ends_the_request_at_once(pd):
     _, prefill, decode, _ = pd
-    stubs = [StubThread("hang"), StubThread("reset")]
+    stubs = [stub("hang"), stub("reset")]
     router = RouterThread([s.url for s in stubs], [decode.url], prefill_timeout_s=0.5, health_interval_s=60)
     try:
         status, body = post(router.url, "/v1/completions", {"prompt": "x", "stream": True})
@@ -310,7 +283,7 @@ def test_no_healthy_prefill_server_ends_the_request_at_once(pd):
     assert_clean(prefill, decode)
 
 
-def test_killing_the_decode_server_mid_stream_ends_the_request_with_an_error(pd, tiny_tokenized_dir):
+def test_killing_the_decode_server_mid_stream_ends_the_request_with_an_error(pd, tiny_tokenized_dir, template):
     """A real decode server (its own process) killed while it streams: the client's stream ends with an error event
     and [DONE], the prefill server holds no pages and no transfer, and /health turns 503."""
     _, prefill, _, _ = pd
@@ -318,7 +291,7 @@ def test_killing_the_decode_server_mid_stream_ends_the_request_with_an_error(pd,
     proc = subprocess.Popen([sys.executable, "-m", "jaxserve.cli", "serve", "--model", tiny_tokenized_dir,
                              "--served-model-name", "tiny", "--role", "decode", "--port", str(port),
                              "--max-model-len", "128", "--max-num-seqs", "4", "--max-num-batched-tokens", "16",
-                             "--block-size", "4", "--no-warmup"],
+                             "--block-size", "4", "--no-warmup", "--chat-template", template],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             env={**os.environ, "JAX_PLATFORMS": "cpu"})
     decode_url = f"http://127.0.0.1:{port}"
@@ -366,3 +339,67 @@ def test_killing_the_decode_server_mid_stream_ends_the_request_with_an_error(pd,
             router.stop()
         proc.kill()
         proc.wait(30)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["router", "--prefill", "ftp://x", "--decode", "localhost:2"], "is not a server URL"),
+    (["router", "--prefill", "localhost:1", "--decode", "http://localhost:1/"], "in both pools"),
+    (["router", "--prefill", "localhost:1", "localhost:1", "--decode", "localhost:2"], "named twice"),
+    (["router", "--prefill", "localhost:1", "--decode", "localhost:2", "--decode-timeout", "0"], "--decode-timeout"),
+    (["router", "--prefill", "localhost:1", "--decode", "localhost:2", "--port", "0"], "--port"),
+    (["serve", "--role", "decode", "--kv-transfer-port", "9000"], "a prefill server's"),
+    (["serve", "--kv-transfer-host", "0.0.0.0"], "a prefill server's"),
+    (["serve", "--role", "prefill", "--model", "a", "--model", "b"], "serves one model"),
+    (["serve", "--role", "prefill", "--kv-transfer-port", "70000"], "--kv-transfer-port"),
+])
+def test_flag_errors_are_one_line_before_anything_starts(argv, message, capsys):
+    from jaxserve.cli import main
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_the_default_model_through_the_router_with_the_openai_client(default_llm):
+    """The official client's checks of the plain server (test_server.py, test_openai_clients.py), through the router
+    over a prefill and a decode server of the default model: the same answers as the colocated server's."""
+    import openai
+    import pydantic
+
+    from jaxserve import LLM
+
+    class Person(pydantic.BaseModel):
+        name: str = pydantic.Field(max_length=24)
+        age: int = pydantic.Field(ge=0, le=150)
+
+    name = "SmolLM2-135M-Instruct"
+    both = ServerThread(default_llm, name)
+    prefill, decode = (ServerThread(LLM(role=role, max_model_len=512, max_num_seqs=4, max_num_batched_tokens=256,
+                                        warmup=False), name) for role in ("prefill", "decode"))
+    router = RouterThread([prefill.url], [decode.url], prefill_timeout_s=120, decode_timeout_s=120)
+    try:
+        c, ref = (openai.OpenAI(base_url=st.url + "/v1", api_key="unused", max_retries=0) for st in (router, both))
+        assert [m.id for m in c.models.list().data] == [name]
+        prompt = "The capital of France is"
+        for args in (dict(max_tokens=12, logprobs=1), dict(max_tokens=12, stop=["\n\nThe answer"])):
+            args = dict(model=name, prompt=prompt, temperature=0, **args)
+            r, want = c.completions.create(**args), ref.completions.create(**args)
+            assert "Paris" in r.choices[0].text and r.choices[0].text == want.choices[0].text
+            assert r.choices[0].finish_reason == want.choices[0].finish_reason and r.usage == want.usage
+            chunks = list(c.completions.create(**args, stream=True, stream_options={"include_usage": True}))
+            assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == want.choices[0].text
+            assert chunks[-1].usage == want.usage
+        assert r.choices[0].text == " Paris."  # a stop string spanning the hand-off's tokens is never sent in part
+        messages = [{"role": "user", "content": "Describe a person as JSON: name, age."}]
+        args = dict(model=name, messages=messages, response_format=Person, temperature=0, max_tokens=80)
+        r, want = c.chat.completions.parse(**args), ref.chat.completions.parse(**args)
+        assert r.choices[0].message.parsed == want.choices[0].message.parsed and r.usage == want.usage
+        with c.chat.completions.stream(**args) as stream:
+            assert stream.get_final_completion().choices[0].message.parsed == want.choices[0].message.parsed
+        args = dict(model=name, messages=messages, temperature=0.8, seed=7, max_tokens=16)
+        assert c.chat.completions.create(**args).choices[0].message.content == \
+            ref.chat.completions.create(**args).choices[0].message.content
+        assert_clean(prefill, decode)
+    finally:
+        router.stop()
+        for st in (both, prefill, decode):
+            st.stop()

@@ -6,8 +6,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import signal
-import time
 
 import aiohttp
 from aiohttp import web
@@ -17,7 +15,7 @@ from jaxserve.openai_api import ApiError
 from jaxserve.router.metrics import RouterMetrics
 from jaxserve.router.pool import Pool
 from jaxserve.router.proxy import PDRequest
-from jaxserve.server.app import errors, json_body
+from jaxserve.server.app import drain, errors, json_body, run_until_signalled
 
 logger = logging.getLogger("jaxserve")
 
@@ -117,22 +115,9 @@ class Router:
 async def serve_router(router: Router, host: str, port: int, grace_period_s: float = 30.0,
                        ready: asyncio.Event | None = None) -> None:
     """Serves until SIGTERM/SIGINT; then stops accepting and gives running requests grace_period_s to finish."""
-    runner = web.AppRunner(router.app(), handler_cancellation=True, shutdown_timeout=5.0)
-    await runner.setup()
-    await web.TCPSite(runner, host, port).start()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    logger.warning("routing on http://%s:%d: prefill %s, decode %s", host, port,
-                   ", ".join(b.url for b in router.prefill.backends), ", ".join(b.url for b in router.decode.backends))
-    if ready is not None:
-        ready.set()
-    await stop.wait()
+    pools = (f"the router (prefill {', '.join(b.url for b in router.prefill.backends)}; decode "
+             f"{', '.join(b.url for b in router.decode.backends)})")
+    runner = await run_until_signalled(router.app(), host, port, pools, ready)
     router.draining = True
-    for site in list(runner.sites):
-        await site.stop()
-    deadline = time.monotonic() + grace_period_s
-    while router.in_flight and time.monotonic() < deadline:
-        await asyncio.sleep(0.05)
+    await drain(runner, lambda: router.in_flight, grace_period_s)
     await runner.cleanup()  # cancels what still runs: its server requests are closed, so the servers abort them

@@ -5,7 +5,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
-from jaxserve.metrics import _REQUEST_BUCKETS, _TTFT_BUCKETS
+from jaxserve.metrics import REQUEST_BUCKETS, TTFT_BUCKETS
 
 _TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
@@ -27,10 +27,10 @@ class RouterMetrics:
                                          "KV bytes moved to decode servers, as they report them.",
                                          registry=self.registry)
         self.ttft = Histogram("jaxserve_router:time_to_first_token_seconds",
-                              "Receipt to the first token sent to the client.", buckets=_TTFT_BUCKETS,
+                              "Receipt to the first token sent to the client.", buckets=TTFT_BUCKETS,
                               registry=self.registry)
         self.e2e = Histogram("jaxserve_router:e2e_request_latency_seconds", "Receipt to the response's end.",
-                             buckets=_REQUEST_BUCKETS, registry=self.registry)
+                             buckets=REQUEST_BUCKETS, registry=self.registry)
         self.registry.register(_PoolCollector(pools))
 
     def exposition(self) -> bytes:

@@ -185,6 +185,8 @@ class PDRequest:
     # ---- the answer ----
 
     async def respond(self) -> web.StreamResponse:
+        if not self.router.decode.healthy():  # no prefill that no server could go on with
+            raise ApiError(503, "no decode server is healthy")
         try:
             first = await self.prefill()
         except ServerAnswer as e:  # the server's own 4xx, as it sent it
@@ -283,13 +285,14 @@ class PDRequest:
                                    "finish_reason": choice.get("finish_reason")}], **extra))
             else:
                 await send(chunk([{k: v for k, v in choice.items()}]))
-            decoded = 0
+            decoded, failed = 0, False
             if transfer is not None:
                 shift = _text_end(choice.get("logprobs")) if not self.chat else 0
                 try:
                     async for event in self.decode_events(transfer):
                         if "error" in event:
                             await send(event)
+                            failed = True
                             break
                         if not event.get("choices"):
                             decoded = (event.get("usage") or {}).get("completion_tokens", 0)
@@ -302,10 +305,12 @@ class PDRequest:
                         await send({**event, "id": head["id"]})
                 except ServerAnswer as e:
                     await send(e.event())
+                    failed = True
                 except ServerFailure as e:
                     logger.warning("request %s: %s", head["id"], e.message)
                     await send(ApiError(e.status, f"decode failed after the first token: {e.message}").body())
-            if self.include_usage:
+                    failed = True
+            if self.include_usage and not failed:  # (as a server's stream: an error event, then [DONE])
                 await send(chunk([], usage=self._usage(first, decoded)))
             async with asyncio.timeout(self.router.stream_write_timeout_s):
                 await resp.write_eof(b"data: [DONE]\n\n")

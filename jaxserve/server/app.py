@@ -362,27 +362,40 @@ async def serve(server: Server, host: str, port: int, grace_period_s: float = 30
                 ready: asyncio.Event | None = None) -> None:
     """Serves until SIGTERM/SIGINT; then stops accepting, gives running requests grace_period_s to finish
     (cancelling the rest aborts them), and shuts the engine down."""
-    runner = web.AppRunner(server.app(), handler_cancellation=True, shutdown_timeout=5.0)
+    runner = await run_until_signalled(server.app(), host, port, ", ".join(server.models), ready)
+    logger.warning("shutting down: finishing %d running sequences (at most %.0f s)", server.in_flight,
+                   grace_period_s)
+    server.draining = True
+    await drain(runner, lambda: server.in_flight, grace_period_s)
+    # What still runs ends now: its streams get an error event and [DONE], its pages go back. Every engine at once.
+    loop = asyncio.get_running_loop()
+    await asyncio.gather(*(loop.run_in_executor(None, engine.shutdown, 30.0) for engine in server.engines()))
+    for m in server.models.values():
+        m.tokenizing.shutdown(wait=False, cancel_futures=True)
+    await runner.cleanup()
+
+
+async def run_until_signalled(app: web.Application, host: str, port: int, what: str,
+                              ready: asyncio.Event | None = None) -> web.AppRunner:
+    """Serves app on host:port until SIGTERM/SIGINT; then returns its runner, still serving (see drain)."""
+    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=5.0)
     await runner.setup()
     await web.TCPSite(runner, host, port).start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    logger.warning("serving %s on http://%s:%d", ", ".join(server.models), host, port)
+    logger.warning("serving %s on http://%s:%d", what, host, port)
     if ready is not None:
         ready.set()
     await stop.wait()
-    logger.warning("shutting down: finishing %d running sequences (at most %.0f s)", server.in_flight,
-                   grace_period_s)
-    server.draining = True
+    return runner
+
+
+async def drain(runner: web.AppRunner, in_flight, grace_period_s: float) -> None:
+    """Stops accepting connections, then waits until in_flight() is 0 or grace_period_s has passed."""
     for site in list(runner.sites):
         await site.stop()  # no new connections
     deadline = time.monotonic() + grace_period_s
-    while server.in_flight and time.monotonic() < deadline:
+    while in_flight() and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
-    # What still runs ends now: its streams get an error event and [DONE], its pages go back. Every engine at once.
-    await asyncio.gather(*(loop.run_in_executor(None, engine.shutdown, 30.0) for engine in server.engines()))
-    for m in server.models.values():
-        m.tokenizing.shutdown(wait=False, cancel_futures=True)
-    await runner.cleanup()
