@@ -221,12 +221,17 @@ def test_the_openai_client_through_the_router(pd):
 # ---- faults ----
 
 def stub(mode: str) -> AppThread:
-    """A server whose /health says 200 and whose completions hang ("hang") or reset the connection ("reset")."""
+    """A server whose /health says 200 and whose completions hang ("hang"), reset the connection ("reset") or
+    answer 429 ("full")."""
     async def health(request):
         return web.json_response({"status": "ok"})
 
     async def completions(request):
         await request.read()
+        if mode == "full":
+            return web.json_response({"error": {"message": "too many requests are queued; retry later",
+                                                "type": "rate_limit_error", "param": None, "code": None}},
+                                     status=429)
         if mode == "reset":
             request.transport.abort()
         await asyncio.sleep(3600)
@@ -239,16 +244,18 @@ def stub(mode: str) -> AppThread:
 
 @pytest.mark.parametrize("mode", ["hang", "reset"])
 def test_a_prefill_server_that_hangs_or_resets_is_retried_once_on_another(pd, mode):
-    both, prefill, decode, _ = pd
+    both, prefill, decode, warm = pd
+    body = {"model": "tiny", "prompt": "retried", "max_tokens": 6, "temperature": 0}
+    for _ in range(2):  # its programs compiled (a prompt, then a prefix-cache hit): the timeout is the stub's
+        assert post(warm.url, "/v1/completions", body)[0] == 200
     stub_server = stub(mode)
     # The stub first (ties go to the first); a long health interval, so the probe does not bring it back meanwhile.
-    router = RouterThread([stub_server.url, prefill.url], [decode.url], prefill_timeout_s=1.0, health_interval_s=60)
+    router = RouterThread([stub_server.url, prefill.url], [decode.url], prefill_timeout_s=2.0, health_interval_s=60)
     try:
-        body = {"model": "tiny", "prompt": "retried", "max_tokens": 6, "temperature": 0}
         t0 = time.monotonic()
         status, got = post(router.url, "/v1/completions", body)
         assert status == 200 and got["choices"] == post(both.url, "/v1/completions", body)[1]["choices"]
-        assert time.monotonic() - t0 < 5
+        assert time.monotonic() - t0 < 10
         samples = metric_samples(http("GET", router.url + "/metrics")[1].decode())
         assert samples["jaxserve_router:retries_total", frozenset({'pool="prefill"'})] == 1
         kind = "timeout" if mode == "hang" else "disconnect"
@@ -263,6 +270,23 @@ def test_a_prefill_server_that_hangs_or_resets_is_retried_once_on_another(pd, mo
     finally:
         router.stop()
         stub_server.stop()
+    assert_clean(prefill, decode)
+
+
+def test_a_full_decode_server_passes_the_request_to_another(pd):
+    """A decode server's 429 comes before it fetches anything: the next decode server takes the pages."""
+    both, prefill, decode, _ = pd
+    full = stub("full")
+    router = RouterThread([prefill.url], [full.url, decode.url], health_interval_s=60)
+    try:
+        body = {"model": "tiny", "prompt": "full", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+        status, got = post(router.url, "/v1/completions", body)
+        assert status == 200 and got["choices"] == post(both.url, "/v1/completions", body)[1]["choices"]
+        samples = metric_samples(http("GET", router.url + "/metrics")[1].decode())
+        assert samples["jaxserve_router:retries_total", frozenset({'pool="decode"'})] == 1
+    finally:
+        router.stop()
+        full.stop()
     assert_clean(prefill, decode)
 
 

@@ -129,9 +129,9 @@ class PDRequest:
     # ---- the decode ----
 
     async def decode_events(self, transfer: dict):
-        """The decode stream's chunks (dicts) after its role chunk; an error event from the server is yielded as
-        it is, and ends it. Raises ServerFailure when the server cannot be reached (tried on one more), fails or
-        hangs."""
+        """The decode stream's chunks (dicts); an error event from the server is yielded as it is, and ends it.
+        ServerAnswer for a server's own answer other than 200 (but a 429, tried on one more server: nothing was
+        fetched); ServerFailure when the server cannot be reached (tried on one more), fails or hangs."""
         body = {k: v for k, v in self.body.items() if k not in ("echo", "prompt_logprobs")}
         body.update(stream=True, stream_options={"include_usage": True},
                     kv_transfer_params={**transfer, "do_remote_prefill": True})
@@ -139,10 +139,11 @@ class PDRequest:
         timeout = aiohttp.ClientTimeout(total=None, connect=router.connect_timeout_s,
                                         sock_read=router.decode_timeout_s)
         tried: tuple[Backend, ...] = ()
+        failure = None
         while True:
             backend = pool.pick(tried)
             if backend is None:
-                raise ServerFailure("connect", "no decode server is healthy" if not tried else
+                raise ServerFailure("connect", "no decode server is healthy" if failure is None else
                                     f"decode failed: {failure.message}", reached=False, status=503)
             if tried:
                 router.metrics.retries.labels(pool="decode").inc()
@@ -158,7 +159,12 @@ class PDRequest:
                             if r.status >= 500:
                                 router.metrics.failures.labels(pool="decode", server=backend.url,
                                                                kind="http_5xx").inc()
-                            raise ServerAnswer(r.status, await r.read(), r.headers)
+                            answer = ServerAnswer(r.status, await r.read(), r.headers)
+                            # Full (its admission refused it before any fetch): another may take the pages.
+                            if r.status == 429 and len(tried) < 2 and pool.pick(tried) is not None:
+                                failure = ServerFailure("full", f"{what} is full", reached=False, status=429)
+                                continue
+                            raise answer
                         async for event in _events(r):
                             yield event
                             if "error" in event:
