@@ -31,7 +31,6 @@ logger = logging.getLogger("jaxserve")
 __all__ = ["AsyncEngine", "EngineDeadError", "MAX_FAILED_STEPS", "Prefilled"]
 
 
-# What the event loop tells the engine thread, between steps.
 @dataclasses.dataclass
 class Prefilled:
     """A request prefilled on another engine, for a decode engine: the K/V of its first num_cached tokens (KVPages,
@@ -42,6 +41,7 @@ class Prefilled:
     started: float  # time.perf_counter() when the pages' transfer began, for the transfer's seconds
 
 
+# What the event loop tells the engine thread, between steps.
 @dataclasses.dataclass
 class _Add:
     request: Request
@@ -243,8 +243,8 @@ class AsyncEngine:
                     self.llm.submit(command.request)
                 else:
                     p = command.prefilled
-                    self.llm.core.add_prefilled(command.request.seqs[0], p.kv, p.num_cached, first_token=p.first_token,
-                                                started=p.started)
+                    self.llm.core.add_prefilled(command.request.seqs[0], p.kv, p.num_cached,
+                                                first_token=p.first_token, started=p.started)
             except Exception as e:  # noqa: BLE001 - nowhere to run it (every replica stopped): this request fails
                 self.llm.abort_request(request_id)  # any of its sequences already queued
                 stream = self._streams.pop(request_id, None)

@@ -16,7 +16,8 @@ class RouterMetrics:
         self.requests = Counter("jaxserve_router:requests", "Requests sent to a server, by pool and server.",
                                 ["pool", "server"], registry=self.registry)
         self.failures = Counter("jaxserve_router:failures",
-                                "Requests a server failed (kind: connect, timeout, disconnect, http_5xx, fetch).",
+                                "Requests a server failed (kind: connect, timeout, disconnect, http_5xx, stream_error, "
+                                "bad_answer).",
                                 ["pool", "server", "kind"], registry=self.registry)
         self.retries = Counter("jaxserve_router:retries", "Requests retried on another server of the pool.",
                                ["pool"], registry=self.registry)

@@ -124,6 +124,7 @@ class PDRequest:
         try:
             return json.loads(raw)
         except ValueError:
+            metrics.failures.labels(pool=pool.role, server=backend.url, kind="bad_answer").inc()
             raise ServerFailure("bad_answer", f"prefill server {backend.url} answered no JSON") from None
 
     # ---- the decode ----
@@ -267,11 +268,11 @@ class PDRequest:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(self.request)
         choice = first["choices"][0]
-        head = {k: first[k] for k in ("id", "created", "model")}
         kind = "chat.completion.chunk" if self.chat else "text_completion"
+        head = {"id": first["id"], "object": kind, "created": first["created"], "model": first["model"]}
 
         def chunk(choices: list, **extra) -> dict:
-            return {**head, "object": kind, "choices": choices, **extra}
+            return {**head, "choices": choices, **extra}
 
         async def send(body: dict) -> None:
             async with asyncio.timeout(self.router.stream_write_timeout_s):
