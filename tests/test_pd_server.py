@@ -17,8 +17,10 @@ import pytest
 from aiohttp import web
 
 from serving import AppThread, RouterThread, ServerThread, free_port, http, metric_samples, wait_idle
+from jaxserve.server.disaggregated import PrefillSide
 from tiny import make_llm
 
+TTL_S = 5.0
 TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}<assistant>"
 
 
@@ -36,8 +38,10 @@ def role_llm(path, role, template):
 @pytest.fixture(scope="module")
 def pd(tiny_tokenized_dir, template):
     """A colocated server, a prefill server, a decode server, and a router over the two."""
-    both, prefill, decode = (ServerThread(role_llm(tiny_tokenized_dir, role, template), "tiny")
-                             for role in ("both", "prefill", "decode"))
+    both, decode = (ServerThread(role_llm(tiny_tokenized_dir, role, template), "tiny") for role in ("both", "decode"))
+    # A short TTL: a transfer nobody fetches is dropped within seconds (the fetch comes within milliseconds).
+    prefill = ServerThread(role_llm(tiny_tokenized_dir, "prefill", template), "tiny",
+                           prefill_side=PrefillSide(ttl_s=TTL_S))
     # Long timeouts: a first request compiles its step's program (seconds on a busy machine).
     router = RouterThread([prefill.url], [decode.url], health_interval_s=0.2, prefill_timeout_s=120,
                           decode_timeout_s=120)
@@ -287,6 +291,55 @@ def test_a_full_decode_server_passes_the_request_to_another(pd):
     finally:
         router.stop()
         full.stop()
+    assert_clean(prefill, decode)
+
+
+def test_a_decode_server_that_hangs_ends_the_request_with_an_error(pd):
+    """The first token is out when the decode server stops answering: the stream ends with an error event (a whole
+    answer is a 504) once it has been silent for decode_timeout_s; the prefill server holds no pages, and the
+    unclaimed transfers' host copies go with their TTL."""
+    _, prefill, decode, _ = pd
+    hung = stub("hang")
+    router = RouterThread([prefill.url], [hung.url], decode_timeout_s=1.0, health_interval_s=60)
+    try:
+        body = {"model": "tiny", "prompt": "hung decode", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+        t0 = time.monotonic()
+        evs = events(http("POST", router.url + "/v1/completions", dict(body, stream=True))[1])
+        assert evs[0]["choices"][0]["text"] and "did not answer in time" in evs[-1]["error"]["message"]
+        assert time.monotonic() - t0 < 10
+        hung_again = RouterThread([prefill.url], [hung.url], decode_timeout_s=1.0, health_interval_s=60)
+        try:  # (a new router: the first took the hung server out of its pool)
+            status, answer = post(hung_again.url, "/v1/completions", body)
+            assert status == 504 and "did not answer in time" in answer["error"]["message"]
+        finally:
+            hung_again.stop()
+    finally:
+        router.stop()
+        hung.stop()
+    wait_idle(prefill)
+    store = prefill.server.prefill_side.store
+    assert 1 <= len(store) <= 2  # (the first may have gone already on a slow machine)
+    deadline = time.monotonic() + 2 * TTL_S
+    while len(store):
+        assert time.monotonic() < deadline, "an unclaimed transfer outlived its TTL"
+        time.sleep(0.1)
+    assert store.bytes_held == 0
+
+
+def test_a_client_that_leaves_mid_stream_frees_the_decode_servers_pages(pd):
+    _, prefill, decode, router = pd
+
+    async def leave():
+        body = {"model": "tiny", "prompt": "leaving", "max_tokens": 100, "temperature": 0, "ignore_eos": True,
+                "stream": True}
+        async with aiohttp.ClientSession() as s, s.post(router.url + "/v1/completions", json=body) as r:
+            seen = 0
+            async for line in r.content:
+                seen += line.startswith(b"data: ")
+                if seen == 3:
+                    return  # the connection closes with the session
+
+    asyncio.run(asyncio.wait_for(leave(), 60))
     assert_clean(prefill, decode)
 
 
