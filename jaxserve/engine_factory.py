@@ -44,8 +44,8 @@ logger = logging.getLogger("jaxserve")
 
 @dataclasses.dataclass
 class Engine:
-    """What an LLM serves: the engine (one replica's core, or several behind DataParallel) and what requests are
-    checked against."""
+    """What an LLM serves: the engine (one replica's core, several behind DataParallel, or a prefill and a decode
+    pool behind Disaggregated) and what requests are checked against."""
     core: EngineCore | DataParallel | Disaggregated
     replicas: list[EngineCore]
     model_name: str

@@ -136,16 +136,20 @@ class _EngineCollector:
 
 
 def _disaggregated_families(snapshots):
-    """Disaggregated prefill: the KV transfers into decode engines (count and sum: a mean per transfer), and each
-    pool's running and waiting sequences (label `pool`; none without pools)."""
+    """Disaggregated prefill: the KV transfers into decode engines and the decode queue (count and sum: a mean per
+    transfer or sequence), and each pool's running and waiting sequences (label `pool`; none without pools). The
+    prefill pool's queue time is request_queue_time_seconds (a request is first scheduled there)."""
     transfers = [("kv_transfer_bytes", "KV-cache bytes moved from prefill to decode, per transfer.",
                   "kv_transfer_bytes"),
                  ("kv_transfer_seconds", "Seconds from a KV export to its landing on the decode devices, per "
-                  "transfer (polled once per engine step).", "kv_transfer_seconds")]
+                  "transfer (polled once per engine step).", "kv_transfer_seconds"),
+                 ("decode_queue_time_seconds", "Seconds a prefilled sequence waited for a decode slot and pages.",
+                  "decode_queue_seconds")]
     for name, doc, field in transfers:
         f = SummaryMetricFamily(f"jaxserve:{name}", doc, labels=["model_name"])
         for model_name, s in snapshots:
-            f.add_metric([model_name], count_value=s.kv_transfers, sum_value=getattr(s, field))
+            count = s.decode_admitted if field == "decode_queue_seconds" else s.kv_transfers
+            f.add_metric([model_name], count_value=count, sum_value=getattr(s, field))
         yield f
     for i, what in ((1, "running"), (2, "waiting")):
         f = GaugeMetricFamily(f"jaxserve:pool_num_requests_{what}", f"Sequences {what}, by pool.",

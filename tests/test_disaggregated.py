@@ -80,6 +80,8 @@ def test_decode_out_of_pages_waits_then_runs():
             done.setdefault(d.seq.request_id, []).extend(d.token_ids)
         waited.append(len(llm.replicas[1].scheduler.waiting))
     assert max(waited) >= 2
+    stats = llm.stats()
+    assert stats.decode_admitted == 4 and stats.decode_queue_seconds > 0
     assert [done[r] for r in sorted(done, key=int)] == [w[0] for w in want]
     llm.core.assert_idle_and_clean()
 
@@ -259,3 +261,65 @@ def test_metrics_show_the_transfers_and_pools():
     assert 'jaxserve:kv_transfer_seconds_count{model_name="m"} 2.0' in text
     assert 'jaxserve:pool_num_requests_running{model_name="m",pool="decode"} 0.0' in text
     assert 'jaxserve:pool_num_requests_waiting{model_name="m",pool="prefill"} 0.0' in text
+    assert 'jaxserve:decode_queue_time_seconds_count{model_name="m"} 2.0' in text
+
+
+def test_a_prefilled_sequence_preempted_on_the_decode_side_is_recomputed_from_its_tokens():
+    """Three sequences admitted with 3 pages each grow past the decode pool's 9: one is preempted, and recomputes
+    its prompt and tokens there (the prefix cache off: every slot it reads, it wrote again)."""
+    reqs = [({"prompt_token_ids": list(range(i, i + 9))}, SamplingParams(temperature=0, max_tokens=12,
+                                                                         ignore_eos=True)) for i in range(3)]
+    want = outputs(fake_llm(vocab_size=VOCAB), reqs)
+    llm = disaggregated_llm(decode_args=dict(num_pages=10, enable_prefix_caching=False))
+    assert outputs(llm, reqs) == want
+    assert llm.stats().num_preemptions > 0
+    llm.core.assert_idle_and_clean()
+
+
+class Landing(np.ndarray):
+    """Pages still being copied: not ready for the first few polls, or until waited for."""
+    polls = 3
+
+    def is_ready(self) -> bool:
+        self.polls -= 1
+        return self.polls < 0
+
+    def block_until_ready(self):
+        self.polls = -1
+        return self
+
+
+def test_a_sequence_is_admitted_to_decode_only_once_its_kv_has_landed():
+    llm = disaggregated_llm()
+    decode = llm.replicas[1]
+    put = decode.runner.put_pages
+    decode.runner.put_pages = lambda kv: [(k.view(Landing), v.view(Landing)) for k, v in put(kv)]
+    imported = []
+    import_pages = decode.runner.import_pages
+    decode.runner.import_pages = lambda ids, kv: imported.append(kv[0][0].polls) or import_pages(ids, kv)
+    out = llm.generate([{"prompt_token_ids": [1, 2, 3, 4, 5]}, {"prompt_token_ids": [9, 8]}], GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in out] == [list(range(6, 16)), list(range(9, 19))]
+    assert len(imported) == 2 and all(polls < 0 for polls in imported)  # landed (polled or waited for) first
+    llm.core.assert_idle_and_clean()
+
+
+def test_a_server_over_pools_streams_and_shows_them_in_metrics():
+    import requests
+    from serving import ServerThread, metric_samples
+
+    want = fake_llm(vocab_size=VOCAB).generate({"prompt_token_ids": [5, 6, 7]}, GREEDY, use_tqdm=False)
+    st = ServerThread(disaggregated_llm(1, 2), "pd")
+    try:
+        body = {"prompt": [5, 6, 7], "max_tokens": 10, "temperature": 0, "ignore_eos": True}
+        got = requests.post(st.url + "/v1/completions", json=body, timeout=60).json()
+        stream = requests.post(st.url + "/v1/completions", json={**body, "stream": True}, timeout=60)
+        chunks = [line for line in stream.text.splitlines() if line.startswith("data: {")]
+        assert got["usage"]["completion_tokens"] == len(want[0].outputs[0].token_ids) == 10 and len(chunks) > 2
+        samples = metric_samples(requests.get(st.url + "/metrics", timeout=10).text)
+        label = frozenset(['model_name="pd"'])
+        assert samples["jaxserve:kv_transfer_bytes_count", label] == 2
+        assert samples["jaxserve:num_replicas", label] == 3
+        assert samples["jaxserve:pool_num_requests_running", label | {'pool="decode"'}] == 0
+        assert requests.get(st.url + "/health", timeout=10).status_code == 200
+    finally:
+        st.stop()

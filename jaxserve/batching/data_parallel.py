@@ -23,6 +23,7 @@ from jaxserve.batching.engine_core import EngineCore, EngineDeadError, EngineSta
 from jaxserve.batching.output_processor import SequenceDelta
 from jaxserve.batching.sequence import Sequence
 from jaxserve.cache import page_keys
+from jaxserve.cache.transfer import KVPages
 
 
 class DataParallel:
@@ -54,11 +55,12 @@ class DataParallel:
         core.add(seq)
         self._placed[seq.request_id] = core
 
-    def add_prefilled(self, hand_off: HandOff) -> None:
-        """A sequence prefilled elsewhere, to the replica routing picks (its request's, if it has one here)."""
-        core = self.route(hand_off.seq)
-        core.add_prefilled(hand_off.seq, hand_off.kv, hand_off.num_cached, started=hand_off.exported_at)
-        self._placed[hand_off.seq.request_id] = core
+    def add_prefilled(self, seq: Sequence, kv: KVPages, num_cached: int, **kw) -> None:
+        """A sequence prefilled elsewhere (EngineCore.add_prefilled's arguments), to the replica routing picks (its
+        request's, if it has one here)."""
+        core = self.route(seq)
+        core.add_prefilled(seq, kv, num_cached, **kw)
+        self._placed[seq.request_id] = core
 
     def take_handed_off(self) -> list[HandOff]:
         """Every replica's hand-offs (see EngineCore.take_handed_off); a request none of whose sequences is left

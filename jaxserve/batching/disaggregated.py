@@ -52,7 +52,7 @@ class Disaggregated:
             if hand_off.seq.request_id in failed:
                 continue  # a sibling's replica failed: the request has ended
             try:
-                self.decode.add_prefilled(hand_off)
+                self.decode.add_prefilled(hand_off.seq, hand_off.kv, hand_off.num_cached, started=hand_off.exported_at)
             except Exception as e:  # noqa: BLE001 - no decode replica takes it: its request ends, others go on
                 failed[hand_off.seq.request_id] = e
                 cause = cause or e

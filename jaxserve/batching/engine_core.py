@@ -20,7 +20,8 @@ Disaggregated prefill (`jaxserve.batching.disaggregated`): a prefill engine's sc
 once its first token has landed; `take_handed_off` dispatches the export of its pages (a gather on the device) and
 only then gives them back, so a later step that reuses them runs after the gather. A decode engine takes it with
 those pages (`add_prefilled`), copies them to its own devices at once, and writes them into its cache when the
-scheduler admits it, before the step that first reads them is dispatched.
+scheduler admits it (once the copy has landed, so a decode step never waits for the prefill devices, which may
+still be running the step after the export), before the step that first reads them is dispatched.
 
 A step that fails ends only the requests it held, and the results read back before it failed still reach theirs
 (`StepError`); a replica whose steps keep failing stops (`healthy`) and ends every request it holds.
@@ -90,6 +91,9 @@ class EngineStats:
     kv_transfers: int = 0
     kv_transfer_bytes: int = 0
     kv_transfer_seconds: float = 0.0
+    # Prefilled sequences admitted to decode, and their seconds waiting for a slot and pages (the decode queue).
+    decode_admitted: int = 0
+    decode_queue_seconds: float = 0.0
     # Per pool (disaggregated prefill): (pool, running, waiting).
     pools: tuple[tuple[str, int, int], ...] = ()
 
@@ -117,6 +121,11 @@ class InFlight:
     """A step dispatched and not yet read back."""
     batch: ScheduledBatch
     handle: StepHandle
+
+
+def _is_ready(kv: KVPages) -> bool:
+    """Every array of kv has landed (numpy ones always have)."""
+    return all(getattr(x, "is_ready", lambda: True)() for x in jax.tree.leaves(kv))
 
 
 def _position_dependent(seq: Sequence) -> bool:
@@ -183,14 +192,13 @@ class EngineCore:
         kv = self.runner.put_pages(kv)
         if first_token is not None:
             output_processor.take_as_said(seq, first_token, logprob)
-        self.scheduler.add_prefilled(seq, num_cached, kv, first_token)
+        self.scheduler.add_prefilled(seq, num_cached, kv, first_token, lambda: _is_ready(kv))
         self._transfers.append(Transfer(time.perf_counter() if started is None else started, kv, kv_bytes(kv)))
 
     def _landed(self) -> None:
         """Counts the transfers that have landed (without waiting for any)."""
         now = time.perf_counter()
-        for t in [t for t in self._transfers if all(getattr(x, "is_ready", lambda: True)()
-                                                    for x in jax.tree.leaves(t.kv))]:
+        for t in [t for t in self._transfers if _is_ready(t.kv)]:
             self._transfers.remove(t)
             self.kv_transfers += 1
             self.kv_transfer_bytes += t.num_bytes
@@ -253,6 +261,10 @@ class EngineCore:
         if self._in_flight is not None and self._in_flight.batch.constrained:
             self._read_back()
         batch = self.scheduler.schedule()
+        if not batch and self._in_flight is None and self.scheduler.awaits_kv():
+            # Nothing to run but sequences whose KV is still landing: wait for it here rather than spin.
+            jax.block_until_ready([t.kv for t in self._transfers])
+            batch = self.scheduler.schedule()
         self._import(batch)
         dispatched = self._dispatch(batch) if batch else None
         done, self._in_flight = self._in_flight, dispatched
@@ -352,7 +364,8 @@ class EngineCore:
             prompt_tokens=self.prompt_tokens, generation_tokens=self.generation_tokens,
             generation_tokens_per_s=rate, steps=self.steps, num_replicas_healthy=int(self.healthy),
             kv_transfers=self.kv_transfers, kv_transfer_bytes=self.kv_transfer_bytes,
-            kv_transfer_seconds=self.kv_transfer_seconds,
+            kv_transfer_seconds=self.kv_transfer_seconds, decode_admitted=s.num_prefilled_admitted,
+            decode_queue_seconds=s.prefilled_wait_seconds,
             **self._spec_stats())
 
     def _spec_stats(self) -> dict:

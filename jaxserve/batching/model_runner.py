@@ -76,10 +76,7 @@ class ModelRunner:
         # The embedding table row-major, where the chip's default is not: its lookup then reads rows in place.
         if mesh is None:
             self.params = with_row_major_tables(params)
-            cache = new_cache()
-            # Committed to its device, as every program's output is: otherwise the first program to take it is
-            # compiled again once it takes a committed one (seen with the int8 cache's page transfers).
-            self.kv_cache = jax.device_put(cache, jax.tree.leaves(cache)[0].sharding)
+            self.kv_cache = new_cache()
             self.last_tokens = jnp.zeros(rc.num_slots + 1, jnp.int32)  # [slots + 1]: the last one takes padding rows
         else:
             self.params = place(params, param_formats(params, self.steps.param_shardings(params)))
@@ -258,7 +255,7 @@ class ModelRunner:
             if time_steps:  # the fastest of a few: one page fault or GC pause must not set a cost for good
                 self.step_times[tokens, 1 + k if num_draft else 1] = min(self._time(rows) for _ in range(3))
         compiled = self.steps.num_compiled() - before
-        if self.kv_transfer:
+        if self.kv_transfer:  # after the steps: the cache is a program's output now, as it is while serving
             before_transfer = self.transfer_compiled()
             self._warm_transfer()
             compiled += self.transfer_compiled() - before_transfer

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from typing import Callable
 
 from jaxserve.batching.batch_builder import Row, RowSampling
 from jaxserve.batching import output_processor
@@ -155,7 +156,10 @@ class Scheduler:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         self.role = role
         self.handed_off: list[Sequence] = []  # prefilled, pages held until exported
-        self._imports: dict[Sequence, tuple[int, KVPages]] = {}  # waiting prefilled sequences: (tokens cached, KV)
+        # Waiting prefilled sequences: (tokens cached, KV, when added, whether the KV has landed); how many were
+        # admitted, after how long.
+        self._imports: dict[Sequence, tuple[int, KVPages, float, Callable[[], bool]]] = {}
+        self.num_prefilled_admitted, self.prefilled_wait_seconds = 0, 0.0
         self._admitted_imports: list[tuple[Sequence, list[int], KVPages]] = []  # while planning a step
         self.cache = cache
         self.page_size = cache.page_size
@@ -187,10 +191,12 @@ class Scheduler:
         seq.status = Status.WAITING
         self.waiting.append(seq)
 
-    def add_prefilled(self, seq: Sequence, num_cached: int, kv: KVPages, first_token: int | None = None) -> None:
+    def add_prefilled(self, seq: Sequence, num_cached: int, kv: KVPages, first_token: int | None = None,
+                      landed: Callable[[], bool] = lambda: True) -> None:
         """A sequence prefilled elsewhere: its first num_cached tokens' K/V are kv's pages, its first token taken
         (first_token: taken here, for a sequence built here; the output processor has said it already). It waits,
-        holding only kv, until a slot and pages for all its tokens are free."""
+        holding only kv, until kv has landed (`landed()`: a step that imports it then never waits for the devices
+        it comes from) and a slot and pages for all its tokens are free."""
         if first_token is not None and not seq.output_token_ids:
             if seq.token_ids_array is not None:
                 seq.token_ids_array[len(seq.prompt_token_ids)] = first_token
@@ -202,11 +208,15 @@ class Scheduler:
         if seq.lora is not None:
             raise ValueError(f"request {seq.request_id}: LoRA adapters are not supported with disaggregated prefill")
         self.add(seq)
-        self._imports[seq] = (num_cached, kv)
+        self._imports[seq] = (num_cached, kv, time.monotonic(), landed)
 
     def has_unfinished(self) -> bool:
         """Sequences to run (not counting any handed off, which only wait to be taken)."""
         return bool(self.waiting or self.running)
+
+    def awaits_kv(self) -> bool:
+        """A prefilled sequence waits for its KV to land."""
+        return any(not landed() for _, _, _, landed in self._imports.values())
 
     def abort(self, request_id: str) -> list[Sequence]:
         aborted = [s for s in self.waiting + self.running + self.handed_off if s.request_id == request_id]
@@ -281,6 +291,8 @@ class Scheduler:
                 break
             if seq.pending:
                 continue  # preempted with a token in flight: resumable once it lands
+            if seq in self._imports and not self._imports[seq][3]():
+                continue  # its KV is still on its way
             if seq.lora is not None and (slot_short or not self.lora_slots.can_take(seq.lora)):
                 slot_short = True
                 continue
@@ -503,7 +515,9 @@ class Scheduler:
         while len(self.running) >= cap or need > self.cache.num_available:
             if not self._preempt_for(seq, cap):
                 return False
-        num_cached, kv = self._imports.pop(seq)
+        num_cached, kv, added, _ = self._imports.pop(seq)
+        self.num_prefilled_admitted += 1
+        self.prefilled_wait_seconds += time.monotonic() - added
         seq.pages = self.cache.allocate(need)
         # Written once the import has run, which comes before any step that reads or publishes them.
         seq.num_cached = seq.num_written = num_cached
