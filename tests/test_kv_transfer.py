@@ -2,10 +2,12 @@
 import asyncio
 import json
 import os
+import socket
 import subprocess
 import sys
 import textwrap
 import threading
+import zlib
 from pathlib import Path
 
 import jax
@@ -16,7 +18,7 @@ import pytest
 from jaxserve.cache.kv_cache import Int8Pages
 from jaxserve.kv_transfer import (JaxTransferEndpoint, KVServer, KVStore, KVTransferError, decode_pages, encode_pages,
                                   fetch_pages)
-from jaxserve.kv_transfer.codec import PREFIX, header_length
+from jaxserve.kv_transfer.codec import MAGIC, PREFIX, header_length
 from jaxserve.kv_transfer.protocol import FRAME, frame
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -91,6 +93,29 @@ def test_truncated_overlong_and_foreign_data_are_refused():
         decode_pages(b"\x80\x04pickle" + data)
 
 
+def test_a_hostile_header_fails_only_with_kv_transfer_error():
+    """Headers changed on purpose (checksum recomputed: a sender's doing, not the line's) decode or fail cleanly."""
+    data = encode_pages(make_pages("int8", layers=1))
+    length = header_length(data)
+    header, payload = data[PREFIX.size:PREFIX.size + length], data[PREFIX.size + length:]
+    fields = json.loads(header)
+    crafted = [{**fields, "layers": [{}]}, {**fields, "layers": "dense"}, {**fields, "arrays": [[[2**62] * 4, "int8"]]},
+               {**fields, "arrays": [[[-1, 2, 4, 8], "int8"]] * 4}, {**fields, "arrays": [["1234", "int8"]] * 4},
+               {**fields, "arrays": [[[1, 2, 4, 8], "object"]] * 4}, {**fields, "payload_bytes": "all"}, [fields], 7]
+    rng = np.random.default_rng(0)
+    mutated = []
+    for _ in range(300):
+        bad = bytearray(header)
+        for i in rng.integers(0, len(bad), rng.integers(1, 4)):
+            bad[i] = rng.choice(list(b'0123456789[]{}",:-e. abcdfilnorstuy'))
+        mutated.append(bytes(bad))
+    for bad in [json.dumps(h).encode() for h in crafted] + mutated:
+        try:
+            decode_pages(PREFIX.pack(MAGIC, len(bad), zlib.crc32(bad)) + bad + payload)
+        except KVTransferError:
+            pass
+
+
 def test_not_kv_pages_is_refused():
     k = np.zeros((1, 2, 4, 8), np.float32)
     for bad, match in [({"k": k}, "per-layer list"), ([(k,)], "pair"), ([(k, k.astype(np.float16))], "alike"),
@@ -139,6 +164,26 @@ def test_fetch_over_the_socket_takes_once_and_says_why_it_fails():
     asyncio.run(main())
 
 
+def test_pages_whose_export_failed_fail_that_fetch_only():
+    """A page array that holds a device error (its gather failed) fails its own fetch with the reason; the server
+    serves the next."""
+    from jax.experimental.transfer import make_error_array
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    broken = make_error_array(jax.ShapeDtypeStruct((1, 2, 4, 8), np.float32, sharding=sharding), "export failed")
+
+    async def main():
+        store = KVStore()
+        server = await serving(store)
+        store.put("broken", [(broken, broken)])
+        with pytest.raises(KVTransferError, match="could not be sent.*export failed"):
+            await fetch_pages(HOST, server.port, "broken", timeout=10)
+        kv = make_pages("float32")
+        store.put("fine", kv)
+        assert_same_pages(await fetch_pages(HOST, server.port, "fine", timeout=10), kv)
+        await server.close()
+    asyncio.run(main())
+
+
 def test_the_server_expires_unclaimed_transfers_with_no_traffic():
     async def main():
         store = KVStore(ttl_s=0.2)
@@ -178,6 +223,16 @@ async def fake_server(handler):
     return server, server.sockets[0].getsockname()[1]
 
 
+def replying_by_jax(address: str, dtype: str):
+    """A handler that answers any fetch by the jax path: two [1, 2, 4, 8] arrays of dtype to pull from address."""
+    async def handler(reader, writer):
+        await read_frame(reader)
+        writer.write(frame({"ok": True, "via": "jax", "address": address, "uuid": 1, "layers": ["dense"],
+                            "arrays": [[[1, 2, 4, 8], dtype]] * 2}))
+        await writer.drain()
+    return handler
+
+
 def test_a_stream_cut_short_or_a_silent_server_fails_the_fetch():
     data = encode_pages(make_pages("float32"))
 
@@ -198,16 +253,11 @@ def test_a_stream_cut_short_or_a_silent_server_fails_the_fetch():
     async def silent(reader, writer):
         await asyncio.sleep(30)
 
-    async def bad_jax_reply(reader, writer):
-        await read_frame(reader)
-        writer.write(frame({"ok": True, "via": "jax", "address": "127.0.0.1:1", "uuid": 1, "layers": ["dense"],
-                            "arrays": [[[1, 2, 4, 8], "object"], [[1, 2, 4, 8], "object"]]}))
-        await writer.drain()
-
     async def main():
+        answers_by_jax = replying_by_jax(f"{HOST}:1", "float32")  # to a fetch that did not offer the jax path
         for handler, match, timeout in [(cut_short, "closed the connection after", 10), (corrupt, "checksum", 10),
                                         (silent, "timed out after 0.3 s", 0.3),
-                                        (bad_jax_reply, "jax path, which this fetch did not offer", 10)]:
+                                        (answers_by_jax, "jax path, which this fetch did not offer", 10)]:
             server, port = await fake_server(handler)
             with pytest.raises(KVTransferError, match=match):
                 await fetch_pages(HOST, port, "x", timeout=timeout)
@@ -270,16 +320,25 @@ def test_jax_transfer_in_one_process(endpoints, kind):
 
 
 def test_a_malformed_jax_reply_is_refused_before_any_pull(endpoints):
-    async def bad_jax_reply(reader, writer):
-        await read_frame(reader)
-        writer.write(frame({"ok": True, "via": "jax", "address": "127.0.0.1:1", "uuid": 1, "layers": ["dense"],
-                            "arrays": [[[1, 2, 4, 8], "object"], [[1, 2, 4, 8], "object"]]}))
-        await writer.drain()
-
     async def main():
-        server, port = await fake_server(bad_jax_reply)
+        server, port = await fake_server(replying_by_jax(f"{HOST}:1", "object"))
         with pytest.raises(KVTransferError, match="malformed jax transfer reply"):
             await fetch_pages(HOST, port, "x", timeout=10, jax_endpoint=endpoints[1])
+        server.close()
+    asyncio.run(main())
+
+
+def test_a_jax_pull_from_a_vanished_peer_ends_at_the_timeout(endpoints):
+    """jax.experimental.transfer never fails a pull from an address where nothing listens: the fetch's timeout ends
+    it (and leaves no thread behind that would abort this process at exit)."""
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        dead = f"{HOST}:{s.getsockname()[1]}"
+
+    async def main():
+        server, port = await fake_server(replying_by_jax(dead, "float32"))
+        with pytest.raises(KVTransferError, match="timed out after 0.5 s"):
+            await fetch_pages(HOST, port, "x", timeout=0.5, jax_endpoint=endpoints[1])
         server.close()
     asyncio.run(main())
 

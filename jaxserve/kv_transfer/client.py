@@ -6,10 +6,10 @@ import socket
 
 import numpy as np
 
-from jaxserve.kv_transfer.codec import DTYPES, PREFIX, decode_pages, header_length, read_header
+from jaxserve.kv_transfer.codec import PREFIX, decode_pages, header_length, read_header
 from jaxserve.kv_transfer.errors import KVTransferError
 from jaxserve.kv_transfer.jax_transfer import JaxTransferEndpoint, wait_ready
-from jaxserve.kv_transfer.layout import check_shapes, unflatten_pages
+from jaxserve.kv_transfer.layout import DTYPES, check_shapes, unflatten_pages
 from jaxserve.kv_transfer.protocol import frame, read_message, recv_exactly, recv_into, send_all
 
 
@@ -75,7 +75,14 @@ async def _pull(jax_endpoint: JaxTransferEndpoint, reply: dict, peer: str, timeo
         specs = [(tuple(int(d) for d in shape), str(dtype)) for shape, dtype in reply["arrays"]]
         check_shapes(kinds, specs)
         specs = [(shape, DTYPES[dtype]) for shape, dtype in specs]
-    except (KeyError, TypeError, ValueError) as e:
-        raise KVTransferError(f"{peer}: a malformed jax transfer reply: {e!r}") from e
-    arrays = await asyncio.to_thread(jax_endpoint.pull, address, uuid, specs, timeout_s)  # allocates the buffers
-    return unflatten_pages(kinds, await wait_ready(arrays, f"{peer} (jax transfer server {address})"))
+    except (KeyError, TypeError, ValueError, KVTransferError) as e:
+        raise KVTransferError(f"{peer}: a malformed jax transfer reply: {e}") from e
+    try:
+        arrays = await asyncio.to_thread(jax_endpoint.pull, address, uuid, specs, timeout_s)  # allocates the buffers
+    except Exception as e:  # noqa: BLE001 - out of memory for what the reply says, a bad address: this fetch fails
+        raise KVTransferError(f"{peer}: the jax transfer could not start: {e!r}") from e
+    try:
+        return unflatten_pages(kinds, await wait_ready(arrays, f"{peer} (jax transfer server {address})"))
+    except BaseException:  # failed or timed out: the next pull from there starts on a new connection
+        jax_endpoint.forget(address)
+        raise

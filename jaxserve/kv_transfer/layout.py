@@ -7,10 +7,18 @@ picks among known shapes, it does not say what to construct.
 """
 from __future__ import annotations
 
+import ml_dtypes
+import numpy as np
+
 from jaxserve.cache.kv_cache import Int8Pages
 from jaxserve.kv_transfer.errors import KVTransferError
 
 DENSE, INT8 = "dense", "int8"
+# The dtypes pages may have, by name: what a header names is looked up here, never passed to np.dtype as it came
+DTYPES = {name: np.dtype(t) for name, t in [("float32", np.float32), ("float16", np.float16),
+                                             ("bfloat16", ml_dtypes.bfloat16), ("int8", np.int8),
+                                             ("float8_e4m3fn", ml_dtypes.float8_e4m3fn),
+                                             ("float8_e5m2", ml_dtypes.float8_e5m2)]}
 ARRAYS_PER_LAYER = {DENSE: 2, INT8: 4}  # dense: k, v; int8: k.values, k.scale, v.values, v.scale
 
 
@@ -47,12 +55,17 @@ def unflatten_pages(kinds: list[str], arrays: list) -> list:
 
 
 def check_shapes(kinds, specs: list[tuple[tuple[int, ...], str]]) -> None:
-    """KVTransferError unless specs [(shape, dtype name)] are KVPages of these layer kinds: every layer's k and v
-    alike, rank 4, int8 values with a float32 scale of their shape less head_dim."""
-    if not isinstance(kinds, list) or any(kind not in ARRAYS_PER_LAYER for kind in kinds):
+    """KVTransferError unless specs [(shape, dtype name)] are KVPages of these layer kinds: dtypes of DTYPES, every
+    layer's k and v alike, rank 4, int8 values with a float32 scale of their shape less head_dim."""
+    if not isinstance(kinds, list) or any(not isinstance(kind, str) or kind not in ARRAYS_PER_LAYER for kind in kinds):
         raise KVTransferError(f"unknown layer kinds in {kinds!r}: each must be one of {sorted(ARRAYS_PER_LAYER)}")
     if len(specs) != sum(ARRAYS_PER_LAYER[kind] for kind in kinds):
         raise KVTransferError(f"{len(specs)} arrays for layer kinds {kinds}")
+    unknown = {dtype for _, dtype in specs} - set(DTYPES)
+    if unknown:
+        raise KVTransferError(f"KV pages of dtype {', '.join(sorted(unknown))}: not one of {', '.join(DTYPES)}")
+    if any(d < 0 for shape, _ in specs for d in shape):
+        raise KVTransferError("KV pages with a negative dimension")
     i = 0
     for layer, kind in enumerate(kinds):
         n = ARRAYS_PER_LAYER[kind]

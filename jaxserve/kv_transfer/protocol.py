@@ -22,6 +22,7 @@ from jaxserve.kv_transfer.errors import KVTransferError
 
 FRAME = struct.Struct("<I")
 MAX_MESSAGE_BYTES = 1 << 20  # a message is a header, never pages
+RECV_CHUNK_BYTES = 1 << 20  # a receive's most: the loop's turns stay short (a first touch of fresh pages is slow)
 
 
 def frame(message: dict) -> bytes:
@@ -55,7 +56,7 @@ async def recv_into(sock: socket.socket, buffer: memoryview, peer: str, what: st
     loop = asyncio.get_running_loop()
     pos = 0
     while pos < len(buffer):
-        n = await loop.sock_recv_into(sock, buffer[pos:])
+        n = await loop.sock_recv_into(sock, buffer[pos:pos + RECV_CHUNK_BYTES])
         if n == 0:
             raise KVTransferError(f"{peer} closed the connection after {pos} of {len(buffer)} bytes of {what}")
         pos += n

@@ -90,27 +90,33 @@ class KVServer:
                 return
             except OSError:
                 return
+            via = "jax" if self.jax_endpoint is not None and "jax" in (request.get("via") or ()) else "bytes"
+            try:  # the pages' export may have failed on the device: the client hears why
+                parts, nbytes = await (self._offer(kv) if via == "jax" else self._encode(kv))
+            except Exception as e:  # noqa: BLE001 - any failure of this transfer is this transfer's, not the server's
+                logger.exception("KV transfer %r could not be prepared", transfer_id)
+                with contextlib.suppress(OSError):
+                    await send_all(sock, frame({"ok": False, "error": f"the KV pages could not be sent: {e!r}"}))
+                return
             try:
-                if self.jax_endpoint is not None and "jax" in (request.get("via") or ()):
-                    await self._send_by_jax(kv, sock)
-                else:
-                    await self._send_bytes(kv, sock)
+                await send_all(sock, *parts)
             except OSError as e:  # the client went away: its pages go with this frame
                 logger.warning("KV transfer %r to %s failed: %r", transfer_id, peer, e)
+                return
+            self.served[via] += 1
+            self.bytes_sent += nbytes
 
-    async def _send_bytes(self, kv, sock: socket.socket) -> None:
+    async def _encode(self, kv) -> tuple[list, int]:
+        """(what to send, the pages' bytes): the reply, then the pages encoded."""
         parts = await asyncio.to_thread(encoded_parts, kv)
-        await send_all(sock, frame({"ok": True, "via": "bytes"}), *parts)
-        self.served["bytes"] += 1
-        self.bytes_sent += sum(p.nbytes for p in parts)
+        return [frame({"ok": True, "via": "bytes"}), *parts], sum(p.nbytes for p in parts)
 
-    async def _send_by_jax(self, kv, sock: socket.socket) -> None:
+    async def _offer(self, kv) -> tuple[list, int]:
+        """(what to send, the pages' bytes): the reply that tells where to pull the offered pages from."""
         kinds, arrays = flatten_pages(kv)
         uuid = await asyncio.to_thread(self.jax_endpoint.offer, arrays, PULL_TIMEOUT_S)
-        await send_all(sock, frame({"ok": True, "via": "jax", "address": self.jax_endpoint.address, "uuid": uuid,
-                                    "layers": kinds, "arrays": [[list(a.shape), str(a.dtype)] for a in arrays]}))
-        self.served["jax"] += 1
-        self.bytes_sent += sum(int(a.nbytes) for a in arrays)
+        return [frame({"ok": True, "via": "jax", "address": self.jax_endpoint.address, "uuid": uuid, "layers": kinds,
+                       "arrays": [[list(a.shape), str(a.dtype)] for a in arrays]})], sum(a.nbytes for a in arrays)
 
 
 def _family(host: str) -> socket.AddressFamily:
