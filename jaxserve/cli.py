@@ -238,8 +238,6 @@ def cmd_serve(args) -> None:
         raise ValueError(f"--kv-transfer-port must be in 0-65535, got {args.kv_transfer_port}")
     if role != "prefill" and (args.kv_transfer_port or args.kv_transfer_host is not None):
         raise ValueError("--kv-transfer-port and --kv-transfer-host are a prefill server's (--role prefill)")
-    if role != "both" and configs[0].data_parallel_size > 1:
-        raise ValueError(f"--role {role} runs one engine replica: not with --data-parallel-size")
     prefill_side = None
     if role == "prefill":
         from jaxserve.server.disaggregated import PrefillSide

@@ -123,11 +123,12 @@ def test_the_router_gives_the_colocated_answer_whole_and_streamed(pd, path, body
 
 
 def test_int8_kv_pages_resharded_to_a_tensor_parallel_decode_server(tiny_tokenized_dir, template):
-    """int8 KV pages (values and scales) through the wire, into a decode server of 2-way tensor parallelism (the
-    pages resharded by KV head): the colocated engine's tokens, whole and streamed."""
+    """int8 KV pages (values and scales) from a prefill server of two data-parallel replicas, through the wire, into
+    a decode server of 2-way tensor parallelism (the pages resharded by KV head): the colocated engine's tokens,
+    whole and streamed."""
     args = dict(kv_cache_dtype="int8")
     both = ServerThread(make_llm(tiny_tokenized_dir, **args), "tiny")
-    prefill = ServerThread(make_llm(tiny_tokenized_dir, role="prefill", **args), "tiny")
+    prefill = ServerThread(make_llm(tiny_tokenized_dir, role="prefill", data_parallel_size=2, **args), "tiny")
     decode = ServerThread(make_llm(tiny_tokenized_dir, role="decode", tensor_parallel_size=2, **args), "tiny")
     router = RouterThread([prefill.url], [decode.url], prefill_timeout_s=120, decode_timeout_s=120)
     try:
