@@ -9,6 +9,7 @@ import dataclasses
 import logging
 
 import aiohttp
+from yarl import URL
 
 logger = logging.getLogger("jaxserve")
 
@@ -81,7 +82,6 @@ class Pool:
 
 def normalize_url(url: str) -> str:
     """http://host:port (a bare host:port gets http://); refused if it is not an http(s) URL with a host."""
-    from yarl import URL
     if "://" not in url:
         url = "http://" + url
     parsed = URL(url)
