@@ -2,6 +2,11 @@
 
 The engine loop runs in one background thread (device calls block; the event loop must not), taking requests and
 aborts from a queue between steps and handing each step's new tokens to the requests' asyncio queues.
+
+One side of disaggregated prefill across servers (EngineConfig.role): a prefill engine's request ends once its
+first token is out, its last output carrying the hand-off (its sequence and KV pages); a decode engine takes a
+request prefilled elsewhere with its pages and first token (`add_request(..., prefilled=Prefilled(...))`) and
+streams what follows that token.
 """
 from __future__ import annotations
 
@@ -23,13 +28,24 @@ from jaxserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("jaxserve")
 
-__all__ = ["AsyncEngine", "EngineDeadError", "MAX_FAILED_STEPS"]
+__all__ = ["AsyncEngine", "EngineDeadError", "MAX_FAILED_STEPS", "Prefilled"]
+
+
+@dataclasses.dataclass
+class Prefilled:
+    """A request prefilled on another engine, for a decode engine: the K/V of its first num_cached tokens (KVPages,
+    host or device arrays) and the first token sampled there."""
+    kv: list
+    num_cached: int
+    first_token: int
+    started: float  # time.perf_counter() when the pages' transfer began, for the transfer's seconds
 
 
 # What the event loop tells the engine thread, between steps.
 @dataclasses.dataclass
 class _Add:
     request: Request
+    prefilled: Prefilled | None = None
 
 
 @dataclasses.dataclass
@@ -80,6 +96,7 @@ class AsyncEngine:
         self._streams: dict[str, _Stream] = {}
         self._stats = llm.stats()
         self._stopping = False
+        self.role = llm.scheduler.role  # "both", or one side of disaggregated prefill across servers
         self._thread = threading.Thread(target=self._run, name="jaxserve-engine", daemon=True)
         self._thread.start()
 
@@ -93,9 +110,11 @@ class AsyncEngine:
         return cls(LLM.from_config(engine_config))
 
     async def add_request(self, prompt, sampling_params: SamplingParams | None = None, request_id: str | None = None,
-                          priority: int = 0, lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
+                          priority: int = 0, lora_request: LoRARequest | None = None,
+                          prefilled: Prefilled | None = None) -> AsyncIterator[RequestOutput]:
         """Submits a request (on a LoRA adapter: lora_request, needs enable_lora); returns an async iterator of its
-        incremental outputs.
+        incremental outputs. prefilled: a decode engine's request, prefilled elsewhere (one sequence: n = 1); its
+        outputs start after the first token.
 
         Each output holds, for the completions that advanced, only what is new (text, token ids, logprobs: vLLM's
         DELTA output kind); the last has finished=True. Bad input raises here, before anything is queued.
@@ -107,6 +126,9 @@ class AsyncEngine:
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already running")
         params = sampling_params or SamplingParams()
+        if prefilled is not None and (self.role != "decode" or getattr(params, "n", 1) != 1):
+            raise ValueError("a request prefilled elsewhere runs on a decode engine (role 'decode'), one sequence "
+                             "(n = 1)")
         if getattr(params, "structured_outputs", None) is None and lora_request is None:
             request = self.llm.make_request(prompt, params, priority, request_id)  # (not a SamplingParams: it says so)
         else:  # compiling a grammar, or loading an adapter, may take up to a second: on a thread, so the event loop
@@ -120,7 +142,7 @@ class AsyncEngine:
         if self._stopping:  # shut down while this request was being checked
             self._streams.pop(request_id, None)
             raise EngineDeadError("the engine is shut down")
-        self._commands.put(_Add(request))
+        self._commands.put(_Add(request, prefilled))
         return self._iterate(request_id, stream)
 
     async def _iterate(self, request_id: str, stream: _Stream) -> AsyncIterator[RequestOutput]:
@@ -206,6 +228,8 @@ class AsyncEngine:
             pass
         if llm.has_unfinished_requests():
             self._publish(llm.step())
+            if self.role == "prefill":
+                self._hand_off(llm.core.take_handed_off())
         self._stats = llm.stats()
         return False
 
@@ -215,7 +239,12 @@ class AsyncEngine:
             if request_id not in self._streams:
                 return  # failed or aborted before it was ever added
             try:
-                self.llm.submit(command.request)
+                if command.prefilled is None:
+                    self.llm.submit(command.request)
+                else:
+                    p = command.prefilled
+                    self.llm.core.add_prefilled(command.request.seqs[0], p.kv, p.num_cached,
+                                                first_token=p.first_token, started=p.started)
             except Exception as e:  # noqa: BLE001 - nowhere to run it (every replica stopped): this request fails
                 self.llm.abort_request(request_id)  # any of its sequences already queued
                 stream = self._streams.pop(request_id, None)
@@ -248,6 +277,16 @@ class AsyncEngine:
             metrics = request_metrics(r.seqs) if done else None
             stream.put(RequestOutput(request_id, r.prompt, r.prompt_token_ids, outputs, done, metrics,
                                      stream.take_prompt_logprobs()))
+
+    def _hand_off(self, hand_offs) -> None:
+        """Each handed-off request ends here: its last output carries the hand-off (one sequence a request)."""
+        for h in hand_offs:
+            stream = self._streams.pop(h.seq.request_id, None)
+            if stream is None:
+                continue  # aborted meanwhile: its pages are free, the export is dropped
+            r = stream.request
+            stream.put(RequestOutput(r.request_id, r.prompt, r.prompt_token_ids, [], True, request_metrics(r.seqs),
+                                     stream.take_prompt_logprobs(), handed_off=h))
 
     def _fail_all(self, error: BaseException) -> None:
         # pop(.., None): a request being added on the event loop may take itself out at the same time.

@@ -1,4 +1,4 @@
-"""The `jaxserve` command: generate, chat, serve, convert."""
+"""The `jaxserve` command: generate, chat, serve, router, convert."""
 from __future__ import annotations
 
 import argparse
@@ -71,8 +71,35 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--allow-runtime-lora-updating", action="store_true",
                      help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's; also on with "
                           "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1). Needs --enable-lora")
+    srv.add_argument("--kv-transfer-port", type=int, default=0,
+                     help="--role prefill: the port its KV pages are fetched from by decode servers (default: a "
+                          "free one, told to the router with each request)")
+    srv.add_argument("--kv-transfer-host", default=None,
+                     help="--role prefill: the address to bind that port on and the one decode servers are told "
+                          "(default: --host)")
     EngineConfig.add_cli_args(srv, serving=True)
     _verbose_arg(srv)
+    rt = sub.add_parser("router", help="the OpenAI API over separate prefill and decode servers",
+                        description="Proxy the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models) over "
+                                    "prefill servers and decode servers (`jaxserve serve --role prefill|decode`): "
+                                    "each request is prefilled on one, its KV pages moved, and decoded on the other. "
+                                    "/health is 200 while each pool has a healthy server; /metrics is the router's.")
+    rt.add_argument("--prefill", nargs="+", action="extend", required=True, metavar="URL",
+                    help="the prefill servers (http://host:port)")
+    rt.add_argument("--decode", nargs="+", action="extend", required=True, metavar="URL",
+                    help="the decode servers (http://host:port)")
+    rt.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    rt.add_argument("--port", type=int, default=8000)
+    rt.add_argument("--prefill-timeout", type=float, default=300.0,
+                    help="seconds a prefill server may take to answer before the request is retried on another")
+    rt.add_argument("--decode-timeout", type=float, default=120.0,
+                    help="seconds a decode server's stream may stay silent before the request fails")
+    rt.add_argument("--connect-timeout", type=float, default=5.0, help="seconds to open a connection to a server")
+    rt.add_argument("--health-interval", type=float, default=2.0,
+                    help="seconds between two asks of every server's /health")
+    rt.add_argument("--shutdown-grace-period", type=float, default=30.0,
+                    help="seconds running requests get to finish after SIGTERM")
+    _verbose_arg(rt)
     conv = sub.add_parser("convert", help="write a model as a jaxserve (orbax) checkpoint that loads faster",
                           description="Load SRC (a .gguf, a HF directory, or the default model name) and write a "
                                       "jaxserve checkpoint to DST: params (orbax), config and tokenizer.")
@@ -204,10 +231,22 @@ def cmd_serve(args) -> None:
     if (lora_modules or args.allow_runtime_lora_updating) and not configs[0].enable_lora:
         flag = "--lora-modules" if lora_modules else "--allow-runtime-lora-updating"
         raise ValueError(f"{flag} serves LoRA adapters: it needs --enable-lora")
+    role = configs[0].role
+    if role != "both" and len(configs) > 1:
+        raise ValueError(f"--role {role} serves one model")
+    if not 0 <= args.kv_transfer_port < 65536:
+        raise ValueError(f"--kv-transfer-port must be in 0-65535, got {args.kv_transfer_port}")
+    if role != "prefill" and (args.kv_transfer_port or args.kv_transfer_host is not None):
+        raise ValueError("--kv-transfer-port and --kv-transfer-host are a prefill server's (--role prefill)")
+    prefill_side = None
+    if role == "prefill":
+        from jaxserve.server.disaggregated import PrefillSide
+        prefill_side = PrefillSide(args.kv_transfer_host or args.host, args.kv_transfer_port)
     server_args = dict(api_key=args.api_key, max_queued_requests=args.max_queued_requests,
                        max_request_sequences=args.max_request_sequences,
                        stream_write_timeout_s=args.stream_write_timeout, header_timeout_s=args.header_timeout,
-                       body_timeout_s=args.body_timeout, allow_runtime_lora_updating=runtime_lora)
+                       body_timeout_s=args.body_timeout, allow_runtime_lora_updating=runtime_lora,
+                       prefill_side=prefill_side)
 
     def run(llms) -> None:
         server = Server({name: AsyncEngine(llm) for name, llm in zip(names, llms)}, **server_args)
@@ -218,6 +257,21 @@ def cmd_serve(args) -> None:
     # One after another: each engine's default KV budget is its own share (see per_model_from_cli_args), so the
     # second does not need to know what the first holds.
     run([_load(c) for c in configs])
+
+
+def cmd_router(args) -> None:
+    import asyncio
+
+    from jaxserve.router import Router, serve_router
+    if not 0 < args.port < 65536:
+        raise ValueError(f"--port must be in 1-65535, got {args.port}")
+    for flag in ("prefill_timeout", "decode_timeout", "connect_timeout", "health_interval"):
+        if not getattr(args, flag) > 0:
+            raise ValueError(f"--{flag.replace('_', '-')} must be > 0 seconds, got {getattr(args, flag)}")
+    router = Router(args.prefill, args.decode, prefill_timeout_s=args.prefill_timeout,
+                    decode_timeout_s=args.decode_timeout, connect_timeout_s=args.connect_timeout,
+                    health_interval_s=args.health_interval)
+    asyncio.run(serve_router(router, args.host, args.port, args.shutdown_grace_period))
 
 
 async def _serve_with_adapters(server, lora_modules, args) -> None:
@@ -277,7 +331,8 @@ def cmd_convert(args) -> None:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
-    handler = {"generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve, "convert": cmd_convert}[args.command]
+    handler = {"generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve, "router": cmd_router,
+               "convert": cmd_convert}[args.command]
     if getattr(args, "coordinator_address", None) is not None:
         _answers_only_on_stdout()
     try:

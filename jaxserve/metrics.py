@@ -10,11 +10,11 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
 
 # Seconds; vLLM's buckets, which span CPU and accelerator latencies alike.
-_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                  40.0, 80.0, 160.0, 640.0, 2560.0)
 _TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                  40.0, 80.0)
-_REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                     480.0, 960.0, 1920.0, 7680.0)
 
 
@@ -25,14 +25,14 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         # Each family once, with a child per model: Prometheus wants one family however many engines feed it.
         self._ttft = Histogram("jaxserve:time_to_first_token_seconds", "Time to the first generated token.",
-                               ["model_name"], buckets=_TTFT_BUCKETS, registry=self.registry)
+                               ["model_name"], buckets=TTFT_BUCKETS, registry=self.registry)
         self._itl = Histogram("jaxserve:time_per_output_token_seconds",
                               "Time between consecutive output tokens of a request (inter-token latency).",
                               ["model_name"], buckets=_TPOT_BUCKETS, registry=self.registry)
         self._e2e = Histogram("jaxserve:e2e_request_latency_seconds", "Arrival to last token.", ["model_name"],
-                              buckets=_REQUEST_BUCKETS, registry=self.registry)
+                              buckets=REQUEST_BUCKETS, registry=self.registry)
         self._queue = Histogram("jaxserve:request_queue_time_seconds", "Arrival to first scheduled.", ["model_name"],
-                                buckets=_REQUEST_BUCKETS, registry=self.registry)
+                                buckets=REQUEST_BUCKETS, registry=self.registry)
         self._success = Counter("jaxserve:request_success", "Finished completions, by finish reason.",
                                 ["model_name", "finished_reason"], registry=self.registry)
         # vLLM has no per-adapter count (its lora_requests_info gauge names the adapters running and waiting): this

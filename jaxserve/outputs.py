@@ -51,3 +51,6 @@ class RequestOutput:
     # With prompt_logprobs (vLLM's layout): None for the first prompt token, then per position {token id: Logprob}
     # holding the prompt token and the top n. A stream carries them once, in its first output after they are whole.
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    # A prefill engine's (role "prefill") last output of a request: its sequence left for a decode engine with its
+    # KV pages (a jaxserve.batching.engine_core.HandOff), the export dispatched. None otherwise.
+    handed_off: object | None = None

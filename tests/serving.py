@@ -17,24 +17,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class ServerThread:
-    def __init__(self, llm, name="test-model", **server_args):
-        """llm: one LLM served as `name`, or {name: LLM} for several (.engine is the first, .engines all)."""
-        llms = llm if isinstance(llm, dict) else {name: llm}
-        self.engines = {n: AsyncEngine(x) for n, x in llms.items()}
-        self.engine = next(iter(self.engines.values()))
-        self.server = Server(self.engines, **server_args)
+class AppThread:
+    """An aiohttp application on a free loopback port, its event loop in a background thread."""
+
+    def __init__(self, app: web.Application):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self._loop = asyncio.new_event_loop()
         started = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(started,), daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(app, started), daemon=True)
         self._thread.start()
         started.wait(30)
 
-    def _run(self, started):
+    def _run(self, app, started):
         asyncio.set_event_loop(self._loop)
-        self._runner = web.AppRunner(self.server.app(), handler_cancellation=True, shutdown_timeout=5)
+        self._runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=5)
         self._loop.run_until_complete(self._runner.setup())
         self._loop.run_until_complete(web.TCPSite(self._runner, "127.0.0.1", self.port).start())
         started.set()
@@ -44,8 +41,30 @@ class ServerThread:
         asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(30)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(30)
+
+
+class ServerThread(AppThread):
+    def __init__(self, llm, name="test-model", **server_args):
+        """llm: one LLM served as `name`, or {name: LLM} for several (.engine is the first, .engines all)."""
+        llms = llm if isinstance(llm, dict) else {name: llm}
+        self.engines = {n: AsyncEngine(x) for n, x in llms.items()}
+        self.engine = next(iter(self.engines.values()))
+        self.server = Server(self.engines, **server_args)
+        super().__init__(self.server.app())
+
+    def stop(self):
+        super().stop()
         for engine in self.engines.values():
             engine.shutdown(30)
+
+
+class RouterThread(AppThread):
+    """A `jaxserve router` (jaxserve.router.Router over the given server URLs)."""
+
+    def __init__(self, prefill: list[str], decode: list[str], **router_args):
+        from jaxserve.router import Router
+        self.router = Router(prefill, decode, **router_args)
+        super().__init__(self.router.app())
 
 
 def wait_idle(st: ServerThread, timeout=30.0):

@@ -18,6 +18,8 @@ from jaxserve.openai_api import (ApiError, grammar_error, parse_chat, parse_comp
                                  wants_usage_in_stream)
 from jaxserve.openai_structured import FieldError
 from jaxserve.tool_calls import tags_are_special
+from jaxserve.server import disaggregated
+from jaxserve.server.disaggregated import PrefillSide
 from jaxserve.server.lora_modules import LoRAModules, ServedAdapter
 from jaxserve.server.responses import CompletionResponse, merged
 from jaxserve.server.served_model import ServedModel
@@ -29,6 +31,51 @@ logger = logging.getLogger("jaxserve")
 _TOKENIZER_PATHS = ("/tokenize", "/detokenize", "/tokenizer_info")
 
 
+
+@web.middleware
+async def errors(request, handler):
+    """Every error as an OpenAI-style body: ApiError's own, aiohttp's (unknown route, wrong method, body too large)
+    with their status, a bug as 500 (logged; the server goes on)."""
+    try:
+        return await handler(request)
+    except ApiError as e:
+        return error_response(e)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        # Its headers stay (Allow on a 405); its body is replaced.
+        headers = {k: v for k, v in e.headers.items() if k.lower() not in ("content-type", "content-length")}
+        return error_response(ApiError(e.status, e.reason or "error"), headers)
+    except Exception:  # noqa: BLE001 - a bug answers 500 and the server goes on
+        logger.exception("request %s %s failed", request.method, request.path)
+        return error_response(ApiError(500, "internal server error"))
+
+
+def error_response(e: ApiError, headers: dict | None = None) -> web.Response:
+    headers = dict(headers or {})
+    if e.status in (429, 503):
+        headers["Retry-After"] = "1"
+    if e.status == 401:
+        headers["WWW-Authenticate"] = "Bearer"  # RFC 6750: says which credentials were expected
+    return web.json_response(e.body(), status=e.status, headers=headers)
+
+
+async def json_body(request, timeout_s: float) -> dict:
+    """The request's JSON object, or a 400 (408 if it does not arrive within timeout_s)."""
+    try:
+        # A body trickled in (or never sent) would hold its connection and handler forever.
+        async with asyncio.timeout(timeout_s):
+            body = await request.json()
+    except TimeoutError:
+        raise ApiError(408, f"the request body did not arrive within {timeout_s:g} s",
+                       code="request_timeout", type="invalid_request_error") from None
+    except (ValueError, LookupError, RecursionError) as e:  # bad JSON, bad UTF-8, bad charset, too deep
+        raise ApiError(400, f"the request body is not valid JSON: {type(e).__name__}: {e}") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    return body
+
+
 class Server:
     """Server(engine, model_name, ...) serves one engine; Server({model_name: engine, ...}, ...) several, the first
     being the default for requests that name no model. The other arguments apply to each engine (tokenizer_threads:
@@ -38,7 +85,8 @@ class Server:
     def __init__(self, engine: AsyncEngine | dict[str, AsyncEngine], model_name: str | None = None, *,
                  api_key: str | None = None, max_queued_requests: int = 256, max_request_sequences: int | None = None,
                  stream_write_timeout_s: float = 30.0, header_timeout_s: float = 10.0, body_timeout_s: float = 30.0,
-                 tokenizer_threads: int = 2, allow_runtime_lora_updating: bool = False):
+                 tokenizer_threads: int = 2, allow_runtime_lora_updating: bool = False,
+                 prefill_side: PrefillSide | None = None, kv_fetch_timeout_s: float = 30.0):
         if isinstance(engine, dict):
             if model_name is not None:
                 raise TypeError("with several engines ({name: engine}) the names are the dict's keys: no model_name")
@@ -60,6 +108,14 @@ class Server:
         self.stream_write_timeout_s = stream_write_timeout_s
         self.header_timeout_s, self.body_timeout_s = header_timeout_s, body_timeout_s
         self.draining = False
+        # Disaggregated prefill (--role prefill|decode: see jaxserve.server.disaggregated): one model, one role.
+        self.role = self.default.engine.role
+        if self.role != "both" and len(self.models) > 1:
+            raise ValueError(f"a {self.role} server (--role {self.role}) serves one model")
+        if self.role != "prefill" and prefill_side is not None:
+            raise ValueError("a KV transfer port is a prefill server's (--role prefill)")
+        self.prefill_side = prefill_side or (PrefillSide() if self.role == "prefill" else None)
+        self.kv_fetch_timeout_s = kv_fetch_timeout_s
 
     @property
     def in_flight(self) -> int:
@@ -72,7 +128,7 @@ class Server:
     def app(self) -> web.Application:
         # aiohttp closes a connection whose next request head is not complete within keepalive_timeout of its
         # opening or of the previous response (idle keep-alive connections alike): that is the header timeout.
-        app = web.Application(middlewares=[self._errors, self._auth],
+        app = web.Application(middlewares=[errors, self._auth],
                               handler_args={"keepalive_timeout": self.header_timeout_s})
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.prometheus)
@@ -86,34 +142,17 @@ class Server:
         if self.allow_runtime_lora_updating:  # else 404s, as vLLM's without VLLM_ALLOW_RUNTIME_LORA_UPDATING
             app.router.add_post("/v1/load_lora_adapter", self.load_lora_adapter)
             app.router.add_post("/v1/unload_lora_adapter", self.unload_lora_adapter)
+        if self.prefill_side is not None:
+            app.cleanup_ctx.append(self._kv_server)
         return app
 
+    async def _kv_server(self, app):
+        """A prefill server's KVServer, in the application's event loop for its life."""
+        await self.prefill_side.start()
+        yield
+        await self.prefill_side.close()
+
     # ---- middleware ----
-
-    @web.middleware
-    async def _errors(self, request, handler):
-        try:
-            return await handler(request)
-        except ApiError as e:
-            return self._error_response(e)
-        except web.HTTPException as e:  # aiohttp's own (unknown route, wrong method, body too large)
-            if e.status < 400:
-                raise
-            # Its headers stay (Allow on a 405); its body is replaced.
-            headers = {k: v for k, v in e.headers.items() if k.lower() not in ("content-type", "content-length")}
-            return self._error_response(ApiError(e.status, e.reason or "error"), headers)
-        except Exception:  # noqa: BLE001 - a bug answers 500 and the server goes on
-            logger.exception("request %s %s failed", request.method, request.path)
-            return self._error_response(ApiError(500, "internal server error"))
-
-    @staticmethod
-    def _error_response(e: ApiError, headers: dict | None = None) -> web.Response:
-        headers = dict(headers or {})
-        if e.status in (429, 503):
-            headers["Retry-After"] = "1"
-        if e.status == 401:
-            headers["WWW-Authenticate"] = "Bearer"  # RFC 6750: says which credentials were expected
-        return web.json_response(e.body(), status=e.status, headers=headers)
 
     @web.middleware
     async def _auth(self, request, handler):
@@ -193,23 +232,31 @@ class Server:
 
     async def completions(self, request):
         body = await self._body(request)
+        kv_params = disaggregated.take_params(body, self.role)
         m, adapter = self._target(body)
         prompts, params = parse_completion(body)
         for p in prompts:
             if isinstance(p, str):
                 m.fits_by_length(p, params)
         seqs = params.n * len(prompts)
+        if kv_params is not None:
+            disaggregated.one_sequence(seqs)
         with self._admitted(m, seqs):
             # Off the event loop: a 1 MiB prompt takes a while to tokenize, and everyone else must still be served.
             prompts = await m.off_loop(seqs, lambda: [m.tokenized(p, params) for p in prompts])
-            return await self._generate(m, adapter, request, body, prompts, params, chat=False)
+            return await self._generate(m, adapter, request, body, prompts, params, chat=False, kv_params=kv_params)
 
     async def chat_completions(self, request):
         body = await self._body(request)
+        kv_params = disaggregated.take_params(body, self.role)
         m, adapter = self._target(body)
         if m.tokenizer is None:
             raise ApiError(400, "this model has no tokenizer: use /v1/completions with token ids")
         messages, params, tools = parse_chat(body)
+        if kv_params is not None:
+            disaggregated.one_sequence(params.n)
+            if tools is not None:  # the decode side's parser would not see the first token's text
+                raise ApiError(400, "tool calls are not supported with disaggregated prefill yet", "tools")
         if tools is not None:
             try:
                 tools.parser(m.tokenizer.chat_template)  # auto: refused where the model's calls cannot be parsed
@@ -222,21 +269,11 @@ class Server:
             # tokenized.
             prompt = await m.off_loop(params.n, lambda: m.tokenized(
                 render_chat(messages, m.tokenizer, tools), params, add_special_tokens=False))
-            return await self._generate(m, adapter, request, body, [prompt], params, chat=True, tools=tools)
+            return await self._generate(m, adapter, request, body, [prompt], params, chat=True, tools=tools,
+                                        kv_params=kv_params)
 
     async def _body(self, request) -> dict:
-        try:
-            # A body trickled in (or never sent) would hold its connection and handler forever.
-            async with asyncio.timeout(self.body_timeout_s):
-                body = await request.json()
-        except TimeoutError:
-            raise ApiError(408, f"the request body did not arrive within {self.body_timeout_s:g} s",
-                           code="request_timeout", type="invalid_request_error") from None
-        except (ValueError, LookupError, RecursionError) as e:  # bad JSON, bad UTF-8, bad charset, too deep
-            raise ApiError(400, f"the request body is not valid JSON: {type(e).__name__}: {e}") from None
-        if not isinstance(body, dict):
-            raise ApiError(400, "the request body must be a JSON object")
-        return body
+        return await json_body(request, self.body_timeout_s)
 
     def _target(self, body: dict) -> tuple[ServedModel, ServedAdapter | None]:
         """The engine the request's `model` names (none: the default one), and the adapter if it names one (the
@@ -267,16 +304,21 @@ class Server:
             yield
 
     async def _generate(self, m: ServedModel, adapter: ServedAdapter | None, request, body, prompts: list, params,
-                        chat: bool, tools=None):
+                        chat: bool, tools=None, kv_params: dict | None = None):
         """prompts: tokenized, one engine request each (a completions batch); choice k * n + i is prompt k's i-th
-        sample. Runs within _admitted."""
+        sample. kv_params: a role server's (checked) kv_transfer_params. Runs within _admitted."""
         stream = body.get("stream") is True
+        if stream and self.role == "prefill":
+            raise ApiError(400, "a prefill server answers whole (stream: false): the decode server streams", "stream")
         include_usage = wants_usage_in_stream(body)
         # The answer names the model asked for (an adapter: its name, as vLLM's).
         run = CompletionResponse(m, body, params, chat, len(prompts), self.stream_write_timeout_s, tools,
                                  adapter.name if adapter is not None else m.name)
         # Base-model requests pass no lora_request: the engine's own default (an engine without LoRA takes none).
         lora = {"lora_request": adapter.lora_request} if adapter is not None else {}
+        if self.role == "decode":  # the pages first: a failed fetch adds nothing
+            prefilled, run.headers = await disaggregated.fetch_prefilled(kv_params, self.kv_fetch_timeout_s)
+            lora["prefilled"] = prefilled
         admitted = []
         try:
             streams = []
@@ -293,42 +335,67 @@ class Server:
                 except EngineDeadError as e:
                     raise ApiError(503, str(e)) from None
             async with contextlib.aclosing(merged(streams)) as outputs:
+                if self.role == "prefill":
+                    return await self._prefill_answer(m, run, outputs)
                 return await (run.stream(request, outputs, include_usage) if stream else run.whole(outputs))
         finally:
             # However it ended (a client gone, a cancelled handler, an error): a no-op for a finished request.
             for request_id in admitted:
                 m.engine.abort(request_id)
-            if admitted:
+            if admitted and run.handed_off is None:
                 for reason in run.finish:
                     if reason is None:
                         m.metrics.finished("abort")
+
+
+    async def _prefill_answer(self, m: ServedModel, run: CompletionResponse, outputs) -> web.Response:
+        """The first token's answer; unless that token ended the request, its pages go to the KV store and the
+        answer says where (kv_transfer_params)."""
+        body = await run.whole_body(outputs)
+        if run.handed_off is not None:
+            body[disaggregated.FIELD] = await self.prefill_side.hand_off(
+                run.handed_off.seq.request_id, run.handed_off, m.engine.llm.scheduler.page_size)
+        return web.json_response(body)
 
 
 async def serve(server: Server, host: str, port: int, grace_period_s: float = 30.0,
                 ready: asyncio.Event | None = None) -> None:
     """Serves until SIGTERM/SIGINT; then stops accepting, gives running requests grace_period_s to finish
     (cancelling the rest aborts them), and shuts the engine down."""
-    runner = web.AppRunner(server.app(), handler_cancellation=True, shutdown_timeout=5.0)
+    runner = await run_until_signalled(server.app(), host, port, ", ".join(server.models), ready)
+    logger.warning("shutting down: finishing %d running sequences (at most %.0f s)", server.in_flight,
+                   grace_period_s)
+    server.draining = True
+    await drain(runner, lambda: server.in_flight, grace_period_s)
+    # What still runs ends now: its streams get an error event and [DONE], its pages go back. Every engine at once.
+    loop = asyncio.get_running_loop()
+    await asyncio.gather(*(loop.run_in_executor(None, engine.shutdown, 30.0) for engine in server.engines()))
+    for m in server.models.values():
+        m.tokenizing.shutdown(wait=False, cancel_futures=True)
+    await runner.cleanup()
+
+
+async def run_until_signalled(app: web.Application, host: str, port: int, what: str,
+                              ready: asyncio.Event | None = None) -> web.AppRunner:
+    """Serves app on host:port until SIGTERM/SIGINT; then returns its runner, still serving (see drain)."""
+    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=5.0)
     await runner.setup()
     await web.TCPSite(runner, host, port).start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    logger.warning("serving %s on http://%s:%d", ", ".join(server.models), host, port)
+    logger.warning("serving %s on http://%s:%d", what, host, port)
     if ready is not None:
         ready.set()
     await stop.wait()
-    logger.warning("shutting down: finishing %d running sequences (at most %.0f s)", server.in_flight,
-                   grace_period_s)
-    server.draining = True
+    return runner
+
+
+async def drain(runner: web.AppRunner, in_flight, grace_period_s: float) -> None:
+    """Stops accepting connections, then waits until in_flight() is 0 or grace_period_s has passed."""
     for site in list(runner.sites):
         await site.stop()  # no new connections
     deadline = time.monotonic() + grace_period_s
-    while server.in_flight and time.monotonic() < deadline:
+    while in_flight() and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
-    # What still runs ends now: its streams get an error event and [DONE], its pages go back. Every engine at once.
-    await asyncio.gather(*(loop.run_in_executor(None, engine.shutdown, 30.0) for engine in server.engines()))
-    for m in server.models.values():
-        m.tokenizing.shutdown(wait=False, cancel_futures=True)
-    await runner.cleanup()

@@ -93,6 +93,8 @@ class CompletionResponse:
             template = model.tokenizer.chat_template if model.tokenizer is not None else None
             self.parsers = [tools.parser(template) for _ in range(choices)]
         self.deltas = [[] for _ in range(choices)]
+        self.headers: dict = {}  # of the response (a decode server's KV fetch report)
+        self.handed_off = None  # a prefill server's: the HandOff its engine ended the request with
 
     def _token_text(self, token_id: int) -> str:
         tok = self.model.tokenizer
@@ -128,6 +130,8 @@ class CompletionResponse:
                         self.finish[i] = c.finish_reason
                         metrics.finished(c.finish_reason)
                     yield i, c
+                if out.handed_off is not None:
+                    self.handed_off = out.handed_off
                 if out.finished and out.metrics is not None:
                     metrics.observe_request(out.metrics)
         except EngineDeadError as e:
@@ -197,6 +201,9 @@ class CompletionResponse:
         return prompt_logprobs_body(ids, scored, self.show_prompt_logprobs)
 
     async def whole(self, outputs) -> web.Response:
+        return web.json_response(await self.whole_body(outputs), headers=self.headers)
+
+    async def whole_body(self, outputs) -> dict:
         async for i, c in self._each(outputs):
             lp = self._choices(i, c)[0]["logprobs"]
             if lp is not None:
@@ -219,10 +226,11 @@ class CompletionResponse:
         body = completion_body(self.id, self.name, choices, self._usage(), self.chat, chunk=False)
         if self.chat and self.show_prompt_logprobs is not None:  # vLLM's chat response holds them at its top
             body["prompt_logprobs"] = self._prompt_logprobs(0)
-        return web.json_response(body)
+        return body
 
     async def stream(self, request, outputs, include_usage: bool) -> web.StreamResponse:
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                           **self.headers})
         await resp.prepare(request)
         name = self.name
 

@@ -1,0 +1,21 @@
+"""`jaxserve router`: the OpenAI API over separate prefill and decode servers (prefill/decode disaggregation across
+processes or hosts; `jaxserve serve --role prefill|decode`).
+
+Each completion or chat request goes to the least-loaded healthy prefill server with `kv_transfer_params:
+{do_remote_decode: true}`; that server computes the prompt and the first token, holds the request's KV pages for
+the transfer, and answers with the first token and where to fetch them. Unless that token ended the request, the
+router sends it on to the least-loaded decode server with `{do_remote_prefill: true, ...}`, which fetches the pages
+and streams what follows. The client gets the first token as soon as the prefill answers, then the decode stream.
+
+Faults: a prefill server that cannot be reached, resets, hangs (past prefill_timeout_s) or answers 5xx is retried
+once on another; a decode failure ends the request with an OpenAI-style error (an error event once its stream has
+started); a server's 4xx is forwarded as it is. /health is 200 while each pool has a healthy server, with the pools'
+state in its body; /metrics holds the router's own series. One sequence per request (n = 1, one prompt): the
+prefill servers refuse more with a 400.
+
+`pool` is the servers of one role, `proxy` one request's way through both, `app` the HTTP side, `metrics` the
+router's Prometheus series.
+"""
+from jaxserve.router.app import Router, serve_router
+
+__all__ = ["Router", "serve_router"]
