@@ -177,8 +177,7 @@ def table(rows: list[dict], ttft_slo: float, tpot_slo: float) -> None:
 
 
 SMOKE = dict(rates=[1.0], num_requests=6, prompt_len=(96, 64, 160), output_len=(16, 8, 32), setups=["colocated"],
-             serve_args="--max-model-len 512 --max-num-seqs 8 --max-num-batched-tokens 128", warmup_prompts=[8],
-             out="bench_results/pd_smoke.json")
+             serve_args="--max-model-len 512 --max-num-seqs 8 --max-num-batched-tokens 128", warmup_prompts=[8])
 
 
 def main(argv=None):
@@ -208,11 +207,12 @@ def main(argv=None):
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per request")
     ap.add_argument("--smoke", action="store_true", help="6 short requests at 1 req/s against one small colocated "
                     "server: checks this script in about a minute (figures meaningless)")
-    ap.add_argument("--out", default="bench_results/pd.json")
+    ap.add_argument("--out", default=None, help="default: bench_results/pd.json (--smoke: pd_smoke.json)")
     args = ap.parse_args(argv)
     if args.smoke:
         for k, v in SMOKE.items():
             setattr(args, k, v)
+    args.out = args.out or ("bench_results/pd_smoke.json" if args.smoke else "bench_results/pd.json")
     if args.prompt_seed is None:
         args.prompt_seed = int.from_bytes(os.urandom(4), "little")
     urls = dict(u.split("=", 1) for u in args.url)

@@ -43,9 +43,11 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from workload import synth_requests  # noqa: E402
+from workload import percentiles, synth_requests  # noqa: E402
 
 HERE = Path(__file__).parent
+# Mirrored from jaxserve (not imported: the simulator runs without jax): the scheduler's COMPUTE_BOUND_TOKENS and
+# ragged_attention's small_step (both 64), long_row_share and key blocks.
 SMALL_STEP = 64  # jaxserve.attention.ragged_attention: at most this many tokens take one group, no long-row pass
 LONG_ROW_SHARE = 8
 BLOCK_KEYS = 128  # block_pages (8) x page_size (16): attention walks cached keys in blocks of this many
@@ -94,6 +96,7 @@ class StepCosts:
     per_group_read: float
     per_long_read: float
     max_num_seqs: int
+    overhead_s: float = 0.0  # per step, beyond the measured dispatch-to-fetch (a server's host work it cannot hide)
 
     def __post_init__(self):
         self.base = {int(k): float(v) for k, v in self.base.items()}
@@ -101,7 +104,8 @@ class StepCosts:
 
     def seconds(self, decode: list[int], chunks: list[tuple[int, int]]) -> float:
         w = attention_work(decode, chunks, self.token_buckets, self.max_num_seqs)
-        return self.base[w["bucket"]] + self.per_group_read * w["group_reads"] + self.per_long_read * w["long_reads"]
+        return (self.base[w["bucket"]] + self.per_group_read * w["group_reads"]
+                + self.per_long_read * w["long_reads"] + self.overhead_s)
 
     def to_json(self) -> dict:
         return {"base_s": {str(k): round(v, 5) for k, v in self.base.items()},
@@ -192,6 +196,7 @@ class Seq:
     generated: int = 0
     pages: int = 0
     kv_ready: bool = False  # handed off: its K/V arrives with it (until a preemption drops it)
+    running: bool = False  # in its replica's running list
     first_token: float | None = None
     finish: float | None = None
 
@@ -238,7 +243,9 @@ class Replica:
         return len(self.waiting) + len(self.running) + self.incoming
 
     def _grow(self, seq: Seq, tokens: int) -> bool:
-        need = pages_for(tokens, self.page_size) - seq.pages
+        need = -(-tokens // self.page_size) - seq.pages
+        if need <= 0:
+            return True
         while need > self.free_pages:
             victim = max(self.running, key=lambda s: s.arrival)
             self._preempt(victim)
@@ -251,6 +258,7 @@ class Replica:
 
     def _preempt(self, seq: Seq) -> None:
         self.running.remove(seq)
+        seq.running = False
         self.free_pages += seq.pages
         seq.pages, seq.computed = 0, 0  # recomputed from its tokens when admitted again (on whichever side)
         self.preemptions += 1
@@ -266,17 +274,18 @@ class Replica:
         if seq.kv_ready:  # a hand-off: its K/V imported into the pages, only its last token left to compute
             seq.computed, seq.kv_ready = seq.num_tokens - 1, False
         self.waiting.remove(seq)
-        self.running.append(seq)
+        bisect.insort(self.running, seq, key=lambda s: s.arrival)  # kept in priority (fcfs) order
+        seq.running = True
         return True
 
     def plan(self) -> Plan:
         plan, budget, preemptions = Plan([], []), self.budget, self.preemptions
-        for seq in sorted(self.running, key=lambda s: s.arrival):
-            if seq in self.running and seq.num_tokens - seq.computed == 1 and self._grow(seq, seq.num_tokens):
+        for seq in list(self.running):
+            if seq.running and seq.num_tokens - seq.computed == 1 and self._grow(seq, seq.num_tokens):
                 plan.decode.append(seq)
                 budget -= 1
-        plan.decode = [s for s in plan.decode if s in self.running]
-        for seq in sorted(self.running, key=lambda s: s.arrival):
+        plan.decode = [s for s in plan.decode if s.running]
+        for seq in self.running:
             if budget > 0 and seq.num_tokens - seq.computed > 1:
                 n = min(seq.num_tokens - seq.computed, budget)
                 plan.chunks.append([seq, seq.computed, n])
@@ -336,6 +345,7 @@ class Replica:
 
     def _release(self, seq: Seq) -> None:
         self.running.remove(seq)
+        seq.running = False
         self.free_pages += seq.pages
         seq.pages = 0
 
@@ -437,10 +447,6 @@ def simulate(setup: Setup, requests: list[tuple[float, int, int]], replicas=None
     return seqs
 
 
-def percentiles(xs, ps=(50, 95, 99)) -> dict:
-    return {f"p{p}": round(float(np.percentile(xs, p)), 4) for p in ps} if len(xs) else {}
-
-
 def summarize(seqs: list[Seq], ttft_slo: float | None, tpot_slo: float | None) -> dict:
     """The run's figures as bench_pd reports them (over first arrival to last token)."""
     span = max(s.finish for s in seqs) - min(s.arrival for s in seqs)
@@ -464,7 +470,11 @@ def trace(num_requests: int, seed: int, rate: float, prompt_len, output_len) -> 
 
 def cpu_setups(args) -> list[Setup]:
     both, meta = StepCosts.load(args.costs)
-    one, _ = StepCosts.load(args.core_costs) if args.core_costs else (both, None)
+    one, one_meta = StepCosts.load(args.core_costs) if args.core_costs else (both, meta)
+    for costs, m, cores in ((both, meta, 2), (one, one_meta, 1)):
+        costs.overhead_s = args.cpu_step_overhead_ms / 1e3
+        if m["cores"] != cores:
+            print(f"note: {m['command']} ran on {m['cores']} cores; its costs stand in for a server on {cores}")
     kv = dict(kv_bytes_per_token=meta["kv_bytes_per_token"], kv_bytes_per_s=args.kv_gbs * 1e9,
               kv_fixed_s=args.kv_fixed_ms / 1e3, hop_s=args.hop_ms / 1e3,
               num_pages=args.kv_cache_bytes // (meta["kv_bytes_per_token"] * 16), page_size=16,
@@ -530,7 +540,7 @@ def compare(rows: list[dict], measured: dict, tolerance: float) -> list[dict]:
 
 def attainment(setup: Setup, rate_per_device: float, args) -> float:
     rate = rate_per_device * setup.devices
-    n = max(args.proj_requests, int(args.proj_seconds * rate))
+    n = min(max(args.proj_requests, int(args.proj_seconds * rate)), args.proj_max_requests)
     seqs = simulate(setup, trace(n, args.seed, rate, args.prompt_len, args.output_len))
     ttft_slo, tpot_slo = args.slo[setup.costs.acc.name]
     return sum(s.ttft <= ttft_slo and (s.tpot is None or s.tpot <= tpot_slo) for s in seqs) / len(seqs)
@@ -574,8 +584,9 @@ def run_projection(args) -> dict:
                     grid[f"{p}P{d}D"] = max_rate(projection_setups(acc, args, p, d), args)
         best = max(grid, key=grid.get)
         p, d = (int(x) for x in best[:-1].split("P"))
-        rates = np.linspace(args.proj_max_rate / 20, args.proj_max_rate, args.curve_points)
         best_c = max(colocated, key=colocated.get)
+        top = min(args.proj_max_rate, 1.6 * max(grid[best], colocated[best_c])) or args.proj_max_rate
+        rates = np.linspace(top / args.curve_points, top, args.curve_points)  # up to past both knees
         curves = {f"colocated x{best_c}": [attainment(projection_setups(acc, args, 0, best_c), r, args) for r in rates],
                   f"{best} (best split)": [attainment(projection_setups(acc, args, p, d), r, args) for r in rates],
                   "1P1D": [attainment(projection_setups(acc, args, 1, 1), r, args) for r in rates]}
@@ -626,7 +637,8 @@ def plot(projection: dict, path: Path, args) -> None:
                 ax.text(j + 1, i + 1, f"{v:.2f}", ha="center", va="center", fontsize=7)
         ax.set_xlabel("decode replicas")
         ax.set_ylabel("prefill replicas")
-        ax.set_title("goodput per device, disaggregated / best colocated (>1: disaggregation pays)", fontsize=9)
+        ax.set_title(f"goodput per device, P:D split (P + D <= {n}) / best colocated (>1: disaggregation pays)",
+                     fontsize=9)
         fig.colorbar(im, ax=ax, fraction=0.046)
     fig.suptitle(f"Simulated (scripts/simulate_pd.py): prompts {args.prompt_len}, outputs {args.output_len} tokens "
                  f"(median, min, max); per-device goodput = the highest rate with >= {args.attainment:.0%} "
@@ -675,6 +687,8 @@ def main(argv=None):
                     help="measure_step_costs.py's JSON for the colocated server (both cores)")
     ap.add_argument("--core-costs", default=str(HERE / "bench_results" / "step_costs_1core.json"),
                     help="... for a server pinned to one core (the prefill and decode servers); '' = --costs")
+    ap.add_argument("--cpu-step-overhead-ms", type=float, default=0.0,
+                    help="added to every measured step (a server's host work the lookahead does not hide)")
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     ap.add_argument("--kv-cache-bytes", type=int, default=2 << 30, help="per server (jaxserve's CPU default)")
@@ -697,14 +711,15 @@ def main(argv=None):
     ap.add_argument("--proj-max-num-seqs", type=int, default=128)
     ap.add_argument("--proj-max-num-batched-tokens", type=int, default=512)
     ap.add_argument("--proj-requests", type=int, default=200, help="at least this many requests per simulation")
-    ap.add_argument("--proj-seconds", type=float, default=60, help="... and at least this many seconds of arrivals")
+    ap.add_argument("--proj-seconds", type=float, default=60, help="... and this many seconds of arrivals, up to")
+    ap.add_argument("--proj-max-requests", type=int, default=600)
     ap.add_argument("--proj-max-rate", type=float, default=16.0, help="req/s per device, the bisection's top")
     ap.add_argument("--bisections", type=int, default=7)
     ap.add_argument("--attainment", type=float, default=0.9)
     ap.add_argument("--max-replicas", type=int, default=8, help="P and D from 1 to this, P + D <= it")
     ap.add_argument("--full-grid", action="store_true", help="every P, D up to --max-replicas (P + D <= 2x)")
     ap.add_argument("--colocated-replicas", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4, 8])
-    ap.add_argument("--curve-points", type=int, default=12)
+    ap.add_argument("--curve-points", type=int, default=16)
     ap.add_argument("--plot", default=None, help="PNG of the projection (needs --project)")
     ap.add_argument("--out", default="bench_results/simulate_pd.json")
     args = ap.parse_args(argv)
