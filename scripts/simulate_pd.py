@@ -227,8 +227,10 @@ class Replica:
     """One engine's scheduler and its device, in simulated time. role: "both", "prefill" or "decode"."""
 
     def __init__(self, costs, role: str = "both", max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
-                 num_pages: int = 1 << 30, page_size: int = 16):
-        self.costs, self.role = costs, role
+                 num_pages: int = 1 << 30, page_size: int = 16, copy_s_per_token: float = 0.0):
+        """copy_s_per_token: this replica's own time to export (prefill) or import (decode) a token's K/V."""
+        self.costs, self.role, self.copy_s_per_token = costs, role, copy_s_per_token
+        self.imported = 0  # tokens of K/V imported by the step being planned
         self.max_num_seqs, self.budget = max_num_seqs, max_num_batched_tokens
         self.free_pages, self.page_size = num_pages, page_size
         self.waiting: list[Seq] = []
@@ -273,6 +275,7 @@ class Replica:
         seq.pages, self.free_pages = need, self.free_pages - need
         if seq.kv_ready:  # a hand-off: its K/V imported into the pages, only its last token left to compute
             seq.computed, seq.kv_ready = seq.num_tokens - 1, False
+            self.imported += seq.computed
         self.waiting.remove(seq)
         bisect.insort(self.running, seq, key=lambda s: s.arrival)  # kept in priority (fcfs) order
         seq.running = True
@@ -319,8 +322,9 @@ class Replica:
                 plan.chunks.pop()
 
     def seconds(self, plan: Plan) -> float:
+        imported, self.imported = self.imported, 0
         return self.costs.seconds([s.num_tokens - 1 for s in plan.decode],
-                                  [(start, n) for _, start, n in plan.chunks])
+                                  [(start, n) for _, start, n in plan.chunks]) + imported * self.copy_s_per_token
 
     def apply(self, plan: Plan, now: float) -> tuple[list[Seq], list[Seq]]:
         """The step's tokens land: returns (sequences that got a token, hand-offs)."""
@@ -367,6 +371,7 @@ class Setup:
     kv_bytes_per_token: float = 0.0
     kv_bytes_per_s: float = 1e9
     kv_fixed_s: float = 0.0
+    kv_copy_bytes_per_s: float = math.inf  # each side's own gather / scatter (and encode / decode) of the pages
     hop_s: float = 0.0  # a router's relay, on every token of a disaggregated setup
     devices_per_replica: int = 1
 
@@ -381,7 +386,7 @@ class Setup:
     def replicas(self):
         def make(costs, role):
             return Replica(costs, role, self.max_num_seqs, self.max_num_batched_tokens, self.num_pages,
-                           self.page_size)
+                           self.page_size, self.kv_bytes_per_token / self.kv_copy_bytes_per_s)
         if not self.disaggregated:
             return [make(self.costs, "both") for _ in range(self.colocated)], []
         return ([make(self.prefill_costs or self.costs, "prefill") for _ in range(self.prefill)],
@@ -423,6 +428,8 @@ def simulate(setup: Setup, requests: list[tuple[float, int, int]], replicas=None
         now, _, kind, payload = heapq.heappop(events)
         if kind == "arrival":
             enqueue(min(front, key=lambda r: r.load), payload, now)
+        elif kind == "resume":
+            start(payload, now)
         elif kind == "transfer":
             replica, seq = payload
             replica.incoming -= 1
@@ -435,12 +442,17 @@ def simulate(setup: Setup, requests: list[tuple[float, int, int]], replicas=None
                     seq.first_token = now + hop
                 if seq.generated == seq.output:
                     seq.finish = now + hop
+            export_s = 0.0  # the prefill replica gathers the pages before its next step
             for seq in handoffs:
                 seq.kv_ready = True
+                export_s += (seq.num_tokens - 1) * replica.copy_s_per_token
                 target = min(back, key=lambda r: r.load)
                 target.incoming += 1
-                push(now + setup.transfer_s(seq), "transfer", (target, seq))
-            start(replica, now)
+                push(now + export_s + setup.transfer_s(seq), "transfer", (target, seq))
+            if export_s > 0:
+                push(now + export_s, "resume", replica)  # busy until then
+            else:
+                start(replica, now)
     unfinished = [s for s in seqs if s.finish is None]
     if unfinished:
         raise RuntimeError(f"{len(unfinished)} requests never finished (a request larger than a replica's KV cache?)")
@@ -476,6 +488,7 @@ def cpu_setups(args) -> list[Setup]:
         if m["cores"] != cores:
             print(f"note: {m['command']} ran on {m['cores']} cores; its costs stand in for a server on {cores}")
     kv = dict(kv_bytes_per_token=meta["kv_bytes_per_token"], kv_bytes_per_s=args.kv_gbs * 1e9,
+              kv_copy_bytes_per_s=args.kv_copy_gbs * 1e9,
               kv_fixed_s=args.kv_fixed_ms / 1e3, hop_s=args.hop_ms / 1e3,
               num_pages=args.kv_cache_bytes // (meta["kv_bytes_per_token"] * 16), page_size=16,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
@@ -695,6 +708,8 @@ def main(argv=None):
     ap.add_argument("--kv-gbs", type=float, default=1.0, help="KV transfer GB/s between the two servers "
                     "(scripts/bench_kv_transfer.py measures it)")
     ap.add_argument("--kv-fixed-ms", type=float, default=5.0, help="per-transfer fixed cost (fetch round trip)")
+    ap.add_argument("--kv-copy-gbs", type=float, default=5.0, help="GB/s at which each server's engine gathers "
+                    "(prefill) or scatters (decode) a hand-off's pages, time its steps wait for")
     ap.add_argument("--hop-ms", type=float, default=1.0, help="the router's relay per token")
     ap.add_argument("--compare", default=None, help="bench_pd.py's JSON: replay its requests, set figures against it")
     ap.add_argument("--tolerance", type=float, default=0.2)

@@ -46,6 +46,11 @@ def test_at_zero_load_ttft_is_one_prefill_step_and_tpot_one_decode_step():
     (seq_d,) = sim.simulate(d, [(0.0, 200, 5)])
     assert seq_d.ttft == pytest.approx(seq.ttft + 0.002)
     assert seq_d.tpot == pytest.approx(seq.tpot + (0.01 + 0.2) / 4)
+    # each side's own copy of the pages (200 tokens of 1000 bytes at 1 MB/s: 0.2 s) delays the second token too
+    copy = sim.Setup("d", costs, prefill=1, decode=1, kv_bytes_per_token=1000, kv_bytes_per_s=1e6, kv_fixed_s=0.01,
+                     hop_s=0.002, kv_copy_bytes_per_s=1e6)
+    (seq_c,) = sim.simulate(copy, [(0.0, 200, 5)])
+    assert seq_c.ttft == pytest.approx(seq_d.ttft) and seq_c.tpot == pytest.approx(seq_d.tpot + 0.4 / 4)
 
 
 def test_a_prompt_over_the_budget_takes_several_chunk_steps():
