@@ -135,8 +135,12 @@ async def measure(base_url: str, setup: str, args, tokenizer, run_index: int) ->
     timeout = aiohttp.ClientTimeout(total=args.timeout)
     rows = []
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0, force_close=True)) as s:
-        async with s.get(f"{base_url}/models") as resp:
-            model = (await resp.json(content_type=None))["data"][0]["id"]
+        try:
+            async with s.get(f"{base_url}/models") as resp:
+                resp.raise_for_status()
+                model = (await resp.json(content_type=None))["data"][0]["id"]
+        except (aiohttp.ClientError, KeyError, IndexError, ValueError) as e:
+            raise SystemExit(f"{setup}: no model from {base_url}/models: {type(e).__name__}: {e}")
         warm_rng = np.random.default_rng([args.prompt_seed, run_index, 1 << 20])
         for n in args.warmup_prompts:  # first-request costs (and a chunked prompt's path) out of the runs
             r = await send(s, url, request_body(opts, model, make_prompt(warm_rng, n, tokenizer), 4), time.perf_counter())
@@ -206,16 +210,19 @@ def main(argv=None):
     ap.add_argument("--start-timeout", type=float, default=900, help="seconds for a server to compile and listen")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per request")
     ap.add_argument("--smoke", action="store_true", help="6 short requests at 1 req/s against one small colocated "
-                    "server: checks this script in about a minute (figures meaningless)")
+                    "server: checks this script in about a minute (figures meaningless; other flags still apply)")
     ap.add_argument("--out", default=None, help="default: bench_results/pd.json (--smoke: pd_smoke.json)")
     args = ap.parse_args(argv)
-    if args.smoke:
-        for k, v in SMOKE.items():
-            setattr(args, k, v)
+    if args.smoke:  # its values as defaults: flags given beside --smoke still count
+        ap.set_defaults(**SMOKE)
+        args = ap.parse_args(argv)
     args.out = args.out or ("bench_results/pd_smoke.json" if args.smoke else "bench_results/pd.json")
     if args.prompt_seed is None:
         args.prompt_seed = int.from_bytes(os.urandom(4), "little")
     urls = dict(u.split("=", 1) for u in args.url)
+    print(f"setups {', '.join(urls or args.setups)}; rates {args.rates} req/s, {args.num_requests} requests each; "
+          f"prompts {args.prompt_len}, outputs {args.output_len} tokens (median, min, max); SLOs TTFT <= "
+          f"{args.ttft_slo:g} s, TPOT <= {args.tpot_slo * 1e3:g} ms", flush=True)
     tokenizer = None if args.tokenizer_model == "none" else load_tokenizer(args.tokenizer_model or None)
     out = Path(args.out)
     rows, setups = [], list(urls) if urls else args.setups
