@@ -1,9 +1,10 @@
 """Prefill/decode disaggregation against colocation, measured: an open-loop load of long prompts and streamed decodes
 against OpenAI-compatible servers, the servers launched (and pinned) here.
 
-    # the issue's measurement (a quiet machine, ~1 h): colocated on both cores, then prefill on core 0 + decode on
+    # the issue's measurement (a quiet machine, ~65 min): colocated on both cores, then prefill on core 0 + decode on
     # core 1 + the router, each at every rate
-    python scripts/bench_pd.py --rates 0.05,0.1,0.2 --num-requests 64 --out bench_results/pd.json
+    python scripts/bench_pd.py --rates 0.03,0.06,0.12 --num-requests 32 --ttft-slo 20 --tpot-slo 0.3 \
+        --out scripts/bench_results/pd.json
     # a minute's check of the script itself against one colocated server
     python scripts/bench_pd.py --smoke
     # servers already running (nothing launched): a name and a base URL each
@@ -189,16 +190,16 @@ def main(argv=None):
     ap.add_argument("--setups", type=lambda s: s.split(","), default=["colocated", "disaggregated"])
     ap.add_argument("--url", action="append", default=[], metavar="SETUP=BASE_URL",
                     help="measure a running server (its /v1 base URL) instead of launching; repeatable")
-    ap.add_argument("--rates", type=parse_floats, default=[0.05, 0.1, 0.2], help="Poisson arrivals per second")
-    ap.add_argument("--num-requests", type=int, default=64, help="per rate")
+    ap.add_argument("--rates", type=parse_floats, default=[0.03, 0.06, 0.12], help="Poisson arrivals per second")
+    ap.add_argument("--num-requests", type=int, default=32, help="per rate")
     ap.add_argument("--prompt-len", type=parse_lengths, default=(1400, 1024, 2048), help="MEDIAN,MIN,MAX tokens")
     ap.add_argument("--output-len", type=parse_lengths, default=(128, 64, 256), help="MEDIAN,MIN,MAX tokens")
     ap.add_argument("--seed", type=int, default=0, help="lengths and arrival times")
     ap.add_argument("--prompt-seed", type=int, default=None, help="the prompts' words (default: random, recorded)")
     ap.add_argument("--tokenizer-model", default="", help="sizes prompts exactly ('' = the default model's; "
                     "'none' = one common word ~ one token)")
-    ap.add_argument("--ttft-slo", type=float, default=10.0, help="seconds")
-    ap.add_argument("--tpot-slo", type=float, default=0.15, help="seconds")
+    ap.add_argument("--ttft-slo", type=float, default=20.0, help="seconds")
+    ap.add_argument("--tpot-slo", type=float, default=0.3, help="seconds")
     ap.add_argument("--warmup-prompts", type=lambda s: [int(x) for x in s.split(",")], default=[16, 1200],
                     help="prompt tokens of the unmeasured requests each server gets first")
     ap.add_argument("--serve-args", default=SERVE_ARGS, help="flags every jaxserve serve gets ({serve_args})")

@@ -9,8 +9,8 @@ same seed gives the same lengths and arrival times):
     bucket below when padding would exceed a quarter (`Scheduler._fit_to_bucket`);
   - disaggregated: P prefill replicas (chunks only; a sequence leaves once its first token is out, its pages freed)
     and D decode replicas (a hand-off is admitted when a slot and its pages are free, then decodes), the KV moved
-    between them in `kv_fixed_s + bytes / kv_bytes_per_s` per request, and `hop_s` added to every token a router
-    relays.
+    between them in `kv_fixed_s + bytes / kv_bytes_per_s` per request (plus each side's own gather / scatter at
+    `kv_copy_bytes_per_s`, time its engine spends on it), and `hop_s` added to every token a router relays.
 A step takes `costs.seconds(decode contexts, prompt chunks)`: on this machine `StepCosts`, measured
 (scripts/measure_step_costs.py: a time per token bucket plus the cached keys the XLA:CPU attention reads, see
 `attention_work`); for projections `RooflineCosts`, an accelerator's roofline (the larger of FLOPs / peak and
@@ -18,9 +18,9 @@ bytes / bandwidth, each at a stated efficiency) for an 8B model. Not modelled: p
 are fresh), the host's share of a step (hidden by the engine's lookahead), contention between concurrent transfers.
 
     # this machine: colocated on 2 cores against 1 prefill core + 1 decode core, at the rates bench_pd runs
-    python scripts/simulate_pd.py --rates 0.05,0.1,0.2 [--compare bench_results/pd.json]
-    # projection: 8B on v5e / H100, per-device goodput for 1-8 prefill x 1-8 decode replicas, the plot
-    python scripts/simulate_pd.py --project --plot docs/pd_goodput.png
+    python scripts/simulate_pd.py --rates 0.03,0.06,0.12 [--compare scripts/bench_results/pd.json]
+    # projection only: 8B on v5e / H100, per-device goodput for P:D splits (P + D <= 8), the plot
+    python scripts/simulate_pd.py --rates "" --project --plot docs/pd_goodput.png
 
 Per request: TTFT = first token - arrival; TPOT = (last token - first token) / (output tokens - 1). Per run:
 P50/P95/P99, throughput, goodput = requests/s meeting TTFT <= --ttft-slo and TPOT <= --tpot-slo over the run (first
@@ -689,13 +689,13 @@ def parse_ints(s: str) -> dict:
 def main(argv=None):
     from bench_serving import parse_floats, parse_lengths
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--num-requests", type=int, default=64)
-    ap.add_argument("--rates", type=parse_floats, default=[0.05, 0.1, 0.2], help="req/s (this machine's setups)")
+    ap.add_argument("--num-requests", type=int, default=32)
+    ap.add_argument("--rates", type=parse_floats, default=[0.03, 0.06, 0.12], help="req/s (this machine's setups)")
     ap.add_argument("--prompt-len", type=parse_lengths, default=(1400, 1024, 2048), help="MEDIAN,MIN,MAX tokens")
     ap.add_argument("--output-len", type=parse_lengths, default=(128, 64, 256), help="MEDIAN,MIN,MAX tokens")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--ttft-slo", type=float, default=10.0, help="seconds (this machine's setups)")
-    ap.add_argument("--tpot-slo", type=float, default=0.15, help="seconds (this machine's setups)")
+    ap.add_argument("--ttft-slo", type=float, default=20.0, help="seconds (this machine's setups)")
+    ap.add_argument("--tpot-slo", type=float, default=0.3, help="seconds (this machine's setups)")
     ap.add_argument("--costs", default=str(HERE / "bench_results" / "step_costs_2core.json"),
                     help="measure_step_costs.py's JSON for the colocated server (both cores)")
     ap.add_argument("--core-costs", default=str(HERE / "bench_results" / "step_costs_1core.json"),
