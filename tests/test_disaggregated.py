@@ -131,6 +131,25 @@ def test_a_failed_decode_step_ends_only_its_requests():
     llm.core.assert_idle_and_clean()
 
 
+def test_a_prefill_sequence_preempted_with_its_first_token_in_flight_is_handed_off_after_recomputing():
+    """Priority policy, one slot: "low"'s whole prompt is dispatched, then "high" preempts it while its first token
+    is in flight; low is handed off only once recomputed, and both give the colocated tokens."""
+    sp = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    prompts = {"low": [1, 2, 3], "high": [7, 8, 9]}
+    want = outputs(fake_llm(vocab_size=VOCAB), [({"prompt_token_ids": p}, sp) for p in prompts.values()])
+    llm = disaggregated_llm(prefill_args=dict(scheduling_policy="priority", max_num_seqs=1))
+    llm.add_request({"prompt_token_ids": prompts["low"]}, sp, priority=5, request_id="low")
+    llm.step()
+    llm.add_request({"prompt_token_ids": prompts["high"]}, sp, priority=0, request_id="high")
+    got = {}
+    while llm.has_unfinished_requests():
+        for d in llm.step():  # a StepError fails the test
+            got.setdefault(d.seq.request_id, []).extend(d.token_ids)
+    assert llm.replicas[0].scheduler.num_preemptions == 1
+    assert [[got["low"]], [got["high"]]] == want
+    llm.core.assert_idle_and_clean()
+
+
 def test_a_decode_server_takes_a_sequence_it_did_not_prefill(tiny_tokenized_dir):
     """Two engines as two servers would hold them: the prefill one's KV pages go through host memory (trimmed to
     the prompt's pages), and the decode one, given the first token, streams only the text after it."""

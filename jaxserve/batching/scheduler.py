@@ -379,7 +379,8 @@ class Scheduler:
                 self.finish(seq)
             elif seq in batch.proposals:
                 self._roll_back(seq, len(batch.proposals[seq]) - (d.num_emitted - 1))
-            elif self.role == "prefill":
+            elif self.role == "prefill" and seq.status is Status.RUNNING:
+                # One preempted while its first token was in flight recomputes, and is handed off after that.
                 self._hand_off(seq)
 
     def _hand_off(self, seq: Sequence) -> None:
