@@ -307,7 +307,8 @@ def test_the_server_survives_junk_and_clients_that_leave():
         kv = make_pages("bfloat16", n=64)
         store.put("keep", kv)
         store.put("abandoned", kv)
-        for junk in [b"\xff\xff\xff\xff", frame({"transfer_id": 7}), b"\x03\0\0\0[1]", b"GET / HTTP/1.1\r\n\r\n"]:
+        for junk in [b"\xff\xff\xff\xff", frame({"transfer_id": 7}), b"\x03\0\0\0[1]", b"GET / HTTP/1.1\r\n\r\n",
+                     frame({"transfer_id": "keep", "via": 7}), frame({"transfer_id": "keep", "via": [None]})]:
             reader, writer = await asyncio.open_connection(HOST, server.port)
             writer.write(junk)
             await writer.drain()
@@ -320,6 +321,24 @@ def test_the_server_survives_junk_and_clients_that_leave():
         writer.close()
         assert_same_pages(await fetch_pages(HOST, server.port, "keep", timeout=10), kv)
         assert len(store) == 0
+        await server.close()
+    asyncio.run(main())
+
+
+def test_a_client_that_stops_reading_is_dropped_after_the_send_timeout():
+    async def main():
+        store = KVStore()
+        server = KVServer(store, HOST, 0, send_timeout_s=0.5)
+        await server.start()
+        kv = make_pages("float32", n=512, kv_heads=8, page_size=16, head_dim=64)  # 32 MB: past any socket buffer
+        store.put("t", kv)
+        reader, writer = await asyncio.open_connection(HOST, server.port)
+        writer.write(frame({"transfer_id": "t", "via": ["bytes"]}))
+        await asyncio.sleep(1.5)  # reads nothing meanwhile
+        received = len(await asyncio.wait_for(reader.read(), 10))  # to the end: the server has closed it
+        assert 0 < received < sum(x.nbytes for x in jax.tree.leaves(kv))
+        assert server.served["bytes"] == 0 and len(store) == 0
+        writer.close()
         await server.close()
     asyncio.run(main())
 
