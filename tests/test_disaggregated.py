@@ -65,23 +65,26 @@ def test_a_first_token_that_ends_the_request_is_not_handed_off():
     llm.core.assert_idle_and_clean()
 
 
-def test_decode_out_of_pages_waits_then_runs():
-    """The decode pool holds one sequence at a time (7 usable pages of 4 tokens); the rest wait for its pages."""
+def test_decode_out_of_pages_holds_the_hand_offs_on_the_prefill_side():
+    """The decode pool holds two sequences at a time (7 usable pages of 4 tokens, 3 each): the others' pages stay
+    on the prefill side, handed off, until decode can admit them (so they count in the prefill cache's budget);
+    no KV copy ever waits on the decode side outside its cache's pages."""
     reqs = [({"prompt_token_ids": list(range(i, i + 9))}, SamplingParams(temperature=0, max_tokens=12,
-                                                                         ignore_eos=True)) for i in range(4)]
+                                                                         ignore_eos=True)) for i in range(12)]
     want = outputs(fake_llm(vocab_size=VOCAB), reqs)
-    llm = disaggregated_llm(decode_args=dict(num_pages=8))
-    waited = []
+    llm = disaggregated_llm(prefill_args=dict(max_num_seqs=8, max_num_batched_tokens=64),
+                            decode_args=dict(num_pages=8))
+    prefill, decode = llm.replicas[0].scheduler, llm.replicas[1].scheduler
     for p, sp in reqs:
         llm.add_request(p, sp)
-    done = {}
+    done, held, copies = {}, [], []
     while llm.has_unfinished_requests():
         for d in llm.step():
             done.setdefault(d.seq.request_id, []).extend(d.token_ids)
-        waited.append(len(llm.replicas[1].scheduler.waiting))
-    assert max(waited) >= 2
-    stats = llm.stats()
-    assert stats.decode_admitted == 4 and stats.decode_queue_seconds > 0
+        held.append(len(prefill.handed_off))
+        copies.append(len(decode._imports))  # KV copies on the decode side, not yet in its cache
+    assert max(held) >= 4 and max(copies) <= 1
+    assert llm.stats().decode_admitted == 12
     assert [done[r] for r in sorted(done, key=int)] == [w[0] for w in want]
     llm.core.assert_idle_and_clean()
 
@@ -97,7 +100,8 @@ def test_abort_in_each_phase_frees_every_page(phase):
         seqs = {s.request_id: s for s in decode.scheduler.waiting + decode.scheduler.running}
         if phase == "prefilling" and "r" in {s.request_id for s in prefill.scheduler.running}:
             break
-        if phase == "waiting for decode pages" and "r" in seqs and seqs["r"].status is Status.WAITING:
+        if phase == "waiting for decode pages" and "r" in {s.request_id for s in prefill.scheduler.handed_off} \
+                and "hog" in seqs:  # held on the prefill side, its pages there
             break
         if phase == "decoding" and "r" in seqs and seqs["r"].status is Status.RUNNING:
             break

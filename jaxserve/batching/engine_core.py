@@ -17,11 +17,12 @@ batches without one keep it (what that costs: BENCHMARKS.md). Constrained rows n
 batch may.
 
 Disaggregated prefill (`jaxserve.batching.disaggregated`): a prefill engine's scheduler hands each sequence off
-once its first token has landed; `take_handed_off` dispatches the export of its pages (a gather on the device) and
-only then gives them back, so a later step that reuses them runs after the gather. A decode engine takes it with
-those pages (`add_prefilled`), copies them to its own devices at once, and writes them into its cache when the
-scheduler admits it (once the copy has landed, so a decode step never waits for the prefill devices, which may
-still be running the step after the export), before the step that first reads them is dispatched.
+once its first token has landed, its pages held until `take_handed_off` (called when a decode engine can admit it:
+`can_take_prefilled`) dispatches their export (a gather on the device) and only then gives them back, so a later
+step that reuses them runs after the gather. A decode engine takes it with those pages (`add_prefilled`), copies
+them to its own devices at once, and writes them into its cache when the scheduler admits it (once the copy has
+landed, so a decode step never waits for the prefill devices, which may still be running the step after the
+export), before the step that first reads them is dispatched.
 
 A step that fails ends only the requests it held, and the results read back before it failed still reach theirs
 (`StepError`); a replica whose steps keep failing stops (`healthy`) and ends every request it holds.
@@ -169,15 +170,20 @@ class EngineCore:
     def abort(self, request_id: str) -> list[Sequence]:
         return self.scheduler.abort(request_id)
 
-    def take_handed_off(self) -> list[HandOff]:
-        """The sequences the prefill scheduler has handed off since the last call, their pages' export
-        dispatched; the pages are then free here."""
+    def take_handed_off(self, seqs: list[Sequence] | None = None) -> list[HandOff]:
+        """The sequences the prefill scheduler has handed off (seqs: those of them; default: all), their pages'
+        export dispatched; the pages are then free here. Until taken, a handed-off sequence holds its pages."""
         handed = []
-        for seq in list(self.scheduler.handed_off):
+        for seq in [s for s in self.scheduler.handed_off if seqs is None or s in seqs]:
             kv = self.runner.export_pages(seq.pages[:pages_needed(seq.num_cached, self.scheduler.page_size)])
             handed.append(HandOff(seq, kv, seq.num_cached, time.perf_counter()))
             self.scheduler.release_handed_off(seq)
         return handed
+
+    def can_take_prefilled(self, seq: Sequence) -> bool:
+        """A prefilled sequence added now would be admitted as soon as its KV lands (see
+        Scheduler.can_take_prefilled): what a pool checks before it moves a sequence's pages here."""
+        return self.healthy and self.scheduler.can_take_prefilled(seq)
 
     def add_prefilled(self, seq: Sequence, kv: KVPages, num_cached: int, first_token: int | None = None,
                       logprob: float = 0.0, started: float | None = None) -> None:
@@ -269,7 +275,8 @@ class EngineCore:
         dispatched = self._dispatch(batch) if batch else None
         done, self._in_flight = self._in_flight, dispatched
         if done is None:
-            if dispatched is None and self.scheduler.has_unfinished():
+            # Handed-off sequences not yet taken hold their pages: waiting ones may wait for them.
+            if dispatched is None and self.scheduler.has_unfinished() and not self.scheduler.handed_off:
                 raise RuntimeError("the scheduler can neither run nor admit any sequence")  # a bug, never a wait
             return
         self._update(done)

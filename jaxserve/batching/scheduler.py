@@ -20,8 +20,9 @@ on being admitted.
 
 Disaggregated serving (`jaxserve.batching.disaggregated`) splits a sequence's life over two schedulers. One with
 role "prefill" runs prompts only: once a sequence's first token has landed (and did not end it), `update` moves it
-out of `running` to `handed_off`, its pages held until the engine has exported them (`release_handed_off`); while
-that first token is in flight, the sequence gets no decode row. A decode scheduler (role "decode", or "both") takes
+out of `running` to `handed_off`, its pages held until the engine has exported them (`release_handed_off`), which
+it does once a decode scheduler can take it (`can_take_prefilled`); while that first token is in flight, the
+sequence gets no decode row. A decode scheduler (role "decode", or "both") takes
 such a sequence with its KV pages (`add_prefilled`): it waits like any other, and once a slot and pages for all its
 tokens are free it is admitted with its prompt counted as computed and the pages to import listed in the step
 (`ScheduledBatch.imports`), which the engine writes into the cache before the step runs; then it decodes as any
@@ -209,6 +210,13 @@ class Scheduler:
             raise ValueError(f"request {seq.request_id}: LoRA adapters are not supported with disaggregated prefill")
         self.add(seq)
         self._imports[seq] = (num_cached, kv, time.monotonic(), landed)
+
+    def can_take_prefilled(self, seq: Sequence) -> bool:
+        """A prefilled sequence given now would be admitted at once (once its KV has landed): a slot and pages for
+        its tokens are free after every waiting sequence (prefilled ones landing, preempted ones) has had its own."""
+        promised = sum(pages_needed(q.num_tokens, self.page_size) for q in self.waiting)
+        return (len(self.running) + len(self.waiting) < self.max_num_seqs
+                and promised + pages_needed(seq.num_tokens, self.page_size) <= self.cache.num_available)
 
     def has_unfinished(self) -> bool:
         """Sequences to run (not counting any handed off, which only wait to be taken)."""
