@@ -182,6 +182,28 @@ def test_a_decode_server_takes_a_sequence_it_did_not_prefill(tiny_tokenized_dir)
     decode.core.assert_idle_and_clean()
 
 
+def test_kv_pages_too_few_or_of_another_dtype_are_refused_before_anything_is_held():
+    """A KV copy short of the pages its cached tokens fill (or of another dtype) is refused by add_prefilled, naming
+    the request, instead of failing a decode step later (and every request of the replica with it)."""
+    sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    decode = fake_llm(vocab_size=VOCAB)
+    decode.add_request({"prompt_token_ids": [1, 2, 3]}, sp, request_id="innocent")
+    for _ in range(3):
+        decode.step()
+    pages = np.arange(8).reshape(2, 4)  # 2 pages of 4 tokens: 10 cached tokens need 3
+    for kv, match in [([(pages, pages)], "10 cached tokens need 3 KV pages, got 2"),
+                      ([(np.zeros((3, 4), np.float32),) * 2], "do not fit")]:
+        req = decode.make_request({"prompt_token_ids": list(range(10))}, sp, request_id="bad")
+        with pytest.raises(ValueError, match="request bad: .*" + match):
+            decode.core.add_prefilled(req.seqs[0], kv, 10, first_token=10)
+    assert [s.request_id for s in decode.scheduler.waiting + decode.scheduler.running] == ["innocent"]
+    with pytest.raises(ValueError, match="3 pages to import, the KV pages hold 2"):  # as the real runner
+        decode.core.runner.import_pages([1, 2, 3], [(pages, pages)])
+    while decode.has_unfinished_requests():
+        decode.step()
+    decode.core.assert_idle_and_clean()
+
+
 # ---- the tiny model on CPU devices ----
 
 def tiny_workload(rng):

@@ -42,7 +42,7 @@ from jaxserve.batching.scheduler import ScheduledBatch, Scheduler
 from jaxserve.batching.sequence import Sequence, Status
 from jaxserve.batching.spec_controller import SpecController
 from jaxserve.cache import pages_needed
-from jaxserve.cache.transfer import KVPages, kv_bytes
+from jaxserve.cache.transfer import KVPages, kv_bytes, num_pages
 
 # Steps of one engine replica that may fail in a row before it declares itself dead instead of going on.
 MAX_FAILED_STEPS = 3
@@ -190,12 +190,19 @@ class EngineCore:
         """A sequence prefilled elsewhere, with the K/V of its first num_cached tokens (kv: from `take_handed_off`
         or over the wire). It waits here until a slot and pages are free, then decodes. first_token: its first
         token, for a sequence built here (a decode server's), taken as already said; started: when its export
-        began (time.perf_counter(); default now), for the transfer's seconds. Raises ValueError if it does not fit
-        (nothing is then held)."""
+        began (time.perf_counter(); default now), for the transfer's seconds. Raises ValueError if it does not fit,
+        or kv is not pages of this cache's layout and dtype holding num_cached tokens (nothing is then held)."""
         if not self.healthy:
             raise EngineDeadError(f"this engine stopped after {self.failed_steps} failed steps in a row")
         self.scheduler.check_fits(seq)
-        kv = self.runner.put_pages(kv)
+        need = pages_needed(num_cached, self.scheduler.page_size)
+        if num_pages(kv) < need:  # a cut copy would import the cache's padding as its K/V
+            raise ValueError(f"request {seq.request_id}: {num_cached} cached tokens need {need} KV pages, "
+                             f"got {num_pages(kv)}")
+        try:
+            kv = self.runner.put_pages(kv)
+        except ValueError as e:
+            raise ValueError(f"request {seq.request_id}: {e}") from e
         if first_token is not None:
             output_processor.take_as_said(seq, first_token, logprob)
         self.scheduler.add_prefilled(seq, num_cached, kv, first_token, lambda: _is_ready(kv))
