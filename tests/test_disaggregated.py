@@ -259,24 +259,58 @@ def test_nothing_compiles_after_warmup(tiny_dir):
     page-count bucket: all compiled at warm-up."""
     llm = make_llm(tiny_dir, prefill_replicas=1, decode_replicas=1, decode_tensor_parallel_size=2, warmup=True,
                    max_model_len=32, max_num_batched_tokens=8)
+    buckets = llm.runner.page_buckets
+
+    def serve(prompt):
+        llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
+                     use_tqdm=False)
+    assert compiles_serving(serve, buckets) == []
+    assert llm.stats().kv_transfers == len(buckets)
+    llm.core.assert_idle_and_clean()
+
+
+def test_nothing_compiles_after_warmup_on_separate_prefill_and_decode_servers(tiny_dir):
+    """One device each, no mesh (a prefill server and a decode server): moving pages at warm-up must not leave
+    either cache committed to its device, or every step compiles again once serving."""
+    kw = dict(max_model_len=32, max_num_batched_tokens=8, warmup=True)
+    prefill, decode = make_llm(tiny_dir, role="prefill", **kw), make_llm(tiny_dir, role="decode", **kw)
+    sp = SamplingParams(temperature=0.8, seed=5, max_tokens=4, ignore_eos=True)
+
+    def serve(prompt):
+        prefill.add_request({"prompt_token_ids": prompt}, sp)
+        while not prefill.scheduler.handed_off:
+            prefill.step()
+        (h,) = prefill.core.take_handed_off()
+        request = decode.make_request({"prompt_token_ids": prompt}, sp)
+        kv = trimmed(h.kv, pages_needed(h.num_cached, prefill.scheduler.page_size))
+        decode.core.add_prefilled(request.seqs[0], kv, h.num_cached, first_token=h.seq.output_token_ids[0])
+        while decode.has_unfinished_requests():
+            decode.step()
+    assert compiles_serving(serve, prefill.runner.page_buckets) == []
+    with pytest.raises(ValueError, match="dtype float16 do not fit"):  # a cast would import other values
+        request = decode.make_request({"prompt_token_ids": [1, 2, 3]}, sp)
+        kv = jax.tree.map(lambda x: np.asarray(x, np.float16), decode.runner.export_pages([0]))
+        decode.core.add_prefilled(request.seqs[0], kv, 3, first_token=1)
+    prefill.core.assert_idle_and_clean()
+    decode.core.assert_idle_and_clean()
+
+
+def compiles_serving(serve, buckets) -> list[str]:
+    """The programs compiled while serve(prompt) runs prompts filling every page-count bucket (pages of 4 tokens, up
+    to 8 a sequence)."""
     compiles = []
 
     def on_compile(event, duration_secs, **kwargs):
         if event == "/jax/core/compile/backend_compile_duration":
             compiles.append(kwargs.get("fun_name"))
     rng = np.random.default_rng()
-    buckets = llm.runner.page_buckets
     jax.monitoring.register_event_duration_secs_listener(on_compile)
-    try:  # prompts filling every page-count bucket (pages of 4 tokens, up to 8 a sequence)
+    try:
         for pages in buckets:
-            n = min(4 * pages - 1, 28)
-            llm.generate({"prompt_token_ids": rng.integers(0, 320, n).tolist()},
-                         SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+            serve(rng.integers(0, 320, min(4 * pages - 1, 28)).tolist())
     finally:
         jax.monitoring.unregister_event_duration_listener(on_compile)
-    assert compiles == []
-    assert llm.stats().kv_transfers == len(buckets)
-    llm.core.assert_idle_and_clean()
+    return compiles
 
 
 @pytest.mark.parametrize("args,error", [

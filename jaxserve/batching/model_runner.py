@@ -132,6 +132,10 @@ class ModelRunner:
         if size != have:  # a trimmed copy (from the host): padded there, so the import runs a warmed-up program
             kv = jax.tree.map(lambda x: np.concatenate([np.asarray(x), np.zeros((size - have,) + x.shape[1:],
                                                                                    x.dtype)]), kv)
+        if self.mesh is None:
+            # Uncommitted, as the cache is: a program is compiled for its inputs' committedness, so a committed copy
+            # scattered in would commit the cache and make every step compile again after warm-up.
+            return jax.tree.map(lambda x: jax.device_put(np.asarray(x) if getattr(x, "committed", False) else x), kv)
         return jax.device_put(kv, self._page_shardings)
 
     def import_pages(self, page_ids: list[int], kv: KVPages) -> None:
