@@ -382,6 +382,36 @@ def test_a_sequence_is_admitted_to_decode_only_once_its_kv_has_landed():
     llm.core.assert_idle_and_clean()
 
 
+def test_an_import_aborted_while_landing_is_dropped_and_never_counted():
+    decode = fake_llm(vocab_size=VOCAB)
+    decode.add_request({"prompt_token_ids": [9, 9]}, GREEDY)  # running: the engine polls the copy, never waits
+    decode.step()
+    put = decode.core.runner.put_pages
+    decode.core.runner.put_pages = lambda kv: [(k.view(Landing), v.view(Landing)) for k, v in put(kv)]
+    request = decode.make_request({"prompt_token_ids": [1, 2, 3]}, GREEDY, request_id="r")
+    pages = np.arange(4).reshape(1, 4)
+    decode.core.add_prefilled(request.seqs[0], [(pages, pages)], 3, first_token=4)
+    decode.step()  # still landing: not admitted
+    assert request.seqs[0].status is Status.WAITING
+    decode.abort_request("r")
+    while decode.has_unfinished_requests():  # it lands meanwhile
+        decode.step()
+    assert decode.stats().kv_transfers == 0
+    decode.core.assert_idle_and_clean()
+
+
+def test_finishing_a_sequence_already_taken_from_the_hand_offs_is_harmless():
+    prefill = disaggregated_llm().replicas[0]
+    llm = LLM.over(Engine.over([prefill], VOCAB, 64))
+    llm.add_request({"prompt_token_ids": [1, 2, 3]}, GREEDY, request_id="r")
+    while not prefill.scheduler.handed_off:
+        llm.step()
+    (hand_off,) = prefill.take_handed_off()
+    prefill.scheduler.finish(hand_off.seq)
+    assert hand_off.seq.status is Status.FINISHED
+    prefill.assert_idle_and_clean()
+
+
 def test_a_server_over_pools_streams_and_shows_them_in_metrics():
     import requests
     from serving import ServerThread, metric_samples

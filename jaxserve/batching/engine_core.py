@@ -155,7 +155,7 @@ class EngineCore:
         self._recent: list[tuple[float, int]] = []  # (time, tokens) of recent steps, for tokens/s
         self._changed: list[SequenceDelta] = []  # what the current step has read back so far
         self.failed_steps = 0  # in a row: reset when a sequence decodes past its first token or finishes
-        self._transfers: list[Transfer] = []  # still landing
+        self._transfers: dict[Sequence, Transfer] = {}  # still landing, by the prefilled sequence they are for
         self.kv_transfers, self.kv_transfer_bytes, self.kv_transfer_seconds = 0, 0, 0.0
 
     @property
@@ -168,7 +168,10 @@ class EngineCore:
         self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> list[Sequence]:
-        return self.scheduler.abort(request_id)
+        aborted = self.scheduler.abort(request_id)
+        for seq in aborted:  # a copy still landing for it is dropped, and never counts as a transfer
+            self._transfers.pop(seq, None)
+        return aborted
 
     def take_handed_off(self, seqs: list[Sequence] | None = None) -> list[HandOff]:
         """The sequences the prefill scheduler has handed off (seqs: those of them; default: all), their pages'
@@ -206,13 +209,13 @@ class EngineCore:
         if first_token is not None:
             output_processor.take_as_said(seq, first_token, logprob)
         self.scheduler.add_prefilled(seq, num_cached, kv, first_token, lambda: _is_ready(kv))
-        self._transfers.append(Transfer(time.perf_counter() if started is None else started, kv, kv_bytes(kv)))
+        self._transfers[seq] = Transfer(time.perf_counter() if started is None else started, kv, kv_bytes(kv))
 
     def _landed(self) -> None:
         """Counts the transfers that have landed (without waiting for any)."""
         now = time.perf_counter()
-        for t in [t for t in self._transfers if _is_ready(t.kv)]:
-            self._transfers.remove(t)
+        for seq, t in [(seq, t) for seq, t in self._transfers.items() if _is_ready(t.kv)]:
+            del self._transfers[seq]
             self.kv_transfers += 1
             self.kv_transfer_bytes += t.num_bytes
             self.kv_transfer_seconds += now - t.started
@@ -228,7 +231,7 @@ class EngineCore:
         if not failed or not self.healthy:
             failed |= {q.request_id for q in s.waiting}
         for request_id in failed:
-            self.scheduler.abort(request_id)
+            self.abort(request_id)
         self._in_flight = None
         self._last_fetch = self._last_arrival = None  # the failure's gap is no step time
         return failed
@@ -237,6 +240,7 @@ class EngineCore:
         """After a failed step: every sequence out, nothing in flight (its results are lost with it)."""
         for seq in self.scheduler.waiting + self.scheduler.running + self.scheduler.handed_off:
             self.scheduler.finish(seq)
+        self._transfers.clear()
         self._in_flight = None
 
     def has_unfinished(self) -> bool:
@@ -276,7 +280,7 @@ class EngineCore:
         batch = self.scheduler.schedule()
         if not batch and self._in_flight is None and self.scheduler.awaits_kv():
             # Nothing to run but sequences whose KV is still landing: wait for it here rather than spin.
-            jax.block_until_ready([t.kv for t in self._transfers])
+            jax.block_until_ready([t.kv for t in self._transfers.values()])
             batch = self.scheduler.schedule()
         self._import(batch)
         dispatched = self._dispatch(batch) if batch else None
@@ -397,4 +401,5 @@ class EngineCore:
         cache = self.scheduler.cache
         assert cache.num_available == cache.allocator.num_usable, "a page is still held"
         assert sorted(self.scheduler._free_slots) == list(range(self.scheduler.max_num_seqs))
+        assert not self._transfers, "a KV copy is still counted as landing"
         assert all(s.status is not Status.RUNNING for s in self.scheduler.waiting)

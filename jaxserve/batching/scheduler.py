@@ -240,7 +240,7 @@ class Scheduler:
         elif seq.status is Status.WAITING:
             self.waiting.remove(seq)
             self._imports.pop(seq, None)
-        elif seq.status is Status.HANDED_OFF:
+        elif seq.status is Status.HANDED_OFF and seq in self.handed_off:  # not yet taken: its pages go back
             self.release_handed_off(seq)
         seq.status = Status.FINISHED
         output_processor.free_grammar(seq)
