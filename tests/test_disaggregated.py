@@ -382,6 +382,35 @@ def test_a_sequence_is_admitted_to_decode_only_once_its_kv_has_landed():
     llm.core.assert_idle_and_clean()
 
 
+def test_a_failed_import_ends_only_its_own_request():
+    decode = fake_llm(vocab_size=VOCAB)
+    decode.add_request({"prompt_token_ids": [1, 2, 3]}, GREEDY, request_id="innocent")
+    decode.step()
+    import_pages = decode.core.runner.import_pages
+
+    def failing(page_ids, kv):
+        if kv[0][0][0, 0] == 20:  # the bad request's pages
+            raise RuntimeError("copy lost")
+        import_pages(page_ids, kv)
+    decode.core.runner.import_pages = failing
+    for request_id, first in [("bad", 20), ("good", 30)]:
+        request = decode.make_request({"prompt_token_ids": [first, first + 1]}, GREEDY, request_id=request_id)
+        pages = np.array([[first, first + 1, -1, -1]])
+        decode.core.add_prefilled(request.seqs[0], [(pages, pages)], 2, first_token=first + 2)
+    failed, tokens = {}, {}
+    while decode.has_unfinished_requests():
+        try:
+            deltas = decode.step()
+        except StepError as e:
+            deltas = e.changed
+            failed.update(e.failed)
+        for d in deltas:
+            tokens.setdefault(d.seq.request_id, []).extend(d.token_ids)
+    assert list(failed) == ["bad"] and "copy lost" in str(failed["bad"]) and decode.core.failed_steps == 0
+    assert tokens["innocent"] == list(range(4, 14)) and tokens["good"] == list(range(33, 42))
+    decode.core.assert_idle_and_clean()
+
+
 def test_an_import_aborted_while_landing_is_dropped_and_never_counted():
     decode = fake_llm(vocab_size=VOCAB)
     decode.add_request({"prompt_token_ids": [9, 9]}, GREEDY)  # running: the engine polls the copy, never waits

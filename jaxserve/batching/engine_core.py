@@ -155,6 +155,7 @@ class EngineCore:
         self._recent: list[tuple[float, int]] = []  # (time, tokens) of recent steps, for tokens/s
         self._changed: list[SequenceDelta] = []  # what the current step has read back so far
         self.failed_steps = 0  # in a row: reset when a sequence decodes past its first token or finishes
+        self._failed_imports: dict[str, BaseException] = {}  # request id -> why its import failed, this step
         self._transfers: dict[Sequence, Transfer] = {}  # still landing, by the prefilled sequence they are for
         self.kv_transfers, self.kv_transfer_bytes, self.kv_transfer_seconds = 0, 0, 0.0
 
@@ -250,7 +251,7 @@ class EngineCore:
         """Dispatches the next step and returns what the previous one (and, in a speculative step, this one) added
         to each sequence. Raises StepError if it fails, with the requests it ended and what it had
         read back before; the engine is then clean for the next step."""
-        self._changed = []
+        self._changed, self._failed_imports = [], {}
         self._landed()
         try:
             self._step()
@@ -265,7 +266,9 @@ class EngineCore:
             if not self.healthy:
                 dead = EngineDeadError(f"the engine stopped after {self.failed_steps} failed steps in a row: {e}")
                 failed = dict.fromkeys(failed, dead)
-            raise StepError(e, self._changed, failed) from e
+            raise StepError(e, self._changed, {**self._failed_imports, **failed}) from e
+        if self._failed_imports:  # the step ran without them
+            raise StepError(next(iter(self._failed_imports.values())), self._changed, self._failed_imports)
         return self._changed
 
     def _step(self) -> None:
@@ -287,7 +290,8 @@ class EngineCore:
         done, self._in_flight = self._in_flight, dispatched
         if done is None:
             # Handed-off sequences not yet taken hold their pages: waiting ones may wait for them.
-            if dispatched is None and self.scheduler.has_unfinished() and not self.scheduler.handed_off:
+            if dispatched is None and self.scheduler.has_unfinished() and not self.scheduler.handed_off \
+                    and not self._failed_imports:
                 raise RuntimeError("the scheduler can neither run nor admit any sequence")  # a bug, never a wait
             return
         self._update(done)
@@ -333,9 +337,17 @@ class EngineCore:
         self._last_fetch = None
 
     def _import(self, batch: ScheduledBatch) -> None:
-        """Writes the K/V of the prefilled sequences admitted to `batch` into their pages, before its step."""
-        for pages, kv in batch.imports:
-            self.runner.import_pages(pages, kv)
+        """Writes the K/V of the prefilled sequences admitted to `batch` into their pages, before its step. An import
+        that fails ends its own request only: its rows leave the batch before the step is dispatched."""
+        for seq, pages, kv in batch.imports:
+            try:
+                self.runner.import_pages(pages, kv)
+            except Exception as e:  # noqa: BLE001 - these pages' failure (a bad copy), not the step's
+                self._failed_imports[seq.request_id] = e
+        if self._failed_imports:
+            for request_id in self._failed_imports:
+                self.abort(request_id)
+            batch.drop(set(self._failed_imports))
 
     def _dispatch(self, batch: ScheduledBatch) -> InFlight:
         handle = self.runner.dispatch(batch.rows)

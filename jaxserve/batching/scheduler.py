@@ -93,11 +93,24 @@ class ScheduledBatch:
     # The step's rows, laid out once the batch is complete: decode rows, then prompt chunks.
     rows: list[Row] = dataclasses.field(default_factory=list)
     constrained: bool = False  # a row samples under a grammar: the next step needs this one's tokens to plan
-    # Sequences prefilled elsewhere and admitted now: (their first pages, the KV to write there before the step).
-    imports: list[tuple[list[int], KVPages]] = dataclasses.field(default_factory=list)
+    # Sequences prefilled elsewhere and admitted now: (the sequence, its first pages, the KV to write there before
+    # the step).
+    imports: list[tuple[Sequence, list[int], KVPages]] = dataclasses.field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.decode or self.prefill)
+
+    def drop(self, request_ids: set[str]) -> None:
+        """Takes these requests' rows out, before the step is dispatched (their sequences were taken out since)."""
+        def kept(seq: Sequence) -> bool:
+            return seq.request_id not in request_ids
+        self.rows = [row for row, seq in zip(self.rows, self.row_seqs) if kept(seq)]
+        self.decode = [s for s in self.decode if kept(s)]
+        self.prefill = [c for c in self.prefill if kept(c.seq)]
+        self.num_draft = {s: k for s, k in self.num_draft.items() if kept(s)}
+        self.proposals = {s: p for s, p in self.proposals.items() if kept(s)}
+        self.writes = [w for w in self.writes if kept(w.seq)]
+        self.imports = [i for i in self.imports if kept(i[0])]
 
     @property
     def num_tokens(self) -> int:
@@ -311,7 +324,7 @@ class Scheduler:
         plan.decode = [s for s in plan.decode if s.status is Status.RUNNING]
         plan.num_draft = {s: k for s, k in plan.num_draft.items() if s.status is Status.RUNNING}
         plan.prefill = [c for c in plan.prefill if c.seq.status is Status.RUNNING]
-        plan.imports = [(pages, kv) for seq, pages, kv in self._admitted_imports if seq.status is Status.RUNNING]
+        plan.imports = [i for i in self._admitted_imports if i[0].status is Status.RUNNING]
         for seq in self.waiting:
             seq.waited_steps += 1
             seq.boost = seq.waited_steps // AGING_STEPS
