@@ -129,10 +129,18 @@ class FakeRunner:
         return [(pages, pages.copy())]
 
     def put_pages(self, kv):
-        return [(np.array(k), np.array(v)) for k, v in kv]
+        """As the real one: pages of this cache's layout and dtype only (a cast would import other tokens)."""
+        kv = [(np.array(k), np.array(v)) for k, v in kv]
+        if len(kv) != 1 or any(x.shape[1:] != self.kv.shape[1:] or x.dtype != self.kv.dtype for x in kv[0]):
+            raise ValueError(f"KV pages {[(x.shape, x.dtype) for pair in kv for x in pair]} do not fit this "
+                             f"cache's {self.kv.shape[1:]} {self.kv.dtype} per page")
+        return kv
 
     def import_pages(self, page_ids: list[int], kv) -> None:
-        self.kv[page_ids] = np.asarray(kv[0][0])[:len(page_ids)]
+        kv = self.put_pages(kv)
+        if len(kv[0][0]) < len(page_ids):
+            raise ValueError(f"{len(page_ids)} pages to import, the KV pages hold {len(kv[0][0])}")
+        self.kv[page_ids] = kv[0][0][:len(page_ids)]
 
     def load_lora(self, slot: int, adapter) -> None:
         self.lora_shifts[slot] = adapter.shift

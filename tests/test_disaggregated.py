@@ -65,23 +65,26 @@ def test_a_first_token_that_ends_the_request_is_not_handed_off():
     llm.core.assert_idle_and_clean()
 
 
-def test_decode_out_of_pages_waits_then_runs():
-    """The decode pool holds one sequence at a time (7 usable pages of 4 tokens); the rest wait for its pages."""
+def test_decode_out_of_pages_holds_the_hand_offs_on_the_prefill_side():
+    """The decode pool holds two sequences at a time (7 usable pages of 4 tokens, 3 each): the others' pages stay
+    on the prefill side, handed off, until decode can admit them (so they count in the prefill cache's budget);
+    no KV copy ever waits on the decode side outside its cache's pages."""
     reqs = [({"prompt_token_ids": list(range(i, i + 9))}, SamplingParams(temperature=0, max_tokens=12,
-                                                                         ignore_eos=True)) for i in range(4)]
+                                                                         ignore_eos=True)) for i in range(12)]
     want = outputs(fake_llm(vocab_size=VOCAB), reqs)
-    llm = disaggregated_llm(decode_args=dict(num_pages=8))
-    waited = []
+    llm = disaggregated_llm(prefill_args=dict(max_num_seqs=8, max_num_batched_tokens=64),
+                            decode_args=dict(num_pages=8))
+    prefill, decode = llm.replicas[0].scheduler, llm.replicas[1].scheduler
     for p, sp in reqs:
         llm.add_request(p, sp)
-    done = {}
+    done, held, copies = {}, [], []
     while llm.has_unfinished_requests():
         for d in llm.step():
             done.setdefault(d.seq.request_id, []).extend(d.token_ids)
-        waited.append(len(llm.replicas[1].scheduler.waiting))
-    assert max(waited) >= 2
-    stats = llm.stats()
-    assert stats.decode_admitted == 4 and stats.decode_queue_seconds > 0
+        held.append(len(prefill.handed_off))
+        copies.append(len(decode._imports))  # KV copies on the decode side, not yet in its cache
+    assert max(held) >= 4 and max(copies) <= 1
+    assert llm.stats().decode_admitted == 12
     assert [done[r] for r in sorted(done, key=int)] == [w[0] for w in want]
     llm.core.assert_idle_and_clean()
 
@@ -97,7 +100,8 @@ def test_abort_in_each_phase_frees_every_page(phase):
         seqs = {s.request_id: s for s in decode.scheduler.waiting + decode.scheduler.running}
         if phase == "prefilling" and "r" in {s.request_id for s in prefill.scheduler.running}:
             break
-        if phase == "waiting for decode pages" and "r" in seqs and seqs["r"].status is Status.WAITING:
+        if phase == "waiting for decode pages" and "r" in {s.request_id for s in prefill.scheduler.handed_off} \
+                and "hog" in seqs:  # held on the prefill side, its pages there
             break
         if phase == "decoding" and "r" in seqs and seqs["r"].status is Status.RUNNING:
             break
@@ -131,6 +135,25 @@ def test_a_failed_decode_step_ends_only_its_requests():
     llm.core.assert_idle_and_clean()
 
 
+def test_a_prefill_sequence_preempted_with_its_first_token_in_flight_is_handed_off_after_recomputing():
+    """Priority policy, one slot: "low"'s whole prompt is dispatched, then "high" preempts it while its first token
+    is in flight; low is handed off only once recomputed, and both give the colocated tokens."""
+    sp = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    prompts = {"low": [1, 2, 3], "high": [7, 8, 9]}
+    want = outputs(fake_llm(vocab_size=VOCAB), [({"prompt_token_ids": p}, sp) for p in prompts.values()])
+    llm = disaggregated_llm(prefill_args=dict(scheduling_policy="priority", max_num_seqs=1))
+    llm.add_request({"prompt_token_ids": prompts["low"]}, sp, priority=5, request_id="low")
+    llm.step()
+    llm.add_request({"prompt_token_ids": prompts["high"]}, sp, priority=0, request_id="high")
+    got = {}
+    while llm.has_unfinished_requests():
+        for d in llm.step():  # a StepError fails the test
+            got.setdefault(d.seq.request_id, []).extend(d.token_ids)
+    assert llm.replicas[0].scheduler.num_preemptions == 1
+    assert [[got["low"]], [got["high"]]] == want
+    llm.core.assert_idle_and_clean()
+
+
 def test_a_decode_server_takes_a_sequence_it_did_not_prefill(tiny_tokenized_dir):
     """Two engines as two servers would hold them: the prefill one's KV pages go through host memory (trimmed to
     the prompt's pages), and the decode one, given the first token, streams only the text after it."""
@@ -156,6 +179,28 @@ def test_a_decode_server_takes_a_sequence_it_did_not_prefill(tiny_tokenized_dir)
     assert hand_off.seq.output_token_ids + tokens == whole.token_ids
     assert request.seqs[0].output_token_ids == whole.token_ids
     prefill.core.assert_idle_and_clean()
+    decode.core.assert_idle_and_clean()
+
+
+def test_kv_pages_too_few_or_of_another_dtype_are_refused_before_anything_is_held():
+    """A KV copy short of the pages its cached tokens fill (or of another dtype) is refused by add_prefilled, naming
+    the request, instead of failing a decode step later (and every request of the replica with it)."""
+    sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    decode = fake_llm(vocab_size=VOCAB)
+    decode.add_request({"prompt_token_ids": [1, 2, 3]}, sp, request_id="innocent")
+    for _ in range(3):
+        decode.step()
+    pages = np.arange(8).reshape(2, 4)  # 2 pages of 4 tokens: 10 cached tokens need 3
+    for kv, match in [([(pages, pages)], "10 cached tokens need 3 KV pages, got 2"),
+                      ([(np.zeros((3, 4), np.float32),) * 2], "do not fit")]:
+        req = decode.make_request({"prompt_token_ids": list(range(10))}, sp, request_id="bad")
+        with pytest.raises(ValueError, match="request bad: .*" + match):
+            decode.core.add_prefilled(req.seqs[0], kv, 10, first_token=10)
+    assert [s.request_id for s in decode.scheduler.waiting + decode.scheduler.running] == ["innocent"]
+    with pytest.raises(ValueError, match="3 pages to import, the KV pages hold 2"):  # as the real runner
+        decode.core.runner.import_pages([1, 2, 3], [(pages, pages)])
+    while decode.has_unfinished_requests():
+        decode.step()
     decode.core.assert_idle_and_clean()
 
 
@@ -214,24 +259,58 @@ def test_nothing_compiles_after_warmup(tiny_dir):
     page-count bucket: all compiled at warm-up."""
     llm = make_llm(tiny_dir, prefill_replicas=1, decode_replicas=1, decode_tensor_parallel_size=2, warmup=True,
                    max_model_len=32, max_num_batched_tokens=8)
+    buckets = llm.runner.page_buckets
+
+    def serve(prompt):
+        llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
+                     use_tqdm=False)
+    assert compiles_serving(serve, buckets) == []
+    assert llm.stats().kv_transfers == len(buckets)
+    llm.core.assert_idle_and_clean()
+
+
+def test_nothing_compiles_after_warmup_on_separate_prefill_and_decode_servers(tiny_dir):
+    """One device each, no mesh (a prefill server and a decode server): moving pages at warm-up must not leave
+    either cache committed to its device, or every step compiles again once serving."""
+    kw = dict(max_model_len=32, max_num_batched_tokens=8, warmup=True)
+    prefill, decode = make_llm(tiny_dir, role="prefill", **kw), make_llm(tiny_dir, role="decode", **kw)
+    sp = SamplingParams(temperature=0.8, seed=5, max_tokens=4, ignore_eos=True)
+
+    def serve(prompt):
+        prefill.add_request({"prompt_token_ids": prompt}, sp)
+        while not prefill.scheduler.handed_off:
+            prefill.step()
+        (h,) = prefill.core.take_handed_off()
+        request = decode.make_request({"prompt_token_ids": prompt}, sp)
+        kv = trimmed(h.kv, pages_needed(h.num_cached, prefill.scheduler.page_size))
+        decode.core.add_prefilled(request.seqs[0], kv, h.num_cached, first_token=h.seq.output_token_ids[0])
+        while decode.has_unfinished_requests():
+            decode.step()
+    assert compiles_serving(serve, prefill.runner.page_buckets) == []
+    with pytest.raises(ValueError, match="dtype float16 do not fit"):  # a cast would import other values
+        request = decode.make_request({"prompt_token_ids": [1, 2, 3]}, sp)
+        kv = jax.tree.map(lambda x: np.asarray(x, np.float16), decode.runner.export_pages([0]))
+        decode.core.add_prefilled(request.seqs[0], kv, 3, first_token=1)
+    prefill.core.assert_idle_and_clean()
+    decode.core.assert_idle_and_clean()
+
+
+def compiles_serving(serve, buckets) -> list[str]:
+    """The programs compiled while serve(prompt) runs prompts filling every page-count bucket (pages of 4 tokens, up
+    to 8 a sequence)."""
     compiles = []
 
     def on_compile(event, duration_secs, **kwargs):
         if event == "/jax/core/compile/backend_compile_duration":
             compiles.append(kwargs.get("fun_name"))
     rng = np.random.default_rng()
-    buckets = llm.runner.page_buckets
     jax.monitoring.register_event_duration_secs_listener(on_compile)
-    try:  # prompts filling every page-count bucket (pages of 4 tokens, up to 8 a sequence)
+    try:
         for pages in buckets:
-            n = min(4 * pages - 1, 28)
-            llm.generate({"prompt_token_ids": rng.integers(0, 320, n).tolist()},
-                         SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+            serve(rng.integers(0, 320, min(4 * pages - 1, 28)).tolist())
     finally:
         jax.monitoring.unregister_event_duration_listener(on_compile)
-    assert compiles == []
-    assert llm.stats().kv_transfers == len(buckets)
-    llm.core.assert_idle_and_clean()
+    return compiles
 
 
 @pytest.mark.parametrize("args,error", [
@@ -301,6 +380,65 @@ def test_a_sequence_is_admitted_to_decode_only_once_its_kv_has_landed():
     assert [o.outputs[0].token_ids for o in out] == [list(range(6, 16)), list(range(9, 19))]
     assert len(imported) == 2 and all(polls < 0 for polls in imported)  # landed (polled or waited for) first
     llm.core.assert_idle_and_clean()
+
+
+def test_a_failed_import_ends_only_its_own_request():
+    decode = fake_llm(vocab_size=VOCAB)
+    decode.add_request({"prompt_token_ids": [1, 2, 3]}, GREEDY, request_id="innocent")
+    decode.step()
+    import_pages = decode.core.runner.import_pages
+
+    def failing(page_ids, kv):
+        if kv[0][0][0, 0] == 20:  # the bad request's pages
+            raise RuntimeError("copy lost")
+        import_pages(page_ids, kv)
+    decode.core.runner.import_pages = failing
+    for request_id, first in [("bad", 20), ("good", 30)]:
+        request = decode.make_request({"prompt_token_ids": [first, first + 1]}, GREEDY, request_id=request_id)
+        pages = np.array([[first, first + 1, -1, -1]])
+        decode.core.add_prefilled(request.seqs[0], [(pages, pages)], 2, first_token=first + 2)
+    failed, tokens = {}, {}
+    while decode.has_unfinished_requests():
+        try:
+            deltas = decode.step()
+        except StepError as e:
+            deltas = e.changed
+            failed.update(e.failed)
+        for d in deltas:
+            tokens.setdefault(d.seq.request_id, []).extend(d.token_ids)
+    assert list(failed) == ["bad"] and "copy lost" in str(failed["bad"]) and decode.core.failed_steps == 0
+    assert tokens["innocent"] == list(range(4, 14)) and tokens["good"] == list(range(33, 42))
+    decode.core.assert_idle_and_clean()
+
+
+def test_an_import_aborted_while_landing_is_dropped_and_never_counted():
+    decode = fake_llm(vocab_size=VOCAB)
+    decode.add_request({"prompt_token_ids": [9, 9]}, GREEDY)  # running: the engine polls the copy, never waits
+    decode.step()
+    put = decode.core.runner.put_pages
+    decode.core.runner.put_pages = lambda kv: [(k.view(Landing), v.view(Landing)) for k, v in put(kv)]
+    request = decode.make_request({"prompt_token_ids": [1, 2, 3]}, GREEDY, request_id="r")
+    pages = np.arange(4).reshape(1, 4)
+    decode.core.add_prefilled(request.seqs[0], [(pages, pages)], 3, first_token=4)
+    decode.step()  # still landing: not admitted
+    assert request.seqs[0].status is Status.WAITING
+    decode.abort_request("r")
+    while decode.has_unfinished_requests():  # it lands meanwhile
+        decode.step()
+    assert decode.stats().kv_transfers == 0
+    decode.core.assert_idle_and_clean()
+
+
+def test_finishing_a_sequence_already_taken_from_the_hand_offs_is_harmless():
+    prefill = disaggregated_llm().replicas[0]
+    llm = LLM.over(Engine.over([prefill], VOCAB, 64))
+    llm.add_request({"prompt_token_ids": [1, 2, 3]}, GREEDY, request_id="r")
+    while not prefill.scheduler.handed_off:
+        llm.step()
+    (hand_off,) = prefill.take_handed_off()
+    prefill.scheduler.finish(hand_off.seq)
+    assert hand_off.seq.status is Status.FINISHED
+    prefill.assert_idle_and_clean()
 
 
 def test_a_server_over_pools_streams_and_shows_them_in_metrics():

@@ -265,6 +265,41 @@ def test_a_stream_cut_short_or_a_silent_server_fails_the_fetch():
     asyncio.run(main())
 
 
+def test_pages_past_the_limit_or_past_any_memory_are_refused_before_allocating():
+    """A header whose sizes add up (payload_bytes matching its arrays) may still promise more than the caller's cache
+    can take (max_bytes) or than memory holds: either fails the fetch with KVTransferError, nothing allocated."""
+    def huge(n: int):
+        shape = [n, 8, 16, 128]
+        header = json.dumps({"version": 1, "layers": ["dense"], "arrays": [[shape, "float32"]] * 2,
+                             "payload_bytes": 2 * n * 8 * 16 * 128 * 4, "payload_crc32": 0}).encode()
+        data = PREFIX.pack(MAGIC, len(header), zlib.crc32(header)) + header
+
+        async def handler(reader, writer):
+            await read_frame(reader)
+            writer.write(frame({"ok": True, "via": "bytes"}) + data)
+            await writer.drain()
+            writer.close()
+        return handler
+
+    async def main():
+        never_pulls = object()  # refused before any pull: the endpoint is never used
+        for handler, max_bytes, endpoint, match in [
+                (huge(1 << 40), None, None, "no memory for"), (huge(1 << 50), None, None, "no memory"),
+                (huge(1 << 40), 1 << 30, None, "more than the 1073741824 this fetch can take"),
+                (replying_by_jax(f"{HOST}:1", "float32"), 100, never_pulls, "more than the 100")]:
+            server, port = await fake_server(handler)
+            with pytest.raises(KVTransferError, match=match):
+                await fetch_pages(HOST, port, "x", timeout=10, jax_endpoint=endpoint, max_bytes=max_bytes)
+            server.close()
+        store = KVStore()
+        server = await serving(store)
+        store.put("t", make_pages("float32"))
+        with pytest.raises(KVTransferError, match="more than the 100 this fetch"):  # an honest one, too big
+            await fetch_pages(HOST, server.port, "t", timeout=10, max_bytes=100)
+        await server.close()
+    asyncio.run(main())
+
+
 def test_the_server_survives_junk_and_clients_that_leave():
     async def main():
         store = KVStore()
@@ -272,7 +307,8 @@ def test_the_server_survives_junk_and_clients_that_leave():
         kv = make_pages("bfloat16", n=64)
         store.put("keep", kv)
         store.put("abandoned", kv)
-        for junk in [b"\xff\xff\xff\xff", frame({"transfer_id": 7}), b"\x03\0\0\0[1]", b"GET / HTTP/1.1\r\n\r\n"]:
+        for junk in [b"\xff\xff\xff\xff", frame({"transfer_id": 7}), b"\x03\0\0\0[1]", b"GET / HTTP/1.1\r\n\r\n",
+                     frame({"transfer_id": "keep", "via": 7}), frame({"transfer_id": "keep", "via": [None]})]:
             reader, writer = await asyncio.open_connection(HOST, server.port)
             writer.write(junk)
             await writer.drain()
@@ -285,6 +321,24 @@ def test_the_server_survives_junk_and_clients_that_leave():
         writer.close()
         assert_same_pages(await fetch_pages(HOST, server.port, "keep", timeout=10), kv)
         assert len(store) == 0
+        await server.close()
+    asyncio.run(main())
+
+
+def test_a_client_that_stops_reading_is_dropped_after_the_send_timeout():
+    async def main():
+        store = KVStore()
+        server = KVServer(store, HOST, 0, send_timeout_s=0.5)
+        await server.start()
+        kv = make_pages("float32", n=512, kv_heads=8, page_size=16, head_dim=64)  # 32 MB: past any socket buffer
+        store.put("t", kv)
+        reader, writer = await asyncio.open_connection(HOST, server.port)
+        writer.write(frame({"transfer_id": "t", "via": ["bytes"]}))
+        await asyncio.sleep(1.5)  # reads nothing meanwhile
+        received = len(await asyncio.wait_for(reader.read(), 10))  # to the end: the server has closed it
+        assert 0 < received < sum(x.nbytes for x in jax.tree.leaves(kv))
+        assert server.served["bytes"] == 0 and len(store) == 0
+        writer.close()
         await server.close()
     asyncio.run(main())
 

@@ -32,13 +32,16 @@ class DataParallel:
         self._placed: dict[str, EngineCore] = {}  # request id -> its replica, while it has sequences
         self.routed = [0] * len(replicas)  # requests sent to each replica
 
-    def route(self, seq: Sequence) -> EngineCore:
-        """The healthy replica a new request's sequence goes to (the one its siblings went to, if any)."""
+    def route(self, seq: Sequence, prefer=None) -> EngineCore:
+        """The healthy replica a new request's sequence goes to (the one its siblings went to, if any); prefer(core)
+        -> bool: only those it prefers, if any is."""
         if seq.request_id in self._placed:
             return self._placed[seq.request_id]
         healthy = [i for i, core in enumerate(self.replicas) if core.healthy]
         if not healthy:
             raise EngineDeadError("every data-parallel replica has stopped after failed steps")
+        if prefer is not None:
+            healthy = [i for i in healthy if prefer(self.replicas[i])] or healthy
         # Replicas share one page size: the prompt is hashed once, whatever their number.
         keys = page_keys(seq.prompt_token_ids, self.replicas[0].scheduler.cache.page_size, [], seq.prefix_salt)
 
@@ -57,15 +60,21 @@ class DataParallel:
 
     def add_prefilled(self, seq: Sequence, kv: KVPages, num_cached: int, **kw) -> None:
         """A sequence prefilled elsewhere (EngineCore.add_prefilled's arguments), to the replica routing picks (its
-        request's, if it has one here)."""
-        core = self.route(seq)
+        request's, if it has one here), among those that would admit it now if any would."""
+        core = self.route(seq, lambda core: core.can_take_prefilled(seq))
         core.add_prefilled(seq, kv, num_cached, **kw)
         self._placed[seq.request_id] = core
 
-    def take_handed_off(self) -> list[HandOff]:
-        """Every replica's hand-offs (see EngineCore.take_handed_off); a request none of whose sequences is left
-        here is forgotten."""
-        handed = [h for core in self.replicas for h in core.take_handed_off()]
+    def can_take_prefilled(self, seq: Sequence) -> bool:
+        """The replica add_prefilled would pick for seq admits it as soon as its KV lands."""
+        if seq.request_id in self._placed:
+            return self._placed[seq.request_id].can_take_prefilled(seq)
+        return any(core.can_take_prefilled(seq) for core in self.replicas)
+
+    def take_handed_off(self, seqs: list[Sequence] | None = None) -> list[HandOff]:
+        """Every replica's hand-offs, or those of seqs (see EngineCore.take_handed_off); a request none of whose
+        sequences is left here is forgotten."""
+        handed = [h for core in self.replicas for h in core.take_handed_off(seqs)]
         for h in handed:
             if not self._holds(h.seq.request_id):
                 self._placed.pop(h.seq.request_id, None)
@@ -95,7 +104,7 @@ class DataParallel:
     def _holds(self, request_id: str) -> bool:
         core = self._placed.get(request_id)
         s = core.scheduler if core else None
-        return s is not None and any(q.request_id == request_id for q in s.waiting + s.running)
+        return s is not None and any(q.request_id == request_id for q in s.waiting + s.running + s.handed_off)
 
     def has_unfinished(self) -> bool:
         return any(core.has_unfinished() for core in self.replicas)

@@ -3,11 +3,14 @@ group, behind one request interface (EngineCore's, as DataParallel's).
 
 A request goes to the least-loaded prefill replica (`DataParallel` routing: prefix-cache hits break ties), whose
 scheduler (role "prefill") runs its prompt in chunks and samples its first token; it is never decoded there. Each
-step, the prefill replicas' hand-offs move to the least-loaded decode replica: the pages a sequence's prompt fills
-are exported (a gather on the prefill devices), copied to the decode replica's devices at once (`jax.device_put`,
-resharded to its cache's split over KV heads, so the pools may differ in tensor parallelism), and written into its
-cache when its scheduler has pages and a slot for it; until then it waits there, holding only that copy. Each pool
-scales on its own: prompt chunks never stretch a decode step, and decode rows never delay a prompt.
+step, the prefill replicas' hand-offs move, oldest first, to the least-loaded decode replica that can admit them
+now (a free slot and pages for its tokens, after what it has promised to the sequences waiting there): the pages a
+sequence's prompt fills are exported (a gather on the prefill devices), copied to the decode replica's devices
+(`jax.device_put`, resharded to its cache's split over KV heads, so the pools may differ in tensor parallelism), and
+written into its cache once the copy has landed. Until a decode replica can admit it, a handed-off sequence stays on
+its prefill replica holding its pages there: a busy decode pool fills the prefill cache and so stalls the prefill
+pool, and no copy ever waits on the decode devices outside their cache's budget. Each pool scales on its own:
+prompt chunks never stretch a decode step, and decode rows never delay a prompt.
 
 A step that fails ends only the requests of the replica it ran on (a request with sequences in both pools ends
 whole); abort finds a request wherever it is. Moving pages never compiles while serving: page counts are bucketed,
@@ -48,13 +51,16 @@ class Disaggregated:
             changed += self.prefill.step()
         except StepError as e:
             changed, failed, cause = changed + e.changed, {**failed, **e.failed}, e.cause
-        for hand_off in self.prefill.take_handed_off():
-            if hand_off.seq.request_id in failed:
-                continue  # a sibling's replica failed: the request has ended
+        for seq in self._handed_off():
+            if seq.request_id in failed:
+                continue  # a sibling's replica failed: the request has ended (and the abort below frees its pages)
+            if not self.decode.can_take_prefilled(seq) and any(core.healthy for core in self.decode.replicas):
+                break  # it waits on its prefill replica, holding its pages there, and those after it too
+            (hand_off,) = self.prefill.take_handed_off([seq])
             try:
-                self.decode.add_prefilled(hand_off.seq, hand_off.kv, hand_off.num_cached, started=hand_off.exported_at)
+                self.decode.add_prefilled(seq, hand_off.kv, hand_off.num_cached, started=hand_off.exported_at)
             except Exception as e:  # noqa: BLE001 - no decode replica takes it: its request ends, others go on
-                failed[hand_off.seq.request_id] = e
+                failed[seq.request_id] = e
                 cause = cause or e
         try:
             changed += self.decode.step()
@@ -65,6 +71,10 @@ class Disaggregated:
         if cause is not None:
             raise StepError(cause, changed, failed)
         return changed
+
+    def _handed_off(self) -> list[Sequence]:
+        """The prefill pool's sequences waiting to move to the decode pool, oldest first."""
+        return sorted((s for core in self.prefill.replicas for s in core.scheduler.handed_off), key=lambda s: s.arrival)
 
     def has_unfinished(self) -> bool:
         return self.prefill.has_unfinished() or self.decode.has_unfinished()

@@ -17,11 +17,12 @@ batches without one keep it (what that costs: BENCHMARKS.md). Constrained rows n
 batch may.
 
 Disaggregated prefill (`jaxserve.batching.disaggregated`): a prefill engine's scheduler hands each sequence off
-once its first token has landed; `take_handed_off` dispatches the export of its pages (a gather on the device) and
-only then gives them back, so a later step that reuses them runs after the gather. A decode engine takes it with
-those pages (`add_prefilled`), copies them to its own devices at once, and writes them into its cache when the
-scheduler admits it (once the copy has landed, so a decode step never waits for the prefill devices, which may
-still be running the step after the export), before the step that first reads them is dispatched.
+once its first token has landed, its pages held until `take_handed_off` (called when a decode engine can admit it:
+`can_take_prefilled`) dispatches their export (a gather on the device) and only then gives them back, so a later
+step that reuses them runs after the gather. A decode engine takes it with those pages (`add_prefilled`), copies
+them to its own devices at once, and writes them into its cache when the scheduler admits it (once the copy has
+landed, so a decode step never waits for the prefill devices, which may still be running the step after the
+export), before the step that first reads them is dispatched.
 
 A step that fails ends only the requests it held, and the results read back before it failed still reach theirs
 (`StepError`); a replica whose steps keep failing stops (`healthy`) and ends every request it holds.
@@ -41,7 +42,7 @@ from jaxserve.batching.scheduler import ScheduledBatch, Scheduler
 from jaxserve.batching.sequence import Sequence, Status
 from jaxserve.batching.spec_controller import SpecController
 from jaxserve.cache import pages_needed
-from jaxserve.cache.transfer import KVPages, kv_bytes
+from jaxserve.cache.transfer import KVPages, kv_bytes, num_pages
 
 # Steps of one engine replica that may fail in a row before it declares itself dead instead of going on.
 MAX_FAILED_STEPS = 3
@@ -154,7 +155,8 @@ class EngineCore:
         self._recent: list[tuple[float, int]] = []  # (time, tokens) of recent steps, for tokens/s
         self._changed: list[SequenceDelta] = []  # what the current step has read back so far
         self.failed_steps = 0  # in a row: reset when a sequence decodes past its first token or finishes
-        self._transfers: list[Transfer] = []  # still landing
+        self._failed_imports: dict[str, BaseException] = {}  # request id -> why its import failed, this step
+        self._transfers: dict[Sequence, Transfer] = {}  # still landing, by the prefilled sequence they are for
         self.kv_transfers, self.kv_transfer_bytes, self.kv_transfer_seconds = 0, 0, 0.0
 
     @property
@@ -167,39 +169,54 @@ class EngineCore:
         self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> list[Sequence]:
-        return self.scheduler.abort(request_id)
+        aborted = self.scheduler.abort(request_id)
+        for seq in aborted:  # a copy still landing for it is dropped, and never counts as a transfer
+            self._transfers.pop(seq, None)
+        return aborted
 
-    def take_handed_off(self) -> list[HandOff]:
-        """The sequences the prefill scheduler has handed off since the last call, their pages' export
-        dispatched; the pages are then free here."""
+    def take_handed_off(self, seqs: list[Sequence] | None = None) -> list[HandOff]:
+        """The sequences the prefill scheduler has handed off (seqs: those of them; default: all), their pages'
+        export dispatched; the pages are then free here. Until taken, a handed-off sequence holds its pages."""
         handed = []
-        for seq in list(self.scheduler.handed_off):
+        for seq in [s for s in self.scheduler.handed_off if seqs is None or s in seqs]:
             kv = self.runner.export_pages(seq.pages[:pages_needed(seq.num_cached, self.scheduler.page_size)])
             handed.append(HandOff(seq, kv, seq.num_cached, time.perf_counter()))
             self.scheduler.release_handed_off(seq)
         return handed
+
+    def can_take_prefilled(self, seq: Sequence) -> bool:
+        """A prefilled sequence added now would be admitted as soon as its KV lands (see
+        Scheduler.can_take_prefilled): what a pool checks before it moves a sequence's pages here."""
+        return self.healthy and self.scheduler.can_take_prefilled(seq)
 
     def add_prefilled(self, seq: Sequence, kv: KVPages, num_cached: int, first_token: int | None = None,
                       logprob: float = 0.0, started: float | None = None) -> None:
         """A sequence prefilled elsewhere, with the K/V of its first num_cached tokens (kv: from `take_handed_off`
         or over the wire). It waits here until a slot and pages are free, then decodes. first_token: its first
         token, for a sequence built here (a decode server's), taken as already said; started: when its export
-        began (time.perf_counter(); default now), for the transfer's seconds. Raises ValueError if it does not fit
-        (nothing is then held)."""
+        began (time.perf_counter(); default now), for the transfer's seconds. Raises ValueError if it does not fit,
+        or kv is not pages of this cache's layout and dtype holding num_cached tokens (nothing is then held)."""
         if not self.healthy:
             raise EngineDeadError(f"this engine stopped after {self.failed_steps} failed steps in a row")
         self.scheduler.check_fits(seq)
-        kv = self.runner.put_pages(kv)
+        need = pages_needed(num_cached, self.scheduler.page_size)
+        if num_pages(kv) < need:  # a cut copy would import the cache's padding as its K/V
+            raise ValueError(f"request {seq.request_id}: {num_cached} cached tokens need {need} KV pages, "
+                             f"got {num_pages(kv)}")
+        try:
+            kv = self.runner.put_pages(kv)
+        except ValueError as e:
+            raise ValueError(f"request {seq.request_id}: {e}") from e
         if first_token is not None:
             output_processor.take_as_said(seq, first_token, logprob)
         self.scheduler.add_prefilled(seq, num_cached, kv, first_token, lambda: _is_ready(kv))
-        self._transfers.append(Transfer(time.perf_counter() if started is None else started, kv, kv_bytes(kv)))
+        self._transfers[seq] = Transfer(time.perf_counter() if started is None else started, kv, kv_bytes(kv))
 
     def _landed(self) -> None:
         """Counts the transfers that have landed (without waiting for any)."""
         now = time.perf_counter()
-        for t in [t for t in self._transfers if _is_ready(t.kv)]:
-            self._transfers.remove(t)
+        for seq, t in [(seq, t) for seq, t in self._transfers.items() if _is_ready(t.kv)]:
+            del self._transfers[seq]
             self.kv_transfers += 1
             self.kv_transfer_bytes += t.num_bytes
             self.kv_transfer_seconds += now - t.started
@@ -215,7 +232,7 @@ class EngineCore:
         if not failed or not self.healthy:
             failed |= {q.request_id for q in s.waiting}
         for request_id in failed:
-            self.scheduler.abort(request_id)
+            self.abort(request_id)
         self._in_flight = None
         self._last_fetch = self._last_arrival = None  # the failure's gap is no step time
         return failed
@@ -224,6 +241,7 @@ class EngineCore:
         """After a failed step: every sequence out, nothing in flight (its results are lost with it)."""
         for seq in self.scheduler.waiting + self.scheduler.running + self.scheduler.handed_off:
             self.scheduler.finish(seq)
+        self._transfers.clear()
         self._in_flight = None
 
     def has_unfinished(self) -> bool:
@@ -233,7 +251,7 @@ class EngineCore:
         """Dispatches the next step and returns what the previous one (and, in a speculative step, this one) added
         to each sequence. Raises StepError if it fails, with the requests it ended and what it had
         read back before; the engine is then clean for the next step."""
-        self._changed = []
+        self._changed, self._failed_imports = [], {}
         self._landed()
         try:
             self._step()
@@ -248,7 +266,9 @@ class EngineCore:
             if not self.healthy:
                 dead = EngineDeadError(f"the engine stopped after {self.failed_steps} failed steps in a row: {e}")
                 failed = dict.fromkeys(failed, dead)
-            raise StepError(e, self._changed, failed) from e
+            raise StepError(e, self._changed, {**self._failed_imports, **failed}) from e
+        if self._failed_imports:  # the step ran without them
+            raise StepError(next(iter(self._failed_imports.values())), self._changed, self._failed_imports)
         return self._changed
 
     def _step(self) -> None:
@@ -263,13 +283,15 @@ class EngineCore:
         batch = self.scheduler.schedule()
         if not batch and self._in_flight is None and self.scheduler.awaits_kv():
             # Nothing to run but sequences whose KV is still landing: wait for it here rather than spin.
-            jax.block_until_ready([t.kv for t in self._transfers])
+            jax.block_until_ready([t.kv for t in self._transfers.values()])
             batch = self.scheduler.schedule()
         self._import(batch)
         dispatched = self._dispatch(batch) if batch else None
         done, self._in_flight = self._in_flight, dispatched
         if done is None:
-            if dispatched is None and self.scheduler.has_unfinished():
+            # Handed-off sequences not yet taken hold their pages: waiting ones may wait for them.
+            if dispatched is None and self.scheduler.has_unfinished() and not self.scheduler.handed_off \
+                    and not self._failed_imports:
                 raise RuntimeError("the scheduler can neither run nor admit any sequence")  # a bug, never a wait
             return
         self._update(done)
@@ -315,9 +337,17 @@ class EngineCore:
         self._last_fetch = None
 
     def _import(self, batch: ScheduledBatch) -> None:
-        """Writes the K/V of the prefilled sequences admitted to `batch` into their pages, before its step."""
-        for pages, kv in batch.imports:
-            self.runner.import_pages(pages, kv)
+        """Writes the K/V of the prefilled sequences admitted to `batch` into their pages, before its step. An import
+        that fails ends its own request only: its rows leave the batch before the step is dispatched."""
+        for seq, pages, kv in batch.imports:
+            try:
+                self.runner.import_pages(pages, kv)
+            except Exception as e:  # noqa: BLE001 - these pages' failure (a bad copy), not the step's
+                self._failed_imports[seq.request_id] = e
+        if self._failed_imports:
+            for request_id in self._failed_imports:
+                self.abort(request_id)
+            batch.drop(set(self._failed_imports))
 
     def _dispatch(self, batch: ScheduledBatch) -> InFlight:
         handle = self.runner.dispatch(batch.rows)
@@ -383,4 +413,5 @@ class EngineCore:
         cache = self.scheduler.cache
         assert cache.num_available == cache.allocator.num_usable, "a page is still held"
         assert sorted(self.scheduler._free_slots) == list(range(self.scheduler.max_num_seqs))
+        assert not self._transfers, "a KV copy is still counted as landing"
         assert all(s.status is not Status.RUNNING for s in self.scheduler.waiting)

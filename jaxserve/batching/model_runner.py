@@ -115,7 +115,7 @@ class ModelRunner:
     def put_pages(self, kv: KVPages) -> KVPages:
         """kv where this cache's pages live, split as they are (a copy started, not waited for), padded to a
         page-count bucket: from host numpy, or another mesh's export (resharded). Raises ValueError for pages of
-        another shape."""
+        another shape or dtype (a cast would import other values than were exported)."""
         kv = [(k, v) for k, v in kv]
         if len(kv) != len(self.kv_cache) or jax.tree.structure(kv) != jax.tree.structure(self.kv_cache):
             raise ValueError(f"KV pages of {len(kv)} layers ({jax.tree.structure(kv)}) do not fit this cache's "
@@ -124,12 +124,18 @@ class ModelRunner:
         for x, pages in zip(jax.tree.leaves(kv), jax.tree.leaves(self.kv_cache)):
             if x.shape[0] != have or x.shape[1:] != pages.shape[1:]:
                 raise ValueError(f"KV pages of shape {x.shape} do not fit this cache's {pages.shape[1:]} per page")
+            if x.dtype != pages.dtype:
+                raise ValueError(f"KV pages of dtype {x.dtype} do not fit this cache's {pages.dtype}")
         if have > self.page_buckets[-1]:
             raise ValueError(f"{have} KV pages are more than a sequence here can hold ({self.page_buckets[-1]})")
         size = round_up(have, self.page_buckets)
         if size != have:  # a trimmed copy (from the host): padded there, so the import runs a warmed-up program
             kv = jax.tree.map(lambda x: np.concatenate([np.asarray(x), np.zeros((size - have,) + x.shape[1:],
                                                                                    x.dtype)]), kv)
+        if self.mesh is None:
+            # Uncommitted, as the cache is: a program is compiled for its inputs' committedness, so a committed copy
+            # scattered in would commit the cache and make every step compile again after warm-up.
+            return jax.tree.map(lambda x: jax.device_put(np.asarray(x) if getattr(x, "committed", False) else x), kv)
         return jax.device_put(kv, self._page_shardings)
 
     def import_pages(self, page_ids: list[int], kv: KVPages) -> None:

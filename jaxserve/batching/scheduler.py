@@ -20,8 +20,9 @@ on being admitted.
 
 Disaggregated serving (`jaxserve.batching.disaggregated`) splits a sequence's life over two schedulers. One with
 role "prefill" runs prompts only: once a sequence's first token has landed (and did not end it), `update` moves it
-out of `running` to `handed_off`, its pages held until the engine has exported them (`release_handed_off`); while
-that first token is in flight, the sequence gets no decode row. A decode scheduler (role "decode", or "both") takes
+out of `running` to `handed_off`, its pages held until the engine has exported them (`release_handed_off`), which
+it does once a decode scheduler can take it (`can_take_prefilled`); while that first token is in flight, the
+sequence gets no decode row. A decode scheduler (role "decode", or "both") takes
 such a sequence with its KV pages (`add_prefilled`): it waits like any other, and once a slot and pages for all its
 tokens are free it is admitted with its prompt counted as computed and the pages to import listed in the step
 (`ScheduledBatch.imports`), which the engine writes into the cache before the step runs; then it decodes as any
@@ -92,11 +93,24 @@ class ScheduledBatch:
     # The step's rows, laid out once the batch is complete: decode rows, then prompt chunks.
     rows: list[Row] = dataclasses.field(default_factory=list)
     constrained: bool = False  # a row samples under a grammar: the next step needs this one's tokens to plan
-    # Sequences prefilled elsewhere and admitted now: (their first pages, the KV to write there before the step).
-    imports: list[tuple[list[int], KVPages]] = dataclasses.field(default_factory=list)
+    # Sequences prefilled elsewhere and admitted now: (the sequence, its first pages, the KV to write there before
+    # the step).
+    imports: list[tuple[Sequence, list[int], KVPages]] = dataclasses.field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.decode or self.prefill)
+
+    def drop(self, request_ids: set[str]) -> None:
+        """Takes these requests' rows out, before the step is dispatched (their sequences were taken out since)."""
+        def kept(seq: Sequence) -> bool:
+            return seq.request_id not in request_ids
+        self.rows = [row for row, seq in zip(self.rows, self.row_seqs) if kept(seq)]
+        self.decode = [s for s in self.decode if kept(s)]
+        self.prefill = [c for c in self.prefill if kept(c.seq)]
+        self.num_draft = {s: k for s, k in self.num_draft.items() if kept(s)}
+        self.proposals = {s: p for s, p in self.proposals.items() if kept(s)}
+        self.writes = [w for w in self.writes if kept(w.seq)]
+        self.imports = [i for i in self.imports if kept(i[0])]
 
     @property
     def num_tokens(self) -> int:
@@ -210,6 +224,13 @@ class Scheduler:
         self.add(seq)
         self._imports[seq] = (num_cached, kv, time.monotonic(), landed)
 
+    def can_take_prefilled(self, seq: Sequence) -> bool:
+        """A prefilled sequence given now would be admitted at once (once its KV has landed): a slot and pages for
+        its tokens are free after every waiting sequence (prefilled ones landing, preempted ones) has had its own."""
+        promised = sum(pages_needed(q.num_tokens, self.page_size) for q in self.waiting)
+        return (len(self.running) + len(self.waiting) < self.max_num_seqs
+                and promised + pages_needed(seq.num_tokens, self.page_size) <= self.cache.num_available)
+
     def has_unfinished(self) -> bool:
         """Sequences to run (not counting any handed off, which only wait to be taken)."""
         return bool(self.waiting or self.running)
@@ -232,7 +253,7 @@ class Scheduler:
         elif seq.status is Status.WAITING:
             self.waiting.remove(seq)
             self._imports.pop(seq, None)
-        elif seq.status is Status.HANDED_OFF:
+        elif seq.status is Status.HANDED_OFF and seq in self.handed_off:  # not yet taken: its pages go back
             self.release_handed_off(seq)
         seq.status = Status.FINISHED
         output_processor.free_grammar(seq)
@@ -303,7 +324,7 @@ class Scheduler:
         plan.decode = [s for s in plan.decode if s.status is Status.RUNNING]
         plan.num_draft = {s: k for s, k in plan.num_draft.items() if s.status is Status.RUNNING}
         plan.prefill = [c for c in plan.prefill if c.seq.status is Status.RUNNING]
-        plan.imports = [(pages, kv) for seq, pages, kv in self._admitted_imports if seq.status is Status.RUNNING]
+        plan.imports = [i for i in self._admitted_imports if i[0].status is Status.RUNNING]
         for seq in self.waiting:
             seq.waited_steps += 1
             seq.boost = seq.waited_steps // AGING_STEPS
@@ -379,7 +400,8 @@ class Scheduler:
                 self.finish(seq)
             elif seq in batch.proposals:
                 self._roll_back(seq, len(batch.proposals[seq]) - (d.num_emitted - 1))
-            elif self.role == "prefill":
+            elif self.role == "prefill" and seq.status is Status.RUNNING:
+                # One preempted while its first token was in flight recomputes, and is handed off after that.
                 self._hand_off(seq)
 
     def _hand_off(self, seq: Sequence) -> None:

@@ -19,16 +19,19 @@ logger = logging.getLogger(__name__)
 
 REQUEST_TIMEOUT_S = 10.0  # a connection that sends no request in this long is dropped
 PULL_TIMEOUT_S = 60.0  # an offer on the jax path that the client does not pull in this long is dropped
+SEND_TIMEOUT_S = 60.0  # a client that has not read its pages in this long (it stopped reading) is dropped
 
 
 class KVServer:
     """`await start()` listens on host:port (0: a free port) and returns the port; `await close()` stops it. host is
     also the address clients use. With a JaxTransferEndpoint, a client that asks for the jax path gets it;
-    otherwise every fetch goes as bytes."""
+    otherwise every fetch goes as bytes. send_timeout_s: a client that has not read all of its pages by then is dropped
+    (with its pages: they were taken from the store)."""
 
     def __init__(self, store: KVStore, host: str = "127.0.0.1", port: int = 0,
-                 jax_endpoint: JaxTransferEndpoint | None = None):
+                 jax_endpoint: JaxTransferEndpoint | None = None, send_timeout_s: float = SEND_TIMEOUT_S):
         self.store = store
+        self.send_timeout_s = send_timeout_s
         self.host = host
         self.port = port
         self.jax_endpoint = jax_endpoint
@@ -81,8 +84,11 @@ class KVServer:
             try:
                 request = await asyncio.wait_for(read_message(sock, peer), REQUEST_TIMEOUT_S)
                 transfer_id = request.get("transfer_id")
+                via = request.get("via", ["bytes"])
                 if not isinstance(transfer_id, str):
                     raise KVTransferError(f"a fetch request without a transfer_id: {request!r}")
+                if not isinstance(via, list) or not all(isinstance(v, str) for v in via):
+                    raise KVTransferError(f"a fetch request's via must be a list of path names, got {via!r}")
                 kv = self.store.take(transfer_id)
             except (KVTransferError, TimeoutError) as e:
                 with contextlib.suppress(OSError):
@@ -90,7 +96,7 @@ class KVServer:
                 return
             except OSError:
                 return
-            via = "jax" if self.jax_endpoint is not None and "jax" in (request.get("via") or ()) else "bytes"
+            via = "jax" if self.jax_endpoint is not None and "jax" in via else "bytes"
             try:  # the pages' export may have failed on the device: the client hears why
                 parts, nbytes = await (self._offer(kv) if via == "jax" else self._encode(kv))
             except Exception as e:  # noqa: BLE001 - any failure of this transfer is this transfer's, not the server's
@@ -99,8 +105,8 @@ class KVServer:
                     await send_all(sock, frame({"ok": False, "error": f"the KV pages could not be sent: {e!r}"}))
                 return
             try:
-                await send_all(sock, *parts)
-            except OSError as e:  # the client went away: its pages go with this frame
+                await asyncio.wait_for(send_all(sock, *parts), self.send_timeout_s)
+            except (OSError, TimeoutError) as e:  # the client went away or stopped reading: its pages go with it
                 logger.warning("KV transfer %r to %s failed: %r", transfer_id, peer, e)
                 return
             self.served[via] += 1
