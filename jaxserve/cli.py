@@ -76,7 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "free one, told to the router with each request)")
     srv.add_argument("--kv-transfer-host", default=None,
                      help="--role prefill: the address to bind that port on and the one decode servers are told "
-                          "(default: --host)")
+                          "(default: --host; bound to a wildcard such as 0.0.0.0, decode servers are told the address "
+                          "each request came in on)")
     EngineConfig.add_cli_args(srv, serving=True)
     _verbose_arg(srv)
     rt = sub.add_parser("router", help="the OpenAI API over separate prefill and decode servers",

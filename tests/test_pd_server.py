@@ -174,6 +174,23 @@ def test_errors_of_the_servers_are_forwarded_as_they_are(pd, path, body):
     assert post(router.url, path, body) == post(both.url, path, body)
 
 
+def test_a_kv_server_on_a_wildcard_address_advertises_the_address_the_request_came_in_on(pd):
+    _, prefill, _, _ = pd
+    side = prefill.server.prefill_side
+    bound, side.kv_server.host = side.kv_server.host, "0.0.0.0"  # as `--host 0.0.0.0` binds it
+    try:
+        status, answer = post(prefill.url, "/v1/completions", {
+            "model": "tiny", "prompt": "wildcard", "max_tokens": 4, "temperature": 0, "ignore_eos": True,
+            "kv_transfer_params": {"do_remote_decode": True}})
+    finally:
+        side.kv_server.host = bound
+    assert status == 200, answer
+    params = answer["kv_transfer_params"]
+    assert side.store.discard(params["transfer_id"])
+    assert params["remote_host"] == "127.0.0.1"
+    assert_clean(prefill)
+
+
 def test_what_disaggregation_does_not_do_is_a_clear_400(pd):
     _, prefill, decode, router = pd
     status, body = post(router.url, "/v1/completions", {"prompt": "x", "n": 2})

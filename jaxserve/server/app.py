@@ -336,7 +336,7 @@ class Server:
                     raise ApiError(503, str(e)) from None
             async with contextlib.aclosing(merged(streams)) as outputs:
                 if self.role == "prefill":
-                    return await self._prefill_answer(m, run, outputs)
+                    return await self._prefill_answer(m, request, run, outputs)
                 return await (run.stream(request, outputs, include_usage) if stream else run.whole(outputs))
         finally:
             # However it ended (a client gone, a cancelled handler, an error): a no-op for a finished request.
@@ -348,13 +348,14 @@ class Server:
                         m.metrics.finished("abort")
 
 
-    async def _prefill_answer(self, m: ServedModel, run: CompletionResponse, outputs) -> web.Response:
+    async def _prefill_answer(self, m: ServedModel, request, run: CompletionResponse, outputs) -> web.Response:
         """The first token's answer; unless that token ended the request, its pages go to the KV store and the
         answer says where (kv_transfer_params)."""
         body = await run.whole_body(outputs)
         if run.handed_off is not None:
             body[disaggregated.FIELD] = await self.prefill_side.hand_off(
-                run.handed_off.seq.request_id, run.handed_off, m.engine.llm.scheduler.page_size)
+                run.handed_off.seq.request_id, run.handed_off, m.engine.llm.scheduler.page_size,
+                request.transport.get_extra_info("sockname")[0])
         return web.json_response(body)
 
 

@@ -27,6 +27,7 @@ from jaxserve.openai_api import ApiError
 
 FIELD = "kv_transfer_params"
 KV_SECONDS_HEADER, KV_BYTES_HEADER = "X-KV-Transfer-Seconds", "X-KV-Transfer-Bytes"
+WILDCARD_HOSTS = {"", "0.0.0.0", "::"}
 _DECODE_KEYS = {"do_remote_prefill": bool, "transfer_id": str, "remote_host": str, "remote_port": int,
                 "first_token_id": int, "num_cached": int}
 
@@ -69,12 +70,19 @@ class PrefillSide:
     async def close(self) -> None:
         await self.kv_server.close()
 
-    async def hand_off(self, transfer_id: str, hand_off, page_size: int) -> dict:
+    def advertised_host(self, local_host: str) -> str:
+        """The KV server's address for decode servers: its own, or, bound to a wildcard (0.0.0.0, ::) that no one
+        can connect to, the local address the router's HTTP request came in on (reachable from the router's side of
+        the network, and so, as a rule, from the decode servers')."""
+        return local_host if self.kv_server.host in WILDCARD_HOSTS else self.kv_server.host
+
+    async def hand_off(self, transfer_id: str, hand_off, page_size: int, local_host: str) -> dict:
         """Puts a HandOff's pages (trimmed to its cached tokens, on the host: off the event loop) in the store; the
-        params that fetch them."""
+        params that fetch them. local_host: the address the request came in on (see advertised_host)."""
         kv = await asyncio.to_thread(trimmed, hand_off.kv, pages_needed(hand_off.num_cached, page_size))
         self.store.put(transfer_id, kv)
-        return {"transfer_id": transfer_id, "remote_host": self.kv_server.host, "remote_port": self.kv_server.port,
+        return {"transfer_id": transfer_id, "remote_host": self.advertised_host(local_host),
+                "remote_port": self.kv_server.port,
                 "first_token_id": hand_off.seq.output_token_ids[0], "num_cached": hand_off.num_cached}
 
 
