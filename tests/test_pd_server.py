@@ -17,7 +17,7 @@ import pytest
 from aiohttp import web
 
 from serving import AppThread, RouterThread, ServerThread, free_port, http, metric_samples, wait_idle
-from jaxserve.server.disaggregated import PrefillSide
+from jaxserve.server.disaggregated import PrefillSide, prompt_digest
 from tiny import make_llm
 
 TTL_S = 5.0
@@ -209,11 +209,27 @@ def test_a_failed_kv_fetch_is_a_clean_error(pd):
     """A decode server told to fetch pages that are not there (the prefill server died, or the transfer expired):
     a 502, and nothing was added."""
     _, _, decode, _ = pd
+    ids = decode.engine.llm.tokenizer.encode("ab")
     params = {"do_remote_prefill": True, "transfer_id": "gone", "remote_host": "127.0.0.1", "remote_port": free_port(),
-              "first_token_id": 65, "num_cached": 2}
+              "first_token_id": 65, "num_cached": 2, "num_prompt_tokens": len(ids), "prompt_digest": prompt_digest(ids)}
     status, body = post(decode.url, "/v1/completions", {"prompt": "ab", "kv_transfer_params": params, "stream": True})
     assert status == 502 and "fetching the prefilled KV pages failed" in body["error"]["message"]
     assert_clean(decode)
+
+
+@pytest.mark.parametrize("change", [{"prompt_digest": 1}, {"num_prompt_tokens": 1}])
+def test_a_prompt_that_tokenizes_otherwise_on_the_decode_server_is_a_400_before_any_fetch(pd, change):
+    """Another tokenizer or chat template on the decode server: its pages would be for other tokens."""
+    _, prefill, decode, _ = pd
+    body = {"model": "tiny", "prompt": "tokens differ", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    status, answer = post(prefill.url, "/v1/completions", dict(body, kv_transfer_params={"do_remote_decode": True}))
+    assert status == 200, answer
+    params = answer["kv_transfer_params"]
+    params = dict(params, do_remote_prefill=True, **{k: params[k] + v for k, v in change.items()})
+    status, answer = post(decode.url, "/v1/completions", dict(body, kv_transfer_params=params))
+    assert status == 400 and "tokenizes otherwise" in answer["error"]["message"], answer
+    assert prefill.server.prefill_side.store.discard(params["transfer_id"])  # never fetched
+    assert_clean(prefill, decode)
 
 
 def test_health_and_metrics(pd):

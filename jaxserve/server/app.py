@@ -317,6 +317,7 @@ class Server:
         # Base-model requests pass no lora_request: the engine's own default (an engine without LoRA takes none).
         lora = {"lora_request": adapter.lora_request} if adapter is not None else {}
         if self.role == "decode":  # the pages first: a failed fetch adds nothing
+            disaggregated.check_prompt(kv_params, prompts[0]["prompt_token_ids"])
             prefilled, run.headers = await disaggregated.fetch_prefilled(kv_params, self.kv_fetch_timeout_s)
             lora["prefilled"] = prefilled
         admitted = []

@@ -8,7 +8,8 @@ event loop) wait in a KVStore, served by a KVServer, under the request's id; the
 decode server needs. A request that its first token ended is answered whole and holds nothing.
 
 Decode (`fetch_prefilled`): a request must carry {"do_remote_prefill": true, transfer_id, remote_host, remote_port,
-first_token_id, num_cached}; the pages are fetched before the request is added (a failed fetch is a 502 and adds
+first_token_id, num_cached, num_prompt_tokens, prompt_digest}; the prompt must tokenize as on the prefill server
+(a 400 otherwise), then the pages are fetched before the request is added (a failed fetch is a 502 and adds
 nothing), and the answer holds what follows the first token, with the fetch's seconds and bytes in its headers.
 
 Neither role serves a request that does not come this way (400): a prefill engine decodes nothing, and a decode
@@ -18,6 +19,9 @@ from __future__ import annotations
 
 import asyncio
 import time
+import zlib
+
+import numpy as np
 
 from jaxserve.async_engine import Prefilled
 from jaxserve.cache import pages_needed
@@ -29,7 +33,7 @@ FIELD = "kv_transfer_params"
 KV_SECONDS_HEADER, KV_BYTES_HEADER = "X-KV-Transfer-Seconds", "X-KV-Transfer-Bytes"
 WILDCARD_HOSTS = {"", "0.0.0.0", "::"}
 _DECODE_KEYS = {"do_remote_prefill": bool, "transfer_id": str, "remote_host": str, "remote_port": int,
-                "first_token_id": int, "num_cached": int}
+                "first_token_id": int, "num_cached": int, "num_prompt_tokens": int, "prompt_digest": int}
 
 
 def take_params(body: dict, role: str) -> dict | None:
@@ -49,6 +53,21 @@ def take_params(body: dict, role: str) -> dict | None:
             if not isinstance(params.get(key), kind) or isinstance(params[key], bool) and kind is not bool:
                 raise ApiError(400, f"{FIELD}.{key} must be a {kind.__name__}", FIELD)
     return params
+
+
+def prompt_digest(token_ids) -> int:
+    """crc32 of the prompt's token ids (as int32): a decode server that tokenizes the request otherwise (another
+    tokenizer or chat template) must not decode on pages computed for other tokens."""
+    return zlib.crc32(np.asarray(token_ids, np.int32).tobytes())
+
+
+def check_prompt(params: dict, token_ids) -> None:
+    """A 400 unless this server's prompt tokens are the prefill server's (checked before anything is fetched)."""
+    n, want = len(token_ids), params["num_prompt_tokens"]
+    if n != want or prompt_digest(token_ids) != params["prompt_digest"]:
+        what = f"{n} tokens, the prefill server's {want}" if n != want else f"other ids than the prefill server's"
+        raise ApiError(400, f"the prompt tokenizes otherwise on this decode server ({what}): serve the same "
+                            f"tokenizer and chat template on both", FIELD)
 
 
 def one_sequence(seqs: int) -> None:
@@ -83,7 +102,9 @@ class PrefillSide:
         self.store.put(transfer_id, kv)
         return {"transfer_id": transfer_id, "remote_host": self.advertised_host(local_host),
                 "remote_port": self.kv_server.port,
-                "first_token_id": hand_off.seq.output_token_ids[0], "num_cached": hand_off.num_cached}
+                "first_token_id": hand_off.seq.output_token_ids[0], "num_cached": hand_off.num_cached,
+                "num_prompt_tokens": len(hand_off.seq.prompt_token_ids),
+                "prompt_digest": prompt_digest(hand_off.seq.prompt_token_ids)}
 
 
 async def fetch_prefilled(params: dict, timeout_s: float) -> tuple[Prefilled, dict]:
