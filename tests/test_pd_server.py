@@ -295,6 +295,10 @@ def stub(mode: str) -> AppThread:
             return web.json_response({"error": {"message": "too many requests are queued; retry later",
                                                 "type": "rate_limit_error", "param": None, "code": None}},
                                      status=429)
+        if mode == "draining":
+            return web.json_response({"error": {"message": "the server is shutting down",
+                                                "type": "service_unavailable", "param": None, "code": None}},
+                                     status=503)
         if mode == "reset":
             request.transport.abort()
         await asyncio.sleep(3600)
@@ -325,21 +329,24 @@ def test_a_prefill_server_that_hangs_or_resets_is_retried_once_on_another(pd, mo
         assert samples["jaxserve_router:failures_total",
                        frozenset({'pool="prefill"', f'server="{stub_server.url}"', f'kind="{kind}"'})] == 1
         health = json.loads(http("GET", router.url + "/health")[1])
-        assert [b["healthy"] for b in health["prefill"]] == [False, True] and health["status"] == "ok"
-        # Once out of the pool, it is not tried again: no retry.
+        # A reset takes it out of the pool; a timeout does not (a busy server is not a dead one: /health decides).
+        assert [b["healthy"] for b in health["prefill"]] == [mode == "hang", True] and health["status"] == "ok"
+        # Once out of the pool, it is not tried again (no retry); a hung one still in it is tried, and retried.
         assert post(router.url, "/v1/completions", body)[0] == 200
         assert metric_samples(http("GET", router.url + "/metrics")[1].decode())[
-            "jaxserve_router:retries_total", frozenset({'pool="prefill"'})] == 1
+            "jaxserve_router:retries_total", frozenset({'pool="prefill"'})] == 1 + (mode == "hang")
     finally:
         router.stop()
         stub_server.stop()
     assert_clean(prefill, decode)
 
 
-def test_a_full_decode_server_passes_the_request_to_another(pd):
-    """A decode server's 429 comes before it fetches anything: the next decode server takes the pages."""
+@pytest.mark.parametrize("mode", ["full", "draining"])
+def test_a_full_or_draining_decode_server_passes_the_request_to_another(pd, mode):
+    """A decode server's 429 (full) or 503 (shutting down) comes before it fetches anything: the next decode server
+    takes the pages; one shutting down leaves the pool."""
     both, prefill, decode, _ = pd
-    full = stub("full")
+    full = stub(mode)
     router = RouterThread([prefill.url], [full.url, decode.url], health_interval_s=60)
     try:
         body = {"model": "tiny", "prompt": "full", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
@@ -347,6 +354,8 @@ def test_a_full_decode_server_passes_the_request_to_another(pd):
         assert status == 200 and got["choices"] == post(both.url, "/v1/completions", body)[1]["choices"]
         samples = metric_samples(http("GET", router.url + "/metrics")[1].decode())
         assert samples["jaxserve_router:retries_total", frozenset({'pool="decode"'})] == 1
+        health = json.loads(http("GET", router.url + "/health")[1])
+        assert [b["healthy"] for b in health["decode"]] == [mode == "full", True]
     finally:
         router.stop()
         full.stop()
@@ -366,12 +375,9 @@ def test_a_decode_server_that_hangs_ends_the_request_with_an_error(pd):
         evs = events(http("POST", router.url + "/v1/completions", dict(body, stream=True))[1])
         assert evs[0]["choices"][0]["text"] and "did not answer in time" in evs[-1]["error"]["message"]
         assert time.monotonic() - t0 < 10
-        hung_again = RouterThread([prefill.url], [hung.url], decode_timeout_s=1.0, health_interval_s=60)
-        try:  # (a new router: the first took the hung server out of its pool)
-            status, answer = post(hung_again.url, "/v1/completions", body)
-            assert status == 504 and "did not answer in time" in answer["error"]["message"]
-        finally:
-            hung_again.stop()
+        # A timeout leaves the server in the pool (/health decides): the next request goes there too.
+        status, answer = post(router.url, "/v1/completions", body)
+        assert status == 504 and "did not answer in time" in answer["error"]["message"]
     finally:
         router.stop()
         hung.stop()
@@ -404,11 +410,11 @@ def test_a_client_that_leaves_mid_stream_frees_the_decode_servers_pages(pd):
 
 def test_no_healthy_prefill_server_ends_the_request_at_once(pd):
     _, prefill, decode, _ = pd
-    stubs = [stub("hang"), stub("reset")]
+    stubs = [stub("reset"), stub("reset")]  # (a hung one would stay in the pool: a timeout is no proof of death)
     router = RouterThread([s.url for s in stubs], [decode.url], prefill_timeout_s=0.5, health_interval_s=60)
     try:
         status, body = post(router.url, "/v1/completions", {"prompt": "x", "stream": True})
-        assert status in (502, 504) and body["error"]["message"].startswith("prefill failed")
+        assert status == 502 and body["error"]["message"].startswith("prefill failed")
         status, body = post(router.url, "/v1/completions", {"prompt": "x"})  # both are out of the pool now
         assert status == 503 and body["error"]["message"] == "no prefill server is healthy"
         assert http("GET", router.url + "/health")[0] == 503

@@ -49,11 +49,15 @@ class ServerAnswer(Exception):
 
 class ServerFailure(Exception):
     """A server that could not answer (refused, reset, hung, a 5xx): `kind` for the metrics, `reached` False when
-    the request never got to it (then it is safe to send elsewhere, even after the prefill)."""
+    the request never got to it (then it is safe to send elsewhere, even after the prefill). `down`: the server is
+    taken out of its pool until /health says it is back: a refused or reset connection, never a timeout (a busy
+    server is slow, not gone: under load every server could time out once and the router would refuse everything
+    until the next probe)."""
 
     def __init__(self, kind: str, message: str, reached: bool = True, status: int = 502):
         super().__init__(message)
         self.kind, self.message, self.reached, self.status = kind, message, reached, status
+        self.down = kind in ("connect", "disconnect", "draining")
 
 
 def _failure(e: BaseException, what: str) -> ServerFailure:
@@ -113,7 +117,8 @@ class PDRequest:
         except (aiohttp.ClientError, TimeoutError) as e:
             failure = _failure(e, f"prefill server {backend.url}")
             metrics.failures.labels(pool=pool.role, server=backend.url, kind=failure.kind).inc()
-            pool.mark_down(backend, failure.message)
+            if failure.down:
+                pool.mark_down(backend, failure.message)
             raise failure from None
         if status >= 500:
             metrics.failures.labels(pool=pool.role, server=backend.url, kind="http_5xx").inc()
@@ -131,8 +136,9 @@ class PDRequest:
 
     async def decode_events(self, transfer: dict):
         """The decode stream's chunks (dicts); an error event from the server is yielded as it is, and ends it.
-        ServerAnswer for a server's own answer other than 200 (but a 429, tried on one more server: nothing was
-        fetched); ServerFailure when the server cannot be reached (tried on one more), fails or hangs."""
+        ServerAnswer for a server's own answer other than 200 (but a 429, full, or a 503, shutting down, tried on one
+        more server: its admission refused it before any fetch); ServerFailure when the server cannot be reached
+        (tried on one more), fails or hangs."""
         body = {k: v for k, v in self.body.items() if k not in ("echo", "prompt_logprobs")}
         body.update(stream=True, stream_options={"include_usage": True},
                     kv_transfer_params={**transfer, "do_remote_prefill": True})
@@ -161,10 +167,16 @@ class PDRequest:
                                 router.metrics.failures.labels(pool="decode", server=backend.url,
                                                                kind="http_5xx").inc()
                             answer = ServerAnswer(r.status, await r.read(), r.headers)
-                            # Full (its admission refused it before any fetch): another may take the pages.
-                            if r.status == 429 and len(tried) < 2 and pool.pick(tried) is not None:
-                                failure = ServerFailure("full", f"{what} is full", reached=False, status=429)
-                                continue
+                            # Full or shutting down (its admission refused it before any fetch): another may
+                            # take the pages. One shutting down takes no more requests.
+                            if r.status in (429, 503):
+                                failure = ServerFailure("full" if r.status == 429 else "draining",
+                                                        f"{what} answered {r.status}: {_error_message(answer.raw)}",
+                                                        reached=False, status=r.status)
+                                if failure.down:
+                                    pool.mark_down(backend, failure.message)
+                                if len(tried) < 2 and pool.pick(tried) is not None:
+                                    continue
                             raise answer
                         async for event in _events(r):
                             yield event
@@ -176,7 +188,8 @@ class PDRequest:
             except (aiohttp.ClientError, TimeoutError, _Unfinished) as e:
                 failure = _failure(e, what)
                 router.metrics.failures.labels(pool="decode", server=backend.url, kind=failure.kind).inc()
-                pool.mark_down(backend, failure.message)
+                if failure.down:
+                    pool.mark_down(backend, failure.message)
                 if failure.reached or len(tried) == 2:
                     raise failure from None
 
