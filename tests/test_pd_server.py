@@ -174,7 +174,7 @@ def test_errors_of_the_servers_are_forwarded_as_they_are(pd, path, body):
     assert post(router.url, path, body) == post(both.url, path, body)
 
 
-def test_a_kv_server_on_a_wildcard_address_advertises_the_address_the_request_came_in_on(pd):
+def test_a_transfer_is_advertised_at_a_reachable_address_and_held_as_a_copy(pd):
     _, prefill, _, _ = pd
     side = prefill.server.prefill_side
     bound, side.kv_server.host = side.kv_server.host, "0.0.0.0"  # as `--host 0.0.0.0` binds it
@@ -186,8 +186,10 @@ def test_a_kv_server_on_a_wildcard_address_advertises_the_address_the_request_ca
         side.kv_server.host = bound
     assert status == 200, answer
     params = answer["kv_transfer_params"]
-    assert side.store.discard(params["transfer_id"])
+    kv = side.store.take(params["transfer_id"])
     assert params["remote_host"] == "127.0.0.1"
+    # The pages held are a copy of the prompt's: no view keeping the whole padded export alive (as bytes_held counts).
+    assert all(a.base is None for layer in kv for a in layer)
     assert_clean(prefill)
 
 
