@@ -13,6 +13,7 @@ text_offset shifted past the first token's text).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -22,7 +23,7 @@ from aiohttp import web
 
 from jaxserve.openai_api import ApiError, usage
 from jaxserve.router.pool import Backend, Pool
-from jaxserve.server.disaggregated import KV_BYTES_HEADER, KV_SECONDS_HEADER  # the decode server's fetch report
+from jaxserve.server.disaggregated import DISCARD_PATH, KV_BYTES_HEADER, KV_SECONDS_HEADER
 from jaxserve.tool_calls import assemble
 
 logger = logging.getLogger("jaxserve")
@@ -80,6 +81,7 @@ class PDRequest:
         self.include_usage = self.stream and isinstance(options, dict) and options.get("include_usage") is True
         self.headers = {h: request.headers[h] for h in _FORWARDED_HEADERS if h in request.headers}
         self.arrival = time.monotonic()
+        self.prefilled_on: Backend | None = None  # the prefill server holding the request's KV transfer
 
     # ---- the prefill ----
 
@@ -114,6 +116,7 @@ class PDRequest:
                 async with self.router.session.post(backend.url + self.path, json=body, headers=self.headers,
                                                     timeout=timeout) as r:
                     raw, status, headers = await r.read(), r.status, r.headers
+                    self.prefilled_on = backend
         except (aiohttp.ClientError, TimeoutError) as e:
             failure = _failure(e, f"prefill server {backend.url}")
             metrics.failures.labels(pool=pool.role, server=backend.url, kind=failure.kind).inc()
@@ -145,6 +148,16 @@ class PDRequest:
         router, pool = self.router, self.router.decode
         timeout = aiohttp.ClientTimeout(total=None, connect=router.connect_timeout_s,
                                         sock_read=router.decode_timeout_s)
+        try:
+            async with contextlib.aclosing(self._decode_events(pool, body, timeout)) as events:
+                async for event in events:
+                    yield event
+        except (ServerAnswer, ServerFailure):
+            await self._discard(transfer)  # (a no-op if it was fetched)
+            raise
+
+    async def _decode_events(self, pool: Pool, body: dict, timeout: aiohttp.ClientTimeout):
+        router = self.router
         tried: tuple[Backend, ...] = ()
         failure = None
         while True:
@@ -192,6 +205,17 @@ class PDRequest:
                     pool.mark_down(backend, failure.message)
                 if failure.reached or len(tried) == 2:
                     raise failure from None
+
+    async def _discard(self, transfer: dict) -> None:
+        """Tells the prefill server that the transfer will not be fetched, so its pages go now, not after their
+        TTL (best effort: the TTL remains)."""
+        url = f"{self.prefilled_on.url}{DISCARD_PATH}/{transfer.get('transfer_id')}"
+        try:
+            async with self.router.session.delete(url, headers=self.headers,
+                                                  timeout=aiohttp.ClientTimeout(total=self.router.connect_timeout_s)):
+                pass
+        except (aiohttp.ClientError, TimeoutError) as e:
+            logger.warning("could not discard KV transfer at %s: %s: %s", url, type(e).__name__, e)
 
     def _observe_transfer(self, headers) -> None:
         try:

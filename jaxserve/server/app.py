@@ -144,6 +144,7 @@ class Server:
             app.router.add_post("/v1/unload_lora_adapter", self.unload_lora_adapter)
         if self.prefill_side is not None:
             app.cleanup_ctx.append(self._kv_server)
+            app.router.add_delete(disaggregated.DISCARD_PATH + "/{transfer_id}", self.discard_kv_transfer)
         return app
 
     async def _kv_server(self, app):
@@ -165,6 +166,13 @@ class Server:
         return await handler(request)
 
     # ---- plain endpoints ----
+
+    async def discard_kv_transfer(self, request):
+        """The router's word that a transfer will not be fetched (its decode failed before the fetch): its pages go
+        now, not at the end of their TTL."""
+        transfer_id = request.match_info["transfer_id"]
+        return web.json_response({"transfer_id": transfer_id,
+                                  "discarded": self.prefill_side.store.discard(transfer_id)})
 
     async def health(self, request):
         """200 while every engine serves; "degraded" (still 200: requests are served) names the models with stopped
@@ -316,6 +324,8 @@ class Server:
                                  adapter.name if adapter is not None else m.name)
         # Base-model requests pass no lora_request: the engine's own default (an engine without LoRA takes none).
         lora = {"lora_request": adapter.lora_request} if adapter is not None else {}
+        if self.role == "prefill":
+            self.prefill_side.check_room()
         if self.role == "decode":  # the pages first: a failed fetch adds nothing
             disaggregated.check_prompt(kv_params, prompts[0]["prompt_token_ids"])
             prefilled, run.headers = await disaggregated.fetch_prefilled(kv_params, self.kv_fetch_timeout_s)

@@ -27,10 +27,12 @@ from jaxserve.async_engine import Prefilled
 from jaxserve.cache import pages_needed
 from jaxserve.cache.transfer import kv_bytes, trimmed
 from jaxserve.kv_transfer import KVServer, KVStore, KVTransferError, fetch_pages
+from jaxserve.kv_transfer.store import KVStoreFull
 from jaxserve.openai_api import ApiError
 
 FIELD = "kv_transfer_params"
 KV_SECONDS_HEADER, KV_BYTES_HEADER = "X-KV-Transfer-Seconds", "X-KV-Transfer-Bytes"
+DISCARD_PATH = "/v1/kv_transfer"  # DELETE DISCARD_PATH/{transfer_id}: a prefill server drops a transfer
 WILDCARD_HOSTS = {"", "0.0.0.0", "::"}
 _DECODE_KEYS = {"do_remote_prefill": bool, "transfer_id": str, "remote_host": str, "remote_port": int,
                 "first_token_id": int, "num_cached": int, "num_prompt_tokens": int, "prompt_digest": int}
@@ -77,10 +79,11 @@ def one_sequence(seqs: int) -> None:
 
 
 class PrefillSide:
-    """The KV store of a prefill server and the KVServer that serves it (`start` / `close` in its event loop)."""
+    """The KV store of a prefill server and the KVServer that serves it (`start` / `close` in its event loop).
+    max_bytes: the store's bound; a prefill server whose store is full answers 503 (the router tries another)."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, ttl_s: float = 60.0):
-        self.store = KVStore(ttl_s)
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, ttl_s: float = 60.0, max_bytes: int | None = None):
+        self.store = KVStore(ttl_s, max_bytes=max_bytes)
         self.kv_server = KVServer(self.store, host, port)
 
     async def start(self) -> None:
@@ -95,11 +98,22 @@ class PrefillSide:
         the network, and so, as a rule, from the decode servers')."""
         return local_host if self.kv_server.host in WILDCARD_HOSTS else self.kv_server.host
 
+    def check_room(self) -> None:
+        """A 503 when the store is full: checked before the prefill runs (a put may still find it full: see
+        hand_off)."""
+        if self.store.full():
+            raise ApiError(503, f"this prefill server holds {self.store.max_bytes} bytes of KV transfers waiting to "
+                                f"be fetched (--kv-transfer-max-bytes): retry later or on another")
+
     async def hand_off(self, transfer_id: str, hand_off, page_size: int, local_host: str) -> dict:
         """Puts a HandOff's pages (trimmed to its cached tokens, on the host: off the event loop) in the store; the
-        params that fetch them. local_host: the address the request came in on (see advertised_host)."""
+        params that fetch them (a 503 if the store is full: the pages are dropped). local_host: the address the
+        request came in on (see advertised_host)."""
         kv = await asyncio.to_thread(trimmed, hand_off.kv, pages_needed(hand_off.num_cached, page_size))
-        self.store.put(transfer_id, kv)
+        try:
+            self.store.put(transfer_id, kv)
+        except KVStoreFull as e:
+            raise ApiError(503, f"this prefill server cannot hold the request's KV pages: {e}") from None
         return {"transfer_id": transfer_id, "remote_host": self.advertised_host(local_host),
                 "remote_port": self.kv_server.port,
                 "first_token_id": hand_off.seq.output_token_ids[0], "num_cached": hand_off.num_cached,
