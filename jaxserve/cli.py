@@ -74,6 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--kv-transfer-port", type=int, default=0,
                      help="--role prefill: the port its KV pages are fetched from by decode servers (default: a "
                           "free one, told to the router with each request)")
+    srv.add_argument("--kv-fetch-timeout", type=float, default=None,
+                     help="--role decode: seconds a KV pages fetch from a prefill server may take (default: 30)")
     srv.add_argument("--kv-transfer-max-bytes", type=int, default=None,
                      help="--role prefill: the most bytes of KV pages held waiting to be fetched (default: no bound); "
                           "when full, the server answers 503 and the router tries another prefill server")
@@ -240,6 +242,9 @@ def cmd_serve(args) -> None:
         raise ValueError(f"--role {role} serves one model")
     if not 0 <= args.kv_transfer_port < 65536:
         raise ValueError(f"--kv-transfer-port must be in 0-65535, got {args.kv_transfer_port}")
+    if args.kv_fetch_timeout is not None and (role != "decode" or not args.kv_fetch_timeout > 0):
+        raise ValueError(f"--kv-fetch-timeout is a decode server's (--role decode), > 0 seconds; got "
+                         f"{args.kv_fetch_timeout} with --role {role}")
     if args.kv_transfer_max_bytes is not None and args.kv_transfer_max_bytes < 1:
         raise ValueError(f"--kv-transfer-max-bytes must be >= 1, got {args.kv_transfer_max_bytes}")
     if role != "prefill" and (args.kv_transfer_port or args.kv_transfer_host is not None
@@ -255,7 +260,8 @@ def cmd_serve(args) -> None:
                        max_request_sequences=args.max_request_sequences,
                        stream_write_timeout_s=args.stream_write_timeout, header_timeout_s=args.header_timeout,
                        body_timeout_s=args.body_timeout, allow_runtime_lora_updating=runtime_lora,
-                       prefill_side=prefill_side)
+                       prefill_side=prefill_side, **({"kv_fetch_timeout_s": args.kv_fetch_timeout}
+                                                     if args.kv_fetch_timeout is not None else {}))
 
     def run(llms) -> None:
         server = Server({name: AsyncEngine(llm) for name, llm in zip(names, llms)}, **server_args)

@@ -521,6 +521,8 @@ def test_killing_the_decode_server_mid_stream_ends_the_request_with_an_error(pd,
     (["serve", "--role", "prefill", "--model", "a", "--model", "b"], "serves one model"),
     (["serve", "--role", "prefill", "--kv-transfer-port", "70000"], "--kv-transfer-port"),
     (["serve", "--role", "decode", "--kv-transfer-max-bytes", "9"], "a prefill server's"),
+    (["serve", "--role", "prefill", "--kv-fetch-timeout", "5"], "a decode server's"),
+    (["serve", "--role", "decode", "--kv-fetch-timeout", "0"], "--kv-fetch-timeout"),
     (["serve", "--role", "prefill", "--kv-transfer-max-bytes", "0"], "--kv-transfer-max-bytes"),
 ])
 def test_flag_errors_are_one_line_before_anything_starts(argv, message, capsys):

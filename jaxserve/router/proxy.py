@@ -21,9 +21,9 @@ import time
 import aiohttp
 from aiohttp import web
 
-from jaxserve.openai_api import ApiError, usage
+from jaxserve.http_common import DISCARD_PATH, KV_BYTES_HEADER, KV_SECONDS_HEADER, write_stream
+from jaxserve.openai_api import ApiError, usage, wants_usage_in_stream
 from jaxserve.router.pool import Backend, Pool
-from jaxserve.server.disaggregated import DISCARD_PATH, KV_BYTES_HEADER, KV_SECONDS_HEADER
 from jaxserve.tool_calls import assemble
 
 logger = logging.getLogger("jaxserve")
@@ -77,8 +77,6 @@ class PDRequest:
         self.router, self.request, self.body, self.chat = router, request, body, chat
         self.path = request.path
         self.stream = body.get("stream") is True
-        options = body.get("stream_options")
-        self.include_usage = self.stream and isinstance(options, dict) and options.get("include_usage") is True
         self.headers = {h: request.headers[h] for h in _FORWARDED_HEADERS if h in request.headers}
         self.arrival = time.monotonic()
         self.prefilled_on: Backend | None = None  # the prefill server holding the request's KV transfer
@@ -312,8 +310,8 @@ class PDRequest:
             return {**head, "choices": choices, **extra}
 
         async def send(body: dict) -> None:
-            async with asyncio.timeout(self.router.stream_write_timeout_s):
-                await resp.write(b"data: " + json.dumps(body).encode() + b"\n\n")
+            await write_stream(self.request, resp, b"data: " + json.dumps(body).encode() + b"\n\n",
+                               self.router.stream_write_timeout_s)
 
         try:
             # The first token at once, as a server's own stream starts.
@@ -354,11 +352,11 @@ class PDRequest:
                     logger.warning("request %s: %s", head["id"], e.message)
                     await send(ApiError(e.status, f"decode failed after the first token: {e.message}").body())
                     failed = True
-            if self.include_usage and not failed:  # (as a server's stream: an error event, then [DONE])
+            # (the prefill server has checked stream_options by now)
+            if wants_usage_in_stream(self.body) and not failed:  # (as a server's stream: an error event, then [DONE])
                 await send(chunk([], usage=self._usage(first, decoded)))
-            async with asyncio.timeout(self.router.stream_write_timeout_s):
-                await resp.write_eof(b"data: [DONE]\n\n")
-        except (ConnectionError, TimeoutError):  # the client is gone or stopped reading: nothing to tell it
+            await write_stream(self.request, resp, b"data: [DONE]\n\n", self.router.stream_write_timeout_s, eof=True)
+        except ConnectionError:  # the client is gone or stopped reading (dropped): nothing to tell it
             pass
         return resp
 

@@ -26,13 +26,12 @@ import numpy as np
 from jaxserve.async_engine import Prefilled
 from jaxserve.cache import pages_needed
 from jaxserve.cache.transfer import kv_bytes, trimmed
+from jaxserve.http_common import KV_BYTES_HEADER, KV_SECONDS_HEADER, KV_TRANSFER_FIELD
 from jaxserve.kv_transfer import KVServer, KVStore, KVTransferError, fetch_pages
 from jaxserve.kv_transfer.store import KVStoreFull
 from jaxserve.openai_api import ApiError
 
-FIELD = "kv_transfer_params"
-KV_SECONDS_HEADER, KV_BYTES_HEADER = "X-KV-Transfer-Seconds", "X-KV-Transfer-Bytes"
-DISCARD_PATH = "/v1/kv_transfer"  # DELETE DISCARD_PATH/{transfer_id}: a prefill server drops a transfer
+FIELD = KV_TRANSFER_FIELD
 WILDCARD_HOSTS = {"", "0.0.0.0", "::"}
 _DECODE_KEYS = {"do_remote_prefill": bool, "transfer_id": str, "remote_host": str, "remote_port": int,
                 "first_token_id": int, "num_cached": int, "num_prompt_tokens": int, "prompt_digest": int}
