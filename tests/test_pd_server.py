@@ -381,6 +381,32 @@ def test_a_decode_that_fails_before_its_fetch_discards_the_transfer_at_once(pd):
     assert_clean(prefill, decode)
 
 
+def test_a_client_that_leaves_before_the_fetch_has_its_transfer_discarded(pd):
+    """The decode server has not fetched (here: it hangs) when the client leaves: the pages go now, not after their
+    TTL."""
+    _, prefill, decode, _ = pd
+    hung = stub("hang")
+    router = RouterThread([prefill.url], [hung.url], decode_timeout_s=60, health_interval_s=60)
+    store = prefill.server.prefill_side.store
+
+    async def leave():
+        body = {"model": "tiny", "prompt": "left", "max_tokens": 6, "temperature": 0, "stream": True}
+        async with aiohttp.ClientSession() as s, s.post(router.url + "/v1/completions", json=body) as r:
+            async for _ in r.content:  # the first token has come: its transfer waits
+                if len(store):
+                    return
+    try:
+        asyncio.run(leave())
+        deadline = time.monotonic() + TTL_S / 2
+        while len(store):
+            assert time.monotonic() < deadline, "the transfer waited for its TTL"
+            time.sleep(0.02)
+    finally:
+        router.stop()
+        hung.stop()
+    assert_clean(prefill, decode)
+
+
 def test_a_prefill_server_whose_kv_store_is_full_answers_503(pd):
     _, prefill, decode, router = pd
     store = prefill.server.prefill_side.store

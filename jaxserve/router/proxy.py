@@ -150,8 +150,8 @@ class PDRequest:
             async with contextlib.aclosing(self._decode_events(pool, body, timeout)) as events:
                 async for event in events:
                     yield event
-        except (ServerAnswer, ServerFailure):
-            await self._discard(transfer)  # (a no-op if it was fetched)
+        except (ServerAnswer, ServerFailure, asyncio.CancelledError):  # (cancelled: the client left)
+            await asyncio.shield(self._discard(transfer))  # (a no-op if it was fetched)
             raise
 
     async def _decode_events(self, pool: Pool, body: dict, timeout: aiohttp.ClientTimeout):
