@@ -74,9 +74,15 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--kv-transfer-port", type=int, default=0,
                      help="--role prefill: the port its KV pages are fetched from by decode servers (default: a "
                           "free one, told to the router with each request)")
+    srv.add_argument("--kv-fetch-timeout", type=float, default=None,
+                     help="--role decode: seconds a KV pages fetch from a prefill server may take (default: 30)")
+    srv.add_argument("--kv-transfer-max-bytes", type=int, default=None,
+                     help="--role prefill: the most bytes of KV pages held waiting to be fetched (default: no bound); "
+                          "when full, the server answers 503 and the router tries another prefill server")
     srv.add_argument("--kv-transfer-host", default=None,
                      help="--role prefill: the address to bind that port on and the one decode servers are told "
-                          "(default: --host)")
+                          "(default: --host; bound to a wildcard such as 0.0.0.0, decode servers are told the address "
+                          "each request came in on)")
     EngineConfig.add_cli_args(srv, serving=True)
     _verbose_arg(srv)
     rt = sub.add_parser("router", help="the OpenAI API over separate prefill and decode servers",
@@ -236,17 +242,26 @@ def cmd_serve(args) -> None:
         raise ValueError(f"--role {role} serves one model")
     if not 0 <= args.kv_transfer_port < 65536:
         raise ValueError(f"--kv-transfer-port must be in 0-65535, got {args.kv_transfer_port}")
-    if role != "prefill" and (args.kv_transfer_port or args.kv_transfer_host is not None):
-        raise ValueError("--kv-transfer-port and --kv-transfer-host are a prefill server's (--role prefill)")
+    if args.kv_fetch_timeout is not None and (role != "decode" or not args.kv_fetch_timeout > 0):
+        raise ValueError(f"--kv-fetch-timeout is a decode server's (--role decode), > 0 seconds; got "
+                         f"{args.kv_fetch_timeout} with --role {role}")
+    if args.kv_transfer_max_bytes is not None and args.kv_transfer_max_bytes < 1:
+        raise ValueError(f"--kv-transfer-max-bytes must be >= 1, got {args.kv_transfer_max_bytes}")
+    if role != "prefill" and (args.kv_transfer_port or args.kv_transfer_host is not None
+                              or args.kv_transfer_max_bytes is not None):
+        raise ValueError("--kv-transfer-port, --kv-transfer-host and --kv-transfer-max-bytes are a prefill server's "
+                         "(--role prefill)")
     prefill_side = None
     if role == "prefill":
         from jaxserve.server.disaggregated import PrefillSide
-        prefill_side = PrefillSide(args.kv_transfer_host or args.host, args.kv_transfer_port)
+        prefill_side = PrefillSide(args.kv_transfer_host or args.host, args.kv_transfer_port,
+                                   max_bytes=args.kv_transfer_max_bytes)
     server_args = dict(api_key=args.api_key, max_queued_requests=args.max_queued_requests,
                        max_request_sequences=args.max_request_sequences,
                        stream_write_timeout_s=args.stream_write_timeout, header_timeout_s=args.header_timeout,
                        body_timeout_s=args.body_timeout, allow_runtime_lora_updating=runtime_lora,
-                       prefill_side=prefill_side)
+                       prefill_side=prefill_side, **({"kv_fetch_timeout_s": args.kv_fetch_timeout}
+                                                     if args.kv_fetch_timeout is not None else {}))
 
     def run(llms) -> None:
         server = Server({name: AsyncEngine(llm) for name, llm in zip(names, llms)}, **server_args)

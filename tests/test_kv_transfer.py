@@ -20,6 +20,7 @@ from jaxserve.kv_transfer import (JaxTransferEndpoint, KVServer, KVStore, KVTran
                                   fetch_pages)
 from jaxserve.kv_transfer.codec import MAGIC, PREFIX, header_length
 from jaxserve.kv_transfer.protocol import FRAME, frame
+from jaxserve.kv_transfer.store import KVStoreFull
 
 ROOT = Path(__file__).resolve().parents[1]
 HOST = "127.0.0.1"
@@ -146,6 +147,23 @@ def test_store_takes_once_and_expires_unclaimed_transfers():
     with pytest.raises(KVTransferError, match="expired"):
         store.take("b")
     assert store.discard("c") and not store.discard("c") and store.bytes_held == 0 and store.expired == 1
+
+
+def test_a_store_holds_at_most_max_bytes():
+    kv = make_pages("float32")
+    nbytes = sum(a.nbytes for a in jax.tree.leaves(kv))
+    store = KVStore(max_bytes=2 * nbytes)
+    store.put("a", kv)
+    assert not store.full()
+    store.put("b", kv)
+    assert store.full()
+    with pytest.raises(KVStoreFull, match="bound"):
+        store.put("c", kv)
+    assert len(store) == 2 and store.bytes_held == 2 * nbytes  # nothing of c held
+    store.take("a")
+    store.put("c", kv)
+    with pytest.raises(ValueError, match="max_bytes"):
+        KVStore(max_bytes=0)
 
 
 def test_fetch_over_the_socket_takes_once_and_says_why_it_fails():

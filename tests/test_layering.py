@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -141,9 +144,26 @@ def test_nothing_below_the_server_imports_it():
     """The server (jaxserve.server, its wire format openai_api with its structured-output and tool-call fields, and
     its metrics) is imported only by itself, the router over servers (jaxserve.router) and the command line."""
     top = ("jaxserve.server", "jaxserve.openai_api", "jaxserve.openai_structured", "jaxserve.tool_calls",
-           "jaxserve.metrics", "jaxserve.router", "jaxserve.cli")
+           "jaxserve.metrics", "jaxserve.http_common", "jaxserve.router", "jaxserve.cli")
     bad = [i for m in MODULES if not under(m, *top) for i in IMPORTS[m] if under(i.target, *top)]
     assert not bad, "the server is the top layer, but:\n  " + "\n  ".join(map(str, bad))
+
+
+ROUTER_MAY_IMPORT = ("jaxserve.router", "jaxserve.http_common", "jaxserve.openai_api", "jaxserve.tool_calls",
+                     "jaxserve.metrics")
+
+
+def test_the_router_imports_no_engine():
+    """The router over servers forwards HTTP: it imports the wire format and the shared HTTP helpers, never a server
+    or an engine (nor, so, jax: it starts in a fraction of a second on a host with no accelerator)."""
+    bad = [i for m in MODULES if under(m, "jaxserve.router") for i in IMPORTS[m]
+           if not under(i.target, *ROUTER_MAY_IMPORT)]
+    assert not bad, "the router imports more than the wire format:\n  " + "\n  ".join(map(str, bad))
+    loaded = subprocess.run([sys.executable, "-c", "import sys, jaxserve.router; "
+                             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'jaxlib')))"],
+                            capture_output=True, text=True, check=True, cwd=PACKAGE.parent,
+                            env={**os.environ, "PYTHONPATH": str(PACKAGE.parent)}).stdout.strip()
+    assert loaded == "[]", f"importing jaxserve.router imports {loaded}"
 
 
 def test_a_sequence_does_not_import_the_batch_builder():

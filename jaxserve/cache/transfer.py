@@ -38,8 +38,9 @@ def kv_bytes(kv: KVPages) -> int:
 
 
 def trimmed(kv: KVPages, n: int) -> KVPages:
-    """kv's first n pages on the host (numpy): what to send when an export's padding need not travel."""
-    return jax.tree.map(lambda x: np.asarray(x)[:n], kv)
+    """kv's first n pages on the host (numpy): what to send when an export's padding need not travel. A copy, not
+    a view: a view would keep the whole padded export alive for as long as the pages wait to be fetched."""
+    return jax.tree.map(lambda x: np.array(np.asarray(x)[:n]), kv)
 
 
 def padded_ids(page_ids, size: int) -> np.ndarray:

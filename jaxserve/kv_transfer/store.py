@@ -16,6 +16,10 @@ from jaxserve.kv_transfer.layout import flatten_pages
 REMEMBERED_EXPIRED = 4096  # ids remembered after they expire, so a late fetch hears "expired", not "unknown"
 
 
+class KVStoreFull(Exception):
+    """A put that would hold more than the store's max_bytes: the transfers waiting are fetched (or expire) first."""
+
+
 @dataclasses.dataclass
 class _Entry:
     kv: list  # KVPages
@@ -25,12 +29,15 @@ class _Entry:
 
 class KVStore:
     """KV pages by transfer id (a string, unique per transfer: the request id serves), each taken at most once and
-    dropped `ttl_s` seconds after it was put if not taken."""
+    dropped `ttl_s` seconds after it was put if not taken. max_bytes (None: no bound) caps what it holds at once:
+    transfers nobody claims must not fill the host's memory within a TTL."""
 
-    def __init__(self, ttl_s: float = 60.0, clock=time.monotonic):
+    def __init__(self, ttl_s: float = 60.0, clock=time.monotonic, max_bytes: int | None = None):
         if not ttl_s > 0:
             raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
-        self.ttl_s = ttl_s
+        if max_bytes is not None and not max_bytes > 0:
+            raise ValueError(f"max_bytes must be > 0, got {max_bytes}")
+        self.ttl_s, self.max_bytes = ttl_s, max_bytes
         self._clock = clock
         self._lock = threading.Lock()
         self._entries: dict[str, _Entry] = {}
@@ -41,7 +48,8 @@ class KVStore:
 
     def put(self, transfer_id: str, kv) -> int:
         """Holds kv (KVPages: numpy arrays, or jax arrays for a device-to-device pull) under transfer_id; returns
-        its bytes. A ValueError if the id is held already (two transfers must not share an id)."""
+        its bytes. A ValueError if the id is held already (two transfers must not share an id); KVStoreFull if it would
+        hold more than max_bytes."""
         if not isinstance(transfer_id, str) or not transfer_id:
             raise ValueError(f"a transfer id is a non-empty string, got {transfer_id!r}")
         nbytes = sum(int(a.nbytes) for a in flatten_pages(kv)[1])
@@ -49,6 +57,9 @@ class KVStore:
             self._expire_locked()
             if transfer_id in self._entries:
                 raise ValueError(f"transfer {transfer_id!r} is held already")
+            if self.max_bytes is not None and self._bytes_held + nbytes > self.max_bytes:
+                raise KVStoreFull(f"the KV transfers waiting to be fetched hold {self._bytes_held} bytes: "
+                                  f"{nbytes} more would pass the bound of {self.max_bytes}")
             self._entries[transfer_id] = _Entry(kv, nbytes, self._clock() + self.ttl_s)
             self._expired_ids.pop(transfer_id, None)
             self._bytes_held += nbytes
@@ -100,6 +111,10 @@ class KVStore:
         with self._lock:
             self._expire_locked()
             return len(self._entries)
+
+    def full(self) -> bool:
+        """Whether it holds max_bytes already (no put can succeed)."""
+        return self.max_bytes is not None and self.bytes_held >= self.max_bytes
 
     @property
     def bytes_held(self) -> int:

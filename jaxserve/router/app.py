@@ -15,7 +15,7 @@ from jaxserve.openai_api import ApiError
 from jaxserve.router.metrics import RouterMetrics
 from jaxserve.router.pool import Pool
 from jaxserve.router.proxy import PDRequest
-from jaxserve.server.app import drain, errors, json_body, run_until_signalled
+from jaxserve.http_common import drain, errors, json_body, run_until_signalled
 
 logger = logging.getLogger("jaxserve")
 

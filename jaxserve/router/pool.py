@@ -1,6 +1,6 @@
 """The servers of one role (prefill or decode) as the router sees them: each one's URL, requests in flight and
 health; the least-loaded healthy one picked per request, its health probed in the background and marked down at once
-when a request cannot reach it."""
+when a request cannot reach it (refused, reset, shutting down; a timeout is left to the probes)."""
 from __future__ import annotations
 
 import asyncio
@@ -54,7 +54,7 @@ class Pool:
             backend.in_flight -= 1
 
     def mark_down(self, backend: Backend, error: str) -> None:
-        """A request could not reach it (refused, reset, timed out): no new request goes there until /health says
+        """A request could not reach it (refused, reset, shutting down): no new request goes there until /health says
         it is back."""
         if backend.healthy:
             logger.warning("%s server %s is down: %s", self.role, backend.url, error)

@@ -13,6 +13,7 @@ text_offset shifted past the first token's text).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -20,9 +21,9 @@ import time
 import aiohttp
 from aiohttp import web
 
-from jaxserve.openai_api import ApiError, usage
+from jaxserve.http_common import DISCARD_PATH, KV_BYTES_HEADER, KV_SECONDS_HEADER, write_stream
+from jaxserve.openai_api import ApiError, usage, wants_usage_in_stream
 from jaxserve.router.pool import Backend, Pool
-from jaxserve.server.disaggregated import KV_BYTES_HEADER, KV_SECONDS_HEADER  # the decode server's fetch report
 from jaxserve.tool_calls import assemble
 
 logger = logging.getLogger("jaxserve")
@@ -49,11 +50,15 @@ class ServerAnswer(Exception):
 
 class ServerFailure(Exception):
     """A server that could not answer (refused, reset, hung, a 5xx): `kind` for the metrics, `reached` False when
-    the request never got to it (then it is safe to send elsewhere, even after the prefill)."""
+    the request never got to it (then it is safe to send elsewhere, even after the prefill). `down`: the server is
+    taken out of its pool until /health says it is back: a refused or reset connection, never a timeout (a busy
+    server is slow, not gone: under load every server could time out once and the router would refuse everything
+    until the next probe)."""
 
     def __init__(self, kind: str, message: str, reached: bool = True, status: int = 502):
         super().__init__(message)
         self.kind, self.message, self.reached, self.status = kind, message, reached, status
+        self.down = kind in ("connect", "disconnect", "draining")
 
 
 def _failure(e: BaseException, what: str) -> ServerFailure:
@@ -72,10 +77,9 @@ class PDRequest:
         self.router, self.request, self.body, self.chat = router, request, body, chat
         self.path = request.path
         self.stream = body.get("stream") is True
-        options = body.get("stream_options")
-        self.include_usage = self.stream and isinstance(options, dict) and options.get("include_usage") is True
         self.headers = {h: request.headers[h] for h in _FORWARDED_HEADERS if h in request.headers}
         self.arrival = time.monotonic()
+        self.prefilled_on: Backend | None = None  # the prefill server holding the request's KV transfer
 
     # ---- the prefill ----
 
@@ -110,10 +114,12 @@ class PDRequest:
                 async with self.router.session.post(backend.url + self.path, json=body, headers=self.headers,
                                                     timeout=timeout) as r:
                     raw, status, headers = await r.read(), r.status, r.headers
+                    self.prefilled_on = backend
         except (aiohttp.ClientError, TimeoutError) as e:
             failure = _failure(e, f"prefill server {backend.url}")
             metrics.failures.labels(pool=pool.role, server=backend.url, kind=failure.kind).inc()
-            pool.mark_down(backend, failure.message)
+            if failure.down:
+                pool.mark_down(backend, failure.message)
             raise failure from None
         if status >= 500:
             metrics.failures.labels(pool=pool.role, server=backend.url, kind="http_5xx").inc()
@@ -131,14 +137,25 @@ class PDRequest:
 
     async def decode_events(self, transfer: dict):
         """The decode stream's chunks (dicts); an error event from the server is yielded as it is, and ends it.
-        ServerAnswer for a server's own answer other than 200 (but a 429, tried on one more server: nothing was
-        fetched); ServerFailure when the server cannot be reached (tried on one more), fails or hangs."""
+        ServerAnswer for a server's own answer other than 200 (but a 429, full, or a 503, shutting down, tried on one
+        more server: its admission refused it before any fetch); ServerFailure when the server cannot be reached
+        (tried on one more), fails or hangs."""
         body = {k: v for k, v in self.body.items() if k not in ("echo", "prompt_logprobs")}
         body.update(stream=True, stream_options={"include_usage": True},
                     kv_transfer_params={**transfer, "do_remote_prefill": True})
         router, pool = self.router, self.router.decode
         timeout = aiohttp.ClientTimeout(total=None, connect=router.connect_timeout_s,
                                         sock_read=router.decode_timeout_s)
+        try:
+            async with contextlib.aclosing(self._decode_events(pool, body, timeout)) as events:
+                async for event in events:
+                    yield event
+        except (ServerAnswer, ServerFailure, asyncio.CancelledError):  # (cancelled: the client left)
+            await asyncio.shield(self._discard(transfer))  # (a no-op if it was fetched)
+            raise
+
+    async def _decode_events(self, pool: Pool, body: dict, timeout: aiohttp.ClientTimeout):
+        router = self.router
         tried: tuple[Backend, ...] = ()
         failure = None
         while True:
@@ -161,10 +178,16 @@ class PDRequest:
                                 router.metrics.failures.labels(pool="decode", server=backend.url,
                                                                kind="http_5xx").inc()
                             answer = ServerAnswer(r.status, await r.read(), r.headers)
-                            # Full (its admission refused it before any fetch): another may take the pages.
-                            if r.status == 429 and len(tried) < 2 and pool.pick(tried) is not None:
-                                failure = ServerFailure("full", f"{what} is full", reached=False, status=429)
-                                continue
+                            # Full or shutting down (its admission refused it before any fetch): another may
+                            # take the pages. One shutting down takes no more requests.
+                            if r.status in (429, 503):
+                                failure = ServerFailure("full" if r.status == 429 else "draining",
+                                                        f"{what} answered {r.status}: {_error_message(answer.raw)}",
+                                                        reached=False, status=r.status)
+                                if failure.down:
+                                    pool.mark_down(backend, failure.message)
+                                if len(tried) < 2 and pool.pick(tried) is not None:
+                                    continue
                             raise answer
                         async for event in _events(r):
                             yield event
@@ -176,9 +199,21 @@ class PDRequest:
             except (aiohttp.ClientError, TimeoutError, _Unfinished) as e:
                 failure = _failure(e, what)
                 router.metrics.failures.labels(pool="decode", server=backend.url, kind=failure.kind).inc()
-                pool.mark_down(backend, failure.message)
+                if failure.down:
+                    pool.mark_down(backend, failure.message)
                 if failure.reached or len(tried) == 2:
                     raise failure from None
+
+    async def _discard(self, transfer: dict) -> None:
+        """Tells the prefill server that the transfer will not be fetched, so its pages go now, not after their
+        TTL (best effort: the TTL remains)."""
+        url = f"{self.prefilled_on.url}{DISCARD_PATH}/{transfer.get('transfer_id')}"
+        try:
+            async with self.router.session.delete(url, headers=self.headers,
+                                                  timeout=aiohttp.ClientTimeout(total=self.router.connect_timeout_s)):
+                pass
+        except (aiohttp.ClientError, TimeoutError) as e:
+            logger.warning("could not discard KV transfer at %s: %s: %s", url, type(e).__name__, e)
 
     def _observe_transfer(self, headers) -> None:
         try:
@@ -275,8 +310,8 @@ class PDRequest:
             return {**head, "choices": choices, **extra}
 
         async def send(body: dict) -> None:
-            async with asyncio.timeout(self.router.stream_write_timeout_s):
-                await resp.write(b"data: " + json.dumps(body).encode() + b"\n\n")
+            await write_stream(self.request, resp, b"data: " + json.dumps(body).encode() + b"\n\n",
+                               self.router.stream_write_timeout_s)
 
         try:
             # The first token at once, as a server's own stream starts.
@@ -317,11 +352,11 @@ class PDRequest:
                     logger.warning("request %s: %s", head["id"], e.message)
                     await send(ApiError(e.status, f"decode failed after the first token: {e.message}").body())
                     failed = True
-            if self.include_usage and not failed:  # (as a server's stream: an error event, then [DONE])
+            # (the prefill server has checked stream_options by now)
+            if wants_usage_in_stream(self.body) and not failed:  # (as a server's stream: an error event, then [DONE])
                 await send(chunk([], usage=self._usage(first, decoded)))
-            async with asyncio.timeout(self.router.stream_write_timeout_s):
-                await resp.write_eof(b"data: [DONE]\n\n")
-        except (ConnectionError, TimeoutError):  # the client is gone or stopped reading: nothing to tell it
+            await write_stream(self.request, resp, b"data: [DONE]\n\n", self.router.stream_write_timeout_s, eof=True)
+        except ConnectionError:  # the client is gone or stopped reading (dropped): nothing to tell it
             pass
         return resp
 

@@ -6,13 +6,13 @@ import asyncio
 import contextlib
 import hmac
 import logging
-import signal
 import time
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from jaxserve.async_engine import AsyncEngine, EngineDeadError
+from jaxserve.http_common import DISCARD_PATH, drain, errors, json_body, run_until_signalled
 from jaxserve.metrics import ServerMetrics
 from jaxserve.openai_api import (ApiError, grammar_error, parse_chat, parse_completion, render_chat,
                                  wants_usage_in_stream)
@@ -30,50 +30,6 @@ logger = logging.getLogger("jaxserve")
 # Outside /v1 (where vLLM has them), behind the API key all the same: they cost tokenizing work.
 _TOKENIZER_PATHS = ("/tokenize", "/detokenize", "/tokenizer_info")
 
-
-
-@web.middleware
-async def errors(request, handler):
-    """Every error as an OpenAI-style body: ApiError's own, aiohttp's (unknown route, wrong method, body too large)
-    with their status, a bug as 500 (logged; the server goes on)."""
-    try:
-        return await handler(request)
-    except ApiError as e:
-        return error_response(e)
-    except web.HTTPException as e:
-        if e.status < 400:
-            raise
-        # Its headers stay (Allow on a 405); its body is replaced.
-        headers = {k: v for k, v in e.headers.items() if k.lower() not in ("content-type", "content-length")}
-        return error_response(ApiError(e.status, e.reason or "error"), headers)
-    except Exception:  # noqa: BLE001 - a bug answers 500 and the server goes on
-        logger.exception("request %s %s failed", request.method, request.path)
-        return error_response(ApiError(500, "internal server error"))
-
-
-def error_response(e: ApiError, headers: dict | None = None) -> web.Response:
-    headers = dict(headers or {})
-    if e.status in (429, 503):
-        headers["Retry-After"] = "1"
-    if e.status == 401:
-        headers["WWW-Authenticate"] = "Bearer"  # RFC 6750: says which credentials were expected
-    return web.json_response(e.body(), status=e.status, headers=headers)
-
-
-async def json_body(request, timeout_s: float) -> dict:
-    """The request's JSON object, or a 400 (408 if it does not arrive within timeout_s)."""
-    try:
-        # A body trickled in (or never sent) would hold its connection and handler forever.
-        async with asyncio.timeout(timeout_s):
-            body = await request.json()
-    except TimeoutError:
-        raise ApiError(408, f"the request body did not arrive within {timeout_s:g} s",
-                       code="request_timeout", type="invalid_request_error") from None
-    except (ValueError, LookupError, RecursionError) as e:  # bad JSON, bad UTF-8, bad charset, too deep
-        raise ApiError(400, f"the request body is not valid JSON: {type(e).__name__}: {e}") from None
-    if not isinstance(body, dict):
-        raise ApiError(400, "the request body must be a JSON object")
-    return body
 
 
 class Server:
@@ -144,6 +100,7 @@ class Server:
             app.router.add_post("/v1/unload_lora_adapter", self.unload_lora_adapter)
         if self.prefill_side is not None:
             app.cleanup_ctx.append(self._kv_server)
+            app.router.add_delete(DISCARD_PATH + "/{transfer_id}", self.discard_kv_transfer)
         return app
 
     async def _kv_server(self, app):
@@ -165,6 +122,13 @@ class Server:
         return await handler(request)
 
     # ---- plain endpoints ----
+
+    async def discard_kv_transfer(self, request):
+        """The router's word that a transfer will not be fetched (its decode failed before the fetch): its pages go
+        now, not at the end of their TTL."""
+        transfer_id = request.match_info["transfer_id"]
+        return web.json_response({"transfer_id": transfer_id,
+                                  "discarded": self.prefill_side.store.discard(transfer_id)})
 
     async def health(self, request):
         """200 while every engine serves; "degraded" (still 200: requests are served) names the models with stopped
@@ -316,7 +280,10 @@ class Server:
                                  adapter.name if adapter is not None else m.name)
         # Base-model requests pass no lora_request: the engine's own default (an engine without LoRA takes none).
         lora = {"lora_request": adapter.lora_request} if adapter is not None else {}
+        if self.role == "prefill":
+            self.prefill_side.check_room()
         if self.role == "decode":  # the pages first: a failed fetch adds nothing
+            disaggregated.check_prompt(kv_params, prompts[0]["prompt_token_ids"])
             prefilled, run.headers = await disaggregated.fetch_prefilled(kv_params, self.kv_fetch_timeout_s)
             lora["prefilled"] = prefilled
         admitted = []
@@ -336,7 +303,7 @@ class Server:
                     raise ApiError(503, str(e)) from None
             async with contextlib.aclosing(merged(streams)) as outputs:
                 if self.role == "prefill":
-                    return await self._prefill_answer(m, run, outputs)
+                    return await self._prefill_answer(m, request, run, outputs)
                 return await (run.stream(request, outputs, include_usage) if stream else run.whole(outputs))
         finally:
             # However it ended (a client gone, a cancelled handler, an error): a no-op for a finished request.
@@ -348,13 +315,14 @@ class Server:
                         m.metrics.finished("abort")
 
 
-    async def _prefill_answer(self, m: ServedModel, run: CompletionResponse, outputs) -> web.Response:
+    async def _prefill_answer(self, m: ServedModel, request, run: CompletionResponse, outputs) -> web.Response:
         """The first token's answer; unless that token ended the request, its pages go to the KV store and the
         answer says where (kv_transfer_params)."""
         body = await run.whole_body(outputs)
         if run.handed_off is not None:
             body[disaggregated.FIELD] = await self.prefill_side.hand_off(
-                run.handed_off.seq.request_id, run.handed_off, m.engine.llm.scheduler.page_size)
+                run.handed_off.seq.request_id, run.handed_off, m.engine.llm.scheduler.page_size,
+                request.transport.get_extra_info("sockname")[0])
         return web.json_response(body)
 
 
@@ -373,29 +341,3 @@ async def serve(server: Server, host: str, port: int, grace_period_s: float = 30
     for m in server.models.values():
         m.tokenizing.shutdown(wait=False, cancel_futures=True)
     await runner.cleanup()
-
-
-async def run_until_signalled(app: web.Application, host: str, port: int, what: str,
-                              ready: asyncio.Event | None = None) -> web.AppRunner:
-    """Serves app on host:port until SIGTERM/SIGINT; then returns its runner, still serving (see drain)."""
-    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=5.0)
-    await runner.setup()
-    await web.TCPSite(runner, host, port).start()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    logger.warning("serving %s on http://%s:%d", what, host, port)
-    if ready is not None:
-        ready.set()
-    await stop.wait()
-    return runner
-
-
-async def drain(runner: web.AppRunner, in_flight, grace_period_s: float) -> None:
-    """Stops accepting connections, then waits until in_flight() is 0 or grace_period_s has passed."""
-    for site in list(runner.sites):
-        await site.stop()  # no new connections
-    deadline = time.monotonic() + grace_period_s
-    while in_flight() and time.monotonic() < deadline:
-        await asyncio.sleep(0.05)

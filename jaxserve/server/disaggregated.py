@@ -8,7 +8,8 @@ event loop) wait in a KVStore, served by a KVServer, under the request's id; the
 decode server needs. A request that its first token ended is answered whole and holds nothing.
 
 Decode (`fetch_prefilled`): a request must carry {"do_remote_prefill": true, transfer_id, remote_host, remote_port,
-first_token_id, num_cached}; the pages are fetched before the request is added (a failed fetch is a 502 and adds
+first_token_id, num_cached, num_prompt_tokens, prompt_digest}; the prompt must tokenize as on the prefill server
+(a 400 otherwise), then the pages are fetched before the request is added (a failed fetch is a 502 and adds
 nothing), and the answer holds what follows the first token, with the fetch's seconds and bytes in its headers.
 
 Neither role serves a request that does not come this way (400): a prefill engine decodes nothing, and a decode
@@ -18,17 +19,22 @@ from __future__ import annotations
 
 import asyncio
 import time
+import zlib
+
+import numpy as np
 
 from jaxserve.async_engine import Prefilled
 from jaxserve.cache import pages_needed
 from jaxserve.cache.transfer import kv_bytes, trimmed
+from jaxserve.http_common import KV_BYTES_HEADER, KV_SECONDS_HEADER, KV_TRANSFER_FIELD
 from jaxserve.kv_transfer import KVServer, KVStore, KVTransferError, fetch_pages
+from jaxserve.kv_transfer.store import KVStoreFull
 from jaxserve.openai_api import ApiError
 
-FIELD = "kv_transfer_params"
-KV_SECONDS_HEADER, KV_BYTES_HEADER = "X-KV-Transfer-Seconds", "X-KV-Transfer-Bytes"
+FIELD = KV_TRANSFER_FIELD
+WILDCARD_HOSTS = {"", "0.0.0.0", "::"}
 _DECODE_KEYS = {"do_remote_prefill": bool, "transfer_id": str, "remote_host": str, "remote_port": int,
-                "first_token_id": int, "num_cached": int}
+                "first_token_id": int, "num_cached": int, "num_prompt_tokens": int, "prompt_digest": int}
 
 
 def take_params(body: dict, role: str) -> dict | None:
@@ -50,6 +56,21 @@ def take_params(body: dict, role: str) -> dict | None:
     return params
 
 
+def prompt_digest(token_ids) -> int:
+    """crc32 of the prompt's token ids (as int32): a decode server that tokenizes the request otherwise (another
+    tokenizer or chat template) must not decode on pages computed for other tokens."""
+    return zlib.crc32(np.asarray(token_ids, np.int32).tobytes())
+
+
+def check_prompt(params: dict, token_ids) -> None:
+    """A 400 unless this server's prompt tokens are the prefill server's (checked before anything is fetched)."""
+    n, want = len(token_ids), params["num_prompt_tokens"]
+    if n != want or prompt_digest(token_ids) != params["prompt_digest"]:
+        what = f"{n} tokens, the prefill server's {want}" if n != want else f"other ids than the prefill server's"
+        raise ApiError(400, f"the prompt tokenizes otherwise on this decode server ({what}): serve the same "
+                            f"tokenizer and chat template on both", FIELD)
+
+
 def one_sequence(seqs: int) -> None:
     if seqs != 1:
         raise ApiError(400, f"disaggregated prefill runs one sequence per request (n = 1, one prompt), this one asks "
@@ -57,10 +78,11 @@ def one_sequence(seqs: int) -> None:
 
 
 class PrefillSide:
-    """The KV store of a prefill server and the KVServer that serves it (`start` / `close` in its event loop)."""
+    """The KV store of a prefill server and the KVServer that serves it (`start` / `close` in its event loop).
+    max_bytes: the store's bound; a prefill server whose store is full answers 503 (the router tries another)."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, ttl_s: float = 60.0):
-        self.store = KVStore(ttl_s)
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, ttl_s: float = 60.0, max_bytes: int | None = None):
+        self.store = KVStore(ttl_s, max_bytes=max_bytes)
         self.kv_server = KVServer(self.store, host, port)
 
     async def start(self) -> None:
@@ -69,13 +91,33 @@ class PrefillSide:
     async def close(self) -> None:
         await self.kv_server.close()
 
-    async def hand_off(self, transfer_id: str, hand_off, page_size: int) -> dict:
+    def advertised_host(self, local_host: str) -> str:
+        """The KV server's address for decode servers: its own, or, bound to a wildcard (0.0.0.0, ::) that no one
+        can connect to, the local address the router's HTTP request came in on (reachable from the router's side of
+        the network, and so, as a rule, from the decode servers')."""
+        return local_host if self.kv_server.host in WILDCARD_HOSTS else self.kv_server.host
+
+    def check_room(self) -> None:
+        """A 503 when the store is full: checked before the prefill runs (a put may still find it full: see
+        hand_off)."""
+        if self.store.full():
+            raise ApiError(503, f"this prefill server holds {self.store.max_bytes} bytes of KV transfers waiting to "
+                                f"be fetched (--kv-transfer-max-bytes): retry later or on another")
+
+    async def hand_off(self, transfer_id: str, hand_off, page_size: int, local_host: str) -> dict:
         """Puts a HandOff's pages (trimmed to its cached tokens, on the host: off the event loop) in the store; the
-        params that fetch them."""
+        params that fetch them (a 503 if the store is full: the pages are dropped). local_host: the address the
+        request came in on (see advertised_host)."""
         kv = await asyncio.to_thread(trimmed, hand_off.kv, pages_needed(hand_off.num_cached, page_size))
-        self.store.put(transfer_id, kv)
-        return {"transfer_id": transfer_id, "remote_host": self.kv_server.host, "remote_port": self.kv_server.port,
-                "first_token_id": hand_off.seq.output_token_ids[0], "num_cached": hand_off.num_cached}
+        try:
+            self.store.put(transfer_id, kv)
+        except KVStoreFull as e:
+            raise ApiError(503, f"this prefill server cannot hold the request's KV pages: {e}") from None
+        return {"transfer_id": transfer_id, "remote_host": self.advertised_host(local_host),
+                "remote_port": self.kv_server.port,
+                "first_token_id": hand_off.seq.output_token_ids[0], "num_cached": hand_off.num_cached,
+                "num_prompt_tokens": len(hand_off.seq.prompt_token_ids),
+                "prompt_digest": prompt_digest(hand_off.seq.prompt_token_ids)}
 
 
 async def fetch_prefilled(params: dict, timeout_s: float) -> tuple[Prefilled, dict]:

@@ -7,13 +7,12 @@ import contextlib
 import dataclasses
 import json
 import logging
-import socket
-import struct
 import time
 
 from aiohttp import web
 
 from jaxserve.async_engine import EngineDeadError
+from jaxserve.http_common import write_stream
 from jaxserve.openai_api import (ApiError, chat_logprobs, completion_body, completion_logprobs, echo_logprobs, new_id,
                                  prompt_logprobs_body, usage)
 from jaxserve.server.served_model import ServedModel
@@ -235,19 +234,7 @@ class CompletionResponse:
         name = self.name
 
         async def write(data: bytes, eof: bool = False) -> None:
-            try:
-                async with asyncio.timeout(self.stream_write_timeout_s):
-                    await (resp.write_eof(data) if eof else resp.write(data))
-            except TimeoutError:
-                # A client that stopped reading (its window is zero) would hold its capacity forever: it is dropped
-                # with a reset, which also frees what the kernel still queues for it.
-                transport = request.transport
-                if transport is not None:
-                    sock = transport.get_extra_info("socket")
-                    if sock is not None:
-                        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-                    transport.abort()
-                raise ConnectionResetError("the client stopped reading its stream") from None
+            await write_stream(request, resp, data, self.stream_write_timeout_s, eof)
 
         async def send(body) -> None:
             await write(b"data: " + json.dumps(body).encode() + b"\n\n")
