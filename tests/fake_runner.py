@@ -23,7 +23,7 @@ from jaxserve.batching.ngram_proposer import NgramProposer
 from jaxserve.batching.runner import StepHandle
 from jaxserve.batching.scheduler import Scheduler
 from jaxserve.batching.spec_controller import SpecController
-from jaxserve.cache import PageAllocator, PrefixCache
+from jaxserve.cache import PageAllocator, PrefixCache, pages_needed
 from jaxserve.engine_factory import Engine
 from jaxserve.lora.adapter import LoRAError
 from jaxserve.lora.slot_cache import HostAdapters, LoRASlots
@@ -127,6 +127,9 @@ class FakeRunner:
         """Per layer (k, v) [n, page_size]: one layer, K and V both the tokens written."""
         pages = self.kv[page_ids]
         return [(pages, pages.copy())]
+
+    def pages_bytes(self, num_tokens: int) -> int:
+        return pages_needed(num_tokens, self.kv.shape[1]) * self.kv[0].nbytes
 
     def put_pages(self, kv):
         """As the real one: pages of this cache's layout and dtype only (a cast would import other tokens)."""

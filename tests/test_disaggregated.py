@@ -11,7 +11,7 @@ from jaxserve import LLM, SamplingParams
 from jaxserve.batching.engine_core import StepError
 from jaxserve.batching.sequence import Status
 from jaxserve.cache import pages_needed
-from jaxserve.cache.transfer import trimmed
+from jaxserve.cache.transfer import kv_bytes, trimmed
 from jaxserve.engine_factory import Engine
 from jaxserve.tokenizer import Tokenizer
 from tiny import make_llm
@@ -283,6 +283,8 @@ def test_nothing_compiles_after_warmup_on_separate_prefill_and_decode_servers(ti
         (h,) = prefill.core.take_handed_off()
         request = decode.make_request({"prompt_token_ids": prompt}, sp)
         kv = trimmed(h.kv, pages_needed(h.num_cached, prefill.scheduler.page_size))
+        # What a decode server lets a fetch carry (fetch_pages' max_bytes): the prompt's pages exactly.
+        assert kv_bytes(kv) == decode.runner.pages_bytes(len(prompt))
         decode.core.add_prefilled(request.seqs[0], kv, h.num_cached, first_token=h.seq.output_token_ids[0])
         while decode.has_unfinished_requests():
             decode.step()

@@ -24,7 +24,7 @@ from jaxserve.batching.batch_builder import Row, build_batch
 from jaxserve.batching.runner import StepHandle
 from jaxserve.buckets import Buckets, geometric, round_up
 from jaxserve.cache import SCRATCH_PAGE, init_kv_cache, pages_needed
-from jaxserve.cache.transfer import KVPages, gather_pages, num_pages, padded_ids, scatter_pages
+from jaxserve.cache.transfer import KVPages, gather_pages, kv_bytes, num_pages, padded_ids, scatter_pages
 from jaxserve.multihost import LeaderFollower
 from jaxserve.distributed import log_placement, param_shardings, place, replicated
 from jaxserve.layouts import param_formats, with_row_major_tables
@@ -111,6 +111,10 @@ class ModelRunner:
         overwrites these pages (donating the cache) runs after this read, as JAX orders them."""
         size = round_up(len(page_ids), self.page_buckets)
         return self._gather(self.kv_cache, padded_ids(page_ids, size))
+
+    def pages_bytes(self, num_tokens: int) -> int:
+        """Bytes the pages of num_tokens tokens take in this cache: the most a transfer of them may carry."""
+        return pages_needed(num_tokens, self.page_size) * kv_bytes(self.kv_cache) // num_pages(self.kv_cache)
 
     def put_pages(self, kv: KVPages) -> KVPages:
         """kv where this cache's pages live, split as they are (a copy started, not waited for), padded to a

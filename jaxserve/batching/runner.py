@@ -33,6 +33,9 @@ class Runner(Protocol):
     def export_pages(self, page_ids: list[int]) -> KVPages:
         """The K/V of pages page_ids (dispatched, not waited for; perhaps padded past them)."""
 
+    def pages_bytes(self, num_tokens: int) -> int:
+        """Bytes the pages of num_tokens tokens take in this runner's cache (bounds a transfer of them)."""
+
     def put_pages(self, kv: KVPages) -> KVPages:
         """kv moved to where this runner's cache lives (a copy started, not waited for)."""
 

@@ -284,7 +284,9 @@ class Server:
             self.prefill_side.check_room()
         if self.role == "decode":  # the pages first: a failed fetch adds nothing
             disaggregated.check_prompt(kv_params, prompts[0]["prompt_token_ids"])
-            prefilled, run.headers = await disaggregated.fetch_prefilled(kv_params, self.kv_fetch_timeout_s)
+            # A prefill server claiming more bytes than the prompt's pages take here is refused before any allocation.
+            most = m.engine.llm.engine.replicas[0].runner.pages_bytes(len(prompts[0]["prompt_token_ids"]))
+            prefilled, run.headers = await disaggregated.fetch_prefilled(kv_params, self.kv_fetch_timeout_s, most)
             lora["prefilled"] = prefilled
         admitted = []
         try:

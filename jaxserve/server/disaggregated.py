@@ -120,12 +120,13 @@ class PrefillSide:
                 "prompt_digest": prompt_digest(hand_off.seq.prompt_token_ids)}
 
 
-async def fetch_prefilled(params: dict, timeout_s: float) -> tuple[Prefilled, dict]:
-    """The pages the params name, fetched: (Prefilled, the response headers reporting the fetch). A failed fetch
-    is a 502."""
+async def fetch_prefilled(params: dict, timeout_s: float, max_bytes: int | None = None) -> tuple[Prefilled, dict]:
+    """The pages the params name, fetched (at most max_bytes: what the prompt's pages take in this server's cache): (Prefilled, the response
+    headers reporting the fetch). A failed fetch is a 502."""
     started = time.perf_counter()
     try:
-        kv = await fetch_pages(params["remote_host"], params["remote_port"], params["transfer_id"], timeout_s)
+        kv = await fetch_pages(params["remote_host"], params["remote_port"], params["transfer_id"], timeout_s,
+                               max_bytes=max_bytes)
     except KVTransferError as e:
         raise ApiError(502, f"fetching the prefilled KV pages failed: {e}", FIELD) from None
     headers = {KV_SECONDS_HEADER: f"{time.perf_counter() - started:.6f}", KV_BYTES_HEADER: str(kv_bytes(kv))}
