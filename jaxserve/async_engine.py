@@ -96,7 +96,7 @@ class AsyncEngine:
         self._streams: dict[str, _Stream] = {}
         self._stats = llm.stats()
         self._stopping = False
-        self.role = llm.scheduler.role  # "both", or one side of disaggregated prefill across servers
+        self.role = llm.engine.role  # "both", or one side of disaggregated prefill across servers
         self._thread = threading.Thread(target=self._run, name="jaxserve-engine", daemon=True)
         self._thread.start()
 

@@ -60,6 +60,12 @@ class Engine:
     quantization: str | None = None
     loras: HostAdapters | None = None  # the LoRA adapters on the host, shared by the replicas (None: not enabled)
 
+    @property
+    def role(self) -> str:
+        """Its side of disaggregated prefill across servers: "prefill" or "decode", or "both" (the whole of a
+        request, its own prefill and decode pools included)."""
+        return "both" if isinstance(self.core, Disaggregated) else self.replicas[0].scheduler.role
+
     @classmethod
     def over(cls, replicas: list[EngineCore], vocab_size: int, max_model_len: int, tokenizer=None,
              model_name: str = "fake", loras: HostAdapters | None = None,
