@@ -114,12 +114,8 @@ def test_abort_in_each_phase_frees_every_page(phase):
     llm.core.assert_idle_and_clean()
 
 
-def test_a_failed_decode_step_ends_only_its_requests():
-    llm = disaggregated_llm(num_decode=2)
-    bad = llm.replicas[2].runner
-    bad.fail("dispatch", times=-1)
-    llm.add_request({"prompt_token_ids": [1, 2, 3]}, GREEDY, request_id="a")
-    llm.add_request({"prompt_token_ids": [4, 5, 6]}, GREEDY, request_id="b")
+def run_through_failures(llm) -> tuple[dict, dict]:
+    """Steps llm to the end through failed steps: (request id -> its tokens, request id -> the error that ended it)."""
     failed, tokens = {}, {}
     while llm.has_unfinished_requests():
         try:
@@ -129,6 +125,16 @@ def test_a_failed_decode_step_ends_only_its_requests():
             failed.update(e.failed)
         for d in deltas:
             tokens.setdefault(d.seq.request_id, []).extend(d.token_ids)
+    return tokens, failed
+
+
+def test_a_failed_decode_step_ends_only_its_requests():
+    llm = disaggregated_llm(num_decode=2)
+    bad = llm.replicas[2].runner
+    bad.fail("dispatch", times=-1)
+    llm.add_request({"prompt_token_ids": [1, 2, 3]}, GREEDY, request_id="a")
+    llm.add_request({"prompt_token_ids": [4, 5, 6]}, GREEDY, request_id="b")
+    tokens, failed = run_through_failures(llm)
     assert len(failed) == 1 and "device lost" in str(next(iter(failed.values())))
     ok = ({"a", "b"} - set(failed)).pop()
     assert len(tokens[ok]) == 10
@@ -399,15 +405,7 @@ def test_a_failed_import_ends_only_its_own_request():
         request = decode.make_request({"prompt_token_ids": [first, first + 1]}, GREEDY, request_id=request_id)
         pages = np.array([[first, first + 1, -1, -1]])
         decode.core.add_prefilled(request.seqs[0], [(pages, pages)], 2, first_token=first + 2)
-    failed, tokens = {}, {}
-    while decode.has_unfinished_requests():
-        try:
-            deltas = decode.step()
-        except StepError as e:
-            deltas = e.changed
-            failed.update(e.failed)
-        for d in deltas:
-            tokens.setdefault(d.seq.request_id, []).extend(d.token_ids)
+    tokens, failed = run_through_failures(decode)
     assert list(failed) == ["bad"] and "copy lost" in str(failed["bad"]) and decode.core.failed_steps == 0
     assert tokens["innocent"] == list(range(4, 14)) and tokens["good"] == list(range(33, 42))
     decode.core.assert_idle_and_clean()
