@@ -112,6 +112,17 @@ def tier_of(prompt: str, kept: set[str]) -> str:
     return "small" if prompt in kept else "large"
 
 
+def hook_requests(monkeypatch, st, tier: str, hook) -> None:
+    """hook(request_id, stream) for each engine request the tier is asked (on the server's event loop); what it
+    returns is the stream the server reads."""
+    engine = st.engines[tier]
+    add_request = engine.add_request
+
+    async def hooked(prompt, params, request_id, **kw):
+        return hook(request_id, await add_request(prompt, params, request_id, **kw))
+    monkeypatch.setattr(engine, "add_request", hooked)
+
+
 # ---- before: the small tier scores the prompt ----
 
 def test_before_routes_each_prompt_by_its_score(served):
@@ -229,6 +240,38 @@ def test_three_tiers_answer_from_the_middle(served):
                 to_tier="large") == len(PROMPTS) - len(kept)
     assert grew("jaxserve:cascade_requests_total", cascade="auto", tier="mid") == len(kept)
     assert grew("jaxserve:cascade_requests_total", cascade="auto", tier="small") == 0
+    idle(st)
+
+
+# ---- a request's life: drains, refusals, tiers too short, clients that leave ----
+
+def test_a_request_taken_before_a_drain_is_answered_through_every_stage(served, monkeypatch):
+    """Graceful shutdown sets `draining` while a cascade request is in its scoring pass (before) or the small tier's
+    answer (after): the request was taken, so its escalated answer comes (200), while a new one is refused (503)."""
+    st, ref = served
+    router, _ = before_router(ref)
+    ask = {"model": "auto", "prompt": PROMPTS[0], **GREEDY}
+    direct = post(st, {**ask, "model": "large"})
+
+    def drain_now(request_id, stream):
+        st.server.draining = True
+        return stream
+    hook_requests(monkeypatch, st, "small", drain_now)
+    try:
+        # threshold 1: every request moves up, so the large tier answers once the drain has begun.
+        for config in (CascadeConfig(TIERS, router=router, threshold=1.0), CascadeConfig(TIERS, threshold=1.0)):
+            use(st, config)
+            r = post(st, ask)
+            assert st.server.draining and r["model"] == "large", config
+            same_answer(r, direct)
+            for path, body in (("/v1/completions", ask), ("/v1/chat/completions",
+                                                          {"model": "auto", "messages": [{"role": "user",
+                                                                                          "content": "hi"}]})):
+                status, content = http("POST", st.url + path, body)
+                assert status == 503 and b"shutting down" in content, content
+            st.server.draining = False
+    finally:
+        st.server.draining = False
     idle(st)
 
 

@@ -64,6 +64,10 @@ class ServedCascade:
 
     async def completions(self, server, request, body: dict, chat: bool) -> web.StreamResponse:
         """A /v1/completions (chat: /v1/chat/completions) request to the cascade, routed and answered."""
+        # Refused here, once, while the server drains: a request taken before then is answered through every stage
+        # (scoring, answers dropped, the answer), each taken by its tier's own admission, not the server's.
+        if server.draining:
+            raise ApiError(503, "the server is shutting down")
         routing = _Routing(self, server, request, body, chat)
         if self.config.policy == "after" and not routing.stream:
             return await routing.after()
@@ -116,7 +120,7 @@ class _Routing:
     async def _answer_directly(self, tier: int) -> web.StreamResponse:
         """The tier answers the client's request as if asked by name."""
         m = self.cascade.tiers[tier]
-        with self.server._admitted(m, self.seqs):
+        with m.admitted(self.seqs):
             prompts, params = await self._prepare(tier)
             return await self.server._generate(m, None, self.request, self.body, prompts, params, self.chat,
                                                self.tools)
@@ -132,7 +136,7 @@ class _Routing:
     async def _scores(self, tier: int) -> list[dict[str, float]]:
         """Each prompt's PROMPT_FEATURES under the tier's model, from one scoring pass each."""
         m = self.cascade.tiers[tier]
-        with self.server._admitted(m, self.seqs):
+        with m.admitted(self.seqs):
             prompts, _ = await self._prepare(tier)
             run = _Run(f"{self.id}-score{tier}")
             async with self.server.running(m, None, run, self.body, prompts, score_params()) as outputs:
@@ -157,7 +161,7 @@ class _Routing:
         choice's features are returned."""
         self.answer_started[tier] = time.monotonic()
         m = self.cascade.tiers[tier]
-        with self.server._admitted(m, self.seqs):
+        with m.admitted(self.seqs):
             prompts, params = await self._prepare(tier)
             run = CompletionResponse(m, self.body, params, self.chat, len(prompts),
                                      self.server.stream_write_timeout_s, self.tools)
