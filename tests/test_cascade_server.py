@@ -275,6 +275,21 @@ def test_a_request_taken_before_a_drain_is_answered_through_every_stage(served, 
     idle(st)
 
 
+def test_a_scoring_pass_holds_one_sequence_a_prompt(served, monkeypatch):
+    """Under the before policy the small tier scores each prompt once, whatever n: with room for one sequence on the
+    small tier, a request for n = 3 is scored there and answered by the large tier."""
+    st, ref = served
+    router, _ = before_router(ref)
+    use(st, CascadeConfig(TIERS, router=router, threshold=1.0))
+    body = {"prompt": PROMPTS[2], **GREEDY, "n": 3}
+    with monkeypatch.context() as m:
+        m.setattr(st.server.models["small"], "capacity", 1)
+        r = post(st, {**body, "model": "auto"})
+    assert r["model"] == "large" and len(r["choices"]) == 3
+    same_answer(r, post(st, {**body, "model": "large"}))
+    idle(st)
+
+
 # ---- metrics, models, the openai client ----
 
 def test_metrics_count_routes_and_escalations(served):

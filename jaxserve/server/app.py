@@ -238,11 +238,12 @@ class Server:
             return await self._generate(m, adapter, request, body, [prompt], params, chat=True, tools=tools,
                                         kv_params=kv_params)
 
-    async def chat_prompt(self, m: ServedModel, messages: list[dict], params, tools) -> dict:
-        """The conversation rendered by model m's chat template and tokenized (within its admission of params.n)."""
+    async def chat_prompt(self, m: ServedModel, messages: list[dict], params, tools, seqs: int | None = None) -> dict:
+        """The conversation rendered by model m's chat template and tokenized (within its admission of `seqs`,
+        params.n unless given: a cascade's scoring pass holds one)."""
         # Off the event loop too: the template renders the conversation, then it is refused by its length or
         # tokenized.
-        return await m.off_loop(params.n, lambda: m.tokenized(
+        return await m.off_loop(params.n if seqs is None else seqs, lambda: m.tokenized(
             render_chat(messages, m.tokenizer, tools), params, add_special_tokens=False))
 
     async def _body(self, request) -> dict:

@@ -83,7 +83,7 @@ class _Routing:
         self.started = time.monotonic()
         if chat:
             self.messages, self.params, self.tools = parse_chat(body)
-            self.seqs = self.params.n
+            self.num_prompts = 1
         else:
             self.prompts, self.params = parse_completion(body)
             self.tools = None
@@ -91,26 +91,26 @@ class _Routing:
                 raise ApiError(400, f"the tiers of the cascade `{cascade.name}` ({', '.join(cascade.names)}) have "
                                     f"different vocabularies: send text, or name one tier as the model for a prompt "
                                     f"of token ids", "prompt")
-            self.seqs = self.params.n * len(self.prompts)
+            self.num_prompts = len(self.prompts)
+        self.seqs = self.params.n * self.num_prompts  # an answer's sequences (a scoring pass: one per prompt)
         self.stream = body.get("stream") is True
         self.id = new_id("cascade")
         self.prepared: dict[int, tuple[list[dict], SamplingParams]] = {}
         self.answers: dict[int, dict] = {}  # after: tier -> its whole response body
         self.answer_started: dict[int, float] = {}
 
-    async def _prepare(self, tier: int) -> tuple[list[dict], SamplingParams]:
-        """Tier's tokenized prompts and params (a chat's may differ per tier: its tools' tags). Within its
-        admission."""
+    async def _prepare(self, tier: int, seqs: int) -> tuple[list[dict], SamplingParams]:
+        """Tier's tokenized prompts and params (a chat's may differ per tier: its tools' tags), made once. Within its
+        admission of `seqs`."""
         if tier not in self.prepared:
             m, server = self.cascade.tiers[tier], self.server
             if self.chat:
                 m.check_chat()
                 params = m.chat_params(self.params, self.tools)
-                prompts = [await server.chat_prompt(m, self.messages, params, self.tools)]
+                prompts = [await server.chat_prompt(m, self.messages, params, self.tools, seqs)]
             else:
                 m.fits_prompts(self.prompts, self.params)
-                params, prompts = self.params, await server.completion_prompts(m, self.prompts, self.params,
-                                                                               self.seqs)
+                params, prompts = self.params, await server.completion_prompts(m, self.prompts, self.params, seqs)
             self.prepared[tier] = prompts, params
         return self.prepared[tier]
 
@@ -121,7 +121,7 @@ class _Routing:
         """The tier answers the client's request as if asked by name."""
         m = self.cascade.tiers[tier]
         with m.admitted(self.seqs):
-            prompts, params = await self._prepare(tier)
+            prompts, params = await self._prepare(tier, self.seqs)
             return await self.server._generate(m, None, self.request, self.body, prompts, params, self.chat,
                                                self.tools)
 
@@ -134,10 +134,11 @@ class _Routing:
         return await self._answer_directly(route.tier)
 
     async def _scores(self, tier: int) -> list[dict[str, float]]:
-        """Each prompt's PROMPT_FEATURES under the tier's model, from one scoring pass each."""
+        """Each prompt's PROMPT_FEATURES under the tier's model, from one scoring pass each (one sequence, whatever
+        the request's n)."""
         m = self.cascade.tiers[tier]
-        with m.admitted(self.seqs):
-            prompts, _ = await self._prepare(tier)
+        with m.admitted(self.num_prompts):
+            prompts, _ = await self._prepare(tier, self.num_prompts)
             run = _Run(f"{self.id}-score{tier}")
             async with self.server.running(m, None, run, self.body, prompts, score_params()) as outputs:
                 answers = await _collected(outputs, len(prompts))
@@ -162,7 +163,7 @@ class _Routing:
         self.answer_started[tier] = time.monotonic()
         m = self.cascade.tiers[tier]
         with m.admitted(self.seqs):
-            prompts, params = await self._prepare(tier)
+            prompts, params = await self._prepare(tier, self.seqs)
             run = CompletionResponse(m, self.body, params, self.chat, len(prompts),
                                      self.server.stream_write_timeout_s, self.tools)
             engine_params = judged_params(params, self.cascade.reads)
