@@ -57,12 +57,14 @@ class ServerMetrics:
                                              "Requests to a cascade, by the tier that answered them.",
                                              ["cascade", "tier"], registry=self.registry)
             self._cascade_escalations = Counter("jaxserve:cascade_escalations",
-                                                "Requests to a cascade moved up from one tier to the next.",
+                                                "Requests to a cascade moved up by a tier that was asked and "
+                                                "did not keep them, to the next tier asked or the one that "
+                                                "answered.",
                                                 ["cascade", "from_tier", "to_tier"], registry=self.registry)
             self._cascade_routing = Histogram("jaxserve:cascade_routing_seconds",
-                                              "Seconds from a cascade request's arrival to the start of the answering "
-                                              "tier's generation: scoring passes (before), answers escalated past "
-                                              "(after).", ["cascade"], buckets=TTFT_BUCKETS, registry=self.registry)
+                                              "Seconds from a cascade request's arrival to the answering tier's "
+                                              "taking it: scoring passes (before), answers escalated past (after).",
+                                              ["cascade"], buckets=TTFT_BUCKETS, registry=self.registry)
         return CascadeMetrics(self, cascade, tiers)
 
     def exposition(self) -> bytes:
@@ -105,17 +107,20 @@ class CascadeMetrics:
     """What the server observes for one cascade: the tier each request went to, its moves up, the routing time."""
 
     def __init__(self, parent: ServerMetrics, cascade: str, tiers: list[str]):
-        self.tiers = tiers
+        self.cascade, self.tiers = cascade, tiers
         self.requests = [parent._cascade_requests.labels(cascade=cascade, tier=t) for t in tiers]
-        self.escalations = [parent._cascade_escalations.labels(cascade=cascade, from_tier=a, to_tier=b)
-                            for a, b in zip(tiers, tiers[1:])]  # [i]: tier i to tier i + 1
+        # Each next pair at 0 from the start; a move past a skipped tier (too long for it) makes its series then.
+        self._escalations = parent._cascade_escalations
+        for a, b in zip(tiers, tiers[1:]):
+            self._escalations.labels(cascade=cascade, from_tier=a, to_tier=b)
         self.routing = parent._cascade_routing.labels(cascade=cascade)
 
-    def routed(self, tier: int, seconds: float) -> None:
-        """One request answered by `tier` (index), having moved up through every tier below it."""
+    def routed(self, tier: int, escalations: list[tuple[int, int]], seconds: float) -> None:
+        """One request answered by `tier` (index), having moved up from each tier that refused it ((from, to)
+        indices: `policy.Route.escalations`). Called once the answering tier has taken the request."""
         self.requests[tier].inc()
-        for i in range(tier):
-            self.escalations[i].inc()
+        for a, b in escalations:
+            self._escalations.labels(cascade=self.cascade, from_tier=self.tiers[a], to_tier=self.tiers[b]).inc()
         self.routing.observe(seconds)
 
 

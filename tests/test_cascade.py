@@ -263,6 +263,29 @@ def test_choose_tier_takes_the_first_tier_whose_classifier_keeps_the_request():
         assert run(choose_tier(judges, fake_tiers(said)[0])) == route
 
 
+def test_a_request_sent_straight_to_the_last_tier_is_no_escalation():
+    """A stream under the after policy without before classifiers goes to the last tier unjudged: a route only."""
+    from jaxserve.cascade.policy import Route
+    assert Route(2).escalations == [] and Route(2, (0.1, 0.2)).escalations == [(0, 1), (1, 2)]
+
+
+def test_cascade_metrics_count_escalations_by_the_tiers_moved_between():
+    from jaxserve.metrics import ServerMetrics
+    metrics = ServerMetrics()
+    cascade = metrics.add_cascade("auto", ["a", "b", "c"])
+    cascade.routed(2, [(0, 2)], 0.5)  # b skipped
+    cascade.routed(2, [], 0.25)  # straight to c
+    text = metrics.exposition().decode()
+
+    def value(series):
+        return float(next(line for line in text.splitlines() if line.startswith(series + " ")).rsplit(" ", 1)[1])
+    assert value('jaxserve:cascade_escalations_total{cascade="auto",from_tier="a",to_tier="c"}') == 1
+    assert value('jaxserve:cascade_escalations_total{cascade="auto",from_tier="a",to_tier="b"}') == 0
+    assert value('jaxserve:cascade_escalations_total{cascade="auto",from_tier="b",to_tier="c"}') == 0
+    assert value('jaxserve:cascade_requests_total{cascade="auto",tier="c"}') == 2
+    assert value('jaxserve:cascade_routing_seconds_count{cascade="auto"}') == 2
+
+
 def test_every_item_must_be_kept():
     """A request of several prompts (or n > 1 answers) stays only if each is kept."""
     from jaxserve.cascade.policy import choose_tier

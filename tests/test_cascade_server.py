@@ -112,6 +112,19 @@ def tier_of(prompt: str, kept: set[str]) -> str:
     return "small" if prompt in kept else "large"
 
 
+def scrape(st) -> dict:
+    return metric_samples(http("GET", st.url + "/metrics")[1].decode())
+
+
+def grew(seen: dict, now: dict, metric: str, **labels) -> float:
+    key = (metric, frozenset(f'{k}="{v}"' for k, v in labels.items()))
+    return now.get(key, 0) - seen.get(key, 0)
+
+
+def cascade_series(samples: dict) -> dict:
+    return {k: v for k, v in samples.items() if k[0].startswith("jaxserve:cascade_")}
+
+
 def hook_requests(monkeypatch, st, tier: str, hook) -> None:
     """hook(request_id, stream) for each engine request the tier is asked (on the server's event loop); what it
     returns is the stream the server reads."""
@@ -205,12 +218,21 @@ def test_after_streams_are_routed_before_generating(served):
     after, _ = after_router(ref)
     before, kept = before_router(ref)
     use(st, CascadeConfig(TIERS, router=after))
+    seen = scrape(st)
     for p in PROMPTS[:2]:
         assert {c["model"] for c in streamed(st, {"model": "auto", "prompt": p, **GREEDY})} == {"large"}
+    # Sent to the last tier unjudged: a route each, no escalation (the small tier was never asked).
+    now = scrape(st)
+    assert grew(seen, now, "jaxserve:cascade_requests_total", cascade="auto", tier="large") == 2
+    assert grew(seen, now, "jaxserve:cascade_escalations_total", cascade="auto", from_tier="small",
+                to_tier="large") == 0
     both = Router(TIERS, before=before.before, after=after.after)
     use(st, CascadeConfig(TIERS, policy="after", router=both))
     for p in PROMPTS:
         assert {c["model"] for c in streamed(st, {"model": "auto", "prompt": p, **GREEDY})} == {tier_of(p, kept)}
+    # Judged by the before classifiers: each one the small tier did not keep moved up.
+    assert grew(now, scrape(st), "jaxserve:cascade_escalations_total", cascade="auto", from_tier="small",
+                to_tier="large") == len(PROMPTS) - len(kept)
     idle(st)
 
 
@@ -272,6 +294,29 @@ def test_a_request_taken_before_a_drain_is_answered_through_every_stage(served, 
             st.server.draining = False
     finally:
         st.server.draining = False
+    idle(st)
+
+
+def test_a_route_counts_once_its_tier_takes_the_request(served, monkeypatch):
+    """The large tier refuses (429: full): no route, escalation or routing time is counted, under either policy;
+    once it takes requests again, each counts."""
+    st, ref = served
+    router, _ = before_router(ref)
+    for config in (CascadeConfig(TIERS, router=router, threshold=1.0), CascadeConfig(TIERS, threshold=1.0)):
+        use(st, config)
+        seen = scrape(st)
+        with monkeypatch.context() as m:
+            m.setattr(st.server.models["large"], "capacity", 0)
+            status, content = http("POST", st.url + "/v1/completions", {"model": "auto", "prompt": PROMPTS[1],
+                                                                         **GREEDY})
+            assert status == 429, content
+        assert cascade_series(scrape(st)) == cascade_series(seen), config
+        assert post(st, {"model": "auto", "prompt": PROMPTS[1], **GREEDY})["model"] == "large"
+        now = scrape(st)
+        assert grew(seen, now, "jaxserve:cascade_requests_total", cascade="auto", tier="large") == 1
+        assert grew(seen, now, "jaxserve:cascade_escalations_total", cascade="auto", from_tier="small",
+                    to_tier="large") == 1
+        assert grew(seen, now, "jaxserve:cascade_routing_seconds_count", cascade="auto") == 1
     idle(st)
 
 

@@ -48,8 +48,9 @@ class Route:
 
     @property
     def escalations(self) -> list[tuple[int, int]]:
-        """Each move up a tier, (from, to)."""
-        return [(i, i + 1) for i in range(self.tier)]
+        """Each move up from a tier that was asked and did not keep the request, (from, to). A request sent straight
+        to the last tier (a stream under the after policy without before classifiers) was never judged: none."""
+        return [(i, i + 1) for i in range(min(len(self.probabilities), self.tier))]
 
 
 async def choose_tier(judges: Sequence[Judge], features_of: Callable[[int], Awaitable[list[dict[str, float]]]]

@@ -114,14 +114,17 @@ class _Routing:
             self.prepared[tier] = prompts, params
         return self.prepared[tier]
 
-    def _routed(self, route: Route, answer_started: float) -> None:
-        self.cascade.metrics.routed(route.tier, answer_started - self.started)
+    def _routed(self, route: Route, taken: float) -> None:
+        """Counts the route once its tier has taken the request (admitted it, its prompts fit): a request refused
+        there (429, 400) was answered by no tier."""
+        self.cascade.metrics.routed(route.tier, route.escalations, taken - self.started)
 
-    async def _answer_directly(self, tier: int) -> web.StreamResponse:
-        """The tier answers the client's request as if asked by name."""
-        m = self.cascade.tiers[tier]
+    async def _answer_directly(self, route: Route) -> web.StreamResponse:
+        """The route's tier answers the client's request as if asked by name."""
+        m = self.cascade.tiers[route.tier]
         with m.admitted(self.seqs):
-            prompts, params = await self._prepare(tier, self.seqs)
+            prompts, params = await self._prepare(route.tier, self.seqs)
+            self._routed(route, time.monotonic())
             return await self.server._generate(m, None, self.request, self.body, prompts, params, self.chat,
                                                self.tools)
 
@@ -130,8 +133,7 @@ class _Routing:
     async def before(self, judges) -> web.StreamResponse:
         last = len(self.cascade.tiers) - 1
         route = await choose_tier(judges, self._scores) if judges is not None else Route(last)
-        self._routed(route, time.monotonic())
-        return await self._answer_directly(route.tier)
+        return await self._answer_directly(route)
 
     async def _scores(self, tier: int) -> list[dict[str, float]]:
         """Each prompt's PROMPT_FEATURES under the tier's model, from one scoring pass each (one sequence, whatever
@@ -151,19 +153,18 @@ class _Routing:
             raise ApiError(400, f"the cascade `{self.cascade.name}` judges answers (--cascade-policy after): "
                                 f"max_tokens 0 leaves none to judge; name a model to score a prompt", "max_tokens")
         route = await choose_tier(self.cascade.judges, self._answer_features)
-        last = len(self.cascade.tiers) - 1
-        self._routed(route, self.answer_started.get(route.tier, time.monotonic()))
-        if route.tier == last:
-            return await self._answer_directly(last)
+        if route.tier == len(self.cascade.tiers) - 1:
+            return await self._answer_directly(route)
+        self._routed(route, self.answer_started[route.tier])
         return web.json_response(self.answers[route.tier])
 
     async def _answer_features(self, tier: int) -> list[dict[str, float]]:
         """The tier answers (asked for what its judge reads), its response body is kept for the client, and each
         choice's features are returned."""
-        self.answer_started[tier] = time.monotonic()
         m = self.cascade.tiers[tier]
         with m.admitted(self.seqs):
             prompts, params = await self._prepare(tier, self.seqs)
+            self.answer_started[tier] = time.monotonic()
             run = CompletionResponse(m, self.body, params, self.chat, len(prompts),
                                      self.server.stream_write_timeout_s, self.tools)
             engine_params = judged_params(params, self.cascade.reads)
