@@ -88,13 +88,20 @@ def _check_text(text: str, param: str, what: str) -> None:
         raise ApiError(400, str(e), param) from None
 
 
-def context_length_error(limit: int, prompt_tokens: int, max_tokens: int | None, at_least: bool = False) -> ApiError:
+class ContextLengthError(ApiError):
+    """The 400 for a request too long for the model's max_model_len: its own kind, so that a cascade can move such a
+    request past a tier that cannot take it (the body is ApiError's)."""
+
+
+def context_length_error(limit: int, prompt_tokens: int, max_tokens: int | None,
+                         at_least: bool = False) -> ContextLengthError:
     """The 400 for prompt + max_tokens past max_model_len (as vLLM's); `at_least`: prompt_tokens is a floor found
     from the prompt's length, before tokenizing it."""
     generate = max_tokens or 1
     floor = "at least " if at_least else ""
-    return ApiError(400, f"this model's maximum context length is {limit} tokens; the request asks for {floor}"
-                         f"{prompt_tokens + generate} ({floor}{prompt_tokens} in the prompt, {generate} to generate)")
+    return ContextLengthError(400, f"this model's maximum context length is {limit} tokens; the request asks for "
+                                   f"{floor}{prompt_tokens + generate} ({floor}{prompt_tokens} in the prompt, "
+                                   f"{generate} to generate)")
 
 
 def _structured_outputs(body: dict, tools: ToolRequest | None = None):

@@ -263,6 +263,24 @@ def test_choose_tier_takes_the_first_tier_whose_classifier_keeps_the_request():
         assert run(choose_tier(judges, fake_tiers(said)[0])) == route
 
 
+def test_a_tier_that_cannot_take_the_request_is_skipped_not_escalated_from():
+    """features_of None: the tier is too short for the request; it is moved past, and only a tier that was asked and
+    refused is an escalation (to the next tier asked, or the one that answers)."""
+    from jaxserve.cascade.policy import choose_tier
+    keep_if_confident = clf(("first_margin",), (1.0,), threshold=0.5)
+    judges = (keep_if_confident,) * 3  # four tiers
+    sure, unsure = [{"first_margin": 2.0}], [{"first_margin": -2.0}]
+    features_of, asked = fake_tiers([None, unsure, None])
+    route = run(choose_tier(judges, features_of))
+    assert (route.tier, asked, route.probabilities[0], route.probabilities[2]) == (3, [0, 1, 2], None, None)
+    assert route.escalations == [(1, 3)]
+    route = run(choose_tier(judges, fake_tiers([None, sure, None])[0]))
+    assert (route.tier, route.escalations) == (1, [])
+    route = run(choose_tier(judges, fake_tiers([unsure, None, unsure])[0]))
+    assert (route.tier, route.escalations) == (3, [(0, 2), (2, 3)])
+    assert run(choose_tier(judges, fake_tiers([None, None, None])[0])).escalations == []
+
+
 def test_a_request_sent_straight_to_the_last_tier_is_no_escalation():
     """A stream under the after policy without before classifiers goes to the last tier unjudged: a route only."""
     from jaxserve.cascade.policy import Route

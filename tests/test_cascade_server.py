@@ -20,6 +20,8 @@ TIERS = ("small", "large")
 TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
 PROMPTS = ["The cat sat on", "Numbers: 1 2 3 4", "zq zq xv kk!", "hello world, hello", "{[()]} <> ;;", "ab ab ab ab"]
 GREEDY = {"temperature": 0, "max_tokens": 6, "ignore_eos": True}
+LARGE_LEN = 128  # the large tier's max_model_len; the others' is 64
+LONG = "A prompt of 83 tokens (one a byte): too long for the small tier, not for the large."
 
 
 @pytest.fixture(scope="module")
@@ -40,10 +42,12 @@ def split(features: dict[str, dict], name: str) -> tuple[float, set[str]]:
 
 @pytest.fixture(scope="module")
 def served(tiny_tokenized_dir, large_dir):
-    """The server, and per prompt the small model's features computed offline (before any server drives it). A third
-    model, "mid", has the small one's weights: a middle tier that answers as the small one does."""
+    """The server, and per prompt the small model's features computed offline (before any server drives it). The
+    large tier takes longer requests than the others (LARGE_LEN). A third model, "mid", has the small one's weights:
+    a middle tier that answers as the small one does."""
     llms = {"small": make_llm(tiny_tokenized_dir, max_model_len=64),
-            "large": make_llm(large_dir, max_model_len=64), "mid": make_llm(tiny_tokenized_dir, max_model_len=64)}
+            "large": make_llm(large_dir, max_model_len=LARGE_LEN),
+            "mid": make_llm(tiny_tokenized_dir, max_model_len=64)}
     small = llms["small"]
     for llm in llms.values():
         llm.tokenizer.chat_template = TEMPLATE
@@ -320,6 +324,40 @@ def test_a_route_counts_once_its_tier_takes_the_request(served, monkeypatch):
     idle(st)
 
 
+def test_a_tier_too_short_for_the_request_is_skipped(served):
+    """A prompt + max_tokens past the small (and mid) tier's max_model_len but within the large one's: the large tier
+    answers, as asked directly, under either policy and over three tiers, even with a threshold that keeps every
+    request on the small tier; a route, no escalation. Too long for the last tier too: its 400, nothing counted."""
+    st, ref = served
+    body = {"prompt": LONG, **GREEDY, "logprobs": 1}
+    direct = post(st, {**body, "model": "large"})
+    assert direct["usage"]["prompt_tokens"] + GREEDY["max_tokens"] > 64
+    before, _ = before_router(ref)
+    after, _ = after_router(ref)
+    three = ("small", "mid", "large")
+    keep = TierClassifier(("first_margin",), (0.0,), (1.0,), (0.0,), 10.0, 0.5)  # p = sigmoid(10): keeps all
+    for config in (CascadeConfig(TIERS, router=before, threshold=0.0), CascadeConfig(TIERS, router=after,
+                                                                                     threshold=0.0),
+                   CascadeConfig(TIERS, threshold=0.0),
+                   CascadeConfig(three, router=Router(three, before=(keep, keep)))):
+        use(st, config)
+        assert post(st, {"model": "auto", "prompt": PROMPTS[0], **GREEDY})["model"] == "small", config  # kept
+        seen = scrape(st)
+        r = post(st, {**body, "model": "auto"})
+        assert r["model"] == "large", config
+        same_answer(r, direct)
+        chat = {"messages": [{"role": "user", "content": LONG}], **GREEDY}
+        assert post(st, {**chat, "model": "auto"}, "/v1/chat/completions")["model"] == "large"
+        now = scrape(st)
+        assert grew(seen, now, "jaxserve:cascade_requests_total", cascade="auto", tier="large") == 2
+        assert sum(v for k, v in cascade_series(now).items() if k[0] == "jaxserve:cascade_escalations_total") == \
+            sum(v for k, v in cascade_series(seen).items() if k[0] == "jaxserve:cascade_escalations_total")
+        status, content = http("POST", st.url + "/v1/completions", {**body, "model": "auto", "prompt": LONG * 2})
+        assert status == 400 and f"maximum context length is {LARGE_LEN}" in json.loads(content)["error"]["message"]
+        assert cascade_series(scrape(st)) == cascade_series(now)
+    idle(st)
+
+
 def test_a_scoring_pass_holds_one_sequence_a_prompt(served, monkeypatch):
     """Under the before policy the small tier scores each prompt once, whatever n: with room for one sequence on the
     small tier, a request for n = 3 is scored there and answered by the large tier."""
@@ -368,7 +406,9 @@ def test_metrics_count_routes_and_escalations(served):
 def test_models_lists_the_cascade_and_its_tokenizer_is_its_tiers(served):
     st, _ = served
     data = json.loads(http("GET", st.url + "/v1/models")[1])["data"]
-    assert [(m["id"], m["max_model_len"]) for m in data] == [("small", 64), ("large", 64), ("mid", 64), ("auto", 64)]
+    # The cascade takes what its last tier takes (a cheaper tier too short for a request is skipped).
+    assert [(m["id"], m["max_model_len"]) for m in data] == [("small", 64), ("large", LARGE_LEN), ("mid", 64),
+                                                             ("auto", LARGE_LEN)]
     assert (data[3]["root"], data[3]["parent"], data[3]["object"]) == ("small,large", None, "model")
     tokens = post(st, {"model": "auto", "prompt": "hello"}, "/tokenize")
     assert tokens == post(st, {"model": "small", "prompt": "hello"}, "/tokenize")

@@ -41,26 +41,33 @@ class ConfidenceRule:
 
 @dataclasses.dataclass(frozen=True)
 class Route:
-    """Where a request went: the tier that answers, and the probability each tier asked gave (the lowest over the
-    request's items), cheapest first."""
+    """Where a request went: the tier that answers, and what each tier below it (and the answering one, if it was
+    asked) said, cheapest first: the probability it gave (the lowest over the request's items), or None for a tier
+    that was skipped, not asked (one that cannot take the request: too long for its max_model_len)."""
     tier: int
-    probabilities: tuple[float, ...] = ()
+    probabilities: tuple[float | None, ...] = ()
 
     @property
     def escalations(self) -> list[tuple[int, int]]:
-        """Each move up from a tier that was asked and did not keep the request, (from, to). A request sent straight
-        to the last tier (a stream under the after policy without before classifiers) was never judged: none."""
-        return [(i, i + 1) for i in range(min(len(self.probabilities), self.tier))]
+        """Each move up from a tier that was asked and did not keep the request, (from, to): to the next tier asked,
+        or the answering one. A tier skipped, or a request sent straight to the last tier (never judged), is no
+        escalation."""
+        refused = [i for i, p in enumerate(self.probabilities[:self.tier]) if p is not None]
+        return list(zip(refused, [*refused[1:], self.tier]))
 
 
-async def choose_tier(judges: Sequence[Judge], features_of: Callable[[int], Awaitable[list[dict[str, float]]]]
-                      ) -> Route:
+async def choose_tier(judges: Sequence[Judge],
+                      features_of: Callable[[int], Awaitable[list[dict[str, float]] | None]]) -> Route:
     """The first tier whose judge keeps every item `features_of(tier)` gives (one feature dict per prompt or per
-    answer), trying tiers 0, 1, ... in turn; len(judges) (the last tier, never asked) if none does. Deterministic:
-    the same features give the same route."""
-    probabilities = []
+    answer), trying tiers 0, 1, ... in turn; len(judges) (the last tier, never asked) if none does. features_of
+    gives None for a tier that cannot take the request: it is skipped (moved past, not judged). Deterministic: the
+    same features give the same route."""
+    probabilities: list[float | None] = []
     for tier, judge in enumerate(judges):
         items = await features_of(tier)
+        if items is None:
+            probabilities.append(None)
+            continue
         if not items:
             raise ValueError(f"tier {tier} gave no features to judge")
         p = min(judge.probability(f) for f in items)

@@ -151,7 +151,8 @@ class Server:
 
     async def list_models(self, request):
         """The served models, then the adapters (as vLLM: root is the adapter's path, parent its base model), then
-        the cascade (root: its tiers, comma-separated; its max_model_len the least of theirs)."""
+        the cascade (root: its tiers, comma-separated; its max_model_len its last tier's, which answers whatever
+        reaches it)."""
         created = int(time.time())
 
         def card(name: str, m: ServedModel, root, parent) -> dict:
@@ -160,7 +161,7 @@ class Server:
         return web.json_response({"object": "list", "data": [
             *(card(m.name, m, m.engine.llm.engine_config.model or m.name, None) for m in self.models.values()),
             *(card(a.name, a.model, a.lora_request.lora_path, a.model.name) for a in self.lora.adapters.values()),
-            *([card(self.cascade.name, self.cascade.shortest(), ",".join(self.cascade.names), None)]
+            *([card(self.cascade.name, self.cascade.surely_taking(), ",".join(self.cascade.names), None)]
               if self.cascade is not None else [])]})
 
     # ---- LoRA adapters at run time (vLLM's endpoints and answers) ----

@@ -10,9 +10,10 @@ tier. The decision is `jaxserve.cascade.policy.choose_tier`; here is what asking
 - after, streamed: a stream cannot take back what it sent, so it is routed before generating, by the router's before
   classifiers if it has them, else to the last tier.
 
-A request of several prompts, or n > 1, stays on a tier only if every prompt (before) or every choice (after) is
-kept. The response's usage is the answering tier's; tokens spent on scoring passes and dropped answers show in each
-tier's own metrics (and the cascade's routing seconds).
+A tier too short for the request (prompt + max_tokens past its max_model_len) is skipped, not asked. A request of
+several prompts, or n > 1, stays on a tier only if every prompt (before) or every choice (after) is kept. The
+response's usage is the answering tier's; tokens spent on scoring passes and dropped answers show in each tier's own
+metrics (and the cascade's routing seconds).
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from jaxserve.cascade.features import (ANSWER_FEATURES, PROMPT_FEATURES, SCORE_T
                                        prompt_features, score_params)
 from jaxserve.cascade.policy import CascadeConfig, Route, choose_tier
 from jaxserve.metrics import ServerMetrics
-from jaxserve.openai_api import ApiError, new_id, parse_chat, parse_completion
+from jaxserve.openai_api import ApiError, ContextLengthError, new_id, parse_chat, parse_completion
 from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.server.responses import CompletionResponse
@@ -51,9 +52,10 @@ class ServedCascade:
         # Token-id prompts mean the same to every tier only if they share a vocabulary.
         self.shared_vocabulary = same_vocabulary(self.tiers)
 
-    def shortest(self) -> ServedModel:
-        """The tier with the least max_model_len: a request the cascade takes fits every tier."""
-        return min(self.tiers, key=lambda m: m.engine.llm.max_model_len)
+    def surely_taking(self) -> ServedModel:
+        """The tier whose max_model_len a request to the cascade may reach: the last one, as it answers whatever
+        reaches it (a cheaper tier too short for a request is skipped)."""
+        return self.tiers[-1]
 
     def tokenizing_model(self) -> ServedModel:
         """The model whose tokenizer the tokenizer endpoints use for the cascade's name: its tiers', if shared."""
@@ -76,7 +78,10 @@ class ServedCascade:
 
 class _Routing:
     """One request to a cascade: its parsed body, each tier's tokenized prompts (made once, when the tier is first
-    asked), and what the tiers said."""
+    asked), and what the tiers said.
+
+    A tier too short for the request (prompt + max_tokens past its max_model_len) is skipped: not asked, no
+    escalation; the last tier answers whatever reaches it (too long for it: its 400)."""
 
     def __init__(self, cascade: ServedCascade, server, request, body: dict, chat: bool):
         self.cascade, self.server, self.request, self.body, self.chat = cascade, server, request, body, chat
@@ -101,7 +106,7 @@ class _Routing:
 
     async def _prepare(self, tier: int, seqs: int) -> tuple[list[dict], SamplingParams]:
         """Tier's tokenized prompts and params (a chat's may differ per tier: its tools' tags), made once. Within its
-        admission of `seqs`."""
+        admission of `seqs`. Raises ContextLengthError when the request is too long for the tier."""
         if tier not in self.prepared:
             m, server = self.cascade.tiers[tier], self.server
             if self.chat:
@@ -135,12 +140,15 @@ class _Routing:
         route = await choose_tier(judges, self._scores) if judges is not None else Route(last)
         return await self._answer_directly(route)
 
-    async def _scores(self, tier: int) -> list[dict[str, float]]:
+    async def _scores(self, tier: int) -> list[dict[str, float]] | None:
         """Each prompt's PROMPT_FEATURES under the tier's model, from one scoring pass each (one sequence, whatever
-        the request's n)."""
+        the request's n); None if the request is too long for the tier."""
         m = self.cascade.tiers[tier]
         with m.admitted(self.num_prompts):
-            prompts, _ = await self._prepare(tier, self.num_prompts)
+            try:
+                prompts, _ = await self._prepare(tier, self.num_prompts)
+            except ContextLengthError:
+                return None
             run = _Run(f"{self.id}-score{tier}")
             async with self.server.running(m, None, run, self.body, prompts, score_params()) as outputs:
                 answers = await _collected(outputs, len(prompts))
@@ -158,12 +166,15 @@ class _Routing:
         self._routed(route, self.answer_started[route.tier])
         return web.json_response(self.answers[route.tier])
 
-    async def _answer_features(self, tier: int) -> list[dict[str, float]]:
+    async def _answer_features(self, tier: int) -> list[dict[str, float]] | None:
         """The tier answers (asked for what its judge reads), its response body is kept for the client, and each
-        choice's features are returned."""
+        choice's features are returned; None if the request is too long for the tier."""
         m = self.cascade.tiers[tier]
         with m.admitted(self.seqs):
-            prompts, params = await self._prepare(tier, self.seqs)
+            try:
+                prompts, params = await self._prepare(tier, self.seqs)
+            except ContextLengthError:
+                return None
             self.answer_started[tier] = time.monotonic()
             run = CompletionResponse(m, self.body, params, self.chat, len(prompts),
                                      self.server.stream_write_timeout_s, self.tools)
