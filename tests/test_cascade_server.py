@@ -41,16 +41,18 @@ def split(features: dict[str, dict], name: str) -> tuple[float, set[str]]:
 
 
 @pytest.fixture(scope="module")
-def served(tiny_tokenized_dir, large_dir):
+def served(tiny_dir, tiny_tokenized_dir, large_dir):
     """The server, and per prompt the small model's features computed offline (before any server drives it). The
     large tier takes longer requests than the others (LARGE_LEN). A third model, "mid", has the small one's weights:
-    a middle tier that answers as the small one does."""
+    a middle tier that answers as the small one does; a fourth, "raw", the same ids with no tokenizer: another
+    vocabulary as far as a cascade can tell."""
     llms = {"small": make_llm(tiny_tokenized_dir, max_model_len=64),
             "large": make_llm(large_dir, max_model_len=LARGE_LEN),
-            "mid": make_llm(tiny_tokenized_dir, max_model_len=64)}
+            "mid": make_llm(tiny_tokenized_dir, max_model_len=64), "raw": make_llm(tiny_dir, max_model_len=64)}
     small = llms["small"]
     for llm in llms.values():
-        llm.tokenizer.chat_template = TEMPLATE
+        if llm.tokenizer is not None:
+            llm.tokenizer.chat_template = TEMPLATE
 
     def ids(p):
         return {"prompt_token_ids": small.tokenizer.encode(p)}
@@ -373,6 +375,50 @@ def test_a_scoring_pass_holds_one_sequence_a_prompt(served, monkeypatch):
     idle(st)
 
 
+def test_a_client_that_leaves_during_the_scoring_pass_leaves_the_engines_idle(served, monkeypatch):
+    """The client disconnects while the server awaits the small tier's scoring pass: the handler is cancelled, the
+    pass aborted, the engines go idle, and nothing is counted: no route, no request finished on any tier."""
+    import asyncio
+    import contextlib
+    import threading
+
+    import aiohttp
+    st, ref = served
+    router, _ = before_router(ref)
+    use(st, CascadeConfig(TIERS, router=router, threshold=1.0))
+    scoring = threading.Event()
+
+    def slow_scores(request_id, stream):
+        if "-score" not in request_id:
+            return stream
+
+        async def held():
+            scoring.set()
+            await asyncio.sleep(60)  # the client leaves meanwhile; the handler's cancellation ends this
+            async for out in stream:
+                yield out
+        return held()
+    hook_requests(monkeypatch, st, "small", slow_scores)
+
+    async def leave_while_scoring():
+        async with aiohttp.ClientSession() as s:
+            async def send():
+                return await s.post(st.url + "/v1/completions",
+                                    json={"model": "auto", "prompt": [PROMPTS[3], PROMPTS[4]], **GREEDY})
+            request = asyncio.create_task(send())
+            assert await asyncio.to_thread(scoring.wait, 30), "no scoring pass began"
+            request.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await request
+    seen = scrape(st)
+    asyncio.run(leave_while_scoring())
+    idle(st)  # within 30 s: the held pass would keep its admission for 60
+    now = scrape(st)
+    assert cascade_series(now) == cascade_series(seen)
+    finished = {k: v for k, v in now.items() if k[0] == "jaxserve:request_success_total"}
+    assert finished == {k: v for k, v in seen.items() if k[0] == "jaxserve:request_success_total"}
+
+
 # ---- metrics, models, the openai client ----
 
 def test_metrics_count_routes_and_escalations(served):
@@ -404,18 +450,58 @@ def test_metrics_count_routes_and_escalations(served):
 
 
 def test_models_lists_the_cascade_and_its_tokenizer_is_its_tiers(served):
-    st, _ = served
+    st, ref = served
+    router, kept = before_router(ref)
+    use(st, CascadeConfig(TIERS, router=router))
     data = json.loads(http("GET", st.url + "/v1/models")[1])["data"]
     # The cascade takes what its last tier takes (a cheaper tier too short for a request is skipped).
     assert [(m["id"], m["max_model_len"]) for m in data] == [("small", 64), ("large", LARGE_LEN), ("mid", 64),
-                                                             ("auto", LARGE_LEN)]
-    assert (data[3]["root"], data[3]["parent"], data[3]["object"]) == ("small,large", None, "model")
+                                                             ("raw", 64), ("auto", LARGE_LEN)]
+    assert (data[4]["root"], data[4]["parent"], data[4]["object"]) == ("small,large", None, "model")
     tokens = post(st, {"model": "auto", "prompt": "hello"}, "/tokenize")
     assert tokens == post(st, {"model": "small", "prompt": "hello"}, "/tokenize")
-    # Token ids mean the same to both tiers (one vocabulary): a cascade takes them.
-    assert post(st, {"model": "auto", "prompt": tokens["tokens"], **GREEDY})["model"] in TIERS
+    # Token ids mean the same to both tiers (one vocabulary): a cascade takes them, routes them as the same text and
+    # gives the same answer.
+    for p in PROMPTS:
+        ids = post(st, {"model": "auto", "prompt": p}, "/tokenize")["tokens"]
+        as_ids, as_text = (post(st, {"model": "auto", "prompt": prompt, **GREEDY, "logprobs": 1})
+                           for prompt in (ids, p))
+        assert as_ids["model"] == as_text["model"] == tier_of(p, kept), p
+        same_answer(as_ids, as_text)
     status, content = http("POST", st.url + "/v1/completions", {"model": "auto2", "prompt": "x"})
     assert status == 404 and "`auto`" in json.loads(content)["error"]["message"]
+    idle(st)
+
+
+def test_tiers_of_different_vocabularies_take_text_only(served):
+    """A cascade over the small model and "raw" (the same ids, no tokenizer): token ids could mean different
+    tokens to its tiers, so a prompt of them and /tokenize under the cascade's name are 400s naming the fix."""
+    st, _ = served
+    use(st, CascadeConfig(("small", "raw"), threshold=0.5))
+    try:
+        assert not st.server.cascade.shared_vocabulary
+        for body, path, field in (({"prompt": [5, 6, 7], **GREEDY}, "/v1/completions", "prompt"),
+                                  ({"prompt": ["text", [5, 6]], **GREEDY}, "/v1/completions", "prompt"),
+                                  ({"prompt": "hello"}, "/tokenize", "model")):
+            status, content = http("POST", st.url + path, {"model": "auto", **body})
+            error = json.loads(content)["error"]
+            assert (status, error["param"], error["type"]) == (400, field, "invalid_request_error"), content
+            assert "small, raw" in error["message"] and "name one" in error["message"], error
+    finally:
+        use(st, CascadeConfig(TIERS, threshold=0.5))
+    idle(st)
+
+
+def test_after_refuses_max_tokens_0(served):
+    st, ref = served
+    use(st, CascadeConfig(TIERS, router=after_router(ref)[0]))
+    seen = scrape(st)
+    # (echo: a request that only scores its prompt, valid when naming a model)
+    status, content = http("POST", st.url + "/v1/completions", {"model": "auto", "prompt": "hi", "max_tokens": 0,
+                                                                 "echo": True})
+    error = json.loads(content)["error"]
+    assert (status, error["param"]) == (400, "max_tokens") and "none to judge" in error["message"], content
+    assert cascade_series(scrape(st)) == cascade_series(seen)
     idle(st)
 
 
