@@ -78,8 +78,8 @@ UNITS = [  # (how many X are in a Y, answer)
     ("ounces", "a pound", 16), ("years", "a century", 100), ("years", "a decade", 10), ("cents", "a dollar", 100),
     ("milliliters", "a liter", 1000), ("seconds", "an hour", 3600), ("minutes", "a day", 1440),
     ("hours", "a week", 168), ("quarts", "a gallon", 4), ("pints", "a quart", 2), ("days", "a leap year", 366),
-    ("years", "a millennium", 1000), ("items", "a dozen", 12), ("players", "a soccer team on the field", 11),
-    ("legs", "a spider", 8), ("sides", "a hexagon", 6), ("sides", "an octagon", 8),
+    ("years", "a millennium", 1000), ("items", "a dozen", 12), ("feet", "a mile", 5280),
+    ("kilograms", "a tonne", 1000), ("seconds", "a day", 86400), ("bits", "a byte", 8),
 ]
 PLURALS = {
     "mouse": ["mice"], "child": ["children"], "man": ["men"], "woman": ["women"], "tooth": ["teeth"],
@@ -183,7 +183,8 @@ def build(per_category: int, seed: int = 0) -> list[dict]:
         distractors = [rng.choice(KINDS[k]) for k in others]
         listed = [correct] + distractors
         rng.shuffle(listed)
-        q = f"Which of these is a {kind}: {listed[0]}, {listed[1]} or {listed[2]}?"
+        article = "an" if kind[0] in "aeiou" else "a"
+        q = f"Which of these is {article} {kind}: {listed[0]}, {listed[1]} or {listed[2]}?"
         questions.append(_choice("choice_kind", q, SHOTS["kind"], correct, distractors, rng))
     for _ in range(per_category):
         a, b = rng.randint(10, 499), rng.randint(10, 499)
