@@ -83,6 +83,24 @@ def build_parser() -> argparse.ArgumentParser:
                      help="--role prefill: the address to bind that port on and the one decode servers are told "
                           "(default: --host; bound to a wildcard such as 0.0.0.0, decode servers are told the address "
                           "each request came in on)")
+    srv.add_argument("--cascade", default=None, metavar="TIER,TIER[,...]",
+                     help="serve a cascade over these served models (their --served-model-name, cheapest first): a "
+                          "request whose 'model' is --cascade-name is answered by the cheapest tier the router lets "
+                          "keep it, and its answer names that tier")
+    srv.add_argument("--cascade-name", default=None,
+                     help="the model name that requests give to be routed by the cascade (default: auto)")
+    srv.add_argument("--cascade-policy", default=None, choices=["before", "after"],
+                     help="before: each tier scores the prompt (its prefill) and a classifier picks the tier; after: "
+                          "the cheapest tier answers and the answer is judged, escalating if below the threshold "
+                          "(streams are routed before generating). Default: before if the router file has before "
+                          "classifiers, else after")
+    srv.add_argument("--router-file", default=None,
+                     help="the trained router (JSON, scripts/train_router.py) whose tiers are --cascade's; without "
+                          "it the after policy keeps an answer whose per-token probability is at least "
+                          "--cascade-threshold")
+    srv.add_argument("--cascade-threshold", type=float, default=None,
+                     help="a probability in [0, 1] every tier's classifier must reach to keep a request, instead of "
+                          "the router file's (higher: more requests go to the larger tiers)")
     EngineConfig.add_cli_args(srv, serving=True)
     _verbose_arg(srv)
     rt = sub.add_parser("router", help="the OpenAI API over separate prefill and decode servers",
@@ -233,6 +251,7 @@ def cmd_serve(args) -> None:
     configs = EngineConfig.per_model_from_cli_args(args)
     lora_modules = [LoRAModulePath.parse(spec) for spec in args.lora_modules or []]
     check_lora_modules(lora_modules, names)
+    cascade = _cascade_config(args, names, [m.name for m in lora_modules])
     runtime_lora = args.allow_runtime_lora_updating or _env_flag("VLLM_ALLOW_RUNTIME_LORA_UPDATING")
     if (lora_modules or args.allow_runtime_lora_updating) and not configs[0].enable_lora:
         flag = "--lora-modules" if lora_modules else "--allow-runtime-lora-updating"
@@ -260,8 +279,8 @@ def cmd_serve(args) -> None:
                        max_request_sequences=args.max_request_sequences,
                        stream_write_timeout_s=args.stream_write_timeout, header_timeout_s=args.header_timeout,
                        body_timeout_s=args.body_timeout, allow_runtime_lora_updating=runtime_lora,
-                       prefill_side=prefill_side, **({"kv_fetch_timeout_s": args.kv_fetch_timeout}
-                                                     if args.kv_fetch_timeout is not None else {}))
+                       prefill_side=prefill_side, cascade=cascade,
+                       **({"kv_fetch_timeout_s": args.kv_fetch_timeout} if args.kv_fetch_timeout is not None else {}))
 
     def run(llms) -> None:
         server = Server({name: AsyncEngine(llm) for name, llm in zip(names, llms)}, **server_args)
@@ -272,6 +291,31 @@ def cmd_serve(args) -> None:
     # One after another: each engine's default KV budget is its own share (see per_model_from_cli_args), so the
     # second does not need to know what the first holds.
     run([_load(c) for c in configs])
+
+
+def _cascade_config(args, names: list[str], adapters: list[str]):
+    """--cascade and its flags as a CascadeConfig (None without --cascade), the router file read: every error before
+    anything loads."""
+    from jaxserve.cascade.policy import CascadeConfig
+    from jaxserve.cascade.router_file import Router
+    if args.cascade is None:
+        given = [flag for flag, value in (("--cascade-name", args.cascade_name), ("--cascade-policy",
+                 args.cascade_policy), ("--router-file", args.router_file), ("--cascade-threshold",
+                 args.cascade_threshold)) if value is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)} configure a cascade: give --cascade TIER,TIER too")
+        return None
+    tiers = tuple(t.strip() for t in args.cascade.split(","))
+    unknown = [t for t in tiers if t and t not in names]
+    if unknown:
+        raise ValueError(f"--cascade {args.cascade}: {', '.join(map(repr, unknown))} is not a served model (served: "
+                         f"{', '.join(names)}; a tier is a --served-model-name, or a --model when none is given)")
+    name = "auto" if args.cascade_name is None else args.cascade_name
+    if name in names or name in adapters:
+        raise ValueError(f"--cascade-name {name!r} is already a served model's or adapter's name: give the cascade "
+                         "its own (--cascade-name)")
+    router = Router.load(args.router_file) if args.router_file is not None else None
+    return CascadeConfig(tiers, name, args.cascade_policy, router, args.cascade_threshold)
 
 
 def cmd_router(args) -> None:

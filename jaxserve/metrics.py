@@ -49,6 +49,22 @@ class ServerMetrics:
         self._engines[model_name] = stats
         return ModelMetrics(self, model_name)
 
+    def add_cascade(self, cascade: str, tiers: list[str]) -> "CascadeMetrics":
+        """A cascade's series (`jaxserve serve --cascade`), each at 0 from the start. Its families are made with the
+        first cascade: a server without one exposes none of them."""
+        if not hasattr(self, "_cascade_requests"):
+            self._cascade_requests = Counter("jaxserve:cascade_requests",
+                                             "Requests to a cascade, by the tier that answered them.",
+                                             ["cascade", "tier"], registry=self.registry)
+            self._cascade_escalations = Counter("jaxserve:cascade_escalations",
+                                                "Requests to a cascade moved up from one tier to the next.",
+                                                ["cascade", "from_tier", "to_tier"], registry=self.registry)
+            self._cascade_routing = Histogram("jaxserve:cascade_routing_seconds",
+                                              "Seconds from a cascade request's arrival to the start of the answering "
+                                              "tier's generation: scoring passes (before), answers escalated past "
+                                              "(after).", ["cascade"], buckets=TTFT_BUCKETS, registry=self.registry)
+        return CascadeMetrics(self, cascade, tiers)
+
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
 
@@ -83,6 +99,24 @@ class ModelMetrics:
             self.queue.observe(metrics.first_scheduled_time - metrics.arrival_time)
         if metrics.finished_time is not None:
             self.e2e.observe(metrics.finished_time - metrics.arrival_time)
+
+
+class CascadeMetrics:
+    """What the server observes for one cascade: the tier each request went to, its moves up, the routing time."""
+
+    def __init__(self, parent: ServerMetrics, cascade: str, tiers: list[str]):
+        self.tiers = tiers
+        self.requests = [parent._cascade_requests.labels(cascade=cascade, tier=t) for t in tiers]
+        self.escalations = [parent._cascade_escalations.labels(cascade=cascade, from_tier=a, to_tier=b)
+                            for a, b in zip(tiers, tiers[1:])]  # [i]: tier i to tier i + 1
+        self.routing = parent._cascade_routing.labels(cascade=cascade)
+
+    def routed(self, tier: int, seconds: float) -> None:
+        """One request answered by `tier` (index), having moved up through every tier below it."""
+        self.requests[tier].inc()
+        for i in range(tier):
+            self.escalations[i].inc()
+        self.routing.observe(seconds)
 
 
 class _EngineCollector:

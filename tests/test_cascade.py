@@ -226,3 +226,152 @@ def test_non_finite_numbers_in_a_router_file_are_refused(tmp_path):
 def test_a_missing_router_file_is_a_router_file_error(tmp_path):
     with pytest.raises(RouterFileError, match="nothing.json: cannot be read"):
         Router.load(tmp_path / "nothing.json")
+
+
+# ---- the routing policy, over fake tiers ----
+
+def run(coro):
+    import asyncio
+    return asyncio.run(coro)
+
+
+def fake_tiers(features_by_tier: list[list[dict]]):
+    """features_of for choose_tier: tier i says features_by_tier[i]; records which tiers were asked."""
+    asked = []
+
+    async def features_of(tier):
+        asked.append(tier)
+        return features_by_tier[tier]
+    return features_of, asked
+
+
+def test_choose_tier_takes_the_first_tier_whose_classifier_keeps_the_request():
+    from jaxserve.cascade.policy import choose_tier
+    keep_if_confident = clf(("first_margin",), (1.0,), threshold=0.5)  # p >= 0.5 iff first_margin >= 0
+    judges = (keep_if_confident, keep_if_confident)  # three tiers
+    sure, unsure = {"first_margin": 2.0}, {"first_margin": -2.0}
+    for said, tier, asked in [([[sure], [unsure]], 0, [0]), ([[unsure], [sure]], 1, [0, 1]),
+                              ([[unsure], [unsure]], 2, [0, 1])]:
+        features_of, was_asked = fake_tiers(said)
+        route = run(choose_tier(judges, features_of))
+        assert (route.tier, was_asked) == (tier, asked)  # the last tier is never asked: it answers regardless
+        assert route.escalations == [(i, i + 1) for i in range(tier)]
+        assert route.probabilities == pytest.approx(tuple(keep_if_confident.probability(f[0]) for f in said[:len(asked)]))
+        # Deterministic: the same features, the same route.
+        assert run(choose_tier(judges, fake_tiers(said)[0])) == route
+
+
+def test_every_item_must_be_kept():
+    """A request of several prompts (or n > 1 answers) stays only if each is kept."""
+    from jaxserve.cascade.policy import choose_tier
+    judge = clf(("first_margin",), (1.0,))
+    features_of, _ = fake_tiers([[{"first_margin": 3.0}, {"first_margin": -0.1}]])
+    assert run(choose_tier((judge,), features_of)).tier == 1
+    features_of, _ = fake_tiers([[{"first_margin": 3.0}, {"first_margin": 0.1}]])
+    assert run(choose_tier((judge,), features_of)).tier == 0
+
+
+def test_the_threshold_sets_the_quality_cost_point():
+    from jaxserve.cascade.policy import choose_tier
+    r = router()
+    features_of, _ = fake_tiers([[{"first_margin": 0.5}]])  # p = sigmoid(1) = 0.73
+    assert run(choose_tier(r.before, features_of)).tier == 0
+    assert run(choose_tier(r.with_threshold(0.8).before, features_of)).tier == 1
+    assert run(choose_tier(r.with_threshold(0.0).before, fake_tiers([[{"first_margin": -99.0}]])[0])).tier == 0
+
+
+def test_confidence_rule_keeps_answers_of_high_per_token_probability():
+    from jaxserve.cascade.policy import ConfidenceRule, choose_tier
+    rule = ConfidenceRule(0.5)
+    assert rule.probability({"answer_mean_logprob": math.log(0.6)}) == pytest.approx(0.6)
+    assert run(choose_tier((rule,), fake_tiers([[{"answer_mean_logprob": math.log(0.6)}]])[0])).tier == 0
+    assert run(choose_tier((rule,), fake_tiers([[{"answer_mean_logprob": math.log(0.4)}]])[0])).tier == 1
+    with pytest.raises(ValueError, match="per-token probability"):
+        ConfidenceRule(2.0)
+
+
+def test_cascade_config_resolves_the_policy_and_threshold():
+    from jaxserve.cascade.policy import CascadeConfig, ConfidenceRule
+    r = router()
+    config = CascadeConfig(("small", "large"), router=r)
+    assert (config.name, config.policy, config.judges()) == ("auto", "before", r.before)
+    assert config.stream_judges() == r.before and config.reads() == {"first_margin"}
+    after = CascadeConfig(("small", "large"), policy="after", router=r, threshold=0.7)
+    assert after.judges() == r.with_threshold(0.7).after and after.stream_judges() == r.with_threshold(0.7).before
+    assert after.reads() == {"answer_mean_logprob", "first_margin"}
+    assert CascadeConfig(("small", "large"), router=router(before=None)).policy == "after"
+    assert CascadeConfig(("small", "large"), policy="after", router=router(before=None)).stream_judges() is None
+    plain = CascadeConfig(("small", "large", "huge"), name="cheap", threshold=0.4)
+    assert (plain.policy, plain.judges(), plain.stream_judges()) == ("after", (ConfidenceRule(0.4),) * 2, None)
+
+
+@pytest.mark.parametrize("args, message", [
+    (dict(tiers=("small",), threshold=0.5), "at least 2 tiers"),
+    (dict(tiers=("small", "small"), threshold=0.5), "more than once"),
+    (dict(tiers=("small", ""), threshold=0.5), "empty"),
+    (dict(tiers=("small", "large"), name="small", threshold=0.5), "one of its tiers"),
+    (dict(tiers=("small", "large"), name="", threshold=0.5), "must not be empty"),
+    (dict(tiers=("small", "large"), policy="sideways", threshold=0.5), "before or after"),
+    (dict(tiers=("small", "large"), threshold=1.5), "--cascade-threshold"),
+    (dict(tiers=("small", "large"), policy="before", threshold=0.5), "give --router-file"),
+    (dict(tiers=("small", "large")), "give --cascade-threshold"),
+    (dict(tiers=("large", "small"), router=router()), "the router file is for the tiers small,large"),
+    (dict(tiers=("small", "large"), policy="before", router=router(before=None)), "no 'before' classifiers"),
+])
+def test_cascade_config_errors(args, message):
+    from jaxserve.cascade.policy import CascadeConfig
+    with pytest.raises(ValueError, match=message):
+        CascadeConfig(**args)
+
+
+# ---- what the after policy asks a tier, and what the client sees of it ----
+
+def test_judged_params_ask_only_what_the_judge_reads():
+    from jaxserve.sampling_params import SamplingParams
+    from jaxserve.server.cascade import judged_params
+    p = SamplingParams(temperature=0, max_tokens=8)
+    assert judged_params(p, {"answer_mean_logprob"}) == SamplingParams(temperature=0, max_tokens=8, logprobs=0)
+    wide = judged_params(p, {"answer_mean_logprob", "first_margin"})
+    assert (wide.logprobs, wide.prompt_logprobs, wide.temperature, wide.max_tokens) == (SCORE_TOPK, 0, 0, 8)
+    asked = SamplingParams(temperature=0, max_tokens=8, logprobs=3, prompt_logprobs=5)
+    assert judged_params(asked, {"answer_mean_logprob"}) is asked
+    wide = judged_params(asked, {"prompt_mean_logprob"})
+    assert (wide.logprobs, wide.prompt_logprobs) == (SCORE_TOPK, 5)
+
+
+def test_the_client_sees_only_the_logprobs_it_asked_for():
+    from jaxserve.sampling_params import SamplingParams
+    from jaxserve.server.cascade import as_asked
+    top = [(1, -0.1), (2, -1.0), (3, -2.0), (4, -3.0)]
+    c = CompletionOutput(0, "x", [1, 9], -6.1, [entry(1, -0.1, top), entry(9, -6.0, top, chosen_rank=40)], None)
+    out = RequestOutput("r", None, [5, 6], [c], False, prompt_logprobs=[None, {6: Logprob(-1.0, 7)}])
+    none = as_asked(out, SamplingParams())
+    assert none.outputs[0].logprobs is None and none.prompt_logprobs is None
+    assert none.outputs[0].token_ids == [1, 9] and none.outputs[0].text == "x"
+    two = as_asked(out, SamplingParams(logprobs=2, prompt_logprobs=0))
+    assert [list(e) for e in two.outputs[0].logprobs] == [[1, 2], [1, 2, 9]]  # the top 2, then the chosen
+    assert two.prompt_logprobs == out.prompt_logprobs
+    zero = as_asked(out, SamplingParams(logprobs=0))
+    assert [list(e) for e in zero.outputs[0].logprobs] == [[1], [9]]
+    assert len(out.outputs[0].logprobs[0]) == 4  # the engine's output is left as it was
+
+
+def test_collected_outputs_and_their_features():
+    from jaxserve.server.cascade import _Collected, judged_features
+    top = [(1, math.log(0.5)), (2, math.log(0.25))]
+    acc = _Collected()
+    acc.add(RequestOutput("r", None, [5, 6], [CompletionOutput(0, "a", [1], -0.7, [entry(1, math.log(0.5), top)],
+                                                               None)], False,
+                          prompt_logprobs=[None, {6: Logprob(-2.0, 4)}]))
+    acc.add(RequestOutput("r", None, [5, 6], [CompletionOutput(0, "b", [2], -1.0, [entry(2, -0.3)], "length"),
+                                               CompletionOutput(1, "c", [2], -1.0, [entry(2, -0.3)], "length")],
+                          True))
+    out = acc.output()
+    assert [c.text for c in out.outputs] == ["ab", "c"] and out.outputs[0].token_ids == [1, 2]
+    assert out.prompt_logprobs[1][6].logprob == -2.0 and out.finished
+    items = judged_features([out], {"answer_mean_logprob", "prompt_mean_logprob"})
+    assert len(items) == 2  # one per choice
+    assert items[0]["prompt_mean_logprob"] == items[1]["prompt_mean_logprob"] == -2.0
+    assert items[0]["answer_mean_logprob"] == pytest.approx((math.log(0.5) - 0.3) / 2)
+    assert items[1]["answer_mean_logprob"] == pytest.approx(-0.3)
+    assert "prompt_mean_logprob" not in judged_features([out], {"answer_mean_logprob"})[0]

@@ -131,6 +131,10 @@ LAYERS = [
     (("jaxserve.batching",),
      ("jaxserve.engine", "jaxserve.async_engine", "jaxserve.server", "jaxserve.openai_api", "jaxserve.cli"),
      "the host loop is below the engine APIs and the server"),
+    (("jaxserve.cascade",),
+     ("jaxserve.engine", "jaxserve.async_engine", "jaxserve.batching", "jaxserve.server", "jaxserve.openai_api",
+      "jaxserve.cli"),
+     "cascade routing's features, router file and policy read outputs: the server applies them, scripts train them"),
 ]
 
 

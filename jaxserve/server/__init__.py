@@ -23,13 +23,17 @@ request whose `model` names an adapter runs on its base with it, and its answer 
 them (parent: the base model, root: the adapter's path); vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter
 change them at run time where allowed; /metrics counts each adapter's requests.
 
+A cascade (`--cascade A,B`, `cascade`): a request naming the cascade is answered by the cheapest tier its router
+lets keep it (`jaxserve.cascade`: the features, the router file, the policy), and the answer names that tier.
+
 Disaggregated prefill across servers (`--role prefill|decode`, behind `jaxserve router`): a prefill server answers
 a request with its first token and holds its KV pages for a decode server to fetch; a decode server fetches them and
 streams what follows (see `disaggregated`).
 
 `app` is the HTTP side (routes, middleware, endpoints, `serve`), `served_model` a model's own state (admission
 capacity, tokenizing threads, metrics) and checks, `lora_modules` the adapters by name, `disaggregated` the role
-servers' side of the KV transfer, `responses` a request's outputs as a JSON body or an SSE stream;
+servers' side of the KV transfer, `cascade` a cascade's routing over the served models, `responses` a request's
+outputs as a JSON body or an SSE stream;
 `jaxserve.openai_api` the wire format (its structured-output fields in `jaxserve.openai_structured`, tool calls in
 `jaxserve.tool_calls`), `jaxserve.metrics` the Prometheus metrics.
 """

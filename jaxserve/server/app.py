@@ -12,13 +12,13 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from jaxserve.async_engine import AsyncEngine, EngineDeadError
+from jaxserve.cascade.policy import CascadeConfig
 from jaxserve.http_common import DISCARD_PATH, drain, errors, json_body, run_until_signalled
 from jaxserve.metrics import ServerMetrics
 from jaxserve.openai_api import (ApiError, grammar_error, parse_chat, parse_completion, render_chat,
                                  wants_usage_in_stream)
-from jaxserve.openai_structured import FieldError
-from jaxserve.tool_calls import tags_are_special
 from jaxserve.server import disaggregated
+from jaxserve.server.cascade import ServedCascade
 from jaxserve.server.disaggregated import PrefillSide
 from jaxserve.server.lora_modules import LoRAModules, ServedAdapter
 from jaxserve.server.responses import CompletionResponse, merged
@@ -36,13 +36,15 @@ class Server:
     """Server(engine, model_name, ...) serves one engine; Server({model_name: engine, ...}, ...) several, the first
     being the default for requests that name no model. The other arguments apply to each engine (tokenizer_threads:
     the threads each model tokenizes and renders chat templates on; allow_runtime_lora_updating: vLLM's
-    /v1/load_lora_adapter and /v1/unload_lora_adapter, off by default as there). Adapters: `lora` (LoRAModules)."""
+    /v1/load_lora_adapter and /v1/unload_lora_adapter, off by default as there). Adapters: `lora` (LoRAModules).
+    cascade: a CascadeConfig over served models, whose name requests may give as their model (`cascade`)."""
 
     def __init__(self, engine: AsyncEngine | dict[str, AsyncEngine], model_name: str | None = None, *,
                  api_key: str | None = None, max_queued_requests: int = 256, max_request_sequences: int | None = None,
                  stream_write_timeout_s: float = 30.0, header_timeout_s: float = 10.0, body_timeout_s: float = 30.0,
                  tokenizer_threads: int = 2, allow_runtime_lora_updating: bool = False,
-                 prefill_side: PrefillSide | None = None, kv_fetch_timeout_s: float = 30.0):
+                 prefill_side: PrefillSide | None = None, kv_fetch_timeout_s: float = 30.0,
+                 cascade: CascadeConfig | None = None):
         if isinstance(engine, dict):
             if model_name is not None:
                 raise TypeError("with several engines ({name: engine}) the names are the dict's keys: no model_name")
@@ -59,7 +61,8 @@ class Server:
                                          max_request_sequences, tokenizer_threads)
                        for name, e in engines.items()}
         self.default = next(iter(self.models.values()))
-        self.lora = LoRAModules(self.models)
+        self.cascade = ServedCascade(cascade, self.models, self.metrics) if cascade is not None else None
+        self.lora = LoRAModules(self.models, reserved={cascade.name} if cascade is not None else set())
         self.allow_runtime_lora_updating = allow_runtime_lora_updating
         self.stream_write_timeout_s = stream_write_timeout_s
         self.header_timeout_s, self.body_timeout_s = header_timeout_s, body_timeout_s
@@ -147,7 +150,8 @@ class Server:
         return web.Response(body=self.metrics.exposition(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def list_models(self, request):
-        """The served models, then the adapters (as vLLM: root is the adapter's path, parent its base model)."""
+        """The served models, then the adapters (as vLLM: root is the adapter's path, parent its base model), then
+        the cascade (root: its tiers, comma-separated; its max_model_len the least of theirs)."""
         created = int(time.time())
 
         def card(name: str, m: ServedModel, root, parent) -> dict:
@@ -155,7 +159,9 @@ class Server:
                     "parent": parent, "max_model_len": m.engine.llm.max_model_len}
         return web.json_response({"object": "list", "data": [
             *(card(m.name, m, m.engine.llm.engine_config.model or m.name, None) for m in self.models.values()),
-            *(card(a.name, a.model, a.lora_request.lora_path, a.model.name) for a in self.lora.adapters.values())]})
+            *(card(a.name, a.model, a.lora_request.lora_path, a.model.name) for a in self.lora.adapters.values()),
+            *([card(self.cascade.name, self.cascade.shortest(), ",".join(self.cascade.names), None)]
+              if self.cascade is not None else [])]})
 
     # ---- LoRA adapters at run time (vLLM's endpoints and answers) ----
 
@@ -196,52 +202,60 @@ class Server:
 
     async def completions(self, request):
         body = await self._body(request)
+        if self._cascade_named(body):
+            return await self.cascade.completions(self, request, body, chat=False)
         kv_params = disaggregated.take_params(body, self.role)
         m, adapter = self._target(body)
         prompts, params = parse_completion(body)
-        for p in prompts:
-            if isinstance(p, str):
-                m.fits_by_length(p, params)
+        m.fits_prompts(prompts, params)
         seqs = params.n * len(prompts)
         if kv_params is not None:
             disaggregated.one_sequence(seqs)
         with self._admitted(m, seqs):
-            # Off the event loop: a 1 MiB prompt takes a while to tokenize, and everyone else must still be served.
-            prompts = await m.off_loop(seqs, lambda: [m.tokenized(p, params) for p in prompts])
+            prompts = await self.completion_prompts(m, prompts, params, seqs)
             return await self._generate(m, adapter, request, body, prompts, params, chat=False, kv_params=kv_params)
+
+    async def completion_prompts(self, m: ServedModel, prompts: list, params, seqs: int) -> list[dict]:
+        """The prompts tokenized for model m (within its admission of `seqs`)."""
+        # Off the event loop: a 1 MiB prompt takes a while to tokenize, and everyone else must still be served.
+        return await m.off_loop(seqs, lambda: [m.tokenized(p, params) for p in prompts])
 
     async def chat_completions(self, request):
         body = await self._body(request)
+        if self._cascade_named(body):
+            return await self.cascade.completions(self, request, body, chat=True)
         kv_params = disaggregated.take_params(body, self.role)
         m, adapter = self._target(body)
-        if m.tokenizer is None:
-            raise ApiError(400, "this model has no tokenizer: use /v1/completions with token ids")
+        m.check_chat()
         messages, params, tools = parse_chat(body)
         if kv_params is not None:
             disaggregated.one_sequence(params.n)
             if tools is not None:  # the decode side's parser would not see the first token's text
                 raise ApiError(400, "tool calls are not supported with disaggregated prefill yet", "tools")
-        if tools is not None:
-            try:
-                tools.parser(m.tokenizer.chat_template)  # auto: refused where the model's calls cannot be parsed
-            except FieldError as e:
-                raise ApiError(400, str(e), e.field) from None
-            if tools.choice == "auto" and tags_are_special(m.tokenizer):
-                params.skip_special_tokens = False  # the parser reads the tags (as vLLM's Hermes parser asks)
+        params = m.chat_params(params, tools)
         with self._admitted(m, params.n):
-            # Off the event loop too: the template renders the conversation, then it is refused by its length or
-            # tokenized.
-            prompt = await m.off_loop(params.n, lambda: m.tokenized(
-                render_chat(messages, m.tokenizer, tools), params, add_special_tokens=False))
+            prompt = await self.chat_prompt(m, messages, params, tools)
             return await self._generate(m, adapter, request, body, [prompt], params, chat=True, tools=tools,
                                         kv_params=kv_params)
+
+    async def chat_prompt(self, m: ServedModel, messages: list[dict], params, tools) -> dict:
+        """The conversation rendered by model m's chat template and tokenized (within its admission of params.n)."""
+        # Off the event loop too: the template renders the conversation, then it is refused by its length or
+        # tokenized.
+        return await m.off_loop(params.n, lambda: m.tokenized(
+            render_chat(messages, m.tokenizer, tools), params, add_special_tokens=False))
 
     async def _body(self, request) -> dict:
         return await json_body(request, self.body_timeout_s)
 
+    def _cascade_named(self, body) -> bool:
+        """Whether the request names the cascade (routed by it rather than sent to one model)."""
+        return (self.cascade is not None and isinstance(body, dict)
+                and isinstance(body.get("model"), str) and body["model"] == self.cascade.name)
+
     def _target(self, body: dict) -> tuple[ServedModel, ServedAdapter | None]:
         """The engine the request's `model` names (none: the default one), and the adapter if it names one (the
-        engine is then the adapter's base)."""
+        engine is then the adapter's base). The cascade's name (tokenizer endpoints): its tiers' shared tokenizer."""
         name = body.get("model")
         if name is None:
             return self.default, None
@@ -250,11 +264,14 @@ class Server:
         m = self.models.get(name)
         if m is not None:
             return m, None
+        if self._cascade_named(body):
+            return self.cascade.tokenizing_model(), None
         adapter = self.lora.get(name)
         if adapter is not None:
             return adapter.model, adapter
         # OpenAI's answer: 404, invalid_request_error, code model_not_found
-        served = ", ".join(f"`{n}`" for n in [*self.models, *self.lora.adapters])
+        served = ", ".join(f"`{n}`" for n in [*self.models, *self.lora.adapters,
+                                              *([self.cascade.name] if self.cascade is not None else [])])
         raise ApiError(404, f"The model `{name}` does not exist; this server serves {served}", "model",
                        "model_not_found")
 
@@ -270,7 +287,8 @@ class Server:
     async def _generate(self, m: ServedModel, adapter: ServedAdapter | None, request, body, prompts: list, params,
                         chat: bool, tools=None, kv_params: dict | None = None):
         """prompts: tokenized, one engine request each (a completions batch); choice k * n + i is prompt k's i-th
-        sample. kv_params: a role server's (checked) kv_transfer_params. Runs within _admitted."""
+        sample. kv_params: a role server's (checked) kv_transfer_params. Runs within _admitted. (A cascade's
+        answering tier comes here as a model of its own.)"""
         stream = body.get("stream") is True
         if stream and self.role == "prefill":
             raise ApiError(400, "a prefill server answers whole (stream: false): the decode server streams", "stream")
@@ -288,12 +306,25 @@ class Server:
             most = m.engine.llm.engine.replicas[0].runner.pages_bytes(len(prompts[0]["prompt_token_ids"]))
             prefilled, run.headers = await disaggregated.fetch_prefilled(kv_params, self.kv_fetch_timeout_s, most)
             lora["prefilled"] = prefilled
+        async with self.running(m, adapter, run, body, prompts, params, lora) as outputs:
+            if self.role == "prefill":
+                return await self._prefill_answer(m, request, run, outputs)
+            return await (run.stream(request, outputs, include_usage) if stream else run.whole(outputs))
+
+    @contextlib.asynccontextmanager
+    async def running(self, m: ServedModel, adapter: ServedAdapter | None, run: CompletionResponse, body: dict,
+                      prompts: list, params, engine_args: dict | None = None):
+        """Submits one engine request per prompt (ids f"{run.id}-{k}", with `params`: what the engine is asked,
+        which a cascade may widen past what the client sees) and yields their merged outputs, (k, output); on the
+        way out, however it ends (a client gone, a cancelled handler, an error), aborts what is unfinished (a no-op
+        for a finished request) and counts it. engine_args: add_request's other arguments (lora_request,
+        prefilled)."""
         admitted = []
         try:
             streams = []
             for k, prompt in enumerate(prompts):
                 try:
-                    streams.append(await m.engine.add_request(prompt, params, f"{run.id}-{k}", **lora))
+                    streams.append(await m.engine.add_request(prompt, params, f"{run.id}-{k}", **(engine_args or {})))
                     admitted.append(f"{run.id}-{k}")
                     if adapter is not None:
                         m.metrics.lora_request(adapter.name)
@@ -304,11 +335,8 @@ class Server:
                 except EngineDeadError as e:
                     raise ApiError(503, str(e)) from None
             async with contextlib.aclosing(merged(streams)) as outputs:
-                if self.role == "prefill":
-                    return await self._prefill_answer(m, request, run, outputs)
-                return await (run.stream(request, outputs, include_usage) if stream else run.whole(outputs))
+                yield outputs
         finally:
-            # However it ended (a client gone, a cancelled handler, an error): a no-op for a finished request.
             for request_id in admitted:
                 m.engine.abort(request_id)
             if admitted and run.handed_off is None:

@@ -74,8 +74,10 @@ class LoRAModules:
     """The server's adapters by name. Loading reads the adapter on a thread and puts it in its base engine's host
     cache (so a bad one fails here, as a 400, and the first request finds it ready); running requests go on."""
 
-    def __init__(self, models: dict[str, ServedModel]):
+    def __init__(self, models: dict[str, ServedModel], reserved: set[str] = frozenset()):
+        """reserved: other names requests give as their model (a cascade's), not free for an adapter either."""
         self._models = models
+        self._reserved = set(reserved)
         self.adapters: dict[str, ServedAdapter] = {}
         self._loading: set[str] = set()  # names taken by a load in progress: a second load of one is a duplicate
         self._ids = itertools.count(1)  # lora_int_id: unique over the server's life (as vLLM's counter)
@@ -91,7 +93,7 @@ class LoRAModules:
                            "lora_name" if not (isinstance(name, str) and name) else "lora_path")
         if name in self.adapters or name in self._loading:
             raise ApiError(400, f"The lora adapter '{name}' has already been loaded.", "lora_name")
-        if name in self._models:
+        if name in self._models or name in self._reserved:
             raise ApiError(400, f"'{name}' is a served model's name, not free for an adapter", "lora_name")
         model = self._base(base_model_name)
         if not model.engine.llm.engine_config.enable_lora:

@@ -5,10 +5,13 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 
 from jaxserve.async_engine import AsyncEngine
 from jaxserve.metrics import ModelMetrics
 from jaxserve.openai_api import ApiError, context_length_error
+from jaxserve.openai_structured import FieldError
+from jaxserve.tool_calls import tags_are_special
 
 
 class ServedModel:
@@ -58,6 +61,30 @@ class ServedModel:
         if n + (params.max_tokens or 1) > limit:
             raise context_length_error(limit, n, params.max_tokens)
         return prompt
+
+    def fits_prompts(self, prompts: list, params) -> None:
+        """Refuses a batch of prompts holding a text certainly too long (see fits_by_length), before admission."""
+        for p in prompts:
+            if isinstance(p, str):
+                self.fits_by_length(p, params)
+
+    def check_chat(self) -> None:
+        if self.tokenizer is None:
+            raise ApiError(400, "this model has no tokenizer: use /v1/completions with token ids")
+
+    def chat_params(self, params, tools):
+        """A chat request's params for this model: refused if its tool calls cannot be parsed from this model's
+        output; with tool_choice auto and tags that are special tokens, those are kept in the text (the parser
+        reads them, as vLLM's Hermes parser asks)."""
+        if tools is None:
+            return params
+        try:
+            tools.parser(self.tokenizer.chat_template)  # auto: refused where the model's calls cannot be parsed
+        except FieldError as e:
+            raise ApiError(400, str(e), e.field) from None
+        if tools.choice == "auto" and tags_are_special(self.tokenizer):
+            return dataclasses.replace(params, skip_special_tokens=False)
+        return params
 
     def fits_by_length(self, text: str, params) -> None:
         """Refuses a text certainly too long from its length alone: tokenizing 1 MB takes over a second."""
