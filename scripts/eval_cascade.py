@@ -312,6 +312,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tiers", default="SmolLM2-135M-Instruct,gemma3-270m",
                     help="small,large: model names, GGUFs or directories, each with an optional :int4/:int8/:awq")
     ap.add_argument("--per-category", type=int, default=24, help="questions per category (15 categories)")
+    ap.add_argument("--served-names", help="the tiers' names in the router file, as `jaxserve serve` serves them "
+                    "(--served-model-name; default: each tier's model name, with -int4 etc. when quantized)")
     ap.add_argument("--seed", type=int, default=0, help="seeds the questions and the train/test split")
     ap.add_argument("--l2", type=float, default=1.0)
     ap.add_argument("--target-retained", type=float, default=0.95)
@@ -322,6 +324,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if not 0 < args.target_retained <= 1:
         ap.error(f"--target-retained must be in (0, 1], got {args.target_retained}")
+    served = args.served_names.split(",") if args.served_names else None
+    if served is not None and (len(served) != 2 or len(set(served)) != 2 or not all(served)):
+        ap.error(f"--served-names needs two distinct names, small,large; got {args.served_names!r}")
 
     def log(msg: str) -> None:
         print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
@@ -352,6 +357,12 @@ def main(argv: list[str] | None = None) -> int:
         tiers, records, engines = run_tiers(specs, questions, log)
         meta = {"date": time.strftime("%Y-%m-%d"), "machine": machine(), "seed": args.seed,
                 "per_category": args.per_category, "run_seconds": round(time.perf_counter() - start, 1)}
+    if args.served_names:
+        rename = dict(zip(tiers, served))
+        for r in records:
+            r["tiers"] = {rename[t]: v for t, v in r["tiers"].items()}
+        engines = {rename.get(t, t): v for t, v in engines.items()}
+        tiers = served
     provenance = {"command": command, "tiers_accuracy_on": "train split", **{k: meta[k] for k in ("date", "seed")}}
     router, results = analyse(records, tiers, args.l2, args.target_retained, provenance)
     router.save(args.router_out)
