@@ -144,13 +144,36 @@ def load_tier(spec: str):
     return llm, time.perf_counter() - start
 
 
-def run_tiers(specs: list[str], questions: list[dict], log) -> tuple[list[str], list[dict], dict]:
-    """Both tiers over every question; returns (served tier names, records, engine info)."""
+def reusable(previous: dict | None, spec: str, questions: list[dict]) -> str | None:
+    """The name under which `previous` (an earlier run's JSON) holds tier `spec`'s answers to these very questions
+    (same ids, same prompts), or None."""
+    if previous is None:
+        return None
+    name = next((n for n, e in previous.get("engines", {}).items() if e.get("spec") == spec), None)
+    old = {r["id"]: r for r in previous.get("records", [])}
+    if name is None or any(q["id"] not in old or old[q["id"]]["prompt"] != q["prompt"]
+                           or name not in old[q["id"]]["tiers"] for q in questions):
+        return None
+    return name
+
+
+def run_tiers(specs: list[str], questions: list[dict], log,
+              previous: dict | None = None) -> tuple[list[str], list[dict], dict]:
+    """Both tiers over every question; returns (served tier names, records, engine info). Tier 1's answers are
+    taken from `previous` (an earlier run's JSON) when it ran that tier on the same questions."""
     from jaxserve.cascade.features import answer_features
     names = [tier_spec(s)[2] for s in specs]
     by_id = {q["id"]: dict(q, tiers={}) for q in questions}
     info = {}
     for t, spec in enumerate(specs):
+        old_name = reusable(previous, spec, questions) if t > 0 else None
+        if old_name is not None:
+            old = {r["id"]: r for r in previous["records"]}
+            for qid, rec in by_id.items():
+                rec["tiers"][names[t]] = old[qid]["tiers"][old_name]
+            info[names[t]] = dict(previous["engines"][old_name], reused_from=previous.get("date"))
+            log(f"{names[t]}: answers reused from the earlier run")
+            continue
         llm, load_s = load_tier(spec)
         log(f"{names[t]}: loaded and compiled in {load_s:.0f} s")
         llm.generate(questions[0]["prompt"], None, use_tqdm=False)  # one request through, untimed
@@ -318,6 +341,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--l2", type=float, default=1.0)
     ap.add_argument("--target-retained", type=float, default=0.95)
     ap.add_argument("--records", help="reuse this JSON's records (no model runs): re-train, re-sweep, re-plot")
+    ap.add_argument("--reuse", help="an earlier run's JSON: take tier 1's answers (and measured costs) from it when it "
+                                    "ran the same tier on the same questions, rather than running it again")
     ap.add_argument("--out", default="scripts/bench_results/cascade.json")
     ap.add_argument("--router-out", default="scripts/bench_results/cascade_router.json")
     ap.add_argument("--plot", default="docs/cascade_curve.png")
@@ -354,7 +379,14 @@ def main(argv: list[str] | None = None) -> int:
         cq.split(questions, args.seed)
         log(f"{len(questions)} questions, {sum(q['split'] == 'test' for q in questions)} in the test split")
         start = time.perf_counter()
-        tiers, records, engines = run_tiers(specs, questions, log)
+        previous = None
+        if args.reuse:
+            try:
+                previous = json.loads(Path(args.reuse).read_text())
+            except (OSError, ValueError) as e:
+                print(f"eval_cascade: cannot read --reuse {args.reuse}: {e}", file=sys.stderr)
+                return 2
+        tiers, records, engines = run_tiers(specs, questions, log, previous)
         meta = {"date": time.strftime("%Y-%m-%d"), "machine": machine(), "seed": args.seed,
                 "per_category": args.per_category, "run_seconds": round(time.perf_counter() - start, 1)}
     if args.served_names:

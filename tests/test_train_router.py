@@ -153,3 +153,14 @@ def test_cli(tmp_path, capsys):
     bad.write_text("{not json")
     assert tr.main(["--records", str(bad), "--out", str(out)]) == 2
     assert "cannot read records" in capsys.readouterr().err
+
+
+def test_bias_is_not_penalised():
+    # With a penalty that pins the weights near 0, the unpenalised bias still gives the base rate (9 in 10 right),
+    # not 1/2: a router that knows nothing keeps as often as the small tier is right.
+    seed = 7
+    rng = np.random.default_rng(seed)
+    X, y = rng.normal(size=(200, 3)), np.arange(200) % 10 != 0
+    clf = tr.train_classifier(X, y, tuple(PROMPT_FEATURES[:3]), l2=1e4)
+    p = clf.probability(dict(zip(PROMPT_FEATURES[:3], X.mean(axis=0))))
+    assert p == pytest.approx(0.9, abs=0.01), f"seed {seed}: P at the mean features is {p}, not the base rate"
