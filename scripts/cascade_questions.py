@@ -208,11 +208,12 @@ def _normal(text: str) -> str:
 
 
 def is_correct(question: dict, text: str) -> bool:
-    """A generated answer is right when its first number equals an integer answer, or when it begins with one of
-    the accepted spellings as a whole word ("Paris." and "Paris, France" count; "Parisian" does not)."""
+    """A generated answer is right when its number equals an integer answer (the first number, or the first after
+    the last '=': a model that restates the sum, "61 + 48 = 109", answers with what follows it), or when it begins
+    with one of the accepted spellings as a whole word ("Paris." and "Paris, France" count; "Parisian" does not)."""
     answer = question["answer"]
     if isinstance(answer, int):
-        m = re.search(r"-?\d[\d,]*", text)
+        m = re.search(r"-?\d[\d,]*", text.rpartition("=")[2])
         return m is not None and int(m.group().replace(",", "")) == answer
     said = _normal(text)
     for accepted in answer:

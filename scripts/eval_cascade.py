@@ -49,13 +49,19 @@ GENERATE_MAX_TOKENS = 12
 ENGINE = dict(max_model_len=512, max_num_seqs=32, max_num_batched_tokens=512)
 
 
-def tier_spec(spec: str) -> tuple[str, str | None, str]:
-    """'NAME[:QUANT]' -> (model, quantization or None, served name: NAME, or NAME-QUANT)."""
+def tier_spec(spec: str) -> tuple[str, dict, str]:
+    """'NAME[:QUANT[-gN]]' -> (model, engine quantization arguments, served name: NAME, or NAME-QUANT[-gN]).
+    -gN: input rows per int4/awq group (quantization_group_size)."""
     model, _, quant = spec.partition(":")
-    if quant and quant not in QUANTIZATIONS:
-        raise ValueError(f"tier {spec!r}: unknown quantization {quant!r} (one of {', '.join(QUANTIZATIONS)})")
+    method, _, group = quant.partition("-g")
+    if quant and (method not in QUANTIZATIONS or (group and not group.isdigit())):
+        raise ValueError(f"tier {spec!r}: unknown quantization {quant!r} (one of {', '.join(QUANTIZATIONS)}, "
+                         "int4 and awq with an optional -gN group size)")
+    args = {"quantization": method or None}
+    if group:
+        args["quantization_group_size"] = int(group)
     name = Path(model).stem if model.endswith(".gguf") else Path(model).name
-    return model, quant or None, f"{name}-{quant}" if quant else name
+    return model, args, f"{name}-{quant}" if quant else name
 
 
 # ---- running a tier ----
@@ -140,7 +146,7 @@ def load_tier(spec: str):
     from jaxserve import LLM
     model, quant, _ = tier_spec(spec)
     start = time.perf_counter()
-    llm = LLM(model, quantization=quant, warmup=True, **ENGINE)  # warm-up: every step shape compiled before timing
+    llm = LLM(model, **quant, warmup=True, **ENGINE)  # warm-up: every step shape compiled before timing
     return llm, time.perf_counter() - start
 
 
@@ -273,8 +279,9 @@ def plot(results: dict, orc: dict, tiers: list[str], target: float, path: Path) 
                          (axes[1], "cost_saved", f"cost saved vs {tiers[1]} alone (measured seconds)")):
         for policy, style in (("before", "-"), ("after", "--")):
             curve = results[policy]["test_curve"]
-            ax.plot([100 * c[x] for c in curve], [100 * c["retained"] for c in curve], style,
-                    label=f"route {policy} generating")
+            # In threshold order: measured costs differ by category, so the cost panel's path need not be monotone.
+            ax.plot([100 * c[x] for c in curve], [100 * c["retained"] for c in curve], style, marker=".",
+                    markersize=3, lw=1, label=f"route {policy} generating")
             at = results[policy]["test_at_threshold"]
             ax.plot(100 * at[x], 100 * at["retained"], "o", color=ax.lines[-1].get_color())
         ax.plot(100 * orc[x], 100 * orc["retained"], "k*", markersize=10, label="oracle router (ceiling)")
@@ -362,6 +369,11 @@ def main(argv: list[str] | None = None) -> int:
             old = json.loads(Path(args.records).read_text())
             tiers, records, engines = old["tiers"], old["records"], old.get("engines", {})
             meta = {k: old.get(k) for k in ("date", "machine", "seed", "per_category", "run_seconds")}
+            meta["run_command"] = old.get("run_command", old.get("command"))  # the run that recorded the answers
+            for r in records:  # graded again: the grader may have changed since the answers were recorded
+                if r["kind"] == "generate":
+                    for v in r["tiers"].values():
+                        v["correct"] = cq.is_correct(r, v["answer"])
         except (OSError, ValueError, KeyError) as e:
             print(f"eval_cascade: cannot read records from {args.records}: {e}", file=sys.stderr)
             return 2
