@@ -72,6 +72,8 @@ def test_a_sampled_token_below_the_top_is_not_counted_among_it():
     out = RequestOutput("r", None, ids, [completion], True, prompt_logprobs=[None, {11: Logprob(-1.0, 2)}])
     f = prompt_features(out)
     assert (f["first_logprob"], f["first_margin"]) == (-0.5, pytest.approx(1.0))
+    q = 1 / (1 + math.exp(-1.0))  # the top 2 renormalised: e^-0.5 : e^-1.5
+    assert f["first_entropy"] == pytest.approx(-(q * math.log(q) + (1 - q) * math.log(1 - q)))
 
 
 def test_prompt_features_need_what_the_scoring_pass_asks():

@@ -44,9 +44,10 @@ def split(features: dict[str, dict], name: str) -> tuple[float, set[str]]:
 
 @pytest.fixture(scope="module")
 def served(tiny_tokenized_dir, large_dir):
-    """The server, and per prompt the small model's features computed offline (before any server drives it)."""
+    """The server, and per prompt the small model's features computed offline (before any server drives it). A third
+    model, "mid", has the small one's weights: a middle tier that answers as the small one does."""
     llms = {"small": make_llm(tiny_tokenized_dir, max_model_len=64),
-            "large": make_llm(large_dir, max_model_len=64)}
+            "large": make_llm(large_dir, max_model_len=64), "mid": make_llm(tiny_tokenized_dir, max_model_len=64)}
     small = llms["small"]
     for llm in llms.values():
         llm.tokenizer.chat_template = TEMPLATE
@@ -206,6 +207,35 @@ def test_after_streams_are_routed_before_generating(served):
     idle(st)
 
 
+def test_three_tiers_answer_from_the_middle(served):
+    """small -> mid -> large under the after policy: small never keeps its answer, mid (the small model's weights)
+    keeps the answers the split keeps; the answer is mid's whole (or large's), and each move up is counted."""
+    st, ref = served
+    three = ("small", "mid", "large")
+    mid, kept = split(ref.answers, "answer_mean_logprob")
+    never = TierClassifier(("answer_tokens_log",), (0.0,), (1.0,), (0.0,), -10.0, 0.5)
+    judge = TierClassifier(("answer_mean_logprob",), (mid,), (1.0,), (1.0,), 0.0, 0.5)
+    use(st, CascadeConfig(three, router=Router(three, after=(never, judge))))
+    seen = metric_samples(http("GET", st.url + "/metrics")[1].decode())
+    for p in PROMPTS:
+        tier = "mid" if p in kept else "large"
+        body = {"prompt": p, **GREEDY, "logprobs": 1}
+        r = post(st, {**body, "model": "auto"})
+        assert r["model"] == tier, p
+        same_answer(r, post(st, {**body, "model": tier}))
+    now = metric_samples(http("GET", st.url + "/metrics")[1].decode())
+
+    def grew(metric, **labels):
+        key = (metric, frozenset(f'{k}="{v}"' for k, v in labels.items()))
+        return now.get(key, 0) - seen.get(key, 0)
+    assert grew("jaxserve:cascade_escalations_total", cascade="auto", from_tier="small", to_tier="mid") == len(PROMPTS)
+    assert grew("jaxserve:cascade_escalations_total", cascade="auto", from_tier="mid",
+                to_tier="large") == len(PROMPTS) - len(kept)
+    assert grew("jaxserve:cascade_requests_total", cascade="auto", tier="mid") == len(kept)
+    assert grew("jaxserve:cascade_requests_total", cascade="auto", tier="small") == 0
+    idle(st)
+
+
 # ---- metrics, models, the openai client ----
 
 def test_metrics_count_routes_and_escalations(served):
@@ -239,8 +269,8 @@ def test_metrics_count_routes_and_escalations(served):
 def test_models_lists_the_cascade_and_its_tokenizer_is_its_tiers(served):
     st, _ = served
     data = json.loads(http("GET", st.url + "/v1/models")[1])["data"]
-    assert [(m["id"], m["max_model_len"]) for m in data] == [("small", 64), ("large", 64), ("auto", 64)]
-    assert (data[2]["root"], data[2]["parent"], data[2]["object"]) == ("small,large", None, "model")
+    assert [(m["id"], m["max_model_len"]) for m in data] == [("small", 64), ("large", 64), ("mid", 64), ("auto", 64)]
+    assert (data[3]["root"], data[3]["parent"], data[3]["object"]) == ("small,large", None, "model")
     tokens = post(st, {"model": "auto", "prompt": "hello"}, "/tokenize")
     assert tokens == post(st, {"model": "small", "prompt": "hello"}, "/tokenize")
     # Token ids mean the same to both tiers (one vocabulary): a cascade takes them.
@@ -267,20 +297,24 @@ def test_openai_client_against_the_cascade(served):
                                            extra_body={"ignore_eos": True}))
         assert {ch.model for ch in chunks} == {r.model}
         assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == r.choices[0].text
-    # Chat: the template renders the conversation per tier; both policies.
+    # Chat: the template renders the conversation per tier; both policies, each way.
     ask = [{"role": "user", "content": "Say something."}]
-    for config in (CascadeConfig(TIERS, router=router), CascadeConfig(TIERS, router=after_router(ref)[0])):
+    for config, tier in ((CascadeConfig(TIERS, router=router, threshold=1.0), "large"),
+                         (CascadeConfig(TIERS, router=router, threshold=0.0), "small"),
+                         (CascadeConfig(TIERS, router=after_router(ref)[0], threshold=0.0), "small"),
+                         (CascadeConfig(TIERS, router=after_router(ref)[0], threshold=1.0), "large")):
         use(st, config)
         r = c.chat.completions.create(model="auto", messages=ask, max_tokens=5, temperature=0, logprobs=True,
                                       top_logprobs=1)
-        assert r.model in TIERS
+        assert r.model == tier, config
         direct = c.chat.completions.create(model=r.model, messages=ask, max_tokens=5, temperature=0, logprobs=True,
                                            top_logprobs=1)
         assert r.choices[0].message.content == direct.choices[0].message.content
         assert [len(t.top_logprobs) for t in r.choices[0].logprobs.content] == [1] * len(
             direct.choices[0].logprobs.content)
         chunks = list(c.chat.completions.create(model="auto", messages=ask, max_tokens=5, temperature=0, stream=True))
-        assert {ch.model for ch in chunks} <= set(TIERS) and len({ch.model for ch in chunks}) == 1
+        # after: a stream goes by the before classifiers, which this router has none of: to the last tier
+        assert {ch.model for ch in chunks} == {tier if config.policy == "before" else "large"}
     idle(st)
 
 

@@ -171,7 +171,12 @@ class _Routing:
 def judged_params(params: SamplingParams, reads: set[str]) -> SamplingParams:
     """What a tier's engine is asked under the after policy: the client's params plus the logprobs its judge reads
     (prompt features: the prompt's own logprobs and the first token's top SCORE_TOPK; answer features: each token's
-    own logprob). Sampling is unchanged: the tokens are those the client's request would get."""
+    own logprob). Sampling is unchanged: the tokens are those the client's request would get.
+
+    Prompt features come from the answering request itself, not from a scoring pass before it: measured on the
+    default model on this 2-core CPU (8 prompts of 93 tokens, 16 tokens each, one run on a shared machine), the
+    widened request took 16.1 s against 12.5 s for the plain one, a scoring pass then the answer 25.1 s. (A request
+    asking for prompt logprobs computes its prompt whole, without prefix-cache hits.)"""
     if reads & set(PROMPT_FEATURES):
         return dataclasses.replace(params, logprobs=max(params.logprobs or 0, SCORE_TOPK),
                                    prompt_logprobs=0 if params.prompt_logprobs is None else params.prompt_logprobs)
