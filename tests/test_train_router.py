@@ -164,3 +164,14 @@ def test_bias_is_not_penalised():
     clf = tr.train_classifier(X, y, tuple(PROMPT_FEATURES[:3]), l2=1e4)
     p = clf.probability(dict(zip(PROMPT_FEATURES[:3], X.mean(axis=0))))
     assert p == pytest.approx(0.9, abs=0.01), f"seed {seed}: P at the mean features is {p}, not the base rate"
+
+
+def test_committed_router_file_serves_the_readme_cascade():
+    # scripts/bench_results/cascade_router.json (BENCHMARKS.md, "Cascade routing") is what README's cascade command
+    # serves: it must load and name the tiers that command serves, for both policies.
+    from jaxserve.cascade.policy import CascadeConfig
+    path = Path(__file__).resolve().parent.parent / "scripts" / "bench_results" / "cascade_router.json"
+    router = Router.load(path)
+    for policy in ("before", "after"):
+        config = CascadeConfig(("SmolLM2-135M-Instruct", "gemma3-270m"), policy=policy, router=router)
+        assert config.policy == policy
