@@ -1,10 +1,13 @@
 """Cascade routing, measured: how much of a large model's accuracy a small model keeps when a router sends it the
 requests it can answer, and what that saves.
 
-    python scripts/eval_cascade.py [--tiers SmolLM2-135M-Instruct,gemma3-270m] [--per-category 24] [--seed 0]
+    python scripts/eval_cascade.py [--tiers SmolLM2-135M-Instruct,gemma3-270m] [--per-category 16] [--seed 0]
         [--out scripts/bench_results/cascade.json] [--router-out scripts/bench_results/cascade_router.json]
         [--plot docs/cascade_curve.png]
     python scripts/eval_cascade.py --records scripts/bench_results/cascade.json ...   # re-train / re-plot only
+    python scripts/eval_cascade.py --tiers gemma3-270m:int4,gemma3-270m --reuse scripts/bench_results/cascade.json ...
+        # tier 1's answers taken from an earlier run of the same questions; [--served-names small,large] names the
+        # router file's tiers as the server serves them
 
 A tier is a known model name, a GGUF or a model directory, with ":int4" / ":int8" / ":awq" for quantized weights
 (e.g. `--tiers gemma3-270m:int4,gemma3-270m`: the same model quantized as the small tier). Tier 0 is the small one.
@@ -341,7 +344,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tiers", default="SmolLM2-135M-Instruct,gemma3-270m",
                     help="small,large: model names, GGUFs or directories, each with an optional :int4/:int8/:awq")
-    ap.add_argument("--per-category", type=int, default=24, help="questions per category (15 categories)")
+    ap.add_argument("--per-category", type=int, default=16,
+                    help="questions per category (15 categories; 16: about 11 minutes on 2 CPU cores)")
     ap.add_argument("--served-names", help="the tiers' names in the router file, as `jaxserve serve` serves them "
                     "(--served-model-name; default: each tier's model name, with -int4 etc. when quantized)")
     ap.add_argument("--seed", type=int, default=0, help="seeds the questions and the train/test split")
