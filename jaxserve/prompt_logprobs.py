@@ -47,7 +47,11 @@ def score_targets(hidden, targets, score_block, vocab_size: int,
 
     acc = (jnp.zeros(nb * B, jnp.float32), jnp.zeros(nb * B, jnp.int32),
            jnp.zeros((nb * B, MAX_LOGPROBS), jnp.int32), jnp.zeros((nb * B, MAX_LOGPROBS), jnp.float32))
-    logprobs, ranks, top_ids, top_logprobs = jax.lax.fori_loop(0, num_blocks, block, acc)
+    # Behind a cond, not only a zero trip count: when one block spans all T tokens (T <= B) its gather no longer
+    # depends on the loop index, so XLA hoists the block's head, log-softmax and top-k out of the loop, and every
+    # step of at most B tokens paid them whether a token asked or not (a 256-token chunk 5 s instead of 0.9 s).
+    logprobs, ranks, top_ids, top_logprobs = jax.lax.cond(
+        num_blocks > 0, lambda: jax.lax.fori_loop(0, num_blocks, block, acc), lambda: acc)
     return PromptScores(logprobs[:T], ranks[:T], top_ids[:T], top_logprobs[:T])
 
 

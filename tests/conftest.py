@@ -52,13 +52,8 @@ def tiny_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_tokenized_dir(tiny_dir, tmp_path_factory):
     """The tiny random Llama with a byte-level tokenizer of its 320 ids, the last an EOS: text prompts, grammars."""
-    import shutil
-
-    from hf_models import save_byte_tokenizer_with_eos
-    path = tmp_path_factory.mktemp("tiny-llama-tokenized")
-    shutil.copytree(tiny_dir, path, dirs_exist_ok=True)
-    save_byte_tokenizer_with_eos(path)
-    return str(path)
+    from hf_models import with_byte_tokenizer
+    return with_byte_tokenizer(tiny_dir, tmp_path_factory.mktemp("tiny-llama-tokenized"))
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,8 @@
 """Tiny random HF checkpoints (written with save_pretrained) for comparing jaxserve with transformers."""
 from __future__ import annotations
 
+import shutil
+
 import tokenizers
 import torch
 import transformers
@@ -52,6 +54,13 @@ def save_tiny_chat_model(kind: str, path, chat_template: str, seed: int = 0):
     model = save_tiny_model(kind, path, seed, vocab_size=tok.vocab_size, max_position_embeddings=1024)
     tok.save(path)
     return model
+
+
+def with_byte_tokenizer(model_dir: str, path) -> str:
+    """A copy of a tiny model's directory at `path` with the byte-level tokenizer (its last id an EOS) added."""
+    shutil.copytree(model_dir, path, dirs_exist_ok=True)
+    save_byte_tokenizer_with_eos(path)
+    return str(path)
 
 
 def save_byte_tokenizer_with_eos(path):

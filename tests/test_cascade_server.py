@@ -4,7 +4,6 @@ answer names that tier and is the one asking that tier directly gives (an escala
 never reach the client; /metrics counts routes and escalations; /v1/models lists the cascade; the openai client
 works against it; and the command line's errors. Two tiny random Llamas with a byte tokenizer (text and chat)."""
 import json
-import shutil
 from types import SimpleNamespace
 
 import pytest
@@ -26,11 +25,8 @@ GREEDY = {"temperature": 0, "max_tokens": 6, "ignore_eos": True}
 @pytest.fixture(scope="module")
 def large_dir(other_tiny_dir, tmp_path_factory):
     """The other tiny random Llama with the same byte tokenizer: a second model of the same vocabulary."""
-    from hf_models import save_byte_tokenizer_with_eos
-    path = tmp_path_factory.mktemp("tiny-llama-other-tokenized")
-    shutil.copytree(other_tiny_dir, path, dirs_exist_ok=True)
-    save_byte_tokenizer_with_eos(path)
-    return str(path)
+    from hf_models import with_byte_tokenizer
+    return with_byte_tokenizer(other_tiny_dir, tmp_path_factory.mktemp("tiny-llama-other-tokenized"))
 
 
 def split(features: dict[str, dict], name: str) -> tuple[float, set[str]]:

@@ -279,3 +279,19 @@ def test_tokenizer_endpoints(served, default_llm):
                               ("/detokenize", {"tokens": [1.5]}, "tokens")]:
         r = post(served, path, body)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (path, body, r.text)
+
+
+@pytest.mark.parametrize("T", [8, 64])  # one block spans the step (T <= B), and several blocks
+def test_no_head_runs_when_no_token_asks(T):
+    """The scorer's [B, V] head is computed inside a branch taken only when a token asks: never in the program's
+    top level, where XLA would run it every step (it hoists a loop body whose gather stops depending on the index
+    once one block spans all T tokens)."""
+    H, V = 16, 96
+    w = np.ones((H, V), np.float32)
+    scorer = jax.jit(lambda h, t: score_targets(h, t, lambda x, t: block_scores(x @ w, t), V, 8 * V))
+    hlo = scorer.lower(np.ones((T, H), np.float32), -np.ones(T, np.int32)).compile().as_text()
+    entry = hlo[hlo.index("ENTRY"):]
+    entry = entry[:entry.index("\n}")]
+    B = block_size(T, V, 8 * V)
+    assert f"f32[{B},{V}]" in hlo, "the head's logits are not where this test looks for them"
+    assert f"f32[{B},{V}]" not in entry, f"the [{B}, {V}] head runs at the top level of the step:\n{entry}"
