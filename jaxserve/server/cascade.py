@@ -23,6 +23,7 @@ import time
 from aiohttp import web
 
 from jaxserve.async_engine import EngineDeadError
+from jaxserve.batching.output_processor import merged
 from jaxserve.cascade.features import (ANSWER_FEATURES, PROMPT_FEATURES, SCORE_TOPK, answer_features,
                                        prompt_features, score_params)
 from jaxserve.cascade.policy import CascadeConfig, Route, choose_tier
@@ -249,18 +250,9 @@ class _Collected:
         self.last = out
         if out.prompt_logprobs is not None:  # once, in the first output after they are whole
             self.prompt_logprobs = out.prompt_logprobs
-        for c in out.outputs:
+        for c in out.outputs:  # merged copies what it extends: the engine's outputs stay as they were sent
             whole = self.choices.get(c.index)
-            if whole is None:
-                self.choices[c.index] = dataclasses.replace(
-                    c, token_ids=list(c.token_ids), logprobs=None if c.logprobs is None else list(c.logprobs))
-                continue
-            whole.text += c.text
-            whole.token_ids += c.token_ids
-            if whole.logprobs is not None and c.logprobs is not None:
-                whole.logprobs += c.logprobs
-            whole.cumulative_logprob, whole.finish_reason, whole.stop_reason = (c.cumulative_logprob,
-                                                                                c.finish_reason, c.stop_reason)
+            self.choices[c.index] = merged([c] if whole is None else [whole, c])[0]
 
     def output(self) -> RequestOutput:
         out = self.last
