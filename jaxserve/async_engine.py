@@ -215,6 +215,8 @@ class AsyncEngine:
     def _loop_once(self) -> bool:
         """Applies queued commands, then runs one step if there is work; True when told to stop."""
         llm = self.llm
+        if llm.has_unfinished_requests():
+            llm.wait_for_step()  # so that requests which came while the step in flight ran join the next
         block = not llm.has_unfinished_requests()  # wait for a command only when there is nothing to step
         try:
             while True:

@@ -16,7 +16,8 @@ _TYPES = {"int": int, "float": float, "str": None}  # a field's annotation (less
 class Flag:
     """How a field is set on the `jaxserve` command line (generate, chat and serve; the quantization flags also
     convert's): --NAME (the field's name with dashes) of the field's type (int, float or str, from its annotation);
-    a bool field is a switch that turns its default over (--no-NAME for a default of True, --NAME for False).
+    a bool field is a switch that turns its default over (--no-NAME for a default of True, --NAME for False), or
+    both (--NAME and --no-NAME) for a default of None (decided later).
 
     help, metavar, choices: argparse's. serve_help: appended to help under serve. repeat_in_serve: serve takes it
     several times (a list: --model). How generate and chat (one prompt at a time) differ: serve_only (no flag there),
@@ -53,6 +54,10 @@ class Flag:
         if self.choices is not None:
             kw["choices"] = list(self.choices)
         kind = field.type.removesuffix(" | None")
+        if kind == "bool" and default is None:  # decided later unless given: --NAME and --no-NAME
+            p.add_argument("--" + field.name.replace("_", "-"), dest=field.name,
+                           action=argparse.BooleanOptionalAction, **kw)
+            return
         if kind == "bool":  # a switch away from the default
             name = ("no-" if default else "") + field.name.replace("_", "-")
             p.add_argument("--" + name, dest=field.name, action="store_false" if default else "store_true", **kw)

@@ -202,6 +202,11 @@ class LLM:
         and the requests it ended (their pages are free; the engine goes on with the others)."""
         return self.core.step()
 
+    def wait_for_step(self) -> None:
+        """Blocks until the step in flight has run, where the next step is planned only after it (async_scheduling
+        off): a request added after this joins the next step. A no-op with async scheduling."""
+        self.core.wait_in_flight()
+
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished()
 

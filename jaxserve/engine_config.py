@@ -72,6 +72,10 @@ class EngineConfig:
     scheduling_policy: "fcfs", or "priority" (lower `priority` first; a better one may preempt a worse one).
     ttft_slo, tpot_slo: latency targets in seconds; with them the running batch is sized from measured step times
         (see jaxserve.batching.slo).
+    async_scheduling: plan step N+1 before step N is read back (vLLM's name): the device never waits for the host
+        between steps, but a request that arrives while step N runs gets its first token a step later (see
+        jaxserve.batching.engine_core). None (the default): on for GPU and TPU, off on CPU, where the host and the
+        device share the cores and off measured better (BENCHMARKS.md, issue 28).
     attention_backend: "auto" (the Pallas kernels on GPU and TPU if they pass a start-up check, else and on CPU
         the jnp reference), "reference", "dense" (the oracle itself: slow, differentiable), or "pallas" /
         "pallas-gpu" / "pallas-tpu" (insist; on CPU the kernels run in Pallas interpret mode: correct, slow).
@@ -139,6 +143,9 @@ class EngineConfig:
     scheduling_policy: str = flag(None, default="fcfs", choices=SCHEDULING_POLICIES, serve_only=True)
     ttft_slo: float | None = flag("time-to-first-token target, seconds", serve_only=True)
     tpot_slo: float | None = flag("time-per-output-token target, seconds", serve_only=True)
+    async_scheduling: bool | None = flag(
+        "plan each step before the one in flight is read back: no host gap between steps, but a request arriving "
+        "mid-step waits a step longer for its first token (default: on for GPU/TPU, off on CPU)", serve_only=True)
     attention_backend: str = flag(None, default="auto", choices=ATTENTION_BACKENDS, serve_only=True)
     quantization: str | None = flag(
         "weight-only quantization of the linear layers: int8 (a scale per output channel), int4 (groups of input "
@@ -202,6 +209,7 @@ class EngineConfig:
         for name in ("enable_prefix_caching", "quantize_embeddings", "warmup"):
             _check_type(name, getattr(self, name), bool)
         _check_choice("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES)
+        _check_type("async_scheduling", self.async_scheduling, bool, optional=True)
         for name in ("ttft_slo", "tpot_slo"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)

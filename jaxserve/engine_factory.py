@@ -235,8 +235,10 @@ def _replica(c: EngineConfig, runner_config: RunnerConfig, config, params, draft
     lora_slots = LoRASlots(c.max_loras, runner.load_lora) if c.enable_lora else None
     scheduler = Scheduler(cache, c.max_num_seqs, c.max_num_batched_tokens, runner_config.buckets.num_tokens,
                           c.scheduling_policy, slo, lora_slots, role)
+    # Off on CPU, where the host shares the cores with the step, so overlapping them buys little (BENCHMARKS.md).
+    overlap = c.async_scheduling if c.async_scheduling is not None else jax.default_backend() != "cpu"
     if spec is None:
-        return EngineCore(scheduler, runner)
+        return EngineCore(scheduler, runner, async_scheduling=overlap)
     k = spec.num_speculative_tokens
     draft_runner = None
     if draft is not None:
@@ -248,7 +250,8 @@ def _replica(c: EngineConfig, runner_config: RunnerConfig, config, params, draft
     # Its step times are the runners', filled in at warm-up.
     controller = SpecController(k, runner_config.buckets.num_tokens, runner.step_times,
                                 draft_runner.step_times if draft_runner else None)
-    return EngineCore(scheduler, runner, proposer=proposer, controller=controller, adaptive=spec.adaptive)
+    return EngineCore(scheduler, runner, proposer=proposer, controller=controller, adaptive=spec.adaptive,
+                      async_scheduling=overlap)
 
 
 def split_for(config, params, tp: int, what: str = "the model"):

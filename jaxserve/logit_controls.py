@@ -5,7 +5,7 @@ model's vocabulary and tokenizer once, when the request is admitted, then turned
 bad_words follow vLLM: each word is tokenized as it would start the text and, where that gives other tokens, after
 a space; a one-token spelling is never sampled (a bit cleared in the row's token mask), a longer one's last token
 may not follow its other tokens. That second rule depends on the row's last token, which may still be on the device
-when the host plans the step (the one-step lookahead, `jaxserve.batching.engine_core`): so the host matches all but
+when the host plans the step (async scheduling, `jaxserve.batching.engine_core`): so the host matches all but
 that token and hands the device (trigger, banned) pairs, and the device bans `banned` where the last token is
 `trigger` (`jaxserve.sampling.with_step_tokens`).
 """

@@ -26,6 +26,11 @@ the final usage chunk's completion_tokens (else the number of text chunks); TPOT
 - 1). Run figures are over the run's wall time (first send to last finish): requests/s, output tok/s, goodput =
 requests/s finishing with TTFT <= --ttft-slo and TPOT <= --tpot-slo (whichever are given). Percentiles P50/P95/P99.
 Writes JSON (--out) and, with --plot and matplotlib, a PNG beside it: TTFT and TPOT p50/p99 against the load.
+
+--server-metrics (a jaxserve server): where a request's TTFT goes, from the server's Prometheus histograms read
+before and after each load (their sums over their counts): `server_mean_s` has the mean queue time (arrival in the
+engine, after tokenizing, to first planned into a step) and TTFT inside the server (arrival to first token read
+back); the client's TTFT less the server's is HTTP, tokenizing and streaming the token out.
 """
 from __future__ import annotations
 
@@ -293,6 +298,10 @@ def table(rows, slo: bool) -> None:
         if r["prompt_tokens_cached"] > 0.05 * (r["prompt_tokens_server"] or 1):
             print(f"{'':>8}note: the server reused {r['prompt_tokens_cached']} cached prompt tokens "
                   f"of {r['prompt_tokens_server']}")
+        server = r.get("server_mean_s")
+        if server and server["ttft"] is not None:
+            print(f"{'':>8}server means: queue {server['queue'] * 1e3:.0f} ms, TTFT in the server "
+                  f"{server['ttft'] * 1e3:.0f} ms, client TTFT {r['mean_s']['ttft'] * 1e3:.0f} ms")
         for err in r.get("errors", []):
             print(f"{'':>8}error: {err}")
 
@@ -337,6 +346,32 @@ def plot(rows, path: Path, title: str) -> bool:
     return True
 
 
+# The server's histograms whose means split a request's TTFT (--server-metrics): name in the row -> metric.
+SERVER_HISTOGRAMS = {"queue": "jaxserve:request_queue_time_seconds", "ttft": "jaxserve:time_to_first_token_seconds"}
+
+
+async def histogram_totals(session, metrics_url: str) -> dict[str, tuple[float, float]]:
+    """(sum, count) of each of SERVER_HISTOGRAMS, over every label set, from a Prometheus text page."""
+    async with session.get(metrics_url) as resp:
+        resp.raise_for_status()
+        text = await resp.text()
+    totals = {}
+    for key, name in SERVER_HISTOGRAMS.items():
+        def total(suffix):
+            return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                       if line.startswith(name + suffix + "{") or line.startswith(name + suffix + " "))
+        totals[key] = (total("_sum"), total("_count"))
+    return totals
+
+
+def histogram_means(before: dict, after: dict) -> dict:
+    means = {}
+    for key in SERVER_HISTOGRAMS:
+        n = after[key][1] - before[key][1]
+        means[key] = round((after[key][0] - before[key][0]) / n, 4) if n else None
+    return means
+
+
 async def get_json(session, url):
     async with session.get(url) as resp:
         resp.raise_for_status()
@@ -375,8 +410,12 @@ async def amain(args) -> dict:
             targets = [len(q.prompt_token_ids) for q in reqs]
             bodies = [request_body(args, model, make_prompt(rng, n, tokenizer), q.max_tokens)
                       for n, q in zip(targets, reqs)]
+            metrics_url = base.removesuffix("/v1") + "/metrics"
+            before = await histogram_totals(session, metrics_url) if args.server_metrics else None
             results, seconds = await run_load(session, url, bodies, [q.arrival for q in reqs], load.get("concurrency"))
             rows.append(summarize(load, results, seconds, args.ttft_slo, args.tpot_slo, targets))
+            if before is not None:
+                rows[-1]["server_mean_s"] = histogram_means(before, await histogram_totals(session, metrics_url))
             rows[-1]["loadavg_1m_after"] = round(os.getloadavg()[0], 2)  # other load on a shared host shows here
             print(f"  {load_label(rows[-1])}: {rows[-1]['completed']}/{len(results)} ok in {seconds:.1f} s", flush=True)
     return {"date": time.strftime("%Y-%m-%d %H:%M"), "command": " ".join(sys.argv),
@@ -414,6 +453,8 @@ def main():
                     help="reuse connections (default: one per request; llama-server closes idle kept-alive ones, "
                          "and a request written into a closing connection fails)")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per request")
+    ap.add_argument("--server-metrics", action="store_true",
+                    help="a jaxserve server: split TTFT with its /metrics (queue time, TTFT in the server)")
     ap.add_argument("--out", default="bench_results/serving.json")
     ap.add_argument("--plot", action="store_true", help="PNG beside --out (needs matplotlib)")
     args = ap.parse_args()

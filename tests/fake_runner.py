@@ -58,9 +58,9 @@ class FakeRunner:
         self.last_tokens: dict[int, int] = {}  # slot -> the token a row last emitted into it (the device buffer)
         self.step_times: dict[tuple[int, int], float] = {}
         self.steps: list[list[Row]] = []  # the rows of every dispatched step, in order
-        self.events: list[str] = []  # "dispatch" / "fetch", in order
+        self.events: list[str] = []  # "dispatch" / "wait" / "fetch", in order
         self._faults: list[Fault] = []
-        self.gate = None  # a threading.Event: while set to one, each read-back waits for it (an engine held)
+        self.gate = None  # a threading.Event: while set to one, each wait and read-back waits for it (an engine held)
         self.lora_shifts: dict[int, int] = {}  # LoRA slot -> the shift of the fake adapter loaded into it
 
     def next_token(self, token: int) -> int:
@@ -73,10 +73,12 @@ class FakeRunner:
         self._faults.append(fault)
         return fault
 
-    def _check_faults(self, on: str, rows: list[Row]) -> None:
+    def _check_faults(self, on: str, rows: list[Row], consume: bool = True) -> None:
+        """consume=False: a wait for a failed step, which fails as its read-back will (a device array's error
+        stays with it)."""
         for f in self._faults:
             if f.on == on and f.times != 0 and f.when(rows):
-                f.times -= f.times > 0
+                f.times -= f.times > 0 and consume
                 raise f.error
 
     def dispatch(self, rows: list[Row]) -> StepHandle:
@@ -156,6 +158,12 @@ class FakeRunner:
             draw = self.next_token(draw)
         return draw
 
+    def wait(self, handle: FakeHandle) -> None:
+        if self.gate is not None:
+            self.gate.wait(60)
+        self.events.append("wait")
+        self._check_faults("fetch", handle.rows, consume=False)
+
     def fetch(self, handle: FakeHandle) -> StepOutput:
         if self.gate is not None:
             self.gate.wait(60)
@@ -195,21 +203,22 @@ def fake_adapter(request):
 def fake_replica(num_pages: int = 32, page_size: int = 4, max_num_seqs: int = 4, max_num_batched_tokens: int = 16,
                  vocab_size: int = 64, ngram: int = 0, enable_prefix_caching: bool = True, proposer=None,
                  draft: bool = False, scheduling_policy: str = "fcfs", runner: FakeRunner | None = None,
-                 max_loras: int = 0, role: str = "both") -> EngineCore:
+                 max_loras: int = 0, role: str = "both", async_scheduling: bool = True) -> EngineCore:
     """An engine core over a FakeRunner. ngram=k: speculating up to k proposals for every sequence every step, from
     `proposer` (default: n-gram lookup; draft=True: a fake draft model, right two times in three). max_loras: LoRA
-    slots (0: adapters not enabled)."""
+    slots (0: adapters not enabled). async_scheduling: EngineCore's."""
     runner = runner or FakeRunner(vocab_size, ngram, num_pages=num_pages, page_size=page_size)
     scheduler = Scheduler(PrefixCache(PageAllocator(num_pages), page_size, enable_prefix_caching), max_num_seqs,
                           max_num_batched_tokens, policy=scheduling_policy,
                           lora_slots=LoRASlots(max_loras, runner.load_lora) if max_loras else None, role=role)
     if not ngram:
-        return EngineCore(scheduler, runner)
+        return EngineCore(scheduler, runner, async_scheduling=async_scheduling)
     if draft:
         guesser = FakeRunner(vocab_size, successor=lambda t: t + 1 if t % 3 else t + 2)
         proposer = DraftProposer(guesser, max_num_batched_tokens, max_num_seqs)
     return EngineCore(scheduler, runner, proposer=proposer or NgramProposer(ngram, 3, 1),
-                      controller=SpecController(ngram, (max_num_batched_tokens,), runner.step_times), adaptive=False)
+                      controller=SpecController(ngram, (max_num_batched_tokens,), runner.step_times), adaptive=False,
+                      async_scheduling=async_scheduling)
 
 
 def fake_llm(num_replicas: int = 1, max_model_len: int = 64, vocab_size: int = 64, tokenizer=None,

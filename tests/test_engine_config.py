@@ -49,6 +49,7 @@ def test_speculative_config_is_parsed():
     (dict(speculative_config={"method": "medusa", "num_speculative_tokens": 2}), ValueError, "method"),
     (dict(speculative_config="ngram"), TypeError, "speculative_config"),
     (dict(warmup=None), TypeError, "warmup"),
+    (dict(async_scheduling="on"), TypeError, "async_scheduling"),
     (dict(tensor_parallel_size=0), ValueError, "tensor_parallel_size"),
     (dict(data_parallel_size=-2), ValueError, "data_parallel_size"),
     (dict(coordinator_address="host:1234"), ValueError, "all three"),
@@ -110,6 +111,10 @@ def test_cli_serve_flags(tmp_path):
                              calibration_text="some text to calibrate on", data_parallel_size=2,
                              speculative_config=SpeculativeConfig("draft_model", 3, model="draft.gguf"))
     assert parse("serve") == EngineConfig()  # serve's defaults are the engine's
+    # Decided by the backend unless given, either way.
+    assert parse("serve").async_scheduling is None
+    assert parse("serve", "--async-scheduling").async_scheduling is True
+    assert parse("serve", "--no-async-scheduling").async_scheduling is False
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -169,10 +169,13 @@ def test_serving_benchmark_script_runs(real, tmp_path):
     out = tmp_path / "serving.json"
     r = subprocess.run([sys.executable, "scripts/bench_serving.py", "--base-url", real.url + "/v1", "--num-requests",
                         "4", "--request-rates", "inf", "--prompt-len", "16", "--output-len", "6", "--ttft-slo", "30",
-                        "--out", str(out)], capture_output=True, text=True, timeout=600)
+                        "--server-metrics", "--out", str(out)], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
     row = json.loads(out.read_text())["runs"][0]
     assert row["completed"] == 4 and row["failed"] == 0 and row["output_tokens"] == 24, row
+    # The server's own split of TTFT, over this load's four requests only: inside the client's.
+    server = row["server_mean_s"]
+    assert 0 <= server["queue"] < server["ttft"] <= row["mean_s"]["ttft"], row
     wait_idle(real)
 
 

@@ -80,6 +80,10 @@ class DataParallel:
                 self._placed.pop(h.seq.request_id, None)
         return handed
 
+    def wait_in_flight(self) -> None:
+        for core in self.replicas:
+            core.wait_in_flight()
+
     def step(self) -> list[SequenceDelta]:
         """Steps every replica with work. If any failed: StepError with every replica's results and the failed
         replicas' ended requests (the rest of the round ran)."""

@@ -43,6 +43,10 @@ class Disaggregated:
         self.decode.replicas[0].scheduler.check_fits(seq)
         self.prefill.add(seq)
 
+    def wait_in_flight(self) -> None:
+        self.prefill.wait_in_flight()
+        self.decode.wait_in_flight()
+
     def step(self) -> list[SequenceDelta]:
         """Steps the prefill replicas, moves their hand-offs to the decode pool, steps the decode replicas. If any
         failed: StepError with every result of the round and the ended requests."""

@@ -1,9 +1,15 @@
-"""The engine loop: plan step N+1 and dispatch it, then read back step N's tokens while N+1 runs.
+"""The engine loop: plan a step, dispatch it, read the one before back. Two orders (`async_scheduling`):
 
-JAX dispatch is asynchronous, so the device never waits for the host between steps: step N+1 is planned before
-step N's tokens are known (its decode rows take their input tokens from the device), and the host's per-token work
-(detokenizing, stop strings, streaming) for step N overlaps the device's work on N+1. The price: a sequence that
-stops at step N was also given a row in step N+1, whose token is dropped.
+On (vLLM's async scheduling): step N+1 is planned and dispatched before step N is read back, so the device never
+waits for the host between steps: N+1's decode rows take their input tokens from the device, and the host's
+per-token work for step N (reading back, stop strings, detokenizing) overlaps the device's work on N+1. The prices: a
+sequence that stops at step N was also given a row in step N+1, whose token is dropped; and a request that arrives
+while step N runs can join step N+2 at the earliest, N+1 being planned already: two steps to its first token.
+Off: step N is read back, then N+1 planned (with the requests that arrived while N ran: a server's loop calls
+`wait_in_flight` before it takes them in) and dispatched; the device idles while the host plans (about 1-3% of a
+step on CPU: BENCHMARKS.md, issue 28), and a request's first token comes with the step after its arrival. The
+host's work of streaming step N's tokens out still overlaps step N+1. On CPU the host and the "device" share the
+cores, so overlap buys little there and off is the default; on GPU and TPU on.
 
 A speculative step (proposals to verify) is the exception: its proposals must continue the latest tokens and the
 plan after it must know how many were accepted, so it reads the step before back first and is waited for itself.
@@ -138,12 +144,15 @@ def _position_dependent(seq: Sequence) -> bool:
 
 class EngineCore:
     def __init__(self, scheduler: Scheduler, runner: Runner, rate_window_s: float = 5.0,
-                 proposer: Proposer | None = None, controller: SpecController | None = None, adaptive: bool = True):
+                 proposer: Proposer | None = None, controller: SpecController | None = None, adaptive: bool = True,
+                 async_scheduling: bool = True):
         """proposer (an NgramProposer or DraftProposer) and controller: speculative decoding, off without them;
-        adaptive=False speculates for every decoding sequence every step (as vLLM does)."""
+        adaptive=False speculates for every decoding sequence every step (as vLLM does). async_scheduling: plan a
+        step before the one in flight is read back (see the module's docstring)."""
         self.scheduler = scheduler
         self.runner = runner
         self.proposer, self.controller, self.adaptive = proposer, controller, adaptive
+        self.async_scheduling = async_scheduling
         self._last_fetch: float | None = None  # when the last pipelined step was read back
         self._fetch_wait = 0.0  # how long the last read-back waited for the device
         self._in_flight: InFlight | None = None
@@ -247,6 +256,15 @@ class EngineCore:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._in_flight is not None or bool(self.scheduler.handed_off)
 
+    def wait_in_flight(self) -> None:
+        """Without async scheduling: blocks until the step in flight has run (reading nothing back), so requests
+        added meanwhile are in the step planned next. A failure is left for `step` to read back and report."""
+        if self._in_flight is not None and not self.async_scheduling:
+            try:
+                self.runner.wait(self._in_flight.handle)
+            except Exception:  # noqa: BLE001 - the step's failure: step() ends its requests, and only those
+                pass
+
     def step(self) -> list[SequenceDelta]:
         """Dispatches the next step and returns what the previous one (and, in a speculative step, this one) added
         to each sequence. Raises StepError if it fails, with the requests it ended and what it had
@@ -278,8 +296,8 @@ class EngineCore:
             if lengths:
                 return self._speculative_step(lengths)
             self.controller.num_speculating = 0
-        if self._in_flight is not None and self._in_flight.batch.constrained:
-            self._read_back()
+        if self._in_flight is not None and (self._in_flight.batch.constrained or not self.async_scheduling):
+            self._read_back(timed=not self.async_scheduling)
         batch = self.scheduler.schedule()
         if not batch and self._in_flight is None and self.scheduler.awaits_kv():
             # Nothing to run but sequences whose KV is still landing: wait for it here rather than spin.
@@ -288,6 +306,8 @@ class EngineCore:
         self._import(batch)
         dispatched = self._dispatch(batch) if batch else None
         done, self._in_flight = self._in_flight, dispatched
+        if dispatched is None:  # idle from here: the gap to the next read-back is no step's time
+            self._last_fetch = self._last_arrival = None
         if done is None:
             # Handed-off sequences not yet taken hold their pages: waiting ones may wait for them.
             if dispatched is None and self.scheduler.has_unfinished() and not self.scheduler.handed_off \
@@ -329,12 +349,19 @@ class EngineCore:
             self.controller.observe_step(batch.num_tokens, time.perf_counter() - start, True, len(batch.rows),
                                          len(speculating), max(speculating, default=0))
 
-    def _read_back(self) -> None:
-        """Reads the step in flight back before the next is planned, giving up the overlap for this step."""
+    def _read_back(self, timed: bool = False) -> None:
+        """Reads the step in flight back before the next is planned. timed: every step is planned so (no async
+        scheduling), so the time since the last read-back is one step's, as a token waits for it; otherwise this
+        step alone gives up the overlap and its time is no pipelined step's."""
         if self._in_flight is not None:
             done, self._in_flight = self._in_flight, None  # its results are lost with it if reading it fails
-            self._update(done)
-        self._last_fetch = None
+            self._update(done, timed)
+            now = time.perf_counter()
+            if timed and self.adaptive and self.controller is not None and self._last_fetch is not None:
+                self.controller.observe_step(done.batch.num_tokens, now - self._last_fetch, False)
+            self._last_fetch = now if timed else None
+        else:
+            self._last_fetch = None
 
     def _import(self, batch: ScheduledBatch) -> None:
         """Writes the K/V of the prefilled sequences admitted to `batch` into their pages, before its step. An import
@@ -354,9 +381,10 @@ class EngineCore:
         self.prompt_tokens += sum(c.length for c in batch.prefill)
         return InFlight(batch, handle)
 
-    def _update(self, done: InFlight) -> None:
+    def _update(self, done: InFlight, next_follows: bool = False) -> None:
         """Reads a step back and applies it; what it added joins the step's results only once applied whole (a
-        failure later in this step must not lose it)."""
+        failure later in this step must not lose it). next_follows: the next step is planned right after (no async
+        scheduling), so the time to the next read-back is a step's even with nothing in flight now."""
         wait = time.perf_counter()
         out = self.runner.fetch(done.handle)  # the step's one blocking copy
         self._fetch_wait = time.perf_counter() - wait
@@ -364,7 +392,8 @@ class EngineCore:
         now = time.monotonic()
         if self.scheduler.slo is not None and self._last_arrival is not None:
             self.scheduler.slo.observe(len(batch.decode), now - self._last_arrival)
-        self._last_arrival = now if self._in_flight is not None else None  # idle gaps are not step time
+        # Idle gaps are not step time.
+        self._last_arrival = now if self._in_flight is not None or next_follows else None
         self.steps += 1
         deltas = output_processor.process(batch.row_seqs, out, batch.rows)
         for d in deltas:

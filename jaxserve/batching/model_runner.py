@@ -227,6 +227,9 @@ class ModelRunner:
                                                                self.lora)
         return out
 
+    def wait(self, handle: StepHandle) -> None:
+        jax.block_until_ready(handle.output)
+
     def fetch(self, handle: StepHandle) -> StepOutput:
         """Waits for a dispatched step and copies what it sampled to the host in one transfer, cut to its rows."""
         # Whole arrays, cut on the host: slicing a device array would compile a small program for every new

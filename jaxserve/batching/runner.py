@@ -27,6 +27,9 @@ class Runner(Protocol):
     def dispatch(self, rows: list[Row]) -> StepHandle:
         """Starts a step over `rows` without waiting for it."""
 
+    def wait(self, handle: StepHandle) -> None:
+        """Blocks until a dispatched step has run, copying nothing (fetch then returns at once)."""
+
     def fetch(self, handle: StepHandle) -> StepOutput:
         """Waits for a dispatched step; its output on the host, cut to its rows."""
 

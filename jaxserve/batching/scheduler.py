@@ -7,9 +7,9 @@ policy says so):
      stay in the prefix cache) and it is later recomputed from its tokens;
   2. the budget left goes to prompt chunks: running sequences still in prefill first, then waiting ones admitted in
      priority order once a slot and the pages for their whole prompt (less what the prefix cache holds) are free.
-A step is planned before the previous one's tokens are known (see `jaxserve.batching.engine_core`): a sequence may
-carry one in-flight token (`Sequence.pending`), which a decode row then takes straight from the device. A row under
-a grammar (structured output) is the exception: its mask, filled here for every such row at once, follows its
+With async scheduling a step is planned before the previous one's tokens are known (see
+`jaxserve.batching.engine_core`): a sequence may carry one in-flight token (`Sequence.pending`), which a decode row
+then takes straight from the device. A row under a grammar (structured output) is the exception: its mask, filled here for every such row at once, follows its
 latest token, so the engine reads a step holding one back before planning the next (`ScheduledBatch.constrained`).
 
 LoRA adapters (`lora_slots`): a running sequence with an adapter holds one of the runner's adapter slots, so a step

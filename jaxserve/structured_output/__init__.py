@@ -8,7 +8,7 @@ grammar) by llguidance, one token mask per step.
   (the sequence ends, "stop", when the grammar is complete), and `fill_masks`, with which the scheduler fills the
   masks of a step's constrained rows at once, in parallel and without the GIL.
 
-How constrained rows meet the engine's one-step lookahead: `jaxserve.batching.engine_core`.
+How constrained rows meet the engine's async scheduling: `jaxserve.batching.engine_core`.
 """
 from jaxserve.structured_output.grammar import Grammar, compile_grammar
 from jaxserve.structured_output.matcher import GrammarMatcher, fill_masks

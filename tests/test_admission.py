@@ -1,0 +1,94 @@
+"""When a request that arrives while a step runs gets its first token (issue 28): in the next step planned without
+async scheduling, in the one after with it (that step was planned before the request came)."""
+import asyncio
+import threading
+import time
+
+import pytest
+
+from jaxserve import AsyncEngine, SamplingParams
+from fake_runner import fake_llm
+
+LONG = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+LATE_PROMPT = [40, 41, 42, 43, 44]
+
+
+def wait_for(condition, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "the engine never got there"
+        time.sleep(0.005)
+
+
+def prefills_late(rows) -> bool:
+    return any(list(r.token_ids) == LATE_PROMPT and r.start_pos == 0 for r in rows)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_request_arriving_during_a_step_is_in_the_next_planned_step(async_scheduling):
+    llm = fake_llm(async_scheduling=async_scheduling, max_num_batched_tokens=16)
+    runner = llm.runner
+    runner.gate = threading.Event()  # the step in flight runs until the test lets it
+    engine = AsyncEngine(llm)
+    try:
+        async def main():
+            first = await engine.add_request({"prompt_token_ids": [3, 4, 5]}, LONG)
+            # Async scheduling plans a step ahead: the step after the first is planned (and dispatched) before the
+            # first is read back; without it, nothing more until the first has run.
+            wait_for(lambda: runner.events.count("dispatch") == (2 if async_scheduling else 1))
+            await asyncio.sleep(0.05)  # the engine is held inside the step in flight
+            planned = len(runner.steps)
+            late = await engine.add_request({"prompt_token_ids": LATE_PROMPT}, LONG)
+            await asyncio.sleep(0.05)  # its command is queued while the engine is held
+            runner.gate.set()
+            outs = await asyncio.gather(collect(first), collect(late))
+            return planned, outs
+
+        planned, (first, late) = asyncio.run(asyncio.wait_for(main(), 60))
+        assert first == list(range(6, 18)) and late == list(range(45, 57))
+        steps = [prefills_late(rows) for rows in runner.steps]
+        running = 0  # the step the engine was held in when the request came (the first step: its prefill)
+        # It joins the first step planned after it came, which with async scheduling was not the next one to run.
+        assert steps.index(True) == planned == running + (2 if async_scheduling else 1), (steps, planned)
+    finally:
+        engine.shutdown()
+
+
+async def collect(stream) -> list[int]:
+    tokens = []
+    async for out in stream:
+        tokens += out.outputs[0].token_ids
+    return tokens
+
+
+def test_a_failed_step_seen_while_waiting_ends_only_its_requests():
+    """wait_in_flight leaves a failure to step(), which ends the failed step's requests and no others."""
+    llm = fake_llm(async_scheduling=False)
+    llm.runner.fail("fetch", lambda rows: any(list(r.token_ids) == [3, 4, 5] for r in rows))
+    engine = AsyncEngine(llm)
+    try:
+        async def main():
+            with pytest.raises(RuntimeError, match="device lost"):
+                await collect(await engine.add_request({"prompt_token_ids": [3, 4, 5]}, LONG))
+            return await collect(await engine.add_request({"prompt_token_ids": [7, 8]}, LONG))
+
+        assert asyncio.run(asyncio.wait_for(main(), 60)) == list(range(9, 21))
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("given, planned_ahead", [(None, False), (True, True), (False, False)])
+def test_async_scheduling_is_off_on_cpu_unless_asked(tiny_dir, given, planned_ahead):
+    from tiny import make_llm
+    llm = make_llm(tiny_dir, async_scheduling=given)
+    assert llm.core.async_scheduling is planned_ahead
+    events = []
+    real_fetch, real_dispatch = llm.runner.fetch, llm.runner.dispatch
+    llm.runner.fetch = lambda handle: events.append("fetch") or real_fetch(handle)
+    llm.runner.dispatch = lambda rows: events.append("dispatch") or real_dispatch(rows)
+    out = llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                       use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
+    # Ahead: two steps out at once (the next dispatched before the last is read back); else one at most.
+    outstanding = [events[:i + 1].count("dispatch") - events[:i + 1].count("fetch") for i in range(len(events))]
+    assert max(outstanding) == (2 if planned_ahead else 1), events
