@@ -92,3 +92,45 @@ def test_async_scheduling_is_off_on_cpu_unless_asked(tiny_dir, given, planned_ah
     # Ahead: two steps out at once (the next dispatched before the last is read back); else one at most.
     outstanding = [events[:i + 1].count("dispatch") - events[:i + 1].count("fetch") for i in range(len(events))]
     assert max(outstanding) == (2 if planned_ahead else 1), events
+
+
+@pytest.mark.parametrize("at_risk", [False, True])
+def test_a_prompt_whose_ttft_is_at_risk_gets_its_chunk_before_proposals(at_risk):
+    """Speculation's proposals take the budget after the decodes and before waiting prompts; a prompt that has used
+    half its TTFT budget keeps its first chunk's share (at most half the budget) from them."""
+    from jaxserve.batching.slo import SloController
+    llm = fake_llm(max_num_seqs=4, max_num_batched_tokens=8, async_scheduling=False)
+    s = llm.core.scheduler
+    s.slo = SloController((1, 2, 4), 4, ttft_slo=1.0)
+    for first in (3, 13, 23):
+        llm.add_request({"prompt_token_ids": [first, first + 1]}, LONG)
+    llm.step()  # their prompts
+    llm.step()  # read back: each has its first token and decodes next
+    late = llm.add_request({"prompt_token_ids": LATE_PROMPT}, LONG).request_id
+    if at_risk:
+        for seq in s.waiting:
+            seq.arrival_time -= 0.6  # past half the TTFT target
+    plan = s.schedule({seq: 3 for seq in s.running})
+    assert len(plan.decode) == 3
+    chunk = [c.length for c in plan.prefill if c.seq.request_id == late]
+    # 8 = 3 decodes + 5 proposals, or 3 decodes + 1 proposal + 4 (half the budget) of the prompt's 5 tokens.
+    assert sum(plan.num_draft.values()) == (1 if at_risk else 5)
+    assert chunk == ([4] if at_risk else []), chunk
+
+
+def test_a_prompt_whose_ttft_is_at_risk_gets_its_chunk_before_some_decodes():
+    """Where the decodes leave a prompt less than its share, the newest decodes wait a step."""
+    from jaxserve.batching.slo import SloController
+    llm = fake_llm(max_num_seqs=4, max_num_batched_tokens=4, async_scheduling=False)
+    s = llm.core.scheduler
+    s.slo = SloController((1, 2, 4), 4, ttft_slo=1.0)
+    for first in (3, 13, 23):
+        llm.add_request({"prompt_token_ids": [first]}, LONG)
+    llm.step()
+    llm.step()
+    late = llm.add_request({"prompt_token_ids": LATE_PROMPT}, LONG).request_id
+    (seq,) = s.waiting
+    seq.arrival_time -= 0.6  # past half the TTFT target
+    plan = s.schedule()
+    assert [(c.seq.request_id, c.length) for c in plan.prefill] == [(late, 2)]  # not 1: 3 decodes + 1
+    assert len(plan.decode) == 2

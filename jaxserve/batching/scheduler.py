@@ -2,9 +2,10 @@
 
 Each step, under a token budget (`max_num_batched_tokens`) and a sequence cap (`max_num_seqs`, or less when an SLO
 policy says so):
-  1. every running sequence past its prompt decodes one token, best priority first; one that needs a new page when
-     none is left preempts the worst-priority, newest running sequence (perhaps itself): its pages go back (full ones
-     stay in the prefix cache) and it is later recomputed from its tokens;
+  1. every running sequence past its prompt decodes one token, best priority first, and then any proposals it
+     speculates (unless a waiting prompt's TTFT is at risk, which then keeps its first chunk's share of the budget
+     from them: see jaxserve.batching.slo); one that needs a new page when none is left preempts the worst-priority, newest running sequence (perhaps itself): its
+     pages go back (full ones stay in the prefix cache) and it is later recomputed from its tokens;
   2. the budget left goes to prompt chunks: running sequences still in prefill first, then waiting ones admitted in
      priority order once a slot and the pages for their whole prompt (less what the prefix cache holds) are free.
 With async scheduling a step is planned before the previous one's tokens are known (see
@@ -282,17 +283,20 @@ class Scheduler:
         plan = ScheduledBatch([], [])
         self._admitted_imports: list[tuple[Sequence, list[int], KVPages]] = []
         budget = self.max_num_batched_tokens
+        reserved = self._prompt_reserve()
         preemptions = self.num_preemptions
         for seq in sorted(self.running, key=self.priority):
             if seq.status is not Status.RUNNING or seq.num_to_compute != 1 or seq.reached_length_limit:
                 continue  # preempted just now, still in prefill, or ends when its in-flight token lands
             if self.role == "prefill" and seq.num_generated:
                 continue  # its first token is in flight: handed off once it lands, never decoded here
+            if budget <= reserved:
+                break  # the rest decode next step: a prompt whose TTFT is at risk goes first
             if self._grow(seq, seq.num_tokens):
                 plan.decode.append(seq)
                 budget -= 1
         for seq in plan.decode if num_draft else []:
-            k = min(num_draft.get(seq, 0), budget, seq.max_total_tokens - seq.num_tokens)
+            k = min(num_draft.get(seq, 0), budget - reserved, seq.max_total_tokens - seq.num_tokens)
             while k > 0 and pages_needed(seq.num_tokens + k, self.page_size) - len(seq.pages) > \
                     self.cache.num_available:
                 k -= 1
@@ -334,6 +338,15 @@ class Scheduler:
         plan.writes = [Write(s, s.num_tokens, s.num_preemptions) for s in plan.decode] + \
                       [Write(c.seq, c.start + c.length, c.seq.num_preemptions) for c in plan.prefill]
         return plan
+
+    def _prompt_reserve(self) -> int:
+        """Tokens of the step kept from the decodes for a waiting prompt whose TTFT is at risk (see
+        jaxserve.batching.slo), where it could be admitted now (a slot is free): its first chunk, at most half the
+        budget (the decodes keep the rest). 0 otherwise."""
+        if self.slo is None or not self._free_slots or not self.slo.ttft_at_risk(self.waiting):
+            return 0
+        oldest = min((s for s in self.waiting if not s.pending), key=lambda s: s.arrival_time, default=None)
+        return 0 if oldest is None else min(oldest.num_to_compute, self.max_num_batched_tokens // 2)
 
     def _take_proposals(self, plan: ScheduledBatch, proposals: Proposals) -> None:
         plan.proposals = proposals.tokens

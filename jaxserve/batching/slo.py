@@ -3,8 +3,9 @@
 A bigger batch decodes more tokens per weight read (throughput) but every step takes longer (TPOT); a smaller one
 leaves requests waiting (TTFT). With a TPOT target, the cap on running sequences is the largest batch bucket whose
 measured step time meets it, growing one bucket at a time to measure the next (like TCP slow start). With a TTFT
-target too, a queue whose oldest request has used half its TTFT budget lifts the cap: then admitting it is worth
-slower steps for everyone already running.
+target too, a queue whose oldest request has used half its TTFT budget (TTFT at risk) lifts the cap, and the
+scheduler keeps part of the step's token budget for its prompt even where the decodes would take it all (some
+decodes then wait a step): admitting it is worth slower steps for everyone already running.
 """
 from __future__ import annotations
 
@@ -44,13 +45,17 @@ class SloController:
     def _fresh(self, b: int) -> bool:
         return b in self.step_seconds and self._observations - self._measured_at[b] <= self.stale_after
 
+    def ttft_at_risk(self, waiting, now: float | None = None) -> bool:
+        """The oldest waiting request has used half its TTFT budget."""
+        if self.ttft_slo is None or not waiting:
+            return False
+        now = time.monotonic() if now is None else now
+        return now - min(s.arrival_time for s in waiting) > self.ttft_slo / 2
+
     def batch_cap(self, waiting, now: float | None = None) -> int:
         """How many sequences may run now."""
-        now = time.monotonic() if now is None else now
-        if self.ttft_slo is not None and waiting:
-            oldest = now - min(s.arrival_time for s in waiting)
-            if oldest > self.ttft_slo / 2:
-                return self.max_num_seqs
+        if self.ttft_at_risk(waiting, now):
+            return self.max_num_seqs
         if self.tpot_slo is None:
             return self.max_num_seqs
         cap = self.buckets[0]
