@@ -60,11 +60,13 @@ def profile(case, model, context, page_size, repeats):
     for _ in range(repeats):
         batch = build_batch(rows, page_size, config.vocab_size, T, S, pages)
     host_build = (time.perf_counter() - t) / repeats * 1e3
-    t = time.perf_counter()
-    device_batch = jax.block_until_ready(jax.device_put(batch))
-    copy_in = (time.perf_counter() - t) * 1e3
+    device_batch = jax.block_until_ready(jax.device_put(batch))  # the programs below time on device inputs
     kv = init_kv_cache(config, 1 + S * pages, page_size, jnp.float32)
     steps = Steps(config, jnp.float32)
+    steps.put_batch(batch)  # its constants' one copy
+    t = time.perf_counter()
+    jax.block_until_ready(steps.put_batch(batch))  # what a step does to its inputs before its calls copy the rest
+    copy_in = (time.perf_counter() - t) * 1e3
     last = jnp.zeros(S + 1, jnp.int32)
 
     out = {}
@@ -118,13 +120,13 @@ def profile(case, model, context, page_size, repeats):
     jax.device_get(o)
     out["copy back"] = (time.perf_counter() - t) * 1e3
     jax.block_until_ready(kv)
-    t = time.perf_counter()  # the host's side of a step on an idle device: the copy in and two program calls
+    t = time.perf_counter()  # the host's side of a step on an idle device: put_batch and two program calls
     o, kv, last = steps.step(params, kv, last, batch)
     dispatch = (time.perf_counter() - t) * 1e3
     jax.block_until_ready((o, kv))
     out["host: build batch"] = host_build
-    out["host: copy in"] = copy_in
-    out["host: dispatch (copy in, 2 program calls)"] = dispatch
+    out["host: put_batch"] = copy_in
+    out["host: dispatch (put_batch, 2 program calls)"] = dispatch
     out["matmul GFLOP (2 x params x tokens)"] = 2 * T * sum(
         x.size for name, x in jax.tree_util.tree_leaves_with_path(params["params"])
         if "embed" not in jax.tree_util.keystr(name)) / 1e9
