@@ -40,6 +40,11 @@ def score_targets(hidden, targets, score_block, vocab_size: int,
     # whether a token asks or not (a 256-token step 5 s instead of 0.6 s on CPU). A cond around the loop avoids that
     # too, but costs a relayout of the head's weight on TPU.
     nb = -(-T // B) + 1
+    if T == 1:
+        # A gather from one row does not depend on its index, so the spare block would not keep the block in its
+        # loop: XLA hoisted it (a log-softmax and a sort of the vocabulary) into every batch-1 decode step. A second
+        # row, never read (the only real index is 0), makes the index matter.
+        hidden = jnp.concatenate([hidden, jnp.zeros_like(hidden)])  # [2, H]
     wanted = targets >= 0
     order = jnp.nonzero(wanted, size=nb * B, fill_value=0)[0]  # [nb * B]: the asking tokens first, in order
     num_blocks = (jnp.sum(wanted) + B - 1) // B

@@ -92,7 +92,7 @@ def main():
     ap.add_argument("--batch-sizes", default="1,8,32,64")
     ap.add_argument("--formats", default="float32,int8,int4,int8-kv", help="comma list of " + ", ".join(FORMATS))
     ap.add_argument("--format-batch-sizes", default="1,8", help="batch sizes for the formats other than float32")
-    ap.add_argument("--peers", default="llamacpp,hf", help="comma list of llamacpp, hf (empty: none)")
+    ap.add_argument("--peers", default="llamacpp,hf", help="comma list of llamacpp, hf (empty or none: none)")
     ap.add_argument("--out", default="bench_results/decode.json")
     args = ap.parse_args()
     bs = tuple(int(b) for b in args.batch_sizes.split(","))
@@ -101,11 +101,13 @@ def main():
     if unknown := set(formats) - set(FORMATS):
         ap.error(f"unknown formats {sorted(unknown)}")
     fbs = tuple(int(b) for b in args.format_batch_sizes.split(","))
+    which = [p for p in args.peers.split(",") if p and p != "none"]
+    if unknown := set(which) - {"llamacpp", "hf"}:  # refused before the minutes of jaxserve's own runs
+        ap.error(f"unknown peers {sorted(unknown)}")
     results = {"date": time.strftime("%Y-%m-%d"), "machine": machine(),
                "bandwidth": peers.measure_bandwidth(), "model": gguf.name,
                "jaxserve": bench_jaxserve(bs, model=args.model),
                "formats": [bench_jaxserve(fbs, f, model=args.model) for f in formats if f != "float32"]}
-    which = [p for p in args.peers.split(",") if p]
     if "llamacpp" in which:
         results["llamacpp"] = peers.bench_llamacpp(str(gguf), batch_sizes=bs)
     if "hf" in which:

@@ -60,11 +60,13 @@ def profile(case, model, context, page_size, repeats):
     for _ in range(repeats):
         batch = build_batch(rows, page_size, config.vocab_size, T, S, pages)
     host_build = (time.perf_counter() - t) / repeats * 1e3
-    t = time.perf_counter()
-    device_batch = jax.block_until_ready(jax.device_put(batch))
-    copy_in = (time.perf_counter() - t) * 1e3
+    device_batch = jax.block_until_ready(jax.device_put(batch))  # the programs below time on device inputs
     kv = init_kv_cache(config, 1 + S * pages, page_size, jnp.float32)
     steps = Steps(config, jnp.float32)
+    steps.put_batch(batch)  # its constants' one copy
+    t = time.perf_counter()
+    jax.block_until_ready(steps.put_batch(batch))  # what a step does to its inputs before its calls copy the rest
+    copy_in = (time.perf_counter() - t) * 1e3
     last = jnp.zeros(S + 1, jnp.int32)
 
     out = {}
@@ -75,6 +77,14 @@ def profile(case, model, context, page_size, repeats):
         return o.tokens
 
     out["step (forward + write)"] = timed(whole, repeats)
+    # The forward program as the step runs it (sampling, the prompt scorer's loop) against the model alone below:
+    # what a step costs beyond its forward when no row asks for logprobs.
+    def forward_program():
+        nonlocal last
+        o, _, last = steps._forward(params, kv, last, device_batch, None)  # last_tokens donated
+        return o.tokens
+
+    out["step's forward program (+ sampling, scorer)"] = timed(forward_program, repeats)
     forward = jax.jit(lambda p, kv, b: DecoderModel(config, jnp.float32).apply(p, b.token_ids, kv, b.rows,
                                                                             b.logits_index))
     out["forward"] = timed(lambda: forward(params, kv, device_batch)[0], repeats)
@@ -109,15 +119,24 @@ def profile(case, model, context, page_size, repeats):
     t = time.perf_counter()
     jax.device_get(o)
     out["copy back"] = (time.perf_counter() - t) * 1e3
+    dispatches = []
+    for _ in range(repeats):  # the host's side of a step on an idle device: put_batch and two program calls
+        jax.block_until_ready((kv, last))
+        t = time.perf_counter()
+        o, kv, last = steps.step(params, kv, last, batch)
+        dispatches.append(time.perf_counter() - t)
+        jax.block_until_ready((o, kv))
+    dispatch = statistics.median(dispatches) * 1e3
     out["host: build batch"] = host_build
-    out["host: copy in"] = copy_in
+    out["host: put_batch"] = copy_in
+    out["host: dispatch (put_batch, 2 program calls)"] = dispatch
     out["matmul GFLOP (2 x params x tokens)"] = 2 * T * sum(
         x.size for name, x in jax.tree_util.tree_leaves_with_path(params["params"])
         if "embed" not in jax.tree_util.keystr(name)) / 1e9
     return {"case": case, "tokens": T, "rows": S, "ms": {k: round(v, 2) for k, v in out.items()}}
 
 
-def host_loop(batch: int, steps: int = 20) -> dict:
+def host_loop(batch: int, steps: int = 20, temperature: float = 0.8) -> dict:
     """The engine loop at `batch` decoding sequences: time per step, and of it the host's own work (planning,
     batch building, dispatch, reading back, detokenizing, stop checks) as opposed to waiting for the device."""
     from jaxserve import LLM, SamplingParams
@@ -125,7 +144,7 @@ def host_loop(batch: int, steps: int = 20) -> dict:
     llm = LLM(max_model_len=1024, max_num_seqs=batch, max_num_batched_tokens=512, warmup=False)
     core, runner = llm.core, llm.runner
     prompt = np.random.default_rng(0).integers(100, llm.config.vocab_size, 64).tolist()
-    params = SamplingParams(temperature=0.8, top_p=0.95, seed=0, max_tokens=10 * steps, ignore_eos=True)
+    params = SamplingParams(temperature=temperature, top_p=0.95, seed=0, max_tokens=10 * steps, ignore_eos=True)
     for i in range(batch):
         detok = llm._request({"prompt_token_ids": prompt}, params).seqs[0].output.detokenizer
         core.add(Sequence(f"h{i}", 0, prompt, params, i, llm.max_model_len, [], detok))
@@ -155,17 +174,18 @@ def main():
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--host-batch", type=int, default=64, help="decoding sequences for the host-loop measurement")
+    ap.add_argument("--host-temperature", type=float, default=0.8, help="0: greedy (top_p then unused)")
     ap.add_argument("--out", default="bench_results/profile.json")
     args = ap.parse_args()
     model = load_model(None, jnp.float32)
     results = [profile(c, model, args.context, 16, args.repeats) for c in args.cases.split(",")]
-    loop = host_loop(args.host_batch)
+    loop = host_loop(args.host_batch, temperature=args.host_temperature)
     keys = list(results[0]["ms"])
-    print(f"{'ms per step':<38}" + "".join(f"{r['case']:>11}" for r in results))
+    print(f"{'ms per step':<46}" + "".join(f"{r['case']:>11}" for r in results))
     for key in keys:
-        print(f"{key:<38}" + "".join(f"{r['ms'][key]:>11.2f}" for r in results))
-    print(f"\nengine loop at {loop['batch']} decoding sequences (sampling, detokenizing): {loop['step_ms']} ms per "
-          f"step, host work per step (hidden behind the device by the lookahead while it is shorter) {loop['host_ms']} ms "
+        print(f"{key:<46}" + "".join(f"{r['ms'][key]:>11.2f}" for r in results))
+    print(f"\nengine loop at {loop['batch']} decoding sequences (temperature {args.host_temperature}, detokenizing): "
+          f"{loop['step_ms']} ms per step, host work per step (hidden behind the device by the lookahead while it is shorter) {loop['host_ms']} ms "
           f"({100 * loop['host_share']:.1f}%)")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -281,7 +281,7 @@ def test_tokenizer_endpoints(served, default_llm):
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (path, body, r.text)
 
 
-@pytest.mark.parametrize("T", [8, 64])  # one block spans the step (T <= B), and several blocks
+@pytest.mark.parametrize("T", [1, 8, 64])  # one token (a batch-1 decode), one block spans the step, several blocks
 def test_no_head_runs_when_no_token_asks(T):
     """The scorer's [B, V] head is computed inside a branch taken only when a token asks: never in the program's
     top level, where XLA would run it every step (it hoists a loop body whose gather stops depending on the index

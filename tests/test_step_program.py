@@ -1,0 +1,74 @@
+"""What a plain step's compiled program runs every step: its top level (ENTRY), as opposed to the branches and loops
+that run only when a row asks for them (top logprobs, prompt logprobs, sampling filters); and how a step's inputs
+reach it."""
+import re
+
+import jax
+import numpy as np
+import pytest
+
+from jaxserve import token_mask
+from jaxserve.batch import is_constant
+from jaxserve.batching.batch_builder import Row, RowSampling, build_batch
+from jaxserve.buckets import round_up
+from jaxserve.steps import MAYBE_CONSTANT
+from tiny import make_llm
+
+
+def vocab_top_k(text: str, vocab_size: int) -> list[str]:
+    """The lines of compiled text that run a top-k over the vocabulary, as XLA:CPU compiles one: its TopK call, or
+    a sort of [..., V] (attention's argsort over the step's tokens is not one)."""
+    return [line for line in text.split("\n") if 'custom_call_target="TopK"' in line
+            or (" sort(" in line and re.search(rf"[\[,]{vocab_size}\]", line))]
+
+
+def step_program(llm, rows: list[Row]) -> str:
+    """The compiled text of the plain step's forward program over rows, as the runner would dispatch them."""
+    r = llm.runner
+    tokens = round_up(sum(len(row.token_ids) for row in rows), r.buckets.num_tokens)
+    batch = r.steps.put_batch(build_batch(rows, r.page_size, r.config.vocab_size, tokens, r.buckets.num_rows(tokens),
+                                          r.buckets.pages_per_row))
+    return r.steps._forward.lower(r.params, r.kv_cache, r.last_tokens, batch, None).compile().as_text()
+
+
+def entry(hlo: str) -> str:
+    top = hlo[hlo.index("\nENTRY"):]
+    return top[:top.index("\n}")]
+
+
+@pytest.mark.parametrize("rows", [
+    [Row([5], 8, [1, 2, 3], slot=0, chained=True)],  # batch-1 decode: one token
+    [Row([5], 8, [1, 2, 3], slot=i, chained=True) for i in range(3)],  # three decode rows
+    [Row(list(range(9)), 0, [1, 2, 3], slot=0)],  # a prompt chunk
+], ids=["b1", "b3", "chunk9"])
+def test_step_sorts_nothing_unasked(tiny_dir, rows):
+    """A step that asks for no logprobs sorts no vocabulary at its top level: the top logprobs' top-k lives in
+    branches that run only when a row or a prompt token asks. (The prompt scorer's block was hoisted out of its
+    loop at one token: a log-softmax and a sort of the vocabulary every batch-1 decode step, ~9 ms of ~57.)"""
+    llm = make_llm(tiny_dir)
+    hlo = step_program(llm, rows)
+    V = llm.config.vocab_size
+    assert vocab_top_k(hlo, V), "the top-k is not where this test looks for it"
+    assert not vocab_top_k(entry(hlo), V), f"the step sorts the vocabulary at its top level:\n{entry(hlo)}"
+
+
+def test_maybe_constant_fields_are_the_builders_constants():
+    """Steps.put_batch passes the fields a batch may hold as a constant as device arrays, the others as numpy: the
+    set it knows is the one the batch builder fills with constants."""
+    batch = build_batch([Row([5], 0, [1])], 4, 320, 4, 2, 3)
+    constants = {path[-1].name for path, x in jax.tree_util.tree_leaves_with_path(batch) if is_constant(x)}
+    assert constants == MAYBE_CONSTANT
+
+
+def test_a_field_in_use_adds_no_dispatch_entry(tiny_dir):
+    """A batch whose rows use the fields that are constants elsewhere (a logit bias, penalties' history, a token
+    mask, prompt targets) dispatches the plain batch's program entry: each argument is always of one kind."""
+    llm = make_llm(tiny_dir)
+    r = llm.runner
+    r.fetch(r.dispatch([Row([5, 6], 0, [1])]))
+    entries = r.steps._forward._cache_size()
+    used = RowSampling(logit_bias=(np.array([3], np.int32), np.array([1.5], np.float32)), presence_penalty=0.5,
+                       past_tokens=np.array([5, 6], np.int32), token_mask=token_mask.allowing([3, 4], 320),
+                       bad_word_bans=((5, 7),))
+    r.fetch(r.dispatch([Row([5, 6], 0, [1], used, prompt_targets=[6], score_from=0)]))
+    assert r.steps._forward._cache_size() == entries
