@@ -117,12 +117,26 @@ def matmul(x, w, *, kernels: bool = True):
     registers: left to XLA, `x @ dequantize(w)` writes a float copy of the whole weight to HBM first, every step
     (BENCHMARKS.md, issue 24); above KERNEL_MAX_ROWS rows (prefill) XLA's path. int8 and float weights stay with
     XLA, which keeps int8 as s8 into its dot on both; on GPU a one-row product gets a second, zero row
-    (`_gpu_matmul`). CPU compiles to XLA's program alone.
+    (`_gpu_matmul`). CPU compiles to XLA's program alone, an int8 weight with int8 activations (`_cpu_matmul`).
     kernels=False: the weight is split over a tensor-parallel mesh, which a Pallas call cannot take (the
     partitioner would gather it whole onto every device), so int4 takes XLA's path there.
     """
     return jax.lax.platform_dependent(x, w, tpu=functools.partial(_tpu_matmul, kernels),
-                                      cuda=functools.partial(_gpu_matmul, kernels), default=_xla_matmul)
+                                      cuda=functools.partial(_gpu_matmul, kernels), cpu=_cpu_matmul,
+                                      default=_xla_matmul)
+
+
+def _cpu_matmul(x, w):
+    """On CPU an int8 weight multiplies int8 activations (`int8_dot_matmul`, two digits): XLA:CPU converts a
+    weight-only int8 kernel to a float copy before its dot, every call. scripts/bench_formats.py (Sapphire Rapids
+    2 vCPU, 2026-12-02, best of 5, shared machine), us per matmul, weight-only int8 / two-digit int8 dot / float32:
+      576x1536 (gate, up)  M=1 958 / 91 / 136    M=64 1761 / 510 / 1044    M=512 4221 / 2790 / 2965
+      576x49152 (LM head)  M=1 50093 / 4681 / 7919    M=64 45334 / 12351 / 17322    M=512 180655 / 121392 / 126875
+    so the integer dot at every row count (no threshold), and int8 decodes faster than float32 at batch 1 and 64.
+    TPU and GPU keep weight-only int8, which their compilers read as s8 into the dot."""
+    if isinstance(w, Int8Weight):
+        return int8_dot_matmul(x, w)
+    return _xla_matmul(x, w)
 
 
 def _xla_matmul(x, w):
@@ -133,6 +147,37 @@ def _xla_matmul(x, w):
             x = x * w.input_scale.astype(x.dtype)
         return x @ w.dequantize(x.dtype)[:x.shape[-1]]
     return x @ w
+
+
+def int8_dot_matmul(x, w: Int8Weight, digits: int = 2):
+    """x @ w by XLA's int8 x int8 -> int32 dot: x [..., in] -> [..., out] in x's dtype.
+
+    Each row of x is rounded to int8 with a scale from its largest |x| (dynamic, per token). One digit (w8a8) costs
+    the default model +3.9% perplexity (25.36 -> 26.35 on tests/data/alice_ch1.txt), over int8's 1% bound: a
+    token's outlier channels set its scale, and the rest round coarsely. With digits=2 the rounding's remainder is
+    rounded again, on a 254x finer scale, as extra rows of the same dot: x ~= (q1 + q2 / 254) * scale, about 15 bits,
+    so only the weights' rounding is left (as weight-only int8: 25.36 -> 25.44, +0.33%), and the weight is still
+    read once.
+    """
+    if digits not in (1, 2):
+        raise ValueError(f"digits must be 1 or 2, got {digits!r}")
+    rows = x.reshape(-1, x.shape[-1]).astype(jnp.float32)  # [M, in]
+    amax = jnp.max(jnp.abs(rows), axis=-1, keepdims=True)  # [M, 1]
+    scales = [jnp.where(amax > 0, amax / 127.0, 1.0)]
+    q = jnp.clip(jnp.round(rows / scales[0]), -127, 127)  # [M, in]
+    digit_rows = [q]
+    if digits == 2:
+        scales.append(scales[0] / 254.0)  # the remainder is at most half of scales[0]: q2 stays within +-127
+        digit_rows.append(jnp.clip(jnp.round((rows - q * scales[0]) / scales[1]), -127, 127))
+    m = rows.shape[0]
+    q = jnp.concatenate(digit_rows).astype(jnp.int8)  # [digits * M, in]
+    if q.shape[0] == 1:
+        # XLA:CPU lowers a one-row integer dot to a slow loop (the 576x1536 kernel: 1.67 ms, float32's 0.26 ms)
+        # and a two-row one to its GEMM (0.15 ms): a second, zero row.
+        q = jnp.concatenate([q, jnp.zeros_like(q)])
+    acc = jax.lax.dot_general(q, w.values, (((1,), (0,)), ((), ())), preferred_element_type=jnp.int32)
+    out = sum(acc[i * m:(i + 1) * m].astype(jnp.float32) * scale for i, scale in enumerate(scales))  # [M, out]
+    return (out * w.scale).astype(x.dtype).reshape(*x.shape[:-1], -1)
 
 
 def _int4_kernel(kernel, x, w: Int4Weight):
