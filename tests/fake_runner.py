@@ -200,13 +200,18 @@ def fake_adapter(request):
     return dataclasses.make_dataclass("FakeAdapter", ["shift", "weights"])(int(n), {"shift": np.int32(n)})
 
 
+# fake_replica's async_scheduling when not given: a module's fixture may run its tests both ways (`both_schedulings`).
+ASYNC_SCHEDULING = True
+
+
 def fake_replica(num_pages: int = 32, page_size: int = 4, max_num_seqs: int = 4, max_num_batched_tokens: int = 16,
                  vocab_size: int = 64, ngram: int = 0, enable_prefix_caching: bool = True, proposer=None,
                  draft: bool = False, scheduling_policy: str = "fcfs", runner: FakeRunner | None = None,
-                 max_loras: int = 0, role: str = "both", async_scheduling: bool = True) -> EngineCore:
+                 max_loras: int = 0, role: str = "both", async_scheduling: bool | None = None) -> EngineCore:
     """An engine core over a FakeRunner. ngram=k: speculating up to k proposals for every sequence every step, from
     `proposer` (default: n-gram lookup; draft=True: a fake draft model, right two times in three). max_loras: LoRA
-    slots (0: adapters not enabled). async_scheduling: EngineCore's."""
+    slots (0: adapters not enabled). async_scheduling: EngineCore's (default: ASYNC_SCHEDULING)."""
+    async_scheduling = ASYNC_SCHEDULING if async_scheduling is None else async_scheduling
     runner = runner or FakeRunner(vocab_size, ngram, num_pages=num_pages, page_size=page_size)
     scheduler = Scheduler(PrefixCache(PageAllocator(num_pages), page_size, enable_prefix_caching), max_num_seqs,
                           max_num_batched_tokens, policy=scheduling_policy,
@@ -230,3 +235,9 @@ def fake_llm(num_replicas: int = 1, max_model_len: int = 64, vocab_size: int = 6
     max_loras = replica_args.get("max_loras", 0)
     loras = HostAdapters(fake_adapter, max_cpu_loras or max_loras) if max_loras else None
     return LLM.over(Engine.over(replicas, vocab_size, max_model_len, tokenizer, loras=loras))
+
+
+def both_schedulings(request, monkeypatch):
+    """For a module's autouse fixture parametrized over [True, False]: its fake engines plan ahead or not."""
+    import fake_runner
+    monkeypatch.setattr(fake_runner, "ASYNC_SCHEDULING", request.param)

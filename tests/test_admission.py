@@ -62,15 +62,24 @@ async def collect(stream) -> list[int]:
 
 
 def test_a_failed_step_seen_while_waiting_ends_only_its_requests():
-    """wait_in_flight leaves a failure to step(), which ends the failed step's requests and no others."""
+    """wait_in_flight leaves a failure to step(), which ends the failed step's requests: one that arrived while the
+    engine waited on that step goes on."""
     llm = fake_llm(async_scheduling=False)
-    llm.runner.fail("fetch", lambda rows: any(list(r.token_ids) == [3, 4, 5] for r in rows))
+    runner = llm.runner
+    runner.fail("fetch", lambda rows: any(list(r.token_ids) == [3, 4, 5] for r in rows))
+    runner.gate = threading.Event()
     engine = AsyncEngine(llm)
     try:
         async def main():
+            failing = await engine.add_request({"prompt_token_ids": [3, 4, 5]}, LONG)
+            wait_for(lambda: runner.events.count("dispatch") == 1)
+            await asyncio.sleep(0.05)  # the engine is held waiting on the step that fails
+            arrived = await engine.add_request({"prompt_token_ids": [7, 8]}, LONG)
+            await asyncio.sleep(0.05)
+            runner.gate.set()
             with pytest.raises(RuntimeError, match="device lost"):
-                await collect(await engine.add_request({"prompt_token_ids": [3, 4, 5]}, LONG))
-            return await collect(await engine.add_request({"prompt_token_ids": [7, 8]}, LONG))
+                await collect(failing)
+            return await collect(arrived)
 
         assert asyncio.run(asyncio.wait_for(main(), 60)) == list(range(9, 21))
     finally:
@@ -94,10 +103,11 @@ def test_async_scheduling_is_off_on_cpu_unless_asked(tiny_dir, given, planned_ah
     assert max(outstanding) == (2 if planned_ahead else 1), events
 
 
-@pytest.mark.parametrize("at_risk", [False, True])
+@pytest.mark.parametrize("at_risk", [False, True, "said"])
 def test_a_prompt_whose_ttft_is_at_risk_gets_its_chunk_before_proposals(at_risk):
     """Speculation's proposals take the budget after the decodes and before waiting prompts; a prompt that has used
-    half its TTFT budget keeps its first chunk's share (at most half the budget) from them."""
+    half its TTFT budget keeps its first chunk's share (at most half the budget) from them. Not a sequence whose
+    first token is out ("said": one preempted, say), however long it has waited."""
     from jaxserve.batching.slo import SloController
     llm = fake_llm(max_num_seqs=4, max_num_batched_tokens=8, async_scheduling=False)
     s = llm.core.scheduler
@@ -110,6 +120,9 @@ def test_a_prompt_whose_ttft_is_at_risk_gets_its_chunk_before_proposals(at_risk)
     if at_risk:
         for seq in s.waiting:
             seq.arrival_time -= 0.6  # past half the TTFT target
+            if at_risk == "said":
+                seq.output_token_ids.append(0)  # as a preempted sequence, back in the queue
+    at_risk = at_risk is True
     plan = s.schedule({seq: 3 for seq in s.running})
     assert len(plan.decode) == 3
     chunk = [c.length for c in plan.prefill if c.seq.request_id == late]
@@ -134,3 +147,23 @@ def test_a_prompt_whose_ttft_is_at_risk_gets_its_chunk_before_some_decodes():
     plan = s.schedule()
     assert [(c.seq.request_id, c.length) for c in plan.prefill] == [(late, 2)]  # not 1: 3 decodes + 1
     assert len(plan.decode) == 2
+
+
+def test_no_budget_is_kept_for_a_prompt_that_cannot_run():
+    """A prompt at risk with no pages free for it keeps nothing from the decodes: it could not use it."""
+    from jaxserve.batching.slo import SloController
+    llm = fake_llm(max_num_seqs=4, max_num_batched_tokens=4, async_scheduling=False, num_pages=16)  # 15 usable
+    s = llm.core.scheduler
+    s.slo = SloController((1, 2, 4), 4, ttft_slo=1.0)
+    for first in (3, 13, 23):
+        llm.add_request({"prompt_token_ids": list(range(first, first + 8))}, LONG)
+    for _ in range(20):
+        if len(s.running) == 3 and all(q.output_token_ids for q in s.running):
+            break
+        llm.step()
+    assert s.cache.num_available <= 6  # each holds 3 pages or more
+    llm.add_request({"prompt_token_ids": list(range(30, 60))}, LONG)  # 8 pages
+    (seq,) = s.waiting
+    seq.arrival_time -= 0.6
+    assert s._prompt_reserve() == 0
+    assert len(s.schedule().decode) == 3  # not 2, as a reserve of 2 of the 4 tokens would leave

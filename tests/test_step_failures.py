@@ -4,7 +4,7 @@ leaves the routing after its failure streak and shows in /health and /metrics wh
 import asyncio
 
 import pytest
-from fake_runner import fake_llm, has_decode_row
+from fake_runner import both_schedulings, fake_llm, has_decode_row
 
 from jaxserve import AsyncEngine, SamplingParams
 from jaxserve.batching.engine_core import MAX_FAILED_STEPS, EngineDeadError, StepError
@@ -12,6 +12,12 @@ from jaxserve.batching.ngram_proposer import NgramProposer
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 SHORT = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+
+
+@pytest.fixture(autouse=True, params=[True, False], ids=["async", "sync"])
+def scheduling(request, monkeypatch):
+    """Every failure here, with the engine planning a step ahead and without (the CPU default)."""
+    both_schedulings(request, monkeypatch)
 
 
 class FailsOnce(NgramProposer):

@@ -6,8 +6,9 @@ per-token work for step N (reading back, stop strings, detokenizing) overlaps th
 sequence that stops at step N was also given a row in step N+1, whose token is dropped; and a request that arrives
 while step N runs can join step N+2 at the earliest, N+1 being planned already: two steps to its first token.
 Off: step N is read back, then N+1 planned (with the requests that arrived while N ran: a server's loop calls
-`wait_in_flight` before it takes them in) and dispatched; the device idles while the host plans (about 1-3% of a
-step on CPU: BENCHMARKS.md, issue 28), and a request's first token comes with the step after its arrival. The
+`wait_in_flight` before it takes them in) and dispatched; the device idles while the host reads N back (stop
+checks, detokenizing) and plans N+1 (on CPU 3 ms of a 50 ms batch-1 step, 12 ms of a 380 ms batch-64 one:
+BENCHMARKS.md, issue 28), and a request's first token comes with the step after its arrival. The
 host's work of streaming step N's tokens out still overlaps step N+1. On CPU the host and the "device" share the
 cores, so overlap buys little there and off is the default; on GPU and TPU on.
 
@@ -153,7 +154,7 @@ class EngineCore:
         self.runner = runner
         self.proposer, self.controller, self.adaptive = proposer, controller, adaptive
         self.async_scheduling = async_scheduling
-        self._last_fetch: float | None = None  # when the last pipelined step was read back
+        self._last_fetch: float | None = None  # when the last step followed by another at once was read back
         self._fetch_wait = 0.0  # how long the last read-back waited for the device
         self._in_flight: InFlight | None = None
         self._last_arrival: float | None = None
@@ -306,9 +307,9 @@ class EngineCore:
         self._import(batch)
         dispatched = self._dispatch(batch) if batch else None
         done, self._in_flight = self._in_flight, dispatched
-        if dispatched is None:  # idle from here: the gap to the next read-back is no step's time
-            self._last_fetch = self._last_arrival = None
         if done is None:
+            if dispatched is None:  # idle from here: the gap to the next read-back is no step's time
+                self._last_fetch = self._last_arrival = None
             # Handed-off sequences not yet taken hold their pages: waiting ones may wait for them.
             if dispatched is None and self.scheduler.has_unfinished() and not self.scheduler.handed_off \
                     and not self._failed_imports:

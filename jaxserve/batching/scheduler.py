@@ -340,13 +340,20 @@ class Scheduler:
         return plan
 
     def _prompt_reserve(self) -> int:
-        """Tokens of the step kept from the decodes for a waiting prompt whose TTFT is at risk (see
-        jaxserve.batching.slo), where it could be admitted now (a slot is free): its first chunk, at most half the
-        budget (the decodes keep the rest). 0 otherwise."""
-        if self.slo is None or not self._free_slots or not self.slo.ttft_at_risk(self.waiting):
+        """Tokens of the step kept from the decodes and proposals for the oldest prompt still awaiting its first
+        token, when its TTFT is at risk (see jaxserve.batching.slo) and it can be admitted now (a slot, pages for
+        its prompt, its adapter's slot): its first chunk, at most half the budget. 0 otherwise. Preempted and
+        prefilled-elsewhere sequences said their first token already; they wait as any other."""
+        if self.slo is None or not self._free_slots:
             return 0
-        oldest = min((s for s in self.waiting if not s.pending), key=lambda s: s.arrival_time, default=None)
-        return 0 if oldest is None else min(oldest.num_to_compute, self.max_num_batched_tokens // 2)
+        fresh = [s for s in self.waiting if not s.output_token_ids and not s.pending and s not in self._imports]
+        if not self.slo.ttft_at_risk(fresh):
+            return 0
+        oldest = min(fresh, key=lambda s: s.arrival_time)
+        if pages_needed(len(oldest.token_ids), self.page_size) > self.cache.num_available or (
+                oldest.lora is not None and not self.lora_slots.can_take(oldest.lora)):
+            return 0  # it could not run this step: the decodes keep the budget (a prefix hit may fit it later)
+        return min(oldest.num_to_compute, self.max_num_batched_tokens // 2)
 
     def _take_proposals(self, plan: ScheduledBatch, proposals: Proposals) -> None:
         plan.proposals = proposals.tokens

@@ -4,8 +4,9 @@ Speculation pays when verifying k + 1 tokens of a row costs little more than dec
 reads the weights once either way) and enough proposals are accepted. Both halves are measured here rather than
 assumed: each sequence's acceptance rate (a decaying count of accepted over tested proposals), the device time of
 a step of T tokens, plain or verifying, and of a draft step (timed at warm-up, then rescaled by what steps really
-take), and the host's time per step and row. A plain step's host work overlaps the device's; a speculative step
-waits for the step before it, so its host work adds to its time. A step speculates only if its expected tokens per
+take), and the host's time per step and row. With async scheduling a plain step's host work overlaps the device's
+and a speculative step, which waits for the step before it, adds its host work to its time; without it (the
+default on CPU) every step pays its host work, which the measured step times then hold. A step speculates only if its expected tokens per
 second beat plain decoding's by a margin; so at large batches, where a step is compute-bound and every proposal
 costs a full token, it turns itself off.
 """
