@@ -80,9 +80,9 @@ def _reference(base, adapter):
             transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval())
 
 
-def assert_close(got, want, what):
+def assert_close(got, want, what, tol=1e-5):
     assert np.isfinite(got).all()
-    assert np.max(np.abs(got - want)) / np.max(np.abs(want)) < 1e-5, what
+    assert np.max(np.abs(got - want)) / np.max(np.abs(want)) < tol, what
 
 
 def prompts():
@@ -136,7 +136,9 @@ def test_tensor_parallel_with_adapters_gives_one_devices_logits(llama, one_devic
 
 
 def test_int8_base_weights_with_adapters_match_peft_over_the_dequantized_model(llama, tmp_path):
-    """The LoRA term is added to the int8 matmul's output: the reference is PEFT over the int8 weights dequantized."""
+    """The LoRA term is added to the int8 matmul's output: the reference is PEFT over the int8 weights dequantized.
+    On CPU the int8 dot also rounds the activations, to two int8 digits (about 15 bits: quant.int8_dot_matmul),
+    which moves the logits by ~2e-4 of their range here; an adapter's term is far larger."""
     base, adapters = llama
     llm = lora_llm(base, adapters, quantization="int8")
     model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
@@ -150,7 +152,11 @@ def test_int8_base_weights_with_adapters_match_peft_over_the_dequantized_model(l
     ps = prompts()
     got = ragged_logits(llm.runner, [(p, SLOTS.get(name, -1)) for p, (name, _) in zip(ps, ROWS)])
     for p, (name, _), logits in zip(ps, ROWS, got):
-        assert_close(logits, reference_logits(str(tmp_path / "dequantized"), adapters.get(name), p), name)
+        want = reference_logits(str(tmp_path / "dequantized"), adapters.get(name), p)
+        assert_close(logits, want, name, tol=1e-3)
+        if name in adapters:  # the tolerance still tells an adapter's output from the base model's
+            base_only = reference_logits(str(tmp_path / "dequantized"), None, p)
+            assert np.max(np.abs(want - base_only)) / np.max(np.abs(want)) > 1e-2, name
 
 
 def test_filling_and_emptying_slots_compiles_nothing(llama):
