@@ -4,14 +4,16 @@ Each step, under a token budget (`max_num_batched_tokens`) and a sequence cap (`
 policy says so):
   1. every running sequence past its prompt decodes one token, best priority first, and then any proposals it
      speculates (unless a waiting prompt's TTFT is at risk, which then keeps its first chunk's share of the budget
-     from them: see jaxserve.batching.slo); one that needs a new page when none is left preempts the worst-priority, newest running sequence (perhaps itself): its
-     pages go back (full ones stay in the prefix cache) and it is later recomputed from its tokens;
+     from them: see jaxserve.batching.slo); one that needs a new page when none is left preempts the
+     worst-priority, newest running sequence (perhaps itself): its pages go back (full ones stay in the prefix
+     cache) and it is later recomputed from its tokens;
   2. the budget left goes to prompt chunks: running sequences still in prefill first, then waiting ones admitted in
      priority order once a slot and the pages for their whole prompt (less what the prefix cache holds) are free.
 With async scheduling a step is planned before the previous one's tokens are known (see
 `jaxserve.batching.engine_core`): a sequence may carry one in-flight token (`Sequence.pending`), which a decode row
-then takes straight from the device. A row under a grammar (structured output) is the exception: its mask, filled here for every such row at once, follows its
-latest token, so the engine reads a step holding one back before planning the next (`ScheduledBatch.constrained`).
+then takes straight from the device. A row under a grammar (structured output) is the exception: its mask, filled
+here for every such row at once, follows its latest token, so the engine reads a step holding one back before
+planning the next (`ScheduledBatch.constrained`).
 
 LoRA adapters (`lora_slots`): a running sequence with an adapter holds one of the runner's adapter slots, so a step
 never has more distinct adapters than slots. A waiting sequence whose adapter has no slot (all hold others' adapters,

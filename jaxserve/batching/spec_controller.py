@@ -6,9 +6,9 @@ assumed: each sequence's acceptance rate (a decaying count of accepted over test
 a step of T tokens, plain or verifying, and of a draft step (timed at warm-up, then rescaled by what steps really
 take), and the host's time per step and row. With async scheduling a plain step's host work overlaps the device's
 and a speculative step, which waits for the step before it, adds its host work to its time; without it (the
-default on CPU) every step pays its host work, which the measured step times then hold. A step speculates only if its expected tokens per
-second beat plain decoding's by a margin; so at large batches, where a step is compute-bound and every proposal
-costs a full token, it turns itself off.
+default on CPU) every step pays its host work, which the measured step times then hold. A step speculates only
+if its expected tokens per second beat plain decoding's by a margin; so at large batches, where a step is
+compute-bound and every proposal costs a full token, it turns itself off.
 """
 from __future__ import annotations
 
