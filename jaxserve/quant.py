@@ -173,8 +173,8 @@ def int8_dot_matmul(x, w: Int8Weight, digits: int = 2):
     q = jnp.concatenate(digit_rows).astype(jnp.int8)  # [digits * M, in]
     if q.shape[0] == 1:
         # XLA:CPU lowers a one-row integer dot to a slow loop (the 576x1536 kernel: 1.67 ms, float32's 0.26 ms)
-        # and a two-row one to its GEMM (0.15 ms): a second, zero row.
-        q = jnp.concatenate([q, jnp.zeros_like(q)])
+        # and a two-row one to its GEMM (0.15 ms).
+        q = _with_zero_row(q)
     acc = jax.lax.dot_general(q, w.values, (((1,), (0,)), ((), ())), preferred_element_type=jnp.int32)
     out = sum(acc[i * m:(i + 1) * m].astype(jnp.float32) * scale for i, scale in enumerate(scales))  # [M, out]
     return (out * w.scale).astype(x.dtype).reshape(*x.shape[:-1], -1)
@@ -213,8 +213,13 @@ def _gpu_matmul(kernels, x, w):
     # One row: XLA:GPU strength-reduces a one-row dot of a small weight (operands under 10M elements) to a
     # multiply and a reduce, and writes the [in, out] product to HBM between the two (3x the weight's bytes). A
     # second, zero row keeps it a dot that reads the weight once.
-    two = jnp.concatenate([x.reshape(1, -1), jnp.zeros((1, x.shape[-1]), x.dtype)])  # [2, in]
-    return _xla_matmul(two, w)[:1].reshape(*x.shape[:-1], -1)
+    return _xla_matmul(_with_zero_row(x.reshape(1, -1)), w)[:1].reshape(*x.shape[:-1], -1)
+
+
+def _with_zero_row(row):
+    """[1, n] -> [2, n], the second row zeros: a one-row product that a compiler lowers badly becomes a two-row one
+    (the callers say which and why); the caller keeps the first row of the result."""
+    return jnp.concatenate([row, jnp.zeros_like(row)])
 
 
 def embed(table, token_ids, dtype):
