@@ -79,7 +79,8 @@ class EngineConfig:
     attention_backend: "auto" (the Pallas kernels on GPU and TPU if they pass a start-up check, else and on CPU
         the jnp reference), "reference", "dense" (the oracle itself: slow, differentiable), or "pallas" /
         "pallas-gpu" / "pallas-tpu" (insist; on CPU the kernels run in Pallas interpret mode: correct, slow).
-    quantization: weight-only, of every linear layer: None, "int8" (a scale per output channel), "int4" (a scale
+    quantization: of every linear layer's weights: None, "int8" (a scale per output channel; on CPU its dot takes
+        the activations as int8 too, two digits a value: the fastest CPU format), "int4" (a scale
         and minimum per group of input rows, two values a byte) or "awq" (int4 with activation-aware input scales
         calibrated on `calibration_text`, by default a text the package ships). A checkpoint written quantized
         (`jaxserve convert --quantization`) loads quantized without it.
@@ -148,8 +149,9 @@ class EngineConfig:
         "mid-step waits a step longer for its first token (default: on for GPU/TPU, off on CPU)", serve_only=True)
     attention_backend: str = flag(None, default="auto", choices=ATTENTION_BACKENDS, serve_only=True)
     quantization: str | None = flag(
-        "weight-only quantization of the linear layers: int8 (a scale per output channel), int4 (groups of input "
-        "rows, two values a byte), awq (int4 with calibrated input scales)", choices=QUANTIZATIONS[1:])
+        "quantization of the linear layers' weights: int8 (a scale per output channel; the fastest format on CPU), "
+        "int4 (groups of input rows, two values a byte), awq (int4 with calibrated input scales)",
+        choices=QUANTIZATIONS[1:])
     quantization_group_size: int | None = flag(
         "input rows per int4 group (default: 32 for int4, as llama.cpp's Q4_1; 128 for awq)")
     quantize_embeddings: bool = flag("also quantize the LM head and the embedding table", default=False)
