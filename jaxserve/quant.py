@@ -117,7 +117,8 @@ def matmul(x, w, *, kernels: bool = True):
     registers: left to XLA, `x @ dequantize(w)` writes a float copy of the whole weight to HBM first, every step
     (BENCHMARKS.md, issue 24); above KERNEL_MAX_ROWS rows (prefill) XLA's path. int8 and float weights stay with
     XLA, which keeps int8 as s8 into its dot on both; on GPU a one-row product gets a second, zero row
-    (`_gpu_matmul`). CPU compiles to XLA's program alone, an int8 weight with int8 activations (`_cpu_matmul`).
+    (`_gpu_matmul`). CPU compiles to XLA's program alone, an int8 weight with int8 activations and bf16 with
+    float32 accumulation (`_cpu_matmul`).
     kernels=False: the weight is split over a tensor-parallel mesh, which a Pallas call cannot take (the
     partitioner would gather it whole onto every device), so int4 takes XLA's path there.
     """
@@ -133,20 +134,51 @@ def _cpu_matmul(x, w):
       576x1536 (gate, up)  M=1 958 / 91 / 136    M=64 1761 / 510 / 1044    M=512 4221 / 2790 / 2965
       576x49152 (LM head)  M=1 50093 / 4681 / 7919    M=64 45334 / 12351 / 17322    M=512 180655 / 121392 / 126875
     so the integer dot at every row count (no threshold), and int8 decodes faster than float32 at batch 1 and 64.
-    TPU and GPU keep weight-only int8, which their compilers read as s8 into the dot."""
+    TPU and GPU keep weight-only int8, which their compilers read as s8 into the dot.
+    bfloat16 activations with bf16 (or int4) weights go through `bf16_dot_matmul`."""
     if isinstance(w, Int8Weight):
         return int8_dot_matmul(x, w)
+    if x.dtype == jnp.bfloat16 and (isinstance(w, Int4Weight) or w.dtype == jnp.bfloat16):
+        return bf16_dot_matmul(x, w)
     return _xla_matmul(x, w)
+
+
+def bf16_dot_matmul(x, w):
+    """x @ w on XLA:CPU for bf16 x and a bf16 (or int4) weight: x [..., in] -> [..., out] bf16.
+
+    XLA:CPU's fast bf16 kernel (AVX-512-BF16 / AMX) takes a bf16 x bf16 dot that accumulates into float32, from
+    two rows up. A dot with a bf16 result (`x @ w`), or of one row, is a slow loop, slower than float32's.
+    Interleaved, one process (Sapphire Rapids 2 vCPU, 2026-12-02, shared machine), us per matmul, float32 /
+    bf16 result / float32 result:
+      576x1536 (gate, up)  M=1 157 / 407 / 388    M=2 169 / 450 / 164    M=64 650 / 1246 / 245
+                           M=512 6686 / 7642 / 1666
+      576x49152 (LM head)  M=1 10248 / 53385 / 53405    M=2 13153 / 57133 / 13369    M=64 38610 / 91077 / 21906
+    so float32 accumulation, and a one-row product gets a second, zero row.
+    """
+    x, kernel = _float_operands(x, w)
+    rows = x.reshape(-1, x.shape[-1])  # [M, in]
+    m = rows.shape[0]
+    if m == 1:
+        rows = _with_zero_row(rows)  # [2, in]
+    out = jax.lax.dot_general(rows, kernel, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+    return out[:m].astype(x.dtype).reshape(*x.shape[:-1], -1)  # [..., out]
+
+
+def _float_operands(x, w):
+    """(x, kernel) whose x @ kernel is x @ w for a float or int4 w: int4 dequantized to x's dtype, its input
+    scale applied to x."""
+    if isinstance(w, Int4Weight):
+        if w.input_scale is not None:
+            x = x * w.input_scale.astype(x.dtype)
+        return x, w.dequantize(x.dtype)[:x.shape[-1]]
+    return x, w
 
 
 def _xla_matmul(x, w):
     if isinstance(w, Int8Weight):
         return (x @ w.values.astype(x.dtype)) * w.scale.astype(x.dtype)  # the scale is per output column
-    if isinstance(w, Int4Weight):
-        if w.input_scale is not None:
-            x = x * w.input_scale.astype(x.dtype)
-        return x @ w.dequantize(x.dtype)[:x.shape[-1]]
-    return x @ w
+    x, kernel = _float_operands(x, w)
+    return x @ kernel
 
 
 def int8_dot_matmul(x, w: Int8Weight, digits: int = 2):

@@ -27,9 +27,10 @@ from jaxserve.weights import resolve_model_path  # noqa: E402
 from jaxserve.weights.params import param_bytes  # noqa: E402
 
 
-# name: LLM options. Weights: linear layers quantized (the LM head and embeddings stay float32).
+# name: LLM options. Weights: linear layers quantized (the LM head and embeddings stay float32); bfloat16: every
+# parameter, activation and KV page in bf16.
 FORMATS = {"float32": {}, "int8": {"quantization": "int8"}, "int4": {"quantization": "int4"},
-           "awq": {"quantization": "awq"}, "int8-kv": {"kv_cache_dtype": "int8"}}
+           "awq": {"quantization": "awq"}, "int8-kv": {"kv_cache_dtype": "int8"}, "bfloat16": {"dtype": "bfloat16"}}
 
 
 def bench_jaxserve(batch_sizes, fmt="float32", prompt_len=512, decode_steps=32, repeats=3, model=None):
