@@ -97,9 +97,7 @@ def ragged_attention(q, k, v, k_pages, v_pages, rows: RaggedRows, *, sliding_win
     num_blocks = -(-rows.page_table.shape[1] // block_pages)
     table = jnp.pad(rows.page_table, ((0, 0), (0, num_blocks * block_pages - rows.page_table.shape[1])))
     pos, row = rows.positions, rows.token_row
-    # float32 from here on, whatever the model's dtype: XLA:CPU runs these small batched dots (G rows per batch) as a
-    # slow loop on bf16 operands, even accumulating into float32. Blocks of bf16 pages are read as float32.
-    q = q.reshape(T, KVH, G, D).astype(jnp.float32) * (D ** -0.5)
+    q = q.reshape(T, KVH, G, D) * (D ** -0.5)
 
     def masked_scores(q, keys, visible, key_pos, q_pos):
         # q [n, KVH, G, D]; keys [n, block_pages, KVH, page_size, D] (each token its own pages, as stored),
@@ -117,7 +115,7 @@ def ragged_attention(q, k, v, k_pages, v_pages, rows: RaggedRows, *, sliding_win
         corr = jnp.exp(m - m_new)
         # pages: the keys axis back to (block_pages, page_size)
         weights = p if values.ndim == 3 else p.reshape(*p.shape[:3], values.shape[-4], values.shape[-2])
-        acc = acc * corr[..., None] + jnp.einsum(_VALUES[values.ndim], weights, values.astype(weights.dtype),
+        acc = acc * corr[..., None] + jnp.einsum(_VALUES[values.ndim], weights.astype(values.dtype), values,
                                                  preferred_element_type=jnp.float32)
         return m_new, l * corr + p.sum(-1), acc
 
