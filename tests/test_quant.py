@@ -257,6 +257,15 @@ def test_int8_kv_cache_costs_under_one_percent_of_perplexity(model):
     assert int8_kv != fp32 and abs(int8_kv - fp32) / fp32 < 0.01, (fp32, int8_kv)
 
 
+def test_bfloat16_costs_under_one_percent_of_perplexity(model):
+    """Every weight, activation and KV page bf16 (XLA:CPU's bf16 dots accumulate in float32), a page at a time
+    through the cache: measured +0.05% (float32 25.36; int8 weights +0.33%)."""
+    loaded, _, fp32 = model
+    params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), loaded.params)
+    bf16 = text_perplexity(model, params, dtype=jnp.bfloat16, chunk=16)
+    assert bf16 != fp32 and abs(bf16 - fp32) / fp32 < 0.01, (fp32, bf16)
+
+
 def test_engine_generates_with_quantized_weights(default_gguf_path):
     """int4 quantized as the engine loads (int8 weights are served by the convert test below, from a checkpoint).
     One token a step, the prompt's included: one step shape of the 30-layer model to compile."""

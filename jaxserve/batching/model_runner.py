@@ -24,6 +24,7 @@ from jaxserve.batching.batch_builder import Row, build_batch
 from jaxserve.batching.runner import StepHandle
 from jaxserve.buckets import Buckets, geometric, round_up
 from jaxserve.cache import SCRATCH_PAGE, init_kv_cache, pages_needed
+from jaxserve.cache.kv_cache import bf16_pages_as_bits, values_dtype
 from jaxserve.cache.transfer import KVPages, gather_pages, kv_bytes, num_pages, padded_ids, scatter_pages
 from jaxserve.multihost import LeaderFollower
 from jaxserve.distributed import log_placement, param_shardings, place, replicated
@@ -72,7 +73,9 @@ class ModelRunner:
 
         def new_cache():
             return init_kv_cache(config, rc.num_pages, rc.page_size, rc.dtype, rc.kv_cache_dtype,
-                                 page_head_dim_multiple(rc.attention_backend))
+                                 page_head_dim_multiple(rc.attention_backend),
+                                 bf16_pages_as_bits(platform, rc.attention_backend))
+        platform = (mesh.devices.flat[0] if mesh is not None else jax.devices()[0]).platform
         # The embedding table row-major, where the chip's default is not: its lookup then reads rows in place.
         if mesh is None:
             self.params = with_row_major_tables(params)
@@ -128,8 +131,8 @@ class ModelRunner:
         for x, pages in zip(jax.tree.leaves(kv), jax.tree.leaves(self.kv_cache)):
             if x.shape[0] != have or x.shape[1:] != pages.shape[1:]:
                 raise ValueError(f"KV pages of shape {x.shape} do not fit this cache's {pages.shape[1:]} per page")
-            if x.dtype != pages.dtype:
-                raise ValueError(f"KV pages of dtype {x.dtype} do not fit this cache's {pages.dtype}")
+            if x.dtype != values_dtype(pages):
+                raise ValueError(f"KV pages of dtype {x.dtype} do not fit this cache's {values_dtype(pages)}")
         if have > self.page_buckets[-1]:
             raise ValueError(f"{have} KV pages are more than a sequence here can hold ({self.page_buckets[-1]})")
         size = round_up(have, self.page_buckets)

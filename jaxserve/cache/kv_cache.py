@@ -8,6 +8,14 @@ with zeros (written as zeros: a query padded alike scores the same); everything 
 
 Pages hold the model's dtype, or int8 with a float32 scale per token and KV head beside them (`Int8Pages`): about
 half of bfloat16's bytes (a quarter of float32's), so a memory budget holds about twice the sequences.
+
+bfloat16 pages on XLA:CPU are stored as their bits, uint16 (`bf16_pages_as_bits`): XLA:CPU has no bf16 scatter or
+in-place update (it converts the whole page array to float32 and back around one, every layer and step) and gathers
+bf16 rows element by element, while a uint16 array is written in place and gathered as fast as float32; the bits
+become bf16 again only in the gathered block (`read_head_major`). Engine steps with the default model's cache as
+LLM sizes it for 16 sequences (1025 pages; interleaved, 2026-12-02, loaded 2 vCPU), ms per step, bf16 pages / bits /
+float32 pages: batch 1 247 / 35 / 38, batch 16 279 / 89 / 107, batch 64 516 / 283 / 330, a 512-token prompt
+935 / 524 / 536 (a float32 model's: 33, 136, 372, 979).
 """
 from __future__ import annotations
 
@@ -22,6 +30,7 @@ from jaxserve.config import ModelConfig
 # of writes and no real page is ever touched by padding.
 SCRATCH_PAGE = 0
 KV_CACHE_DTYPES = ("auto", "int8")  # auto: the model's dtype
+BF16_BITS = jnp.dtype(jnp.uint16)  # how a bfloat16 cache is stored on CPU (`bf16_pages_as_bits`)
 
 
 @jax.tree_util.register_dataclass
@@ -67,18 +76,43 @@ def num_pages_for_budget(config: ModelConfig, page_size: int, dtype, memory_byte
     return int(n)
 
 
+def bf16_pages_as_bits(platform: str, attention_backend: str) -> bool:
+    """Whether a bfloat16 cache is stored as its bits (uint16, see the module's docstring): on CPU, where the jnp
+    attention (resolved backend "reference" or "dense") reads it; Pallas kernels read bf16 pages as they are."""
+    return platform == "cpu" and attention_backend in ("reference", "dense")
+
+
 def init_kv_cache(config: ModelConfig, num_pages: int, page_size: int, dtype, kv_cache_dtype: str = "auto",
-                  head_dim_multiple: int = 1):
+                  head_dim_multiple: int = 1, bf16_as_bits: bool = False):
     """Returns per layer (k_pages, v_pages), each [num_pages, kv_heads, page_size, head_dim'] (or Int8Pages), zeroed;
-    head_dim' is head_dim rounded up to head_dim_multiple."""
+    head_dim' is head_dim rounded up to head_dim_multiple. bf16_as_bits: a bfloat16 cache is stored as uint16 bits
+    (`bf16_pages_as_bits`); pages are read and written alike either way (`read_head_major`, `write_pages`)."""
     shape = (num_pages, config.num_kv_heads, page_size, stored_head_dim(config.head_dim, head_dim_multiple))
     if check_kv_cache_dtype(kv_cache_dtype) == "int8":
         def pages():
             return Int8Pages(jnp.zeros(shape, jnp.int8), jnp.zeros(shape[:-1], jnp.float32))
     else:
+        stored = BF16_BITS if bf16_as_bits and jnp.dtype(dtype) == jnp.bfloat16 else dtype
+
         def pages():
-            return jnp.zeros(shape, dtype)
+            return jnp.zeros(shape, stored)
     return [(pages(), pages()) for _ in range(config.num_layers)]
+
+
+def values_dtype(pages):
+    """The dtype of the values a page array holds: bfloat16 for one stored as bits."""
+    return jnp.dtype(jnp.bfloat16) if pages.dtype == BF16_BITS else pages.dtype
+
+
+def as_values(x):
+    """Pages as stored -> their values: bits viewed as bfloat16 (no conversion), anything else as it is."""
+    return jax.lax.bitcast_convert_type(x, jnp.bfloat16) if x.dtype == BF16_BITS else x
+
+
+def as_stored(x, pages):
+    """Values x in the form pages store them: cast to their values' dtype, as bits if they hold bits."""
+    x = x.astype(values_dtype(pages))
+    return jax.lax.bitcast_convert_type(x, BF16_BITS) if pages.dtype == BF16_BITS else x
 
 
 def read_pages(pages, page_ids, dtype, head_dim: int | None = None) -> jax.Array:
@@ -92,6 +126,10 @@ def read_head_major(pages, page_ids, dtype, head_dim: int | None = None) -> jax.
     """pages[page_ids] in dtype as stored: [*page_ids.shape, kv_heads, page_size, head_dim] (cut to head_dim)."""
     if isinstance(pages, Int8Pages):
         x = take_pages(pages.values, page_ids).astype(dtype) * take_pages(pages.scale, page_ids)[..., None].astype(dtype)
+    elif pages.dtype == BF16_BITS:
+        # The bits as bf16 only once gathered, kept apart from the conversion: fused with it, XLA:CPU gathers element
+        # by element (32 pages of 1025 for 64 rows, converted to float32: 2.0 ms apart, 3.5 fused; float32's 2.9).
+        x = as_values(jax.lax.optimization_barrier(take_pages(pages, page_ids))).astype(dtype)
     else:
         x = take_pages(pages, page_ids).astype(dtype)
     return x if head_dim is None else x[..., :head_dim]
@@ -100,16 +138,7 @@ def read_head_major(pages, page_ids, dtype, head_dim: int | None = None) -> jax.
 def take_pages(pages, page_ids) -> jax.Array:
     """pages[page_ids], gathered as whole flat pages: XLA:CPU copies a row of a 2-D array as one block, but gathers
     from the 4-D array element by element (measured 5x slower: 2.8 ms against 13.4 ms for 2112 pages)."""
-    flat = pages.reshape(pages.shape[0], -1)  # [num_pages, page elements]
-    if pages.dtype.itemsize == 2 and flat.shape[1] % 2 == 0:
-        # bf16 pages are gathered as 32-bit words (two elements each), kept apart from what converts them after:
-        # XLA:CPU gathers a bf16 row element by element (a batch-64 decode's attention over 512 cached tokens:
-        # 45 ms a layer gathered as bf16, 27 as words fused with the conversion, 22 as words alone; float32's 20).
-        words = jax.lax.bitcast_convert_type(flat.reshape(flat.shape[0], -1, 2), jnp.uint32)  # [num_pages, words]
-        words = jax.lax.optimization_barrier(words[page_ids])  # [*page_ids.shape, words]
-        flat = jax.lax.bitcast_convert_type(words, pages.dtype)  # [*page_ids.shape, words, 2]
-    else:
-        flat = flat[page_ids]  # [*page_ids.shape, page elements]
+    flat = pages.reshape(pages.shape[0], -1)[page_ids]  # [*page_ids.shape, page elements]
     return flat.reshape(*page_ids.shape, *pages.shape[1:])
 
 
@@ -127,9 +156,4 @@ def write_pages(pages, x, slots):
         scale = jnp.where(scale > 0, scale, 1.0)
         q = jnp.clip(jnp.round(x32 / scale[..., None]), -127, 127).astype(jnp.int8)
         return Int8Pages(pages.values.at[page, :, offset].set(q), pages.scale.at[page, :, offset].set(scale))
-    if pages.dtype == jnp.bfloat16:
-        # Scattered as uint16, the same bits: XLA:CPU computes a bf16 scatter in float32, a copy of the whole page
-        # array each way, every layer (a batch-64 decode step's cache write: 800 ms against 2.7 in float32).
-        bits = pages.view(jnp.uint16).at[page, :, offset].set(x.astype(pages.dtype).view(jnp.uint16))
-        return bits.view(pages.dtype)
-    return pages.at[page, :, offset].set(x.astype(pages.dtype))
+    return pages.at[page, :, offset].set(as_stored(x, pages))

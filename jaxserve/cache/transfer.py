@@ -11,21 +11,22 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from jaxserve.cache.kv_cache import SCRATCH_PAGE, take_pages
+from jaxserve.cache.kv_cache import SCRATCH_PAGE, as_stored, as_values, take_pages
 
 KVPages = list  # per layer (k, v): each [n, kv_heads, page_size, head_dim'] (or Int8Pages), jax or numpy arrays
 
 
 def gather_pages(kv_cache, page_ids) -> KVPages:
     """The pages page_ids [n] of every layer: [n, kv_heads, page_size, head_dim'] each (an int8 cache's scales
-    [n, kv_heads, page_size] with its values)."""
-    return jax.tree.map(lambda pages: take_pages(pages, page_ids), kv_cache)
+    [n, kv_heads, page_size] with its values). A cache stored as bf16 bits (CPU) exports bf16: what any bf16 cache
+    imports."""
+    return jax.tree.map(lambda pages: as_values(take_pages(pages, page_ids)), kv_cache)
 
 
 def scatter_pages(kv_cache, page_ids, kv: KVPages):
     """kv_cache with kv's pages written at page_ids [n] (kv holds n pages); a page id given twice (the scratch
     page, padding) is written by one of them."""
-    return jax.tree.map(lambda pages, x: pages.at[page_ids].set(x.astype(pages.dtype)), kv_cache, kv)
+    return jax.tree.map(lambda pages, x: pages.at[page_ids].set(as_stored(x, pages)), kv_cache, kv)
 
 
 def num_pages(kv: KVPages) -> int:

@@ -29,7 +29,7 @@ def ragged_attention_reference(q, k, v, k_pages, v_pages, rows: RaggedRows, *, s
     pos, row = rows.positions, rows.token_row
 
     def gather(pages):  # every token's row's cache: [T, L, kv_heads, head_dim]
-        dtype = q.dtype if isinstance(pages, Int8Pages) else pages.dtype
+        dtype = q.dtype if isinstance(pages, Int8Pages) else jnp.float32  # float pages: read as the float32 used
         return read_pages(pages, rows.page_table[row], dtype, D).reshape(T, L, KVH, D).astype(jnp.float32)
 
     keys = jnp.concatenate([gather(k_pages), jnp.broadcast_to(k.astype(jnp.float32), (T, T, KVH, D))], axis=1)
