@@ -120,8 +120,8 @@ def ragged_attention(q, k, v, k_pages, v_pages, rows: RaggedRows, *, sliding_win
                                                  preferred_element_type=jnp.float32)
         return m_new, l * corr + p.sum(-1), acc
 
-    def read_block(pages, page_ids):  # page_ids [n, block_pages] -> [n, block_pages, KVH, page_size, D]
-        return read_head_major(pages, page_ids, q.dtype, D)
+    def read_block(pages, page_ids):  # page_ids [n, block_pages] -> [n, block_pages, KVH, page_size, D] float32
+        return read_head_major(pages, page_ids, jnp.float32, D)
 
     # The step's own keys first: every real token sees at least itself, so the running max starts finite. A row's
     # tokens lie in order, so a token sees none after it in the flat array: blocks of `own_block` queries attend to
@@ -152,6 +152,11 @@ def ragged_attention(q, k, v, k_pages, v_pages, rows: RaggedRows, *, sliding_win
         parts.append((token_major(m_own), token_major(p.sum(-1)),
                       token_major(acc_own.reshape(KVH, hi - lo, G, D))))
     m, l, acc = (jnp.concatenate(x) for x in zip(*parts))
+    # Cached keys in float32, whatever the model's dtype: their dots have G query rows per batch, which XLA:CPU runs
+    # as a slow loop on bf16 operands. bf16 model, engine steps (1025 pages, interleaved, 2026-12-02), bf16 / float32:
+    # batch 1 35.3 / 33.7 ms, batch 16 94.0 / 90.4. (The step's own keys above stay in the model's dtype: a
+    # 512-token prompt 228 ms bf16, 233 float32.)
+    q = q.astype(jnp.float32)
 
     # The long row, if there is one worth it (its cached_len counts as 0 for the per-token part).
     new_tokens = rows.query_start[1:] - rows.query_start[:-1]  # [S]

@@ -143,6 +143,9 @@ def _cpu_matmul(x, w):
     return _xla_matmul(x, w)
 
 
+BF16_MIN_ROWS = 8  # the fewest rows a bf16 dot gets on CPU (`bf16_dot_matmul`)
+
+
 def bf16_dot_matmul(x, w):
     """x @ w on XLA:CPU for bf16 x and a bf16 (or int4) weight: x [..., in] -> [..., out] bf16.
 
@@ -153,13 +156,16 @@ def bf16_dot_matmul(x, w):
       576x1536 (gate, up)  M=1 157 / 407 / 388    M=2 169 / 450 / 164    M=64 650 / 1246 / 245
                            M=512 6686 / 7642 / 1666
       576x49152 (LM head)  M=1 10248 / 53385 / 53405    M=2 13153 / 57133 / 13369    M=64 38610 / 91077 / 21906
-    so float32 accumulation, and a one-row product gets a second, zero row.
+    so float32 accumulation, and fewer than BF16_MIN_ROWS rows are padded with zero rows up to it: from one row,
+    us per matmul with the weights out of cache (2026-12-02), zero rows up to 2 / 4 / 8 / 16 / 32, float32 unpadded:
+      576x1536  105 / 92 / 87 / 97 / 124, 121      1536x576  139 / 115 / 107 / 114 / 120, 131
+      576x49152 (LM head)  3066 / 2594 / 2602 / 2825 / 3664, 3852
     """
     x, kernel = _float_operands(x, w)
     rows = x.reshape(-1, x.shape[-1])  # [M, in]
     m = rows.shape[0]
-    if m == 1:
-        rows = _with_zero_row(rows)  # [2, in]
+    if m < BF16_MIN_ROWS:
+        rows = jnp.pad(rows, ((0, BF16_MIN_ROWS - m), (0, 0)))  # [BF16_MIN_ROWS, in]
     out = jax.lax.dot_general(rows, kernel, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
     return out[:m].astype(x.dtype).reshape(*x.shape[:-1], -1)  # [..., out]
 
