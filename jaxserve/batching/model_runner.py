@@ -48,9 +48,10 @@ def with_serving_head(config, params, platform: str):
 
     Measured on the 2 vCPU Sapphire Rapids (2026-12-02, machine shared, variants interleaved in one process):
     Gemma 3 270M's [640, 262144] head, 671 MB of its 1072 float32 bytes a step, at one row 22.1 -> 15.8 ms; the
-    int8 engine's batch-1 decode step after a 512-token prompt 40.3 -> 36.6 ms (24.8 -> 27.3 tok/s); perplexity
-    on tests/data/alice_ch1.txt (1024 tokens) 23.33 -> 23.42 (float32 23.42). SmolLM2's 49,152-token head
-    (113 MB) gained nothing at batch 1 (28.98 -> 28.95 ms a step), so a small vocabulary keeps its float head.
+    int8 engine's batch-1 decode step after a 512-token prompt 40.3 -> 36.6 ms (24.8 -> 27.3 tok/s; 71.2 -> 61.5
+    ms with another process on the cores); perplexity on tests/data/alice_ch1.txt (1024 tokens) 23.33 -> 23.42
+    (float32 23.42). SmolLM2's 49,152-token head (113 MB) gained nothing at batch 1 (28.98 -> 28.95 ms a step),
+    so a small vocabulary keeps its float head.
     """
     p = params["params"]
     head = p["lm_head"]["kernel"]
@@ -58,7 +59,8 @@ def with_serving_head(config, params, platform: str):
         {k: v for k, v in p.items() if k != "lm_head"}, is_leaf=lambda x: isinstance(x, Int8Weight)))
     if platform != "cpu" or not int8_layers or config.vocab_size < INT8_HEAD_MIN_VOCAB or is_quantized(head):
         return params  # an int8 or int4 head (quantize_embeddings) stays as it was made
-    return {**params, "params": {**p, "lm_head": {**p["lm_head"], "kernel": quantize_int8(head)}}}
+    # Compiled, so that its roundings fuse instead of each writing a head-sized temporary.
+    return {**params, "params": {**p, "lm_head": {**p["lm_head"], "kernel": jax.jit(quantize_int8)(head)}}}
 
 
 @dataclasses.dataclass(frozen=True)
