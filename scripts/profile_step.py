@@ -1,8 +1,9 @@
 """Where one engine step spends its time, by careful isolation: the whole step, and each part compiled alone at the
 same shapes (the model with attention replaced by nothing, attention alone, the LM head and sampling, the cache
-write), plus the host's work (batch building, the copies), and the engine loop's host share at batch 64. Default model, float32, XLA:CPU.
+write), plus the host's work (batch building, the copies), and the engine loop's host share at batch 64. XLA:CPU.
 
-    python scripts/profile_step.py [--cases b1,b8,b64,chunk512] [--context 512] [--out bench_results/profile.json]
+    python scripts/profile_step.py [--model gemma3-270m] [--quantization int8] [--cases b1,b8,b64,chunk512]
+                                   [--context 512] [--host-batch 64 | 0] [--out bench_results/profile.json]
 
 bN: a decode step of N rows, each after `--context` cached tokens. chunkN: one N-token prompt chunk, nothing
 cached. Each time is the median of --repeats runs of a compiled program on device-resident inputs.
@@ -25,6 +26,8 @@ from jaxserve import attention as attention_module  # noqa: E402
 from jaxserve.batching.batch_builder import Row, build_batch  # noqa: E402
 from jaxserve.cache import init_kv_cache, pages_needed  # noqa: E402
 from jaxserve.model.decoder import DecoderModel  # noqa: E402
+from jaxserve.quant import matmul  # noqa: E402
+from jaxserve.quantize import quantize_model  # noqa: E402
 from jaxserve.sampling import sample  # noqa: E402
 from jaxserve.steps import Steps, write_cache  # noqa: E402
 from jaxserve.weights import load_model  # noqa: E402
@@ -103,7 +106,7 @@ def profile(case, model, context, page_size, repeats):
     out["attention (all layers)"] = timed(lambda: one_layer(q, k, kv, device_batch), repeats) * config.num_layers
     head = params["params"]["lm_head"]["kernel"]
     x = jnp.ones((S, config.hidden_size), jnp.float32)
-    head_and_sample = jax.jit(lambda x, w, s: sample(x @ w, s))
+    head_and_sample = jax.jit(lambda x, w, s: sample(matmul(x, w).astype(jnp.float32), s))
     out["lm head + sampling"] = timed(lambda: head_and_sample(x, head, device_batch.sampling).tokens, repeats)
     new_kv = [(k, k)] * config.num_layers
     write = jax.jit(write_cache, donate_argnums=0)
@@ -136,12 +139,13 @@ def profile(case, model, context, page_size, repeats):
     return {"case": case, "tokens": T, "rows": S, "ms": {k: round(v, 2) for k, v in out.items()}}
 
 
-def host_loop(batch: int, steps: int = 20, temperature: float = 0.8) -> dict:
+def host_loop(batch: int, steps: int = 20, temperature: float = 0.8, model=None, quantization=None) -> dict:
     """The engine loop at `batch` decoding sequences: time per step, and of it the host's own work (planning,
     batch building, dispatch, reading back, detokenizing, stop checks) as opposed to waiting for the device."""
     from jaxserve import LLM, SamplingParams
     from jaxserve.batching.sequence import Sequence
-    llm = LLM(max_model_len=1024, max_num_seqs=batch, max_num_batched_tokens=512, warmup=False)
+    llm = LLM(model, max_model_len=1024, max_num_seqs=batch, max_num_batched_tokens=512, warmup=False,
+              quantization=quantization)
     core, runner = llm.core, llm.runner
     prompt = np.random.default_rng(0).integers(100, llm.config.vocab_size, 64).tolist()
     params = SamplingParams(temperature=temperature, top_p=0.95, seed=0, max_tokens=10 * steps, ignore_eos=True)
@@ -170,26 +174,32 @@ def host_loop(batch: int, steps: int = 20, temperature: float = 0.8) -> dict:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="a known name or path (default: the default model)")
+    ap.add_argument("--quantization", default=None, help="e.g. int8 (default: none)")
     ap.add_argument("--cases", default="b1,b8,b64,chunk512")
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--host-batch", type=int, default=64, help="decoding sequences for the host-loop measurement")
+    ap.add_argument("--host-batch", type=int, default=64,
+                    help="decoding sequences for the host-loop measurement (0: skip it)")
     ap.add_argument("--host-temperature", type=float, default=0.8, help="0: greedy (top_p then unused)")
     ap.add_argument("--out", default="bench_results/profile.json")
     args = ap.parse_args()
-    model = load_model(None, jnp.float32)
+    model = quantize_model(load_model(args.model, jnp.float32), args.quantization)
     results = [profile(c, model, args.context, 16, args.repeats) for c in args.cases.split(",")]
-    loop = host_loop(args.host_batch, temperature=args.host_temperature)
+    loop = (host_loop(args.host_batch, temperature=args.host_temperature, model=args.model,
+                      quantization=args.quantization) if args.host_batch else None)
     keys = list(results[0]["ms"])
     print(f"{'ms per step':<46}" + "".join(f"{r['case']:>11}" for r in results))
     for key in keys:
         print(f"{key:<46}" + "".join(f"{r['ms'][key]:>11.2f}" for r in results))
-    print(f"\nengine loop at {loop['batch']} decoding sequences (temperature {args.host_temperature}, detokenizing): "
-          f"{loop['step_ms']} ms per step, host work per step {loop['host_ms']} ms "
-          f"({100 * loop['host_share']:.1f}%)")
+    if loop:
+        print(f"\nengine loop at {loop['batch']} decoding sequences (temperature {args.host_temperature}, "
+              f"detokenizing): {loop['step_ms']} ms per step, host work per step {loop['host_ms']} ms "
+              f"({100 * loop['host_share']:.1f}%)")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "machine": machine(), "context": args.context,
+    out.write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "machine": machine(), "model": model.name,
+                               "quantization": args.quantization, "context": args.context,
                                "results": results, "host_loop": loop}, indent=1))
     print(f"\nwrote {out}")
 
