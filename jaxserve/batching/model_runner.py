@@ -105,7 +105,7 @@ class ModelRunner:
         platform = (mesh.devices.flat[0] if mesh is not None else jax.devices()[0]).platform
         # The embedding table row-major, where the chip's default is not: its lookup then reads rows in place.
         if mesh is None:
-            self.params = with_row_major_tables(with_serving_head(config, params, jax.devices()[0].platform))
+            self.params = with_row_major_tables(with_serving_head(config, params, platform))
             self.kv_cache = new_cache()
             self.last_tokens = jnp.zeros(rc.num_slots + 1, jnp.int32)  # [slots + 1]: the last one takes padding rows
         else:
