@@ -42,6 +42,7 @@ from jaxserve.batching.ngram_proposer import NgramIndex  # noqa: E402
 from jaxserve.model.decoder import DecoderModel  # noqa: E402
 from jaxserve.sampling import draw, processed_probs, step_keys  # noqa: E402
 from jaxserve.sampling_params import MAX_BANNED_TOKENS  # noqa: E402
+from jaxserve.weights import load_model  # noqa: E402
 
 SETTINGS = {"T=1.0": dict(temperature=1.0), "T=0.7, top_p=0.9": dict(temperature=0.7, top_p=0.9)}
 NGRAM = dict(prompt_lookup_max=4, prompt_lookup_min=2)  # bench_spec's
@@ -173,11 +174,12 @@ def main():
     args = ap.parse_args()
     start = time.perf_counter()
     llm = LLM(max_model_len=1024, max_num_seqs=args.prompts, max_num_batched_tokens=256, warmup=False)
-    config, params = llm.config, llm.runner.params
+    # The loaded, unfused params: the runner's own may be fused for CPU serving (jaxserve.model.fused), and a
+    # draft cut from them must keep the checkpoint's projection names.
+    config, params = llm.config, load_model(None, jnp.float32).params
     target_model = DecoderModel(config, jnp.float32, "dense")
     drafts, paths, tmp = {}, {}, tempfile.TemporaryDirectory()
     if args.draft:
-        from jaxserve.weights import load_model
         d = load_model(args.draft, jnp.float32)
         drafts["draft"] = (DecoderModel(d.config, jnp.float32, "dense"), d.params)
         paths["draft"] = args.draft

@@ -74,7 +74,7 @@ def test_engine_greedy_output_with_int8_weights_is_weight_only_int8s(tiny_dir):
     ps = prompts(np.random.default_rng(seed), [40, 7, 25])
     sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
     llm = make_llm(tiny_dir, quantization="int8")
-    assert isinstance(llm.runner.params["params"]["layers_0"]["q_proj"]["kernel"], Int8Weight)
+    assert isinstance(llm.runner.params["params"]["layers_0"]["o_proj"]["kernel"], Int8Weight)
     int8 = [o.outputs[0] for o in llm.generate(ps, sp, use_tqdm=False)]
     ref = make_llm(tiny_dir)
     ref.runner.params = jax.tree_util.tree_map(

@@ -274,7 +274,7 @@ def test_engine_generates_with_quantized_weights(default_gguf_path):
               quantization="int4", warmup=False)
     out = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
     assert "Paris" in out[0].outputs[0].text
-    assert isinstance(llm.runner.params["params"]["layers_0"]["q_proj"]["kernel"], Int4Weight)
+    assert isinstance(llm.runner.params["params"]["layers_0"]["o_proj"]["kernel"], Int4Weight)
     with pytest.raises(ValueError, match="quantization"):
         LLM(str(default_gguf_path), quantization="fp4", warmup=False)
     with pytest.raises(ValueError, match="group size"):

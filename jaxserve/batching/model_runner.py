@@ -31,6 +31,7 @@ from jaxserve.distributed import log_placement, param_shardings, place, replicat
 from jaxserve.layouts import param_formats, with_row_major_tables
 from jaxserve.lora.adapter import LoRAAdapter
 from jaxserve.lora.buffers import empty_lora, lora_axes, slot_arrays
+from jaxserve.model.fused import with_fused_projections
 from jaxserve.pallas_kernels import page_head_dim_multiple
 from jaxserve.quant import Int8Weight, is_quantized, quantize_int8
 from jaxserve.steps import steps_for
@@ -106,6 +107,8 @@ class ModelRunner:
         # The embedding table row-major, where the chip's default is not: its lookup then reads rows in place.
         if mesh is None:
             self.params = with_row_major_tables(with_serving_head(config, params, platform))
+            if platform == "cpu" and not rc.max_loras:  # LoRA adapters are per projection: they need them apart
+                self.params = with_fused_projections(self.params)
             self.kv_cache = new_cache()
             self.last_tokens = jnp.zeros(rc.num_slots + 1, jnp.int32)  # [slots + 1]: the last one takes padding rows
         else:

@@ -105,12 +105,17 @@ class DecoderLayer(nn.Module):
         h = RMSNorm(c.rms_norm_eps, dt, name="input_layernorm")(x)
         # Logical axes of each kernel's [in, out]: q/k/v split their outputs by head (jaxserve.distributed.RULES).
         q_axes, kv_axes = ("embed", "heads"), ("embed", "kv_heads")
-        q = Linear(c.num_heads * c.head_dim, q_axes, c.attention_bias, dt, whole, name="q_proj")(
-            h, lora_slot).reshape(T, c.num_heads, -1)
-        k = Linear(c.num_kv_heads * c.head_dim, kv_axes, c.attention_bias, dt, whole, name="k_proj")(
-            h, lora_slot).reshape(T, c.num_kv_heads, -1)
-        v = Linear(c.num_kv_heads * c.head_dim, kv_axes, c.attention_bias, dt, whole, name="v_proj")(
-            h, lora_slot).reshape(T, c.num_kv_heads, -1)
+        nq, nkv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        if self.has_variable("params", "qkv_proj"):  # served fused (jaxserve.model.fused): one dot, split
+            if lora_slot is not None:  # adapters are per projection: a runner with LoRA serves them unfused
+                raise ValueError("fused q/k/v and gate/up projections cannot take LoRA adapters")
+            qkv = Linear(nq + 2 * nkv, q_axes, c.attention_bias, dt, whole, name="qkv_proj")(h)  # [T, nq + 2 nkv]
+            q, k, v = jnp.split(qkv, [nq, nq + nkv], axis=-1)
+        else:
+            q = Linear(nq, q_axes, c.attention_bias, dt, whole, name="q_proj")(h, lora_slot)
+            k = Linear(nkv, kv_axes, c.attention_bias, dt, whole, name="k_proj")(h, lora_slot)
+            v = Linear(nkv, kv_axes, c.attention_bias, dt, whole, name="v_proj")(h, lora_slot)
+        q, k, v = q.reshape(T, c.num_heads, -1), k.reshape(T, c.num_kv_heads, -1), v.reshape(T, c.num_kv_heads, -1)
         if c.qk_norm:  # per head, before RoPE
             q = RMSNorm(c.rms_norm_eps, dt, "head_dim", name="q_norm")(q)
             k = RMSNorm(c.rms_norm_eps, dt, "head_dim", name="k_norm")(k)
@@ -130,8 +135,12 @@ class DecoderLayer(nn.Module):
         x = x + out
         # The FFN's input norm, under Llama's name for it.
         h = RMSNorm(c.rms_norm_eps, dt, name="post_attention_layernorm")(x)
-        gate = Linear(c.intermediate_size, ("embed", "mlp"), False, dt, whole, name="gate_proj")(h, lora_slot)
-        up = Linear(c.intermediate_size, ("embed", "mlp"), False, dt, whole, name="up_proj")(h, lora_slot)
+        if self.has_variable("params", "gate_up_proj"):
+            gate, up = jnp.split(Linear(2 * c.intermediate_size, ("embed", "mlp"), False, dt, whole,
+                                        name="gate_up_proj")(h), 2, axis=-1)
+        else:
+            gate = Linear(c.intermediate_size, ("embed", "mlp"), False, dt, whole, name="gate_proj")(h, lora_slot)
+            up = Linear(c.intermediate_size, ("embed", "mlp"), False, dt, whole, name="up_proj")(h, lora_slot)
         act = nn.silu(gate) if c.hidden_activation == "silu" else nn.gelu(gate, approximate=True)
         out = Linear(c.hidden_size, ("mlp", "embed"), False, dt, whole, name="down_proj")(act * up, lora_slot)
         if c.sandwich_norm:
