@@ -26,6 +26,9 @@ from jaxserve.sampling import sample, with_step_tokens
 from jaxserve.verification import verify
 
 
+# The row counts a step's LM head and sampler run at below its own (`Steps._sample_used_rows`): a step of few
+# sequences then pays for those, not for its padded rows. Not 1: a one-row bf16 or int8 dot is XLA:CPU's slow loop.
+HEAD_ROWS = (4, 16)
 # The fields of a StepInput that a batch holds as a `jaxserve.batch.constant` when no row uses them (batch_builder).
 MAYBE_CONSTANT = frozenset({"token_mask", "bad_word_bans", "logit_bias_ids", "logit_bias", "past_tokens",
                             "prompt_targets", "lora_slot"})
@@ -155,13 +158,37 @@ class Steps:
         tokens = input_tokens(batch, last_tokens)
         logits, new_kv, hidden = self._apply(params, lora, batch, tokens, kv_cache, batch.rows,
                                              batch.logits_index[:, 0], return_hidden=True)
-        s = sample_over_vocab(sample, self.mesh, logits,
-                              with_step_tokens(batch.sampling, tokens, batch.rows, batch.logits_index[:, 0]))
+        sampling = with_step_tokens(batch.sampling, tokens, batch.rows, batch.logits_index[:, 0])
+        if self.mesh is None and batch.logits_index.shape[0] > HEAD_ROWS[0]:
+            s = self._sample_used_rows(params, hidden, batch.logits_index[:, 0], sampling)
+        else:
+            s = sample_over_vocab(sample, self.mesh, logits, sampling)
         out = StepOutput(tokens=s.tokens[:, None], num_tokens=(batch.logits_index[:, 0] >= 0).astype(jnp.int32),
                          logprobs=s.logprobs[:, None], ranks=s.ranks[:, None], top_ids=s.top_ids[:, None],
                          top_logprobs=s.top_logprobs[:, None], prompt=self._prompt_scores(params, hidden, batch))
         last_tokens = last_tokens.at[batch.out_slot].set(s.tokens)  # -1 wraps to the padding slot
         return out, new_kv, last_tokens
+
+    def _sample_used_rows(self, params, hidden, last_index, sampling):
+        """sample() over the rows up to the last that samples, the LM head included, run at the smallest of
+        HEAD_ROWS that holds them: a step's rows are min(tokens, max_num_seqs) (`jaxserve.buckets`), so a lone
+        prompt's 64-token step has 64 rows, and a head over them all is most of its time where the vocabulary is
+        large (Gemma 3's 262k). The other rows' results are zeros: nothing reads them. The model's own logits go
+        unused, and jit drops their head. hidden [T, hidden]; last_index [S] (-1: the row samples nothing)."""
+        S = last_index.shape[0]
+        x = hidden[jnp.maximum(last_index, 0)]  # [S, hidden]
+        used = jnp.max(jnp.where(last_index >= 0, jnp.arange(1, S + 1), 0))
+        sizes = [b for b in HEAD_ROWS if b < S] + [S]
+
+        def over(b):
+            def run(x, sampling):
+                rows = jax.tree.map(lambda a: a[:b], sampling)
+                s = sample(lm_head(self.config, self.model.dtype, params, x[:b]), rows)
+                return jax.tree.map(lambda a: jnp.pad(a, [(0, S - b)] + [(0, 0)] * (a.ndim - 1)), s)
+            return run
+
+        which = sum((used > b).astype(jnp.int32) for b in sizes[:-1])
+        return jax.lax.switch(which, [over(b) for b in sizes], x, sampling)
 
     def _forward_and_verify(self, params, kv_cache, last_tokens, batch: StepInput, lora=None):
         tokens = input_tokens(batch, last_tokens)  # [T]
