@@ -62,8 +62,8 @@ def fuse_layer(layer: dict) -> dict:
 def with_fused_projections(params: dict) -> dict:
     """params with every decoder layer's q/k/v and gate/up fused (`fuse_layer`); the rest as it was.
 
-    A batch-1 stack of SmolLM2's 30 layers' dots (scripts/bench_formats.py's shapes, float32, AMD EPYC 2 vCPU with
-    AVX-512, 2026-12-04): separate 36.0 ms, fused 29.1 ms a step, the same 538 MB read.
+    The default model's batch-1 decode after a 500-token prompt, the two forms interleaved in one engine (AMD EPYC
+    2 vCPU, 2026-12-04, BENCHMARKS.md): float32 33.4 -> 29.9 ms a token, int8 -3%, bfloat16 -2.5%; the same bytes.
     """
     p = params["params"]
     layers = {k: fuse_layer(v) if k.startswith("layers_") else v for k, v in p.items()}
