@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from jaxserve.batching import model_runner
+from jaxserve.batching.engine_core import StepError
 from jaxserve.batching.batch_builder import Row
 from jaxserve.model.fused import fuse_kernels, with_fused_projections
 from jaxserve.perplexity import next_token_logits
@@ -78,3 +79,12 @@ def test_the_cpu_runner_serves_fused_projections_with_fewer_dots(tiny_dir, monke
         assert fused == dots(step_program(apart, rows)) - 2 * 3, quantization
     lora = make_llm(tiny_dir, enable_lora=True, max_loras=1, max_lora_rank=4)
     assert "q_proj" in lora.runner.params["params"]["layers_0"]
+
+
+def test_fused_projections_refuse_lora_adapters(tiny_dir):
+    """A runner with adapter slots steps with every token's slot: fused params there raise rather than drop the
+    adapters of the fused projections."""
+    lora = make_llm(tiny_dir, enable_lora=True, max_loras=1, max_lora_rank=4)
+    lora.runner.params = with_fused_projections(lora.runner.params)
+    with pytest.raises(StepError, match="cannot take LoRA adapters"):  # the engine's wrapping of the ValueError
+        lora.generate([{"prompt_token_ids": [1, 2, 3]}], use_tqdm=False)

@@ -106,9 +106,11 @@ class DecoderLayer(nn.Module):
         # Logical axes of each kernel's [in, out]: q/k/v split their outputs by head (jaxserve.distributed.RULES).
         q_axes, kv_axes = ("embed", "heads"), ("embed", "kv_heads")
         nq, nkv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        if self.has_variable("params", "qkv_proj"):  # served fused (jaxserve.model.fused): one dot, split
-            if lora_slot is not None:  # adapters are per projection: a runner with LoRA serves them unfused
-                raise ValueError("fused q/k/v and gate/up projections cannot take LoRA adapters")
+        # Each group fuses on its own (jaxserve.model.fused), and adapters are per projection: a runner with LoRA
+        # serves them unfused, so either fused group with adapters is a mistake, not a silently dropped adapter.
+        if lora_slot is not None and any(self.has_variable("params", n) for n in ("qkv_proj", "gate_up_proj")):
+            raise ValueError("fused q/k/v and gate/up projections cannot take LoRA adapters")
+        if self.has_variable("params", "qkv_proj"):  # served fused: one dot, split
             qkv = Linear(nq + 2 * nkv, q_axes, c.attention_bias, dt, whole, name="qkv_proj")(h)  # [T, nq + 2 nkv]
             q, k, v = jnp.split(qkv, [nq, nq + nkv], axis=-1)
         else:
