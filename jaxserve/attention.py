@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 from jaxserve import pallas_kernels as pk
 from jaxserve.batch import RaggedRows
-from jaxserve.cache.kv_cache import read_head_major, write_pages
+from jaxserve.cache.kv_cache import read_blocks, write_pages
 from jaxserve.options import ATTENTION_BACKENDS as BACKENDS
 from jaxserve.pallas_kernels.reference import ragged_attention_reference
 
@@ -56,12 +56,11 @@ def attention(q, k, v, k_pages, v_pages, rows: RaggedRows, *, sliding_window=Non
 
 # Finite, so a query with nothing to attend to (padding) gives a harmless value instead of NaN.
 _MASKED = -1e30
-# Scores and weighted values of cached keys by the keys' rank: pages as stored, shared by every token
-# [block_pages, KVH, page_size, D] or each token's own [n, block_pages, KVH, page_size, D]. Einsums on the stored
-# layout: a transpose to [keys, KVH, D] first would copy every block it reads. (The step's own keys are made
-# head-major once instead: `ragged_attention`.)
-_SCORES = {4: "tkgd,bkpd->tkgbp", 5: "tkgd,tbkpd->tkgbp"}
-_VALUES = {4: "tkgbp,bkpd->tkgd", 5: "tkgbp,tbkpd->tkgd"}
+# Scores and weighted values of cached keys by the keys' rank: blocks head by head (`read_blocks`), shared by every
+# token [KVH, keys, D] or each token's own [n, KVH, keys, D]: a batched dot over (token,) KV head reads them as they
+# are, with no transpose of a block first.
+_SCORES = {3: "tkgd,knd->tkgn", 4: "tkgd,tknd->tkgn"}
+_VALUES = {3: "tkgn,knd->tkgd", 4: "tkgn,tknd->tkgd"}
 
 
 def write_kv(k_pages, v_pages, k, v, slot_mapping):
@@ -101,10 +100,9 @@ def ragged_attention(q, k, v, k_pages, v_pages, rows: RaggedRows, *, sliding_win
     q = q.reshape(T, KVH, G, D) * (D ** -0.5)
 
     def masked_scores(q, keys, visible, key_pos, q_pos):
-        # q [n, KVH, G, D]; keys [n, block_pages, KVH, page_size, D] (each token its own pages, as stored),
-        # or [block_pages, KVH, page_size, D] (pages shared by all tokens)
+        # q [n, KVH, G, D]; keys [n, KVH, keys, D] (each token its own pages) or [KVH, keys, D] (pages shared by all
+        # tokens)
         s = jnp.einsum(_SCORES[keys.ndim], q, keys.astype(q.dtype), preferred_element_type=jnp.float32)
-        s = s.reshape(*s.shape[:3], -1)  # [n, KVH, G, keys]
         if sliding_window is not None:
             visible &= key_pos > q_pos[:, None] - sliding_window
         return jnp.where(visible[:, None, None, :], s, _MASKED)  # [n, KVH, G, keys]
@@ -114,14 +112,12 @@ def ragged_attention(q, k, v, k_pages, v_pages, rows: RaggedRows, *, sliding_win
         m_new = jnp.maximum(m, s.max(-1))
         p = jnp.exp(s - m_new[..., None])
         corr = jnp.exp(m - m_new)
-        # the keys axis back to (block_pages, page_size)
-        weights = p.reshape(*p.shape[:3], values.shape[-4], values.shape[-2])
-        acc = acc * corr[..., None] + jnp.einsum(_VALUES[values.ndim], weights.astype(values.dtype), values,
+        acc = acc * corr[..., None] + jnp.einsum(_VALUES[values.ndim], p.astype(values.dtype), values,
                                                  preferred_element_type=jnp.float32)
         return m_new, l * corr + p.sum(-1), acc
 
-    def read_block(pages, page_ids):  # page_ids [n, block_pages] -> [n, block_pages, KVH, page_size, D] float32
-        return read_head_major(pages, page_ids, jnp.float32, D)
+    def read_block(pages, page_ids):  # page_ids [n, block_pages] -> [n, KVH, block, D] float32
+        return read_blocks(pages, page_ids, jnp.float32, D)
 
     # The step's own keys first: every real token sees at least itself, so the running max starts finite. A row's
     # tokens lie in order, so a token sees none after it in the flat array: blocks of `own_block` queries attend to

@@ -1,9 +1,11 @@
 """The ragged attention (reference and the blocked CPU path) against plain dense causal attention."""
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jaxserve.attention import attention, ragged_attention, ragged_attention_reference, write_kv
+from jaxserve.cache.kv_cache import BF16_BITS, Int8Pages, read_blocks, read_head_major
 from ragged import KINDS, expected, random_ragged_case, row_lengths
 
 
@@ -41,6 +43,28 @@ def test_long_row_and_sorted_groups():
                                       case.rows, block_pages=4, num_groups=3, long_row_share=4, small_step=8,
                                       own_block=16))
     np.testing.assert_allclose(got, expected(case), rtol=2e-4, atol=2e-5, err_msg=f"seed {seed}")
+
+
+@pytest.mark.parametrize("stored", ["float32", "int8", "bf16 bits"])
+def test_read_blocks_is_each_head_of_its_pages_in_order(stored):
+    """read_blocks: head h of pages p0, p1, ... back to back, whatever the pages hold (the gather by (page, head)
+    tiles must pick the same keys as reading the pages as stored)."""
+    seed = int(np.random.default_rng().integers(1 << 31))
+    rng = np.random.default_rng(seed)
+    shape = (9, 3, 4, 8)  # [num_pages, kv_heads, page_size, head_dim]
+    values = rng.standard_normal(shape).astype(np.float32)
+    if stored == "int8":
+        pages = Int8Pages(jnp.asarray(rng.integers(-127, 128, shape), jnp.int8),
+                          jnp.asarray(rng.random(shape[:-1]), jnp.float32))
+    elif stored == "bf16 bits":
+        pages = jax.lax.bitcast_convert_type(jnp.asarray(values, jnp.bfloat16), BF16_BITS)
+    else:
+        pages = jnp.asarray(values)
+    ids = jnp.asarray(rng.integers(0, shape[0], (2, 5, 3)), jnp.int32)  # [tokens, ..., block_pages]
+    got = np.asarray(read_blocks(pages, ids, jnp.float32, 6))  # [2, 5, kv_heads, 3 * page_size, 6]
+    as_stored = np.asarray(read_head_major(pages, ids, jnp.float32, 6))  # [2, 5, 3, kv_heads, page_size, 6]
+    want = as_stored.transpose(0, 1, 3, 2, 4, 5).reshape(2, 5, 3, 3 * 4, 6)
+    np.testing.assert_array_equal(got, want, err_msg=f"seed {seed}")
 
 
 def test_write_puts_new_tokens_in_their_slots_only():
