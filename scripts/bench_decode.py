@@ -9,6 +9,10 @@ time of one 512-token prefill step. Peers come from scripts/peers.py. The table 
 a batch-1 decode step reads every weight once, so tok/s <= bandwidth / weight bytes. --formats adds a row per
 weight / KV-cache format (quantized weights, int8 KV pages), at --format-batch-sizes.
 
+Beside each format's batch-1 figure, its step's weight dots alone (`weight_dots_ms`): one row through every linear
+weight the runner serves, as a decode step chains them, with nothing else (no attention, sampling or host work), so
+a step's time splits into XLA:CPU's reading of its weights and the rest.
+
 Two bandwidths set the floor: the probe's (scripts/peers.py, numpy, before anything runs) and XLA's own read rate
 (a one-row float32 dot over 512 MB, as a decode step's), sampled before each of jaxserve's decode runs, so that it
 sees the load the decode saw. On the 2 vCPU machine numpy's probe reads at about one core's rate (~16-18 GB/s,
@@ -31,6 +35,7 @@ import peers  # noqa: E402
 from jaxserve import LLM, SamplingParams  # noqa: E402
 from jaxserve.batching.batch_builder import Row  # noqa: E402
 from jaxserve.batching.sequence import Sequence  # noqa: E402
+from jaxserve.quant import Int4Weight, Int8Weight, is_quantized, matmul  # noqa: E402
 from jaxserve.weights import resolve_model_path  # noqa: E402
 from jaxserve.weights.params import param_bytes  # noqa: E402
 
@@ -65,6 +70,37 @@ class XlaReadProbe:
     def take(self) -> list[float]:
         samples, self.samples = self.samples, []
         return samples
+
+
+def weight_dots_ms(params, dtype, repeats: int = 15) -> float:
+    """ms of one row through every linear weight of params (each leaf named kernel, quantized or not, the LM head
+    included; not the embedding table, of which a step reads one row), each dot's output feeding the next as a
+    decode step's do, RMS-normalized in between as the model's norms would (the values stay finite): what the
+    dots of a batch-1 step cost in this format, the part of the step that reads its weights."""
+    kernels = [leaf for path, leaf in jax.tree_util.tree_leaves_with_path(params["params"], is_leaf=is_quantized)
+               if jax.tree_util.keystr(path[-1:]) == "['kernel']"]
+
+    def in_dim(w):  # an int4 kernel takes its padded input rows (zeros past the float kernel's)
+        return 2 * w.packed.shape[0] if isinstance(w, Int4Weight) else (
+            w.values if isinstance(w, Int8Weight) else w).shape[0]
+
+    def chain(kernels, x):  # x [1, in]
+        for w in kernels:
+            n = in_dim(w)
+            x = x[:, :n] if x.shape[1] >= n else jnp.pad(x, ((0, 0), (0, n - x.shape[1])))
+            x = x * jax.lax.rsqrt(jnp.mean(jnp.square(x.astype(jnp.float32))) + 1e-6).astype(x.dtype)
+            x = matmul(x, w)
+        return x
+
+    run = jax.jit(chain)
+    x = jnp.ones((1, in_dim(kernels[0])), dtype)
+    jax.block_until_ready(run(kernels, x))
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        jax.block_until_ready(run(kernels, x))
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1e3
 
 
 def bench_jaxserve(batch_sizes, fmt="float32", prompt_len=512, decode_steps=32, repeats=3, model=None, probe=None):
@@ -110,6 +146,7 @@ def bench_jaxserve(batch_sizes, fmt="float32", prompt_len=512, decode_steps=32, 
             "weight_bytes": param_bytes(runner.params) - param_bytes(runner.params["params"]["embed_tokens"]),
             "prompt_len": prompt_len,
             "compiled_programs": runner.steps.num_compiled(),
+            "weight_dots_ms": round(weight_dots_ms(runner.params, runner.steps.model.dtype), 2),
             # XLA's read rate sampled between this engine's decode runs (max: the rate the machine allowed).
             "xla_read_GBps": round(max(probe.take()), 1) if probe is not None else None}
 
@@ -169,6 +206,10 @@ def main():
             xla_floor = r["xla_read_GBps"] * 1e9 / r["weight_bytes"]
             line += (f"; at XLA's {r['xla_read_GBps']:.1f} GB/s floor {xla_floor:5.0f} tok/s "
                      f"({100 * got / xla_floor:3.0f}%)")
+        if r.get("weight_dots_ms"):
+            dots = r["weight_dots_ms"]
+            line += (f"\n{'':40} its dots alone {dots:.1f} ms a step ({r['weight_bytes'] / dots / 1e6:.1f} GB/s), "
+                     f"{100 * dots * got / 1e3:3.0f}% of its batch-1 step")
         print(line)
     print(f"\nwrote {out}")
 
