@@ -6,7 +6,8 @@ write), plus the host's work (batch building, the copies), and the engine loop's
                                    [--context 512] [--host-batch 64 | 0] [--out bench_results/profile.json]
 
 bN: a decode step of N rows, each after `--context` cached tokens. chunkN: one N-token prompt chunk, nothing
-cached. Each time is the median of --repeats runs of a compiled program on device-resident inputs.
+cached. Each time is the median of --repeats runs of a compiled program on device-resident inputs. The params are
+the ones the engine's runner serves (`model_runner.served_params`: fused projections on CPU, its LM head).
 """
 import argparse
 import json
@@ -24,6 +25,7 @@ from bench_decode import machine  # noqa: E402
 
 from jaxserve import attention as attention_module  # noqa: E402
 from jaxserve.batching.batch_builder import Row, build_batch  # noqa: E402
+from jaxserve.batching.model_runner import served_params  # noqa: E402
 from jaxserve.cache import init_kv_cache, pages_needed  # noqa: E402
 from jaxserve.model.decoder import DecoderModel  # noqa: E402
 from jaxserve.quant import matmul  # noqa: E402
@@ -54,7 +56,8 @@ def case_rows(case: str, context: int, page_size: int, vocab: int):
 
 
 def profile(case, model, context, page_size, repeats):
-    config, params = model.config, model.params
+    config = model.config
+    params = served_params(config, model.params, jax.devices()[0].platform)  # as the engine's runner serves them
     rows = case_rows(case, context, page_size, config.vocab_size)
     T = sum(len(r.token_ids) for r in rows)
     S = len(rows)

@@ -65,6 +65,14 @@ def with_serving_head(config, params, platform: str):
     return {**params, "params": {**p, "lm_head": {**p["lm_head"], "kernel": jax.jit(quantize_int8)(head)}}}
 
 
+def served_params(config, params, platform: str, fuse: bool = True):
+    """The params a runner on one device serves, what its steps read: the LM head in its serving format
+    (`with_serving_head`), the embedding table row-major (`jaxserve.layouts`), and on CPU each layer's q/k/v and
+    gate/up fused (`jaxserve.model.fused`; fuse=False keeps them apart, as LoRA adapters need)."""
+    params = with_row_major_tables(with_serving_head(config, params, platform))
+    return with_fused_projections(params) if platform == "cpu" and fuse else params
+
+
 @dataclasses.dataclass(frozen=True)
 class RunnerConfig:
     """How a runner lays out a model's steps and cache: all a ModelRunner needs beyond the model itself."""
@@ -106,9 +114,7 @@ class ModelRunner:
         platform = (mesh.devices.flat[0] if mesh is not None else jax.devices()[0]).platform
         # The embedding table row-major, where the chip's default is not: its lookup then reads rows in place.
         if mesh is None:
-            self.params = with_row_major_tables(with_serving_head(config, params, platform))
-            if platform == "cpu" and not rc.max_loras:  # LoRA adapters are per projection: they need them apart
-                self.params = with_fused_projections(self.params)
+            self.params = served_params(config, params, platform, fuse=not rc.max_loras)
             self.kv_cache = new_cache()
             self.last_tokens = jnp.zeros(rc.num_slots + 1, jnp.int32)  # [slots + 1]: the last one takes padding rows
         else:
