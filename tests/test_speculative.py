@@ -74,16 +74,16 @@ def test_stops_inside_an_accepted_run(tiny_dir):
 
 def test_preemption_mid_speculation(tiny_dir):
     """A KV cache too small for every sequence: speculating sequences are preempted and recomputed."""
-    rng = np.random.default_rng()
-    ps = prompts(rng, [9, 14, 20, 6])
+    seed = int(np.random.default_rng().integers(2**31))
+    ps = prompts(np.random.default_rng(seed), [9, 14, 20, 6])
     sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     plain = tokens(make_llm(tiny_dir, kv_cache_memory_bytes=17 * TINY_PAGE_BYTES, max_model_len=48), ps, sp)
     for config, cost in ((spec("draft_model", model=tiny_dir), 2), (spec("ngram", prompt_lookup_min=1), 1)):
         # 16 pages of 4 tokens, where 4 sequences reach 44 tokens (a page costs twice as much with a draft).
         llm = make_llm(tiny_dir, speculative_config=config, kv_cache_memory_bytes=17 * cost * TINY_PAGE_BYTES,
                        max_model_len=48)
-        assert tokens(llm, ps, sp) == plain
-        assert llm.stats().num_preemptions > 0
+        assert tokens(llm, ps, sp) == plain, f"seed {seed}, {config['method']}"
+        assert llm.stats().num_preemptions > 0, f"seed {seed}"
         llm.core.assert_idle_and_clean()
 
 
