@@ -72,6 +72,17 @@ class XlaReadProbe:
         return samples
 
 
+def timed(fn, repeats: int) -> float:
+    """Median ms of fn() over `repeats` runs, after one that compiles it."""
+    jax.block_until_ready(fn())
+    runs = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        jax.block_until_ready(fn())
+        runs.append(time.perf_counter() - t)
+    return statistics.median(runs) * 1e3
+
+
 def weight_dots_ms(params, dtype, repeats: int = 15) -> float:
     """ms of one row through every linear weight of params (each leaf named kernel, quantized or not, the LM head
     included; not the embedding table, of which a step reads one row), each dot's output feeding the next as a
@@ -94,13 +105,7 @@ def weight_dots_ms(params, dtype, repeats: int = 15) -> float:
 
     run = jax.jit(chain)
     x = jnp.ones((1, in_dim(kernels[0])), dtype)
-    jax.block_until_ready(run(kernels, x))
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        jax.block_until_ready(run(kernels, x))
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1e3
+    return timed(lambda: run(kernels, x), repeats)
 
 
 def bench_jaxserve(batch_sizes, fmt="float32", prompt_len=512, decode_steps=32, repeats=3, model=None, probe=None):

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_decode import machine  # noqa: E402
+from bench_decode import machine, timed  # noqa: E402
 
 from jaxserve import attention as attention_module  # noqa: E402
 from jaxserve.batching.batch_builder import Row, build_batch  # noqa: E402
@@ -33,16 +33,6 @@ from jaxserve.quantize import quantize_model  # noqa: E402
 from jaxserve.sampling import sample  # noqa: E402
 from jaxserve.steps import Steps, write_cache  # noqa: E402
 from jaxserve.weights import load_model  # noqa: E402
-
-
-def timed(fn, repeats):
-    jax.block_until_ready(fn())  # compile
-    runs = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        jax.block_until_ready(fn())
-        runs.append(time.perf_counter() - t)
-    return statistics.median(runs) * 1e3
 
 
 def case_rows(case: str, context: int, page_size: int, vocab: int):
