@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from jaxserve.cpu_kernels import few_row_matmul
 from jaxserve.pallas_kernels.quantized_matmul import int4_dequantize, int4_matmul, int4_matmul_tpu
 
 # "awq" is int4 with activation-aware input scales (jaxserve.awq).
@@ -117,18 +118,20 @@ def matmul(x, w, *, kernels: bool = True):
     registers: left to XLA, `x @ dequantize(w)` writes a float copy of the whole weight to HBM first, every step
     (BENCHMARKS.md, issue 24); above KERNEL_MAX_ROWS rows (prefill) XLA's path. int8 and float weights stay with
     XLA, which keeps int8 as s8 into its dot on both; on GPU a one-row product gets a second, zero row
-    (`_gpu_matmul`). CPU compiles to XLA's program alone, an int8 weight with int8 activations and bf16 with
-    float32 accumulation (`_cpu_matmul`).
-    kernels=False: the weight is split over a tensor-parallel mesh, which a Pallas call cannot take (the
-    partitioner would gather it whole onto every device), so int4 takes XLA's path there.
+    (`_gpu_matmul`). On CPU a few rows (decode) go through a hand-written kernel, more rows through XLA's program
+    with an int8 weight taking int8 activations and bf16 float32 accumulation (`_cpu_matmul`).
+    kernels=False: the weight is split over a tensor-parallel mesh, which a Pallas or FFI call cannot take (the
+    partitioner would gather it whole onto every device), so XLA's path there.
     """
     return jax.lax.platform_dependent(x, w, tpu=functools.partial(_tpu_matmul, kernels),
-                                      cuda=functools.partial(_gpu_matmul, kernels), cpu=_cpu_matmul,
-                                      default=_xla_matmul)
+                                      cuda=functools.partial(_gpu_matmul, kernels),
+                                      cpu=functools.partial(_cpu_matmul, kernels), default=_xla_matmul)
 
 
-def _cpu_matmul(x, w):
-    """On CPU an int8 weight multiplies int8 activations (`int8_dot_matmul`, two digits): XLA:CPU converts a
+def _cpu_matmul(kernels, x, w):
+    """Up to few_row_matmul.MAX_ROWS rows (decode) a float32, bf16 or int8 weight goes through the FFI kernel
+    of jaxserve.cpu_kernels.few_row_matmul, which streams it at the machine's read rate (its docstring has the
+    figures). Otherwise an int8 weight multiplies int8 activations (`int8_dot_matmul`, two digits): XLA:CPU converts a
     weight-only int8 kernel to a float copy before its dot, every call. scripts/bench_formats.py (Sapphire Rapids
     2 vCPU, 2026-12-02, best of 5, shared machine), us per matmul, weight-only int8 / two-digit int8 dot / float32:
       576x1536 (gate, up)  M=1 958 / 91 / 136    M=64 1761 / 510 / 1044    M=512 4221 / 2790 / 2965
@@ -136,11 +139,27 @@ def _cpu_matmul(x, w):
     so the integer dot at every row count (no threshold), and int8 decodes faster than float32 at batch 1 and 64.
     TPU and GPU keep weight-only int8, which their compilers read as s8 into the dot.
     bfloat16 activations with bf16 (or int4) weights go through `bf16_dot_matmul`."""
+    fmt = _few_row_format(w)
+    if kernels and fmt is not None and x.size // x.shape[-1] <= few_row_matmul.MAX_ROWS[fmt] \
+            and few_row_matmul.available():
+        if isinstance(w, Int8Weight):
+            return few_row_matmul.int8_matmul(x, w.values, w.scale)
+        return few_row_matmul.float_matmul(x, w)
     if isinstance(w, Int8Weight):
         return int8_dot_matmul(x, w)
     if x.dtype == jnp.bfloat16 and (isinstance(w, Int4Weight) or w.dtype == jnp.bfloat16):
         return bf16_dot_matmul(x, w)
     return _xla_matmul(x, w)
+
+
+def _few_row_format(w) -> str | None:
+    """w's key in few_row_matmul.MAX_ROWS, None for a weight the kernel does not take (int4, float16)."""
+    if isinstance(w, Int8Weight):
+        return "int8"
+    dtype = getattr(w, "dtype", None)  # an int4 weight has none
+    if dtype in (jnp.float32, jnp.bfloat16):
+        return jnp.dtype(dtype).name
+    return None
 
 
 BF16_MIN_ROWS = 8  # the fewest rows a bf16 dot gets on CPU (`bf16_dot_matmul`)

@@ -115,7 +115,8 @@ def bench_decode(model, rounds: int, steps: int, batch_sizes=(1, 64)):
         lambda n: WeightOnlyInt8(n.values, n.scale) if isinstance(n, Int8Weight) else n, runner.params,
         is_leaf=lambda n: isinstance(n, Int8Weight))
     cpu_matmul = quant._cpu_matmul
-    quant._cpu_matmul = lambda x, w: quant._xla_matmul(x, w) if isinstance(w, WeightOnlyInt8) else cpu_matmul(x, w)
+    quant._cpu_matmul = (lambda kernels, x, w: quant._xla_matmul(x, w) if isinstance(w, WeightOnlyInt8)
+                         else cpu_matmul(kernels, x, w))
 
     def steps_of(fmt, n=1):
         for _ in range(n):

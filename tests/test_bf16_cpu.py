@@ -14,6 +14,7 @@ from jaxserve.attention import ragged_attention
 from jaxserve.batch import RaggedRows
 from jaxserve.cache.kv_cache import init_kv_cache, read_head_major, values_dtype, write_pages
 from jaxserve.cache.transfer import gather_pages, scatter_pages
+from jaxserve.cpu_kernels import few_row_matmul
 from jaxserve.quant import BF16_MIN_ROWS, matmul, quantize_int4
 from tiny import make_llm, step_logits
 
@@ -46,11 +47,13 @@ def test_bf16_product_with_int4_weights_is_xlas_dequantized_product():
 def test_only_cpu_takes_a_float32_accumulating_bf16_dot_of_at_least_min_rows(platform):
     """XLA:CPU runs a bf16 dot with a bf16 result, or of one row, as a slow loop (3-7x float32's time), and a few
     rows faster padded to 8 (jaxserve.quant.bf16_dot_matmul): fewer rows get zero ones up to BF16_MIN_ROWS, and the
-    dot returns float32. TPU and GPU keep x @ w as before."""
+    dot returns float32. TPU and GPU keep x @ w as before. (Up to few_row_matmul.MAX_ROWS rows CPU runs the FFI
+    kernel unless kernels=False, a tensor-parallel split: tests/test_cpu_kernels.py.)"""
     sds = jax.ShapeDtypeStruct
     w = sds((576, 192), jnp.bfloat16)
     for rows in (1, 3, BF16_MIN_ROWS, BF16_MIN_ROWS + 5):
-        text = export.export(jax.jit(matmul), platforms=[platform])(sds((rows, 576), jnp.bfloat16), w).mlir_module()
+        mm = jax.jit(lambda x, w: matmul(x, w, kernels=rows > few_row_matmul.MAX_ROWS["bfloat16"]))
+        text = export.export(mm, platforms=[platform])(sds((rows, 576), jnp.bfloat16), w).mlir_module()
         m = max(rows, BF16_MIN_ROWS)
         fast = f"(tensor<{m}x576xbf16>, tensor<576x192xbf16>) -> tensor<{m}x192xf32>"
         assert (fast in text) == (platform == "cpu"), (platform, rows)

@@ -9,6 +9,7 @@ import pytest
 from jaxserve.batching import model_runner
 from jaxserve.batching.engine_core import StepError
 from jaxserve.batching.batch_builder import Row
+from jaxserve.cpu_kernels import few_row_matmul
 from jaxserve.model.fused import fuse_kernels, with_fused_projections
 from jaxserve.perplexity import next_token_logits
 from jaxserve.quant import Int4Weight, Int8Weight, quantize_int4, quantize_params
@@ -60,8 +61,10 @@ def test_kernels_that_read_the_input_differently_stay_apart():
 
 
 def dots(hlo: str) -> int:
-    """The dots of a compiled program, wherever XLA put them (the top level, or inside a fusion)."""
-    return len(re.findall(r" dot\(", hlo))
+    """The products of a compiled program: XLA's dots, wherever it put them (the top level, or inside a fusion),
+    and the few-row CPU kernel's calls (jaxserve.cpu_kernels.few_row_matmul)."""
+    kernel = "|".join((few_row_matmul.FLOAT_TARGET, few_row_matmul.INT8_TARGET))
+    return len(re.findall(r" dot\(", hlo)) + len(re.findall(rf'custom_call_target="(?:{kernel})"', hlo))
 
 
 def test_the_cpu_runner_serves_fused_projections_with_fewer_dots(tiny_dir, monkeypatch):

@@ -7,6 +7,7 @@ import pytest
 from jax import export
 
 from jaxserve import SamplingParams
+from jaxserve.cpu_kernels import few_row_matmul
 from jaxserve.quant import Int8Weight, int8_dot_matmul, matmul, quantize_int8
 from tiny import make_llm, prompts
 
@@ -36,7 +37,10 @@ def test_two_digit_activations_leave_only_the_weights_rounding(rows):
     one = np.abs(np.asarray(int8_dot_matmul(x, q, digits=1)) - exact).max()
     assert one > 20 * np.abs(got - exact).max(), f"seed {seed}"
     assert got.dtype == np.float32
-    np.testing.assert_array_equal(np.asarray(matmul(x, q)), got)  # what CPU's matmul runs for an int8 weight
+    if rows > few_row_matmul.MAX_ROWS["int8"]:
+        np.testing.assert_array_equal(np.asarray(matmul(x, q)), got)  # what CPU's matmul runs for an int8 weight
+    else:  # a decode's few rows: the FFI kernel, weight-only int8 in float32 (tests/test_cpu_kernels.py)
+        np.testing.assert_allclose(np.asarray(matmul(x, q)), exact, rtol=1e-4, atol=1e-4, err_msg=f"seed {seed}")
     with pytest.raises(ValueError, match="digits"):
         int8_dot_matmul(x, q, digits=3)
 
@@ -54,15 +58,22 @@ def test_a_zero_row_stays_zero_and_batch_dims_are_kept():
 @pytest.mark.parametrize("platform", ["cpu", "tpu", "cuda"])
 def test_only_cpu_multiplies_int8_weights_with_an_int32_dot(platform):
     """CPU: XLA:CPU's weight-only int8 (a convert into a float dot) ran 3-9x slower than float32, its integer dot
-    faster (scripts/bench_formats.py); TPU and GPU keep weight-only int8, as before. A one-row product has two
-    digit rows, so it stays a GEMM rather than XLA:CPU's slow one-row integer loop."""
+    faster (scripts/bench_formats.py); TPU and GPU keep weight-only int8, as before. Up to
+    few_row_matmul.MAX_ROWS rows CPU runs the FFI kernel instead (weight-only, streamed); with kernels=False (a
+    tensor-parallel split) a one-row product has two digit rows, so it stays a GEMM rather than XLA:CPU's slow
+    one-row integer loop."""
     sds = jax.ShapeDtypeStruct
     w = jax.eval_shape(lambda: quantize_int8(jnp.zeros((576, 192), jnp.float32)))
     assert isinstance(w, Int8Weight)
-    for rows in (1, 8):
-        text = export.export(jax.jit(matmul), platforms=[platform])(sds((rows, 576), jnp.float32), w).mlir_module()
+    few = few_row_matmul.MAX_ROWS["int8"]
+    for rows, kernels in ((1, False), (few + 1, True), (64, True)):
+        mm = jax.jit(lambda x, w: matmul(x, w, kernels=kernels))
+        text = export.export(mm, platforms=[platform])(sds((rows, 576), jnp.float32), w).mlir_module()
         int_dot = f"(tensor<{2 * rows}x576xi8>, tensor<576x192xi8>) -> tensor<{2 * rows}x192xi32>"
         assert (int_dot in text) == (platform == "cpu"), (platform, rows)
+    if platform == "cpu" and few_row_matmul.available():
+        text = jax.jit(matmul).lower(sds((few, 576), jnp.float32), w).as_text()
+        assert few_row_matmul.INT8_TARGET in text and "xi32>" not in text
 
 
 def test_engine_greedy_output_with_int8_weights_is_weight_only_int8s(tiny_dir):

@@ -61,7 +61,8 @@ def test_matmul_reads_int4_through_the_pallas_kernel_on_tpu_and_gpu(monkeypatch,
     """`matmul` as lowered for each platform: on TPU and GPU an int4 weight goes to the Pallas kernel (XLA would
     write a float copy of the weight first), unless it is split over a mesh (kernels=False); CPU keeps jnp. On GPU
     a one-row product of a float or int8 weight has a second row (XLA:GPU would write the weight-sized product of a
-    multiply + reduce); on CPU a bf16 one has 8 (XLA:CPU's one-row bf16 dot is a slow loop: tests/test_bf16_cpu.py)."""
+    multiply + reduce); on CPU a bf16 one has 8 (XLA:CPU's one-row bf16 dot is a slow loop: tests/test_bf16_cpu.py)
+    where the few-row CPU kernel is not used (kernels=False; tests/test_cpu_kernels.py)."""
     from jax import export
     from jax._src.pallas.mosaic import tpu_info
     monkeypatch.setattr(tpu_info, "get_device_kind", lambda: "TPU v5 lite")  # Mosaic asks which chip it targets
@@ -76,7 +77,8 @@ def test_matmul_reads_int4_through_the_pallas_kernel_on_tpu_and_gpu(monkeypatch,
     assert ("custom_call" in lowered(matmul, x, w)) == (platform != "cpu")
     assert "custom_call" not in lowered(lambda x, w: matmul(x, w, kernels=False), x, w)
     assert "custom_call" not in lowered(matmul, sds((KERNEL_MAX_ROWS + 1, 576), jnp.bfloat16), w)  # prefill: XLA
-    one_row = lowered(matmul, sds((1, 576), jnp.bfloat16), sds((576, 192), jnp.bfloat16))
+    one_row = lowered(lambda x, w: matmul(x, w, kernels=False), sds((1, 576), jnp.bfloat16),
+                      sds((576, 192), jnp.bfloat16))
     assert ("tensor<2x576xbf16>" in one_row) == (platform == "cuda")
     assert ("tensor<8x576xbf16>" in one_row) == (platform == "cpu")
 

@@ -10,6 +10,7 @@ import pytest
 from jaxserve.batching import model_runner
 from jaxserve.batching.batch_builder import Row
 from jaxserve.batching.model_runner import with_serving_head
+from jaxserve.cpu_kernels import few_row_matmul
 from jaxserve.quant import Int4Weight, Int8Weight, quantize_params
 from jaxserve.weights import load_model
 from test_step_program import entry, step_program
@@ -57,14 +58,15 @@ def test_every_other_model_and_platform_keeps_its_params(tiny_loaded, monkeypatc
 
 def test_the_cpu_engine_decodes_an_int8_model_through_an_int8_head(tiny_dir, monkeypatch):
     """The runner serves the int8 head: a decode step's program multiplies the head's int8 values (an int32
-    [rows, vocab] product), and its logits stay within the head's rounding of the float head's."""
+    [rows, vocab] product, or the few-row CPU kernel's call on them), and its logits stay within the head's
+    rounding of the float head's."""
     monkeypatch.setattr(model_runner, "INT8_HEAD_MIN_VOCAB", 320)
     llm = make_llm(tiny_dir, quantization="int8")
     V = llm.config.vocab_size
     assert isinstance(head_of(llm.runner.params), Int8Weight)
     top = entry(step_program(llm, [Row([5], 8, [1, 2, 3], slot=0, chained=True)]))
     head_dots = [line for line in top.split("\n") if "lm_head____kernel___values" in line
-                 and re.search(rf"= s32\[\d+,{V}\]", line)]
+                 and (re.search(rf"= s32\[\d+,{V}\]", line) or few_row_matmul.INT8_TARGET in line)]
     assert head_dots, f"no int8 product of the head's values at the step's top level:\n{top}"
 
     monkeypatch.setattr(model_runner, "INT8_HEAD_MIN_VOCAB", V + 1)

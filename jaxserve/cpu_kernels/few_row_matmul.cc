@@ -1,0 +1,171 @@
+// Few-row products y = x @ W on CPU, for decode steps: x [rows, in] float32, W [in, out] float32, bfloat16 or int8
+// (with a float32 scale per output column), y [rows, out] float32.
+//
+// A decode step with few rows reads every weight once and does little arithmetic on it, so its speed is the rate
+// the weights stream from memory. XLA:CPU's one-row dot reads a 576-wide float32 kernel at about two thirds of the
+// rate its large dots reach, and its bf16 and int8 one-row dots are compute loops (BENCHMARKS.md, issue 28). Here
+// W is read row after row, each row exactly once and in address order (four rows at a time, so each pass over the
+// accumulators in L1 takes four rows' products), widened to float32 in registers: the loop is plain C++ that the
+// compiler vectorizes for the CPU it is built on (jaxserve/cpu_kernels/build.py).
+//
+// The input rows are shared out in chunks between threads (parallel.h).
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <vector>
+
+#include "parallel.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int64_t kMaxRows = 8;
+constexpr int64_t kColumnBlock = 512;  // 4 weight rows x 2 KB of float32 stay in L1 across the rows of x
+constexpr int64_t kMaxHelpers = 63;
+
+inline float Widen(float v) { return v; }
+inline float Widen(int8_t v) { return static_cast<float>(v); }
+inline float Widen(uint16_t v) {  // bfloat16: the high half of a float32
+  uint32_t bits = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// acc[m, :] += x[m, k] * w[k, :] for k in [k0, k1), every m < M: each weight is widened once, for all M rows.
+template <int M, typename W>
+void AccumulateRows(const float* x, int64_t in, const W* w, int64_t out, int64_t k0, int64_t k1,
+                    float* __restrict acc) {
+  int64_t k = k0;
+  for (; k + 4 <= k1; k += 4) {
+    const W* __restrict w0 = w + k * out;
+    const W* __restrict w1 = w0 + out;
+    const W* __restrict w2 = w1 + out;
+    const W* __restrict w3 = w2 + out;
+    float a[M][4];
+    for (int m = 0; m < M; ++m) {
+      for (int i = 0; i < 4; ++i) a[m][i] = x[m * in + k + i];
+    }
+    for (int64_t j0 = 0; j0 < out; j0 += kColumnBlock) {
+      const int64_t j1 = std::min(out, j0 + kColumnBlock);
+      if constexpr (sizeof(W) < 4) {
+        // The next four rows' block into L1 ahead of use: bf16 and int8 rows carry fewer bytes per instruction,
+        // and without it their reads stall (int8, one row through the default model's weights, 2 vCPU AMD EPYC:
+        // 26.5 -> 31 GB/s; float32 reads no faster with it).
+        if (k + 8 <= k1) {
+          const W* next = w3 + out;
+          for (int64_t j = j0; j < j1; j += 64 / sizeof(W)) {
+            for (int r = 0; r < 4; ++r) __builtin_prefetch(next + r * out + j, 0, 3);
+          }
+        }
+      }
+#pragma omp simd
+      for (int64_t j = j0; j < j1; ++j) {
+        const float v0 = Widen(w0[j]), v1 = Widen(w1[j]), v2 = Widen(w2[j]), v3 = Widen(w3[j]);
+        for (int m = 0; m < M; ++m) acc[m * out + j] += a[m][0] * v0 + a[m][1] * v1 + a[m][2] * v2 + a[m][3] * v3;
+      }
+    }
+  }
+  for (; k < k1; ++k) {
+    const W* __restrict wk = w + k * out;
+#pragma omp simd
+    for (int64_t j = 0; j < out; ++j) {
+      const float v = Widen(wk[j]);
+      for (int m = 0; m < M; ++m) acc[m * out + j] += x[m * in + k] * v;
+    }
+  }
+}
+
+template <typename W>
+void AccumulateRows(int64_t rows, const float* x, int64_t in, const W* w, int64_t out, int64_t k0, int64_t k1,
+                    float* acc) {
+  switch (rows) {
+    case 1: return AccumulateRows<1>(x, in, w, out, k0, k1, acc);
+    case 2: return AccumulateRows<2>(x, in, w, out, k0, k1, acc);
+    case 3: return AccumulateRows<3>(x, in, w, out, k0, k1, acc);
+    case 4: return AccumulateRows<4>(x, in, w, out, k0, k1, acc);
+    case 5: return AccumulateRows<5>(x, in, w, out, k0, k1, acc);
+    case 6: return AccumulateRows<6>(x, in, w, out, k0, k1, acc);
+    case 7: return AccumulateRows<7>(x, in, w, out, k0, k1, acc);
+    default: return AccumulateRows<8>(x, in, w, out, k0, k1, acc);
+  }
+}
+
+// y = (x @ w) * scale (per output column; none: 1).
+template <typename W>
+ffi::Error Matmul(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, const void* w, ffi::Span<const int64_t> wd,
+                  const float* scale, ffi::ResultBuffer<ffi::F32>& y) {
+  auto xd = x.dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[0] || xd[0] > kMaxRows) {
+    return ffi::Error::InvalidArgument("jaxserve matmul: x must be [rows <= 8, in] and w [in, out]");
+  }
+  const int64_t rows = xd[0], in = xd[1], out = wd[1];
+  float* y_data = y->typed_data();
+  std::fill(y_data, y_data + rows * out, 0.0f);
+
+  const float* x_data = x.typed_data();
+  const W* w_data = static_cast<const W*>(w);
+  // The input rows in a fixed number of chunks, each summed into its own partial product, and the partials added
+  // in chunk order: the same result whichever thread ran which chunk (a sum per thread would change with the
+  // threads' timing). A few chunks per thread, so a helper that starts late still finds work.
+  const int64_t num_chunks = std::min<int64_t>(std::max<int64_t>(8, 2 * pool.num_threads()), (in + 3) / 4);
+  const int64_t chunk = (in / num_chunks + 3) / 4 * 4;
+  thread_local std::vector<float> partials;  // [num_chunks - 1, rows, out]: chunk 0 sums into y itself
+  partials.resize(std::max<size_t>(partials.size(), (num_chunks - 1) * rows * out));
+  float* partial = partials.data();
+  jaxserve::ParallelChunks(pool, num_chunks, kMaxHelpers, [&](int64_t c, int) {
+    float* acc = c == 0 ? y_data : partial + (c - 1) * rows * out;
+    if (c > 0) std::fill(acc, acc + rows * out, 0.0f);
+    const int64_t k0 = std::min(in, c * chunk), k1 = c + 1 == num_chunks ? in : std::min(in, (c + 1) * chunk);
+    AccumulateRows(rows, x_data, in, w_data, out, k0, k1, acc);
+  });
+  for (int64_t c = 1; c < num_chunks; ++c) {
+    const float* acc = partial + (c - 1) * rows * out;
+    for (int64_t j = 0; j < rows * out; ++j) y_data[j] += acc[j];
+  }
+  if (scale != nullptr) {
+    for (int64_t m = 0; m < rows; ++m) {
+      for (int64_t j = 0; j < out; ++j) y_data[m * out + j] *= scale[j];
+    }
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error FloatMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
+                       ffi::ResultBuffer<ffi::F32> y) {
+  switch (w.element_type()) {
+    case ffi::DataType::F32:
+      return Matmul<float>(pool, x, w.untyped_data(), w.dimensions(), nullptr, y);
+    case ffi::DataType::BF16:
+      return Matmul<uint16_t>(pool, x, w.untyped_data(), w.dimensions(), nullptr, y);
+    default:
+      return ffi::Error::InvalidArgument("jaxserve matmul: weights must be float32 or bfloat16");
+  }
+}
+
+ffi::Error Int8Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w,
+                      ffi::Buffer<ffi::F32> scale, ffi::ResultBuffer<ffi::F32> y) {
+  return Matmul<int8_t>(pool, x, w.typed_data(), w.dimensions(), scale.typed_data(), y);
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveFloatMatmul, FloatMatmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveInt8Matmul, Int8Matmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());

@@ -1,0 +1,112 @@
+"""The hand-written CPU kernels (jaxserve.cpu_kernels) against XLA's own lowering of the same product."""
+import concurrent.futures
+import logging
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxserve import quant
+from jaxserve.cpu_kernels import build, few_row_matmul
+
+pytestmark = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("clang++") is None,
+                                reason="no C++ compiler to build the CPU kernels")
+
+
+def _operands(seed, fmt, rows, n_in, n_out):
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.standard_normal((rows, n_in)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((n_in, n_out)) * 0.05, jnp.float32)
+    if fmt == "int8":
+        w = quant.quantize_int8(w)
+        dense = w.values.astype(jnp.float32) * w.scale  # [in, out]: exactly what the kernel multiplies
+    else:
+        w = w.astype(fmt)
+        dense = w.astype(jnp.float32)
+    return x, w, dense
+
+
+def _uses_kernel(x, w, kernels=True) -> bool:
+    text = jax.jit(lambda x, w: quant.matmul(x, w, kernels=kernels)).lower(x, w).as_text()
+    return few_row_matmul.FLOAT_TARGET in text or few_row_matmul.INT8_TARGET in text
+
+
+@pytest.mark.parametrize("fmt", ["float32", "bfloat16", "int8"])
+@pytest.mark.parametrize("rows", [1, 3, "max"])
+# Inputs not a multiple of the kernel's 4-row groups, outputs past one 512-column block and not a vector's multiple;
+# the longest input gives each thread several chunks.
+@pytest.mark.parametrize("n_in,n_out", [(577, 1001), (64, 16), (3000, 96)])
+def test_few_row_matmul_is_the_product_in_float32(fmt, rows, n_in, n_out):
+    assert few_row_matmul.available(), "the CPU kernel did not build (see the jaxserve log)"
+    rows = few_row_matmul.MAX_ROWS[fmt] if rows == "max" else rows
+    seed = hash((fmt, rows, n_in, n_out)) % 2**31
+    x, w, dense = _operands(seed, fmt, rows, n_in, n_out)
+    assert _uses_kernel(x, w)
+    got = jax.jit(quant.matmul)(x, w)  # [rows, out]
+    want = jnp.dot(x, dense, precision="highest")
+    # float32 sums in another order: the error scales with the sum of |terms|.
+    bound = 1e-5 * jnp.dot(jnp.abs(x), jnp.abs(dense), precision="highest") + 1e-6
+    assert got.shape == want.shape and got.dtype == x.dtype
+    assert bool(jnp.all(jnp.abs(got - want) <= bound)), f"seed {seed}: max error {jnp.max(jnp.abs(got - want))}"
+
+
+def test_bf16_activations_come_back_bf16():
+    x, w, dense = _operands(0, "bfloat16", 2, 130, 70)
+    got = jax.jit(quant.matmul)(x.astype(jnp.bfloat16), w)
+    assert got.dtype == jnp.bfloat16
+    want = jnp.dot(x.astype(jnp.bfloat16).astype(jnp.float32), dense, precision="highest")
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), rtol=1e-2, atol=1e-2)
+
+
+def test_more_rows_tensor_parallel_and_int4_stay_with_xla():
+    for fmt, limit in few_row_matmul.MAX_ROWS.items():
+        x, w, _ = _operands(1, fmt, limit + 1, 64, 32)
+        assert not _uses_kernel(x, w), fmt
+        assert _uses_kernel(x[:limit], w), fmt
+        assert not _uses_kernel(x[:1], w, kernels=False), fmt  # split over a mesh: the partitioner can't split it
+    x, w, _ = _operands(2, "float32", 1, 64, 32)
+    assert not _uses_kernel(x, quant.quantize_int4(w))
+
+
+def test_the_kernel_refuses_more_rows_than_it_holds():
+    x, w, _ = _operands(3, "float32", 9, 16, 16)
+    with pytest.raises(Exception, match=r"x must be \[rows <= 8, in\]"):
+        jax.jit(few_row_matmul.float_matmul)(x, w).block_until_ready()
+
+
+def test_concurrent_calls_each_get_their_own_product():
+    """Calls from several threads at once share XLA's pool: each call's helpers join that call's job only."""
+    f = jax.jit(quant.matmul)
+    cases = [_operands(seed, "float32", 1 + seed % 4, 2048, 640) for seed in range(8)]
+    wants = [np.asarray(f(x, w)) for x, w, _ in cases]
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        for _ in range(5):
+            gots = list(pool.map(lambda c: np.asarray(f(c[0], c[1])), cases * 3))
+            for i, got in enumerate(gots):
+                np.testing.assert_array_equal(got, wants[i % len(cases)], err_msg=f"case {i % len(cases)}")
+
+
+def test_a_compiler_that_fails_turns_the_kernels_off_with_a_warning(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("JAXSERVE_CACHE", str(tmp_path))
+    compiler = tmp_path / "cxx"
+    compiler.write_text('#!/bin/sh\n[ "$1" = --version ] && echo "fake 1.0" && exit 0\necho "error: nope" >&2\nexit 1\n')
+    compiler.chmod(0o755)
+    monkeypatch.setenv("CXX", str(compiler))
+    with caplog.at_level(logging.WARNING, logger="jaxserve"):
+        assert build.load.__wrapped__("few_row_matmul.cc") is None
+    assert "building few_row_matmul.cc failed, CPU kernels off" in caplog.text and "error: nope" in caplog.text
+    assert not list((tmp_path / "cpu_kernels").glob("*"))  # no half-built library left behind
+    monkeypatch.setenv(build.ENV_SWITCH, "0")
+    assert build.load.__wrapped__("few_row_matmul.cc") is None
+
+
+def test_the_library_is_built_once_and_reused(monkeypatch, tmp_path):
+    monkeypatch.setenv("JAXSERVE_CACHE", str(tmp_path))
+    assert build.load.__wrapped__("few_row_matmul.cc") is not None
+    built = list((tmp_path / "cpu_kernels").glob("*.so"))
+    assert len(built) == 1
+    mtime = built[0].stat().st_mtime_ns
+    assert build.load.__wrapped__("few_row_matmul.cc") is not None
+    assert built[0].stat().st_mtime_ns == mtime
