@@ -11,16 +11,19 @@ possible: the oracle for every other implementation in the tests; slow, but diff
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
 from jaxserve import pallas_kernels as pk
 from jaxserve.batch import RaggedRows
-from jaxserve.cache.kv_cache import read_blocks, write_pages
+from jaxserve.cache.kv_cache import Int8Pages, read_blocks, write_pages
+from jaxserve.cpu_kernels import paged_attention as cpu_paged_attention
 from jaxserve.options import ATTENTION_BACKENDS as BACKENDS
 from jaxserve.pallas_kernels.reference import ragged_attention_reference
 
-__all__ = ["BACKENDS", "attention", "ragged_attention", "ragged_attention_reference", "resolve_attention_backend",
+__all__ = ["BACKENDS", "attention", "blocked_attention", "ragged_attention", "ragged_attention_reference", "resolve_attention_backend",
            "write_kv"]
 
 
@@ -75,7 +78,41 @@ def write_kv(k_pages, v_pages, k, v, slot_mapping):
 
 def ragged_attention(q, k, v, k_pages, v_pages, rows: RaggedRows, *, sliding_window=None, block_pages=8,
                      num_groups=2, long_row_share=8, small_step=64, own_block=128):
-    """`ragged_attention_reference` computed in parts, each with an online softmax, for XLA:CPU.
+    """`ragged_attention_reference` for XLA:CPU. Same arguments and result.
+
+    A step of at most `small_step` tokens (decoding) runs on CPU as one kernel per layer that reads each token's
+    cached keys from the pages in place (`jaxserve.cpu_kernels.paged_attention`); longer steps, other platforms and
+    a machine where the kernel cannot be built take the blocked jnp path (`blocked_attention`). The default model's
+    layer alone, jitted (2 vCPU AMD EPYC, 2026-12-06, interleaved, median of 30), ms blocked / kernel: 1 row after
+    512 tokens 0.24 / 0.09, 16 rows after 512 2.03 / 1.63, 64 rows after 64 1.98 / 1.01; in a whole batch-1 engine
+    step only 19.4 / 19.1 ms (XLA fuses the blocked path's ops better inside the step than alone).
+    """
+    blocked = functools.partial(blocked_attention, sliding_window=sliding_window, block_pages=block_pages,
+                                num_groups=num_groups, long_row_share=long_row_share, small_step=small_step,
+                                own_block=own_block)
+    if q.shape[0] > small_step:
+        return blocked(q, k, v, k_pages, v_pages, rows)
+    in_place = functools.partial(_paged_attention_cpu, blocked, sliding_window)
+    return jax.lax.platform_dependent(q, k, v, k_pages, v_pages, rows, cpu=in_place, default=blocked)
+
+
+def _paged_attention_cpu(blocked, sliding_window, q, k, v, k_pages, v_pages, rows: RaggedRows):
+    if not cpu_paged_attention.available():
+        return blocked(q, k, v, k_pages, v_pages, rows)
+    T, H, D = q.shape
+    KVH = k.shape[1]
+    row, pos = rows.token_row, rows.positions
+    (k_stored, k_scale), (v_stored, v_scale) = ((p.values, p.scale) if isinstance(p, Int8Pages) else (p, None)
+                                                for p in (k_pages, v_pages))
+    out = cpu_paged_attention.paged_attention(
+        q.reshape(T, KVH, H // KVH, D) * (D ** -0.5), k, v, row, pos, rows.cached_lens[row], rows.page_table[row],
+        k_stored, v_stored, k_scale, v_scale, sliding_window)  # [T, KVH, G, D]
+    return out.reshape(T, H, D).astype(v.dtype)
+
+
+def blocked_attention(q, k, v, k_pages, v_pages, rows: RaggedRows, *, sliding_window=None, block_pages=8,
+                      num_groups=2, long_row_share=8, small_step=64, own_block=128):
+    """`ragged_attention_reference` computed in parts, each with an online softmax, in jnp for XLA.
 
     Same arguments and result. Three parts, merged by log-sum-exp:
       - the step's own keys: a masked attention (same row, causal) over the flat tokens, in blocks of `own_block`

@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.attention import attention, ragged_attention, ragged_attention_reference, write_kv
+from jaxserve.attention import attention, blocked_attention, ragged_attention, ragged_attention_reference, write_kv
 from jaxserve.cache.kv_cache import BF16_BITS, Int8Pages, read_blocks, read_head_major
 from ragged import KINDS, expected, random_ragged_case, row_lengths
 
@@ -17,7 +17,7 @@ def test_matches_dense_attention(kind, page_size, heads, kv_heads, window):
     rng = np.random.default_rng(seed)
     case = random_ragged_case(rng, row_lengths(rng, kind), page_size=page_size, heads=heads, kv_heads=kv_heads)
     want = expected(case, window)
-    for fn in (ragged_attention_reference, ragged_attention):
+    for fn in (ragged_attention_reference, ragged_attention, blocked_attention):
         got = np.asarray(fn(case.q, case.k, case.v, jnp.asarray(case.k_pages), jnp.asarray(case.v_pages),
                                    case.rows, sliding_window=window))
         assert np.isfinite(got).all(), f"seed {seed}"

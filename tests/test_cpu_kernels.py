@@ -9,7 +9,10 @@ import numpy as np
 import pytest
 
 from jaxserve import quant
-from jaxserve.cpu_kernels import build, few_row_matmul
+from jaxserve.attention import blocked_attention, ragged_attention
+from jaxserve.cache.kv_cache import BF16_BITS, Int8Pages
+from jaxserve.cpu_kernels import build, few_row_matmul, paged_attention
+from ragged import expected, random_ragged_case
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("clang++") is None,
                                 reason="no C++ compiler to build the CPU kernels")
@@ -110,3 +113,53 @@ def test_the_library_is_built_once_and_reused(monkeypatch, tmp_path):
     mtime = built[0].stat().st_mtime_ns
     assert build.load.__wrapped__("few_row_matmul.cc") is not None
     assert built[0].stat().st_mtime_ns == mtime
+
+
+def _stored_pages(pages, stored, pad_to):
+    """float32 pages [num_pages, kv_heads, page_size, D] as the cache stores them, head_dim padded with junk to
+    pad_to (a TPU-padded cache's layout: readers must cut it)."""
+    rng = np.random.default_rng(0)
+    junk = rng.standard_normal((*pages.shape[:-1], pad_to - pages.shape[-1])).astype(np.float32) * 100
+    pages = jnp.asarray(np.concatenate([pages, junk], axis=-1))
+    if stored == "int8":
+        scale = jnp.max(jnp.abs(pages), axis=-1) / 127.0
+        return Int8Pages(jnp.round(pages / scale[..., None]).astype(jnp.int8), scale)
+    if stored == "bf16 bits":
+        return jax.lax.bitcast_convert_type(pages.astype(jnp.bfloat16), BF16_BITS)
+    return pages
+
+
+@pytest.mark.parametrize("stored", ["float32", "int8", "bf16 bits"])
+@pytest.mark.parametrize("window", [None, 7])
+def test_paged_attention_is_the_blocked_walk(stored, window):
+    """A few-token step's attention by the kernel (cached keys read in place, then the step's own) equals the
+    blocked jnp path over the same pages (and, for float32 pages, the dense oracle): decode rows and short prompt
+    chunks with and without a cached prefix, padding tokens and rows, a sliding window, a head_dim the pages pad."""
+    assert paged_attention.available(), "the CPU kernel did not build (see the jaxserve log)"
+    seed = int(np.random.default_rng().integers(1 << 31))
+    rng = np.random.default_rng(seed)
+    lengths = ([(int(rng.integers(1, 300)), 1) for _ in range(3)]
+               + [(int(rng.integers(0, 2)) * int(rng.integers(0, 100)), int(rng.integers(2, 12))) for _ in range(2)])
+    case = random_ragged_case(rng, lengths, page_size=4, heads=6, kv_heads=2, head_dim=20)
+    k_pages, v_pages = (_stored_pages(p, stored, 24) for p in (case.k_pages, case.v_pages))
+    args = (case.q, case.k, case.v, k_pages, v_pages, case.rows)
+    in_place = jax.jit(lambda *a: ragged_attention(*a, sliding_window=window))
+    assert paged_attention.TARGET in in_place.lower(*args).as_text()
+    got = np.asarray(in_place(*args))
+    walked = np.asarray(blocked_attention(*args, sliding_window=window))
+    np.testing.assert_allclose(got, walked, rtol=1e-4, atol=1e-5, err_msg=f"seed {seed}")
+    if stored == "float32":
+        np.testing.assert_allclose(got, expected(case, window), rtol=2e-4, atol=2e-5, err_msg=f"seed {seed}")
+
+
+def test_paged_attention_refuses_a_page_outside_the_cache():
+    q = jnp.zeros((1, 2, 3, 8), jnp.float32)  # [T, kv_heads, G, D]
+    k = jnp.zeros((1, 2, 8), jnp.float32)  # [T, kv_heads, D]
+    pages = jnp.zeros((5, 2, 4, 8), jnp.float32)  # [num_pages, kv_heads, page_size, D]
+    one = jnp.asarray([0], jnp.int32)
+    lens = jnp.asarray([6], jnp.int32)
+    call = jax.jit(paged_attention.paged_attention)
+    ok = call(q, k, k, one, lens, lens, jnp.asarray([[1, 4]], jnp.int32), pages, pages)
+    assert ok.shape == (1, 2, 3, 8)
+    with pytest.raises(Exception, match="a page id outside the cache"):
+        jax.block_until_ready(call(q, k, k, one, lens, lens, jnp.asarray([[1, 5]], jnp.int32), pages, pages))

@@ -83,3 +83,15 @@ def load(source_name: str) -> ctypes.CDLL | None:
             if os.path.exists(partial):
                 os.remove(partial)
     return ctypes.CDLL(str(library))
+
+
+@functools.cache
+def register(source_name: str, targets: tuple[tuple[str, str], ...]) -> bool:
+    """Registers each (target, symbol) of the library built from `source_name` with XLA:CPU's FFI, once; False
+    where the library cannot be built (or the kernels are switched off)."""
+    library = load(source_name)
+    if library is None:
+        return False
+    for target, symbol in targets:
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
+    return True

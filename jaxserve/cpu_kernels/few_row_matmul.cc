@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "parallel.h"
+#include "widen.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -28,14 +29,7 @@ constexpr int64_t kMaxRows = 8;
 constexpr int64_t kColumnBlock = 512;  // 4 weight rows x 2 KB of float32 stay in L1 across the rows of x
 constexpr int64_t kMaxHelpers = 63;
 
-inline float Widen(float v) { return v; }
-inline float Widen(int8_t v) { return static_cast<float>(v); }
-inline float Widen(uint16_t v) {  // bfloat16: the high half of a float32
-  uint32_t bits = static_cast<uint32_t>(v) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
+using jaxserve::Widen;
 
 // acc[m, :] += x[m, k] * w[k, :] for k in [k0, k1), every m < M: each weight is widened once, for all M rows.
 template <int M, typename W>

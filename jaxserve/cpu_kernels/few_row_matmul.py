@@ -15,8 +15,6 @@ float32 at 40-43, about what the machine gives one process.
 """
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 
@@ -26,15 +24,10 @@ MAX_ROWS = {"float32": 4, "bfloat16": 8, "int8": 8}  # the most rows (the table 
 FLOAT_TARGET, INT8_TARGET = "jaxserve_float_matmul", "jaxserve_int8_matmul"
 
 
-@functools.cache
 def available() -> bool:
     """The kernel is built and registered with XLA:CPU (False where it cannot be built, or is switched off)."""
-    library = build.load("few_row_matmul.cc")
-    if library is None:
-        return False
-    jax.ffi.register_ffi_target(FLOAT_TARGET, jax.ffi.pycapsule(library.JaxserveFloatMatmul), platform="cpu")
-    jax.ffi.register_ffi_target(INT8_TARGET, jax.ffi.pycapsule(library.JaxserveInt8Matmul), platform="cpu")
-    return True
+    return build.register("few_row_matmul.cc", ((FLOAT_TARGET, "JaxserveFloatMatmul"),
+                                                (INT8_TARGET, "JaxserveInt8Matmul")))
 
 
 def float_matmul(x, kernel):
