@@ -23,8 +23,8 @@ from jaxserve.cpu_kernels import paged_attention as cpu_paged_attention
 from jaxserve.options import ATTENTION_BACKENDS as BACKENDS
 from jaxserve.pallas_kernels.reference import ragged_attention_reference
 
-__all__ = ["BACKENDS", "attention", "blocked_attention", "ragged_attention", "ragged_attention_reference", "resolve_attention_backend",
-           "write_kv"]
+__all__ = ["BACKENDS", "attention", "blocked_attention", "ragged_attention", "ragged_attention_reference",
+           "resolve_attention_backend", "write_kv"]
 
 
 def resolve_attention_backend(name: str, platform: str | None = None) -> str:
@@ -84,8 +84,9 @@ def ragged_attention(q, k, v, k_pages, v_pages, rows: RaggedRows, *, sliding_win
     cached keys from the pages in place (`jaxserve.cpu_kernels.paged_attention`); longer steps, other platforms and
     a machine where the kernel cannot be built take the blocked jnp path (`blocked_attention`). The default model's
     layer alone, jitted (2 vCPU AMD EPYC, 2026-12-06, interleaved, median of 30), ms blocked / kernel: 1 row after
-    512 tokens 0.24 / 0.09, 16 rows after 512 2.03 / 1.63, 64 rows after 64 1.98 / 1.01; in a whole batch-1 engine
-    step only 19.4 / 19.1 ms (XLA fuses the blocked path's ops better inside the step than alone).
+    512 tokens 0.24 / 0.09, 16 rows after 512 2.03 / 1.63, 64 rows after 64 1.98 / 1.01. Inside a batch-1 engine
+    step the gain was smaller (XLA fuses the blocked path's ops better there, and the kernel reads its pages cold):
+    19.4 / 19.1 ms a step with the kernel's first version, whose calls took 120 us a layer in the step, 78 now.
     """
     blocked = functools.partial(blocked_attention, sliding_window=sliding_window, block_pages=block_pages,
                                 num_groups=num_groups, long_row_share=long_row_share, small_step=small_step,

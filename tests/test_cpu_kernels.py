@@ -94,7 +94,8 @@ def test_concurrent_calls_each_get_their_own_product():
 def test_a_compiler_that_fails_turns_the_kernels_off_with_a_warning(monkeypatch, tmp_path, caplog):
     monkeypatch.setenv("JAXSERVE_CACHE", str(tmp_path))
     compiler = tmp_path / "cxx"
-    compiler.write_text('#!/bin/sh\n[ "$1" = --version ] && echo "fake 1.0" && exit 0\necho "error: nope" >&2\nexit 1\n')
+    compiler.write_text('#!/bin/sh\n[ "$1" = --version ] && echo "fake 1.0" && exit 0\n'
+                        'echo "error: nope" >&2\nexit 1\n')
     compiler.chmod(0o755)
     monkeypatch.setenv("CXX", str(compiler))
     with caplog.at_level(logging.WARNING, logger="jaxserve"):

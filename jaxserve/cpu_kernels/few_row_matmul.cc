@@ -11,10 +11,8 @@
 // The input rows are shared out in chunks between threads (parallel.h).
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstring>
-#include <memory>
 #include <vector>
 
 #include "parallel.h"
@@ -107,8 +105,9 @@ ffi::Error Matmul(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, const void* w
   // The input rows in a fixed number of chunks, each summed into its own partial product, and the partials added
   // in chunk order: the same result whichever thread ran which chunk (a sum per thread would change with the
   // threads' timing). A few chunks per thread, so a helper that starts late still finds work.
-  const int64_t num_chunks = std::min<int64_t>(std::max<int64_t>(8, 2 * pool.num_threads()), (in + 3) / 4);
-  const int64_t chunk = (in / num_chunks + 3) / 4 * 4;
+  const int64_t num_chunks =
+      std::max<int64_t>(1, std::min<int64_t>(std::max<int64_t>(8, 2 * pool.num_threads()), (in + 3) / 4));
+  const int64_t chunk = std::max<int64_t>(4, (in / num_chunks + 3) / 4 * 4);
   thread_local std::vector<float> partials;  // [num_chunks - 1, rows, out]: chunk 0 sums into y itself
   partials.resize(std::max<size_t>(partials.size(), (num_chunks - 1) * rows * out));
   float* partial = partials.data();

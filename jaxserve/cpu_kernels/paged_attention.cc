@@ -122,7 +122,8 @@ void AttendPart(const Step& s, int64_t t, int64_t h, int64_t split, int64_t spli
   // Page by page: a page's keys are rows base .. base + page_size - 1 of [pages * heads * page_size, head_dim].
   auto for_each_key = [&](auto visit) {
     for (int64_t page = lo / ps; page * ps < hi; ++page) {
-      visit(page, std::max(lo, page * ps), std::min(hi, (page + 1) * ps), (ids[page] * s.kv_heads + h) * ps - page * ps);
+      const int64_t base = (ids[page] * s.kv_heads + h) * ps - page * ps;
+      visit(page, std::max(lo, page * ps), std::min(hi, (page + 1) * ps), base);
     }
   };
   for_each_key([&](int64_t page, int64_t k0, int64_t k1, int64_t base) {
