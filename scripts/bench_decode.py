@@ -11,7 +11,8 @@ weight / KV-cache format (quantized weights, int8 KV pages), at --format-batch-s
 
 Beside each format's batch-1 figure, its step's weight dots alone (`weight_dots_ms`): one row through every linear
 weight the runner serves, as a decode step chains them, with nothing else (no attention, sampling or host work), so
-a step's time splits into XLA:CPU's reading of its weights and the rest.
+a step's time splits into the reading of its weights (on CPU, up to its row limits, by the few-row kernel of
+jaxserve.cpu_kernels, which matmul calls from XLA:CPU's program) and the rest.
 
 Two bandwidths set the floor: the probe's (scripts/peers.py, numpy, before anything runs) and XLA's own read rate
 (a one-row float32 dot over 512 MB, as a decode step's), sampled before each of jaxserve's decode runs, so that it
