@@ -153,7 +153,7 @@ def test_paged_attention_is_the_blocked_walk(stored, window):
         np.testing.assert_allclose(got, expected(case, window), rtol=2e-4, atol=2e-5, err_msg=f"seed {seed}")
 
 
-def test_paged_attention_refuses_a_page_outside_the_cache():
+def test_paged_attention_refuses_a_table_that_would_read_outside_the_cache():
     q = jnp.zeros((1, 2, 3, 8), jnp.float32)  # [T, kv_heads, G, D]
     k = jnp.zeros((1, 2, 8), jnp.float32)  # [T, kv_heads, D]
     pages = jnp.zeros((5, 2, 4, 8), jnp.float32)  # [num_pages, kv_heads, page_size, D]
@@ -164,3 +164,6 @@ def test_paged_attention_refuses_a_page_outside_the_cache():
     assert ok.shape == (1, 2, 3, 8)
     with pytest.raises(Exception, match="a page id outside the cache"):
         jax.block_until_ready(call(q, k, k, one, lens, lens, jnp.asarray([[1, 5]], jnp.int32), pages, pages))
+    long = jnp.asarray([9], jnp.int32)  # more keys than two pages of 4 hold
+    with pytest.raises(Exception, match="cached length exceeds its pages"):
+        jax.block_until_ready(call(q, k, k, one, long, long, jnp.asarray([[1, 4]], jnp.int32), pages, pages))

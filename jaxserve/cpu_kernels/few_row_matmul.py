@@ -24,6 +24,11 @@ MAX_ROWS = {"float32": 4, "bfloat16": 8, "int8": 8}  # the most rows (the table 
 FLOAT_TARGET, INT8_TARGET = "jaxserve_float_matmul", "jaxserve_int8_matmul"
 
 
+def _registered() -> None:
+    if not available():
+        raise RuntimeError("the CPU kernels are switched off or could not be built (see the jaxserve log)")
+
+
 def available() -> bool:
     """The kernel is built and registered with XLA:CPU (False where it cannot be built, or is switched off)."""
     return build.register("few_row_matmul.cc", ((FLOAT_TARGET, "JaxserveFloatMatmul"),
@@ -32,6 +37,7 @@ def available() -> bool:
 
 def float_matmul(x, kernel):
     """x [..., in] @ kernel [in, out] (float32 or bfloat16) -> [..., out] in x's dtype, float32 arithmetic."""
+    _registered()
     rows = x.reshape(-1, x.shape[-1]).astype(jnp.float32)  # [M, in]
     out = jax.ffi.ffi_call(FLOAT_TARGET, jax.ShapeDtypeStruct((rows.shape[0], kernel.shape[1]), jnp.float32))(
         rows, kernel)  # [M, out]
@@ -40,6 +46,7 @@ def float_matmul(x, kernel):
 
 def int8_matmul(x, values, scale):
     """x [..., in] @ (values [in, out] int8 * scale [out]) -> [..., out] in x's dtype, float32 arithmetic."""
+    _registered()
     rows = x.reshape(-1, x.shape[-1]).astype(jnp.float32)  # [M, in]
     out = jax.ffi.ffi_call(INT8_TARGET, jax.ShapeDtypeStruct((rows.shape[0], values.shape[1]), jnp.float32))(
         rows, values, scale.astype(jnp.float32))  # [M, out]

@@ -13,6 +13,11 @@ from jaxserve.cpu_kernels import build
 TARGET = "jaxserve_paged_attention"
 
 
+def _registered() -> None:
+    if not available():
+        raise RuntimeError("the CPU kernels are switched off or could not be built (see the jaxserve log)")
+
+
 def available() -> bool:
     """The kernel is built and registered with XLA:CPU (False where it cannot be built, or is switched off)."""
     return build.register("paged_attention.cc", ((TARGET, "JaxservePagedAttention"),))
@@ -31,6 +36,7 @@ def paged_attention(q, k, v, token_row, positions, cached_lens, page_ids, k_page
                  k_scale, v_scale float32 [num_pages, kv_heads, page_size]
     Returns float32 [T, kv_heads, G, head_dim].
     """
+    _registered()
     f32 = functools.partial(jnp.asarray, dtype=jnp.float32)
     i32 = functools.partial(jnp.asarray, dtype=jnp.int32)
     none = jnp.zeros((0,), jnp.float32)
