@@ -132,17 +132,20 @@ def _stored_pages(pages, stored, pad_to):
 
 @pytest.mark.parametrize("stored", ["float32", "int8", "bf16 bits"])
 @pytest.mark.parametrize("window", [None, 7])
-def test_paged_attention_is_the_blocked_walk(stored, window):
+# Any head_dim (20), and those with loops of their own.
+@pytest.mark.parametrize("head_dim,page_size", [(20, 4), (64, 32), (128, 16), (256, 8)])
+def test_paged_attention_is_the_blocked_walk(stored, window, head_dim, page_size):
     """A few-token step's attention by the kernel (cached keys read in place, then the step's own) equals the
     blocked jnp path over the same pages (and, for float32 pages, the dense oracle): decode rows and short prompt
-    chunks with and without a cached prefix, padding tokens and rows, a sliding window, a head_dim the pages pad."""
+    chunks (more own keys than a block of 16) with and without a cached prefix, padding tokens and rows, a sliding
+    window, a head_dim the pages pad."""
     assert paged_attention.available(), "the CPU kernel did not build (see the jaxserve log)"
     seed = int(np.random.default_rng().integers(1 << 31))
     rng = np.random.default_rng(seed)
     lengths = ([(int(rng.integers(1, 300)), 1) for _ in range(3)]
-               + [(int(rng.integers(0, 2)) * int(rng.integers(0, 100)), int(rng.integers(2, 12))) for _ in range(2)])
-    case = random_ragged_case(rng, lengths, page_size=4, heads=6, kv_heads=2, head_dim=20)
-    k_pages, v_pages = (_stored_pages(p, stored, 24) for p in (case.k_pages, case.v_pages))
+               + [(int(rng.integers(0, 2)) * int(rng.integers(0, 100)), int(rng.integers(2, 28))) for _ in range(2)])
+    case = random_ragged_case(rng, lengths, page_size=page_size, heads=6, kv_heads=2, head_dim=head_dim)
+    k_pages, v_pages = (_stored_pages(p, stored, head_dim + 4) for p in (case.k_pages, case.v_pages))
     args = (case.q, case.k, case.v, k_pages, v_pages, case.rows)
     in_place = jax.jit(lambda *a: ragged_attention(*a, sliding_window=window))
     assert paged_attention.TARGET in in_place.lower(*args).as_text()

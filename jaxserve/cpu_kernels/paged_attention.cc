@@ -2,19 +2,20 @@
 // jaxserve.attention.ragged_attention's path for steps of at most `small_step` tokens.
 //
 // In jnp, XLA:CPU gathers every block of pages a token reads into a new array before its dots, and a layer's
-// attention is some twenty small ops, each a pass of XLA's runtime (BENCHMARKS.md, issue 28). Here each (token,
-// KV head) reads its pages' [page_size, head_dim] tiles where they lie, then the step's own keys of its row up to
-// its position: all its scores, one softmax, the weighted sum of the values, for the G query heads of the group
-// at once. A padding token (position < 0) gets zeros.
+// attention is some twenty small ops, each a pass of XLA's runtime (BENCHMARKS.md, issue 28). Here each token reads
+// its pages where they lie, every KV head of a page at once, then the step's own keys of its row up to its
+// position: all its scores, one softmax per query head, the weighted sum of the values. A padding token
+// (position < 0) gets zeros.
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "parallel.h"
-#include "widen.h"
+#include "lanes16.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -34,7 +35,10 @@ constexpr int64_t kMaxGroup = 64;  // query heads per KV head
 constexpr int64_t kPagesAhead = 2;
 constexpr int64_t kMaxSplits = 8;
 
-using jaxserve::Widen;
+using jaxserve::F32x16;
+using jaxserve::Load16;
+using jaxserve::LaneSums;
+using jaxserve::Store16;
 
 // exp(x) for x <= 0 (a score minus its row's max), within ~2 float32 ulp; a loop of it vectorizes (std::exp would
 // be a scalar call per key).
@@ -72,16 +76,80 @@ struct Step {
   Pages k_pages, v_pages;
 };
 
-// Part `split` of `splits` of one (token t, KV head h)'s attention: its G queries' scores against that part's keys
-// (a share of the cached pages; the last part also the step's own keys), one softmax, the values' weighted sum.
-// Writes the part's largest score m [G], sum of exp(score - m) l [G] and unnormalized acc [G, D].
-template <typename K>
-void AttendPart(const Step& s, int64_t t, int64_t h, int64_t split, int64_t splits, std::vector<float>& scores,
+// Blocks of up to 16 keys against a group's G queries. kChunks = head_dim / 16 where the head_dim is one of the
+// common multiples of 16 (a loop the compiler unrolls, its sums in registers); 0: any head_dim, a slower loop.
+
+// out[g * stride + j] = scale[j] * (q[g] . key[j]) for each of G queries q [G, D] and count <= 16 keys.
+template <int kChunks, typename K>
+void ScoreBlock(const float* q, int64_t G, int64_t D, const K* const (&key)[16], const float (&scale)[16], int count,
+                float* out, int64_t stride) {
+  for (int64_t g = 0; g < G; ++g) {
+    const float* qg = q + g * D;
+    F32x16 dots[16] = {};  // key j's products, still in 16 lanes
+    if constexpr (kChunks > 0) {
+      F32x16 qc[kChunks];
+      for (int c = 0; c < kChunks; ++c) qc[c] = Load16(qg + 16 * c);
+      for (int j = 0; j < count; ++j) {
+        F32x16 a[2] = {};  // two sums, so that each addition waits on the one before the last
+        for (int c = 0; c < kChunks; ++c) a[c % 2] += qc[c] * Load16(key[j] + 16 * c);
+        dots[j] = a[0] + a[1];
+      }
+    } else {
+      for (int j = 0; j < count; ++j) {
+        for (int64_t d = 0; d < D; d += 16) {
+          const int w = static_cast<int>(std::min<int64_t>(16, D - d));
+          dots[j] += Load16(qg + d, w) * Load16(key[j] + d, w);
+        }
+      }
+    }
+    Store16(out + g * stride, LaneSums(dots) * Load16(scale), count);
+  }
+}
+
+// acc[g] += sum over j < count of p[g * stride + j] * scale[j] * value[j], for each of G rows of acc [G, D].
+template <int kChunks, typename K>
+void AccumulateBlock(const float* p, int64_t stride, const K* const (&value)[16], const float (&scale)[16], int count,
+                     int64_t G, int64_t D, float* acc) {
+  for (int64_t g = 0; g < G; ++g) {
+    float weight[16];
+    for (int j = 0; j < count; ++j) weight[j] = p[g * stride + j] * scale[j];
+    float* ag = acc + g * D;
+    if constexpr (kChunks > 0) {
+      F32x16 a[kChunks];
+      for (int c = 0; c < kChunks; ++c) a[c] = Load16(ag + 16 * c);
+      for (int j = 0; j < count; ++j) {
+        for (int c = 0; c < kChunks; ++c) a[c] += weight[j] * Load16(value[j] + 16 * c);
+      }
+      for (int c = 0; c < kChunks; ++c) Store16(ag + 16 * c, a[c]);
+    } else {
+      for (int64_t d = 0; d < D; d += 16) {
+        const int w = static_cast<int>(std::min<int64_t>(16, D - d));
+        F32x16 a = Load16(ag + d, w);
+        for (int j = 0; j < count; ++j) a += weight[j] * Load16(value[j] + d, w);
+        Store16(ag + d, a, w);
+      }
+    }
+  }
+}
+
+// Part `split` of `splits` of token t's attention, every KV head: its queries' scores against that part's keys
+// (a share of the cached pages; the last part also the step's own keys), one softmax per query, the values'
+// weighted sum. Writes m [H, G], l [H, G] and the unnormalized acc [H, G, D].
+//
+// The cache is read from memory (a step's weights pass through the caches between one layer's reads and the next).
+// A page's tiles of every head lie together ([kv_heads, page_size, D] in a page) and are read in address order, so
+// the pages of a row that lie in order (a fresh cache hands them out so) are one stream for the hardware's
+// prefetcher; each page is also asked for two pages ahead. Keys and values go by blocks of 16: the dots of 16 keys
+// summed together (LaneSums), each value row read once for all G queries. The default model after 512 tokens, one
+// row, a layer's call in the step (traced, median; 2 vCPU AMD EPYC): 120 us as first written, 84 by (KV head,
+// part) with a dot at a time, 44 now (a layer's 830 KB of K and V; 20 us when they are in the caches).
+template <typename K, int kChunks>
+void AttendPart(const Step& s, int64_t t, int64_t split, int64_t splits, std::vector<float>& scores,
                 std::vector<int32_t>& own, float* m_out, float* l_out, float* acc) {
-  const int64_t G = s.group, D = s.head_dim, Ds = s.stored_head_dim, ps = s.page_size;
-  std::fill(acc, acc + G * D, 0.0f);
-  std::fill(m_out, m_out + G, kMasked);
-  std::fill(l_out, l_out + G, 0.0f);
+  const int64_t H = s.kv_heads, G = s.group, D = s.head_dim, Ds = s.stored_head_dim, ps = s.page_size;
+  std::fill(acc, acc + H * G * D, 0.0f);
+  std::fill(m_out, m_out + H * G, kMasked);
+  std::fill(l_out, l_out + H * G, 0.0f);
   const int64_t pos = s.positions[t];
   if (pos < 0) return;
   // A sliding window shows the keys after position - window (the rule of jaxserve.attention).
@@ -96,48 +164,55 @@ void AttendPart(const Step& s, int64_t t, int64_t h, int64_t split, int64_t spli
   }
   const int64_t n = std::max<int64_t>(0, hi - lo) + static_cast<int64_t>(own.size());
   if (n == 0) return;
-  scores.resize(G * n);  // [G, n]: cached keys lo .. hi - 1, then the own keys
+  scores.resize(H * G * n);  // [H, G, n]: cached keys lo .. hi - 1, then the own keys
   const int32_t* ids = s.page_ids + t * s.pages_per_token;
-  const float* q = s.q + (t * s.kv_heads + h) * G * D;
-  auto score = [&](int64_t i, auto key_at, float scale) {
-    for (int64_t g = 0; g < G; ++g) {
-      const float* qg = q + g * D;
-      float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-      for (int64_t d = 0; d < D; ++d) dot += qg[d] * Widen(key_at[d]);
-      scores[g * n + i] = dot * scale;
-    }
-  };
-  // The cache is read from memory (a step's weights pass through the caches between one layer's reads and the
-  // next), a [page_size, head_dim] tile a page: each page's tile is asked for a few pages ahead, the values' while
-  // the keys are scored. The default model after 512 tokens, one row, a layer's call in the step (traced, median):
-  // 120 us as first written, 95 with this and page-by-page loops, 78 split in parts.
-  const int64_t tile_bytes = ps * Ds * static_cast<int64_t>(sizeof(K));
-  auto prefetch = [&](const Pages& pages, int64_t page_index, int locality) {
+  const int64_t page_bytes = H * ps * Ds * static_cast<int64_t>(sizeof(K));
+  auto prefetch = [&](const Pages& pages, int64_t page_index) {
     if (page_index * ps >= hi) return;
-    const char* tile = static_cast<const char*>(pages.data) + (ids[page_index] * s.kv_heads + h) * tile_bytes;
-    for (int64_t b = 0; b < tile_bytes; b += 64) __builtin_prefetch(tile + b, 0, locality);
+    const char* p = static_cast<const char*>(pages.data) + ids[page_index] * page_bytes;
+    for (int64_t b = 0; b < page_bytes; b += 64) __builtin_prefetch(p + b, 0, 2);
   };
-  for (int64_t i = lo / ps; i < lo / ps + kPagesAhead; ++i) prefetch(s.k_pages, i, 3);
-  // Page by page: a page's keys are rows base .. base + page_size - 1 of [pages * heads * page_size, head_dim].
-  auto for_each_key = [&](auto visit) {
+  // Visits blocks of up to 16 keys (cached by pages, then the own ones) with their rows' addresses and scales, and
+  // where their scores start: visit(h, i, rows, scale, count) for keys i .. i + count - 1 of head h.
+  auto for_each_block = [&](const Pages& pages, const float* own_rows, auto visit) {
+    const K* rows[16];
+    float scale[16];
     for (int64_t page = lo / ps; page * ps < hi; ++page) {
-      const int64_t base = (ids[page] * s.kv_heads + h) * ps - page * ps;
-      visit(page, std::max(lo, page * ps), std::min(hi, (page + 1) * ps), base);
+      prefetch(pages, page + kPagesAhead);
+      const int64_t k0 = std::max(lo, page * ps), k1 = std::min(hi, (page + 1) * ps);
+      for (int64_t h = 0; h < H; ++h) {
+        const int64_t row0 = (ids[page] * H + h) * ps - page * ps;  // + key: its row of [.., Ds]
+        for (int64_t key = k0; key < k1; key += 16) {
+          const int count = static_cast<int>(std::min<int64_t>(16, k1 - key));
+          for (int j = 0; j < count; ++j) {
+            rows[j] = static_cast<const K*>(pages.data) + (row0 + key + j) * Ds;
+            scale[j] = pages.scale ? pages.scale[row0 + key + j] : 1.0f;
+          }
+          std::fill(scale + count, scale + 16, 0.0f);
+          visit(h, key - lo, rows, scale, count);
+        }
+      }
+    }
+    const float* own_k[16];
+    for (int64_t h = 0; h < H; ++h) {
+      for (size_t i = 0; i < own.size(); i += 16) {
+        const int count = static_cast<int>(std::min<size_t>(16, own.size() - i));
+        for (int j = 0; j < 16; ++j) {
+          own_k[j] = own_rows + (own[i + std::min(j, count - 1)] * H + h) * D;
+          scale[j] = j < count ? 1.0f : 0.0f;
+        }
+        visit(h, std::max<int64_t>(0, hi - lo) + i, own_k, scale, count);
+      }
     }
   };
-  for_each_key([&](int64_t page, int64_t k0, int64_t k1, int64_t base) {
-    prefetch(s.k_pages, page + kPagesAhead, 3);
-    prefetch(s.v_pages, page, 2);
-    for (int64_t key = k0; key < k1; ++key) {
-      score(key - lo, static_cast<const K*>(s.k_pages.data) + (base + key) * Ds,
-            s.k_pages.scale ? s.k_pages.scale[base + key] : 1.0f);
-    }
+  for (int64_t i = lo / ps; i < lo / ps + kPagesAhead; ++i) prefetch(s.k_pages, i);
+  const float* q = s.q + t * H * G * D;
+  for_each_block(s.k_pages, s.k, [&](int64_t h, int64_t i, const auto& rows, const float(&scale)[16], int count) {
+    ScoreBlock<kChunks>(q + h * G * D, G, D, rows, scale, count, scores.data() + h * G * n + i, n);
   });
-  const int64_t own_at = std::max<int64_t>(0, hi - lo);  // the own keys' scores follow the cached ones'
-  for (size_t i = 0; i < own.size(); ++i) score(own_at + i, s.k + (own[i] * s.kv_heads + h) * D, 1.0f);
-  for (int64_t g = 0; g < G; ++g) {
-    float* sg = scores.data() + g * n;
+  for (int64_t i = lo / ps; i < lo / ps + kPagesAhead; ++i) prefetch(s.v_pages, i);
+  for (int64_t hg = 0; hg < H * G; ++hg) {
+    float* sg = scores.data() + hg * n;
     float m = kMasked;
     for (int64_t i = 0; i < n; ++i) m = std::max(m, sg[i]);
     float sum = 0.0f;
@@ -146,23 +221,11 @@ void AttendPart(const Step& s, int64_t t, int64_t h, int64_t split, int64_t spli
       sg[i] = ExpNonPositive(sg[i] - m);
       sum += sg[i];
     }
-    m_out[g] = m, l_out[g] = sum;
+    m_out[hg] = m, l_out[hg] = sum;
   }
-  auto accumulate = [&](int64_t i, auto value_at, float scale) {
-    for (int64_t g = 0; g < G; ++g) {
-      const float p = scores[g * n + i] * scale;
-      float* o = acc + g * D;
-#pragma omp simd
-      for (int64_t d = 0; d < D; ++d) o[d] += p * Widen(value_at[d]);
-    }
-  };
-  for_each_key([&](int64_t, int64_t k0, int64_t k1, int64_t base) {
-    for (int64_t key = k0; key < k1; ++key) {
-      accumulate(key - lo, static_cast<const K*>(s.v_pages.data) + (base + key) * Ds,
-                 s.v_pages.scale ? s.v_pages.scale[base + key] : 1.0f);
-    }
+  for_each_block(s.v_pages, s.v, [&](int64_t h, int64_t i, const auto& rows, const float(&scale)[16], int count) {
+    AccumulateBlock<kChunks>(scores.data() + h * G * n + i, n, rows, scale, count, G, D, acc + h * G * D);
   });
-  for (size_t i = 0; i < own.size(); ++i) accumulate(own_at + i, s.v + (own[i] * s.kv_heads + h) * D, 1.0f);
 }
 
 ffi::Error PagedAttention(ffi::ThreadPool pool, F32x4 q, F32x3 k, F32x3 v, S32x1 token_row, S32x1 positions,
@@ -199,23 +262,30 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, F32x4 q, F32x3 k, F32x3 v, S32x1
   if (k_pages.element_type() == ffi::DataType::S8) {
     s.k_pages.scale = k_scale.typed_data(), s.v_pages.scale = v_scale.typed_data();
   }
-  // Each (token, KV head) in parts of its cached pages, enough parts for a few per thread (one decode row has only
-  // kv_heads pairs), each part a chunk of its own; the parts are merged in order after, so the result does not
-  // depend on which thread ran which.
-  const int64_t pairs = T * s.kv_heads, G = s.group, D = s.head_dim;
-  const int64_t splits = std::max<int64_t>(1, std::min<int64_t>(kMaxSplits, 4 * pool.num_threads() / pairs));
-  thread_local std::vector<float> part_m, part_l, part_acc;  // [pairs, splits, G (, D)]
-  part_m.resize(pairs * splits * G), part_l.resize(pairs * splits * G), part_acc.resize(pairs * splits * G * D);
-  float *pm = part_m.data(), *pl = part_l.data(), *pacc = part_acc.data();  // the caller's: helpers write them too
-  auto run = [&](auto tag) {
-    using K = decltype(tag);
-    jaxserve::ParallelChunks(pool, pairs * splits, kMaxHelpers, [&](int64_t item, int) {
+  // Each token in parts of its cached pages, enough parts for a few per thread (a decode step may have one token),
+  // each part a chunk of its own; the parts are merged in order after, so the result does not depend on which
+  // thread ran which.
+  const int64_t H = s.kv_heads, G = s.group, D = s.head_dim;
+  const int64_t splits = std::max<int64_t>(1, std::min<int64_t>(kMaxSplits, 4 * pool.num_threads() / T));
+  thread_local std::vector<float> part_m, part_l, part_acc;  // [T, splits, H, G (, D)]
+  part_m.resize(T * splits * H * G), part_l.resize(T * splits * H * G), part_acc.resize(T * splits * H * G * D);
+  float *pm = part_m.data(), *pl = part_l.data(), *pacc = part_acc.data();
+  auto attend = [&](auto key_type, auto chunks) {
+    using K = decltype(key_type);
+    jaxserve::ParallelChunks(pool, T * splits, kMaxHelpers, [&](int64_t item, int) {
       thread_local std::vector<float> scores;
       thread_local std::vector<int32_t> own;
-      const int64_t pair = item / splits;
-      AttendPart<K>(s, pair / s.kv_heads, pair % s.kv_heads, item % splits, splits, scores, own,
-                    pm + item * G, pl + item * G, pacc + item * G * D);
+      AttendPart<K, decltype(chunks)::value>(s, item / splits, item % splits, splits, scores, own,
+                                             pm + item * H * G, pl + item * H * G, pacc + item * H * G * D);
     });
+  };
+  auto run = [&](auto key_type) {
+    switch (D) {  // the head_dims with loops of their own (kChunks)
+      case 64: return attend(key_type, std::integral_constant<int, 4>{});
+      case 128: return attend(key_type, std::integral_constant<int, 8>{});
+      case 256: return attend(key_type, std::integral_constant<int, 16>{});
+      default: return attend(key_type, std::integral_constant<int, 0>{});
+    }
   };
   switch (k_pages.element_type()) {
     case ffi::DataType::F32:
@@ -232,19 +302,19 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, F32x4 q, F32x3 k, F32x3 v, S32x1
       return ffi::Error::InvalidArgument("jaxserve paged attention: pages must be float32, bfloat16 or int8");
   }
   float* o = out->typed_data();  // [T, kv_heads, G, D]
-  for (int64_t pair = 0; pair < pairs; ++pair) {
-    for (int64_t g = 0; g < G; ++g) {
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t hg = 0; hg < H * G; ++hg) {
+      auto at = [&](int64_t p) { return (t * splits + p) * H * G + hg; };
       float m = kMasked, l = 0.0f;
-      for (int64_t p = 0; p < splits; ++p) m = std::max(m, part_m[(pair * splits + p) * G + g]);
-      float* og = o + (pair * G + g) * D;
+      for (int64_t p = 0; p < splits; ++p) m = std::max(m, part_m[at(p)]);
+      float* og = o + (t * H * G + hg) * D;
       std::fill(og, og + D, 0.0f);
       for (int64_t p = 0; p < splits; ++p) {
-        const int64_t i = (pair * splits + p) * G + g;
-        const float c = part_l[i] > 0.0f ? std::exp(part_m[i] - m) : 0.0f;
-        l += part_l[i] * c;
-        for (int64_t d = 0; d < D; ++d) og[d] += part_acc[i * D + d] * c;
+        const float c = part_l[at(p)] > 0.0f ? std::exp(part_m[at(p)] - m) : 0.0f;
+        l += part_l[at(p)] * c;
+        for (int64_t d = 0; d < D; ++d) og[d] += part_acc[at(p) * D + d] * c;
       }
-      for (int64_t d = 0; d < D && l > 0.0f; ++d) og[d] /= l;  // l = 0: a padding token, zeros
+      for (int64_t d = 0; d < D && l > 0.0f; ++d) og[d] /= l;
     }
   }
   return ffi::Error::Success();
