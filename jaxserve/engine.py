@@ -203,8 +203,9 @@ class LLM:
         return self.core.step()
 
     def wait_for_step(self) -> None:
-        """Blocks until the step in flight has run, where the next step is planned only after it (async_scheduling
-        off): a request added after this joins the next step. A no-op with async scheduling."""
+        """Blocks until the next step should be planned: a request added after this joins it. Without async
+        scheduling, until the step in flight has run; with it, until that step is about to end (see
+        `jaxserve.batching.engine_core`)."""
         self.core.wait_in_flight()
 
     def has_unfinished_requests(self) -> bool:

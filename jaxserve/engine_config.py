@@ -73,9 +73,10 @@ class EngineConfig:
     ttft_slo, tpot_slo: latency targets in seconds; with them the running batch is sized from measured step times
         (see jaxserve.batching.slo).
     async_scheduling: plan step N+1 before step N is read back (vLLM's name): the device never waits for the host
-        between steps, but a request that arrives while step N runs gets its first token a step later (see
-        jaxserve.batching.engine_core). None (the default): on for GPU and TPU, off on CPU, where the host and the
-        device share the cores and off measured better (BENCHMARKS.md, issue 28).
+        between steps; a server plans N+1 as N is about to end, so a request that arrives while N runs still joins
+        N+1 unless it comes in the last moments (see jaxserve.batching.engine_core). None (the default): on for GPU
+        and TPU; on CPU on for generate() and stepping at once, while a server plans each step after reading the
+        one before back (its clients' first tokens measured sooner: BENCHMARKS.md, issue 28).
     attention_backend: "auto" (the Pallas kernels on GPU and TPU if they pass a start-up check, else and on CPU
         the jnp reference), "reference", "dense" (the oracle itself: slow, differentiable), or "pallas" /
         "pallas-gpu" / "pallas-tpu" (insist; on CPU the kernels run in Pallas interpret mode: correct, slow).
@@ -145,8 +146,8 @@ class EngineConfig:
     ttft_slo: float | None = flag("time-to-first-token target, seconds", serve_only=True)
     tpot_slo: float | None = flag("time-per-output-token target, seconds", serve_only=True)
     async_scheduling: bool | None = flag(
-        "plan each step before the one in flight is read back: no host gap between steps, but a request arriving "
-        "mid-step waits a step longer for its first token (default: on for GPU/TPU, off on CPU)", serve_only=True)
+        "plan each step before the one in flight is read back: no host gap between steps (default: on for "
+        "GPU/TPU; on CPU a server plans after the read-back)", serve_only=True)
     attention_backend: str = flag(None, default="auto", choices=ATTENTION_BACKENDS, serve_only=True)
     quantization: str | None = flag(
         "quantization of the linear layers' weights: int8 (a scale per output channel; the fastest format on CPU), "

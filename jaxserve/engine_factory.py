@@ -17,7 +17,7 @@ from jaxserve.attention import resolve_attention_backend
 from jaxserve.batching.data_parallel import DataParallel
 from jaxserve.batching.disaggregated import Disaggregated
 from jaxserve.batching.draft_proposer import DraftProposer
-from jaxserve.batching.engine_core import EngineCore
+from jaxserve.batching.engine_core import PLAN_LEAD_FACTOR, PLAN_LEAD_S, EngineCore
 from jaxserve.batching.model_runner import ModelRunner, RunnerConfig
 from jaxserve.batching.ngram_proposer import NgramProposer
 from jaxserve.batching.scheduler import Scheduler
@@ -235,10 +235,12 @@ def _replica(c: EngineConfig, runner_config: RunnerConfig, config, params, draft
     lora_slots = LoRASlots(c.max_loras, runner.load_lora) if c.enable_lora else None
     scheduler = Scheduler(cache, c.max_num_seqs, c.max_num_batched_tokens, runner_config.buckets.num_tokens,
                           c.scheduling_policy, slo, lora_slots, role)
-    # Off on CPU, where the host shares the cores with the step, so overlapping them buys little (BENCHMARKS.md).
-    overlap = c.async_scheduling if c.async_scheduling is not None else jax.default_backend() != "cpu"
+    # By default on CPU a server plans each step once the one before is read back (its requests' first tokens a
+    # step sooner, measured better there), while stepping at once overlaps (BENCHMARKS.md, issue 28).
+    overlap = c.async_scheduling is not False
+    lead = None if c.async_scheduling is None and jax.default_backend() == "cpu" else (PLAN_LEAD_FACTOR, PLAN_LEAD_S)
     if spec is None:
-        return EngineCore(scheduler, runner, async_scheduling=overlap)
+        return EngineCore(scheduler, runner, async_scheduling=overlap, plan_lead=lead)
     k = spec.num_speculative_tokens
     draft_runner = None
     if draft is not None:
@@ -251,7 +253,7 @@ def _replica(c: EngineConfig, runner_config: RunnerConfig, config, params, draft
     controller = SpecController(k, runner_config.buckets.num_tokens, runner.step_times,
                                 draft_runner.step_times if draft_runner else None)
     return EngineCore(scheduler, runner, proposer=proposer, controller=controller, adaptive=spec.adaptive,
-                      async_scheduling=overlap)
+                      async_scheduling=overlap, plan_lead=lead)
 
 
 def split_for(config, params, tp: int, what: str = "the model"):

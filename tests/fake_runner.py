@@ -11,6 +11,7 @@ rows that name its slot, so each adapter's tokens differ from the base model's a
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import numpy as np
 
@@ -18,7 +19,7 @@ from jaxserve import LLM
 from jaxserve.batch import StepOutput
 from jaxserve.batching.batch_builder import Row
 from jaxserve.batching.draft_proposer import DraftProposer
-from jaxserve.batching.engine_core import EngineCore
+from jaxserve.batching.engine_core import PLAN_LEAD_FACTOR, PLAN_LEAD_S, EngineCore
 from jaxserve.batching.ngram_proposer import NgramProposer
 from jaxserve.batching.runner import StepHandle
 from jaxserve.batching.scheduler import Scheduler
@@ -33,6 +34,7 @@ from jaxserve.sampling_params import MAX_LOGPROBS
 @dataclasses.dataclass
 class FakeHandle(StepHandle):
     rows: list[Row] = dataclasses.field(default_factory=list)  # what a fault's `when` is asked about at fetch
+    ends: float = 0.0  # time.perf_counter() when the fake device has run it (step_seconds)
 
 
 @dataclasses.dataclass
@@ -61,6 +63,10 @@ class FakeRunner:
         self.events: list[str] = []  # "dispatch" / "wait" / "fetch", in order
         self._faults: list[Fault] = []
         self.gate = None  # a threading.Event: while set to one, each wait and read-back waits for it (an engine held)
+        # How long each step takes on a fake device that runs them one after another in the order dispatched
+        # (0: at once); when each step was dispatched, started and ended on it (time.perf_counter()).
+        self.step_seconds = 0.0
+        self.device_times: list[tuple[float, float, float]] = []
         self.lora_shifts: dict[int, int] = {}  # LoRA slot -> the shift of the fake adapter loaded into it
 
     def next_token(self, token: int) -> int:
@@ -111,7 +117,10 @@ class FakeRunner:
         out = StepOutput(tokens=tokens, num_tokens=counts, logprobs=zeros, ranks=np.ones((S, Q), np.int32),
                          top_ids=np.zeros((S, Q, MAX_LOGPROBS), np.int32),
                          top_logprobs=np.zeros((S, Q, MAX_LOGPROBS), np.float32))
-        return FakeHandle(S, out, rows)
+        now = time.perf_counter()
+        start = max([now] + [end for _, _, end in self.device_times[-1:]])
+        self.device_times.append((now, start, start + self.step_seconds))
+        return FakeHandle(S, out, rows, start + self.step_seconds)
 
     def _write_kv(self, rows: list[Row]) -> None:
         page_size = self.kv.shape[1]
@@ -158,15 +167,20 @@ class FakeRunner:
             draw = self.next_token(draw)
         return draw
 
-    def wait(self, handle: FakeHandle) -> None:
+    def wait(self, handle: FakeHandle, until: float | None = None) -> bool:
         if self.gate is not None:
             self.gate.wait(60)
+        time.sleep(max(0.0, (handle.ends if until is None else min(handle.ends, until)) - time.perf_counter()))
+        if time.perf_counter() < handle.ends:
+            return False  # not run yet
         self.events.append("wait")
         self._check_faults("fetch", handle.rows, consume=False)
+        return True
 
     def fetch(self, handle: FakeHandle) -> StepOutput:
         if self.gate is not None:
             self.gate.wait(60)
+        time.sleep(max(0.0, handle.ends - time.perf_counter()))
         self.events.append("fetch")
         self._check_faults("fetch", handle.rows)
         return handle.output
@@ -207,23 +221,25 @@ ASYNC_SCHEDULING = True
 def fake_replica(num_pages: int = 32, page_size: int = 4, max_num_seqs: int = 4, max_num_batched_tokens: int = 16,
                  vocab_size: int = 64, ngram: int = 0, enable_prefix_caching: bool = True, proposer=None,
                  draft: bool = False, scheduling_policy: str = "fcfs", runner: FakeRunner | None = None,
-                 max_loras: int = 0, role: str = "both", async_scheduling: bool | None = None) -> EngineCore:
+                 max_loras: int = 0, role: str = "both", async_scheduling: bool | None = None,
+                 plan_lead: tuple[float, float] | None = (PLAN_LEAD_FACTOR, PLAN_LEAD_S)) -> EngineCore:
     """An engine core over a FakeRunner. ngram=k: speculating up to k proposals for every sequence every step, from
     `proposer` (default: n-gram lookup; draft=True: a fake draft model, right two times in three). max_loras: LoRA
-    slots (0: adapters not enabled). async_scheduling: EngineCore's (default: ASYNC_SCHEDULING)."""
+    slots (0: adapters not enabled). async_scheduling, plan_lead: EngineCore's (async_scheduling default:
+    ASYNC_SCHEDULING)."""
     async_scheduling = ASYNC_SCHEDULING if async_scheduling is None else async_scheduling
     runner = runner or FakeRunner(vocab_size, ngram, num_pages=num_pages, page_size=page_size)
     scheduler = Scheduler(PrefixCache(PageAllocator(num_pages), page_size, enable_prefix_caching), max_num_seqs,
                           max_num_batched_tokens, policy=scheduling_policy,
                           lora_slots=LoRASlots(max_loras, runner.load_lora) if max_loras else None, role=role)
     if not ngram:
-        return EngineCore(scheduler, runner, async_scheduling=async_scheduling)
+        return EngineCore(scheduler, runner, async_scheduling=async_scheduling, plan_lead=plan_lead)
     if draft:
         guesser = FakeRunner(vocab_size, successor=lambda t: t + 1 if t % 3 else t + 2)
         proposer = DraftProposer(guesser, max_num_batched_tokens, max_num_seqs)
     return EngineCore(scheduler, runner, proposer=proposer or NgramProposer(ngram, 3, 1),
                       controller=SpecController(ngram, (max_num_batched_tokens,), runner.step_times), adaptive=False,
-                      async_scheduling=async_scheduling)
+                      async_scheduling=async_scheduling, plan_lead=plan_lead)
 
 
 def fake_llm(num_replicas: int = 1, max_model_len: int = 64, vocab_size: int = 64, tokenizer=None,

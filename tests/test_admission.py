@@ -1,5 +1,5 @@
-"""When a request that arrives while a step runs gets its first token (issue 28): in the next step planned without
-async scheduling, in the one after with it (that step was planned before the request came)."""
+"""When a request that arrives while a step runs gets its first token (issue 28): in the step after that one, with
+async scheduling or without (a server plans the next step as the one in flight ends, or once it has run)."""
 import asyncio
 import threading
 import time
@@ -24,22 +24,29 @@ def prefills_late(rows) -> bool:
     return any(list(r.token_ids) == LATE_PROMPT and r.start_pos == 0 for r in rows)
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True])
-def test_a_request_arriving_during_a_step_is_in_the_next_planned_step(async_scheduling):
-    llm = fake_llm(async_scheduling=async_scheduling, max_num_batched_tokens=16)
+# Without async scheduling; with it; with it for stepping at once but a server's plan after the read-back (CPU's
+# default: `jaxserve.engine_factory`).
+SCHEDULINGS = {"off": dict(async_scheduling=False), "on": dict(async_scheduling=True),
+               "server reads back first": dict(async_scheduling=True, plan_lead=None)}
+
+
+@pytest.mark.parametrize("scheduling", SCHEDULINGS)
+def test_a_request_arriving_during_a_step_is_in_the_next_planned_step(scheduling):
+    """Held in a step whose time is not known yet (the first), the engine plans the next once it has run, with
+    async scheduling too: the request that came meanwhile is in it."""
+    llm = fake_llm(max_num_batched_tokens=16, **SCHEDULINGS[scheduling])
     runner = llm.runner
     runner.gate = threading.Event()  # the step in flight runs until the test lets it
     engine = AsyncEngine(llm)
     try:
         async def main():
             first = await engine.add_request({"prompt_token_ids": [3, 4, 5]}, LONG)
-            # Async scheduling plans a step ahead: the step after the first is planned (and dispatched) before the
-            # first is read back; without it, nothing more until the first has run.
-            wait_for(lambda: runner.events.count("dispatch") == (2 if async_scheduling else 1))
+            wait_for(lambda: runner.events.count("dispatch") == 1)
             await asyncio.sleep(0.05)  # the engine is held inside the step in flight
             planned = len(runner.steps)
             late = await engine.add_request({"prompt_token_ids": LATE_PROMPT}, LONG)
             await asyncio.sleep(0.05)  # its command is queued while the engine is held
+            assert len(runner.steps) == planned  # nothing planned while the first step runs
             runner.gate.set()
             outs = await asyncio.gather(collect(first), collect(late))
             return planned, outs
@@ -47,11 +54,58 @@ def test_a_request_arriving_during_a_step_is_in_the_next_planned_step(async_sche
         planned, (first, late) = asyncio.run(asyncio.wait_for(main(), 60))
         assert first == list(range(6, 18)) and late == list(range(45, 57))
         steps = [prefills_late(rows) for rows in runner.steps]
-        running = 0  # the step the engine was held in when the request came (the first step: its prefill)
-        # It joins the first step planned after it came, which with async scheduling was not the next one to run.
-        assert steps.index(True) == planned == running + (2 if async_scheduling else 1), (steps, planned)
+        assert steps.index(True) == planned == 1, (steps, planned)
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize("scheduling", ["on", "server reads back first"])
+def test_a_server_with_async_scheduling_plans_as_the_step_in_flight_ends(scheduling):
+    """With async scheduling a server plans each step just before the step in flight is predicted to end: a request
+    that comes early in a step runs in the step after it (planned right after the dispatch, it would wait one
+    more), and the next step is on the device before the one in flight ends (the device never waits for the
+    host). Reading back first (CPU's default for servers), the same request runs as soon, and each step is planned
+    once the one before has ended."""
+    llm = fake_llm(max_num_batched_tokens=16, **SCHEDULINGS[scheduling])
+    runner = llm.runner
+    runner.step_seconds = 0.06
+    if llm.core.plan_lead is not None:
+        llm.core.plan_lead = (1.25, 0.01)  # room for a busy machine's late wake-ups
+    engine = AsyncEngine(llm)
+    try:
+        async def main():
+            first = await engine.add_request({"prompt_token_ids": [3, 4, 5]}, LONG)
+            wait_for(lambda: len(runner.device_times) >= 6)  # timed decode steps
+            start = runner.device_times[-1][1]
+            await asyncio.sleep(max(0.0, start + 0.01 - time.perf_counter()))  # early in that step
+            arrived = time.perf_counter()
+            late = await engine.add_request({"prompt_token_ids": LATE_PROMPT}, LONG)
+            outs = await asyncio.gather(collect(first), collect(late))
+            return arrived, outs
+
+        arrived, (first, late) = asyncio.run(asyncio.wait_for(main(), 60))
+        assert first == list(range(6, 18)) and late == list(range(45, 57))
+        times = runner.device_times
+        running = next(i for i, (_, start, end) in enumerate(times) if start <= arrived < end)
+        assert [prefills_late(rows) for rows in runner.steps].index(True) == running + 1, (running, times)
+        # Dispatched before the step before it ended, from the first steps whose time was known.
+        ahead = [dispatched < end for (_, _, end), (dispatched, _, _) in zip(times[2:], times[3:])]
+        if scheduling == "on":
+            assert sum(ahead) >= 0.75 * len(ahead), ahead
+        else:
+            assert not any(ahead), ahead
+    finally:
+        engine.shutdown()
+
+
+def test_stepping_at_once_plans_ahead_where_a_server_reads_back_first():
+    """CPU's default (async scheduling, servers reading back first): stepping without waits, as generate() does,
+    dispatches each step before the one before is read back."""
+    llm = fake_llm(max_num_batched_tokens=16, **SCHEDULINGS["server reads back first"])
+    outs = llm.generate([{"prompt_token_ids": [3, 4, 5]}], LONG, use_tqdm=False)
+    assert outs[0].outputs[0].token_ids == list(range(6, 18))
+    events = [e for e in llm.runner.events if e in ("dispatch", "fetch")]
+    assert events[:5] == ["dispatch", "dispatch", "fetch", "dispatch", "fetch"], events
 
 
 async def collect(stream) -> list[int]:
@@ -86,11 +140,14 @@ def test_a_failed_step_seen_while_waiting_ends_only_its_requests():
         engine.shutdown()
 
 
-@pytest.mark.parametrize("given, planned_ahead", [(None, False), (True, True), (False, False)])
-def test_async_scheduling_is_off_on_cpu_unless_asked(tiny_dir, given, planned_ahead):
+@pytest.mark.parametrize("given, planned_ahead", [(None, True), (True, True), (False, False)])
+def test_on_cpu_generate_plans_ahead_and_a_server_reads_back_first_unless_asked(tiny_dir, given, planned_ahead):
+    """The engine as built: on CPU by default generate() plans ahead and a server reads back first (plan_lead
+    None); --async-scheduling: a server plans ahead too; --no-async-scheduling: neither does."""
     from tiny import make_llm
     llm = make_llm(tiny_dir, async_scheduling=given)
     assert llm.core.async_scheduling is planned_ahead
+    assert (llm.core.plan_lead is None) == (given is None)
     events = []
     real_fetch, real_dispatch = llm.runner.fetch, llm.runner.dispatch
     llm.runner.fetch = lambda handle: events.append("fetch") or real_fetch(handle)

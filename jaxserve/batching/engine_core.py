@@ -2,15 +2,18 @@
 
 On (vLLM's async scheduling): step N+1 is planned and dispatched before step N is read back, so the device never
 waits for the host between steps: N+1's decode rows take their input tokens from the device, and the host's
-per-token work for step N (reading back, stop strings, detokenizing) overlaps the device's work on N+1. The prices: a
-sequence that stops at step N was also given a row in step N+1, whose token is dropped; and a request that arrives
-while step N runs can join step N+2 at the earliest, N+1 being planned already: two steps to its first token.
+per-token work for step N (reading back, stop strings, detokenizing) overlaps the device's work on N+1. The price: a
+sequence that stops at step N was also given a row in step N+1, whose token is dropped. When N+1 is planned is the
+caller's: stepping at once (offline generation, where every request is there from the start) plans it as soon as N
+is dispatched, so a request that arrives while N runs would join N+2; a server's loop first calls `wait_in_flight`,
+which returns only as N is about to end (N's predicted end less the host's measured time to plan and dispatch a
+step), so such a request joins N+1 unless it comes in those last moments, and the device still goes from N to N+1
+without waiting.
 Off: step N is read back, then N+1 planned (with the requests that arrived while N ran: a server's loop calls
 `wait_in_flight` before it takes them in) and dispatched; the device idles while the host reads N back (stop
-checks, detokenizing) and plans N+1 (on CPU 3 ms of a 50 ms batch-1 step, 12 ms of a 380 ms batch-64 one:
-BENCHMARKS.md, issue 28), and a request's first token comes with the step after its arrival. The
-host's work of streaming step N's tokens out still overlaps step N+1. On CPU the host and the "device" share the
-cores, so overlap buys little there and off is the default; on GPU and TPU on.
+checks, detokenizing) and plans N+1 (on CPU ~2 ms of a 15 ms batch-1 step: BENCHMARKS.md, issue 28), and a
+request's first token comes with the step after its arrival. The host's work of streaming step N's tokens out
+still overlaps step N+1.
 
 A speculative step (proposals to verify) is the exception: its proposals must continue the latest tokens and the
 plan after it must know how many were accepted, so it reads the step before back first and is waited for itself.
@@ -53,6 +56,9 @@ from jaxserve.cache.transfer import KVPages, kv_bytes, num_pages
 
 # Steps of one engine replica that may fail in a row before it declares itself dead instead of going on.
 MAX_FAILED_STEPS = 3
+# With async scheduling a server plans the next step this long before the step in flight is predicted to end: the
+# host's measured time to plan and dispatch a step, times PLAN_LEAD_FACTOR, plus PLAN_LEAD_S.
+PLAN_LEAD_FACTOR, PLAN_LEAD_S = 1.25, 5e-4
 
 
 class EngineDeadError(RuntimeError):
@@ -129,6 +135,18 @@ class InFlight:
     """A step dispatched and not yet read back."""
     batch: ScheduledBatch
     handle: StepHandle
+    dispatched: float  # time.perf_counter() when its dispatch returned
+    ended: float | None = None  # when a wait saw it end (wait_in_flight), if one did
+
+
+def _shape(batch: ScheduledBatch) -> tuple[int, int]:
+    """What a step's time is predicted by: its tokens and rows."""
+    return batch.num_tokens, len(batch.rows)
+
+
+def _average(old: float | None, new: float) -> float:
+    """A moving average that follows a drifting time (a row's context grows each step) within a few steps."""
+    return new if old is None else 0.5 * (old + new)
 
 
 def _is_ready(kv: KVPages) -> bool:
@@ -146,16 +164,27 @@ def _position_dependent(seq: Sequence) -> bool:
 class EngineCore:
     def __init__(self, scheduler: Scheduler, runner: Runner, rate_window_s: float = 5.0,
                  proposer: Proposer | None = None, controller: SpecController | None = None, adaptive: bool = True,
-                 async_scheduling: bool = True):
+                 async_scheduling: bool = True,
+                 plan_lead: tuple[float, float] | None = (PLAN_LEAD_FACTOR, PLAN_LEAD_S)):
         """proposer (an NgramProposer or DraftProposer) and controller: speculative decoding, off without them;
         adaptive=False speculates for every decoding sequence every step (as vLLM does). async_scheduling: plan a
-        step before the one in flight is read back (see the module's docstring)."""
+        step before the one in flight is read back (see the module's docstring). plan_lead: with it, how long
+        before the step in flight ends a server plans the next (`wait_in_flight`); None: a server waits for the
+        step in flight to end and reads it back before it plans the next, as without async scheduling, while
+        stepping at once still plans ahead."""
         self.scheduler = scheduler
         self.runner = runner
         self.proposer, self.controller, self.adaptive = proposer, controller, adaptive
         self.async_scheduling = async_scheduling
         self._last_fetch: float | None = None  # when the last step followed by another at once was read back
         self._fetch_wait = 0.0  # how long the last read-back waited for the device
+        self._ended_at: float | None = None  # when the last step read back ended (or was read back)
+        # Seconds a step of this (tokens, rows) took on the device, and the host's to plan and dispatch one
+        # (moving averages): when a server plans the next step with async scheduling (`wait_in_flight`).
+        self._step_seconds: dict[tuple[int, int], float] = {}
+        self._plan_seconds: float | None = None
+        self.plan_lead = plan_lead
+        self._read_back_first = False  # a server waited for the step in flight: read it back before planning
         self._in_flight: InFlight | None = None
         self._last_arrival: float | None = None
         self.steps = 0
@@ -258,13 +287,34 @@ class EngineCore:
         return self.scheduler.has_unfinished() or self._in_flight is not None or bool(self.scheduler.handed_off)
 
     def wait_in_flight(self) -> None:
-        """Without async scheduling: blocks until the step in flight has run (reading nothing back), so requests
-        added meanwhile are in the step planned next. A failure is left for `step` to read back and report."""
-        if self._in_flight is not None and not self.async_scheduling:
-            try:
-                self.runner.wait(self._in_flight.handle)
-            except Exception:  # noqa: BLE001 - the step's failure: step() ends its requests, and only those
-                pass
+        """Blocks until the next step should be planned, so that requests added meanwhile join it (a server's loop
+        calls this before it takes new requests in). Without async scheduling: until the step in flight has run.
+        With it: until that step is about to end, its predicted end less the host's time to plan and dispatch the
+        next (`plan_lead`: a factor of that time, and seconds more), so that the device still goes from one step to
+        the next without waiting and only a request that comes in those last moments waits a step more; a step of
+        a shape not yet timed, or one whose read-back must come first (a constrained row), is waited for. A failure
+        is left for `step` to read back and report."""
+        if self._in_flight is None:
+            return
+        f = self._in_flight
+        until = self._plan_at(f) if self.async_scheduling and self.plan_lead is not None else None
+        self._read_back_first = self.async_scheduling and self.plan_lead is None
+        start = time.perf_counter()
+        try:
+            ran = self.runner.wait(f.handle, until)
+        except Exception:  # noqa: BLE001 - the step's failure: step() ends its requests, and only those
+            return
+        if ran and time.perf_counter() - start > 1e-4:  # it ended while waited for: now
+            f.ended = time.perf_counter()
+
+    def _plan_at(self, f: InFlight) -> float | None:
+        """When to plan the step after f (time.perf_counter()), or None: once f has run."""
+        seconds = self._step_seconds.get(_shape(f.batch))
+        if seconds is None or self._plan_seconds is None or f.batch.constrained:
+            return None
+        start = max(f.dispatched, self._ended_at or 0.0)  # it runs once the step before it has
+        factor, slack = self.plan_lead
+        return start + seconds - (factor * self._plan_seconds + slack)
 
     def step(self) -> list[SequenceDelta]:
         """Dispatches the next step and returns what the previous one (and, in a speculative step, this one) added
@@ -297,8 +347,11 @@ class EngineCore:
             if lengths:
                 return self._speculative_step(lengths)
             self.controller.num_speculating = 0
-        if self._in_flight is not None and (self._in_flight.batch.constrained or not self.async_scheduling):
-            self._read_back(timed=not self.async_scheduling)
+        read_back_first, self._read_back_first = self._read_back_first, False
+        if self._in_flight is not None and (self._in_flight.batch.constrained or not self.async_scheduling
+                                            or read_back_first):
+            self._read_back(timed=not self.async_scheduling or read_back_first)
+        planning = time.perf_counter()
         batch = self.scheduler.schedule()
         if not batch and self._in_flight is None and self.scheduler.awaits_kv():
             # Nothing to run but sequences whose KV is still landing: wait for it here rather than spin.
@@ -306,6 +359,8 @@ class EngineCore:
             batch = self.scheduler.schedule()
         self._import(batch)
         dispatched = self._dispatch(batch) if batch else None
+        if dispatched is not None:
+            self._plan_seconds = _average(self._plan_seconds, dispatched.dispatched - planning)
         done, self._in_flight = self._in_flight, dispatched
         if done is None:
             if dispatched is None:  # idle from here: the gap to the next read-back is no step's time
@@ -380,7 +435,7 @@ class EngineCore:
     def _dispatch(self, batch: ScheduledBatch) -> InFlight:
         handle = self.runner.dispatch(batch.rows)
         self.prompt_tokens += sum(c.length for c in batch.prefill)
-        return InFlight(batch, handle)
+        return InFlight(batch, handle, time.perf_counter())
 
     def _update(self, done: InFlight, next_follows: bool = False) -> None:
         """Reads a step back and applies it; what it added joins the step's results only once applied whole (a
@@ -388,7 +443,15 @@ class EngineCore:
         scheduling), so the time to the next read-back is a step's even with nothing in flight now."""
         wait = time.perf_counter()
         out = self.runner.fetch(done.handle)  # the step's one blocking copy
-        self._fetch_wait = time.perf_counter() - wait
+        read_back = time.perf_counter()
+        self._fetch_wait = read_back - wait
+        # Its end, if seen: waited for, or read back as it ended. It ran from when it could start until then.
+        ended = done.ended if done.ended is not None else read_back if self._fetch_wait > 1e-4 else None
+        if ended is not None:
+            key = _shape(done.batch)
+            start = max(done.dispatched, self._ended_at or 0.0)
+            self._step_seconds[key] = _average(self._step_seconds.get(key), ended - start)
+        self._ended_at = ended or read_back
         batch = done.batch
         now = time.monotonic()
         if self.scheduler.slo is not None and self._last_arrival is not None:

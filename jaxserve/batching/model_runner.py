@@ -266,8 +266,16 @@ class ModelRunner:
                                                                self.lora)
         return out
 
-    def wait(self, handle: StepHandle) -> None:
-        jax.block_until_ready(handle.output)
+    def wait(self, handle: StepHandle, until: float | None = None) -> bool:
+        if until is None:
+            jax.block_until_ready(handle.output)
+            return True
+        leaves = jax.tree.leaves(handle.output)
+        # Naps of a millisecond at most: no wake-up to wait on with a deadline, and little host time taken from a
+        # device that shares the cores.
+        while not (ran := all(x.is_ready() for x in leaves)) and (left := until - time.perf_counter()) > 0:
+            time.sleep(min(left, 1e-3))
+        return ran
 
     def fetch(self, handle: StepHandle) -> StepOutput:
         """Waits for a dispatched step and copies what it sampled to the host in one transfer, cut to its rows."""

@@ -27,8 +27,10 @@ class Runner(Protocol):
     def dispatch(self, rows: list[Row]) -> StepHandle:
         """Starts a step over `rows` without waiting for it."""
 
-    def wait(self, handle: StepHandle) -> None:
-        """Blocks until a dispatched step has run, copying nothing (fetch then returns at once)."""
+    def wait(self, handle: StepHandle, until: float | None = None) -> bool:
+        """Blocks until a dispatched step has run, copying nothing (fetch then returns at once), or until
+        time.perf_counter() passes `until` if given (no longer than about a millisecond past it); True if it has
+        run."""
 
     def fetch(self, handle: StepHandle) -> StepOutput:
         """Waits for a dispatched step; its output on the host, cut to its rows."""
