@@ -68,16 +68,16 @@ def test_a_server_with_async_scheduling_plans_as_the_step_in_flight_ends(schedul
     once the one before has ended."""
     llm = fake_llm(max_num_batched_tokens=16, **SCHEDULINGS[scheduling])
     runner = llm.runner
-    runner.step_seconds = 0.06
+    runner.step_seconds = 0.2
     if llm.core.plan_lead is not None:
-        llm.core.plan_lead = (1.25, 0.01)  # room for a busy machine's late wake-ups
+        llm.core.plan_lead = (1.25, 0.03)  # room for a busy machine's late wake-ups
     engine = AsyncEngine(llm)
     try:
         async def main():
             first = await engine.add_request({"prompt_token_ids": [3, 4, 5]}, LONG)
             wait_for(lambda: len(runner.device_times) >= 6)  # timed decode steps
             start = runner.device_times[-1][1]
-            await asyncio.sleep(max(0.0, start + 0.01 - time.perf_counter()))  # early in that step
+            await asyncio.sleep(max(0.0, start + 0.02 - time.perf_counter()))  # early in that step
             arrived = time.perf_counter()
             late = await engine.add_request({"prompt_token_ids": LATE_PROMPT}, LONG)
             outs = await asyncio.gather(collect(first), collect(late))
@@ -86,12 +86,12 @@ def test_a_server_with_async_scheduling_plans_as_the_step_in_flight_ends(schedul
         arrived, (first, late) = asyncio.run(asyncio.wait_for(main(), 60))
         assert first == list(range(6, 18)) and late == list(range(45, 57))
         times = runner.device_times
-        running = next(i for i, (_, start, end) in enumerate(times) if start <= arrived < end)
+        running = max(i for i, (_, start, _) in enumerate(times) if start <= arrived)  # the last begun
         assert [prefills_late(rows) for rows in runner.steps].index(True) == running + 1, (running, times)
         # Dispatched before the step before it ended, from the first steps whose time was known.
         ahead = [dispatched < end for (_, _, end), (dispatched, _, _) in zip(times[2:], times[3:])]
-        if scheduling == "on":
-            assert sum(ahead) >= 0.75 * len(ahead), ahead
+        if scheduling == "on":  # all but a step of a shape not timed yet and the odd late wake-up
+            assert sum(ahead) >= 0.6 * len(ahead), ahead
         else:
             assert not any(ahead), ahead
     finally:
@@ -224,3 +224,27 @@ def test_no_budget_is_kept_for_a_prompt_that_cannot_run():
     seq.arrival_time -= 0.6
     assert s._prompt_reserve() == 0
     assert len(s.schedule().decode) == 3  # not 2, as a reserve of 2 of the 4 tokens would leave
+
+
+def test_data_parallel_replicas_planning_just_in_time_are_all_planned_before_their_steps_end():
+    """Behind data parallelism the replicas that plan just in time wait together (until the earliest of their
+    planning times), and each has its next step on its device before the one in flight ends."""
+    llm = fake_llm(num_replicas=2, max_num_batched_tokens=16, async_scheduling=True)
+    for core in llm.engine.replicas:
+        core.runner.step_seconds = 0.1
+        core.plan_lead = (1.25, 0.03)  # room for a busy machine's late wake-ups
+    engine = AsyncEngine(llm)
+    try:
+        async def main():
+            streams = [await engine.add_request({"prompt_token_ids": p}, LONG) for p in ([3, 4, 5], [20, 21])]
+            return await asyncio.gather(*map(collect, streams))
+
+        outs = asyncio.run(asyncio.wait_for(main(), 60))
+        assert outs == [list(range(6, 18)), list(range(22, 34))]
+        for core in llm.engine.replicas:
+            times = core.runner.device_times
+            assert len(times) >= 10  # each replica ran a request
+            ahead = [dispatched < end for (_, _, end), (dispatched, _, _) in zip(times[2:], times[3:])]
+            assert sum(ahead) >= 0.6 * len(ahead), ahead
+    finally:
+        engine.shutdown()

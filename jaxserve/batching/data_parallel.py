@@ -81,8 +81,17 @@ class DataParallel:
         return handed
 
     def wait_in_flight(self) -> None:
+        """Each replica as EngineCore.wait_in_flight, but those that plan just in time all wait once, until the
+        earliest of their planning times: step() plans the replicas one after another, so waiting for each in
+        turn would plan the later ones late."""
+        timed = [core for core in self.replicas if core.plans_just_in_time]
         for core in self.replicas:
-            core.wait_in_flight()
+            if core not in timed:
+                core.wait_in_flight()
+        plans = [(at, i) for i, core in enumerate(timed) if (at := core.plan_at()) is not None]
+        if plans:  # none timed yet: plan now, as with async scheduling before these waits
+            at, i = min(plans)
+            timed[i].wait_until(at)
 
     def step(self) -> list[SequenceDelta]:
         """Steps every replica with work. If any failed: StepError with every replica's results and the failed

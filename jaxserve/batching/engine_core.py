@@ -185,6 +185,7 @@ class EngineCore:
         self._plan_seconds: float | None = None
         self.plan_lead = plan_lead
         self._read_back_first = False  # a server waited for the step in flight: read it back before planning
+        self._waited_at: float | None = None  # when a server's wait for the step in flight ended
         self._in_flight: InFlight | None = None
         self._last_arrival: float | None = None
         self.steps = 0
@@ -274,6 +275,7 @@ class EngineCore:
             self.abort(request_id)
         self._in_flight = None
         self._last_fetch = self._last_arrival = None  # the failure's gap is no step time
+        self._ended_at, self._read_back_first = None, False  # the lost step may still be running
         return failed
 
     def abort_all(self) -> None:
@@ -289,32 +291,46 @@ class EngineCore:
     def wait_in_flight(self) -> None:
         """Blocks until the next step should be planned, so that requests added meanwhile join it (a server's loop
         calls this before it takes new requests in). Without async scheduling: until the step in flight has run.
-        With it: until that step is about to end, its predicted end less the host's time to plan and dispatch the
-        next (`plan_lead`: a factor of that time, and seconds more), so that the device still goes from one step to
-        the next without waiting and only a request that comes in those last moments waits a step more; a step of
-        a shape not yet timed, or one whose read-back must come first (a constrained row), is waited for. A failure
-        is left for `step` to read back and report."""
-        if self._in_flight is None:
-            return
+        With it: until that step is about to end (`plan_at`), so that the device still goes from one step to the
+        next without waiting and only a request that comes in those last moments waits a step more; a step of a
+        shape not yet timed, or one whose read-back must come first (a constrained row), is waited for. With it and
+        no plan_lead: until the step in flight has run, and the next step reads it back before it is planned. A
+        failure is left for `step` to read back and report."""
+        if self._in_flight is not None:
+            self._read_back_first = self.async_scheduling and self.plan_lead is None
+            self.wait_until(self.plan_at() if self.plans_just_in_time else None)
+
+    @property
+    def plans_just_in_time(self) -> bool:
+        return self.async_scheduling and self.plan_lead is not None
+
+    def plan_at(self) -> float | None:
+        """When a server should plan the next step (time.perf_counter()): the step in flight's predicted end less
+        the host's time to plan and dispatch one (`plan_lead`: a factor of that time, and seconds more); None:
+        once it has run (not timed yet, constrained, or nothing in flight)."""
         f = self._in_flight
-        until = self._plan_at(f) if self.async_scheduling and self.plan_lead is not None else None
-        self._read_back_first = self.async_scheduling and self.plan_lead is None
+        seconds = None if f is None else self._step_seconds.get(_shape(f.batch))
+        if seconds is None or self._plan_seconds is None or f.batch.constrained or self.plan_lead is None:
+            return None
+        start = max(f.dispatched, self._ended_at or 0.0)  # it runs once the step before it has
+        factor, slack = self.plan_lead
+        return start + seconds - (factor * self._plan_seconds + slack)
+
+    def wait_until(self, until: float | None) -> None:
+        """Blocks until the step in flight has run, or until time.perf_counter() passes `until` if given. A
+        failure is left for `step` to read back and report."""
+        f = self._in_flight
+        if f is None:
+            return
         start = time.perf_counter()
         try:
             ran = self.runner.wait(f.handle, until)
         except Exception:  # noqa: BLE001 - the step's failure: step() ends its requests, and only those
             return
-        if ran and time.perf_counter() - start > 1e-4:  # it ended while waited for: now
-            f.ended = time.perf_counter()
-
-    def _plan_at(self, f: InFlight) -> float | None:
-        """When to plan the step after f (time.perf_counter()), or None: once f has run."""
-        seconds = self._step_seconds.get(_shape(f.batch))
-        if seconds is None or self._plan_seconds is None or f.batch.constrained:
-            return None
-        start = max(f.dispatched, self._ended_at or 0.0)  # it runs once the step before it has
-        factor, slack = self.plan_lead
-        return start + seconds - (factor * self._plan_seconds + slack)
+        now = time.perf_counter()
+        if ran and now - start > 1e-4:  # it ended while waited for: now
+            f.ended = now
+        self._waited_at = now  # the host's planning time counts from here
 
     def step(self) -> list[SequenceDelta]:
         """Dispatches the next step and returns what the previous one (and, in a speculative step, this one) added
@@ -342,16 +358,17 @@ class EngineCore:
 
     def _step(self) -> None:
         start = time.perf_counter()
+        read_back_first, self._read_back_first = self._read_back_first, False
+        waited_at, self._waited_at = self._waited_at, None
         if self.proposer is not None:
             lengths = self._speculation_lengths()
             if lengths:
                 return self._speculative_step(lengths)
             self.controller.num_speculating = 0
-        read_back_first, self._read_back_first = self._read_back_first, False
         if self._in_flight is not None and (self._in_flight.batch.constrained or not self.async_scheduling
                                             or read_back_first):
             self._read_back(timed=not self.async_scheduling or read_back_first)
-        planning = time.perf_counter()
+        planning = waited_at or time.perf_counter()  # a server's from the end of its wait (new requests taken in)
         batch = self.scheduler.schedule()
         if not batch and self._in_flight is None and self.scheduler.awaits_kv():
             # Nothing to run but sequences whose KV is still landing: wait for it here rather than spin.
