@@ -265,3 +265,25 @@ def test_prompt_chunks_are_cut_to_a_bucket_rather_than_padded_far():
     assert fit(3, [40]) == [40]  # 43 tokens: below compute-bound, padded to 64
     assert fit(280, [20]) == [20]  # the decodes alone exceed the bucket below
     assert fit(10, [20, 100, 40, 10]) == [20, 98]  # 180 -> 128: the last chunks go, one is cut
+
+
+def test_generation_rate_counts_the_steps_within_its_window(monkeypatch):
+    """stats().generation_tokens_per_s: the tokens of the steps in the last rate_window_s seconds over their span;
+    steps older than the window drop out."""
+    from jaxserve.batching import engine_core
+    from jaxserve.batching.sequence import Sequence
+    from fake_runner import fake_replica
+    clock = [100.0]
+    monkeypatch.setattr(engine_core.time, "monotonic", lambda: clock[0])
+    core = fake_replica(async_scheduling=False)
+    core.add(Sequence("a", 0, [1, 2, 3], SamplingParams(max_tokens=40, ignore_eos=True), 0, 64, []))
+    core.step()  # the prompt, and the first token
+    for _ in range(6):
+        clock[0] += 0.5
+        core.step()  # one token each
+    assert core.stats().generation_tokens_per_s == pytest.approx(6 / 3.0)
+    clock[0] += 10.0  # past the window (5 s): the steps before drop out
+    core.step()
+    clock[0] += 0.25
+    core.step()
+    assert core.stats().generation_tokens_per_s == pytest.approx(1 / 0.25)
