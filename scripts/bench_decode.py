@@ -124,7 +124,8 @@ def bench_jaxserve(batch_sizes, fmt="float32", prompt_len=512, decode_steps=32, 
     prefill_time()  # compile
     prefill = statistics.median(prefill_time() for _ in range(repeats))
 
-    decode = {}
+    weight_bytes = param_bytes(runner.params) - param_bytes(runner.params["params"]["embed_tokens"])
+    decode, paired = {}, []
     for b in batch_sizes:
         params = SamplingParams(temperature=0, max_tokens=decode_steps * (repeats + 1) + 2, ignore_eos=True)
         # Every sequence decodes after the same 512-token prompt, as in the peers' decode figures.
@@ -141,6 +142,8 @@ def bench_jaxserve(batch_sizes, fmt="float32", prompt_len=512, decode_steps=32, 
             for _ in range(decode_steps):
                 core.step()
             runs.append(b * decode_steps / (time.perf_counter() - t))
+            if probe is not None and b == 1:  # this run against the floor at the rate XLA read just before it
+                paired.append(runs[-1] / (probe.samples[-1] * 1e9 / weight_bytes))
         decode[b] = round(statistics.median(runs), 1)
         for s in list(llm.scheduler.running):
             core.abort(s.request_id)
@@ -149,12 +152,15 @@ def bench_jaxserve(batch_sizes, fmt="float32", prompt_len=512, decode_steps=32, 
     return {"engine": f"jaxserve ({fmt}, XLA:CPU)", "format": fmt, "prefill_tok_s": round(prompt_len / prefill, 1),
             # Bytes a decode step reads: every weight but the embedding table, of which it reads only B rows.
             "decode_tok_s": decode, "param_bytes": param_bytes(runner.params),
-            "weight_bytes": param_bytes(runner.params) - param_bytes(runner.params["params"]["embed_tokens"]),
+            "weight_bytes": weight_bytes,
             "prompt_len": prompt_len,
             "compiled_programs": runner.steps.num_compiled(),
             "weight_dots_ms": round(weight_dots_ms(runner.params, runner.steps.model.dtype), 2),
             # XLA's read rate sampled between this engine's decode runs (max: the rate the machine allowed).
-            "xla_read_GBps": round(max(probe.take()), 1) if probe is not None else None}
+            "xla_read_GBps": round(max(probe.take()), 1) if probe is not None else None,
+            # Each batch-1 run over the floor at the rate of XLA's read just before it (the host's speed moves
+            # between minutes: a run and its own probe see the same machine), median over the runs.
+            "b1_of_xla_floor_paired": round(statistics.median(paired), 3) if paired else None}
 
 
 def machine() -> dict:
@@ -175,6 +181,7 @@ def main():
     ap.add_argument("--formats", default="float32,int8,int4,int8-kv", help="comma list of " + ", ".join(FORMATS))
     ap.add_argument("--format-batch-sizes", default="1,8", help="batch sizes for the formats other than float32")
     ap.add_argument("--peers", default="llamacpp,hf", help="comma list of llamacpp, hf (empty or none: none)")
+    ap.add_argument("--repeats", type=int, default=3, help="timed runs per batch size (the figure is their median)")
     ap.add_argument("--out", default="bench_results/decode.json")
     args = ap.parse_args()
     bs = tuple(int(b) for b in args.batch_sizes.split(","))
@@ -189,8 +196,9 @@ def main():
     probe = XlaReadProbe()
     results = {"date": time.strftime("%Y-%m-%d"), "machine": machine(),
                "bandwidth": peers.measure_bandwidth(), "model": gguf.name,
-               "jaxserve": bench_jaxserve(bs, model=args.model, probe=probe),
-               "formats": [bench_jaxserve(fbs, f, model=args.model, probe=probe) for f in formats if f != "float32"]}
+               "jaxserve": bench_jaxserve(bs, repeats=args.repeats, model=args.model, probe=probe),
+               "formats": [bench_jaxserve(fbs, f, repeats=args.repeats, model=args.model, probe=probe)
+                           for f in formats if f != "float32"]}
     if "llamacpp" in which:
         results["llamacpp"] = peers.bench_llamacpp(str(gguf), batch_sizes=bs)
     if "hf" in which:
@@ -212,6 +220,8 @@ def main():
             xla_floor = r["xla_read_GBps"] * 1e9 / r["weight_bytes"]
             line += (f"; at XLA's {r['xla_read_GBps']:.1f} GB/s floor {xla_floor:5.0f} tok/s "
                      f"({100 * got / xla_floor:3.0f}%)")
+        if r.get("b1_of_xla_floor_paired"):
+            line += f"; each run against XLA's read just before it: {100 * r['b1_of_xla_floor_paired']:3.0f}% (median)"
         if r.get("weight_dots_ms"):
             dots = r["weight_dots_ms"]
             line += (f"\n{'':40} its dots alone {dots:.1f} ms a step ({r['weight_bytes'] / dots / 1e6:.1f} GB/s), "
