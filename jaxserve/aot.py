@@ -292,9 +292,10 @@ def compile_serving(config: ModelConfig, dtype, device, *, max_num_seqs: int, ma
         shape = f"{tokens} tokens x {rows} rows"
         results.append(compile_("step", shape, steps._forward, (params, kv, last_tokens, batch), step_shardings,
                                 ("weights", "cache")))
-        new_kv = jax.eval_shape(steps._forward, params, kv, last_tokens, batch)[1]
-        results.append(compile_("cache write", shape, steps._write, (kv, new_kv, batch.slot_mapping),
-                                write_shardings, ("cache",)))
+        if not steps.writes_in_forward:  # the cache write is a program of its own (jaxserve.steps)
+            new_kv = jax.eval_shape(steps._forward, params, kv, last_tokens, batch)[1]
+            results.append(compile_("cache write", shape, steps._write, (kv, new_kv, batch.slot_mapping),
+                                    write_shardings, ("cache",)))
         if k and tokens > 1:
             batch = build_batch([], page_size, config.vocab_size, tokens, rows, buckets.pages_per_row, k + 1)
             batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), batch)

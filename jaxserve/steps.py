@@ -1,10 +1,13 @@
 """The pure step: f(params, kv_cache, last_tokens, batch) -> (sampled, kv_cache, last_tokens), cache donated.
 
 A batch is a `jaxserve.batch.StepInput`: T new tokens of S rows, back to back (see `jaxserve.batch`). An engine
-step is two jitted programs: the forward (reads the cache, samples each row's token, keeps it on device in
-`last_tokens`) and the cache write (donated, in place). Kept apart because XLA cannot see that a write inside the
-forward comes after the same layer's read, and on XLA:CPU it then copies every layer's whole cache array every
-step (measured: 450 ms per decode step with a 378 MB cache instead of ~30 ms).
+step is the forward (reads the cache, samples each row's token, keeps it on device in `last_tokens`) and the cache
+write (donated, in place). As one program XLA cannot see that a layer's write comes after its read, and copies
+every layer's whole cache array every step (XLA:CPU: 450 ms per decode step with a 378 MB cache instead of ~30 ms),
+so on accelerators and over a mesh they are two programs. On one CPU device they are one (`writes_in_forward`):
+every write waits behind an optimization barrier for the step's output, which every layer's read feeds, and
+copy insertion's region analysis (`IN_PLACE_WRITES`) then sees that no read follows a write: no copy, and one
+program call less a step, whose host time a CPU takes from the step itself (BENCHMARKS.md, issue 28).
 """
 from __future__ import annotations
 
@@ -29,6 +32,8 @@ from jaxserve.verification import verify
 # The row counts a step's LM head and sampler run at below its own (`Steps._sample_used_rows`): a step of few
 # sequences then pays for those, not for its padded rows. Not 1: a one-row bf16 or int8 dot is XLA:CPU's slow loop.
 HEAD_ROWS = (4, 16)
+# XLA:CPU's compiler options for a forward that writes the cache: copy insertion that follows the barrier's order.
+IN_PLACE_WRITES = {"xla_cpu_copy_insertion_use_region_analysis": True}
 # The fields of a StepInput that a batch holds as a `jaxserve.batch.constant` when no row uses them (batch_builder).
 MAYBE_CONSTANT = frozenset({"token_mask", "bad_word_bans", "logit_bias_ids", "logit_bias", "past_tokens",
                             "prompt_targets", "lora_slot"})
@@ -80,8 +85,15 @@ class Steps:
         platform = platform or (mesh.devices.flat[0] if mesh is not None else jax.devices()[0]).platform
         embeds = dict(compiler_options=lookup_compiler_options(platform))  # the forward programs look up rows
         forward, logits = {**forward, **embeds}, {**logits, **embeds}
-        self._forward = jax.jit(self._forward_and_sample, donate_argnums=2, **forward)
-        self._verify = jax.jit(self._forward_and_verify, donate_argnums=2, **forward)
+        # One CPU device: the step's forward also writes the cache (module docstring); elsewhere `_write` does.
+        self.writes_in_forward = mesh is None and platform == "cpu"
+        if self.writes_in_forward:
+            in_place = dict(compiler_options={**(embeds["compiler_options"] or {}), **IN_PLACE_WRITES})
+            self._forward = jax.jit(self._forward_sample_and_write, donate_argnums=(1, 2), **in_place)
+            self._verify = jax.jit(self._forward_verify_and_write, donate_argnums=(1, 2), **in_place)
+        else:
+            self._forward = jax.jit(self._forward_and_sample, donate_argnums=2, **forward)
+            self._verify = jax.jit(self._forward_and_verify, donate_argnums=2, **forward)
         self._logits = jax.jit(self._forward_logits, **logits)
         self._write = jax.jit(self._write_cache, donate_argnums=0, **write)
         self._constants: dict[tuple, jax.Array] = {}  # (shape, dtype, value) -> its device copy
@@ -126,11 +138,9 @@ class Steps:
         lora: the LoRA adapters' buffers (`jaxserve.lora.buffers`) that batch.lora_slot indexes, or None (no
         adapters: the base model's programs)."""
         batch = self.put_batch(batch)
-        if batch.logits_index.shape[1] > 1:
-            out, new_kv, last_tokens = self._verify(params, kv_cache, last_tokens, batch, lora)
-        else:
-            out, new_kv, last_tokens = self._forward(params, kv_cache, last_tokens, batch, lora)
-        return out, self._write(kv_cache, new_kv, batch.slot_mapping), last_tokens
+        program = self._verify if batch.logits_index.shape[1] > 1 else self._forward
+        out, kv, last_tokens = program(params, kv_cache, last_tokens, batch, lora)  # kv: the cache, or its new K/V
+        return out, kv if self.writes_in_forward else self._write(kv_cache, kv, batch.slot_mapping), last_tokens
 
     def forward_logits(self, params, kv_cache, batch: StepInput, lora=None):
         """Logits of every new token, [T, V] float32, and the updated cache (for tests and perplexity)."""
@@ -211,6 +221,18 @@ class Steps:
                          prompt=self._prompt_scores(params, hidden, batch))
         last = jnp.take_along_axis(v.tokens, jnp.maximum(num_tokens - 1, 0)[:, None], axis=1)[:, 0]  # [S]
         return out, new_kv, last_tokens.at[batch.out_slot].set(last)
+
+    def _forward_sample_and_write(self, params, kv_cache, last_tokens, batch: StepInput, lora=None):
+        return self._written(kv_cache, batch, *self._forward_and_sample(params, kv_cache, last_tokens, batch, lora))
+
+    def _forward_verify_and_write(self, params, kv_cache, last_tokens, batch: StepInput, lora=None):
+        return self._written(kv_cache, batch, *self._forward_and_verify(params, kv_cache, last_tokens, batch, lora))
+
+    @staticmethod
+    def _written(kv_cache, batch: StepInput, out, new_kv, last_tokens):
+        """A forward's results with the cache written, every write after every layer's read (module docstring)."""
+        kv_cache, out = jax.lax.optimization_barrier((kv_cache, out))
+        return out, write_cache(kv_cache, new_kv, batch.slot_mapping), last_tokens
 
     def _write_cache(self, kv_cache, new_kv, slot_mapping):
         return write_cache(kv_cache, new_kv, slot_mapping)  # a method, so each Steps counts its own programs

@@ -76,8 +76,10 @@ def profile(case, model, context, page_size, repeats):
     # The forward program as the step runs it (sampling, the prompt scorer's loop) against the model alone below:
     # what a step costs beyond its forward when no row asks for logprobs.
     def forward_program():
-        nonlocal last
-        o, _, last = steps._forward(params, kv, last, device_batch, None)  # last_tokens donated
+        nonlocal kv, last
+        o, written, last = steps._forward(params, kv, last, device_batch, None)  # last_tokens donated
+        if steps.writes_in_forward:  # on one CPU device the program writes the cache too, donated
+            kv = written
         return o.tokens
 
     out["step's forward program (+ sampling, scorer)"] = timed(forward_program, repeats)

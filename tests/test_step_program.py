@@ -72,3 +72,42 @@ def test_a_field_in_use_adds_no_dispatch_entry(tiny_dir):
                        bad_word_bans=((5, 7),))
     r.fetch(r.dispatch([Row([5, 6], 0, [1], used, prompt_targets=[6], score_from=0)]))
     assert r.steps._forward._cache_size() == entries
+
+
+def cache_copies(hlo: str, pages_shape: tuple[int, ...]) -> list[str]:
+    """The compiled program's copies of an array of the cache's pages' shape (a whole layer's K or V)."""
+    shape = "[" + ",".join(map(str, pages_shape)) + "]"
+    return [line for line in hlo.split("\n") if " copy(" in line and f"{shape}" in line.split("=", 1)[-1][:60]]
+
+
+@pytest.mark.parametrize("rows", [
+    [Row([5], 8, [1, 2, 3], slot=0, chained=True)],
+    [Row(list(range(9)), 0, [1, 2, 3], slot=0)],
+], ids=["b1", "chunk9"])
+def test_cpu_step_writes_its_cache_in_place_in_one_program(tiny_dir, rows):
+    """On one CPU device the forward also writes the cache (jaxserve.steps): its compiled program copies no layer's
+    cache (a write XLA could order before a read would), and a step dispatches that one program, no `_write`."""
+    llm = make_llm(tiny_dir)
+    steps = llm.runner.steps
+    assert steps.writes_in_forward
+    pages = llm.runner.kv_cache[0][0].shape
+    hlo = step_program(llm, rows)
+    assert "dynamic-update-slice" in hlo or "scatter" in hlo, "the program does not write the cache"
+    assert not cache_copies(hlo, pages), "\n".join(cache_copies(hlo, pages)[:4])
+    writes = steps._write._cache_size()
+    llm.generate([{"prompt_token_ids": [5, 6, 7]}], use_tqdm=False)
+    assert steps._write._cache_size() == writes
+
+
+def test_the_cache_copies_counted_are_there_without_region_analysis(tiny_dir, monkeypatch):
+    """What the test above counts is what XLA:CPU inserts when copy insertion does not follow the barrier: the same
+    program compiled without the option copies the layers' caches."""
+    import jaxserve.steps as steps_module
+    monkeypatch.setattr(steps_module, "IN_PLACE_WRITES", {})
+    steps_module.steps_for.cache_clear()
+    try:
+        llm = make_llm(tiny_dir)
+        hlo = step_program(llm, [Row([5], 8, [1, 2, 3], slot=0, chained=True)])
+        assert cache_copies(hlo, llm.runner.kv_cache[0][0].shape)
+    finally:
+        steps_module.steps_for.cache_clear()
