@@ -77,7 +77,7 @@ def test_a_field_in_use_adds_no_dispatch_entry(tiny_dir):
 def cache_copies(hlo: str, pages_shape: tuple[int, ...]) -> list[str]:
     """The compiled program's copies of an array of the cache's pages' shape (a whole layer's K or V)."""
     shape = "[" + ",".join(map(str, pages_shape)) + "]"
-    return [line for line in hlo.split("\n") if " copy(" in line and f"{shape}" in line.split("=", 1)[-1][:60]]
+    return [line for line in hlo.split("\n") if " copy(" in line and shape in line.split("=", 1)[-1][:60]]
 
 
 @pytest.mark.parametrize("rows", [
