@@ -89,8 +89,10 @@ class Steps:
         self.writes_in_forward = mesh is None and platform == "cpu"
         if self.writes_in_forward:
             in_place = dict(compiler_options={**(embeds["compiler_options"] or {}), **IN_PLACE_WRITES})
-            self._forward = jax.jit(self._forward_sample_and_write, donate_argnums=(1, 2), **in_place)
-            self._verify = jax.jit(self._forward_verify_and_write, donate_argnums=(1, 2), **in_place)
+            self._forward = jax.jit(functools.partial(self._and_write, self._forward_and_sample),
+                                    donate_argnums=(1, 2), **in_place)
+            self._verify = jax.jit(functools.partial(self._and_write, self._forward_and_verify),
+                                   donate_argnums=(1, 2), **in_place)
         else:
             self._forward = jax.jit(self._forward_and_sample, donate_argnums=2, **forward)
             self._verify = jax.jit(self._forward_and_verify, donate_argnums=2, **forward)
@@ -222,15 +224,10 @@ class Steps:
         last = jnp.take_along_axis(v.tokens, jnp.maximum(num_tokens - 1, 0)[:, None], axis=1)[:, 0]  # [S]
         return out, new_kv, last_tokens.at[batch.out_slot].set(last)
 
-    def _forward_sample_and_write(self, params, kv_cache, last_tokens, batch: StepInput, lora=None):
-        return self._written(kv_cache, batch, *self._forward_and_sample(params, kv_cache, last_tokens, batch, lora))
-
-    def _forward_verify_and_write(self, params, kv_cache, last_tokens, batch: StepInput, lora=None):
-        return self._written(kv_cache, batch, *self._forward_and_verify(params, kv_cache, last_tokens, batch, lora))
-
     @staticmethod
-    def _written(kv_cache, batch: StepInput, out, new_kv, last_tokens):
-        """A forward's results with the cache written, every write after every layer's read (module docstring)."""
+    def _and_write(forward, params, kv_cache, last_tokens, batch: StepInput, lora=None):
+        """forward's results with the cache written, every write after every layer's read (module docstring)."""
+        out, new_kv, last_tokens = forward(params, kv_cache, last_tokens, batch, lora)
         kv_cache, out = jax.lax.optimization_barrier((kv_cache, out))
         return out, write_cache(kv_cache, new_kv, batch.slot_mapping), last_tokens
 
