@@ -6,8 +6,10 @@
 jaxserve: decode tok/s = B x steps / time of `steps` engine decode steps with B sequences after a 512-token prompt
 (host loop included: batch building, the step, the one device-to-host copy, stop checks); prefill tok/s = tokens /
 time of one 512-token prefill step. Peers come from scripts/peers.py. The table ends with the memory-bandwidth floor:
-a batch-1 decode step reads every weight once, so tok/s <= bandwidth / weight bytes. --formats adds a row per
-weight / KV-cache format (quantized weights, int8 KV pages), at --format-batch-sizes.
+a batch-1 decode step reads every weight once, so tok/s <= bandwidth / weight bytes; it also reads its sequence's
+KV cache (every layer's keys and values of the ~530-830 tokens of context the runs decode at, ~6% of the weights'
+bytes for the default model in float32), so the floor of every byte it reads is bandwidth / (weight + KV bytes).
+--formats adds a row per weight / KV-cache format (quantized weights, int8 KV pages), at --format-batch-sizes.
 
 Beside each format's batch-1 figure, its step's weight dots alone (`weight_dots_ms`): one row through every linear
 weight the runner serves, as a decode step chains them, with nothing else (no attention, sampling or host work), so
@@ -36,6 +38,7 @@ import peers  # noqa: E402
 from jaxserve import LLM, SamplingParams  # noqa: E402
 from jaxserve.batching.batch_builder import Row  # noqa: E402
 from jaxserve.batching.sequence import Sequence  # noqa: E402
+from jaxserve.cache.transfer import kv_bytes, num_pages  # noqa: E402
 from jaxserve.quant import Int4Weight, Int8Weight, is_quantized, matmul  # noqa: E402
 from jaxserve.weights import resolve_model_path  # noqa: E402
 from jaxserve.weights.params import param_bytes  # noqa: E402
@@ -109,6 +112,16 @@ def weight_dots_ms(params, dtype, repeats: int = 15) -> float:
     return timed(lambda: run(kernels, x), repeats)
 
 
+def kv_read_bytes(runner, context: int) -> int:
+    """Bytes of KV cache a batch-1 decode step at `context` tokens reads: each layer's keys and values (and their
+    scales, for int8 pages) of the tokens its attention sees (a sliding layer: its window's; the CPU kernel skips
+    the pages before it)."""
+    tokens = num_pages(runner.kv_cache) * runner.page_size
+    per_token = [kv_bytes(layer) // tokens for layer in runner.kv_cache]  # [layers]
+    windows = [runner.config.layer_window(i) for i in range(len(per_token))]
+    return sum(b * (context if w is None else min(context, w)) for b, w in zip(per_token, windows))
+
+
 def bench_jaxserve(batch_sizes, fmt="float32", prompt_len=512, decode_steps=32, repeats=3, model=None, probe=None):
     llm = LLM(model, max_model_len=1024, max_num_seqs=max(batch_sizes), max_num_batched_tokens=prompt_len, warmup=False,
               **FORMATS[fmt])
@@ -125,7 +138,7 @@ def bench_jaxserve(batch_sizes, fmt="float32", prompt_len=512, decode_steps=32, 
     prefill = statistics.median(prefill_time() for _ in range(repeats))
 
     weight_bytes = param_bytes(runner.params) - param_bytes(runner.params["params"]["embed_tokens"])
-    decode, paired = {}, []
+    decode, paired, paired_kv, kv_read = {}, [], [], []
     for b in batch_sizes:
         params = SamplingParams(temperature=0, max_tokens=decode_steps * (repeats + 1) + 2, ignore_eos=True)
         # Every sequence decodes after the same 512-token prompt, as in the peers' decode figures.
@@ -138,12 +151,17 @@ def bench_jaxserve(batch_sizes, fmt="float32", prompt_len=512, decode_steps=32, 
         for _ in range(repeats):
             if probe is not None:
                 probe.sample()
+            first = llm.scheduler.running[0].num_tokens
             t = time.perf_counter()
             for _ in range(decode_steps):
                 core.step()
             runs.append(b * decode_steps / (time.perf_counter() - t))
-            if probe is not None and b == 1:  # this run against the floor at the rate XLA read just before it
-                paired.append(runs[-1] / (probe.samples[-1] * 1e9 / weight_bytes))
+            if b == 1:  # this run against the floor at the rate XLA read just before it
+                kv_read.append(kv_read_bytes(runner, (first + llm.scheduler.running[0].num_tokens) // 2))
+                if probe is not None:
+                    floor = probe.samples[-1] * 1e9  # bytes/s
+                    paired.append(runs[-1] / (floor / weight_bytes))
+                    paired_kv.append(runs[-1] / (floor / (weight_bytes + kv_read[-1])))
         decode[b] = round(statistics.median(runs), 1)
         for s in list(llm.scheduler.running):
             core.abort(s.request_id)
@@ -153,6 +171,8 @@ def bench_jaxserve(batch_sizes, fmt="float32", prompt_len=512, decode_steps=32, 
             # Bytes a decode step reads: every weight but the embedding table, of which it reads only B rows.
             "decode_tok_s": decode, "param_bytes": param_bytes(runner.params),
             "weight_bytes": weight_bytes,
+            # Bytes of KV cache a batch-1 step read besides, at the mean context of the runs (~530-830 tokens).
+            "kv_read_bytes_b1": round(statistics.mean(kv_read)) if kv_read else None,
             "prompt_len": prompt_len,
             "compiled_programs": runner.steps.num_compiled(),
             "weight_dots_ms": round(weight_dots_ms(runner.params, runner.steps.model.dtype), 2),
@@ -160,7 +180,9 @@ def bench_jaxserve(batch_sizes, fmt="float32", prompt_len=512, decode_steps=32, 
             "xla_read_GBps": round(max(probe.take()), 1) if probe is not None else None,
             # Each batch-1 run over the floor at the rate of XLA's read just before it (the host's speed moves
             # between minutes: a run and its own probe see the same machine), median over the runs.
-            "b1_of_xla_floor_paired": round(statistics.median(paired), 3) if paired else None}
+            "b1_of_xla_floor_paired": round(statistics.median(paired), 3) if paired else None,
+            # The same against the floor of every byte a step reads: its weights and its KV cache.
+            "b1_of_xla_floor_paired_with_kv": round(statistics.median(paired_kv), 3) if paired_kv else None}
 
 
 def machine() -> dict:
@@ -222,6 +244,9 @@ def main():
                      f"({100 * got / xla_floor:3.0f}%)")
         if r.get("b1_of_xla_floor_paired"):
             line += f"; each run against XLA's read just before it: {100 * r['b1_of_xla_floor_paired']:3.0f}% (median)"
+        if r.get("b1_of_xla_floor_paired_with_kv"):
+            line += (f"\n{'':40} with the {r['kv_read_bytes_b1'] / 1e6:.0f} MB of KV cache a step reads too: "
+                     f"{100 * r['b1_of_xla_floor_paired_with_kv']:3.0f}% of that floor (paired, median)")
         if r.get("weight_dots_ms"):
             dots = r["weight_dots_ms"]
             line += (f"\n{'':40} its dots alone {dots:.1f} ms a step ({r['weight_bytes'] / dots / 1e6:.1f} GB/s), "
