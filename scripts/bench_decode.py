@@ -7,8 +7,9 @@ jaxserve: decode tok/s = B x steps / time of `steps` engine decode steps with B 
 (host loop included: batch building, the step, the one device-to-host copy, stop checks); prefill tok/s = tokens /
 time of one 512-token prefill step. Peers come from scripts/peers.py. The table ends with the memory-bandwidth floor:
 a batch-1 decode step reads every weight once, so tok/s <= bandwidth / weight bytes; it also reads its sequence's
-KV cache (every layer's keys and values of the ~530-830 tokens of context the runs decode at, ~6% of the weights'
-bytes for the default model in float32), so the floor of every byte it reads is bandwidth / (weight + KV bytes).
+KV cache (every layer's keys and values of its context: the 512-token prompt and what the runs decoded after it;
+~5-6% of the weights' bytes for the default model in float32), so the floor of every byte it reads is bandwidth /
+(weight + KV bytes), each batch-1 run at its own mean context.
 --formats adds a row per weight / KV-cache format (quantized weights, int8 KV pages), at --format-batch-sizes.
 
 Beside each format's batch-1 figure, its step's weight dots alone (`weight_dots_ms`): one row through every linear
@@ -171,7 +172,7 @@ def bench_jaxserve(batch_sizes, fmt="float32", prompt_len=512, decode_steps=32, 
             # Bytes a decode step reads: every weight but the embedding table, of which it reads only B rows.
             "decode_tok_s": decode, "param_bytes": param_bytes(runner.params),
             "weight_bytes": weight_bytes,
-            # Bytes of KV cache a batch-1 step read besides, at the mean context of the runs (~530-830 tokens).
+            # Bytes of KV cache a batch-1 step read besides its weights, at the runs' mean context (mean over runs).
             "kv_read_bytes_b1": round(statistics.mean(kv_read)) if kv_read else None,
             "prompt_len": prompt_len,
             "compiled_programs": runner.steps.num_compiled(),
