@@ -4,7 +4,7 @@ A step computes T new tokens (padded to a bucket) for S rows (padded to min(T, m
 sequence: its new tokens sit back to back in the flat token array, whatever their number (one for a decode, a
 prompt chunk's worth for a prefill, k + 1 for a verification). Every matmul runs over the flat [T] tokens, so a
 step reads each weight once however its tokens split between sequences; only attention sees the rows.
-`jaxserve.batching.batch_builder` is the one place that builds these from scheduled sequences.
+`jaxserve.runner.batch_builder` is the one place that builds these from scheduled sequences.
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ class RaggedRows:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class SamplingInput:
-    """Per row; see `jaxserve.sampling.sample`."""
+    """Per row; see `jaxserve.sample.sampling.sample`."""
     temperature: jax.Array  # float32 [S]   0: greedy
     top_k: jax.Array  # int32 [S]   0: off
     top_p: jax.Array  # float32 [S]
@@ -40,8 +40,8 @@ class SamplingInput:
     #                                         g < min_tokens (padded with vocab_size)
     min_tokens: jax.Array  # int32 [S]
     want_top_logprobs: jax.Array  # bool [S]
-    token_mask: jax.Array  # int32 [S, ceil(V / 32)]   the tokens a row may sample (`jaxserve.token_mask`; -1: all)
-    # Logit controls (`jaxserve.sampling.controlled`); a batch where no row uses one holds a `constant` for it.
+    token_mask: jax.Array  # int32 [S, ceil(V / 32)]   the tokens a row may sample (`jaxserve.sample.token_mask`; -1: all)
+    # Logit controls (`jaxserve.sample.sampling.controlled`); a batch where no row uses one holds a `constant` for it.
     bad_word_bans: jax.Array  # int32 [S, MAX_BAD_WORD_BANS, 2]   (trigger, banned): banned may not follow the row's
     #                                         last token if it is trigger (padded with vocab_size)
     logit_bias_ids: jax.Array  # int32 [S, MAX_LOGIT_BIAS]   padded with vocab_size
@@ -111,7 +111,7 @@ class StepOutput:
 @functools.cache
 def constant(shape: tuple[int, ...], dtype, fill) -> np.ndarray:
     """A read-only array a batch holds in place of a per-row array no row uses (no row has a token mask, say):
-    `jaxserve.steps.Steps.put_batch` keeps one device copy of each, so such a batch copies nothing for it."""
+    `jaxserve.runner.steps.Steps.put_batch` keeps one device copy of each, so such a batch copies nothing for it."""
     a = np.full(shape, fill, dtype)
     a.flags.writeable = False
     _constants[id(a)] = a  # held for good (by the cache too), so an id is never reused

@@ -234,7 +234,7 @@ def _chat(llm, args, params) -> None:
 def cmd_serve(args) -> None:
     import asyncio
 
-    from jaxserve.async_engine import AsyncEngine
+    from jaxserve.engine.async_engine import AsyncEngine
     from jaxserve.server import Server
     from jaxserve.server.lora_modules import LoRAModulePath, check_lora_modules
     if not 0 < args.port < 65536:
@@ -335,7 +335,7 @@ def cmd_router(args) -> None:
 
 async def _serve_with_adapters(server, lora_modules, args) -> None:
     """Loads --lora-modules into their engines (a bad one ends the run with the loader's message), then serves."""
-    from jaxserve.openai_api import ApiError
+    from jaxserve.openai.api import ApiError
     from jaxserve.server import serve
     for module in lora_modules:
         try:
@@ -376,7 +376,7 @@ def _served_model_names(given: list[str] | None, models: list[str | None]) -> li
 def cmd_convert(args) -> None:
     from pathlib import Path
 
-    from jaxserve.quantize import quantize_model
+    from jaxserve.quantize.apply import quantize_model
     from jaxserve.weights import load_model, resolve_dtype
     from jaxserve.weights.orbax_ckpt import save_checkpoint
     q = quantization_from_cli_args(args)

@@ -15,7 +15,7 @@ from jaxserve.cache import KV_CACHE_DTYPES, check_kv_cache_dtype
 from jaxserve.cli_flags import FlagGroup, add_flags, flag, read_flags
 from jaxserve.options import (ATTENTION_BACKENDS, AUTO_CLUSTER, CPU_KV_CACHE_BYTES, DTYPES, ROLES,
                               SCHEDULING_POLICIES)
-from jaxserve.quant import QUANTIZATIONS
+from jaxserve.model.quant import QUANTIZATIONS
 from jaxserve.spec_config import SpeculativeConfig
 from jaxserve.tokenizer import read_chat_template
 from jaxserve.weights.default_model import DEFAULT_MODEL
@@ -95,9 +95,9 @@ class EngineConfig:
         SpeculativeConfig; held parsed. The draft shares the KV budget (its pages beside the target's) and the dtype.
     warmup: compile every step bucket now rather than on first use.
     tensor_parallel_size: devices each model replica is split over (weights Megatron-style, the KV cache by KV
-        heads); it must divide the attention heads (see jaxserve.distributed).
+        heads); it must divide the attention heads (see jaxserve.parallel.mesh).
     data_parallel_size: model replicas, each running its own sequences.
-    prefill_replicas, decode_replicas: disaggregated prefill in one engine (see jaxserve.batching.disaggregated):
+    prefill_replicas, decode_replicas: disaggregated prefill in one engine (see jaxserve.batching.pools.disaggregated):
         replicas that only prefill and replicas that only decode, each on its own device group
         (tensor_parallel_size devices for a prefill replica, decode_tensor_parallel_size (default: the same) for a
         decode one); both 0 (the default): every replica does both. Not with data_parallel_size > 1, speculative

@@ -16,7 +16,7 @@ SCHEDULING_POLICIES = ("fcfs", "priority")
 # token), or sequences prefilled elsewhere (see jaxserve.batching.scheduler).
 ROLES = ("both", "prefill", "decode")
 
-# What one may ask `attention_backend` for (see jaxserve.attention.resolve_attention_backend).
+# What one may ask `attention_backend` for (see jaxserve.model.attention.resolve_attention_backend).
 ATTENTION_BACKENDS = ("auto", "reference", "dense", "pallas", "pallas-gpu", "pallas-tpu")
 
 # The KV-cache budget where a device states no memory limit (CPU), unless kv_cache_memory_bytes says otherwise.

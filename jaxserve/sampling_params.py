@@ -18,7 +18,7 @@ MAX_BANNED_TOKENS = 64
 MAX_LOGIT_BIAS = 300
 MAX_BAD_WORDS = 64
 MAX_BAD_WORD_LENGTH = 256  # characters
-MAX_BAD_WORD_BANS = 2 * MAX_BAD_WORDS  # a word has at most two spellings (jaxserve.logit_controls)
+MAX_BAD_WORD_BANS = 2 * MAX_BAD_WORDS  # a word has at most two spellings (jaxserve.sample.logit_controls)
 # Integers a step's int32 device arrays hold: a larger top_k or token id must fail here, not in the engine loop.
 INT32_LIMIT = 2 ** 31
 
@@ -71,7 +71,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputsParams | None = None  # a grammar the output must follow
     # Logit controls, applied on device in vLLM's order after the token mask and min_tokens bans: logit_bias, then
-    # the penalties (jaxserve.sampling). Token ids are checked against the vocabulary at admission.
+    # the penalties (jaxserve.sample.sampling). Token ids are checked against the vocabulary at admission.
     presence_penalty: float = 0.0  # OpenAI: minus this from a token's logit once it has been generated
     frequency_penalty: float = 0.0  # OpenAI: minus this per time a token has been generated
     repetition_penalty: float = 1.0  # HF/vLLM: a token in the prompt or output has its logit divided (> 0) or

@@ -14,7 +14,7 @@ class SpeculativeConfig:
     model: str | None = None  # the draft (draft_model): a .gguf file, a HF directory or a jaxserve checkpoint
     prompt_lookup_max: int = 4  # ngram: the longest suffix looked up
     prompt_lookup_min: int = 2  # ngram: the shortest
-    # Speculate only where measured acceptance and step costs say it pays (jaxserve.batching.spec_controller);
+    # Speculate only where measured acceptance and step costs say it pays (jaxserve.batching.speculation.controller);
     # False: every decoding sequence proposes every step, as in vLLM.
     adaptive: bool = True
 

@@ -21,7 +21,7 @@ and nothing vocab-sized gathered (sampling exchanges per-row values only) and no
 `--model NAME@N` compiles that model at N instead, so one process (one compiler start) compiles several models at
 several sizes: `--model llama-3-8b --model llama-3-8b@8 --model smollm2-135m@3 --target v5e:2x4`.
 
-Every program's HBM audit (jaxserve.hbm_audit) is in the "extra MB" column and the "HBM:" lines under it: each
+Every program's HBM audit (jaxserve.aot.hbm_audit) is in the "extra MB" column and the "HBM:" lines under it: each
 instruction that writes a weight- or KV-cache-sized buffer the program did not have to (the cache relayouted for
 the attention kernel, an int8 weight widened to a bf16 copy before its dot), with its bytes. --quantization int8
 or int4 compiles the steps with quantized linear layers, to see the latter.
@@ -45,8 +45,8 @@ import time  # noqa: E402
 
 import jax.numpy as jnp  # noqa: E402
 
-from jaxserve import aot  # noqa: E402
-from jaxserve.collectives import collective_problems  # noqa: E402
+from jaxserve.aot import deviceless as aot  # noqa: E402
+from jaxserve.aot.collectives import collective_problems  # noqa: E402
 from jaxserve.cache import bytes_per_page, pages_needed  # noqa: E402
 from jaxserve.pallas_kernels import page_head_dim_multiple  # noqa: E402
 from jaxserve.weights.params import param_bytes  # noqa: E402
@@ -98,7 +98,7 @@ def main() -> None:
     p.add_argument("--num-layers", type=int, default=None,
                    help="only this many of the model's layers (the same programs per layer, compiled quicker)")
     p.add_argument("--quantization", default=None, choices=("int8", "int4"),
-                   help="compile with the linear layers' weights quantized (jaxserve.quant), to see whether the "
+                   help="compile with the linear layers' weights quantized (jaxserve.model.quant), to see whether the "
                         "steps read them as such or widen them to bf16 copies first (the HBM audit says)")
     p.add_argument("--out", default=None, help="write the rows as JSON here")
     args = p.parse_args()

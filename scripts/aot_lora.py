@@ -28,7 +28,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxserve import aot  # noqa: E402
+from jaxserve.aot import deviceless as aot  # noqa: E402
 from jaxserve.pallas_kernels.lora import GPU_BLOCK_T, TPU_BLOCK_T, slot_plan  # noqa: E402
 
 

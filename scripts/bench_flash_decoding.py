@@ -23,7 +23,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent))
 import bench_kernels as bk  # noqa: E402
 
-from jaxserve.attention import ragged_attention_reference  # noqa: E402
+from jaxserve.model.attention import ragged_attention_reference  # noqa: E402
 from jaxserve.pallas_kernels import BLOCK_SIZES, ragged_kernel_for  # noqa: E402
 from jaxserve.pallas_kernels.gpu_blocks import HOPPER_SHARED_MEMORY, gpu_blocks, key_splits  # noqa: E402
 from jaxserve.pallas_kernels.query_blocks import num_slots  # noqa: E402

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from jaxserve.quant import Int8Weight, int8_dot_matmul, quantize_int8  # noqa: E402
+from jaxserve.model.quant import Int8Weight, int8_dot_matmul, quantize_int8  # noqa: E402
 
 # SmolLM2-135M's matmuls [in, out]: q/o, k/v, gate/up, down, LM head.
 SHAPES = {"q_proj/o_proj": (576, 576), "k_proj/v_proj": (576, 192), "gate/up": (576, 1536),
@@ -104,7 +104,8 @@ def bench_decode(model, rounds: int, steps: int, batch_sizes=(1, 64)):
     """Engine decode step time per format (ms), the whole step (forward, sampling, host work). "int8-weight-only"
     is int8 as CPU ran it before int8_dot_matmul: that engine's Int8Weight nodes become WeightOnlyInt8, which
     quant's CPU branch (patched for this process) sends to the weight-only product."""
-    from jaxserve import LLM, SamplingParams, quant
+    from jaxserve import LLM, SamplingParams
+    from jaxserve.model import quant
     from jaxserve.batching.sequence import Sequence
 
     kinds = {"float32": {}, "int8": {"quantization": "int8"}, "int8-weight-only": {"quantization": "int8"}}

@@ -12,7 +12,7 @@ cached K and V the step must read; achieved bandwidth = bytes / time, against th
 in the same run (a large array copy). The oracle may run out of memory at the largest sizes: that is recorded, not
 raised. Times: median of 10 after a warm-up.
 Quantized matmul (GPU only): x [M, K] bfloat16 times int8 / int4 (groups of --group-size) weights [K, N]: XLA's int8
-`(x @ values.astype(x.dtype)) * scale` (what `jaxserve.quant.matmul` runs for int8: XLA keeps the weight s8 into its
+`(x @ values.astype(x.dtype)) * scale` (what `jaxserve.model.quant.matmul` runs for int8: XLA keeps the weight s8 into its
 dot), the int4 kernel that dequantizes in registers against XLA's dequantize-then-matmul, and a bfloat16 matmul of
 the same shape; bandwidth = the weight bytes (values and scales) / time.
 """
@@ -27,8 +27,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.attention import ragged_attention, ragged_attention_reference, resolve_attention_backend
-from jaxserve.batching.batch_builder import Row, build_batch
+from jaxserve.model.attention import ragged_attention, ragged_attention_reference, resolve_attention_backend
+from jaxserve.runner.batch_builder import Row, build_batch
 from jaxserve.cache.kv_cache import stored_head_dim
 from jaxserve.pallas_kernels import int4_matmul, page_head_dim_multiple, ragged_kernel_for
 from jaxserve.pallas_kernels.quantized_matmul import int4_dequantize, int4_matmul_reference

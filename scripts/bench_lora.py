@@ -1,5 +1,5 @@
 """Multi-LoRA step cost on the default model (XLA:CPU): a 64-row decode step and a 512-token prefill step with 0, 1,
-4 and 8 adapters against the base step, for each way of computing the LoRA term (`jaxserve.lora.delta`), and the
+4 and 8 adapters against the base step, for each way of computing the LoRA term (`jaxserve.model.lora`), and the
 time to load an adapter.
 
     python scripts/bench_lora.py [--rank 16] [--repeats 7] [--methods gather,segmented,ragged]
@@ -26,14 +26,14 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_decode import machine  # noqa: E402
 
-from jaxserve.batching.batch_builder import Row  # noqa: E402
-from jaxserve.batching.model_runner import ModelRunner, RunnerConfig  # noqa: E402
+from jaxserve.runner.batch_builder import Row  # noqa: E402
+from jaxserve.runner.model_runner import ModelRunner, RunnerConfig  # noqa: E402
 from jaxserve.buckets import Buckets  # noqa: E402
-from jaxserve.lora import delta  # noqa: E402
+from jaxserve.model import lora as delta  # noqa: E402
 from jaxserve.lora.adapter import TARGETS, load_adapter, target_shapes  # noqa: E402
 from jaxserve.lora.request import LoRARequest  # noqa: E402
 from jaxserve.model.families import LINEARS  # noqa: E402
-from jaxserve.steps import steps_for  # noqa: E402
+from jaxserve.runner.steps import steps_for  # noqa: E402
 from jaxserve.weights import load_model  # noqa: E402
 
 MAX_LORAS, PAGE = 8, 16

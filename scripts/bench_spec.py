@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.batching.spec_controller import expected_tokens
+from jaxserve.batching.speculation.controller import expected_tokens
 
 QUESTIONS = ["What makes a good teacher?", "Describe a walk through a forest in autumn.",
              "Why do people enjoy music?", "Give advice to someone starting their first job.",

@@ -38,9 +38,9 @@ from train_draft import init_draft, save_draft, sequence_logits  # noqa: E402
 
 from jaxserve import LLM, SamplingParams  # noqa: E402
 from jaxserve.batch import SamplingInput  # noqa: E402
-from jaxserve.batching.ngram_proposer import NgramIndex  # noqa: E402
+from jaxserve.batching.speculation.ngram import NgramIndex  # noqa: E402
 from jaxserve.model.decoder import DecoderModel  # noqa: E402
-from jaxserve.sampling import draw, processed_probs, step_keys  # noqa: E402
+from jaxserve.sample.sampling import draw, processed_probs, step_keys  # noqa: E402
 from jaxserve.sampling_params import MAX_BANNED_TOKENS  # noqa: E402
 from jaxserve.weights import load_model  # noqa: E402
 

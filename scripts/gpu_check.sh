@@ -36,7 +36,7 @@ PY
 python3 - <<'PY' 2>&1 | tee "$OUT/quantized_matmul_check.log"
 import jax, jax.numpy as jnp, numpy as np
 from jaxserve.pallas_kernels import quantized_matmul as qm
-from jaxserve.quant import quantize_int4
+from jaxserve.model.quant import quantize_int4
 rng = np.random.default_rng()
 for M, K, N in [(1, 4096, 4096), (8, 4096, 14336), (32, 14336, 4096)]:
     x = jnp.asarray(rng.standard_normal((M, K)), jnp.bfloat16)

@@ -2,7 +2,7 @@
 
 A step's time is modelled as the time of its token bucket with nothing cached (`base`: matmuls, the step's own
 keys, the LM head, sampling) plus the cached keys its attention reads, in the two ways the XLA:CPU attention
-(`jaxserve.attention.ragged_attention`) reads them (see `simulate_pd.attention_work`):
+(`jaxserve.model.attention.ragged_attention`) reads them (see `simulate_pd.attention_work`):
   - `group_reads`: the per-token groups, each walking the pages of its longest member for every member (decode
     rows: the step's rows bucket x the longest context);
   - `long_reads`: one long prompt chunk's cached pages, read once but scored against all T tokens of the step.
@@ -35,8 +35,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from bench_decode import machine  # noqa: E402
 from simulate_pd import StepCosts, attention_work  # noqa: E402
 
-from jaxserve.batching.batch_builder import Row  # noqa: E402
-from jaxserve.batching.model_runner import ModelRunner, RunnerConfig  # noqa: E402
+from jaxserve.runner.batch_builder import Row  # noqa: E402
+from jaxserve.runner.model_runner import ModelRunner, RunnerConfig  # noqa: E402
 from jaxserve.buckets import Buckets  # noqa: E402
 from jaxserve.cache import pages_needed  # noqa: E402
 from jaxserve.weights import load_model  # noqa: E402

@@ -4,7 +4,7 @@ An estimate from what the compiled programs hold, not a measurement. A decode st
 once (as stored: int8 a byte a weight, int4 with its scales and offsets) and each row's KV pages (as stored: on TPU
 head_dim padded to 128 lanes; a sliding-window layer reads only the window), so its time is at least
 bytes / HBM bandwidth and its rate at most R / that; compute (2 flops per weight per row / the chip's dense bf16
-peak) binds only far above 64 rows. `--audit` adds what the HBM audit (`jaxserve.hbm_audit`) found the compiled
+peak) binds only far above 64 rows. `--audit` adds what the HBM audit (`jaxserve.aot.hbm_audit`) found the compiled
 step moving beyond that (from an `aot_check.py --out` JSON of the same models, scaled from its layers to the
 model's), so a copy the compiler inserts shows as a lower ceiling.
 
@@ -24,9 +24,9 @@ import json
 
 import jax.numpy as jnp
 
-from jaxserve import aot
+from jaxserve.aot import deviceless as aot
 from jaxserve.cache import bytes_per_page
-from jaxserve.collectives import Collective
+from jaxserve.aot.collectives import Collective
 from jaxserve.pallas_kernels import page_head_dim_multiple
 from jaxserve.weights.params import param_bytes
 

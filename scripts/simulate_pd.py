@@ -48,7 +48,7 @@ from workload import percentiles, synth_requests  # noqa: E402
 HERE = Path(__file__).parent
 # Mirrored from jaxserve (not imported: the simulator runs without jax): the scheduler's COMPUTE_BOUND_TOKENS and
 # ragged_attention's small_step (both 64), long_row_share and key blocks.
-SMALL_STEP = 64  # jaxserve.attention.ragged_attention: at most this many tokens take one group, no long-row pass
+SMALL_STEP = 64  # jaxserve.model.attention.ragged_attention: at most this many tokens take one group, no long-row pass
 LONG_ROW_SHARE = 8
 BLOCK_KEYS = 128  # block_pages (8) x page_size (16): attention walks cached keys in blocks of this many
 
@@ -150,7 +150,7 @@ class ModelShape:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.kv_bytes_per_elem
 
 
-# Llama 3 8B in bf16 (jaxserve.aot.MODEL_CONFIGS["llama-3-8b"]): 8.03 B parameters, of which the 128256 x 4096
+# Llama 3 8B in bf16 (jaxserve.aot.deviceless.MODEL_CONFIGS["llama-3-8b"]): 8.03 B parameters, of which the 128256 x 4096
 # embedding table is only looked up; the LM head (the same size) is a matmul.
 LLAMA3_8B = ModelShape("llama-3-8b", 8.03e9 - 128256 * 4096, 2 * 8.03e9, 32, 32, 8, 128)
 

@@ -9,7 +9,7 @@ import argparse
 import json
 import pickle
 
-from jaxserve.batching.batch_builder import Row, RowSampling, build_batch
+from jaxserve.runner.batch_builder import Row, RowSampling, build_batch
 from jaxserve.buckets import Buckets, round_up
 from jaxserve.cache import pages_needed
 from jaxserve.multihost import StepMessage, encode

@@ -75,7 +75,7 @@ def free_compiled_programs():
 
     import jax
 
-    from jaxserve.steps import steps_for
+    from jaxserve.runner.steps import steps_for
     steps_for.cache_clear()
     jax.clear_caches()
     gc.collect()

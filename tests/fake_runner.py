@@ -17,15 +17,15 @@ import numpy as np
 
 from jaxserve import LLM
 from jaxserve.batch import StepOutput
-from jaxserve.batching.batch_builder import Row
-from jaxserve.batching.draft_proposer import DraftProposer
+from jaxserve.runner.batch_builder import Row
+from jaxserve.batching.speculation.draft import DraftProposer
 from jaxserve.batching.engine_core import PLAN_LEAD_FACTOR, PLAN_LEAD_S, EngineCore
-from jaxserve.batching.ngram_proposer import NgramProposer
-from jaxserve.batching.runner import StepHandle
+from jaxserve.batching.speculation.ngram import NgramProposer
+from jaxserve.runner.protocol import StepHandle
 from jaxserve.batching.scheduler import Scheduler
-from jaxserve.batching.spec_controller import SpecController
+from jaxserve.batching.speculation.controller import SpecController
 from jaxserve.cache import PageAllocator, PrefixCache, pages_needed
-from jaxserve.engine_factory import Engine
+from jaxserve.engine.factory import Engine
 from jaxserve.lora.adapter import LoRAError
 from jaxserve.lora.slot_cache import HostAdapters, LoRASlots
 from jaxserve.sampling_params import MAX_LOGPROBS

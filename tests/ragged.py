@@ -3,7 +3,7 @@ import dataclasses
 
 import numpy as np
 
-from jaxserve.batching.batch_builder import Row, build_batch
+from jaxserve.runner.batch_builder import Row, build_batch
 
 KINDS = ("decode", "prefill", "mixed")
 

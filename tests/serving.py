@@ -7,7 +7,7 @@ import time
 import aiohttp
 from aiohttp import web
 
-from jaxserve.async_engine import AsyncEngine
+from jaxserve.engine.async_engine import AsyncEngine
 from jaxserve.server import Server
 
 

@@ -25,7 +25,7 @@ def prefills_late(rows) -> bool:
 
 
 # Without async scheduling; with it; with it for stepping at once but a server's plan after the read-back (CPU's
-# default: `jaxserve.engine_factory`).
+# default: `jaxserve.engine.factory`).
 SCHEDULINGS = {"off": dict(async_scheduling=False), "on": dict(async_scheduling=True),
                "server reads back first": dict(async_scheduling=True, plan_lead=None)}
 

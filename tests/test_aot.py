@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from jaxserve import aot
+from jaxserve.aot import deviceless as aot
 
 ROOT = Path(__file__).parent.parent
 
@@ -81,7 +81,7 @@ def test_the_default_model_preset_is_the_default_model(default_llm):
 
 
 # Every family's shape compiled for every chip at TP 1 and at the tensor-parallel size that leaves one KV head per
-# chip (KV heads repeated where the size exceeds them: jaxserve.aot.tensor_parallel_config), read by the compile,
+# chip (KV heads repeated where the size exceeds them: jaxserve.aot.deviceless.tensor_parallel_config), read by the compile,
 # tensor-parallel and HBM audit tests below: one aot_check process per chip (and quantization) compiles every case
 # once. Two of each model's layers (every layer compiles to the same program; Gemma keeps a global one), a
 # 16-sequence engine of 16-token steps (--only-extremes: the 1-token step and the 16 x 16 one, with their cache
@@ -157,7 +157,7 @@ def test_tensor_parallel_steps_reduce_over_the_mesh(chip_rows, chip):
 @pytest.mark.parametrize("chip", CHIPS)
 def test_tensor_parallel_collectives_are_the_expected_ones(chip_rows, chip):
     """An all-reduce of the activations after each row-parallel layer and after the embedding, and small per-row
-    sampling values (each device samples its own slice of the vocabulary: jaxserve.distributed.sample_over_vocab):
+    sampling values (each device samples its own slice of the vocabulary: jaxserve.parallel.mesh.sample_over_vocab):
     no logits, weight or cache array moves between devices, for any family. (XLA:GPU gathered the [1, vocab] logits
     twice in the 1-token step, and the whole 1 GB embedding table there, until sampling and the lookup became
     explicitly vocab-parallel.)"""
@@ -195,7 +195,7 @@ def test_tensor_parallel_config_is_the_repeated_kv_heads_one():
         aot.tensor_parallel_config(config, 3)
 
 
-# The HBM audit (jaxserve.hbm_audit): no program relayouts, copies, transposes or widens the KV cache or a weight
+# The HBM audit (jaxserve.aot.hbm_audit): no program relayouts, copies, transposes or widens the KV cache or a weight
 # (what it must move is each weight read once by its dot, the pages the kernel reads, the new K/V written in place),
 # for the default model, Llama 3 8B and Gemma 3 1B at TP 1 and at one KV head per chip (3, 8 and 4), on every chip,
 # from the cases' rows above.
@@ -226,7 +226,7 @@ def test_no_program_copies_the_kv_cache(chip_rows, model, tp, quantization, chip
 @pytest.mark.parametrize("model, tp, quantization, chip", AUDITED)
 def test_no_program_copies_a_weight(chip_rows, model, tp, quantization, chip):
     """Each weight read once by its dot, the embedding table a row per token: on TPU SmolLM2's [49152, 576] table
-    (and its [16384, 576] shard at TP 3) is placed row-major and kept out of VMEM (jaxserve.layouts); before, the
+    (and its [16384, 576] shard at TP 3) is placed row-major and kept out of VMEM (jaxserve.parallel.layouts); before, the
     TPU default's column-major table was relaid out whole (56.6 MB) by every multi-token step's lookup."""
     found = extra_traffic(case_rows(chip_rows(chip), model, tp, quantization), cache=False)
     assert not found, "\n".join(found)

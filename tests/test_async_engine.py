@@ -182,7 +182,7 @@ def test_an_engine_that_keeps_failing_reports_dead(where):
     """Every step fails, when dispatched or (as device errors do) when its results are read: each request gets the
     error, and after a few failed steps in a row the engine stops and says so (alive() is False, new requests are
     refused) instead of failing forever."""
-    from jaxserve.async_engine import MAX_FAILED_STEPS, EngineDeadError
+    from jaxserve.engine.async_engine import MAX_FAILED_STEPS, EngineDeadError
     llm = fake_llm()
     llm.runner.fail(where, times=-1)
     engine = AsyncEngine(llm)

@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.attention import attention, blocked_attention, ragged_attention, ragged_attention_reference, write_kv
+from jaxserve.model.attention import attention, blocked_attention, ragged_attention, ragged_attention_reference, write_kv
 from jaxserve.cache.kv_cache import BF16_BITS, Int8Pages, read_blocks, read_head_major
 from ragged import KINDS, expected, random_ragged_case, row_lengths
 

@@ -1,5 +1,5 @@
 """dtype="bfloat16" on CPU: the matmul through XLA:CPU's fast bf16 kernel (bf16 x bf16 accumulated into float32, at
-least two rows: `jaxserve.quant.bf16_dot_matmul`), and the KV cache stored as bf16 bits (uint16), which XLA:CPU
+least two rows: `jaxserve.model.quant.bf16_dot_matmul`), and the KV cache stored as bf16 bits (uint16), which XLA:CPU
 writes in place and reads a block at a time."""
 import re
 from types import SimpleNamespace
@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 from jax import export
 
-from jaxserve.attention import ragged_attention
+from jaxserve.model.attention import ragged_attention
 from jaxserve.batch import RaggedRows
 from jaxserve.cache.kv_cache import init_kv_cache, read_head_major, values_dtype, write_pages
 from jaxserve.cache.transfer import gather_pages, scatter_pages
 from jaxserve.cpu_kernels import few_row_matmul
-from jaxserve.quant import BF16_MIN_ROWS, matmul, quantize_int4
+from jaxserve.model.quant import BF16_MIN_ROWS, matmul, quantize_int4
 from tiny import make_llm, step_logits
 
 
@@ -46,7 +46,7 @@ def test_bf16_product_with_int4_weights_is_xlas_dequantized_product():
 @pytest.mark.parametrize("platform", ["cpu", "tpu", "cuda"])
 def test_only_cpu_takes_a_float32_accumulating_bf16_dot_of_at_least_min_rows(platform):
     """XLA:CPU runs a bf16 dot with a bf16 result, or of one row, as a slow loop (3-7x float32's time), and a few
-    rows faster padded to 8 (jaxserve.quant.bf16_dot_matmul): fewer rows get zero ones up to BF16_MIN_ROWS, and the
+    rows faster padded to 8 (jaxserve.model.quant.bf16_dot_matmul): fewer rows get zero ones up to BF16_MIN_ROWS, and the
     dot returns float32. TPU and GPU keep x @ w as before. (Up to few_row_matmul.MAX_ROWS rows CPU runs the FFI
     kernel unless kernels=False, a tensor-parallel split: tests/test_cpu_kernels.py.)"""
     sds = jax.ShapeDtypeStruct

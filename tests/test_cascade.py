@@ -288,7 +288,7 @@ def test_a_request_sent_straight_to_the_last_tier_is_no_escalation():
 
 
 def test_cascade_metrics_count_escalations_by_the_tiers_moved_between():
-    from jaxserve.metrics import ServerMetrics
+    from jaxserve.openai.metrics import ServerMetrics
     metrics = ServerMetrics()
     cascade = metrics.add_cascade("auto", ["a", "b", "c"])
     cascade.routed(2, [(0, 2)], 0.5)  # b skipped

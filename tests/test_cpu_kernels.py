@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve import quant
-from jaxserve.attention import blocked_attention, ragged_attention
+from jaxserve.model import quant
+from jaxserve.model.attention import blocked_attention, ragged_attention
 from jaxserve.cache.kv_cache import BF16_BITS, Int8Pages
 from jaxserve.cpu_kernels import build, few_row_matmul, paged_attention
 from ragged import expected, random_ragged_case

@@ -9,9 +9,9 @@ import torch
 
 from jaxserve import SamplingParams
 from jaxserve.sampling_params import MAX_STOP_TOKEN_IDS
-from jaxserve.batching.batch_builder import Row, build_batch
+from jaxserve.runner.batch_builder import Row, build_batch
 from jaxserve.cache import init_kv_cache, pages_needed
-from jaxserve.steps import Steps
+from jaxserve.runner.steps import Steps
 from jaxserve.weights import load_model
 
 REFS = json.loads((Path(__file__).parent / "data" / "smollm2_greedy.json").read_text())["cases"]

@@ -12,7 +12,7 @@ from jaxserve.batching.engine_core import StepError
 from jaxserve.batching.sequence import Status
 from jaxserve.cache import pages_needed
 from jaxserve.cache.transfer import kv_bytes, trimmed
-from jaxserve.engine_factory import Engine
+from jaxserve.engine.factory import Engine
 from jaxserve.tokenizer import Tokenizer
 from tiny import make_llm
 
@@ -338,7 +338,7 @@ def test_bad_config_is_refused(tiny_dir, args, error):
 
 
 def test_metrics_show_the_transfers_and_pools():
-    from jaxserve.metrics import ServerMetrics
+    from jaxserve.openai.metrics import ServerMetrics
     llm = disaggregated_llm()
     llm.generate([{"prompt_token_ids": [1, 2, 3, 4, 5]}] * 2, GREEDY, use_tqdm=False)
     metrics = ServerMetrics()

@@ -8,7 +8,7 @@ import pytest
 
 from jaxserve import LLM, EngineConfig, SamplingParams
 from jaxserve.sampling_params import StructuredOutputsParams
-from jaxserve.steps import steps_for
+from jaxserve.runner.steps import steps_for
 from tiny import TINY_PAGE_BYTES, make_llm, prompts
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -108,7 +108,7 @@ def test_no_compilation_after_warmup(tiny_tokenized_dir, other_tiny_dir, specula
 
 
 def test_one_program_and_one_copy_back_per_step(tiny_dir, monkeypatch):
-    """A step is one forward program (which writes the cache on one CPU device: jaxserve.steps; elsewhere one cache
+    """A step is one forward program (which writes the cache on one CPU device: jaxserve.runner.steps; elsewhere one cache
     write besides) and one device-to-host copy, whatever its mix of decode rows and prompt chunks (implicit
     transfers are refused outright)."""
     llm = make_llm(tiny_dir)

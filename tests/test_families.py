@@ -67,13 +67,13 @@ def test_quantized_weights_and_pages_stay_close(family_dir, case, options, toler
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "gemma3"])  # plain, biases, QK norms, sandwich norms
 def test_every_parameter_declares_its_logical_axes(kind, tmp_path):
     """Every parameter the model makes names the logical axes of each of its dimensions (declared_params refuses
-    one that does not), with rules for each (jaxserve.distributed.RULES), and a loaded checkpoint's params are
+    one that does not), with rules for each (jaxserve.parallel.mesh.RULES), and a loaded checkpoint's params are
     exactly the declared tree: no leaf is left to a default split."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import PartitionSpec as P
 
-    from jaxserve.distributed import RULES
+    from jaxserve.parallel.mesh import RULES
     from jaxserve.model.decoder import declared_params
     from jaxserve.weights import load_model
     save_tiny_model(kind, tmp_path)

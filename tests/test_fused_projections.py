@@ -6,13 +6,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.batching import model_runner
+from jaxserve.runner import model_runner
 from jaxserve.batching.engine_core import StepError
-from jaxserve.batching.batch_builder import Row
+from jaxserve.runner.batch_builder import Row
 from jaxserve.cpu_kernels import few_row_matmul
 from jaxserve.model.fused import fuse_kernels, with_fused_projections
-from jaxserve.perplexity import next_token_logits
-from jaxserve.quant import Int4Weight, Int8Weight, quantize_int4, quantize_params
+from jaxserve.quantize.perplexity import next_token_logits
+from jaxserve.model.quant import Int4Weight, Int8Weight, quantize_int4, quantize_params
 from jaxserve.weights import load_model
 from test_step_program import step_program
 from tiny import make_llm

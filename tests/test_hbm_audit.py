@@ -1,4 +1,4 @@
-"""The HBM audit's reading of HLO text (jaxserve.hbm_audit), on small hand-written programs shaped like what the TPU
+"""The HBM audit's reading of HLO text (jaxserve.aot.hbm_audit), on small hand-written programs shaped like what the TPU
 and GPU compilers print: what it lists (relayouts, copies, transposes, converts, weight-sized fusions, slices of the
 cache) and what it must not (the attention kernel, in-place updates, views, TPU VMEM prefetches, fused insides).
 The real compilers' programs are audited in tests/test_aot.py."""
@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jaxserve.hbm_audit import Buffer, audit, buffers, parse
+from jaxserve.aot.hbm_audit import Buffer, audit, buffers, parse
 
 # A weight [64, 32] (2048 elements) and a page array [16, 4, 2, 8] (1024 elements, 2 KB in bf16).
 BUFFERS = [Buffer("layers_0/q_proj/kernel", (64, 32), 64 * 32 * 2),
@@ -180,7 +180,7 @@ def test_the_parser_finds_computations_operands_and_roots():
 def test_buffers_are_the_weight_matrices_and_pages_per_device(quantization):
     """Norms and quantization scales are not weights; a packed int4 weight also counts unpacked (what a widened
     copy of it would be); over a mesh, each device's shard."""
-    from jaxserve import aot
+    from jaxserve.aot import deviceless as aot
     from jaxserve.config import ModelConfig
     config = ModelConfig("LlamaForCausalLM", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1,
                          num_heads=4, num_kv_heads=2, head_dim=8, rope_theta=10000.0, max_position_embeddings=64)

@@ -3,8 +3,8 @@ not over every padded row of its bucket (`Steps._sample_used_rows`)."""
 import numpy as np
 import pytest
 
-from jaxserve.batching.batch_builder import Row, RowSampling, build_batch
-from jaxserve.steps import HEAD_ROWS
+from jaxserve.runner.batch_builder import Row, RowSampling, build_batch
+from jaxserve.runner.steps import HEAD_ROWS
 from tiny import make_llm
 
 

@@ -6,9 +6,9 @@ import torch
 
 from hf_models import VARIANTS, save_tiny_model
 from jaxserve import LLM, SamplingParams
-from jaxserve.batching.batch_builder import Row, build_batch
+from jaxserve.runner.batch_builder import Row, build_batch
 from jaxserve.cache import init_kv_cache, pages_needed
-from jaxserve.steps import Steps
+from jaxserve.runner.steps import Steps
 from jaxserve.weights import load_model
 
 

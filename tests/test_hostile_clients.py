@@ -490,7 +490,7 @@ def test_health_turns_503_when_the_engine_stops_making_progress():
     """An engine whose every step fails stops after a few in a row; /health then says 503 and requests get 503."""
     from fake_runner import fake_llm
 
-    from jaxserve.async_engine import MAX_FAILED_STEPS
+    from jaxserve.engine.async_engine import MAX_FAILED_STEPS
     llm = fake_llm()
     llm.runner.fail("dispatch", times=-1)
     st = ServerThread(llm, "tiny", api_key=KEY)

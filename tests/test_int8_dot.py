@@ -1,4 +1,4 @@
-"""int8 weights on CPU through XLA's int8 x int8 -> int32 dot (`jaxserve.quant.int8_dot_matmul`): its error
+"""int8 weights on CPU through XLA's int8 x int8 -> int32 dot (`jaxserve.model.quant.int8_dot_matmul`): its error
 against float32, that CPU (and only CPU) lowers an int8 weight's matmul to it, and an engine serving with it."""
 import jax
 import jax.numpy as jnp
@@ -8,7 +8,7 @@ from jax import export
 
 from jaxserve import SamplingParams
 from jaxserve.cpu_kernels import few_row_matmul
-from jaxserve.quant import Int8Weight, int8_dot_matmul, matmul, quantize_int8
+from jaxserve.model.quant import Int8Weight, int8_dot_matmul, matmul, quantize_int8
 from tiny import make_llm, prompts
 
 

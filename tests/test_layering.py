@@ -77,7 +77,7 @@ def under(module: str, *prefixes: str) -> bool:
 
 def test_the_reader_sees_the_package():
     """Guards the guards: the modules are found, and so are imports inside functions (cli's lazy ones)."""
-    assert {"jaxserve", "jaxserve.engine", "jaxserve.engine_config", "jaxserve.cli", "jaxserve.server"} <= set(MODULES)
+    assert {"jaxserve", "jaxserve.engine.llm", "jaxserve.engine_config", "jaxserve.cli", "jaxserve.server"} <= set(MODULES)
     assert any(i.target == "jaxserve.server" for i in IMPORTS["jaxserve.cli"])  # inside cmd_serve
     assert all(i.target in MODULES for edges in IMPORTS.values() for i in edges), "an import of no jaxserve module"
 
@@ -120,19 +120,19 @@ def test_no_import_cycle():
 # (who, what it must not import, why)
 LAYERS = [
     (("jaxserve.pallas_kernels",),
-     ("jaxserve.model", "jaxserve.attention", "jaxserve.steps", "jaxserve.engine", "jaxserve.async_engine",
-      "jaxserve.batching", "jaxserve.server", "jaxserve.openai_api", "jaxserve.cli"),
+     ("jaxserve.model", "jaxserve.model.attention", "jaxserve.runner.steps", "jaxserve.engine.llm", "jaxserve.engine.async_engine",
+      "jaxserve.batching", "jaxserve.server", "jaxserve.openai.api", "jaxserve.cli"),
      "kernels take arrays: they import no model code"),
     (("jaxserve.engine_config", "jaxserve.options", "jaxserve.cli_flags"),
-     ("jaxserve.engine", "jaxserve.async_engine", "jaxserve.batching", "jaxserve.server", "jaxserve.openai_api",
+     ("jaxserve.engine.llm", "jaxserve.engine.async_engine", "jaxserve.batching", "jaxserve.server", "jaxserve.openai.api",
       "jaxserve.cli"),
      "the config is below the engine it configures"),
     (("jaxserve.options",), ("jaxserve",), "the option values are a leaf: they import nothing of jaxserve"),
     (("jaxserve.batching",),
-     ("jaxserve.engine", "jaxserve.async_engine", "jaxserve.server", "jaxserve.openai_api", "jaxserve.cli"),
+     ("jaxserve.engine.llm", "jaxserve.engine.async_engine", "jaxserve.server", "jaxserve.openai.api", "jaxserve.cli"),
      "the host loop is below the engine APIs and the server"),
     (("jaxserve.cascade",),
-     ("jaxserve.engine", "jaxserve.async_engine", "jaxserve.batching", "jaxserve.server", "jaxserve.openai_api",
+     ("jaxserve.engine.llm", "jaxserve.engine.async_engine", "jaxserve.batching", "jaxserve.server", "jaxserve.openai.api",
       "jaxserve.cli"),
      "cascade routing's features, router file and policy read outputs: the server applies them, scripts train them"),
 ]
@@ -147,14 +147,14 @@ def test_layers(importers, forbidden, why):
 def test_nothing_below_the_server_imports_it():
     """The server (jaxserve.server, its wire format openai_api with its structured-output and tool-call fields, and
     its metrics) is imported only by itself, the router over servers (jaxserve.router) and the command line."""
-    top = ("jaxserve.server", "jaxserve.openai_api", "jaxserve.openai_structured", "jaxserve.tool_calls",
-           "jaxserve.metrics", "jaxserve.http_common", "jaxserve.router", "jaxserve.cli")
+    top = ("jaxserve.server", "jaxserve.openai.api", "jaxserve.openai.structured", "jaxserve.openai.tool_calls",
+           "jaxserve.openai.metrics", "jaxserve.openai.http", "jaxserve.router", "jaxserve.cli")
     bad = [i for m in MODULES if not under(m, *top) for i in IMPORTS[m] if under(i.target, *top)]
     assert not bad, "the server is the top layer, but:\n  " + "\n  ".join(map(str, bad))
 
 
-ROUTER_MAY_IMPORT = ("jaxserve.router", "jaxserve.http_common", "jaxserve.openai_api", "jaxserve.tool_calls",
-                     "jaxserve.metrics")
+ROUTER_MAY_IMPORT = ("jaxserve.router", "jaxserve.openai.http", "jaxserve.openai.api", "jaxserve.openai.tool_calls",
+                     "jaxserve.openai.metrics")
 
 
 def test_the_router_imports_no_engine():
@@ -172,11 +172,11 @@ def test_the_router_imports_no_engine():
 
 def test_a_sequence_does_not_import_the_batch_builder():
     """The sequence is the host loop's bottom: the batch builder reads sequences, not the other way round."""
-    bad = [i for i in IMPORTS["jaxserve.batching.sequence"] if i.target == "jaxserve.batching.batch_builder"]
+    bad = [i for i in IMPORTS["jaxserve.batching.sequence"] if i.target == "jaxserve.runner.batch_builder"]
     assert not bad, "\n  ".join(["jaxserve.batching.sequence imports the batch builder:", *map(str, bad)])
 
 
 def test_the_async_engine_takes_request_metrics_from_below_the_engine():
-    bad = [i for i in IMPORTS["jaxserve.async_engine"]
-           if i.target == "jaxserve.engine" and "request_metrics" in i.names]
+    bad = [i for i in IMPORTS["jaxserve.engine.async_engine"]
+           if i.target == "jaxserve.engine.llm" and "request_metrics" in i.names]
     assert not bad, "\n  ".join(["request_metrics is the engine's helper; it belongs below it:", *map(str, bad)])

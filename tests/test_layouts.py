@@ -1,4 +1,4 @@
-"""The embedding table's placement (jaxserve.layouts): row-major where the platform's default may not be (TPU, taken
+"""The embedding table's placement (jaxserve.parallel.layouts): row-major where the platform's default may not be (TPU, taken
 here by the CPU for the test: its compiler honours a column-major argument too), nothing else touched, values kept.
 What it does to TPU programs is tests/test_aot.py's (the HBM audit of SmolLM2's steps)."""
 import jax
@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 from jax.experimental.layout import Format, Layout
 
-from jaxserve import layouts
-from jaxserve.distributed import place
-from jaxserve.quant import Int8Rows, quantize_rows_int8
+from jaxserve.parallel import layouts
+from jaxserve.parallel.mesh import place
+from jaxserve.model.quant import Int8Rows, quantize_rows_int8
 
 COLUMN_MAJOR = Layout(major_to_minor=(1, 0))
 

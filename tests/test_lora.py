@@ -18,10 +18,10 @@ from tiny import make_llm
 
 import jaxserve
 from jaxserve import EngineConfig, LoRARequest
-from jaxserve.batching.batch_builder import Row, build_batch
-from jaxserve.distributed import MODEL
+from jaxserve.runner.batch_builder import Row, build_batch
+from jaxserve.parallel.mesh import MODEL
 from jaxserve.lora.adapter import LoRAError, load_adapter
-from jaxserve.lora.delta import METHODS, lora_delta
+from jaxserve.model.lora import METHODS, lora_delta
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # Two adapters unlike each other: rank 4 on three targets, and rank 8 with rsLoRA on every target of layer 1 only

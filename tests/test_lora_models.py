@@ -8,7 +8,7 @@ import transformers
 from jaxserve import LLM, SamplingParams
 from jaxserve.lora.adapter import LoRAError
 from jaxserve.lora.request import LoRARequest
-from jaxserve.steps import steps_for
+from jaxserve.runner.steps import steps_for
 from peft_adapters import hf_greedy, peft_adapter
 from tiny import make_llm
 

@@ -25,7 +25,7 @@ from serving import free_port
 
 from jaxserve import LLM, SamplingParams, multihost
 from jaxserve.batch import is_constant
-from jaxserve.batching.batch_builder import Row, RowSampling, build_batch
+from jaxserve.runner.batch_builder import Row, RowSampling, build_batch
 from jaxserve.multihost import (AbortMessage, EndMessage, ErrorMessage, LeaderFollower, MessageRefused,
                                 ShutdownMessage, StepChannel, StepMessage)
 from jaxserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput

@@ -2,7 +2,7 @@
 way one can be wrong -> a 400 naming the field. Pure parsing: no engine."""
 import pytest
 
-from jaxserve.openai_api import ApiError, grammar_error, grammar_field, parse_chat, parse_completion
+from jaxserve.openai.api import ApiError, grammar_error, grammar_field, parse_chat, parse_completion
 from jaxserve.sampling_params import StructuredOutputsParams
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.attention import attention, resolve_attention_backend
+from jaxserve.model.attention import attention, resolve_attention_backend
 from jaxserve.batch import RaggedRows
 from jaxserve.cache.kv_cache import Int8Pages
 from jaxserve.pallas_kernels import BLOCK_SIZES, ragged_attention_gpu, ragged_kernel_for
@@ -251,7 +251,7 @@ def test_start_up_check_accepts_good_kernels_and_reports_failures(monkeypatch):
 
 
 def test_auto_falls_back_to_the_reference_when_the_check_fails(monkeypatch, caplog):
-    from jaxserve import engine_factory
+    from jaxserve.engine import factory as engine_factory
     from jaxserve.pallas_kernels import self_check
     from jaxserve.config import ModelConfig
     config = ModelConfig("LlamaForCausalLM", 320, 64, 128, 2, 4, 2, 16)
@@ -294,7 +294,7 @@ _COMPILE_FAMILIES = r"""
 import dataclasses, json, re, sys
 import jax, jax.numpy as jnp
 from jax.experimental import topologies
-from jaxserve import aot
+from jaxserve.aot import deviceless as aot
 from jaxserve.cache import init_kv_cache
 from jaxserve.pallas_kernels import page_head_dim_multiple
 from jaxserve.pallas_kernels.gpu_blocks import dot_rows, gpu_blocks, shared_memory_bytes

@@ -128,7 +128,7 @@ def test_each_used_adapter_is_read_about_once_a_step(block_t):
 
 COMPILE = """
 import json, sys
-from jaxserve import aot
+from jaxserve.aot import deviceless as aot
 rows = []
 for target in ("v5e:2x2", "h100"):
     device = aot.target_devices(target)[0]

@@ -8,9 +8,9 @@ from hf_models import save_tiny_model
 from tiny import make_llm, prompts, step_logits
 
 from jaxserve import SamplingParams
-from jaxserve.batching.batch_builder import Row, build_batch
-from jaxserve.collectives import collective_census
-from jaxserve.distributed import MODEL, bytes_per_device
+from jaxserve.runner.batch_builder import Row, build_batch
+from jaxserve.aot.collectives import collective_census
+from jaxserve.parallel.mesh import MODEL, bytes_per_device
 from jaxserve.sampling_params import MAX_LOGPROBS
 from jaxserve.weights.params import param_bytes
 
@@ -84,8 +84,8 @@ def test_a_step_gathers_no_weights_and_no_cache(tp_dir):
                                           r.buckets.pages_per_row))
     census = collective_census(r.steps._forward.lower(r.params, r.kv_cache, r.last_tokens, batch).compile().as_text())
     hidden, vocab = r.config.hidden_size, r.config.vocab_size
-    # Each device's probability mass (the draw: jaxserve.sampling.inverse_cdf), and its top K for top_logprobs, of
-    # the sampled rows and of the prompt-logprob scorer's (jaxserve.prompt_logprobs; each in a branch or loop that
+    # Each device's probability mass (the draw: jaxserve.sample.sampling.inverse_cdf), and its top K for top_logprobs, of
+    # the sampled rows and of the prompt-logprob scorer's (jaxserve.sample.prompt_logprobs; each in a branch or loop that
     # runs only when a row asks): never logits.
     top_k = [(("f32", (4, 2 * MAX_LOGPROBS)),), (("s32", (4, 2 * MAX_LOGPROBS)),)]
     assert sorted(c.arrays for c in census if c.kind == "all-gather") == sorted([(("f32", (4, 2)),)] + 2 * top_k), \

@@ -12,11 +12,11 @@ import torch
 import transformers
 
 from jaxserve import SamplingParams
-from jaxserve.batching.batch_builder import Row, RowSampling, build_batch
-from jaxserve.logit_controls import LogitControls, bad_word_bans, bad_words_token_ids, resolve
-from jaxserve.sampling import controlled, masked, with_step_tokens
+from jaxserve.runner.batch_builder import Row, RowSampling, build_batch
+from jaxserve.sample.logit_controls import LogitControls, bad_word_bans, bad_words_token_ids, resolve
+from jaxserve.sample.sampling import controlled, masked, with_step_tokens
 from jaxserve.sampling_params import MAX_BAD_WORDS, MAX_LOGIT_BIAS, ParamError
-from jaxserve import token_mask
+from jaxserve.sample import token_mask
 from tiny import make_llm
 
 VOCAB = 320  # the tiny model's

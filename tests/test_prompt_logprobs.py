@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from jaxserve import SamplingParams
-from jaxserve.prompt_logprobs import block_scores, block_size, score_targets
+from jaxserve.sample.prompt_logprobs import block_scores, block_size, score_targets
 from hf_models import save_tiny_model
 from tiny import TINY_PAGE_BYTES, make_llm, prompts
 

@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.awq import CALIBRATION_TEXT, quantize_awq, search_input_scale
+from jaxserve.quantize.awq import CALIBRATION_TEXT, quantize_awq, search_input_scale
 from jaxserve.cache import Int8Pages, bytes_per_page, init_kv_cache
 from jaxserve.cache.kv_cache import read_pages, write_pages
-from jaxserve.perplexity import next_token_logits, perplexity
-from jaxserve.quant import (KERNEL_MAX_ROWS, Int4Weight, Int8Rows, Int8Weight, embed, matmul, quantize_int4,
+from jaxserve.quantize.perplexity import next_token_logits, perplexity
+from jaxserve.model.quant import (KERNEL_MAX_ROWS, Int4Weight, Int8Rows, Int8Weight, embed, matmul, quantize_int4,
                             quantize_int8, quantize_params, quantize_rows_int8)
-from jaxserve.quantize import quantize_model
+from jaxserve.quantize.apply import quantize_model
 from jaxserve.weights import load_model
 from jaxserve.weights.params import param_bytes
 from tiny import make_llm, prompts
@@ -129,7 +129,7 @@ def test_quantize_params_skips_norms_and_quantizes_embeddings_only_when_asked():
 
 @pytest.mark.parametrize("method", ["int8", "int4", "awq"])
 def test_quantized_leaves_take_their_float_kernels_axes(tiny_dir, method):
-    """Each array of a quantized weight is split as its float kernel is (jaxserve.distributed.param_shardings):
+    """Each array of a quantized weight is split as its float kernel is (jaxserve.parallel.mesh.param_shardings):
     its logical axes come from the kernel's [in, out] ones, or the table's [vocab, hidden]."""
     from jax.sharding import PartitionSpec as P
 

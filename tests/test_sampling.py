@@ -1,14 +1,14 @@
-"""On-device sampling (jaxserve.sampling.sample) and SamplingParams validation."""
+"""On-device sampling (jaxserve.sample.sampling.sample) and SamplingParams validation."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jaxserve.batch import SamplingInput
-from jaxserve.batching.batch_builder import neutral_sampling
-from jaxserve.sampling import sample
+from jaxserve.runner.batch_builder import neutral_sampling
+from jaxserve.sample.sampling import sample
 from jaxserve.sampling_params import MAX_BANNED_TOKENS, MAX_LOGPROBS, SamplingParams
-from jaxserve import token_mask
+from jaxserve.sample import token_mask
 
 V = 50
 
@@ -108,7 +108,7 @@ def test_unknown_sampling_param_is_rejected():
 
 
 def test_two_level_inverse_cdf_and_argmax_match_the_plain_ones():
-    from jaxserve.sampling import first_argmax, inverse_cdf
+    from jaxserve.sample.sampling import first_argmax, inverse_cdf
     seed = int(np.random.default_rng().integers(1 << 31))
     rng = np.random.default_rng(seed)
     probs = rng.random((16, 1000)).astype(np.float32) * (rng.random((16, 1000)) < 0.3)  # zeros, a ragged last block
@@ -120,7 +120,7 @@ def test_two_level_inverse_cdf_and_argmax_match_the_plain_ones():
 
 
 def sorted_top_k_top_p(x, top_k, top_p):
-    """The plain way, by sorting the vocabulary: what the bisection in jaxserve.sampling must equal."""
+    """The plain way, by sorting the vocabulary: what the bisection in jaxserve.sample.sampling must equal."""
     V = x.shape[-1]
     desc = -np.sort(-x, axis=-1)
     out = np.full_like(x, -np.inf)
@@ -135,7 +135,7 @@ def sorted_top_k_top_p(x, top_k, top_p):
 
 
 def test_top_k_top_p_cuts_where_sorting_would():
-    from jaxserve.sampling import _top_k_top_p
+    from jaxserve.sample.sampling import _top_k_top_p
     seed = int(np.random.default_rng().integers(2**31))
     rng = np.random.default_rng(seed)
     cut = jax.jit(_top_k_top_p)
@@ -183,7 +183,7 @@ def test_token_mask_allows_only_its_tokens_and_leaves_logprobs_raw():
 def test_a_batch_without_masks_copies_none(tiny_dir):
     """No row has a mask: the batch holds the shared constant, and every step reuses one device copy of it."""
     from jaxserve.batch import is_constant
-    from jaxserve.batching.batch_builder import Row, RowSampling, build_batch
+    from jaxserve.runner.batch_builder import Row, RowSampling, build_batch
     from tiny import make_llm
     plain = build_batch([Row([1, 2], 0, [1])], 4, V, 8, 2, 4)
     assert is_constant(plain.sampling.token_mask)
@@ -224,13 +224,13 @@ def every_control(S, V, rng, greedy=False):
 
 @pytest.mark.skipif(len(jax.devices()) < 4, reason="needs XLA_FLAGS=--xla_force_host_platform_device_count=4")
 def test_sampling_over_a_vocab_split_mesh_is_one_devices():
-    """Each device samples from its own slice of the logits (jaxserve.distributed.sample_over_vocab): the same
+    """Each device samples from its own slice of the logits (jaxserve.parallel.mesh.sample_over_vocab): the same
     tokens as one device for greedy and seeded random rows under every control, the same ranks and top ids, and
     the same logprobs up to the order of the vocabulary's sums; the same for speculative verification. The program
     gathers no [rows, vocab] array."""
-    from jaxserve.collectives import collective_census
-    from jaxserve.distributed import make_mesh, sample_over_vocab
-    from jaxserve.verification import verify
+    from jaxserve.aot.collectives import collective_census
+    from jaxserve.parallel.mesh import make_mesh, sample_over_vocab
+    from jaxserve.sample.verification import verify
     seed = int(np.random.default_rng().integers(2**31))
     rng = np.random.default_rng(seed)
     # 4 devices of 250 tokens: neither the token mask's 32-bit words nor the draw's 256-token blocks align with a

@@ -7,11 +7,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.batching import model_runner
-from jaxserve.batching.batch_builder import Row
-from jaxserve.batching.model_runner import with_serving_head
+from jaxserve.runner import model_runner
+from jaxserve.runner.batch_builder import Row
+from jaxserve.runner.model_runner import with_serving_head
 from jaxserve.cpu_kernels import few_row_matmul
-from jaxserve.quant import Int4Weight, Int8Weight, quantize_params
+from jaxserve.model.quant import Int4Weight, Int8Weight, quantize_params
 from jaxserve.weights import load_model
 from test_step_program import entry, step_program
 from tiny import make_llm, step_logits
@@ -84,7 +84,7 @@ def test_gemma3s_int8_head_costs_under_one_percent_of_perplexity(gemma3_llm):
     int8 layers, 23.42 with the int8 head."""
     from pathlib import Path
 
-    from jaxserve.perplexity import next_token_logits, perplexity
+    from jaxserve.quantize.perplexity import next_token_logits, perplexity
     config, params = gemma3_llm.config, gemma3_llm.runner.params
     ids = gemma3_llm.tokenizer.encode((Path(__file__).parent / "data" / "alice_ch1.txt").read_text())[:512]
     served = with_serving_head(config, quantize_params(params, "int8"), "cpu")

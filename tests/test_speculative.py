@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxserve import SamplingParams
-from jaxserve.batching.ngram_proposer import NgramIndex
-from jaxserve.batching.spec_controller import PROBE_EVERY, SpecController, expected_tokens
+from jaxserve.batching.speculation.ngram import NgramIndex
+from jaxserve.batching.speculation.controller import PROBE_EVERY, SpecController, expected_tokens
 from jaxserve.spec_config import SpeculativeConfig
 from tiny import TINY_PAGE_BYTES, make_llm, prompts
 
@@ -160,7 +160,7 @@ def test_bad_configurations_are_refused(tiny_dir):
 
 
 def test_a_draft_with_another_tokenizer_is_refused():
-    from jaxserve.engine_factory import _check_same_tokenizer
+    from jaxserve.engine.factory import _check_same_tokenizer
 
     class Chars:
         def __init__(self, shift):

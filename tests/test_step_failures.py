@@ -8,7 +8,7 @@ from fake_runner import both_schedulings, fake_llm, has_decode_row
 
 from jaxserve import AsyncEngine, SamplingParams
 from jaxserve.batching.engine_core import MAX_FAILED_STEPS, EngineDeadError, StepError
-from jaxserve.batching.ngram_proposer import NgramProposer
+from jaxserve.batching.speculation.ngram import NgramProposer
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 SHORT = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
@@ -199,7 +199,7 @@ def test_health_and_metrics_show_a_stopped_replica_and_the_server_serves_on():
 
 
 def test_the_router_hashes_a_prompt_once(monkeypatch):
-    import jaxserve.batching.data_parallel as dp
+    import jaxserve.batching.pools.data_parallel as dp
     calls = []
     page_keys = dp.page_keys
     monkeypatch.setattr(dp, "page_keys", lambda *a: calls.append(1) or page_keys(*a))

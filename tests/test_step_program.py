@@ -7,11 +7,11 @@ import jax
 import numpy as np
 import pytest
 
-from jaxserve import token_mask
+from jaxserve.sample import token_mask
 from jaxserve.batch import is_constant
-from jaxserve.batching.batch_builder import Row, RowSampling, build_batch
+from jaxserve.runner.batch_builder import Row, RowSampling, build_batch
 from jaxserve.buckets import round_up
-from jaxserve.steps import MAYBE_CONSTANT
+from jaxserve.runner.steps import MAYBE_CONSTANT
 from tiny import make_llm
 
 
@@ -85,7 +85,7 @@ def cache_copies(hlo: str, pages_shape: tuple[int, ...]) -> list[str]:
     [Row(list(range(9)), 0, [1, 2, 3], slot=0)],
 ], ids=["b1", "chunk9"])
 def test_cpu_step_writes_its_cache_in_place_in_one_program(tiny_dir, rows):
-    """On one CPU device the forward also writes the cache (jaxserve.steps): its compiled program copies no layer's
+    """On one CPU device the forward also writes the cache (jaxserve.runner.steps): its compiled program copies no layer's
     cache (a write XLA could order before a read would), and a step dispatches that one program, no `_write`."""
     llm = make_llm(tiny_dir)
     steps = llm.runner.steps
@@ -102,7 +102,7 @@ def test_cpu_step_writes_its_cache_in_place_in_one_program(tiny_dir, rows):
 def test_the_cache_copies_counted_are_there_without_region_analysis(tiny_dir, monkeypatch):
     """What the test above counts is what XLA:CPU inserts when copy insertion does not follow the barrier: the same
     program compiled without the option copies the layers' caches."""
-    import jaxserve.steps as steps_module
+    import jaxserve.runner.steps as steps_module
     monkeypatch.setattr(steps_module, "IN_PLACE_WRITES", {})
     steps_module.steps_for.cache_clear()
     try:

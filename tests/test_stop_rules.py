@@ -108,7 +108,7 @@ def test_ending_tokens_are_banned_once_each():
 
 
 def test_a_ban_list_past_the_device_width_is_a_clear_error():
-    from jaxserve.batching.batch_builder import Row, RowSampling, build_batch
+    from jaxserve.runner.batch_builder import Row, RowSampling, build_batch
     from jaxserve.sampling_params import MAX_BANNED_TOKENS
     row = Row([1], 0, [1], RowSampling(banned=tuple(range(MAX_BANNED_TOKENS + 1))))
     with pytest.raises(ValueError, match="bans"):

@@ -15,10 +15,10 @@ import regex
 from hf_models import save_tiny_model
 from tiny import TINY_PAGE_BYTES, make_llm
 from jaxserve import LLM, SamplingParams
-from jaxserve.async_engine import AsyncEngine
+from jaxserve.engine.async_engine import AsyncEngine
 from jaxserve.sampling_params import StructuredOutputsParams as Structured
 from jaxserve.structured_output import compile_grammar, fill_masks, grammar as grammar_module
-from jaxserve.token_mask import allowed_ids
+from jaxserve.sample.token_mask import allowed_ids
 from jaxserve.tokenizer import Tokenizer
 from jaxserve.weights.gguf import open_gguf
 

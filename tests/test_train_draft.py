@@ -45,9 +45,9 @@ def test_distils_a_draft_that_loads(tiny_dir, tmp_path):
 def test_training_forward_matches_the_engine(tiny_dir):
     """The training forward (a row per sequence, empty cache, dense attention, vmapped over padded sequences) gives
     the engine's logits; a draft with every layer is the target."""
-    from jaxserve.batching.batch_builder import Row, build_batch
+    from jaxserve.runner.batch_builder import Row, build_batch
     from jaxserve.cache import init_kv_cache
-    from jaxserve.steps import Steps
+    from jaxserve.runner.steps import Steps
     target = load_model(tiny_dir, jnp.float32)
     prompt = np.random.default_rng(1).integers(0, 320, 20).tolist()
     batch = build_batch([Row(prompt, 0, [1, 2, 3, 4, 5])], 4, 320, 20, 1, 5)

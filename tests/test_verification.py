@@ -1,4 +1,4 @@
-"""Speculative verification on device (jaxserve.verification.verify): plain rows are sample() exactly, greedy
+"""Speculative verification on device (jaxserve.sample.verification.verify): plain rows are sample() exactly, greedy
 rows are the greedy chain, sampled rows emit sample()'s own draws at each generated token number (so speculation
 does not change a seeded text), their law is exactly the target's whatever the proposals (checked statistically,
 and the check is shown to catch inexact verifiers), and a one-hot proposal x is accepted with probability p(x)."""
@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 from jax.scipy.stats import chi2
 
-from jaxserve import verification
+from jaxserve.sample import verification
 from jaxserve.batch import SamplingInput
-from jaxserve.batching.batch_builder import neutral_sampling
-from jaxserve.verification import verify
-from jaxserve.sampling import draw, sample, step_keys
+from jaxserve.runner.batch_builder import neutral_sampling
+from jaxserve.sample.verification import verify
+from jaxserve.sample.sampling import draw, sample, step_keys
 from jaxserve.sampling_params import MAX_BANNED_TOKENS
 
 verify_jit = jax.jit(verify)

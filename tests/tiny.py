@@ -2,7 +2,7 @@
 import numpy as np
 
 from jaxserve import LLM
-from jaxserve.batching.batch_builder import Row, build_batch
+from jaxserve.runner.batch_builder import Row, build_batch
 
 TINY_PAGE_BYTES = 2 * 2 * 4 * 2 * 16 * 4  # K and V, 2 layers, 4 tokens, 2 KV heads, head dim 16, float32
 

@@ -26,7 +26,7 @@ host's work on step N (reading it back, detokenizing, filling the next masks) wi
 batches without one keep it (what that costs: BENCHMARKS.md). Constrained rows never speculate; the others of the
 batch may.
 
-Disaggregated prefill (`jaxserve.batching.disaggregated`): a prefill engine's scheduler hands each sequence off
+Disaggregated prefill (`jaxserve.batching.pools.disaggregated`): a prefill engine's scheduler hands each sequence off
 once its first token has landed, its pages held until `take_handed_off` (called when a decode engine can admit it:
 `can_take_prefilled`) dispatches their export (a gather on the device) and only then gives them back, so a later
 step that reuses them runs after the gather. A decode engine takes it with those pages (`add_prefilled`), copies
@@ -47,11 +47,11 @@ import jax
 
 from jaxserve.batching import output_processor
 from jaxserve.batching.output_processor import SequenceDelta
-from jaxserve.batching.proposer import Proposer
-from jaxserve.batching.runner import Runner, StepHandle
+from jaxserve.batching.speculation.proposer import Proposer
+from jaxserve.runner.protocol import Runner, StepHandle
 from jaxserve.batching.scheduler import ScheduledBatch, Scheduler
 from jaxserve.batching.sequence import Sequence, Status
-from jaxserve.batching.spec_controller import SpecController
+from jaxserve.batching.speculation.controller import SpecController
 from jaxserve.cache import pages_needed
 from jaxserve.cache.transfer import KVPages, kv_bytes, num_pages
 

@@ -16,7 +16,7 @@ import dataclasses
 import logging
 
 from jaxserve.batch import PromptScores, StepOutput
-from jaxserve.batching.batch_builder import Row
+from jaxserve.runner.batch_builder import Row
 from jaxserve.batching.sequence import Sequence
 from jaxserve.outputs import CompletionOutput, Logprob, RequestMetrics
 

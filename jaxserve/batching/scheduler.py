@@ -21,7 +21,7 @@ each used by a running sequence) waits, and every adapter sequence after it wait
 rather than to a stream of later requests for the adapters loaded already; base-model sequences need no slot and go
 on being admitted.
 
-Disaggregated serving (`jaxserve.batching.disaggregated`) splits a sequence's life over two schedulers. One with
+Disaggregated serving (`jaxserve.batching.pools.disaggregated`) splits a sequence's life over two schedulers. One with
 role "prefill" runs prompts only: once a sequence's first token has landed (and did not end it), `update` moves it
 out of `running` to `handed_off`, its pages held until the engine has exported them (`release_handed_off`), which
 it does once a decode scheduler can take it (`can_take_prefilled`); while that first token is in flight, the
@@ -41,20 +41,20 @@ import dataclasses
 import time
 from typing import Callable
 
-from jaxserve.batching.batch_builder import Row, RowSampling
+from jaxserve.runner.batch_builder import Row, RowSampling
 from jaxserve.batching import output_processor
 from jaxserve.batching.output_processor import SequenceDelta
-from jaxserve.batching.proposer import Proposals
+from jaxserve.batching.speculation.proposer import Proposals
 from jaxserve.batching.sequence import Sequence, Status
 from jaxserve.batching.slo import SloController
 from jaxserve.buckets import round_up
 from jaxserve.cache import PrefixCache, page_keys, pages_needed
 from jaxserve.cache.transfer import KVPages
-from jaxserve.logit_controls import bad_word_bans
+from jaxserve.sample.logit_controls import bad_word_bans
 from jaxserve.lora.slot_cache import LoRASlots
 from jaxserve.options import ROLES, SCHEDULING_POLICIES
 from jaxserve.structured_output import fill_masks
-from jaxserve.token_mask import both
+from jaxserve.sample.token_mask import both
 
 # A waiting sequence gains one priority level per this many steps it waits, so a steady stream of better-priority
 # requests cannot starve it.
@@ -89,7 +89,7 @@ class ScheduledBatch:
     decode: list[Sequence]  # one token each, and any proposals after it
     prefill: list[Chunk]  # at most one chunk per sequence
     # Speculative decoding: how many proposals a decoding sequence has pages and budget for, then the proposals
-    # themselves (at most that many; see jaxserve.batching.proposer).
+    # themselves (at most that many; see jaxserve.batching.speculation.proposer).
     num_draft: dict[Sequence, int] = dataclasses.field(default_factory=dict)
     proposals: dict[Sequence, list[int]] = dataclasses.field(default_factory=dict)
     writes: list[Write] = dataclasses.field(default_factory=list)

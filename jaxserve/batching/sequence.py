@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from jaxserve.logit_controls import NONE, LogitControls
+from jaxserve.sample.logit_controls import NONE, LogitControls
 from jaxserve.outputs import Logprob
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.structured_output import GrammarMatcher

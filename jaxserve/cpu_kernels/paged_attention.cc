@@ -1,5 +1,5 @@
 // The attention of a few-token step (decoding) on CPU, its cached keys read from the paged KV cache in place:
-// jaxserve.attention.ragged_attention's path for steps of at most `small_step` tokens.
+// jaxserve.model.attention.ragged_attention's path for steps of at most `small_step` tokens.
 //
 // In jnp, XLA:CPU gathers every block of pages a token reads into a new array before its dots, and a layer's
 // attention is some twenty small ops, each a pass of XLA's runtime (BENCHMARKS.md, issue 28). Here each token reads
@@ -152,7 +152,7 @@ void AttendPart(const Step& s, int64_t t, int64_t split, int64_t splits, std::ve
   std::fill(l_out, l_out + H * G, 0.0f);
   const int64_t pos = s.positions[t];
   if (pos < 0) return;
-  // A sliding window shows the keys after position - window (the rule of jaxserve.attention).
+  // A sliding window shows the keys after position - window (the rule of jaxserve.model.attention).
   const int64_t first = s.sliding_window > 0 ? std::max<int64_t>(0, pos - s.sliding_window + 1) : 0;
   const int64_t cached_end = std::max<int64_t>(first, s.cached_lens[t]);
   const int64_t first_page = first / ps, pages = (cached_end + ps - 1) / ps - first_page;

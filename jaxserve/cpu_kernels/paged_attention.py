@@ -1,5 +1,5 @@
 """The attention of a few-token step on CPU by the kernel in paged_attention.cc: cached keys read from the pages in
-place, then the step's own keys (jaxserve.attention.ragged_attention takes it for steps of at most `small_step`
+place, then the step's own keys (jaxserve.model.attention.ragged_attention takes it for steps of at most `small_step`
 tokens)."""
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ Per layer and target, a [N, in, R] and b [N, R, out] (N = max_loras, R = max_lor
 the first r of R, the rest stays zero, as does a target it leaves out), in the model's dtype, the "lora" collection
 beside the model's "params". Each splits over a tensor-parallel mesh as its base kernel does: a column-parallel
 layer's (q/k/v, gate, up) b by its outputs, a row-parallel layer's (o, down) a by its inputs, so each device
-computes its own part of the term as it does of the layer (`jaxserve.distributed.RULES`).
+computes its own part of the term as it does of the layer (`jaxserve.parallel.mesh.RULES`).
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ One forward, with a family's differences read from its config (architecture as d
 norms and GeGLU, embedding scale, per-layer sliding window and RoPE base; see `jaxserve.config.ModelConfig`), not a
 model file per family. The modules only define structure; what crosses `jit` is the plain params pytree and the
 cache. The model knows the page table it is handed and nothing else about pages. It only reads the cache: it returns
-this step's keys and values, and the step writes them (see `jaxserve.steps`).
+this step's keys and values, and the step writes them (see `jaxserve.runner.steps`).
 """
 from __future__ import annotations
 
@@ -19,14 +19,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
-from jaxserve.attention import attention
+from jaxserve.model.attention import attention
 from jaxserve.batch import RaggedRows
 from jaxserve.cache import init_kv_cache
 from jaxserve.config import ModelConfig
-from jaxserve.distributed import attention_over_heads, embed_over_vocab, model_size
+from jaxserve.parallel.mesh import attention_over_heads, embed_over_vocab, model_size
 from jaxserve.model.layers import Linear, RMSNorm, rms_norm
 from jaxserve.model.rope import apply_rope, inverse_frequencies
-from jaxserve.quant import embed, logical_axes, matmul
+from jaxserve.model.quant import embed, logical_axes, matmul
 
 
 class DeclaredParams(NamedTuple):
@@ -60,7 +60,7 @@ def _declared_axes(config: ModelConfig) -> dict:
 def param_axes(config: ModelConfig, params: dict) -> dict:
     """The logical axes of every leaf of params (loaded, possibly quantized): a tree like params with a
     PartitionSpec of axis names per leaf, as the model declares them; a quantized weight's arrays take their float
-    kernel's (`jaxserve.quant.logical_axes`)."""
+    kernel's (`jaxserve.model.quant.logical_axes`)."""
     return jax.tree.map(lambda axes, leaf: logical_axes(leaf, axes), _declared_axes(config), params,
                         is_leaf=lambda x: isinstance(x, P))
 
@@ -91,7 +91,7 @@ def repeat_heads(leaf, head_dim: int, times: int):
 class DecoderLayer(nn.Module):
     config: ModelConfig
     dtype: Any
-    attention_backend: str = "reference"  # resolved (see jaxserve.attention.resolve_attention_backend)
+    attention_backend: str = "reference"  # resolved (see jaxserve.model.attention.resolve_attention_backend)
     mesh: Mesh | None = None  # tensor parallel: attention runs per device on its heads
 
     layer: int = 0  # its index: which window and RoPE base it has
@@ -103,7 +103,7 @@ class DecoderLayer(nn.Module):
         T, _ = x.shape  # x: [T, hidden], the step's tokens of every row back to back
         whole = model_size(self.mesh) == 1  # each device holds whole kernels
         h = RMSNorm(c.rms_norm_eps, dt, name="input_layernorm")(x)
-        # Logical axes of each kernel's [in, out]: q/k/v split their outputs by head (jaxserve.distributed.RULES).
+        # Logical axes of each kernel's [in, out]: q/k/v split their outputs by head (jaxserve.parallel.mesh.RULES).
         q_axes, kv_axes = ("embed", "heads"), ("embed", "kv_heads")
         nq, nkv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         # Each group fuses on its own (jaxserve.model.fused), and adapters are per projection: a runner with LoRA
@@ -167,7 +167,7 @@ class DecoderModel(nn.Module):
         (`jaxserve.lora.buffers`); None: the base model alone.
         """
         c = self.config
-        if self.has_variable("params", "embed_tokens"):  # float or int8 rows (jaxserve.quant)
+        if self.has_variable("params", "embed_tokens"):  # float or int8 rows (jaxserve.model.quant)
             embedding = self.get_variable("params", "embed_tokens")
         else:
             init = nn.with_logical_partitioning(nn.initializers.normal(0.02), ("vocab", "embed"))

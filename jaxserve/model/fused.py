@@ -4,13 +4,13 @@ so a step runs one dot per group where the checkpoint has three and two.
 Each group reads the same input, so fusing changes no product, only how many dots a step dispatches: on XLA:CPU a
 batch-1 decode step is many small dots, each with a fixed cost beyond its weight reads (`with_fused_projections`).
 The params a model is loaded, saved, split and adapted as keep the checkpoint's names; only a runner on one device
-serves the fused form (`jaxserve.batching.model_runner`), and `DecoderLayer` reads whichever its params have.
+serves the fused form (`jaxserve.runner.model_runner`), and `DecoderLayer` reads whichever its params have.
 """
 from __future__ import annotations
 
 import jax.numpy as jnp
 
-from jaxserve.quant import Int4Weight, Int8Rows, Int8Weight
+from jaxserve.model.quant import Int4Weight, Int8Rows, Int8Weight
 
 # Fused name -> the projections it holds, in the order of its outputs.
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}

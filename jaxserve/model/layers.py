@@ -2,7 +2,7 @@
 
 Each parameter is made with the logical axes of its dimensions (`nn.with_logical_partitioning`): that declaration,
 read back by `jaxserve.model.decoder.param_axes`, is how a tensor-parallel mesh splits it (`RULES` in
-`jaxserve.distributed` maps logical axes to the mesh's).
+`jaxserve.parallel.mesh` maps logical axes to the mesh's).
 """
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from typing import Any
 import flax.linen as nn
 import jax.numpy as jnp
 
-from jaxserve.lora.delta import lora_delta
-from jaxserve.quant import matmul
+from jaxserve.model.lora import lora_delta
+from jaxserve.model.quant import matmul
 
 
 class Linear(nn.Module):
@@ -27,7 +27,7 @@ class Linear(nn.Module):
     def __call__(self, x, lora_slot=None):
         """x: [T, in]. lora_slot: int32 [T], each token's adapter slot (-1: none), read with the "lora" collection's
         a [N, in, R] and b [N, R, out] if the layer has them (`jaxserve.lora.buffers`)."""
-        # kernel: [in, out], float or quantized (jaxserve.quant). A quantized kernel's leaves do not have the float
+        # kernel: [in, out], float or quantized (jaxserve.model.quant). A quantized kernel's leaves do not have the float
         # kernel's shape, so an existing kernel is read as is rather than through param()'s shape check.
         if self.has_variable("params", "kernel"):
             kernel = self.get_variable("params", "kernel")

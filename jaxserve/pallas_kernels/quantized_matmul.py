@@ -1,5 +1,5 @@
 """Weight-only int4 matmul for decode-sized activations: the packed weights cross HBM as int4 and are dequantized
-in registers (GPU) or VMEM (TPU), a block at a time, right before the dot. `jaxserve.quant.matmul` runs them on
+in registers (GPU) or VMEM (TPU), a block at a time, right before the dot. `jaxserve.model.quant.matmul` runs them on
 those platforms.
 
 Decode reads every weight once per step for a handful of activation rows, so its time is bytes / bandwidth: int4

@@ -11,11 +11,11 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from jaxserve.openai_api import ApiError
+from jaxserve.openai.api import ApiError
 from jaxserve.router.metrics import RouterMetrics
 from jaxserve.router.pool import Pool
 from jaxserve.router.proxy import PDRequest
-from jaxserve.http_common import drain, errors, json_body, run_until_signalled
+from jaxserve.openai.http import drain, errors, json_body, run_until_signalled
 
 logger = logging.getLogger("jaxserve")
 

@@ -21,10 +21,10 @@ import time
 import aiohttp
 from aiohttp import web
 
-from jaxserve.http_common import DISCARD_PATH, KV_BYTES_HEADER, KV_SECONDS_HEADER, write_stream
-from jaxserve.openai_api import ApiError, usage, wants_usage_in_stream
+from jaxserve.openai.http import DISCARD_PATH, KV_BYTES_HEADER, KV_SECONDS_HEADER, write_stream
+from jaxserve.openai.api import ApiError, usage, wants_usage_in_stream
 from jaxserve.router.pool import Backend, Pool
-from jaxserve.tool_calls import assemble
+from jaxserve.openai.tool_calls import assemble
 
 logger = logging.getLogger("jaxserve")
 

@@ -34,8 +34,8 @@ streams what follows (see `disaggregated`).
 capacity, tokenizing threads, metrics) and checks, `lora_modules` the adapters by name, `disaggregated` the role
 servers' side of the KV transfer, `cascade` a cascade's routing over the served models, `responses` a request's
 outputs as a JSON body or an SSE stream;
-`jaxserve.openai_api` the wire format (its structured-output fields in `jaxserve.openai_structured`, tool calls in
-`jaxserve.tool_calls`), `jaxserve.metrics` the Prometheus metrics.
+`jaxserve.openai.api` the wire format (its structured-output fields in `jaxserve.openai.structured`, tool calls in
+`jaxserve.openai.tool_calls`), `jaxserve.openai.metrics` the Prometheus metrics.
 """
 from jaxserve.server.app import Server, serve
 

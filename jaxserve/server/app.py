@@ -11,11 +11,11 @@ import time
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from jaxserve.async_engine import AsyncEngine, EngineDeadError
+from jaxserve.engine.async_engine import AsyncEngine, EngineDeadError
 from jaxserve.cascade.policy import CascadeConfig
-from jaxserve.http_common import DISCARD_PATH, drain, errors, json_body, run_until_signalled
-from jaxserve.metrics import ServerMetrics
-from jaxserve.openai_api import (ApiError, grammar_error, parse_chat, parse_completion, render_chat,
+from jaxserve.openai.http import DISCARD_PATH, drain, errors, json_body, run_until_signalled
+from jaxserve.openai.metrics import ServerMetrics
+from jaxserve.openai.api import (ApiError, grammar_error, parse_chat, parse_completion, render_chat,
                                  wants_usage_in_stream)
 from jaxserve.server import disaggregated
 from jaxserve.server.cascade import ServedCascade

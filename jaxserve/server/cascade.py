@@ -22,13 +22,13 @@ import time
 
 from aiohttp import web
 
-from jaxserve.async_engine import EngineDeadError
+from jaxserve.engine.async_engine import EngineDeadError
 from jaxserve.batching.output_processor import merged
 from jaxserve.cascade.features import (ANSWER_FEATURES, PROMPT_FEATURES, SCORE_TOPK, answer_features,
                                        prompt_features, score_params)
 from jaxserve.cascade.policy import CascadeConfig, Route, choose_tier
-from jaxserve.metrics import ServerMetrics
-from jaxserve.openai_api import ApiError, ContextLengthError, new_id, parse_chat, parse_completion
+from jaxserve.openai.metrics import ServerMetrics
+from jaxserve.openai.api import ApiError, ContextLengthError, new_id, parse_chat, parse_completion
 from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.server.responses import CompletionResponse

@@ -23,13 +23,13 @@ import zlib
 
 import numpy as np
 
-from jaxserve.async_engine import Prefilled
+from jaxserve.engine.async_engine import Prefilled
 from jaxserve.cache import pages_needed
 from jaxserve.cache.transfer import kv_bytes, trimmed
-from jaxserve.http_common import KV_BYTES_HEADER, KV_SECONDS_HEADER, KV_TRANSFER_FIELD
+from jaxserve.openai.http import KV_BYTES_HEADER, KV_SECONDS_HEADER, KV_TRANSFER_FIELD
 from jaxserve.kv_transfer import KVServer, KVStore, KVTransferError, fetch_pages
 from jaxserve.kv_transfer.store import KVStoreFull
-from jaxserve.openai_api import ApiError
+from jaxserve.openai.api import ApiError
 
 FIELD = KV_TRANSFER_FIELD
 WILDCARD_HOSTS = {"", "0.0.0.0", "::"}

@@ -9,9 +9,9 @@ import inspect
 import itertools
 import json
 
-from jaxserve.async_engine import EngineDeadError
+from jaxserve.engine.async_engine import EngineDeadError
 from jaxserve.lora.request import LoRARequest
-from jaxserve.openai_api import ApiError
+from jaxserve.openai.api import ApiError
 from jaxserve.server.served_model import ServedModel
 
 

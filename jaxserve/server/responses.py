@@ -11,12 +11,12 @@ import time
 
 from aiohttp import web
 
-from jaxserve.async_engine import EngineDeadError
-from jaxserve.http_common import write_stream
-from jaxserve.openai_api import (ApiError, chat_logprobs, completion_body, completion_logprobs, echo_logprobs, new_id,
+from jaxserve.engine.async_engine import EngineDeadError
+from jaxserve.openai.http import write_stream
+from jaxserve.openai.api import (ApiError, chat_logprobs, completion_body, completion_logprobs, echo_logprobs, new_id,
                                  prompt_logprobs_body, usage)
 from jaxserve.server.served_model import ServedModel
-from jaxserve.tool_calls import ToolRequest, assemble
+from jaxserve.openai.tool_calls import ToolRequest, assemble
 
 logger = logging.getLogger("jaxserve")
 

@@ -7,11 +7,11 @@ import concurrent.futures
 import contextlib
 import dataclasses
 
-from jaxserve.async_engine import AsyncEngine
-from jaxserve.metrics import ModelMetrics
-from jaxserve.openai_api import ApiError, context_length_error
-from jaxserve.openai_structured import FieldError
-from jaxserve.tool_calls import tags_are_special
+from jaxserve.engine.async_engine import AsyncEngine
+from jaxserve.openai.metrics import ModelMetrics
+from jaxserve.openai.api import ApiError, context_length_error
+from jaxserve.openai.structured import FieldError
+from jaxserve.openai.tool_calls import tags_are_special
 
 
 class ServedModel:

@@ -12,7 +12,7 @@ import llguidance
 import llguidance.numpy
 import numpy as np
 
-from jaxserve.token_mask import num_words
+from jaxserve.sample.token_mask import num_words
 
 
 class GrammarMatcher:
@@ -63,7 +63,7 @@ def _pool() -> llguidance.LLExecutor:
 
 def fill_masks(matchers: list[GrammarMatcher]) -> np.ndarray:
     """Each matcher's next-token mask, computed in parallel: int32 [len(matchers), ceil(V / 32)] in
-    `jaxserve.token_mask`'s layout (llguidance's own)."""
+    `jaxserve.sample.token_mask`'s layout (llguidance's own)."""
     masks = np.empty((len(matchers), num_words(matchers[0].vocab_size)), np.int32)  # [R, W]
     llguidance.numpy.fill_next_token_bitmask_par(_pool(), [(m._matcher, i) for i, m in enumerate(matchers)], masks)
     return masks

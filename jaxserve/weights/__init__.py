@@ -50,7 +50,7 @@ def resolve_model_path(model: str | None) -> Path:
 
 def load_model(model: str | None, dtype) -> LoadedModel:
     """model: None (the default model), a known name, a .gguf file, a HF directory, or a jaxserve checkpoint (which
-    may hold quantized weights: they load as they were written; see jaxserve.quantize)."""
+    may hold quantized weights: they load as they were written; see jaxserve.quantize.apply)."""
     from jaxserve.weights.orbax_ckpt import is_orbax_checkpoint, load_checkpoint
     path = resolve_model_path(model)
     start = time.perf_counter()

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.config import ModelConfig
-from jaxserve.quant import is_quantized, restore_nodes
+from jaxserve.model.quant import is_quantized, restore_nodes
 
 MARKER = "jaxserve_config.json"
 QUANTIZATION = "jaxserve_quantization.json"  # present when the params were saved quantized

@@ -1,0 +1,1 @@
+"""Engine replicas behind one request interface: data parallelism, and disaggregated prefill/decode pools."""

@@ -1,0 +1,322 @@
+"""From an EngineConfig to a running engine: load (and quantize) the model, size the KV cache, check the kernels,
+and build one engine replica (scheduler, runner, speculation) per device group.
+
+`LLM` is the user's API over what this builds (`Engine`); tests build an `Engine` by hand over fake runners.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from contextlib import nullcontext
+
+import jax
+import jax.numpy as jnp
+
+from jaxserve import multihost
+from jaxserve.model.attention import resolve_attention_backend
+from jaxserve.batching.pools.data_parallel import DataParallel
+from jaxserve.batching.pools.disaggregated import Disaggregated
+from jaxserve.batching.speculation.draft import DraftProposer
+from jaxserve.batching.engine_core import PLAN_LEAD_FACTOR, PLAN_LEAD_S, EngineCore
+from jaxserve.runner.model_runner import ModelRunner, RunnerConfig
+from jaxserve.batching.speculation.ngram import NgramProposer
+from jaxserve.batching.scheduler import Scheduler
+from jaxserve.batching.slo import SloController
+from jaxserve.batching.speculation.controller import SpecController
+from jaxserve.buckets import Buckets, geometric
+from jaxserve.cache import PageAllocator, PrefixCache, bytes_per_page, num_pages_for_budget, pages_needed
+from jaxserve.parallel.mesh import check_tensor_parallel, device_groups, make_mesh
+from jaxserve.engine_config import EngineConfig
+from jaxserve.lora.adapter import load_adapter
+from jaxserve.lora.buffers import lora_bytes
+from jaxserve.lora.slot_cache import HostAdapters, LoRASlots
+from jaxserve.model.decoder import repeat_kv_heads
+from jaxserve.options import CPU_KV_CACHE_BYTES
+from jaxserve.pallas_kernels import page_head_dim_multiple
+from jaxserve.quantize.apply import quantize_model
+from jaxserve.spec_config import check_draft
+from jaxserve.tokenizer import read_chat_template
+from jaxserve.weights import load_model, resolve_dtype
+from jaxserve.weights.params import param_bytes
+
+logger = logging.getLogger("jaxserve")
+
+
+@dataclasses.dataclass
+class Engine:
+    """What an LLM serves: the engine (one replica's core, several behind DataParallel, or a prefill and a decode
+    pool behind Disaggregated) and what requests are checked against."""
+    core: EngineCore | DataParallel | Disaggregated
+    replicas: list[EngineCore]
+    model_name: str
+    vocab_size: int
+    max_model_len: int
+    tokenizer: object | None = None
+    model_config: object | None = None  # the ModelConfig (None for a fake model)
+    runners: list = dataclasses.field(default_factory=list)  # every runner, a replica's target then its draft
+    processes: multihost.LeaderFollower = dataclasses.field(
+        default_factory=lambda: multihost.LeaderFollower(None, True))
+    attention_backend: str = "reference"
+    quantization: str | None = None
+    loras: HostAdapters | None = None  # the LoRA adapters on the host, shared by the replicas (None: not enabled)
+
+    @property
+    def role(self) -> str:
+        """Its side of disaggregated prefill across servers: "prefill" or "decode", or "both" (the whole of a
+        request, its own prefill and decode pools included)."""
+        return "both" if isinstance(self.core, Disaggregated) else self.replicas[0].scheduler.role
+
+    @classmethod
+    def over(cls, replicas: list[EngineCore], vocab_size: int, max_model_len: int, tokenizer=None,
+             model_name: str = "fake", loras: HostAdapters | None = None,
+             decode: list[EngineCore] | None = None) -> "Engine":
+        """An engine over replicas built by hand (tests: over fake runners); with decode replicas, the replicas
+        are a prefill pool (disaggregated prefill)."""
+        if decode:
+            core = Disaggregated(replicas, decode)
+        else:
+            core = replicas[0] if len(replicas) == 1 else DataParallel(replicas)
+        return cls(core, replicas + (decode or []), model_name, vocab_size, max_model_len, tokenizer, loras=loras)
+
+
+def build_engine(c: EngineConfig) -> Engine:
+    if c.coordinator_address is not None:  # before any backend starts
+        multihost.initialize(c.coordinator_address, c.num_processes, c.process_id, c.coordinator_bind_address)
+    runners: list[ModelRunner] = []
+    # Several processes: the leader (process 0) schedules and publishes each step; the others follow it.
+    processes = multihost.LeaderFollower.for_this_process(lambda index, batch: runners[index].run(batch),
+                                                           c.coordinator_secret_file)
+    if c.enable_lora and processes.multi_process:
+        # A follower would have to load each adapter into the same slot as the leader, which needs a message of
+        # its own (its arrays, or a path every host can read): not built yet.
+        raise ValueError("enable_lora is not supported over several processes yet")
+    tp, dp = c.tensor_parallel_size, c.data_parallel_size
+    pools = _pools(c, processes.multi_process)  # (role, tensor parallelism, device groups) per pool
+    groups = pools[0][2]
+    spec = c.speculative_config
+    backend = resolve_attention_backend(c.attention_backend)
+    _enable_compilation_cache()
+    dtype = resolve_dtype(c.dtype)
+    # Over a mesh, weights are loaded (and quantized) in host memory and go from there to their shards: no
+    # accelerator ever holds the whole model.
+    with jax.default_device(jax.local_devices(backend="cpu")[0]) if groups[0] is not None else nullcontext():
+        loaded = quantize_model(load_model(c.model, dtype), c.quantization, group_size=c.quantization_group_size,
+                                quantize_embeddings=c.quantize_embeddings, calibration_text=c.calibration_text)
+        tokenizer = loaded.tokenizer
+        if c.chat_template is not None:
+            if tokenizer is None:
+                raise ValueError(f"chat_template {c.chat_template}: this model has no tokenizer to chat with")
+            tokenizer.chat_template = read_chat_template(c.chat_template)
+        limit = loaded.config.max_position_embeddings
+        if c.max_model_len is not None and c.max_model_len > limit:
+            raise ValueError(f"max_model_len must be an integer in [2, {limit}] for this model, got "
+                             f"{c.max_model_len!r}")
+        max_model_len = c.max_model_len or limit
+        draft = None
+        if spec is not None and spec.method == "draft_model":
+            draft = load_model(spec.model, dtype)
+            check_draft(draft.config, loaded.config, max_model_len)
+            _check_same_tokenizer(draft.tokenizer, tokenizer)
+        # What the runners hold: over a mesh wider than the KV heads, each device gets a copy of the head it reads.
+        split = {pool_tp: split_for(loaded.config, loaded.params, pool_tp) for _, pool_tp, _ in pools}
+        config, params = split[tp]
+        if len({pool_config.num_kv_heads for pool_config, _ in split.values()}) > 1:
+            raise ValueError(f"tensor_parallel_size {tp} and decode_tensor_parallel_size "
+                             f"{c.decode_tensor_parallel_size} hold different KV heads per page (over more devices "
+                             f"than the model's {loaded.config.num_kv_heads} KV heads, each is repeated): the pools' "
+                             "pages would not match; keep both at most the KV-head count, or equal")
+        if draft is not None:
+            draft = dataclasses.replace(draft, **dict(zip(("config", "params"),
+                                                          split_for(draft.config, draft.params, tp, "the draft"))))
+    # The budget is per device, as gpu_memory_utilization is; the weights and the pages split over tp devices.
+    # The LoRA slots too: 8 slots of rank 64 on Llama 3 8B are 2.7 GB, half of what the budget leaves free.
+    adapters = lora_bytes(config, c.max_loras, c.max_lora_rank, dtype) if c.enable_lora else 0
+    # (pages padded for the kernel that reads them: the backend before its start-up check, which can only fall
+    # back to unpadded pages, so the count errs on the safe side)
+    lanes = page_head_dim_multiple(backend)
+
+    def pool_pages(pool_tp: int) -> int:
+        pool_params = split[pool_tp][1]
+        kv_bytes = c.kv_cache_memory_bytes or _default_kv_budget(
+            (param_bytes(pool_params) + (param_bytes(draft.params) if draft else 0) + adapters) // pool_tp,
+            c.gpu_memory_utilization)
+        # The draft's pages are the target's page ids in a second cache: a page costs both.
+        n = num_pages_for_budget(config, c.block_size, dtype, kv_bytes * pool_tp, c.kv_cache_dtype,
+                                 draft.config if draft else None, lanes)
+        # Never more pages than max_num_seqs full-length sequences can use (+1 for the scratch page).
+        return min(n, c.max_num_seqs * pages_needed(max_model_len, c.block_size) + 1)
+    pages = {pool_tp: pool_pages(pool_tp) for pool_tp in split}
+    for num_pages in pages.values():  # a sequence of max_model_len fits every pool
+        max_model_len = _fitted_max_model_len(max_model_len, num_pages, c.block_size,
+                                              asked=c.max_model_len is not None)
+    buckets = Buckets.for_limits(c.max_num_seqs, c.max_num_batched_tokens, pages_needed(max_model_len, c.block_size))
+    replicas: list[EngineCore] = []
+    by_role: dict[str, list[EngineCore]] = {}
+    for role, pool_tp, pool_groups in pools:
+        num_pages = pages[pool_tp]
+        logger.info("KV cache%s: %d pages of %d tokens (%.1f MB, %s)", "" if role == "both" else f" ({role})",
+                    num_pages, c.block_size,
+                    num_pages * bytes_per_page(config, c.block_size, dtype, c.kv_cache_dtype, lanes) / 1e6,
+                    "int8" if c.kv_cache_dtype == "int8" else jnp.dtype(dtype).name)
+        serving = dict(num_pages=num_pages, pages_per_seq=buckets.pages_per_row, max_num_seqs=c.max_num_seqs,
+                       max_tokens=buckets.num_tokens[-1])
+        backend = checked_backend(backend, c.attention_backend, config, c.block_size, dtype, serving,
+                                  c.kv_cache_dtype)
+        runner_config = RunnerConfig(dtype, num_pages, c.block_size, buckets, c.max_num_seqs, backend,
+                                     c.kv_cache_dtype, spec.num_speculative_tokens if spec else 0,
+                                     *((c.max_loras, c.max_lora_rank) if c.enable_lora else (0, 0)),
+                                     kv_transfer=c.disaggregated or role != "both")
+        # One engine replica per device group: its own runner, KV cache and scheduler (see batching.data_parallel).
+        pool_config, pool_params = split[pool_tp]
+        by_role[role] = [_replica(c, runner_config, pool_config, pool_params, draft, group, processes, runners, role)
+                         for group in pool_groups]
+        replicas += by_role[role]
+    loras = None
+    if c.enable_lora:  # checked against the model's own shapes (a runner splits them as it splits the model)
+        loras = HostAdapters(lambda request: load_adapter(request, loaded.config, c.max_lora_rank, dtype),
+                             c.max_cpu_loras or c.max_loras)
+    if c.disaggregated:
+        core = Disaggregated(by_role["prefill"], by_role["decode"])
+    else:
+        core = replicas[0] if len(replicas) == 1 else DataParallel(replicas)
+    engine = Engine(core, replicas, loaded.name, loaded.config.vocab_size, max_model_len, tokenizer, loaded.config,
+                    runners, processes, backend, loaded.quantization, loras)
+    # The controller weighs step times measured at warm-up, so speculation warms up even if asked not to.
+    timed = spec is not None and spec.adaptive
+    if c.warmup or timed:
+        def warm_up():
+            for runner in runners:
+                runner.warmup(time_steps=timed)
+            if c.disaggregated:
+                core.warm_up_transfers()
+        processes.run(warm_up)
+    return engine
+
+
+def _pools(c: EngineConfig, multi_process: bool) -> list[tuple[str, int, list]]:
+    """(role, tensor parallelism, device groups (None: the default device)) of each pool of replicas: one pool
+    (role c.role) without disaggregated prefill, else a prefill pool on the first devices and a decode pool on the
+    next."""
+    tp, dp = c.tensor_parallel_size, c.data_parallel_size
+    if not c.disaggregated:
+        return [(c.role, tp, device_groups(make_mesh(tp, dp)) if tp * dp > 1 or multi_process else [None])]
+    dtp = c.decode_tensor_parallel_size or tp
+    devices = jax.devices()
+    split = c.prefill_replicas * tp
+    need = split + c.decode_replicas * dtp
+    if need > len(devices):
+        raise ValueError(f"prefill_replicas {c.prefill_replicas} x tensor_parallel_size {tp} + decode_replicas "
+                         f"{c.decode_replicas} x decode_tensor_parallel_size {dtp} needs {need} devices; there are "
+                         f"{len(devices)} ({devices[0].platform})")
+    return [("prefill", tp, device_groups(make_mesh(tp, c.prefill_replicas, devices[:split]))),
+            ("decode", dtp, device_groups(make_mesh(dtp, c.decode_replicas, devices[split:need])))]
+
+
+def _replica(c: EngineConfig, runner_config: RunnerConfig, config, params, draft, mesh,
+             processes: multihost.LeaderFollower, runners: list, role: str = "both") -> EngineCore:
+    """An engine on one device group (mesh None: the default device); its runners join `runners`, whose index is
+    how a multi-process leader names them to the followers."""
+    spec = c.speculative_config
+
+    def runner_for(model_config, model_params, k: int, lora: bool = True) -> ModelRunner:
+        rc = dataclasses.replace(runner_config, num_speculative_tokens=k)
+        if not lora:
+            rc = dataclasses.replace(rc, max_loras=0, max_lora_rank=0)
+        runner = ModelRunner(model_config, model_params, rc, mesh, processes if processes.is_leader else None,
+                             len(runners))
+        runners.append(runner)
+        return runner
+    runner = runner_for(config, params, runner_config.num_speculative_tokens)
+    slo = None
+    if c.ttft_slo is not None or c.tpot_slo is not None:
+        slo = SloController(geometric(1, c.max_num_seqs), c.max_num_seqs, tpot_slo=c.tpot_slo, ttft_slo=c.ttft_slo)
+    cache = PrefixCache(PageAllocator(runner_config.num_pages), c.block_size, c.enable_prefix_caching)
+    # Each replica's runner has its own adapter slots; a draft model has none (its proposals are only proposals).
+    lora_slots = LoRASlots(c.max_loras, runner.load_lora) if c.enable_lora else None
+    scheduler = Scheduler(cache, c.max_num_seqs, c.max_num_batched_tokens, runner_config.buckets.num_tokens,
+                          c.scheduling_policy, slo, lora_slots, role)
+    # By default on CPU a server plans each step once the one before is read back (its requests' first tokens a
+    # step sooner, measured better there), while stepping at once overlaps (BENCHMARKS.md, issue 28).
+    overlap = c.async_scheduling is not False
+    lead = None if c.async_scheduling is None and jax.default_backend() == "cpu" else (PLAN_LEAD_FACTOR, PLAN_LEAD_S)
+    if spec is None:
+        return EngineCore(scheduler, runner, async_scheduling=overlap, plan_lead=lead)
+    k = spec.num_speculative_tokens
+    draft_runner = None
+    if draft is not None:
+        # A draft draws its proposals in plain steps, with no adapters (they are the target's).
+        draft_runner = runner_for(draft.config, draft.params, 0, lora=False)
+        proposer = DraftProposer(draft_runner, c.max_num_batched_tokens, c.max_num_seqs)
+    else:
+        proposer = NgramProposer(k, spec.prompt_lookup_max, spec.prompt_lookup_min)
+    # Its step times are the runners', filled in at warm-up.
+    controller = SpecController(k, runner_config.buckets.num_tokens, runner.step_times,
+                                draft_runner.step_times if draft_runner else None)
+    return EngineCore(scheduler, runner, proposer=proposer, controller=controller, adaptive=spec.adaptive,
+                      async_scheduling=overlap, plan_lead=lead)
+
+
+def split_for(config, params, tp: int, what: str = "the model"):
+    """(config, params) as a tensor-parallel group of tp devices holds them: checked to split, KV heads repeated
+    up to one per device where there are fewer."""
+    check_tensor_parallel(config, tp, what)
+    return repeat_kv_heads(config, params, max(1, tp // config.num_kv_heads))
+
+
+def _fitted_max_model_len(max_model_len: int, num_pages: int, block_size: int, asked: bool) -> int:
+    """A max_model_len sequence must fit the KV cache, or every request that leaves max_tokens unset (the OpenAI
+    clients' default for chat) is refused while the model advertises the full length. As vLLM: an explicit
+    max_model_len that does not fit is an error, the model's own context is lowered to what fits."""
+    fits = (num_pages - 1) * block_size  # page 0 is scratch
+    if max_model_len <= fits:
+        return max_model_len
+    if asked or fits < 2:
+        raise ValueError(f"max_model_len {max_model_len} does not fit the KV cache, which holds {fits} "
+                         "tokens: lower max_model_len or raise the KV budget (kv_cache_memory_bytes / "
+                         "gpu_memory_utilization)")
+    logger.warning("max_model_len lowered from the model's %d to %d tokens: the most one sequence can hold in "
+                   "the KV cache (raise the KV budget for more)", max_model_len, fits)
+    return fits
+
+
+def _check_same_tokenizer(draft, target) -> None:
+    probe = "Speculative decoding: 42 tokens, café, 日本語 and\n    def f(x): return x"
+    if draft is not None and target is not None and draft.encode(probe) != target.encode(probe):
+        raise ValueError("the draft model's tokenizer is not the target's: a draft must share the target's tokenizer")
+
+
+def checked_backend(backend: str, asked: str, config, page_size: int, dtype, serving: dict | None = None,
+                    kv_cache_dtype: str = "auto") -> str:
+    """The Pallas kernels only if they compile and agree with their references here (see self_check)."""
+    if not backend.startswith("pallas-") or backend.endswith("interpret"):  # no kernel of its own to check
+        return backend
+    from jaxserve.pallas_kernels.self_check import check_kernels
+    problem = check_kernels(backend, config.num_heads, config.num_kv_heads, config.head_dim, page_size, dtype,
+                            config.sliding_window, serving, kv_cache_dtype=kv_cache_dtype)
+    if problem is None:
+        logger.info("attention: %s kernels", backend)
+        return backend
+    if asked != "auto":
+        raise RuntimeError(f"the {backend} attention kernels failed their start-up check: {problem}")
+    logger.warning("attention: the %s kernels failed their start-up check (%s); using the jnp reference", backend,
+                   problem)
+    return "reference"
+
+
+def _enable_compilation_cache() -> None:
+    """Keep compiled steps on disk, so a second start skips most compilation (unless the user chose a cache)."""
+    if jax.config.jax_compilation_cache_dir is None:
+        from jaxserve.weights.default_model import cache_dir
+        jax.config.update("jax_compilation_cache_dir", str(cache_dir() / "xla"))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
+def _default_kv_budget(weight_bytes: int, utilization: float) -> int:
+    device = jax.devices()[0]
+    if device.platform == "cpu":
+        return CPU_KV_CACHE_BYTES
+    limit = (device.memory_stats() or {}).get("bytes_limit")
+    if not limit:
+        return CPU_KV_CACHE_BYTES
+    # Leave a tenth of the remainder for activations and compiled programs.
+    return int((limit * utilization - weight_bytes) * 0.9)

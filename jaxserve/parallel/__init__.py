@@ -1,0 +1,1 @@
+"""The device mesh, and where every array of an engine lives on it."""

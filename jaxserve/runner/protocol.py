@@ -1,0 +1,51 @@
+"""What the engine loop needs of the device side: start a step over rows, read it back, compile ahead.
+
+`ModelRunner` is the real one (a jitted step over a paged KV cache); tests drive the scheduler and the engine loop
+with a fake whose tokens can be worked out by hand (`tests/fake_runner.py`), and inject faults there.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Protocol
+
+from jaxserve.batch import StepOutput
+from jaxserve.runner.batch_builder import Row
+from jaxserve.cache.transfer import KVPages
+
+
+@dataclasses.dataclass
+class StepHandle:
+    """A dispatched step: its output still on the device (or in flight), and how many of its rows are real."""
+    num_rows: int
+    output: StepOutput
+
+
+class Runner(Protocol):
+    # Seconds per step by (tokens, tokens scored per row), measured at warm-up: what speculation's controller weighs.
+    step_times: dict[tuple[int, int], float]
+
+    def dispatch(self, rows: list[Row]) -> StepHandle:
+        """Starts a step over `rows` without waiting for it."""
+
+    def wait(self, handle: StepHandle, until: float | None = None) -> bool:
+        """Blocks until a dispatched step has run, copying nothing (fetch then returns at once), or until
+        time.perf_counter() passes `until` if given (no longer than about a millisecond past it); True if it has
+        run."""
+
+    def fetch(self, handle: StepHandle) -> StepOutput:
+        """Waits for a dispatched step; its output on the host, cut to its rows."""
+
+    def export_pages(self, page_ids: list[int]) -> KVPages:
+        """The K/V of pages page_ids (dispatched, not waited for; perhaps padded past them)."""
+
+    def pages_bytes(self, num_tokens: int) -> int:
+        """Bytes the pages of num_tokens tokens take in this runner's cache (bounds a transfer of them)."""
+
+    def put_pages(self, kv: KVPages) -> KVPages:
+        """kv moved to where this runner's cache lives (a copy started, not waited for)."""
+
+    def import_pages(self, page_ids: list[int], kv: KVPages) -> None:
+        """Writes kv's first len(page_ids) pages at page_ids, before any step dispatched after."""
+
+    def warmup(self, progress: bool = True, time_steps: bool = False) -> int:
+        """Compiles every step shape before serving; returns how many programs were compiled."""

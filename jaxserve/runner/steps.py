@@ -1,0 +1,248 @@
+"""The pure step: f(params, kv_cache, last_tokens, batch) -> (sampled, kv_cache, last_tokens), cache donated.
+
+A batch is a `jaxserve.batch.StepInput`: T new tokens of S rows, back to back (see `jaxserve.batch`). An engine
+step is the forward (reads the cache, samples each row's token, keeps it on device in `last_tokens`) and the cache
+write (donated, in place). As one program XLA cannot see that a layer's write comes after its read, and copies
+every layer's whole cache array every step (XLA:CPU: 450 ms per decode step with a 378 MB cache instead of ~30 ms),
+so on accelerators and over a mesh they are two programs. On one CPU device they are one (`writes_in_forward`):
+every write waits behind an optimization barrier for the step's output, which every layer's read feeds, and
+copy insertion's region analysis (`IN_PLACE_WRITES`) then sees that no read follows a write: no copy, and one
+program call less a step, whose host time a CPU takes from the step itself (BENCHMARKS.md, issue 28).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.model.attention import write_kv
+from jaxserve.batch import StepInput, StepOutput, is_constant
+from jaxserve.config import ModelConfig
+from jaxserve.parallel.mesh import (HEADS, head_over_vocab, kv_pages_spec, param_shardings, replicated,
+                                  sample_over_vocab, shardings)
+from jaxserve.parallel.layouts import lookup_compiler_options
+from jaxserve.model.decoder import DecoderModel, lm_head, param_axes
+from jaxserve.sample.prompt_logprobs import block_scores, score_targets
+from jaxserve.sample.sampling import sample, with_step_tokens
+from jaxserve.sample.verification import verify
+
+
+# The row counts a step's LM head and sampler run at below its own (`Steps._sample_used_rows`): a step of few
+# sequences then pays for those, not for its padded rows. Not 1: a one-row bf16 or int8 dot is XLA:CPU's slow loop.
+HEAD_ROWS = (4, 16)
+# XLA:CPU's compiler options for a forward that writes the cache: copy insertion that follows the barrier's order.
+IN_PLACE_WRITES = {"xla_cpu_copy_insertion_use_region_analysis": True}
+# The fields of a StepInput that a batch holds as a `jaxserve.batch.constant` when no row uses them (batch_builder).
+MAYBE_CONSTANT = frozenset({"token_mask", "bad_word_bans", "logit_bias_ids", "logit_bias", "past_tokens",
+                            "prompt_targets", "lora_slot"})
+
+
+def write_cache(kv_cache, new_kv, slot_mapping):
+    """kv_cache: per layer (k_pages, v_pages); new_kv: per layer (k, v) [T, kv_heads, head_dim]."""
+    return [write_kv(k_pages, v_pages, k, v, slot_mapping) for (k_pages, v_pages), (k, v) in zip(kv_cache, new_kv)]
+
+
+def input_tokens(batch: StepInput, last_tokens):
+    """token_ids [T], a chained token taken from the device-side buffer of tokens sampled by the step before.
+
+    This is what lets the host dispatch step N+1 before step N's tokens reach it.
+    """
+    chained = last_tokens[jnp.maximum(batch.chain_slot, 0)]
+    return jnp.where(batch.chain_slot >= 0, chained, batch.token_ids)
+
+
+class Steps:
+    """The steps for one model architecture and dtype.
+
+    With num_speculative_tokens = k > 0 there is a second forward program, the verification step: it scores k + 1
+    tokens per row and accepts proposals on device (`jaxserve.sample.verification`). Plain steps keep their own
+    program, whose LM head and sampler see one token per row.
+    """
+
+    def __init__(self, config: ModelConfig, dtype, attention_backend: str = "reference",
+                 num_speculative_tokens: int = 0, mesh=None, kv_cache_dtype: str = "auto",
+                 platform: str | None = None):
+        """mesh: a device group's [data=1, model] mesh for tensor parallelism (None: one device). The programs'
+        outputs are pinned to the shardings their inputs arrive in (params and cache placed by the runner, the
+        batch replicated), so a step never reshards anything. platform: what the programs compile for (None: the
+        mesh's devices', or the default device's), for the compiler options of the programs that embed tokens."""
+        self.config = config
+        self.model = DecoderModel(config, dtype, attention_backend, mesh)  # every family's (jaxserve.model.families)
+        self.num_speculative_tokens = num_speculative_tokens
+        self.mesh = mesh
+        if mesh is not None:
+            rep = replicated(mesh)
+            self.new_kv_sharding = [(shardings(mesh, HEADS),) * 2] * config.num_layers  # this step's (k, v) per layer
+            self.cache_sharding = [(shardings(mesh, kv_pages_spec(kv_cache_dtype)),) * 2] * config.num_layers
+            self._replicated = rep
+            forward = dict(out_shardings=(rep, self.new_kv_sharding, rep))
+            logits = dict(out_shardings=(rep, self.new_kv_sharding))
+            write = dict(out_shardings=self.cache_sharding)
+        else:
+            forward = logits = write = {}
+        platform = platform or (mesh.devices.flat[0] if mesh is not None else jax.devices()[0]).platform
+        embeds = dict(compiler_options=lookup_compiler_options(platform))  # the forward programs look up rows
+        forward, logits = {**forward, **embeds}, {**logits, **embeds}
+        # One CPU device: the step's forward also writes the cache (module docstring); elsewhere `_write` does.
+        self.writes_in_forward = mesh is None and platform == "cpu"
+        if self.writes_in_forward:
+            in_place = dict(compiler_options={**(embeds["compiler_options"] or {}), **IN_PLACE_WRITES})
+            self._forward = jax.jit(functools.partial(self._and_write, self._forward_and_sample),
+                                    donate_argnums=(1, 2), **in_place)
+            self._verify = jax.jit(functools.partial(self._and_write, self._forward_and_verify),
+                                   donate_argnums=(1, 2), **in_place)
+        else:
+            self._forward = jax.jit(self._forward_and_sample, donate_argnums=2, **forward)
+            self._verify = jax.jit(self._forward_and_verify, donate_argnums=2, **forward)
+        self._logits = jax.jit(self._forward_logits, **logits)
+        self._write = jax.jit(self._write_cache, donate_argnums=0, **write)
+        self._constants: dict[tuple, jax.Array] = {}  # (shape, dtype, value) -> its device copy
+
+    def param_shardings(self, params):
+        """Where each leaf of params (loaded, possibly quantized) lives on the mesh: split as the model declares
+        its parameters' logical axes (`jaxserve.model.decoder.param_axes`, `jaxserve.parallel.mesh.RULES`)."""
+        return param_shardings(self.mesh, params, param_axes(self.config, params))
+
+    def put_batch(self, batch: StepInput) -> StepInput:
+        """A step's inputs as its programs take them (an array no row uses, a `jaxserve.batch.constant`, is copied
+        once and kept). On one device the per-step arrays stay numpy: a jitted call copies its numpy arguments in
+        its C++ dispatch, which costs less than device_put's Python path per array (batch 1: the forward's call
+        with them 1.0 ms against 2.2 ms for device_put and the call). A field that may hold a constant is always a
+        device array, so that each argument of a program is always of one kind: a numpy argument where a device
+        array was is a new entry of jit's dispatch cache. Over a mesh: replicated, from each process's own copy of
+        the same values, with no cross-process check (device_put's is a collective)."""
+        if self.mesh is None:
+            return jax.tree_util.tree_map_with_path(self._put_leaf, batch)
+        return jax.tree.map(lambda x: self._device_constant(x) if is_constant(x) else
+                            jax.make_array_from_process_local_data(self._replicated, np.asarray(x)), batch)
+
+    def _put_leaf(self, path, x):
+        if path[-1].name not in MAYBE_CONSTANT:
+            return x
+        return self._device_constant(x) if is_constant(x) else jax.device_put(x)
+
+    def _device_constant(self, x):
+        if not is_constant(x):
+            return x
+        key = (x.shape, x.dtype.str, x.flat[0].item())
+        if key not in self._constants:
+            self._constants[key] = (jax.device_put(x) if self.mesh is None else
+                                    jax.make_array_from_process_local_data(self._replicated, np.asarray(x)))
+        return self._constants[key]
+
+    def step(self, params, kv_cache, last_tokens, batch: StepInput, lora=None):
+        """One ragged step. Returns (StepOutput, kv_cache, last_tokens); kv_cache and last_tokens [slots] are
+        donated: each row's last emitted token is kept at last_tokens[out_slot] for a later step to chain from.
+        A batch whose logits_index is [S, k + 1] runs the verification program. A draft model's steps are plain
+        ones: its proposals are drawn as sample() draws, with the sequence's seed and generated token numbers.
+        lora: the LoRA adapters' buffers (`jaxserve.lora.buffers`) that batch.lora_slot indexes, or None (no
+        adapters: the base model's programs)."""
+        batch = self.put_batch(batch)
+        program = self._verify if batch.logits_index.shape[1] > 1 else self._forward
+        out, kv, last_tokens = program(params, kv_cache, last_tokens, batch, lora)  # kv: the cache, or its new K/V
+        return out, kv if self.writes_in_forward else self._write(kv_cache, kv, batch.slot_mapping), last_tokens
+
+    def forward_logits(self, params, kv_cache, batch: StepInput, lora=None):
+        """Logits of every new token, [T, V] float32, and the updated cache (for tests and perplexity)."""
+        batch = self.put_batch(batch)
+        logits, new_kv = self._logits(params, kv_cache, batch, lora)
+        return logits, self._write(kv_cache, new_kv, batch.slot_mapping)
+
+    def _prompt_scores(self, params, hidden, batch: StepInput):
+        """The logprobs of the prompt tokens the batch asks for (`jaxserve.sample.prompt_logprobs`): the LM head runs
+        only over the tokens that ask, a block at a time (none: not at all); over a mesh, on each device's slice of
+        the vocabulary."""
+        specs = None if self.mesh is None else jax.tree.map(lambda s: s.spec, self.param_shardings(params))
+        score = head_over_vocab(block_scores, functools.partial(lm_head, self.config, self.model.dtype), self.mesh,
+                                params, specs)
+        return score_targets(hidden, batch.prompt_targets, score, self.config.vocab_size)
+
+    def _apply(self, params, lora, batch: StepInput, *args, **kw):
+        """The model over params, with the LoRA adapters if there are any (None: exactly the base model's program:
+        batch.lora_slot is then unused, so jit prunes it)."""
+        if lora is None:
+            return self.model.apply(params, *args, **kw)
+        return self.model.apply({**params, "lora": lora}, *args, **kw, lora_slot=batch.lora_slot)
+
+    def _forward_and_sample(self, params, kv_cache, last_tokens, batch: StepInput, lora=None):
+        tokens = input_tokens(batch, last_tokens)
+        logits, new_kv, hidden = self._apply(params, lora, batch, tokens, kv_cache, batch.rows,
+                                             batch.logits_index[:, 0], return_hidden=True)
+        sampling = with_step_tokens(batch.sampling, tokens, batch.rows, batch.logits_index[:, 0])
+        if self.mesh is None and batch.logits_index.shape[0] > HEAD_ROWS[0]:
+            s = self._sample_used_rows(params, hidden, batch.logits_index[:, 0], sampling)
+        else:
+            s = sample_over_vocab(sample, self.mesh, logits, sampling)
+        out = StepOutput(tokens=s.tokens[:, None], num_tokens=(batch.logits_index[:, 0] >= 0).astype(jnp.int32),
+                         logprobs=s.logprobs[:, None], ranks=s.ranks[:, None], top_ids=s.top_ids[:, None],
+                         top_logprobs=s.top_logprobs[:, None], prompt=self._prompt_scores(params, hidden, batch))
+        last_tokens = last_tokens.at[batch.out_slot].set(s.tokens)  # -1 wraps to the padding slot
+        return out, new_kv, last_tokens
+
+    def _sample_used_rows(self, params, hidden, last_index, sampling):
+        """sample() over the rows up to the last that samples, the LM head included, run at the smallest of
+        HEAD_ROWS that holds them: a step's rows are min(tokens, max_num_seqs) (`jaxserve.buckets`), so a lone
+        prompt's 64-token step has 64 rows, and a head over them all is most of its time where the vocabulary is
+        large (Gemma 3's 262k). The other rows' results are zeros: nothing reads them. The model's own logits go
+        unused, and jit drops their head. hidden [T, hidden]; last_index [S] (-1: the row samples nothing)."""
+        S = last_index.shape[0]
+        x = hidden[jnp.maximum(last_index, 0)]  # [S, hidden]
+        used = jnp.max(jnp.where(last_index >= 0, jnp.arange(1, S + 1), 0))
+        sizes = [b for b in HEAD_ROWS if b < S] + [S]
+
+        def over(b):
+            def run(x, sampling):
+                rows = jax.tree.map(lambda a: a[:b], sampling)
+                s = sample(lm_head(self.config, self.model.dtype, params, x[:b]), rows)
+                return jax.tree.map(lambda a: jnp.pad(a, [(0, S - b)] + [(0, 0)] * (a.ndim - 1)), s)
+            return run
+
+        which = sum((used > b).astype(jnp.int32) for b in sizes[:-1])
+        return jax.lax.switch(which, [over(b) for b in sizes], x, sampling)
+
+    def _forward_and_verify(self, params, kv_cache, last_tokens, batch: StepInput, lora=None):
+        tokens = input_tokens(batch, last_tokens)  # [T]
+        index = jnp.maximum(batch.logits_index, 0)  # [S, Q]
+        T, (S, Q) = tokens.shape[0], index.shape
+        if T <= S * Q:  # the LM head over every token costs less than over every (row, position)
+            logits, new_kv, hidden = self._apply(params, lora, batch, tokens, kv_cache, batch.rows, return_hidden=True)
+            logits = logits[index]  # [S, Q, V]
+        else:
+            logits, new_kv, hidden = self._apply(params, lora, batch, tokens, kv_cache, batch.rows, index,
+                                                 return_hidden=True)
+        # The proposal a scored position is checked against is the token after it in the row.
+        drafts = tokens[jnp.minimum(index[:, :-1] + 1, T - 1)]  # [S, Q - 1]
+        # Rows whose logit controls depend on the tokens before a position do not speculate: position 0 is theirs.
+        sampling = with_step_tokens(batch.sampling, tokens, batch.rows, batch.logits_index[:, 0])
+        v = sample_over_vocab(verify, self.mesh, logits, drafts, batch.num_draft, sampling)
+        num_tokens = jnp.where(batch.logits_index[:, 0] >= 0, v.num_tokens, 0)  # [S]
+        out = StepOutput(tokens=v.tokens, num_tokens=num_tokens, logprobs=v.logprobs, ranks=v.ranks,
+                         top_ids=v.top_ids, top_logprobs=v.top_logprobs,
+                         prompt=self._prompt_scores(params, hidden, batch))
+        last = jnp.take_along_axis(v.tokens, jnp.maximum(num_tokens - 1, 0)[:, None], axis=1)[:, 0]  # [S]
+        return out, new_kv, last_tokens.at[batch.out_slot].set(last)
+
+    @staticmethod
+    def _and_write(forward, params, kv_cache, last_tokens, batch: StepInput, lora=None):
+        """forward's results with the cache written, every write after every layer's read (module docstring)."""
+        out, new_kv, last_tokens = forward(params, kv_cache, last_tokens, batch, lora)
+        kv_cache, out = jax.lax.optimization_barrier((kv_cache, out))
+        return out, write_cache(kv_cache, new_kv, batch.slot_mapping), last_tokens
+
+    def _write_cache(self, kv_cache, new_kv, slot_mapping):
+        return write_cache(kv_cache, new_kv, slot_mapping)  # a method, so each Steps counts its own programs
+
+    def _forward_logits(self, params, kv_cache, batch: StepInput, lora=None):
+        return self._apply(params, lora, batch, batch.token_ids, kv_cache, batch.rows)
+
+    def num_compiled(self) -> int:
+        """Programs compiled so far for serving (forwards and cache writes)."""
+        return sum(f._cache_size() for f in (self._forward, self._verify, self._write))
+
+
+@functools.cache
+def steps_for(config: ModelConfig, dtype, attention_backend: str = "reference", num_speculative_tokens: int = 0,
+              mesh=None, kv_cache_dtype: str = "auto") -> Steps:
+    return Steps(config, dtype, attention_backend, num_speculative_tokens, mesh, kv_cache_dtype)

@@ -1,0 +1,90 @@
+"""A request's token-level controls on the host: logit_bias, allowed_token_ids and bad_words, resolved against the
+model's vocabulary and tokenizer once, when the request is admitted, then turned into a row's device inputs each step
+(`jaxserve.sample.sampling` applies them; the penalties need no resolving and come straight from SamplingParams).
+
+bad_words follow vLLM: each word is tokenized as it would start the text and, where that gives other tokens, after
+a space; a one-token spelling is never sampled (a bit cleared in the row's token mask), a longer one's last token
+may not follow its other tokens. That second rule depends on the row's last token, which may still be on the device
+when the host plans the step (async scheduling, `jaxserve.batching.engine_core`): so the host matches all but
+that token and hands the device (trigger, banned) pairs, and the device bans `banned` where the last token is
+`trigger` (`jaxserve.sample.sampling.with_step_tokens`).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from jaxserve.sampling_params import ParamError, SamplingParams
+from jaxserve.sample.token_mask import allow_all, allowing, forbidding
+
+
+@dataclasses.dataclass(frozen=True)
+class LogitControls:
+    """What a request's controls are on this model's vocabulary (one per request, shared by its sequences)."""
+    token_mask: np.ndarray | None = None  # int32 [ceil(V / 32)]: allowed_token_ids less one-token bad words
+    bad_words: tuple[tuple[int, ...], ...] = ()  # the spellings of two tokens or more, as token ids
+    logit_bias: tuple[np.ndarray, np.ndarray] | None = None  # (ids int32 [n], biases float32 [n])
+
+
+NONE = LogitControls()
+
+
+def resolve(params: SamplingParams, vocab_size: int, tokenizer=None) -> LogitControls:
+    """The controls of `params` on a vocabulary of vocab_size tokens; a ParamError names a token id outside it, or
+    bad_words on a model without a tokenizer."""
+    def check_ids(ids, param: str) -> None:
+        bad = [t for t in ids if t >= vocab_size]
+        if bad:
+            raise ParamError(f"{param} has token ids outside the vocabulary [0, {vocab_size}): {bad[:8]}", param)
+
+    bias = None
+    if params.logit_bias:
+        check_ids(params.logit_bias, "logit_bias")
+        bias = (np.fromiter(params.logit_bias.keys(), np.int32, len(params.logit_bias)),
+                np.fromiter(params.logit_bias.values(), np.float32, len(params.logit_bias)))
+    mask = None
+    if params.allowed_token_ids is not None:
+        check_ids(params.allowed_token_ids, "allowed_token_ids")
+        mask = allowing(params.allowed_token_ids, vocab_size)
+    longer: dict[tuple[int, ...], None] = {}
+    if params.bad_words:
+        if tokenizer is None:
+            raise ParamError("bad_words need a tokenizer, and this model has none", "bad_words")
+        spellings = bad_words_token_ids(params.bad_words, tokenizer)
+        check_ids([t for ids in spellings for t in ids], "bad_words")
+        single = [ids[0] for ids in spellings if len(ids) == 1]
+        if single:
+            mask = forbidding(allow_all(vocab_size) if mask is None else mask, single)
+        longer = dict.fromkeys(tuple(ids) for ids in spellings if len(ids) > 1)
+    if mask is None and not longer and bias is None:
+        return NONE
+    return LogitControls(mask, tuple(longer), bias)
+
+
+def bad_words_token_ids(words: list[str], tokenizer) -> list[list[int]]:
+    """vLLM's spellings of bad words: each as it would start the text, and after a space where that spelling is as
+    many tokens and starts with another one (a tokenizer that adds a prefix space gives the same tokens twice)."""
+    out = []
+    for word in words:
+        plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        if plain:
+            out.append(plain)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        if spaced and (not plain or (spaced[0] != plain[0] and len(spaced) == len(plain))):
+            out.append(spaced)
+    return out
+
+
+def bad_word_bans(bad_words: tuple[tuple[int, ...], ...], generated: list[int], num_generated: int) \
+        -> tuple[tuple[int, int], ...]:
+    """(trigger, banned) for a row whose last token is generated token number num_generated - 1, whose value may
+    still be in flight: `generated` holds at least the tokens before it. vLLM bans a word's last token while the
+    generated tokens end with its others; the host checks all of them but the last, the device that one."""
+    last = num_generated - 1  # index of the row's last token among the generated ones
+    bans: dict[tuple[int, int], None] = {}
+    for word in bad_words:
+        k = len(word) - 2  # the word's tokens that must come before the last token
+        if 0 <= last - k and generated[last - k:last] == list(word[:k]):
+            bans[word[-2], word[-1]] = None
+    return tuple(bans)
