@@ -52,5 +52,20 @@ class RequestOutput:
     # holding the prompt token and the top n. A stream carries them once, in its first output after they are whole.
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     # A prefill engine's (role "prefill") last output of a request: its sequence left for a decode engine with its
-    # KV pages (a jaxserve.batching.engine_core.HandOff), the export dispatched. None otherwise.
+    # KV pages (a jaxserve.batching.kv_handoff.HandOff), the export dispatched. None otherwise.
     handed_off: object | None = None
+
+
+def merged(deltas: list[CompletionOutput]) -> list[CompletionOutput]:
+    """One delta per completion, in order: a sequence can advance twice in one engine step (a speculative step
+    reads back the step before it, then runs its own), and a stream's consumer sees one output per index, as
+    vLLM's DELTA outputs."""
+    if len({d.index for d in deltas}) == len(deltas):
+        return deltas  # the common case: nothing to merge, nothing copied
+    by_index: dict[int, CompletionOutput] = {}
+    for d in deltas:  # new objects, never a write into one: the output processor owns what it streamed
+        m = by_index.get(d.index)
+        by_index[d.index] = d if m is None else dataclasses.replace(
+            d, text=m.text + d.text, token_ids=[*m.token_ids, *d.token_ids],
+            logprobs=None if m.logprobs is None else [*m.logprobs, *(d.logprobs or ())])
+    return list(by_index.values())

@@ -24,7 +24,7 @@ import peers  # noqa: E402
 
 from jaxserve import LLM, SamplingParams  # noqa: E402
 from jaxserve.runner.batch_builder import Row, build_batch  # noqa: E402
-from jaxserve.batching.scheduler import row_sampling  # noqa: E402
+from jaxserve.batching.step_rows import row_sampling  # noqa: E402
 from jaxserve.batching.sequence import Sequence  # noqa: E402
 from jaxserve.buckets import round_up  # noqa: E402
 from jaxserve.sample.logit_controls import resolve  # noqa: E402

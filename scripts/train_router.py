@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxserve.cascade.features import ANSWER_FEATURES, PROMPT_FEATURES
-from jaxserve.cascade.router_file import Router, TierClassifier
+from jaxserve.cascade.router_file import CascadeRouter, TierClassifier
 
 POLICIES = {"before": tuple(PROMPT_FEATURES), "after": tuple(PROMPT_FEATURES) + tuple(ANSWER_FEATURES)}
 
@@ -154,7 +154,7 @@ def choose(points: list[dict], target_retained: float) -> dict:
 # ---- the router ----
 
 def train(records: list[dict], tiers: list[str], l2: float, target_retained: float,
-          provenance: dict | None = None) -> tuple[Router, dict]:
+          provenance: dict | None = None) -> tuple[CascadeRouter, dict]:
     """Fits both policies' classifiers on `records` (the train split) and sets each one's threshold by `choose` on
     the same records. Returns the router and, per policy, the train split's sweep and the chosen point."""
     if len(tiers) != 2:
@@ -174,8 +174,8 @@ def train(records: list[dict], tiers: list[str], l2: float, target_retained: flo
                   "target_retained": target_retained, "label": f"{tiers[0]} answered right",
                   "tier_accuracy": {t: float(c.mean()) for t, c in zip(tiers, (y_small, y_large))},
                   **(provenance or {})}
-    router = Router(tiers=tuple(tiers), before=(classifiers["before"],), after=(classifiers["after"],),
-                    trained_on=trained_on)
+    router = CascadeRouter(tiers=tuple(tiers), before=(classifiers["before"],), after=(classifiers["after"],),
+                           trained_on=trained_on)
     return router, report
 
 

@@ -1,4 +1,7 @@
+import functools
+import inspect
 import os
+import re
 
 # Eight CPU devices, for the tensor- and data-parallel tests (before JAX starts its backend); every other test
 # runs on the first, as before.
@@ -79,3 +82,62 @@ def free_compiled_programs():
     steps_for.cache_clear()
     jax.clear_caches()
     gc.collect()
+
+
+# --- Test tiers -------------------------------------------------------------------------------------------------
+# A test's tier follows from what it uses, read from its source (the test function, the fixtures it depends on, and
+# the functions of its own module it calls, transitively), so no test is tagged by hand and a new test lands in the
+# right tier. `-m fast` is the tier to run after every change; the README's command runs every tier.
+TIER_SIGNALS = {
+    # the real default model (SmolLM2-135M's GGUF) or Gemma 3 270M: a download on first use, seconds to load
+    "real_model": re.compile(r"\b(default_gguf_path|default_llm|gemma3_llm|hf_default_model|default_model_path)\b"
+                             r"|[\"']gemma3-270m[\"']|\bLLM\(\)"),
+    # HF transformers / torch / peft as the reference implementation
+    "reference": re.compile(r"\b(torch|transformers|peft)\."),
+    # the real TPU and GPU compilers, deviceless (the .aot-venv beside the project)
+    "aot": re.compile(r"\baot\.|aot[-_]venv|\btopologies\b|\bget_topology_desc\b"),
+    # real processes: a CLI run, a server or a multi-host group in subprocesses
+    "processes": re.compile(r"\b(subprocess|Popen|multiprocessing|sys\.executable)\b"),
+}
+@functools.lru_cache(maxsize=None)
+def _module_functions(module) -> dict[str, str]:
+    """The source of each function and class defined in a test module, by name."""
+    found = {}
+    for name, value in vars(module).items():
+        if (inspect.isfunction(value) or inspect.isclass(value)) and getattr(value, "__module__", None) == \
+                module.__name__:
+            try:
+                found[name] = inspect.getsource(value)
+            except (OSError, TypeError):
+                pass
+    return found
+
+
+def _source_used_by(item) -> str:
+    functions = _module_functions(item.module) if getattr(item, "module", None) else {}
+    sources = []
+    for name in item.fixturenames:  # the closure: fixtures of fixtures too
+        for fixture in item._fixtureinfo.name2fixturedefs.get(name, ()):
+            try:
+                sources.append(inspect.getsource(fixture.func))
+            except (OSError, TypeError):
+                pass
+    try:
+        sources.append(inspect.getsource(item.function))
+    except (OSError, TypeError, AttributeError):
+        pass
+    seen, queue = set(), list(sources)
+    while queue:  # the module's own helpers the test calls, and theirs
+        for name in set(re.findall(r"\b\w+\b", queue.pop())) & functions.keys() - seen:
+            seen.add(name)
+            sources.append(functions[name])
+            queue.append(functions[name])
+    return "\n".join(sources)
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        source = _source_used_by(item)
+        tiers = [tier for tier, signal in TIER_SIGNALS.items() if signal.search(source)]
+        for tier in tiers or ["fast"]:
+            item.add_marker(tier)

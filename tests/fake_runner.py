@@ -24,8 +24,9 @@ from jaxserve.batching.speculation.ngram import NgramProposer
 from jaxserve.runner.protocol import StepHandle
 from jaxserve.batching.scheduler import Scheduler
 from jaxserve.batching.speculation.controller import SpecController
+from jaxserve.buckets import geometric
 from jaxserve.cache import PageAllocator, PrefixCache, pages_needed
-from jaxserve.engine.factory import Engine
+from jaxserve.engine.factory import EngineParts
 from jaxserve.lora.adapter import LoRAError
 from jaxserve.lora.slot_cache import HostAdapters, LoRASlots
 from jaxserve.sampling_params import MAX_LOGPROBS
@@ -59,6 +60,9 @@ class FakeRunner:
         self.num_speculative_tokens = num_speculative_tokens
         self.last_tokens: dict[int, int] = {}  # slot -> the token a row last emitted into it (the device buffer)
         self.step_times: dict[tuple[int, int], float] = {}
+        # A fake transfer moves exactly the pages asked (no padding), so any count is a bucket of its own: these are
+        # the ones a warm-up moves.
+        self.page_buckets = geometric(1, num_pages) if num_pages else ()
         self.steps: list[list[Row]] = []  # the rows of every dispatched step, in order
         self.events: list[str] = []  # "dispatch" / "wait" / "fetch", in order
         self._faults: list[Fault] = []
@@ -250,7 +254,7 @@ def fake_llm(num_replicas: int = 1, max_model_len: int = 64, vocab_size: int = 6
     replicas = [fake_replica(vocab_size=vocab_size, **replica_args) for _ in range(num_replicas)]
     max_loras = replica_args.get("max_loras", 0)
     loras = HostAdapters(fake_adapter, max_cpu_loras or max_loras) if max_loras else None
-    return LLM.over(Engine.over(replicas, vocab_size, max_model_len, tokenizer, loras=loras))
+    return LLM.over(EngineParts.over(replicas, vocab_size, max_model_len, tokenizer, loras=loras))
 
 
 def both_schedulings(request, monkeypatch):

@@ -59,11 +59,11 @@ class ServerThread(AppThread):
 
 
 class RouterThread(AppThread):
-    """A `jaxserve router` (jaxserve.router.Router over the given server URLs)."""
+    """A `jaxserve router` (jaxserve.router.PDRouter over the given server URLs)."""
 
     def __init__(self, prefill: list[str], decode: list[str], **router_args):
-        from jaxserve.router import Router
-        self.router = Router(prefill, decode, **router_args)
+        from jaxserve.router import PDRouter
+        self.router = PDRouter(prefill, decode, **router_args)
         super().__init__(self.router.app())
 
 

@@ -230,7 +230,7 @@ def test_data_parallel_replicas_planning_just_in_time_are_all_planned_before_the
     """Behind data parallelism the replicas that plan just in time wait together (until the earliest of their
     planning times), and each has its next step on its device before the one in flight ends."""
     llm = fake_llm(num_replicas=2, max_num_batched_tokens=16, async_scheduling=True)
-    for core in llm.engine.replicas:
+    for core in llm.replicas:
         core.runner.step_seconds = 0.1
         core.plan_lead = (1.25, 0.03)  # room for a busy machine's late wake-ups
     engine = AsyncEngine(llm)
@@ -241,7 +241,7 @@ def test_data_parallel_replicas_planning_just_in_time_are_all_planned_before_the
 
         outs = asyncio.run(asyncio.wait_for(main(), 60))
         assert outs == [list(range(6, 18)), list(range(22, 34))]
-        for core in llm.engine.replicas:
+        for core in llm.replicas:
             times = core.runner.device_times
             assert len(times) >= 10  # each replica ran a request
             ahead = [dispatched < end for (_, _, end), (dispatched, _, _) in zip(times[2:], times[3:])]

@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from jaxserve.cascade import (ANSWER_FEATURES, PROMPT_FEATURES, SCORE_TOPK, Router, RouterFileError, TierClassifier,
-                              answer_features, prompt_features, score_params)
+from jaxserve.cascade import (ANSWER_FEATURES, PROMPT_FEATURES, SCORE_TOPK, CascadeRouter, RouterFileError,
+                              TierClassifier, answer_features, prompt_features, score_params)
 from jaxserve.outputs import CompletionOutput, Logprob, RequestOutput
 
 
@@ -124,10 +124,10 @@ def test_classifier_probability_is_the_standardised_logistic():
         clf().probability({"first_logprob": 1.0})
 
 
-def router(**kw) -> Router:
+def router(**kw) -> CascadeRouter:
     args = dict(tiers=("small", "large"), before=(clf(),),
                 after=(clf(("answer_mean_logprob", "first_margin"), (1.0, 1.0)),), trained_on={"by": "hand"})
-    return Router(**{**args, **kw})
+    return CascadeRouter(**{**args, **kw})
 
 
 def test_router_round_trips_through_its_file(tmp_path):
@@ -136,10 +136,10 @@ def test_router_round_trips_through_its_file(tmp_path):
     r.save(path)
     body = json.loads(path.read_text())
     assert (body["format"], body["version"], body["tiers"]) == ("jaxserve-cascade-router", 1, ["small", "large"])
-    assert Router.load(path) == r
+    assert CascadeRouter.load(path) == r
     only_after = router(before=None)
     only_after.save(path)
-    assert "before" not in json.loads(path.read_text()) and Router.load(path) == only_after
+    assert "before" not in json.loads(path.read_text()) and CascadeRouter.load(path) == only_after
 
 
 def test_with_threshold_sets_every_classifier():
@@ -212,7 +212,7 @@ def test_a_corrupt_router_file_names_the_file_and_the_field(tmp_path, content, f
     path = tmp_path / "bad-router.json"
     path.write_text(content if isinstance(content, str) else json.dumps(content))
     with pytest.raises(RouterFileError) as e:
-        Router.load(path)
+        CascadeRouter.load(path)
     message = str(e.value)
     assert str(path) in message and field in message, message
     assert "\n" not in message
@@ -222,12 +222,12 @@ def test_non_finite_numbers_in_a_router_file_are_refused(tmp_path):
     path = tmp_path / "r.json"
     path.write_text(json.dumps(good_file()).replace('"bias": 0.0', '"bias": Infinity', 1))
     with pytest.raises(RouterFileError, match=r"before\[0\].bias: must be a finite number"):
-        Router.load(path)
+        CascadeRouter.load(path)
 
 
 def test_a_missing_router_file_is_a_router_file_error(tmp_path):
     with pytest.raises(RouterFileError, match="nothing.json: cannot be read"):
-        Router.load(tmp_path / "nothing.json")
+        CascadeRouter.load(tmp_path / "nothing.json")
 
 
 # ---- the routing policy, over fake tiers ----

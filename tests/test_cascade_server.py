@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from jaxserve import SamplingParams
-from jaxserve.cascade import (Router, TierClassifier, answer_features, prompt_features, score_params)
+from jaxserve.cascade import (CascadeRouter, TierClassifier, answer_features, prompt_features, score_params)
 from jaxserve.cascade.policy import CascadeConfig
 from jaxserve.cli import main
 from jaxserve.server.cascade import ServedCascade
@@ -69,18 +69,19 @@ def use(st, config: CascadeConfig) -> None:
     st.server.cascade = ServedCascade(config, st.server.models, st.server.metrics)
 
 
-def before_router(ref) -> tuple[Router, set[str]]:
+def before_router(ref) -> tuple[CascadeRouter, set[str]]:
     """A before classifier keeping on the small tier the prompts of the upper half of prompt_mean_logprob."""
     mid, kept = split(ref.scores, "prompt_mean_logprob")
-    return Router(TIERS, before=(TierClassifier(("prompt_mean_logprob",), (mid,), (1.0,), (1.0,), 0.0, 0.5),)), kept
+    classifier = TierClassifier(("prompt_mean_logprob",), (mid,), (1.0,), (1.0,), 0.0, 0.5)
+    return CascadeRouter(TIERS, before=(classifier,)), kept
 
 
-def after_router(ref) -> tuple[Router, set[str]]:
+def after_router(ref) -> tuple[CascadeRouter, set[str]]:
     """An after classifier keeping the small tier's answers of the upper half of answer_mean_logprob. It reads a
     prompt feature too (weight 0), so the small tier is asked for its prompt's logprobs and top 20 as well."""
     mid, kept = split(ref.answers, "answer_mean_logprob")
-    return Router(TIERS, after=(TierClassifier(("answer_mean_logprob", "first_margin"), (mid, 0.0), (1.0, 1.0),
-                                               (1.0, 0.0), 0.0, 0.5),)), kept
+    classifier = TierClassifier(("answer_mean_logprob", "first_margin"), (mid, 0.0), (1.0, 1.0), (1.0, 0.0), 0.0, 0.5)
+    return CascadeRouter(TIERS, after=(classifier,)), kept
 
 
 def post(st, body, path="/v1/completions") -> dict:
@@ -232,7 +233,7 @@ def test_after_streams_are_routed_before_generating(served):
     assert grew(seen, now, "jaxserve:cascade_requests_total", cascade="auto", tier="large") == 2
     assert grew(seen, now, "jaxserve:cascade_escalations_total", cascade="auto", from_tier="small",
                 to_tier="large") == 0
-    both = Router(TIERS, before=before.before, after=after.after)
+    both = CascadeRouter(TIERS, before=before.before, after=after.after)
     use(st, CascadeConfig(TIERS, policy="after", router=both))
     for p in PROMPTS:
         assert {c["model"] for c in streamed(st, {"model": "auto", "prompt": p, **GREEDY})} == {tier_of(p, kept)}
@@ -250,7 +251,7 @@ def test_three_tiers_answer_from_the_middle(served):
     mid, kept = split(ref.answers, "answer_mean_logprob")
     never = TierClassifier(("answer_tokens_log",), (0.0,), (1.0,), (0.0,), -10.0, 0.5)
     judge = TierClassifier(("answer_mean_logprob",), (mid,), (1.0,), (1.0,), 0.0, 0.5)
-    use(st, CascadeConfig(three, router=Router(three, after=(never, judge))))
+    use(st, CascadeConfig(three, router=CascadeRouter(three, after=(never, judge))))
     seen = metric_samples(http("GET", st.url + "/metrics")[1].decode())
     for p in PROMPTS:
         tier = "mid" if p in kept else "large"
@@ -341,7 +342,7 @@ def test_a_tier_too_short_for_the_request_is_skipped(served):
     for config in (CascadeConfig(TIERS, router=before, threshold=0.0), CascadeConfig(TIERS, router=after,
                                                                                      threshold=0.0),
                    CascadeConfig(TIERS, threshold=0.0),
-                   CascadeConfig(three, router=Router(three, before=(keep, keep)))):
+                   CascadeConfig(three, router=CascadeRouter(three, before=(keep, keep)))):
         use(st, config)
         assert post(st, {"model": "auto", "prompt": PROMPTS[0], **GREEDY})["model"] == "small", config  # kept
         seen = scrape(st)
@@ -548,7 +549,7 @@ def test_openai_client_against_the_cascade(served):
 def write_router(tmp_path, tiers=TIERS, **policies) -> str:
     c = TierClassifier(("first_margin",), (0.0,), (1.0,), (1.0,), 0.0, 0.5)
     path = tmp_path / "router.json"
-    Router(tiers, **{p: (c,) * (len(tiers) - 1) for p in policies or ("before",)}).save(path)
+    CascadeRouter(tiers, **{p: (c,) * (len(tiers) - 1) for p in policies or ("before",)}).save(path)
     return str(path)
 
 

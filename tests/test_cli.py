@@ -1,4 +1,5 @@
 """The `jaxserve` command and the drive-the-steps example, run as a user would."""
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -8,8 +9,9 @@ import pytest
 ROOT = Path(__file__).parent.parent
 
 
-def run(*args, timeout=300):
-    return subprocess.run(args, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+def run(*args, timeout=300, env=None):
+    return subprocess.run(args, capture_output=True, text=True, timeout=timeout, cwd=ROOT, check=False,
+                          env=None if env is None else {**os.environ, **env})
 
 
 @pytest.mark.parametrize("extra", [[], ["--speculative-method", "ngram", "--num-speculative-tokens", "3",
@@ -52,3 +54,35 @@ def test_drive_steps_example(default_gguf_path):
     r = run(sys.executable, "scripts/drive_steps.py", "--max-tokens", "3")
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("The capital of France is Paris")
+
+
+def test_an_unwritable_cache_generates_on_xla_with_one_warning(default_gguf_path, tmp_path):
+    """A read-only container: the CPU kernels cannot be built into $JAXSERVE_CACHE, so XLA's own lowering runs them,
+    said once (JAX's compilation cache is pointed elsewhere: its own warnings are not the kernels')."""
+    from jaxserve.cpu_kernels.build import PREBUILT_DIR
+    r = run(sys.executable, "-m", "jaxserve.cli", "generate", "--prompt", "The capital of France is", "--max-tokens",
+            "4", "--model", str(default_gguf_path),
+            env={"JAXSERVE_CACHE": "/proc/x", "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "xla")})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith(" Paris.")
+    prebuilt = any(PREBUILT_DIR.glob("*.so"))  # found in the package: nothing to build, nothing to say
+    assert r.stderr.count("CPU kernels off") == (0 if prebuilt else 1), r.stderr
+
+
+def test_build_kernels_writes_every_variant_the_compiler_takes(tmp_path):
+    """`jaxserve build-kernels`: every kernel for every variant of this architecture; a variant the compiler does
+    not know (an old one) is skipped with its error, the others written."""
+    from jaxserve.cpu_kernels import build, isa
+    compiler = tmp_path / "cxx"
+    compiler.write_text('#!/bin/sh\ncase "$*" in *x86-64-v4*|*armv8.2-a*) echo "cc1plus: error: bad value" >&2; '
+                        'exit 1;; esac\nwhile [ $# -gt 0 ]; do [ "$1" = -o ] && echo library > "$2"; shift; done\n')
+    compiler.chmod(0o755)
+    r = run(sys.executable, "-m", "jaxserve.cli", "build-kernels", "--output", str(tmp_path / "out"),
+            env={"CXX": str(compiler)})
+    assert r.returncode == 0, r.stderr
+    taken = [v for v in isa.variants() if v.name not in ("x86-64-v4", "armv8.2-a")]
+    want = sorted(build.library_name(s, v) for s in build.sources() for v in taken)
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == want
+    assert sorted(Path(line.removeprefix("wrote ")).name for line in r.stdout.splitlines()) == want
+    refused = len(build.sources()) * (len(isa.variants()) - len(taken))
+    assert r.stderr.count("cc1plus: error: bad value") == refused, r.stderr

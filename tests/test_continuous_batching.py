@@ -248,7 +248,8 @@ def test_prompt_chunks_are_cut_to_a_bucket_rather_than_padded_far():
     would pad a quarter or less, and a small step pads freely; decode tokens are never cut."""
     from types import SimpleNamespace
 
-    from jaxserve.batching.scheduler import Chunk, ScheduledBatch, Scheduler
+    from jaxserve.batching.scheduler import Scheduler
+    from jaxserve.batching.step_plan import Chunk, ScheduledBatch
     from jaxserve.cache import PageAllocator, PrefixCache
     scheduler = Scheduler(PrefixCache(PageAllocator(8), 4), 64, 512, (1, 4, 8, 16, 32, 64, 128, 256, 512))
     seq = SimpleNamespace(token_ids=[0] * 1000)

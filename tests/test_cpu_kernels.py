@@ -1,17 +1,21 @@
 """The hand-written CPU kernels (jaxserve.cpu_kernels) against XLA's own lowering of the same product."""
 import concurrent.futures
 import logging
+import os
 import shutil
+import subprocess
+import sys
+import textwrap
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxserve.cache.kv_cache import BF16_BITS, Int8Pages
+from jaxserve.cpu_kernels import build, few_row_matmul, isa, paged_attention
 from jaxserve.model import quant
 from jaxserve.model.attention import blocked_attention, ragged_attention
-from jaxserve.cache.kv_cache import BF16_BITS, Int8Pages
-from jaxserve.cpu_kernels import build, few_row_matmul, paged_attention
 from ragged import expected, random_ragged_case
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("clang++") is None,
@@ -91,29 +95,127 @@ def test_concurrent_calls_each_get_their_own_product():
                 np.testing.assert_array_equal(got, wants[i % len(cases)], err_msg=f"case {i % len(cases)}")
 
 
-def test_a_compiler_that_fails_turns_the_kernels_off_with_a_warning(monkeypatch, tmp_path, caplog):
+@pytest.fixture
+def own_cache(monkeypatch, tmp_path):
+    """A fresh cache directory, no prebuilt library in the package's way, and the process's one warning not yet
+    given: what load() sees on a new machine."""
     monkeypatch.setenv("JAXSERVE_CACHE", str(tmp_path))
-    compiler = tmp_path / "cxx"
-    compiler.write_text('#!/bin/sh\n[ "$1" = --version ] && echo "fake 1.0" && exit 0\n'
-                        'echo "error: nope" >&2\nexit 1\n')
+    monkeypatch.setattr(build, "PREBUILT_DIR", tmp_path / "no-prebuilt")
+    monkeypatch.setattr(build.kernels_off, "given", False)
+    return tmp_path
+
+
+def test_a_compiler_that_fails_turns_the_kernels_off_with_a_warning(monkeypatch, own_cache, caplog):
+    compiler = own_cache / "cxx"
+    compiler.write_text('#!/bin/sh\necho "error: nope" >&2\nexit 1\n')
     compiler.chmod(0o755)
     monkeypatch.setenv("CXX", str(compiler))
     with caplog.at_level(logging.WARNING, logger="jaxserve"):
         assert build.load.__wrapped__("few_row_matmul.cc") is None
     assert "building few_row_matmul.cc failed, CPU kernels off" in caplog.text and "error: nope" in caplog.text
-    assert not list((tmp_path / "cpu_kernels").glob("*"))  # no half-built library left behind
+    assert not list((own_cache / "cpu_kernels").glob("*"))  # no half-built library left behind
     monkeypatch.setenv(build.ENV_SWITCH, "0")
     assert build.load.__wrapped__("few_row_matmul.cc") is None
 
 
-def test_the_library_is_built_once_and_reused(monkeypatch, tmp_path):
-    monkeypatch.setenv("JAXSERVE_CACHE", str(tmp_path))
+def test_an_unwritable_cache_turns_the_kernels_off_with_one_warning(monkeypatch, own_cache, caplog):
+    """A read-only container: building into the cache fails, each kernel falls back to XLA, and the process says
+    so once."""
+    monkeypatch.setenv("JAXSERVE_CACHE", "/proc/x")
+    with caplog.at_level(logging.WARNING, logger="jaxserve"):
+        assert [build.load.__wrapped__(s) for s in build.sources()] == [None] * len(build.sources())
+    warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warned) == 1 and "CPU kernels off" in warned[0] and "/proc/x" in warned[0], warned
+
+
+def test_the_library_is_built_once_and_reused(own_cache):
     assert build.load.__wrapped__("few_row_matmul.cc") is not None
-    built = list((tmp_path / "cpu_kernels").glob("*.so"))
-    assert len(built) == 1
+    built = list((own_cache / "cpu_kernels").glob("*.so"))
+    assert [p.name for p in built] == [build.library_name("few_row_matmul.cc", isa.supported()[0])]
     mtime = built[0].stat().st_mtime_ns
     assert build.load.__wrapped__("few_row_matmul.cc") is not None
     assert built[0].stat().st_mtime_ns == mtime
+
+
+def test_the_library_name_holds_the_variant_jaxlib_and_the_ffi_headers(monkeypatch):
+    """An upgrade of jaxlib (or of its FFI headers) looks for another library: a stale one is never loaded."""
+    v4, v3 = isa.variants("x86_64")[:2]
+    before = build.library_name("few_row_matmul.cc", v4)
+    assert before.startswith("few_row_matmul-x86-64-v4-") and before != build.library_name("few_row_matmul.cc", v3)
+    monkeypatch.setattr(build.jaxlib, "__version__", "0.0.0-other")
+    build.ffi_fingerprint.cache_clear()
+    try:
+        assert build.library_name("few_row_matmul.cc", v4) != before
+    finally:
+        monkeypatch.undo()
+        build.ffi_fingerprint.cache_clear()
+    assert build.library_name("few_row_matmul.cc", v4) == before
+
+
+def test_the_variant_is_the_best_the_cpu_runs(monkeypatch):
+    monkeypatch.setattr(isa.platform, "machine", lambda: "x86_64")
+    v3 = {"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave", "sse4_2"}
+    for flags, names in [(v3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"},
+                          ["x86-64-v4", "x86-64-v3", "x86-64"]),
+                         (v3 | {"avx512f"}, ["x86-64-v3", "x86-64"]),  # AVX-512 without BW/DQ/VL is not v4
+                         (v3 - {"fma"}, ["x86-64"]),
+                         (set(), ["x86-64"])]:  # no /proc/cpuinfo: the baseline
+        monkeypatch.setattr(isa, "cpu_features", lambda flags=flags: frozenset(flags))
+        assert [v.name for v in isa.supported()] == names
+    monkeypatch.setenv(isa.ENV_VARIANT, "x86-64-v4")  # asked for, but the CPU lacks it: none
+    assert isa.supported() == ()
+    monkeypatch.setattr(isa.platform, "machine", lambda: "aarch64")
+    monkeypatch.setattr(isa, "cpu_features", lambda: frozenset({"fp", "asimd", "atomics", "asimdrdm", "dcpop"}))
+    monkeypatch.delenv(isa.ENV_VARIANT)
+    assert [v.name for v in isa.supported()] == ["armv8.2-a", "armv8-a"]
+
+
+@pytest.fixture(scope="module")
+def every_variant(tmp_path_factory):
+    """`jaxserve build-kernels`'s libraries, every kernel for every variant of this architecture, compiled with
+    -Werror, in a cache directory of their own."""
+    cache = tmp_path_factory.mktemp("prebuilt-cache")
+    return cache, build.build_all(cache / "cpu_kernels", ("-Werror",))
+
+
+def test_every_variant_builds_without_a_warning(every_variant):
+    _, built = every_variant
+    assert not built.refused
+    assert sorted(p.name for p in built.written) == sorted(build.library_name(s, v) for s in build.sources()
+                                                           for v in isa.variants())
+
+
+RUN_PREBUILT = textwrap.dedent("""
+    import jax, jax.numpy as jnp, numpy as np
+    from jaxserve.cpu_kernels import build, few_row_matmul, paged_attention
+    from jaxserve.model import quant
+    assert build.compiler() is None
+    assert few_row_matmul.available() and paged_attention.available()
+    print(build.load("few_row_matmul.cc")._name)
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 300)), jnp.float32)
+    w = quant.quantize_int8(jnp.asarray(np.random.default_rng(1).standard_normal((300, 70)), jnp.float32))
+    text = jax.jit(quant.matmul).lower(x, w).as_text()
+    assert few_row_matmul.INT8_TARGET in text
+    want = jnp.dot(x, w.values.astype(jnp.float32) * w.scale, precision="highest")
+    np.testing.assert_allclose(np.asarray(jax.jit(quant.matmul)(x, w)), np.asarray(want), rtol=1e-4, atol=1e-4)
+""")
+
+
+@pytest.mark.parametrize("variant", [v.name for v in isa.variants()])
+def test_a_prebuilt_kernel_runs_without_a_compiler(every_variant, variant, tmp_path):
+    """A machine with no compiler on PATH loads the prebuilt library of the variant it runs (the best one, or the
+    one JAXSERVE_CPU_KERNELS_ISA names) and computes the product with it."""
+    if variant not in [v.name for v in isa.supported()]:
+        pytest.skip(f"this CPU does not run {variant}")
+    cache, _ = every_variant
+    env = {k: v for k, v in os.environ.items() if k != "CXX"}
+    env.update(PATH=str(tmp_path), JAXSERVE_CACHE=str(cache), **{isa.ENV_VARIANT: variant},
+               PYTHONPATH=os.pathsep.join([str(build.SOURCE_DIR.parents[1]), os.path.dirname(__file__)]))
+    r = subprocess.run([sys.executable, "-c", RUN_PREBUILT], env=env, capture_output=True, text=True, timeout=300,
+                       check=False)
+    assert r.returncode == 0, r.stderr
+    loaded = os.path.basename(r.stdout.strip().splitlines()[-1])
+    assert loaded == build.library_name("few_row_matmul.cc", next(v for v in isa.variants() if v.name == variant))
 
 
 def _stored_pages(pages, stored, pad_to):

@@ -12,7 +12,7 @@ from jaxserve.batching.engine_core import StepError
 from jaxserve.batching.sequence import Status
 from jaxserve.cache import pages_needed
 from jaxserve.cache.transfer import kv_bytes, trimmed
-from jaxserve.engine.factory import Engine
+from jaxserve.engine.factory import EngineParts
 from jaxserve.tokenizer import Tokenizer
 from tiny import make_llm
 
@@ -23,7 +23,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 def disaggregated_llm(num_prefill=1, num_decode=1, prefill_args=None, decode_args=None) -> LLM:
     prefill = [fake_replica(vocab_size=VOCAB, role="prefill", **(prefill_args or {})) for _ in range(num_prefill)]
     decode = [fake_replica(vocab_size=VOCAB, **(decode_args or {})) for _ in range(num_decode)]
-    return LLM.over(Engine.over(prefill, VOCAB, 64, decode=decode))
+    return LLM.over(EngineParts.over(prefill, VOCAB, 64, decode=decode))
 
 
 def fake_requests(rng, n=8):
@@ -166,7 +166,7 @@ def test_a_decode_server_takes_a_sequence_it_did_not_prefill(tiny_tokenized_dir)
     tokenizer = Tokenizer.from_hf_dir(tiny_tokenized_dir)
     prompt, sp = "pages move", SamplingParams(temperature=0, max_tokens=9, ignore_eos=True)
     whole = fake_llm(vocab_size=320, tokenizer=tokenizer).generate(prompt, sp, use_tqdm=False)[0].outputs[0]
-    prefill = LLM.over(Engine.over([fake_replica(vocab_size=320, role="prefill")], 320, 64, tokenizer))
+    prefill = LLM.over(EngineParts.over([fake_replica(vocab_size=320, role="prefill")], 320, 64, tokenizer))
     prefill.add_request(prompt, sp)
     said = ""
     while not prefill.scheduler.handed_off:
@@ -431,7 +431,7 @@ def test_an_import_aborted_while_landing_is_dropped_and_never_counted():
 
 def test_finishing_a_sequence_already_taken_from_the_hand_offs_is_harmless():
     prefill = disaggregated_llm().replicas[0]
-    llm = LLM.over(Engine.over([prefill], VOCAB, 64))
+    llm = LLM.over(EngineParts.over([prefill], VOCAB, 64))
     llm.add_request({"prompt_token_ids": [1, 2, 3]}, GREEDY, request_id="r")
     while not prefill.scheduler.handed_off:
         llm.step()

@@ -124,11 +124,11 @@ def test_one_program_and_one_copy_back_per_step(tiny_dir, monkeypatch):
     monkeypatch.setattr(steps, "_forward", counting("forward", steps._forward))
     monkeypatch.setattr(steps, "_write", counting("write", steps._write))
     monkeypatch.setattr(jax, "device_get", counting("device_get", jax.device_get))
-    before = llm.core.steps
+    before = llm.core.counters.steps
     with jax.transfer_guard_device_to_host("disallow"):
         llm.generate(prompts(np.random.default_rng(), [3, 40, 17, 9, 60]), SamplingParams(max_tokens=12),
                      use_tqdm=False)
-    steps_run = llm.core.steps - before
+    steps_run = llm.core.counters.steps - before
     assert steps_run > 0
     writes = 0 if steps.writes_in_forward else steps_run
     assert counts == {"forward": steps_run, "write": writes, "device_get": steps_run}

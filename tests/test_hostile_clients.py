@@ -254,8 +254,10 @@ def tiny_tokenizer(calls: list | None = None):
     """A byte-level BPE inside the tiny model's vocabulary (its 256 bytes, then "aa" and "aaaa": at most 4
     characters a token), with a chat template that writes the contents alone; `calls` gets each encoded text's
     length."""
-    from jaxserve.tokenizer import _BYTE_OF_CHAR, Tokenizer, _byte_level_bpe
-    tok = Tokenizer(_byte_level_bpe([*_BYTE_OF_CHAR, "aa", "aaaa"], ["a a", "aa aa"], "gpt2"), bos_token_id=None,
+    from jaxserve.tokenizer import Tokenizer
+    from jaxserve.tokenizer.alphabet import BYTE_OF_CHAR
+    from jaxserve.tokenizer.gguf_vocab import byte_level_bpe
+    tok = Tokenizer(byte_level_bpe([*BYTE_OF_CHAR, "aa", "aaaa"], ["a a", "aa aa"], "gpt2"), bos_token_id=None,
                     eos_token_ids=[], add_bos=False,
                     chat_template="{% for m in messages %}{{ m['content'] }}{% endfor %}")
     if calls is not None:

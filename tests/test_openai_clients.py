@@ -126,7 +126,7 @@ def test_auto_with_tags_that_are_special_tokens(default_gguf_path):
     from tokenizers import AddedToken
 
     from jaxserve.tokenizer import Tokenizer
-    from jaxserve.openai.tool_calls import tags_are_special
+    from jaxserve.openai.tool_parsers import tags_are_special
     from jaxserve.weights.gguf import open_gguf
     tok = Tokenizer.from_gguf_fields(open_gguf(default_gguf_path))
     assert not tags_are_special(tok)

@@ -2,7 +2,8 @@
 way one can be wrong -> a 400 naming the field. Pure parsing: no engine."""
 import pytest
 
-from jaxserve.openai.api import ApiError, grammar_error, grammar_field, parse_chat, parse_completion
+from jaxserve.openai.errors import ApiError
+from jaxserve.openai.requests import grammar_error, grammar_field, parse_chat, parse_completion
 from jaxserve.sampling_params import StructuredOutputsParams
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}

@@ -209,8 +209,10 @@ def test_bad_values_are_refused_naming_the_param(kwargs, param):
 
 def byte_tokenizer():
     """A byte-level BPE inside the tiny model's vocabulary (its 256 bytes, then "aa")."""
-    from jaxserve.tokenizer import _BYTE_OF_CHAR, Tokenizer, _byte_level_bpe
-    return Tokenizer(_byte_level_bpe([*_BYTE_OF_CHAR, "aa"], ["a a"], "gpt2"), bos_token_id=None, eos_token_ids=[],
+    from jaxserve.tokenizer import Tokenizer
+    from jaxserve.tokenizer.alphabet import BYTE_OF_CHAR
+    from jaxserve.tokenizer.gguf_vocab import byte_level_bpe
+    return Tokenizer(byte_level_bpe([*BYTE_OF_CHAR, "aa"], ["a a"], "gpt2"), bos_token_id=None, eos_token_ids=[],
                      add_bos=False, chat_template=None)
 
 

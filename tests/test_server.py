@@ -191,7 +191,9 @@ def test_the_length_bound_never_refuses_a_prompt_that_fits(default_gguf_path):
     from tokenizers import Tokenizer as Inner
     from tokenizers import AddedToken, models, normalizers, pre_tokenizers
 
-    from jaxserve.tokenizer import _BYTE_OF_CHAR, Tokenizer, _byte_level_bpe, _gemma_bpe
+    from jaxserve.tokenizer import Tokenizer
+    from jaxserve.tokenizer.alphabet import BYTE_OF_CHAR
+    from jaxserve.tokenizer.gguf_vocab import byte_level_bpe, gemma_bpe
     tok = Tokenizer.from_gguf_fields(gguf.GGUFReader(default_gguf_path))
     assert tok.max_chars_per_token == 81  # "\n" and 80 spaces
     longest = sorted(range(tok.vocab_size), key=lambda i: -len(tok.token_bytes(i)))[:200]
@@ -209,16 +211,16 @@ def test_the_length_bound_never_refuses_a_prompt_that_fits(default_gguf_path):
 
     def made(inner):
         return Tokenizer(inner, bos_token_id=None, eos_token_ids=[], add_bos=False, chat_template=None)
-    alphabet = [*_BYTE_OF_CHAR, "aa", "aaaa"]
-    assert made(_byte_level_bpe(alphabet, ["a a", "aa aa"], "gpt2")).max_chars_per_token == 4
+    alphabet = [*BYTE_OF_CHAR, "aa", "aaaa"]
+    assert made(byte_level_bpe(alphabet, ["a a", "aa aa"], "gpt2")).max_chars_per_token == 4
     # NFC composes up to 4 characters into one (here 3 jamo into one syllable, 3 bytes): 4 x the longest spelling.
-    nfc = made(_byte_level_bpe(alphabet, ["a a", "aa aa"], "qwen2"))
+    nfc = made(byte_level_bpe(alphabet, ["a a", "aa aa"], "qwen2"))
     assert nfc.max_chars_per_token == 16
     jamo = "\u1100\u1161\u11a8" * 1000
     assert len(nfc.encode(jamo)) == 3000 >= nfc.min_tokens(jamo)
     # Gemma's SentencePiece: '▁' per space, every byte as a <0xNN> piece, so unknown characters are never fused.
     pieces = ["<unk>", *(f"<0x{b:02X}>" for b in range(256)), "\u2581", "a", "\u2581a", "\u2581" * 5]
-    gemma = made(_gemma_bpe(pieces, 0)[0])
+    gemma = made(gemma_bpe(pieces, 0)[0])
     assert gemma.max_chars_per_token == 6
     for text in (" " * 1000, " a" * 500, "\u00e9" * 1000):
         assert len(gemma.encode(text)) >= gemma.min_tokens(text)

@@ -6,7 +6,7 @@ from hypothesis import given, settings, strategies as st
 
 from jaxserve.batch import StepOutput
 from jaxserve.batching.output_processor import process
-from jaxserve.batching.scheduler import row_sampling
+from jaxserve.batching.step_rows import row_sampling
 from jaxserve.batching.sequence import Sequence
 from jaxserve.sampling_params import MAX_STOP, MAX_STOP_LENGTH, MAX_STOP_TOKEN_IDS, SamplingParams
 

@@ -180,7 +180,7 @@ def test_a_random_model_writes_every_kind_validly_and_seeds_repeat(tiny):
     for kind, out in zip(KINDS, first):
         for c in out.outputs:
             if kind == "json_object" and c.finish_reason == "length":  # any object: a random one may nest on
-                m = compile_grammar(KINDS[kind][0], tiny.tokenizer, tiny.engine.vocab_size).matcher()
+                m = compile_grammar(KINDS[kind][0], tiny.tokenizer, tiny.vocab_size).matcher()
                 assert all(m.accept(t) for t in c.token_ids) and not m.is_terminated
                 continue
             assert_valid(kind, c)
@@ -241,7 +241,7 @@ def test_a_slow_compile_leaves_the_event_loop_free(tiny_smol_dir):
 
     async def run():
         engine = AsyncEngine(make_llm(tiny_smol_dir, max_model_len=160))
-        compile_grammar(Structured(regex="a"), engine.llm.tokenizer, engine.llm.engine.vocab_size)  # the bridge
+        compile_grammar(Structured(regex="a"), engine.tokenizer, engine.vocab_size)  # the bridge
         grammar_module._cache.clear()
         gaps, stop = [], asyncio.Event()
 

@@ -8,7 +8,7 @@ import transformers
 from tokenizers import AddedToken, decoders, models, normalizers
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-from jaxserve.openai.api import chat_logprobs
+from jaxserve.openai.responses import chat_logprobs
 from jaxserve.outputs import CompletionOutput, Logprob
 from jaxserve.tokenizer import IncrementalDetokenizer, Tokenizer
 from jaxserve.weights.gguf import open_gguf

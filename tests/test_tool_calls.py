@@ -8,9 +8,12 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from jaxserve.openai.api import ApiError, parse_chat, render_chat
+from jaxserve.openai.chat_messages import render_chat
+from jaxserve.openai.errors import ApiError
+from jaxserve.openai.requests import parse_chat
 from jaxserve.openai.structured import FieldError
-from jaxserve.openai.tool_calls import ArrayCalls, HermesCalls, NamedCall, assemble, is_hermes, parse_tools
+from jaxserve.openai.tool_calls import parse_tools
+from jaxserve.openai.tool_parsers import ArrayCalls, HermesCalls, NamedCall, assemble, is_hermes
 
 TEMPLATE = (Path(__file__).parent / "data" / "hermes_tools_template.jinja").read_text()
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer", "minimum": 1}},

@@ -12,7 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 import train_router as tr  # noqa: E402
 
 from jaxserve.cascade.features import ANSWER_FEATURES, PROMPT_FEATURES  # noqa: E402
-from jaxserve.cascade.router_file import Router  # noqa: E402
+from jaxserve.cascade.router_file import CascadeRouter  # noqa: E402
 
 ALL_FEATURES = tuple(PROMPT_FEATURES) + tuple(ANSWER_FEATURES)
 TIERS = ["small", "large"]
@@ -72,7 +72,7 @@ def test_router_file_round_trips(tmp_path):
     router, report = tr.train(records, TIERS, l2=1.0, target_retained=0.95, provenance={"command": "test"})
     path = tmp_path / "router.json"
     router.save(path)
-    loaded = Router.load(path)
+    loaded = CascadeRouter.load(path)
     assert loaded == router, f"seed {seed}: the router file did not round-trip"
     assert loaded.tiers == tuple(TIERS) and loaded.trained_on["command"] == "test"
     assert [c.features for c in loaded.before] == [tuple(PROMPT_FEATURES)]
@@ -146,7 +146,7 @@ def test_cli(tmp_path, capsys):
     src.write_text(json.dumps({"tiers": TIERS, "records": records}))
     out = tmp_path / "router.json"
     assert tr.main(["--records", str(src), "--out", str(out)]) == 0
-    router = Router.load(out)
+    router = CascadeRouter.load(out)
     assert router.trained_on["train_records"] == 120, f"seed {seed}: the test split leaked into training"
     assert "before: threshold" in capsys.readouterr().out
     bad = tmp_path / "bad.json"
@@ -171,7 +171,7 @@ def test_committed_router_file_serves_the_readme_cascade():
     # serves: it must load and name the tiers that command serves, for both policies.
     from jaxserve.cascade.policy import CascadeConfig
     path = Path(__file__).resolve().parent.parent / "scripts" / "bench_results" / "cascade_router.json"
-    router = Router.load(path)
+    router = CascadeRouter.load(path)
     for policy in ("before", "after"):
         config = CascadeConfig(("SmolLM2-135M-Instruct", "gemma3-270m"), policy=policy, router=router)
         assert config.policy == policy

@@ -16,8 +16,9 @@ from jaxserve.config import ModelConfig
 from jaxserve.sampling_params import MAX_LOGPROBS
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "ragged-all-to-all", "collective-permute")
-_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "f32": 4,
-                "s64": 8, "u64": 8, "f64": 8, "f8e4m3fn": 1, "f8e5m2": 1, "s4": 0.5, "u4": 0.5}
+# Bytes per element of each HLO dtype (int4 packs two a byte); the HBM audit sizes its buffers with it too.
+DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "f32": 4,
+               "s64": 8, "u64": 8, "f64": 8, "f8e4m3fn": 1, "f8e5m2": 1, "s4": 0.5, "u4": 0.5}
 # An HLO instruction: "%name = TYPE opcode(operands), attributes" (TYPE may be a tuple, with TPU layouts in it).
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<type>.*?)\s(?P<op>[a-z][\w\-]*)\(")
 _ARRAY = re.compile(r"\b(?P<dtype>[a-z]+\d*[a-z0-9]*)\[(?P<dims>[\d,]*)\]")
@@ -36,7 +37,7 @@ class Collective:
 
     @staticmethod
     def array_bytes(array) -> int:
-        return int(_DTYPE_BYTES[array[0]] * math.prod(array[1]))
+        return int(DTYPE_BYTES[array[0]] * math.prod(array[1]))
 
     @property
     def bytes(self) -> int:
@@ -86,7 +87,7 @@ def collective_census(hlo_text: str) -> list[Collective]:
         if kind not in COLLECTIVES:
             continue
         arrays = tuple((a["dtype"], tuple(int(d) for d in a["dims"].split(",") if d))
-                       for a in _ARRAY.finditer(m["type"]) if a["dtype"] in _DTYPE_BYTES)
+                       for a in _ARRAY.finditer(m["type"]) if a["dtype"] in DTYPE_BYTES)
         if arrays:
             found.append((computation, Collective(kind, arrays, is_async)))
     paths, todo = {entry: ()}, [entry]  # computation -> the branches on the way to it from the entry

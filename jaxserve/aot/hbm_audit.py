@@ -25,7 +25,7 @@ import re
 
 import jax
 
-from jaxserve.aot.collectives import _DTYPE_BYTES, COLLECTIVES
+from jaxserve.aot.collectives import COLLECTIVES, DTYPE_BYTES
 from jaxserve.parallel.layouts import ROW_TABLES
 
 # "name = TYPE opcode(operands), attributes"; TYPE may be a tuple (with TPU layouts, memory spaces in it).
@@ -64,7 +64,7 @@ class Array:
 
     @property
     def bytes(self) -> int:
-        return int(_DTYPE_BYTES.get(self.dtype, 0) * self.numel)
+        return int(DTYPE_BYTES.get(self.dtype, 0) * self.numel)
 
     @property
     def memory_space(self) -> str:
@@ -159,7 +159,7 @@ def parse(hlo_text: str) -> tuple[dict, str | None]:
         computations[current].append(_Instruction(
             m["name"], m["op"],
             tuple(Array(a["dtype"], tuple(int(d) for d in a["dims"].split(",") if d), a["layout"] or "")
-                  for a in _ARRAY.finditer(m["type"]) if a["dtype"] in _DTYPE_BYTES),
+                  for a in _ARRAY.finditer(m["type"]) if a["dtype"] in DTYPE_BYTES),
             tuple(o["name"] for o in _OPERAND.finditer(operands)),
             tuple(c["name"] for c in _CALLS.finditer(attributes)) + tuple(
                 n.strip().lstrip("%") for b in re.findall(r"branch_computations=\{([^}]*)\}", attributes)

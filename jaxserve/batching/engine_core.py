@@ -26,34 +26,31 @@ host's work on step N (reading it back, detokenizing, filling the next masks) wi
 batches without one keep it (what that costs: BENCHMARKS.md). Constrained rows never speculate; the others of the
 batch may.
 
-Disaggregated prefill (`jaxserve.batching.pools.disaggregated`): a prefill engine's scheduler hands each sequence off
-once its first token has landed, its pages held until `take_handed_off` (called when a decode engine can admit it:
-`can_take_prefilled`) dispatches their export (a gather on the device) and only then gives them back, so a later
-step that reuses them runs after the gather. A decode engine takes it with those pages (`add_prefilled`), copies
-them to its own devices at once, and writes them into its cache when the scheduler admits it (once the copy has
-landed, so a decode step never waits for the prefill devices, which may still be running the step after the
-export), before the step that first reads them is dispatched.
+Disaggregated prefill: a prefill engine hands its sequences off with their KV pages (`take_handed_off`), a decode
+engine takes them in (`add_prefilled`) and writes their pages before the step that first reads them; see
+`jaxserve.batching.kv_handoff`. When a server plans the next step with async scheduling:
+`jaxserve.batching.step_timing`; reading a step back and what it feeds: `jaxserve.batching.step_reader`.
 
 A step that fails ends only the requests it held, and the results read back before it failed still reach theirs
 (`StepError`); a replica whose steps keep failing stops (`healthy`) and ends every request it holds.
 """
 from __future__ import annotations
 
-import collections
-import dataclasses
 import time
 
-import jax
-
 from jaxserve.batching import output_processor
+from jaxserve.batching.engine_stats import EngineStats, replica_stats
+from jaxserve.batching.kv_handoff import HandOff, KVTransfers, copy_in, export_handed_off, is_ready, write_imports
 from jaxserve.batching.output_processor import SequenceDelta
-from jaxserve.batching.speculation.proposer import Proposer
-from jaxserve.runner.protocol import Runner, StepHandle
-from jaxserve.batching.scheduler import ScheduledBatch, Scheduler
+from jaxserve.batching.scheduler import Scheduler
 from jaxserve.batching.sequence import Sequence, Status
 from jaxserve.batching.speculation.controller import SpecController
-from jaxserve.cache import pages_needed
-from jaxserve.cache.transfer import KVPages, kv_bytes, num_pages
+from jaxserve.batching.speculation.proposer import Proposer
+from jaxserve.batching.step_plan import ScheduledBatch
+from jaxserve.batching.step_reader import StepReader
+from jaxserve.batching.step_timing import InFlight
+from jaxserve.cache.transfer import KVPages
+from jaxserve.runner.protocol import Runner
 
 # Steps of one engine replica that may fail in a row before it declares itself dead instead of going on.
 MAX_FAILED_STEPS = 3
@@ -75,86 +72,6 @@ class StepError(RuntimeError):
         self.cause, self.changed, self.failed = cause, changed, failed
 
 
-@dataclasses.dataclass
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    pages_used: int
-    pages_total: int
-    kv_cache_usage: float  # fraction of pages held by sequences (evictable prefix pages count as free)
-    prefix_cache_queries: int  # prompt tokens looked up
-    prefix_cache_hits: int  # of those, tokens found cached
-    prefix_cache_hit_rate: float
-    num_preemptions: int
-    prompt_tokens: int  # prompt tokens computed (prefix hits excluded)
-    generation_tokens: int
-    generation_tokens_per_s: float  # over the last few seconds
-    steps: int
-    # Speculative decoding (vLLM's counters): verifications with proposals, proposals, accepted proposals, and
-    # accepted proposals by position; accepted over proposed; sequences that speculated in the last step.
-    spec_decode_num_drafts: int = 0
-    spec_decode_num_draft_tokens: int = 0
-    spec_decode_num_accepted_tokens: int = 0
-    spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()
-    spec_decode_acceptance_rate: float = 0.0
-    spec_decode_num_speculating: int = 0
-    # Replicas (data parallelism) and how many of them still serve (a replica stops after MAX_FAILED_STEPS).
-    num_replicas: int = 1
-    num_replicas_healthy: int = 1
-    # KV transfers taken in (disaggregated prefill): how many have landed, their bytes, and their seconds from
-    # export to landing here (polled once per step, so each is late by up to a step).
-    kv_transfers: int = 0
-    kv_transfer_bytes: int = 0
-    kv_transfer_seconds: float = 0.0
-    # Prefilled sequences admitted to decode, and their seconds waiting for a slot and pages (the decode queue).
-    decode_admitted: int = 0
-    decode_queue_seconds: float = 0.0
-    # Per pool (disaggregated prefill): (pool, running, waiting).
-    pools: tuple[tuple[str, int, int], ...] = ()
-
-
-@dataclasses.dataclass
-class HandOff:
-    """A prefilled sequence leaving its prefill engine: the K/V of its first num_cached tokens (its prompt), as
-    exported pages (perhaps padded past them; still in flight), and when the export was dispatched."""
-    seq: Sequence
-    kv: KVPages
-    num_cached: int
-    exported_at: float  # time.perf_counter()
-
-
-@dataclasses.dataclass
-class Transfer:
-    """KV pages on their way to this engine's devices."""
-    started: float  # time.perf_counter()
-    kv: KVPages
-    num_bytes: int
-
-
-@dataclasses.dataclass
-class InFlight:
-    """A step dispatched and not yet read back."""
-    batch: ScheduledBatch
-    handle: StepHandle
-    dispatched: float  # time.perf_counter() when its dispatch returned
-    ended: float | None = None  # when a wait saw it end (wait_in_flight), if one did
-
-
-def _shape(batch: ScheduledBatch) -> tuple[int, int]:
-    """What a step's time is predicted by: its tokens and rows."""
-    return batch.num_tokens, len(batch.rows)
-
-
-def _average(old: float | None, new: float) -> float:
-    """A moving average that follows a drifting time (a row's context grows each step) within a few steps."""
-    return new if old is None else 0.5 * (old + new)
-
-
-def _is_ready(kv: KVPages) -> bool:
-    """Every array of kv has landed (numpy ones always have)."""
-    return all(getattr(x, "is_ready", lambda: True)() for x in jax.tree.leaves(kv))
-
-
 def _position_dependent(seq: Sequence) -> bool:
     """Its sampling depends on the tokens before the position (penalties, bad words of several tokens), so it
     does not speculate: a verification step applies a row's controls alike at every scored position, exact at the
@@ -162,7 +79,7 @@ def _position_dependent(seq: Sequence) -> bool:
     return seq.params.uses_penalties or bool(seq.controls.bad_words)
 
 
-class EngineCore:
+class EngineCore(StepReader):
     def __init__(self, scheduler: Scheduler, runner: Runner, rate_window_s: float = 5.0,
                  proposer: Proposer | None = None, controller: SpecController | None = None, adaptive: bool = True,
                  async_scheduling: bool = True,
@@ -173,35 +90,14 @@ class EngineCore:
         before the step in flight ends a server plans the next (`wait_in_flight`); None: a server waits for the
         step in flight to end and reads it back before it plans the next, as without async scheduling, while
         stepping at once still plans ahead."""
-        self.scheduler = scheduler
-        self.runner = runner
-        self.proposer, self.controller, self.adaptive = proposer, controller, adaptive
+        super().__init__(scheduler, runner, controller, adaptive, rate_window_s)
+        self.proposer = proposer
         self.async_scheduling = async_scheduling
-        self._last_fetch: float | None = None  # when the last step followed by another at once was read back
-        self._fetch_wait = 0.0  # how long the last read-back waited for the device
-        self._ended_at: float | None = None  # when the last step read back ended (or was read back)
-        # Seconds a step of this (tokens, rows) took on the device, and the host's to plan and dispatch one
-        # (moving averages): when a server plans the next step with async scheduling (`wait_in_flight`).
-        self._step_seconds: dict[tuple[int, int], float] = {}
-        self._plan_seconds: float | None = None
         self.plan_lead = plan_lead
         self._read_back_first = False  # a server waited for the step in flight: read it back before planning
         self._waited_at: float | None = None  # when a server's wait for the step in flight ended
-        self._in_flight: InFlight | None = None
-        self._last_arrival: float | None = None
-        self.steps = 0
-        self.prompt_tokens = 0
-        self.generation_tokens = 0
-        self._rate_window_s = rate_window_s
-        # (time, tokens) of recent steps, for tokens/s, and their tokens in all: a step adds one and drops those
-        # past the window (a list rebuilt each step was 0.25 ms of host time a step at batch 1).
-        self._recent: collections.deque[tuple[float, int]] = collections.deque()
-        self._recent_tokens = 0
-        self._changed: list[SequenceDelta] = []  # what the current step has read back so far
-        self.failed_steps = 0  # in a row: reset when a sequence decodes past its first token or finishes
         self._failed_imports: dict[str, BaseException] = {}  # request id -> why its import failed, this step
-        self._transfers: dict[Sequence, Transfer] = {}  # still landing, by the prefilled sequence they are for
-        self.kv_transfers, self.kv_transfer_bytes, self.kv_transfer_seconds = 0, 0, 0.0
+        self.transfers = KVTransfers()  # KV copies taken in (disaggregated prefill)
 
     @property
     def healthy(self) -> bool:
@@ -214,19 +110,14 @@ class EngineCore:
 
     def abort(self, request_id: str) -> list[Sequence]:
         aborted = self.scheduler.abort(request_id)
-        for seq in aborted:  # a copy still landing for it is dropped, and never counts as a transfer
-            self._transfers.pop(seq, None)
+        for seq in aborted:
+            self.transfers.drop(seq)
         return aborted
 
     def take_handed_off(self, seqs: list[Sequence] | None = None) -> list[HandOff]:
         """The sequences the prefill scheduler has handed off (seqs: those of them; default: all), their pages'
         export dispatched; the pages are then free here. Until taken, a handed-off sequence holds its pages."""
-        handed = []
-        for seq in [s for s in self.scheduler.handed_off if seqs is None or s in seqs]:
-            kv = self.runner.export_pages(seq.pages[:pages_needed(seq.num_cached, self.scheduler.page_size)])
-            handed.append(HandOff(seq, kv, seq.num_cached, time.perf_counter()))
-            self.scheduler.release_handed_off(seq)
-        return handed
+        return export_handed_off(self.scheduler, self.runner, seqs)
 
     def can_take_prefilled(self, seq: Sequence) -> bool:
         """A prefilled sequence added now would be admitted as soon as its KV lands (see
@@ -243,27 +134,11 @@ class EngineCore:
         if not self.healthy:
             raise EngineDeadError(f"this engine stopped after {self.failed_steps} failed steps in a row")
         self.scheduler.check_fits(seq)
-        need = pages_needed(num_cached, self.scheduler.page_size)
-        if num_pages(kv) < need:  # a cut copy would import the cache's padding as its K/V
-            raise ValueError(f"request {seq.request_id}: {num_cached} cached tokens need {need} KV pages, "
-                             f"got {num_pages(kv)}")
-        try:
-            kv = self.runner.put_pages(kv)
-        except ValueError as e:
-            raise ValueError(f"request {seq.request_id}: {e}") from e
+        kv = copy_in(self.runner, seq, kv, num_cached, self.scheduler.page_size)
         if first_token is not None:
             output_processor.take_as_said(seq, first_token, logprob)
-        self.scheduler.add_prefilled(seq, num_cached, kv, first_token, lambda: _is_ready(kv))
-        self._transfers[seq] = Transfer(time.perf_counter() if started is None else started, kv, kv_bytes(kv))
-
-    def _landed(self) -> None:
-        """Counts the transfers that have landed (without waiting for any)."""
-        now = time.perf_counter()
-        for seq, t in [(seq, t) for seq, t in self._transfers.items() if _is_ready(t.kv)]:
-            del self._transfers[seq]
-            self.kv_transfers += 1
-            self.kv_transfer_bytes += t.num_bytes
-            self.kv_transfer_seconds += now - t.started
+        self.scheduler.add_prefilled(seq, num_cached, kv, first_token, lambda: is_ready(kv))
+        self.transfers.add(seq, kv, time.perf_counter() if started is None else started)
 
     def _fail_running(self) -> set[str]:
         """After a failed step: the requests that had a sequence in the lost steps out (all their sequences),
@@ -279,14 +154,14 @@ class EngineCore:
             self.abort(request_id)
         self._in_flight = None
         self._last_fetch = self._last_arrival = None  # the failure's gap is no step time
-        self._ended_at, self._read_back_first = None, False  # the lost step may still be running
+        self.clock.ended_at, self._read_back_first = None, False  # the lost step may still be running
         return failed
 
     def abort_all(self) -> None:
         """After a failed step: every sequence out, nothing in flight (its results are lost with it)."""
         for seq in self.scheduler.waiting + self.scheduler.running + self.scheduler.handed_off:
             self.scheduler.finish(seq)
-        self._transfers.clear()
+        self.transfers.landing.clear()
         self._in_flight = None
 
     def has_unfinished(self) -> bool:
@@ -312,13 +187,7 @@ class EngineCore:
         """When a server should plan the next step (time.perf_counter()): the step in flight's predicted end less
         the host's time to plan and dispatch one (`plan_lead`: a factor of that time, and seconds more); None:
         once it has run (not timed yet, constrained, or nothing in flight)."""
-        f = self._in_flight
-        seconds = None if f is None else self._step_seconds.get(_shape(f.batch))
-        if seconds is None or self._plan_seconds is None or f.batch.constrained or self.plan_lead is None:
-            return None
-        start = max(f.dispatched, self._ended_at or 0.0)  # it runs once the step before it has
-        factor, slack = self.plan_lead
-        return start + seconds - (factor * self._plan_seconds + slack)
+        return self.clock.plan_at(self._in_flight, self.plan_lead)
 
     def wait_until(self, until: float | None) -> None:
         """Blocks until the step in flight has run, or until time.perf_counter() passes `until` if given. A
@@ -341,7 +210,7 @@ class EngineCore:
         to each sequence. Raises StepError if it fails, with the requests it ended and what it had
         read back before; the engine is then clean for the next step."""
         self._changed, self._failed_imports = [], {}
-        self._landed()
+        self.transfers.count_landed()
         try:
             self._step()
         except Exception as e:  # noqa: BLE001 - any failure: its requests end, the others go on
@@ -376,12 +245,12 @@ class EngineCore:
         batch = self.scheduler.schedule()
         if not batch and self._in_flight is None and self.scheduler.awaits_kv():
             # Nothing to run but sequences whose KV is still landing: wait for it here rather than spin.
-            jax.block_until_ready([t.kv for t in self._transfers.values()])
+            self.transfers.wait()
             batch = self.scheduler.schedule()
         self._import(batch)
         dispatched = self._dispatch(batch) if batch else None
         if dispatched is not None:
-            self._plan_seconds = _average(self._plan_seconds, dispatched.dispatched - planning)
+            self.clock.planned(dispatched.dispatched - planning)
         done, self._in_flight = self._in_flight, dispatched
         if done is None:
             if dispatched is None:  # idle from here: the gap to the next read-back is no step's time
@@ -391,13 +260,7 @@ class EngineCore:
                     and not self._failed_imports:
                 raise RuntimeError("the scheduler can neither run nor admit any sequence")  # a bug, never a wait
             return
-        self._update(done)
-        now = time.perf_counter()
-        if self.adaptive and self.controller is not None:
-            self.controller.observe_host(len(done.batch.rows), now - start - self._fetch_wait)
-            if self._last_fetch is not None:
-                self.controller.observe_step(done.batch.num_tokens, now - self._last_fetch, False)
-        self._last_fetch = now if dispatched is not None else None
+        self._read_back_behind(done, start, dispatched is not None)
 
     def _speculation_lengths(self) -> dict[Sequence, int]:
         """Proposals wanted per decoding sequence. Decided on what the host knows: a token still in flight is
@@ -426,28 +289,10 @@ class EngineCore:
             self.controller.observe_step(batch.num_tokens, time.perf_counter() - start, True, len(batch.rows),
                                          len(speculating), max(speculating, default=0))
 
-    def _read_back(self, timed: bool = False) -> None:
-        """Reads the step in flight back before the next is planned. timed: every step is planned so (no async
-        scheduling), so the time since the last read-back is one step's, as a token waits for it; otherwise this
-        step alone gives up the overlap and its time is no pipelined step's."""
-        if self._in_flight is not None:
-            done, self._in_flight = self._in_flight, None  # its results are lost with it if reading it fails
-            self._update(done, timed)
-            now = time.perf_counter()
-            if timed and self.adaptive and self.controller is not None and self._last_fetch is not None:
-                self.controller.observe_step(done.batch.num_tokens, now - self._last_fetch, False)
-            self._last_fetch = now if timed else None
-        else:
-            self._last_fetch = None
-
     def _import(self, batch: ScheduledBatch) -> None:
         """Writes the K/V of the prefilled sequences admitted to `batch` into their pages, before its step. An import
         that fails ends its own request only: its rows leave the batch before the step is dispatched."""
-        for seq, pages, kv in batch.imports:
-            try:
-                self.runner.import_pages(pages, kv)
-            except Exception as e:  # noqa: BLE001 - these pages' failure (a bad copy), not the step's
-                self._failed_imports[seq.request_id] = e
+        self._failed_imports.update(write_imports(self.runner, batch))
         if self._failed_imports:
             for request_id in self._failed_imports:
                 self.abort(request_id)
@@ -455,74 +300,11 @@ class EngineCore:
 
     def _dispatch(self, batch: ScheduledBatch) -> InFlight:
         handle = self.runner.dispatch(batch.rows)
-        self.prompt_tokens += sum(c.length for c in batch.prefill)
+        self.counters.prompt_tokens += sum(c.length for c in batch.prefill)
         return InFlight(batch, handle, time.perf_counter())
 
-    def _update(self, done: InFlight, next_follows: bool = False) -> None:
-        """Reads a step back and applies it; what it added joins the step's results only once applied whole (a
-        failure later in this step must not lose it). next_follows: the next step is planned right after (no async
-        scheduling), so the time to the next read-back is a step's even with nothing in flight now."""
-        wait = time.perf_counter()
-        out = self.runner.fetch(done.handle)  # the step's one blocking copy
-        read_back = time.perf_counter()
-        self._fetch_wait = read_back - wait
-        # Its end, if seen: waited for, or read back as it ended. It ran from when it could start until then.
-        ended = done.ended if done.ended is not None else read_back if self._fetch_wait > 1e-4 else None
-        if ended is not None:
-            key = _shape(done.batch)
-            start = max(done.dispatched, self._ended_at or 0.0)
-            self._step_seconds[key] = _average(self._step_seconds.get(key), ended - start)
-        self._ended_at = ended or read_back
-        batch = done.batch
-        now = time.monotonic()
-        if self.scheduler.slo is not None and self._last_arrival is not None:
-            self.scheduler.slo.observe(len(batch.decode), now - self._last_arrival)
-        # Idle gaps are not step time.
-        self._last_arrival = now if self._in_flight is not None or next_follows else None
-        self.steps += 1
-        deltas = output_processor.process(batch.row_seqs, out, batch.rows)
-        for d in deltas:
-            if batch.proposals.get(d.seq):
-                self.controller.observe(d.seq, len(batch.proposals[d.seq]), d.num_emitted - 1)
-        self.scheduler.update(batch, deltas, now)
-        if any(d.finished or len(d.seq.output_token_ids) > 1 or d.seq.status is Status.HANDED_OFF for d in deltas):
-            # This replica serves: a sequence decoded past its first token, finished, or was handed off (all a
-            # prefill engine does). A prefill alone (elsewhere) proves
-            # little: every new request's succeeds while a broken decode fails each one after it.
-            self.failed_steps = 0
-        self._changed += deltas
-        emitted = sum(len(d.token_ids) for d in deltas)
-        self.generation_tokens += emitted
-        while self._recent and now - self._recent[0][0] > self._rate_window_s:
-            self._recent_tokens -= self._recent.popleft()[1]
-        self._recent.append((now, emitted))
-        self._recent_tokens += emitted
-
     def stats(self) -> EngineStats:
-        cache, s = self.scheduler.cache, self.scheduler
-        total = cache.allocator.num_usable
-        used = total - cache.num_available
-        span = self._recent[-1][0] - self._recent[0][0] if len(self._recent) > 1 else 0.0
-        rate = (self._recent_tokens - self._recent[0][1]) / span if span > 0 else 0.0
-        return EngineStats(
-            num_running=len(s.running), num_waiting=len(s.waiting), pages_used=used, pages_total=total,
-            kv_cache_usage=used / total, prefix_cache_queries=cache.queries, prefix_cache_hits=cache.hits,
-            prefix_cache_hit_rate=cache.hit_rate(), num_preemptions=s.num_preemptions,
-            prompt_tokens=self.prompt_tokens, generation_tokens=self.generation_tokens,
-            generation_tokens_per_s=rate, steps=self.steps, num_replicas_healthy=int(self.healthy),
-            kv_transfers=self.kv_transfers, kv_transfer_bytes=self.kv_transfer_bytes,
-            kv_transfer_seconds=self.kv_transfer_seconds, decode_admitted=s.num_prefilled_admitted,
-            decode_queue_seconds=s.prefilled_wait_seconds,
-            **self._spec_stats())
-
-    def _spec_stats(self) -> dict:
-        c = self.controller
-        if c is None:
-            return {}
-        return dict(spec_decode_num_drafts=c.num_drafts, spec_decode_num_draft_tokens=c.num_draft_tokens,
-                    spec_decode_num_accepted_tokens=c.num_accepted_tokens,
-                    spec_decode_num_accepted_tokens_per_pos=tuple(c.num_accepted_tokens_per_pos),
-                    spec_decode_acceptance_rate=c.acceptance_rate, spec_decode_num_speculating=c.num_speculating)
+        return replica_stats(self.scheduler, self.counters, self.transfers, self.controller, self.healthy)
 
     def assert_idle_and_clean(self) -> None:
         """For tests: nothing queued, nothing in flight, no page held by anyone but the prefix cache."""
@@ -530,5 +312,5 @@ class EngineCore:
         cache = self.scheduler.cache
         assert cache.num_available == cache.allocator.num_usable, "a page is still held"
         assert sorted(self.scheduler._free_slots) == list(range(self.scheduler.max_num_seqs))
-        assert not self._transfers, "a KV copy is still counted as landing"
+        assert not self.transfers.landing, "a KV copy is still counted as landing"
         assert all(s.status is not Status.RUNNING for s in self.scheduler.waiting)

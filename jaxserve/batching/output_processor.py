@@ -91,27 +91,6 @@ def completion_output(seq: Sequence, text: str | None = None, token_ids: list[in
                             out.logprobs if logprobs is None else logprobs, out.finish_reason, out.stop_reason)
 
 
-def merged(deltas: list[CompletionOutput]) -> list[CompletionOutput]:
-    """One delta per completion, in order: a sequence can advance twice in one engine step (a speculative step
-    reads back the step before it, then runs its own), and a stream's consumer sees one output per index, as
-    vLLM's DELTA outputs."""
-    if len({d.index for d in deltas}) == len(deltas):
-        return deltas  # the common case: nothing to merge, nothing copied
-    by_index: dict[int, CompletionOutput] = {}
-    for d in deltas:
-        if d.index not in by_index:
-            by_index[d.index] = dataclasses.replace(d, token_ids=list(d.token_ids),
-                                                    logprobs=None if d.logprobs is None else list(d.logprobs))
-            continue
-        m = by_index[d.index]
-        m.text += d.text
-        m.token_ids += d.token_ids
-        if m.logprobs is not None:
-            m.logprobs += d.logprobs
-        m.cumulative_logprob, m.finish_reason, m.stop_reason = d.cumulative_logprob, d.finish_reason, d.stop_reason
-    return list(by_index.values())
-
-
 def request_metrics(seqs: list[Sequence]) -> RequestMetrics:
     """One request's timestamps, over its n sequences: the first start and first token, the last finish."""
     def first(values):

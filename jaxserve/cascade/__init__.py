@@ -10,7 +10,7 @@ and scripts/eval_cascade.py.
 """
 from jaxserve.cascade.features import (ANSWER_FEATURES, FEATURES, PROMPT_FEATURES, SCORE_TOPK, answer_features,
                                        prompt_features, score_params)
-from jaxserve.cascade.router_file import Router, RouterFileError, TierClassifier
+from jaxserve.cascade.router_file import CascadeRouter, RouterFileError, TierClassifier
 
-__all__ = ["ANSWER_FEATURES", "FEATURES", "PROMPT_FEATURES", "SCORE_TOPK", "Router", "RouterFileError",
+__all__ = ["ANSWER_FEATURES", "FEATURES", "PROMPT_FEATURES", "SCORE_TOPK", "CascadeRouter", "RouterFileError",
            "TierClassifier", "answer_features", "prompt_features", "score_params"]

@@ -13,7 +13,7 @@ import dataclasses
 import math
 from typing import Awaitable, Callable, Protocol, Sequence
 
-from jaxserve.cascade.router_file import POLICIES, Router
+from jaxserve.cascade.router_file import POLICIES, CascadeRouter
 
 
 class Judge(Protocol):
@@ -85,7 +85,7 @@ class CascadeConfig:
     tiers: tuple[str, ...]
     name: str = "auto"
     policy: str | None = None
-    router: Router | None = None
+    router: CascadeRouter | None = None
     threshold: float | None = None
 
     def __post_init__(self):

@@ -98,7 +98,7 @@ class TierClassifier:
 
 
 @dataclasses.dataclass(frozen=True)
-class Router:
+class CascadeRouter:
     """The tiers (served model names, cheapest first) and each policy's classifiers (one per tier but the last;
     None: the file has no classifiers for that policy)."""
     tiers: tuple[str, ...]
@@ -147,7 +147,7 @@ class Router:
                              f"{', '.join(p for p in POLICIES if getattr(self, p) is not None)})")
         return classifiers
 
-    def with_threshold(self, threshold: float) -> "Router":
+    def with_threshold(self, threshold: float) -> "CascadeRouter":
         """The same router with every classifier's threshold set to `threshold` (a point on the quality/cost
         curve: higher keeps fewer requests on the cheaper tiers)."""
         _check_threshold(threshold, "threshold")
@@ -167,7 +167,7 @@ class Router:
         Path(path).write_text(json.dumps(self.to_json(), indent=1, allow_nan=False) + "\n")
 
     @classmethod
-    def load(cls, path) -> "Router":
+    def load(cls, path) -> "CascadeRouter":
         """The router in a file, or RouterFileError naming the file and the field that is wrong."""
         try:
             text = Path(path).read_text()
@@ -183,7 +183,7 @@ class Router:
             raise RouterFileError(f"router file {path}: {e.field}: {e.message}") from None
 
     @classmethod
-    def from_json(cls, body) -> "Router":
+    def from_json(cls, body) -> "CascadeRouter":
         """A router from a router file's parsed JSON; ValueError (`_Invalid`: its field) if it is not one."""
         if not isinstance(body, dict):
             raise _Invalid("(top level)", f"must be an object, got {type(body).__name__}")

@@ -1,88 +1,192 @@
-"""Building a kernel's C++ source into a shared library on first use, cached per source, compiler and CPU.
+"""Building a kernel's C++ source into a shared library, ahead of time (`jaxserve build-kernels`: every variant of
+isa.py, into the package's prebuilt/ directory an image or a wheel ships) or on first use (the best variant this
+CPU runs, into the cache directory), and loading it.
 
-The kernels are compiled for the machine they run on (-march=native: the widest vector instructions it has), so the
-library is keyed by the CPU's model and feature flags as well as the source and the compiler: a cache directory
-shared between machines (a home directory over NFS) holds one library per kind of CPU.
+A library's name holds a key of everything its code depends on besides the compiler: its source and headers, the
+flags, jaxlib's version and the FFI headers it was compiled against (an upgrade of jaxlib never loads a stale one).
+The compiler is left out so a prebuilt library is found on a machine that has none. Whatever goes wrong (no
+compiler, a failed build, an unwritable cache, a library that does not load) turns the kernels off with one warning
+for the process: XLA's own lowering runs instead.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
+import dataclasses
 import functools
 import hashlib
 import logging
 import os
-import platform
 import shutil
 import subprocess
 import tempfile
 from pathlib import Path
 
 import jax
+import jaxlib
 
-from jaxserve.weights.default_model import cache_dir
+from jaxserve.cpu_kernels import isa
+from jaxserve.paths import cache_dir
 
 logger = logging.getLogger("jaxserve")
 
 # Set to 0 to run XLA's own lowering everywhere a kernel would be used (A/B measurements, or a machine whose compiler
 # misbehaves).
 ENV_SWITCH = "JAXSERVE_CPU_KERNELS"
+SOURCE_DIR = Path(__file__).parent
+PREBUILT_DIR = SOURCE_DIR / "prebuilt"  # `jaxserve build-kernels`'s default output, looked in before the cache
 
 
 def enabled() -> bool:
     return os.environ.get(ENV_SWITCH, "1") != "0"
 
 
-def _cpu_identity() -> str:
-    """What -march=native compiles for: the CPU's model and feature flags."""
+class FirstWarning:
+    """Logs the process's first warning only: every kernel fails for the same reason, most often (no compiler, an
+    unwritable cache), and each would say it again."""
+
+    def __init__(self) -> None:
+        self.given = False
+
+    def __call__(self, message: str, *args) -> None:
+        if not self.given:
+            self.given = True
+            logger.warning(message, *args)
+
+
+kernels_off = FirstWarning()
+
+
+def sources() -> list[str]:
+    """The kernels' C++ sources (file names in this package)."""
+    return sorted(p.name for p in SOURCE_DIR.glob("*.cc"))
+
+
+def library_dirs() -> list[Path]:
+    """Where a built library is looked for, in order: the package's prebuilt ones, then the cache's."""
+    return [PREBUILT_DIR, cache_dir() / "cpu_kernels"]
+
+
+def flags(variant: isa.Variant) -> list[str]:
+    # Warnings on; -Wno-psabi because GCC notes that lanes16.h's 64-byte vectors would be passed differently with
+    # AVX-512, which matters only across libraries: every function taking them is inline in one. The FFI headers are
+    # jaxlib's (-isystem, with its include directory after these flags): their warnings are not ours to fix.
+    return ["-O3", *variant.flags, "-std=c++17", "-shared", "-fPIC", "-fopenmp-simd", "-Wall", "-Wextra",
+            "-Wno-psabi"]
+
+
+@functools.cache
+def ffi_fingerprint() -> str:
+    """jaxlib's version and the FFI headers' text: what a library's binary interface to XLA depends on."""
+    headers = sorted((Path(jax.ffi.include_dir()) / "xla" / "ffi" / "api").glob("*.h"))
+    return "\0".join([jaxlib.__version__, *(h.read_text() for h in headers)])
+
+
+def library_name(source_name: str, variant: isa.Variant) -> str:
+    source = SOURCE_DIR / source_name
+    texts = [p.read_text() for p in [source, *sorted(SOURCE_DIR.glob("*.h"))]]  # the source and its headers
+    key = hashlib.sha256("\0".join([*texts, *flags(variant), ffi_fingerprint()]).encode()).hexdigest()
+    return f"{source.stem}-{variant.name}-{key[:16]}.so"
+
+
+def compiler() -> str | None:
+    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("clang++")
+
+
+def compile_library(cxx: str, source_name: str, variant: isa.Variant, output: Path,
+                    extra_flags: tuple[str, ...] = ()) -> Path:
+    """Compiles source_name for variant into output (a file); raises OSError or CalledProcessError (its stderr
+    captured) where it cannot."""
+    output.parent.mkdir(parents=True, exist_ok=True)
+    # Built beside its final name and renamed into place: processes that build at once never load half a file.
+    fd, partial = tempfile.mkstemp(suffix=".so", dir=output.parent)
+    os.close(fd)
     try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return platform.processor()
-    keep = ("model name", "flags", "Features", "CPU implementer", "CPU part")
-    return "\n".join(sorted({line for line in lines if line.split(":")[0].strip() in keep}))
+        subprocess.run([cxx, *flags(variant), *extra_flags, "-isystem", jax.ffi.include_dir(),
+                        str(SOURCE_DIR / source_name), "-o", partial], capture_output=True, text=True, check=True)
+        os.replace(partial, output)
+    finally:
+        if os.path.exists(partial):
+            os.remove(partial)
+    return output
 
 
-def _flags() -> list[str]:
-    flags = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fopenmp-simd", "-w"]
-    if platform.machine() in ("x86_64", "AMD64"):
-        flags.append("-mprefer-vector-width=512")  # GCC's default on AVX-512 machines is 256-bit vectors
-    return flags
+@dataclasses.dataclass
+class Built:
+    written: list[Path]  # the libraries built
+    refused: list[str]  # "source variant: the compiler's error", for a variant the compiler does not take
+
+
+def build_all(output_dir: Path, extra_flags: tuple[str, ...] = ()) -> Built:
+    """Every kernel for every variant of this architecture (not only those this CPU runs: the libraries go to other
+    machines), into output_dir, compiled side by side; RuntimeError where there is no compiler or nothing built."""
+    cxx = compiler()
+    if cxx is None:
+        raise RuntimeError("no C++ compiler (g++, clang++ or $CXX) to build the CPU kernels with")
+    jobs = [(source_name, variant) for source_name in sources() for variant in isa.variants()]
+
+    def build(job):
+        source_name, variant = job
+        try:
+            return compile_library(cxx, source_name, variant, output_dir / library_name(source_name, variant),
+                                   extra_flags)
+        except subprocess.CalledProcessError as e:
+            lines = e.stderr.strip().splitlines() or [f"exit status {e.returncode}"]
+            return f"{source_name} {variant.name}: {next((x for x in lines if 'error' in x), lines[-1])}"
+
+    with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+        results = list(pool.map(build, jobs))
+    built = Built([r for r in results if isinstance(r, Path)], [r for r in results if isinstance(r, str)])
+    if not built.written:
+        raise RuntimeError("no CPU kernel built: " + "; ".join(built.refused))
+    return built
+
+
+def _prebuilt(source_name: str, candidates: tuple[isa.Variant, ...]) -> Path | None:
+    """The best variant's library already built (prebuilt or cached), if any."""
+    for variant in candidates:
+        for directory in library_dirs():
+            path = directory / library_name(source_name, variant)
+            if path.is_file():
+                return path
+    return None
+
+
+def _library(source_name: str) -> Path | None:
+    """The library to load: found, or built into the cache for the best variant (None, warned, where it cannot)."""
+    candidates = isa.supported()
+    if not candidates:
+        kernels_off("%s=%s is not a variant this CPU runs (%s): CPU kernels off", isa.ENV_VARIANT,
+                    os.environ.get(isa.ENV_VARIANT), ", ".join(v.name for v in isa.variants()))
+        return None
+    found = _prebuilt(source_name, candidates)
+    if found is not None:
+        return found
+    cxx = compiler()
+    if cxx is None:
+        kernels_off("no C++ compiler (g++, clang++ or $CXX) and no prebuilt kernel (`jaxserve build-kernels`): "
+                    "CPU kernels off, XLA's own lowering instead")
+        return None
+    output = library_dirs()[-1] / library_name(source_name, candidates[0])
+    try:
+        return compile_library(cxx, source_name, candidates[0], output)
+    except subprocess.CalledProcessError as e:
+        kernels_off("building %s failed, CPU kernels off: %s", source_name, e.stderr[-2000:])
+        return None
 
 
 @functools.cache
 def load(source_name: str) -> ctypes.CDLL | None:
-    """The library built from this package's `source_name`, or None (logged once) where it cannot be built."""
+    """The library built from this package's `source_name`, or None (one warning for the process) where it cannot
+    be found, built or loaded."""
     if not enabled():
         return None
-    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("clang++")
-    if compiler is None:
-        logger.warning("no C++ compiler (g++, clang++ or $CXX): CPU kernels off, XLA's own lowering instead")
-        return None
-    source = Path(__file__).with_name(source_name)
-    flags = _flags() + [f"-I{jax.ffi.include_dir()}"]
     try:
-        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError) as e:
-        logger.warning("C++ compiler %s does not run (%s): CPU kernels off", compiler, e)
+        path = _library(source_name)
+        return None if path is None else ctypes.CDLL(str(path))
+    except OSError as e:  # an unwritable cache, a compiler that does not run, a library that does not load
+        kernels_off("CPU kernel %s unavailable (%s): CPU kernels off, XLA's own lowering instead", source_name, e)
         return None
-    texts = [p.read_text() for p in [source, *sorted(source.parent.glob("*.h"))]]  # the source and its headers
-    key = hashlib.sha256("\0".join([*texts, version, *flags, _cpu_identity()]).encode()).hexdigest()
-    library = cache_dir() / "cpu_kernels" / f"{source.stem}-{key[:16]}.so"
-    if not library.exists():
-        library.parent.mkdir(parents=True, exist_ok=True)
-        # Built beside its final name and renamed into place: processes that build at once never load half a file.
-        fd, partial = tempfile.mkstemp(suffix=".so", dir=library.parent)
-        os.close(fd)
-        try:
-            subprocess.run([compiler, *flags, str(source), "-o", partial], capture_output=True, text=True, check=True)
-            os.replace(partial, library)
-        except subprocess.CalledProcessError as e:
-            logger.warning("building %s failed, CPU kernels off: %s", source.name, e.stderr[-2000:])
-            return None
-        finally:
-            if os.path.exists(partial):
-                os.remove(partial)
-    return ctypes.CDLL(str(library))
 
 
 @functools.cache

@@ -13,10 +13,27 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <thread>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
 
 #include "xla/ffi/api/ffi.h"
 
 namespace jaxserve {
+
+// One turn of a spin wait: tells the core it spins (x86's pause, Arm's yield), so the other hyperthread of the core
+// runs at full speed and the loop does not flood the memory system with loads.
+inline void SpinPause() {
+#if defined(__x86_64__) || defined(__i386__)
+  _mm_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield" ::: "memory");
+#else
+  std::this_thread::yield();
+#endif
+}
 
 struct SharedChunks {
   int64_t num_chunks;
@@ -52,7 +69,8 @@ inline int ParallelChunks(xla::ffi::ThreadPool& pool, int64_t num_chunks, int ma
   shared->RunChunks(0);
   const int joined = std::max(0, shared->joined.exchange(-1, std::memory_order_acq_rel));
   while (shared->finished.load(std::memory_order_acquire) < joined) {
-  }  // each holds its last chunk: microseconds
+    SpinPause();  // each holds its last chunk: microseconds
+  }
   return joined;
 }
 

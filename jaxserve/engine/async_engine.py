@@ -18,27 +18,21 @@ import threading
 import uuid
 from typing import AsyncIterator
 
-from jaxserve.batching.engine_core import MAX_FAILED_STEPS, EngineDeadError, EngineStats, StepError
-from jaxserve.batching.output_processor import SequenceDelta, merged, request_metrics
+from jaxserve.batching.engine_core import MAX_FAILED_STEPS, EngineDeadError, StepError
+from jaxserve.batching.engine_stats import EngineStats
+from jaxserve.batching.output_processor import SequenceDelta, request_metrics
+from jaxserve.cache import pages_needed
+from jaxserve.cache.transfer import trimmed
+from jaxserve.engine.client import HandedOff, Prefilled
 from jaxserve.engine.llm import LLM, Request
 from jaxserve.engine_config import EngineConfig
 from jaxserve.lora.request import LoRARequest
-from jaxserve.outputs import CompletionOutput, RequestOutput
+from jaxserve.outputs import CompletionOutput, RequestOutput, merged
 from jaxserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("jaxserve")
 
-__all__ = ["AsyncEngine", "EngineDeadError", "MAX_FAILED_STEPS", "Prefilled"]
-
-
-@dataclasses.dataclass
-class Prefilled:
-    """A request prefilled on another engine, for a decode engine: the K/V of its first num_cached tokens (KVPages,
-    host or device arrays) and the first token sampled there."""
-    kv: list
-    num_cached: int
-    first_token: int
-    started: float  # time.perf_counter() when the pages' transfer began, for the transfer's seconds
+__all__ = ["AsyncEngine", "EngineDeadError", "MAX_FAILED_STEPS"]
 
 
 # What the event loop tells the engine thread, between steps.
@@ -90,13 +84,16 @@ class _Stream:
 
 
 class AsyncEngine:
+    """The engine the server drives (it serves `jaxserve.engine.client.EngineClient`): an LLM stepped on a thread
+    of its own, requests in and outputs out through the event loop."""
+
     def __init__(self, llm: LLM):
         self.llm = llm
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._stats = llm.stats()
         self._stopping = False
-        self.role = llm.engine.role  # "both", or one side of disaggregated prefill across servers
+        self.role = llm.role  # "both", or one side of disaggregated prefill across servers
         self._thread = threading.Thread(target=self._run, name="jaxserve-engine", daemon=True)
         self._thread.start()
 
@@ -168,6 +165,51 @@ class AsyncEngine:
 
     async def list_loras(self) -> set[int]:
         return self.llm.list_loras()
+
+    # ---- what the server reads of the model (EngineClient) ----
+
+    @property
+    def model_name(self) -> str:
+        return self.llm.model_name
+
+    @property
+    def model_path(self) -> str | None:
+        return self.llm.engine_config.model
+
+    @property
+    def tokenizer(self):
+        return self.llm.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.llm.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.llm.vocab_size
+
+    @property
+    def page_size(self) -> int:
+        return self.llm.scheduler.page_size
+
+    @property
+    def max_num_seqs(self) -> int:
+        return self.llm.engine_config.max_num_seqs
+
+    @property
+    def enable_lora(self) -> bool:
+        return self.llm.engine_config.enable_lora
+
+    def pages_bytes(self, num_tokens: int) -> int:
+        """In the first replica's cache: every replica's holds pages alike."""
+        return self.llm.runner.pages_bytes(num_tokens)
+
+    def handed_off(self, hand_off) -> HandedOff:
+        """A HandOff (a prefill engine's last output of a request) with its pages on the host, cut to its cached
+        tokens. Blocks on the export: off the event loop."""
+        seq = hand_off.seq
+        kv = trimmed(hand_off.kv, pages_needed(hand_off.num_cached, self.page_size))
+        return HandedOff(seq.request_id, kv, hand_off.num_cached, seq.output_token_ids[0], seq.prompt_token_ids)
 
     def abort(self, request_id: str) -> None:
         """Stops a request and frees its pages before the next step (no-op if it already finished)."""

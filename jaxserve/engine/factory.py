@@ -1,12 +1,13 @@
 """From an EngineConfig to a running engine: load (and quantize) the model, size the KV cache, check the kernels,
 and build one engine replica (scheduler, runner, speculation) per device group.
 
-`LLM` is the user's API over what this builds (`Engine`); tests build an `Engine` by hand over fake runners.
+`LLM` is the user's API over what this builds (`EngineParts`); tests build `EngineParts` by hand over fake runners.
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
+import tempfile
 from contextlib import nullcontext
 
 import jax
@@ -33,19 +34,20 @@ from jaxserve.lora.slot_cache import HostAdapters, LoRASlots
 from jaxserve.model.decoder import repeat_kv_heads
 from jaxserve.options import CPU_KV_CACHE_BYTES
 from jaxserve.pallas_kernels import page_head_dim_multiple
+from jaxserve.paths import cache_dir
 from jaxserve.quantize.apply import quantize_model
 from jaxserve.spec_config import check_draft
 from jaxserve.tokenizer import read_chat_template
-from jaxserve.weights import load_model, resolve_dtype
+from jaxserve.weights import LoadedModel, load_model, resolve_dtype
 from jaxserve.weights.params import param_bytes
 
 logger = logging.getLogger("jaxserve")
 
 
 @dataclasses.dataclass
-class Engine:
-    """What an LLM serves: the engine (one replica's core, several behind DataParallel, or a prefill and a decode
-    pool behind Disaggregated) and what requests are checked against."""
+class EngineParts:
+    """What an LLM serves: the engine core (one replica, several behind DataParallel, or a prefill and a decode pool
+    behind Disaggregated), its replicas, and what requests are checked against."""
     core: EngineCore | DataParallel | Disaggregated
     replicas: list[EngineCore]
     model_name: str
@@ -69,7 +71,7 @@ class Engine:
     @classmethod
     def over(cls, replicas: list[EngineCore], vocab_size: int, max_model_len: int, tokenizer=None,
              model_name: str = "fake", loras: HostAdapters | None = None,
-             decode: list[EngineCore] | None = None) -> "Engine":
+             decode: list[EngineCore] | None = None) -> "EngineParts":
         """An engine over replicas built by hand (tests: over fake runners); with decode replicas, the replicas
         are a prefill pool (disaggregated prefill)."""
         if decode:
@@ -79,78 +81,129 @@ class Engine:
         return cls(core, replicas + (decode or []), model_name, vocab_size, max_model_len, tokenizer, loras=loras)
 
 
-def build_engine(c: EngineConfig) -> Engine:
+@dataclasses.dataclass
+class _Models:
+    """The loaded model and its draft, each as every pool's tensor parallelism holds it."""
+    loaded: LoadedModel  # as loaded (and quantized): the target's own shapes
+    draft: LoadedModel | None  # split for the first pool's tensor parallelism
+    split: dict[int, tuple]  # tensor parallelism -> the target's (config, params) split over it
+    max_model_len: int  # asked, else the model's own (before it is fitted to the KV cache)
+
+
+def build_engine(c: EngineConfig) -> EngineParts:
+    runners: list[ModelRunner] = []  # every runner, in the order a multi-process leader names them
+    processes = _start_processes(c, runners)
+    pools = _pools(c, processes.multi_process)  # (role, tensor parallelism, device groups) per pool
+    backend = resolve_attention_backend(c.attention_backend)
+    _enable_compilation_cache()
+    dtype = resolve_dtype(c.dtype)
+    models = _load_models(c, pools, dtype)
+    pages = _pages_per_pool(c, models, dtype, backend)
+    max_model_len = models.max_model_len
+    for num_pages in pages.values():  # a sequence of max_model_len fits every pool
+        max_model_len = _fitted_max_model_len(max_model_len, num_pages, c.block_size,
+                                              asked=c.max_model_len is not None)
+    buckets = Buckets.for_limits(c.max_num_seqs, c.max_num_batched_tokens, pages_needed(max_model_len, c.block_size))
+    by_role, backend = _build_pools(c, pools, models, pages, buckets, dtype, backend, processes, runners)
+    replicas = [replica for pool in by_role.values() for replica in pool]
+    if c.disaggregated:
+        core = Disaggregated(by_role["prefill"], by_role["decode"])
+    else:
+        core = replicas[0] if len(replicas) == 1 else DataParallel(replicas)
+    loaded, loras = models.loaded, _host_adapters(c, models.loaded, dtype)
+    parts = EngineParts(core, replicas, loaded.name, loaded.config.vocab_size, max_model_len, loaded.tokenizer,
+                        loaded.config, runners, processes, backend, loaded.quantization, loras)
+    _warm_up(c, parts)
+    return parts
+
+
+def _start_processes(c: EngineConfig, runners: list) -> multihost.LeaderFollower:
+    """This process's part in a run over several (the leader, process 0, schedules and publishes each step; the
+    others follow it, running `runners[index]` on each step published), or a single process's."""
     if c.coordinator_address is not None:  # before any backend starts
         multihost.initialize(c.coordinator_address, c.num_processes, c.process_id, c.coordinator_bind_address)
-    runners: list[ModelRunner] = []
-    # Several processes: the leader (process 0) schedules and publishes each step; the others follow it.
     processes = multihost.LeaderFollower.for_this_process(lambda index, batch: runners[index].run(batch),
                                                            c.coordinator_secret_file)
     if c.enable_lora and processes.multi_process:
         # A follower would have to load each adapter into the same slot as the leader, which needs a message of
         # its own (its arrays, or a path every host can read): not built yet.
         raise ValueError("enable_lora is not supported over several processes yet")
-    tp, dp = c.tensor_parallel_size, c.data_parallel_size
-    pools = _pools(c, processes.multi_process)  # (role, tensor parallelism, device groups) per pool
-    groups = pools[0][2]
-    spec = c.speculative_config
-    backend = resolve_attention_backend(c.attention_backend)
-    _enable_compilation_cache()
-    dtype = resolve_dtype(c.dtype)
-    # Over a mesh, weights are loaded (and quantized) in host memory and go from there to their shards: no
-    # accelerator ever holds the whole model.
-    with jax.default_device(jax.local_devices(backend="cpu")[0]) if groups[0] is not None else nullcontext():
+    return processes
+
+
+def _load_models(c: EngineConfig, pools: list[tuple[str, int, list]], dtype) -> _Models:
+    """The model (quantized, with its chat template) and any draft, checked against each other and split for every
+    pool. Over a mesh, weights are loaded (and quantized) in host memory and go from there to their shards: no
+    accelerator ever holds the whole model."""
+    on_host = pools[0][2][0] is not None
+    with jax.default_device(jax.local_devices(backend="cpu")[0]) if on_host else nullcontext():
         loaded = quantize_model(load_model(c.model, dtype), c.quantization, group_size=c.quantization_group_size,
                                 quantize_embeddings=c.quantize_embeddings, calibration_text=c.calibration_text)
-        tokenizer = loaded.tokenizer
         if c.chat_template is not None:
-            if tokenizer is None:
+            if loaded.tokenizer is None:
                 raise ValueError(f"chat_template {c.chat_template}: this model has no tokenizer to chat with")
-            tokenizer.chat_template = read_chat_template(c.chat_template)
+            loaded.tokenizer.chat_template = read_chat_template(c.chat_template)
         limit = loaded.config.max_position_embeddings
         if c.max_model_len is not None and c.max_model_len > limit:
             raise ValueError(f"max_model_len must be an integer in [2, {limit}] for this model, got "
                              f"{c.max_model_len!r}")
         max_model_len = c.max_model_len or limit
-        draft = None
-        if spec is not None and spec.method == "draft_model":
-            draft = load_model(spec.model, dtype)
-            check_draft(draft.config, loaded.config, max_model_len)
-            _check_same_tokenizer(draft.tokenizer, tokenizer)
+        draft = _load_draft(c, loaded, dtype, max_model_len)
         # What the runners hold: over a mesh wider than the KV heads, each device gets a copy of the head it reads.
         split = {pool_tp: split_for(loaded.config, loaded.params, pool_tp) for _, pool_tp, _ in pools}
-        config, params = split[tp]
         if len({pool_config.num_kv_heads for pool_config, _ in split.values()}) > 1:
-            raise ValueError(f"tensor_parallel_size {tp} and decode_tensor_parallel_size "
+            raise ValueError(f"tensor_parallel_size {c.tensor_parallel_size} and decode_tensor_parallel_size "
                              f"{c.decode_tensor_parallel_size} hold different KV heads per page (over more devices "
                              f"than the model's {loaded.config.num_kv_heads} KV heads, each is repeated): the pools' "
                              "pages would not match; keep both at most the KV-head count, or equal")
         if draft is not None:
-            draft = dataclasses.replace(draft, **dict(zip(("config", "params"),
-                                                          split_for(draft.config, draft.params, tp, "the draft"))))
-    # The budget is per device, as gpu_memory_utilization is; the weights and the pages split over tp devices.
-    # The LoRA slots too: 8 slots of rank 64 on Llama 3 8B are 2.7 GB, half of what the budget leaves free.
+            draft = dataclasses.replace(draft, **dict(zip(("config", "params"), split_for(
+                draft.config, draft.params, c.tensor_parallel_size, "the draft"))))
+    return _Models(loaded, draft, split, max_model_len)
+
+
+def _load_draft(c: EngineConfig, target: LoadedModel, dtype, max_model_len: int) -> LoadedModel | None:
+    """Speculative decoding's draft model, checked to propose for the target (None without one)."""
+    spec = c.speculative_config
+    if spec is None or spec.method != "draft_model":
+        return None
+    draft = load_model(spec.model, dtype)
+    check_draft(draft.config, target.config, max_model_len)
+    _check_same_tokenizer(draft.tokenizer, target.tokenizer)
+    return draft
+
+
+def _pages_per_pool(c: EngineConfig, models: _Models, dtype, backend: str) -> dict[int, int]:
+    """KV pages per device group, by tensor parallelism. The budget is per device, as gpu_memory_utilization is; the
+    weights and the pages split over tp devices. The LoRA slots too: 8 slots of rank 64 on Llama 3 8B are 2.7 GB,
+    half of what the budget leaves free."""
+    config, draft = models.split[c.tensor_parallel_size][0], models.draft
     adapters = lora_bytes(config, c.max_loras, c.max_lora_rank, dtype) if c.enable_lora else 0
     # (pages padded for the kernel that reads them: the backend before its start-up check, which can only fall
     # back to unpadded pages, so the count errs on the safe side)
     lanes = page_head_dim_multiple(backend)
 
     def pool_pages(pool_tp: int) -> int:
-        pool_params = split[pool_tp][1]
-        kv_bytes = c.kv_cache_memory_bytes or _default_kv_budget(
+        pool_params = models.split[pool_tp][1]
+        kv_budget = c.kv_cache_memory_bytes or _default_kv_budget(
             (param_bytes(pool_params) + (param_bytes(draft.params) if draft else 0) + adapters) // pool_tp,
             c.gpu_memory_utilization)
         # The draft's pages are the target's page ids in a second cache: a page costs both.
-        n = num_pages_for_budget(config, c.block_size, dtype, kv_bytes * pool_tp, c.kv_cache_dtype,
+        n = num_pages_for_budget(config, c.block_size, dtype, kv_budget * pool_tp, c.kv_cache_dtype,
                                  draft.config if draft else None, lanes)
         # Never more pages than max_num_seqs full-length sequences can use (+1 for the scratch page).
-        return min(n, c.max_num_seqs * pages_needed(max_model_len, c.block_size) + 1)
-    pages = {pool_tp: pool_pages(pool_tp) for pool_tp in split}
-    for num_pages in pages.values():  # a sequence of max_model_len fits every pool
-        max_model_len = _fitted_max_model_len(max_model_len, num_pages, c.block_size,
-                                              asked=c.max_model_len is not None)
-    buckets = Buckets.for_limits(c.max_num_seqs, c.max_num_batched_tokens, pages_needed(max_model_len, c.block_size))
-    replicas: list[EngineCore] = []
+        return min(n, c.max_num_seqs * pages_needed(models.max_model_len, c.block_size) + 1)
+    return {pool_tp: pool_pages(pool_tp) for pool_tp in models.split}
+
+
+def _build_pools(c: EngineConfig, pools: list[tuple[str, int, list]], models: _Models, pages: dict[int, int],
+                 buckets: Buckets, dtype, backend: str, processes: multihost.LeaderFollower,
+                 runners: list) -> tuple[dict[str, list[EngineCore]], str]:
+    """Each pool's replicas by role, and the attention backend they run (the Pallas kernels only if they passed
+    their start-up check)."""
+    spec = c.speculative_config
+    config = models.split[c.tensor_parallel_size][0]
+    lanes = page_head_dim_multiple(backend)
     by_role: dict[str, list[EngineCore]] = {}
     for role, pool_tp, pool_groups in pools:
         num_pages = pages[pool_tp]
@@ -167,30 +220,34 @@ def build_engine(c: EngineConfig) -> Engine:
                                      *((c.max_loras, c.max_lora_rank) if c.enable_lora else (0, 0)),
                                      kv_transfer=c.disaggregated or role != "both")
         # One engine replica per device group: its own runner, KV cache and scheduler (see batching.data_parallel).
-        pool_config, pool_params = split[pool_tp]
-        by_role[role] = [_replica(c, runner_config, pool_config, pool_params, draft, group, processes, runners, role)
-                         for group in pool_groups]
-        replicas += by_role[role]
-    loras = None
-    if c.enable_lora:  # checked against the model's own shapes (a runner splits them as it splits the model)
-        loras = HostAdapters(lambda request: load_adapter(request, loaded.config, c.max_lora_rank, dtype),
-                             c.max_cpu_loras or c.max_loras)
-    if c.disaggregated:
-        core = Disaggregated(by_role["prefill"], by_role["decode"])
-    else:
-        core = replicas[0] if len(replicas) == 1 else DataParallel(replicas)
-    engine = Engine(core, replicas, loaded.name, loaded.config.vocab_size, max_model_len, tokenizer, loaded.config,
-                    runners, processes, backend, loaded.quantization, loras)
-    # The controller weighs step times measured at warm-up, so speculation warms up even if asked not to.
-    timed = spec is not None and spec.adaptive
-    if c.warmup or timed:
-        def warm_up():
-            for runner in runners:
-                runner.warmup(time_steps=timed)
-            if c.disaggregated:
-                core.warm_up_transfers()
-        processes.run(warm_up)
-    return engine
+        pool_config, pool_params = models.split[pool_tp]
+        by_role[role] = [_replica(c, runner_config, pool_config, pool_params, models.draft, group, processes,
+                                  runners, role) for group in pool_groups]
+    return by_role, backend
+
+
+def _host_adapters(c: EngineConfig, loaded: LoadedModel, dtype) -> HostAdapters | None:
+    """The LoRA adapters on the host, checked against the model's own shapes (a runner splits them as it splits the
+    model); None without enable_lora."""
+    if not c.enable_lora:
+        return None
+    return HostAdapters(lambda request: load_adapter(request, loaded.config, c.max_lora_rank, dtype),
+                        c.max_cpu_loras or c.max_loras)
+
+
+def _warm_up(c: EngineConfig, parts: EngineParts) -> None:
+    """Compiles every step (and, disaggregated, every page transfer) before serving, on every process. The
+    controller weighs step times measured at warm-up, so speculation warms up even if asked not to."""
+    timed = c.speculative_config is not None and c.speculative_config.adaptive
+    if not (c.warmup or timed):
+        return
+
+    def warm_up():
+        for runner in parts.runners:
+            runner.warmup(time_steps=timed)
+        if c.disaggregated:
+            parts.core.warm_up_transfers()
+    parts.processes.run(warm_up)
 
 
 def _pools(c: EngineConfig, multi_process: bool) -> list[tuple[str, int, list]]:
@@ -304,10 +361,18 @@ def checked_backend(backend: str, asked: str, config, page_size: int, dtype, ser
 
 
 def _enable_compilation_cache() -> None:
-    """Keep compiled steps on disk, so a second start skips most compilation (unless the user chose a cache)."""
+    """Keep compiled steps on disk, so a second start skips most compilation (unless the user chose a cache). A
+    cache directory that cannot be written (a read-only container) costs only the speed-up: no cache, no noise."""
     if jax.config.jax_compilation_cache_dir is None:
-        from jaxserve.weights.default_model import cache_dir
-        jax.config.update("jax_compilation_cache_dir", str(cache_dir() / "xla"))
+        directory = cache_dir() / "xla"
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryFile(dir=directory):
+                pass
+        except OSError as e:
+            logger.info("compilation cache off: %s is not writable (%s)", directory, e)
+            return
+        jax.config.update("jax_compilation_cache_dir", str(directory))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 

@@ -1,7 +1,8 @@
 """LLM: the offline API (vLLM-shaped). Requests in, finished outputs out.
 
-`LLM(model, **engine_args)` builds its engine with `jaxserve.engine.factory` and serves requests through it: checked
-and made into sequences here, run by the engine core, answered as RequestOutputs built by the output processor.
+`LLM(model, **engine_args)` builds its engine's parts with `jaxserve.engine.factory` and serves requests through
+them: checked and made into sequences here, run by the engine core, answered as RequestOutputs built by the output
+processor.
 """
 from __future__ import annotations
 
@@ -10,11 +11,11 @@ import itertools
 import random
 from typing import Iterable
 
-from jaxserve.batching.engine_core import EngineStats
+from jaxserve.batching.engine_stats import EngineStats
 from jaxserve.batching.output_processor import SequenceDelta, completion_output, request_metrics
 from jaxserve.batching.sequence import Sequence
 from jaxserve.engine_config import EngineConfig
-from jaxserve.engine.factory import Engine, build_engine
+from jaxserve.engine.factory import EngineParts, build_engine
 from jaxserve.sample.logit_controls import resolve
 from jaxserve.lora.request import LoRARequest
 from jaxserve.lora.slot_cache import HostAdapters, LoadedAdapter
@@ -55,22 +56,23 @@ class LLM:
         return cls(**vars(engine_config))
 
     @classmethod
-    def over(cls, engine: Engine, engine_config: EngineConfig | None = None) -> "LLM":
+    def over(cls, parts: EngineParts, engine_config: EngineConfig | None = None) -> "LLM":
         """An LLM over an engine built by hand (tests: over fake runners)."""
         llm = cls.__new__(cls)
-        s = engine.replicas[0].scheduler
+        s = parts.replicas[0].scheduler
         llm.engine_config = engine_config or EngineConfig(
-            max_model_len=engine.max_model_len, max_num_seqs=s.max_num_seqs, block_size=s.page_size,
-            max_num_batched_tokens=s.max_num_batched_tokens, data_parallel_size=len(engine.replicas))
-        llm._serve(engine)
+            max_model_len=parts.max_model_len, max_num_seqs=s.max_num_seqs, block_size=s.page_size,
+            max_num_batched_tokens=s.max_num_batched_tokens, data_parallel_size=len(parts.replicas))
+        llm._serve(parts)
         return llm
 
-    def _serve(self, engine: Engine) -> None:
-        self.engine = engine
-        self.core, self.replicas, self.processes = engine.core, engine.replicas, engine.processes
-        self.model_name, self.tokenizer, self.max_model_len = engine.model_name, engine.tokenizer, engine.max_model_len
-        self.config = engine.model_config
-        self.attention_backend, self.quantization = engine.attention_backend, engine.quantization
+    def _serve(self, parts: EngineParts) -> None:
+        self.parts = parts
+        self.core, self.replicas, self.processes = parts.core, parts.replicas, parts.processes
+        self.model_name, self.tokenizer, self.max_model_len = parts.model_name, parts.tokenizer, parts.max_model_len
+        self.vocab_size, self.role = parts.vocab_size, parts.role
+        self.config = parts.model_config
+        self.attention_backend, self.quantization = parts.attention_backend, parts.quantization
         self.speculative_config = self.engine_config.speculative_config
         self.kv_cache_dtype = self.engine_config.kv_cache_dtype
         # The first replica's (the only one without data parallelism): what tests and tools look into.
@@ -100,7 +102,7 @@ class LLM:
             raise TypeError(f"a prompt is a str or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
         if not ids:
             raise ValueError("the prompt is empty")
-        vocab_size = self.engine.vocab_size
+        vocab_size = self.vocab_size
         if not all(isinstance(t, int) and 0 <= t < vocab_size for t in ids):
             raise ValueError(f"prompt token ids must be integers in [0, {vocab_size})")
         if len(ids) >= self.max_model_len:
@@ -122,10 +124,10 @@ class LLM:
         if params.min_tokens and not params.ignore_eos and len(ending) > MAX_BANNED_TOKENS:
             raise ValueError(f"min_tokens can hold back at most {MAX_BANNED_TOKENS} ending tokens; this model's "
                              f"{len(eos)} EOS ids and the stop_token_ids make {len(ending)}")
-        controls = resolve(params, self.engine.vocab_size, self.tokenizer)
+        controls = resolve(params, self.vocab_size, self.tokenizer)
         grammar = None
         if params.structured_outputs is not None:
-            grammar = compile_grammar(params.structured_outputs, self.tokenizer, self.engine.vocab_size)
+            grammar = compile_grammar(params.structured_outputs, self.tokenizer, self.vocab_size)
         lora = self._adapter(lora_request)  # last: loading from disk is the slowest check
         seqs = []
         for i in range(params.n):
@@ -140,11 +142,11 @@ class LLM:
     # ---- LoRA adapters (vLLM's names) ----
 
     def _host_adapters(self, lora_request: LoRARequest | None = None) -> HostAdapters:
-        if self.engine.loras is None:
+        if self.parts.loras is None:
             named = f"LoRA adapter {lora_request.lora_name!r} asked, but " if lora_request is not None else ""
             raise ValueError(f"{named}this engine was started without enable_lora (LLM(enable_lora=True), "
                              "--enable-lora)")
-        return self.engine.loras
+        return self.parts.loras
 
     def _adapter(self, lora_request: LoRARequest | None) -> LoadedAdapter | None:
         """The request's adapter on the host (loaded now if it is not), or None for the base model. Raises

@@ -12,6 +12,7 @@ possible: the oracle for every other implementation in the tests; slow, but diff
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -111,107 +112,151 @@ def _paged_attention_cpu(blocked, sliding_window, q, k, v, k_pages, v_pages, row
     return out.reshape(T, H, D).astype(v.dtype)
 
 
+class _BlockedCache(NamedTuple):
+    """The paged cache as `blocked_attention` walks it: `block_pages` pages (`block` keys) a step, keys outside
+    the sliding window (if any) masked."""
+    k_pages: jax.Array  # [num_pages, KVH, page_size, D] (or Int8Pages)
+    v_pages: jax.Array
+    table: jax.Array  # [S, num_blocks * block_pages] the page table padded to whole blocks
+    block_pages: int
+    block: int  # block_pages * page_size
+    head_dim: int
+    sliding_window: int | None
+
+    def read(self, pages, page_ids):  # page_ids [n, block_pages] -> [n, KVH, block, D] float32
+        return read_blocks(pages, page_ids, jnp.float32, self.head_dim)
+
+
 def blocked_attention(q, k, v, k_pages, v_pages, rows: RaggedRows, *, sliding_window=None, block_pages=8,
                       num_groups=2, long_row_share=8, small_step=64, own_block=128):
     """`ragged_attention_reference` computed in parts, each with an online softmax, in jnp for XLA.
 
     Same arguments and result. Three parts, merged by log-sum-exp:
       - the step's own keys: a masked attention (same row, causal) over the flat tokens, in blocks of `own_block`
-        queries that each see only the keys up to their block's end;
+        queries that each see only the keys up to their block's end (`_own_keys`);
       - cached keys, per token: the tokens sorted by their row's cached length and cut into `num_groups` groups
         (the first as many tokens as the step has rows, the rest in equal parts), each walking only the blocks of
         `block_pages` pages its longest row needs (a dynamic trip count), so a decode row costs what its context
-        holds and a fresh prompt's tokens cost nothing here;
+        holds and a fresh prompt's tokens cost nothing here (`_cached_per_token`);
       - cached keys of one long prompt chunk: the multi-token row with the longest cache, if its tokens are at least
         1/`long_row_share` of the step, reads its pages once for all its tokens (per token, a 512-token chunk
-        after 4k cached tokens would gather 4k keys 512 times).
+        after 4k cached tokens would gather 4k keys 512 times; `_long_row`).
     A step of at most `small_step` tokens takes one group and no long-row pass: per token, its cached keys cost at
     most what as many decode rows' do, and each loop adds ~1.5 s to a program's compile time.
     """
     T, H, D = q.shape
     _, KVH, page_size, _ = k_pages.shape
-    G = H // KVH
-    block = block_pages * page_size
     num_blocks = -(-rows.page_table.shape[1] // block_pages)
     table = jnp.pad(rows.page_table, ((0, 0), (0, num_blocks * block_pages - rows.page_table.shape[1])))
-    pos, row = rows.positions, rows.token_row
-    q = q.reshape(T, KVH, G, D) * (D ** -0.5)
-
-    def masked_scores(q, keys, visible, key_pos, q_pos):
-        # q [n, KVH, G, D]; keys [n, KVH, keys, D] (each token its own pages) or [KVH, keys, D] (pages shared by all
-        # tokens)
-        s = jnp.einsum(_SCORES[keys.ndim], q, keys.astype(q.dtype), preferred_element_type=jnp.float32)
-        if sliding_window is not None:
-            visible &= key_pos > q_pos[:, None] - sliding_window
-        return jnp.where(visible[:, None, None, :], s, _MASKED)  # [n, KVH, G, keys]
-
-    def accumulate(carry, s, values):
-        m, l, acc = carry
-        m_new = jnp.maximum(m, s.max(-1))
-        p = jnp.exp(s - m_new[..., None])
-        corr = jnp.exp(m - m_new)
-        acc = acc * corr[..., None] + jnp.einsum(_VALUES[values.ndim], p.astype(values.dtype), values,
-                                                 preferred_element_type=jnp.float32)
-        return m_new, l * corr + p.sum(-1), acc
-
-    def read_block(pages, page_ids):  # page_ids [n, block_pages] -> [n, KVH, block, D] float32
-        return read_blocks(pages, page_ids, jnp.float32, D)
-
-    # The step's own keys first: every real token sees at least itself, so the running max starts finite. A row's
-    # tokens lie in order, so a token sees none after it in the flat array: blocks of `own_block` queries attend to
-    # the keys up to their block's end only (about half the [T, T] work for a long chunk). Head-major operands, made
-    # once: queries [KVH, T * G, D] against keys [KVH, T, D], a batched dot per block that XLA:CPU runs as it is
-    # (the token-major einsum transposed each block's operands and recomputed what produced them, RoPE included).
-    # A 512-token prompt's forward, default model, interleaved (2026-12-02, loaded 2 vCPU): float32 990 -> 884 ms,
-    # bf16 496 -> 422.
-    qh = q.transpose(1, 0, 2, 3).reshape(KVH, T * G, D)  # [KVH, T * G, D]
-    kh, vh = k.transpose(1, 0, 2).astype(q.dtype), v.transpose(1, 0, 2)  # [KVH, T, D]
-    def token_major(x):  # [KVH, n, ...] -> [n, KVH, ...]
-        return jnp.moveaxis(x, 0, 1)
-
-    parts = []
-    for lo in range(0, T, own_block):
-        hi = min(lo + own_block, T)
-        visible = ((row[None, :hi] == row[lo:hi, None]) & (pos[None, :hi] >= 0)
-                   & (pos[None, :hi] <= pos[lo:hi, None]))  # [hi - lo, hi]
-        if sliding_window is not None:
-            visible &= pos[None, :hi] > pos[lo:hi, None] - sliding_window
-        s = jax.lax.dot_general(qh[:, lo * G:hi * G], kh[:, :hi], (((2,), (2,)), ((0,), (0,))),
-                                preferred_element_type=jnp.float32).reshape(KVH, hi - lo, G, hi)
-        s = jnp.where(visible[None, :, None, :], s, _MASKED)  # [KVH, hi - lo, G, hi]
-        m_own = s.max(-1)  # [KVH, hi - lo, G]
-        p = jnp.exp(s - m_own[..., None])
-        acc_own = jax.lax.dot_general(p.reshape(KVH, (hi - lo) * G, hi).astype(vh.dtype), vh[:, :hi],
-                                      (((2,), (1,)), ((0,), (0,))), preferred_element_type=jnp.float32)
-        parts.append((token_major(m_own), token_major(p.sum(-1)),
-                      token_major(acc_own.reshape(KVH, hi - lo, G, D))))
-    m, l, acc = (jnp.concatenate(x) for x in zip(*parts))
+    cache = _BlockedCache(k_pages, v_pages, table, block_pages, block_pages * page_size, D, sliding_window)
+    q = q.reshape(T, KVH, H // KVH, D) * (D ** -0.5)
+    carry = _own_keys(q, k, v, rows, sliding_window, own_block)
     # Cached keys in float32, whatever the model's dtype: their dots have G query rows per batch, which XLA:CPU runs
     # as a slow loop on bf16 operands. bf16 model, engine steps (1025 pages, interleaved, 2026-12-02), bf16 / float32:
     # batch 1 35.3 / 33.7 ms, batch 16 94.0 / 90.4. (The step's own keys above stay in the model's dtype: a
     # 512-token prompt 228 ms bf16, 233 float32.)
     q = q.astype(jnp.float32)
+    in_long, carry = _long_row(q, rows, cache, carry, long_row_share, small_step)
+    out = _cached_per_token(q, rows, cache, carry, in_long, num_groups, small_step)  # [T, KVH, G, D]
+    out = jnp.where((rows.positions >= 0)[:, None, None, None], out, 0.0)
+    return out.reshape(T, H, D).astype(v.dtype)
 
-    # The long row, if there is one worth it (its cached_len counts as 0 for the per-token part).
+
+def _masked_scores(q, keys, visible, key_pos, q_pos, sliding_window):
+    """q [n, KVH, G, D]; keys [n, KVH, keys, D] (each token its own pages) or [KVH, keys, D] (pages shared by all
+    tokens) -> scores [n, KVH, G, keys] float32, _MASKED where a key is not visible (visible [n, keys])."""
+    s = jnp.einsum(_SCORES[keys.ndim], q, keys.astype(q.dtype), preferred_element_type=jnp.float32)
+    if sliding_window is not None:
+        visible &= key_pos > q_pos[:, None] - sliding_window
+    return jnp.where(visible[:, None, None, :], s, _MASKED)  # [n, KVH, G, keys]
+
+
+def _accumulate(carry, s, values):
+    """One block of keys (scores s, values as `_VALUES` reads them) added to a running softmax (m, l, acc)."""
+    m, l, acc = carry
+    m_new = jnp.maximum(m, s.max(-1))
+    p = jnp.exp(s - m_new[..., None])
+    corr = jnp.exp(m - m_new)
+    acc = acc * corr[..., None] + jnp.einsum(_VALUES[values.ndim], p.astype(values.dtype), values,
+                                             preferred_element_type=jnp.float32)
+    return m_new, l * corr + p.sum(-1), acc
+
+
+def _own_keys(q, k, v, rows: RaggedRows, sliding_window, own_block):
+    """The running softmax (m, l [T, KVH, G], acc [T, KVH, G, D] float32) over the step's own keys.
+
+    First of the parts: every real token sees at least itself, so the running max starts finite. A row's tokens
+    lie in order, so a token sees none after it in the flat array: blocks of `own_block` queries attend to the keys
+    up to their block's end only (about half the [T, T] work for a long chunk). Head-major operands, made once:
+    queries [KVH, T * G, D] against keys [KVH, T, D], a batched dot per block that XLA:CPU runs as it is (the
+    token-major einsum transposed each block's operands and recomputed what produced them, RoPE included). A
+    512-token prompt's forward, default model, interleaved (2026-12-02, loaded 2 vCPU): float32 990 -> 884 ms,
+    bf16 496 -> 422.
+    """
+    T, KVH, G, D = q.shape
+    qh = q.transpose(1, 0, 2, 3).reshape(KVH, T * G, D)  # [KVH, T * G, D]
+    kh, vh = k.transpose(1, 0, 2).astype(q.dtype), v.transpose(1, 0, 2)  # [KVH, T, D]
+    parts = [_own_block(qh, kh, vh, rows, lo, min(lo + own_block, T), sliding_window)
+             for lo in range(0, T, own_block)]
+    return tuple(jnp.concatenate(x) for x in zip(*parts))
+
+
+def _own_block(qh, kh, vh, rows: RaggedRows, lo, hi, sliding_window):
+    """Queries lo..hi - 1 against the step's keys 0..hi - 1: their (m, l, acc), token-major."""
+    KVH, _, D = kh.shape
+    G = qh.shape[1] // kh.shape[1]
+    pos, row = rows.positions, rows.token_row
+    visible = ((row[None, :hi] == row[lo:hi, None]) & (pos[None, :hi] >= 0)
+               & (pos[None, :hi] <= pos[lo:hi, None]))  # [hi - lo, hi]
+    if sliding_window is not None:
+        visible &= pos[None, :hi] > pos[lo:hi, None] - sliding_window
+    s = jax.lax.dot_general(qh[:, lo * G:hi * G], kh[:, :hi], (((2,), (2,)), ((0,), (0,))),
+                            preferred_element_type=jnp.float32).reshape(KVH, hi - lo, G, hi)
+    s = jnp.where(visible[None, :, None, :], s, _MASKED)  # [KVH, hi - lo, G, hi]
+    m_own = s.max(-1)  # [KVH, hi - lo, G]
+    p = jnp.exp(s - m_own[..., None])
+    acc_own = jax.lax.dot_general(p.reshape(KVH, (hi - lo) * G, hi).astype(vh.dtype), vh[:, :hi],
+                                  (((2,), (1,)), ((0,), (0,))), preferred_element_type=jnp.float32)
+    # [KVH, n, ...] -> [n, KVH, ...]
+    return (jnp.moveaxis(m_own, 0, 1), jnp.moveaxis(p.sum(-1), 0, 1),
+            jnp.moveaxis(acc_own.reshape(KVH, hi - lo, G, D), 0, 1))
+
+
+def _long_row(q, rows: RaggedRows, cache: _BlockedCache, carry, long_row_share, small_step):
+    """(in_long [T], carry): the long row's tokens, and the running softmax with its cached keys added (its
+    cached_len then counts as 0 for the per-token part). No row qualifies in a step of at most `small_step`."""
+    T = q.shape[0]
+    pos, row = rows.positions, rows.token_row
     new_tokens = rows.query_start[1:] - rows.query_start[:-1]  # [S]
     eligible = (new_tokens > 1) & (new_tokens * long_row_share >= T) & (T > small_step)
     long_row = jnp.argmax(jnp.where(eligible, rows.cached_lens, -1))
     long_len = jnp.where(eligible[long_row], rows.cached_lens[long_row], 0)
     in_long = (row == long_row) & eligible[long_row]  # [T]
 
-    def visit_long(i, carry):
-        pages = jax.lax.dynamic_slice_in_dim(table[long_row], i * block_pages, block_pages)[None]
-        key_pos = i * block + jnp.arange(block)
-        visible = jnp.broadcast_to((key_pos < long_len)[None, :], (T, block)) & in_long[:, None]
-        s = masked_scores(q, read_block(k_pages, pages)[0], visible, jnp.broadcast_to(key_pos, (T, block)), pos)
-        return accumulate(carry, s, read_block(v_pages, pages)[0])
+    def visit(i, carry):
+        pages = jax.lax.dynamic_slice_in_dim(cache.table[long_row], i * cache.block_pages, cache.block_pages)[None]
+        key_pos = i * cache.block + jnp.arange(cache.block)
+        visible = jnp.broadcast_to((key_pos < long_len)[None, :], (T, cache.block)) & in_long[:, None]
+        s = _masked_scores(q, cache.read(cache.k_pages, pages)[0], visible,
+                           jnp.broadcast_to(key_pos, (T, cache.block)), pos, cache.sliding_window)
+        return _accumulate(carry, s, cache.read(cache.v_pages, pages)[0])
 
     if T > small_step:
-        m, l, acc = jax.lax.fori_loop(0, -(-long_len // block), visit_long, (m, l, acc))
+        carry = jax.lax.fori_loop(0, -(-long_len // cache.block), visit, carry)
+    return in_long, carry
 
-    # Per token, in groups sorted by cached length (longest first), each walking only the blocks it needs. The first
-    # group holds as many tokens as the step has rows, so a step's decode tokens (one per row) can fill it and leave
-    # the prompt tokens, which mostly have little or nothing cached, to the others.
+
+def _cached_per_token(q, rows: RaggedRows, cache: _BlockedCache, carry, in_long, num_groups, small_step):
+    """The attention's result [T, KVH, G, D] float32: each token's cached keys added to its running softmax, which
+    is then normalised.
+
+    Per token, in groups sorted by cached length (longest first), each walking only the blocks it needs. The first
+    group holds as many tokens as the step has rows, so a step's decode tokens (one per row) can fill it and leave
+    the prompt tokens, which mostly have little or nothing cached, to the others.
+    """
+    T = q.shape[0]
+    pos, row = rows.positions, rows.token_row
+    m, l, acc = carry
     token_len = jnp.where(in_long | (pos < 0), 0, rows.cached_lens[row])  # [T]
     order = jnp.argsort(-token_len)
     S = rows.page_table.shape[0]
@@ -221,23 +266,23 @@ def blocked_attention(q, k, v, k_pages, v_pages, rows: RaggedRows, *, sliding_wi
     parts = []
     for lo, hi in zip(bounds, bounds[1:]):
         idx = order[lo:hi]
-        q_g, g_len, g_pages, g_pos = q[idx], token_len[idx], table[row[idx]], pos[idx]
-
-        def visit(i, carry, q_g=q_g, g_len=g_len, g_pages=g_pages, g_pos=g_pos):
-            pages = jax.lax.dynamic_slice_in_dim(g_pages, i * block_pages, block_pages, axis=1)
-            key_pos = i * block + jnp.arange(block)
-            s = masked_scores(q_g, read_block(k_pages, pages), key_pos[None, :] < g_len[:, None],
-                              jnp.broadcast_to(key_pos, (len(g_len), block)), g_pos)
-            return accumulate(carry, s, read_block(v_pages, pages))
-
-        carry = (m[idx], l[idx], acc[idx])
-        parts.append((idx, jax.lax.fori_loop(0, -(-g_len[0] // block), visit, carry)))
+        group = q[idx], token_len[idx], cache.table[row[idx]], pos[idx]
+        parts.append(_walk_group(*group, cache, (m[idx], l[idx], acc[idx])))
     # The groups hold the tokens in `order`: back to the step's order by a gather of the inverse permutation, which
     # XLA:CPU copies row by row (a scatter per group went element by element; the 512-token prompt's forward:
     # float32 920 -> 857 ms, bf16 428 -> 408).
     inverse = jnp.zeros(T, jnp.int32).at[order].set(jnp.arange(T, dtype=jnp.int32))  # [T]
-    out = jnp.concatenate([acc_g / l_g[..., None] for _, (_, l_g, acc_g) in parts])[inverse]  # [T, KVH, G, D]
-    out = jnp.where((pos >= 0)[:, None, None, None], out, 0.0)
-    return out.reshape(T, H, D).astype(v.dtype)
+    return jnp.concatenate([acc_g / l_g[..., None] for _, l_g, acc_g in parts])[inverse]  # [T, KVH, G, D]
 
 
+def _walk_group(q_g, g_len, g_pages, g_pos, cache: _BlockedCache, carry):
+    """One group's running softmax with its tokens' cached keys added, for as many blocks as its first (longest)
+    token needs. q_g [n, KVH, G, D]; g_len [n] cached keys; g_pages [n, pages] their rows' pages; g_pos [n]."""
+    def visit(i, carry):
+        pages = jax.lax.dynamic_slice_in_dim(g_pages, i * cache.block_pages, cache.block_pages, axis=1)
+        key_pos = i * cache.block + jnp.arange(cache.block)
+        s = _masked_scores(q_g, cache.read(cache.k_pages, pages), key_pos[None, :] < g_len[:, None],
+                           jnp.broadcast_to(key_pos, (len(g_len), cache.block)), g_pos, cache.sliding_window)
+        return _accumulate(carry, s, cache.read(cache.v_pages, pages))
+
+    return jax.lax.fori_loop(0, -(-g_len[0] // cache.block), visit, carry)

@@ -1,1 +1,4 @@
-"""The OpenAI wire format, jax-free: request and response bodies, structured output and tool calls, the HTTP helpers and metrics that the server and the router share."""
+"""The OpenAI wire format, jax-free, shared by the server and the router: `requests` (bodies checked into prompts and
+SamplingParams; chat's messages in `chat_messages`), `responses` (outputs into response and stream-chunk bodies),
+`errors` (the error bodies), `structured` and `tool_calls` / `tool_parsers` (structured output and tool calls),
+`http` (the HTTP helpers both sides use) and `metrics`."""

@@ -13,7 +13,7 @@ import time
 
 from aiohttp import web
 
-from jaxserve.openai.api import ApiError
+from jaxserve.openai.errors import ApiError
 
 logger = logging.getLogger("jaxserve")
 

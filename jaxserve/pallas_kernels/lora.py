@@ -37,7 +37,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from jaxserve.pallas_kernels.quantized_matmul import _dot, _lanes, _pow2, _precision
+from jaxserve.pallas_kernels.matmul_parts import lane_block, matmul_dot, matmul_precision
+from jaxserve.pallas_kernels.softmax import pow2
 
 TPU_BLOCK_T = 256  # tokens a block on TPU: every decode step (<= 256 rows) is one block
 GPU_BLOCK_T = 64  # on GPU: a float32 [64, 128] accumulator a program (more rows would spill registers)
@@ -105,7 +106,7 @@ def _tpu_expand_kernel(plan_ref, counts_ref, slot_ref, h_ref, b_ref, o_ref, acc_
     def _add():
         mine = slot_ref[...] == plan_ref[i * num_slots + s]
         h = jnp.where(mine, h_ref[...], 0.0).astype(b_ref.dtype)  # bf16 B: the MXU's native product
-        acc_ref[...] += _dot(h, b_ref[...], precision)
+        acc_ref[...] += matmul_dot(h, b_ref[...], precision)
 
     @pl.when(s == pl.num_programs(2) - 1)
     def _finish():
@@ -122,7 +123,7 @@ def lora_delta_tpu(x, a, b, slot, *, block_t=TPU_BLOCK_T, block_k=2048, block_n=
     (T, d_in), (N, _, R), d_out = x.shape, a.shape, b.shape[2]
     bt = _block_t(T, block_t)
     blocks = -(-T // bt)
-    bk, bn = _lanes(d_in, block_k), _lanes(d_out, block_n)
+    bk, bn = lane_block(d_in, block_k), lane_block(d_out, block_n)
     plan, counts = slot_plan(slot, bt, N)
     slots = jnp.pad(slot.astype(jnp.int32), (0, blocks * bt - T), constant_values=-1)[:, None]  # [T', 1]
     params = pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary", "arbitrary"))
@@ -134,7 +135,7 @@ def lora_delta_tpu(x, a, b, slot, *, block_t=TPU_BLOCK_T, block_k=2048, block_n=
         return plan[i * N + s]
 
     h = pl.pallas_call(
-        functools.partial(_tpu_shrink_kernel, num_slots=N, precision=_precision(x.dtype)),
+        functools.partial(_tpu_shrink_kernel, num_slots=N, precision=matmul_precision(x.dtype)),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2, grid=(blocks, d_in // bk, steps),
             in_specs=[pl.BlockSpec((bt, 1), lambda i, k, s, *_: (i, 0)),
@@ -145,7 +146,7 @@ def lora_delta_tpu(x, a, b, slot, *, block_t=TPU_BLOCK_T, block_k=2048, block_n=
         compiler_params=params, interpret=interpret, name="lora_shrink",
     )(plan, counts, slots, x, jnp.swapaxes(a, 1, 2))  # [T', R]
     return pl.pallas_call(
-        functools.partial(_tpu_expand_kernel, num_slots=N, precision=_precision(b.dtype)),
+        functools.partial(_tpu_expand_kernel, num_slots=N, precision=matmul_precision(b.dtype)),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2, grid=(blocks, d_out // bn, steps),
             in_specs=[pl.BlockSpec((bt, 1), lambda i, j, s, *_: (i, 0)),
@@ -172,7 +173,7 @@ def _gpu_shrink_kernel(plan_ref, counts_ref, slot_ref, x_ref, a_ref, h_ref, *, b
 
         def slot_step(s, h):
             n = plan_ref[0, s]
-            return h + jnp.where(mine_of == n, _dot(x, a_ref[n, cols, :], precision), 0.0)
+            return h + jnp.where(mine_of == n, matmul_dot(x, a_ref[n, cols, :], precision), 0.0)
         return jax.lax.fori_loop(0, counts_ref[0], slot_step, h)
 
     h_ref[...] = jax.lax.fori_loop(0, x_ref.shape[1] // block_k, k_step, jnp.zeros((bt, R), jnp.float32))
@@ -185,7 +186,7 @@ def _gpu_expand_kernel(plan_ref, counts_ref, slot_ref, h_ref, b_ref, o_ref, *, p
 
     def slot_step(s, acc):
         n = plan_ref[0, s]
-        return acc + _dot(jnp.where(mine_of == n, h, 0.0).astype(b_ref.dtype), b_ref[n], precision)
+        return acc + matmul_dot(jnp.where(mine_of == n, h, 0.0).astype(b_ref.dtype), b_ref[n], precision)
 
     acc = jax.lax.fori_loop(0, counts_ref[0], slot_step, jnp.zeros(o_ref.shape, jnp.float32))
     o_ref[...] = acc.astype(o_ref.dtype)
@@ -200,18 +201,18 @@ def lora_delta_gpu(x, a, b, slot, *, block_t=GPU_BLOCK_T, block_k=128, block_n=1
     split_k: shrink programs a token block (default: enough for ~128 programs, each >= block_k columns)."""
     _check(x, a, b, slot)
     (T, d_in), (N, _, R), d_out = x.shape, a.shape, b.shape[2]
-    bt = min(_pow2(T, 16), block_t)
+    bt = min(pow2(T, 16), block_t)
     blocks = -(-T // bt)
     Tp = blocks * bt
     plan, counts = slot_plan(slot, bt, N)
     plan = plan.reshape(blocks, N)
     slots = jnp.pad(slot.astype(jnp.int32), (0, Tp - T), constant_values=-1)  # [T']
-    Rp = max(_pow2(R), 16)  # Triton's dot: every dimension >= 16 and a power of two
+    Rp = max(pow2(R), 16)  # Triton's dot: every dimension >= 16 and a power of two
     if Rp != R:  # zeros: the same product
         a = jnp.pad(a, ((0, 0), (0, 0), (0, Rp - R)))
         b = jnp.pad(b, ((0, 0), (0, Rp - R), (0, 0)))
     x = jnp.pad(x, ((0, Tp - T), (0, 0))) if Tp != T else x
-    bk = min(block_k, _pow2(d_in))
+    bk = min(block_k, pow2(d_in))
     while d_in % bk:
         bk //= 2
     if bk < 16:
@@ -222,7 +223,7 @@ def lora_delta_gpu(x, a, b, slot, *, block_t=GPU_BLOCK_T, block_k=128, block_n=1
     meta = [pl.BlockSpec((1, N), lambda i, *_: (i, 0)), pl.BlockSpec((1,), lambda i, *_: (i,)),
             pl.BlockSpec((bt,), lambda i, *_: (i,))]
     parts = pl.pallas_call(
-        functools.partial(_gpu_shrink_kernel, block_k=bk, precision=_precision(x.dtype)),
+        functools.partial(_gpu_shrink_kernel, block_k=bk, precision=matmul_precision(x.dtype)),
         grid=(blocks, split),
         in_specs=meta + [pl.BlockSpec((bt, d_in // split), lambda i, k: (i, k)),
                          pl.BlockSpec((N, d_in // split, Rp), lambda i, k: (0, k, 0))],
@@ -231,14 +232,14 @@ def lora_delta_gpu(x, a, b, slot, *, block_t=GPU_BLOCK_T, block_k=128, block_n=1
         compiler_params=compiler, interpret=interpret, name="lora_shrink",
     )(plan, counts, slots, x, a)
     h = parts.sum(axis=0)  # [T', Rp] float32: the splits' partial sums (tiny)
-    bn = min(block_n, _pow2(d_out))
+    bn = min(block_n, pow2(d_out))
     while bn > 16 and d_out % bn:
         bn //= 2
     Np = -(-d_out // bn) * bn
     if Np != d_out:  # slow path (an `out` with no power-of-two block >= 16): B is copied
         b = jnp.pad(b, ((0, 0), (0, 0), (0, Np - d_out)))
     out = pl.pallas_call(
-        functools.partial(_gpu_expand_kernel, precision=_precision(b.dtype)),
+        functools.partial(_gpu_expand_kernel, precision=matmul_precision(b.dtype)),
         grid=(blocks, Np // bn),
         in_specs=meta + [pl.BlockSpec((bt, Rp), lambda i, j: (i, 0)),
                          pl.BlockSpec((N, Rp, bn), lambda i, j: (0, 0, j))],

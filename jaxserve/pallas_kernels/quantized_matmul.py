@@ -28,12 +28,11 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from jaxserve.pallas_kernels.matmul_parts import lane_block, matmul_dot, matmul_precision
+from jaxserve.pallas_kernels.softmax import pow2
+
 TARGET_PROGRAMS = 256  # ~2 per SM on an H100/H200 (132 SMs): what split_k=None aims for
 MAX_SPLIT_K = 8
-
-
-def _pow2(n: int, lo: int = 1) -> int:
-    return max(lo, 1 << (max(n, 1) - 1).bit_length())
 
 
 def _fit(n: int, block: int, lo: int = 16) -> tuple[int, int]:
@@ -63,18 +62,8 @@ def _split_k(steps: int, programs: int, split_k: int | None) -> int:
 
 def _rows(M: int, max_block_m: int) -> tuple[int, int]:
     """(block_m, padded M): a power of two >= 16 (the dot's minimum) up to max_block_m."""
-    block_m = min(_pow2(M, 16), max_block_m)
+    block_m = min(pow2(M, 16), max_block_m)
     return block_m, -(-M // block_m) * block_m
-
-
-def _dot(x, w, precision):
-    return jax.lax.dot_general(x, w, (((1,), (0,)), ((), ())), precision=precision,
-                               preferred_element_type=jnp.float32)
-
-
-def _precision(dtype):
-    # float32 operands: full-precision dots (the Triton lowering would otherwise use TF32); bf16: tensor cores.
-    return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
 
 
 def _int4_shapes(x, packed, scale, offset, group_size):
@@ -102,7 +91,7 @@ def _int4_kernel(xe_ref, xo_ref, p_ref, s_ref, z_ref, o_ref, *, group_size, grou
             z = z_ref[pl.ds(g, 1), :].astype(jnp.float32)
             low = ((packed & 15).astype(jnp.float32) * s + z).astype(dtype)  # input rows 2i
             high = ((packed >> 4).astype(jnp.float32) * s + z).astype(dtype)  # input rows 2i + 1
-            acc = acc + _dot(xe_ref[:, rows], low, precision) + _dot(xo_ref[:, rows], high, precision)
+            acc = acc + matmul_dot(xe_ref[:, rows], low, precision) + matmul_dot(xo_ref[:, rows], high, precision)
         return acc
 
     steps = s_ref.shape[0] // groups_per_step
@@ -140,7 +129,7 @@ def int4_matmul(x, packed, scale, offset, *, group_size, block_n=128, block_k=25
     Hs = Gs * group_size // 2  # packed rows per split
     out = pl.pallas_call(
         functools.partial(_int4_kernel, group_size=group_size, groups_per_step=groups_per_step,
-                          precision=_precision(x.dtype)),
+                          precision=matmul_precision(x.dtype)),
         grid=(Np // block_n, Mp // block_m, split),
         in_specs=[pl.BlockSpec((block_m, Hs), lambda j, i, s: (i, s)),
                   pl.BlockSpec((block_m, Hs), lambda j, i, s: (i, s)),
@@ -174,14 +163,6 @@ def int4_matmul_reference(x, packed, scale, offset, *, group_size):
 # ("arbitrary") and a float32 accumulator in VMEM scratch; BlockSpecs pipeline the weight blocks HBM -> VMEM, where
 # they are widened and dequantized before the MXU dot. Blocks are multiples of (16, 128) that divide the shapes, or
 # a whole dimension where none does (SmolLM2's 576), so no weight is ever copied.
-
-def _lanes(n: int, block: int) -> int:
-    """A block of a lane dimension: the largest multiple of 128 <= block dividing n, else all of n."""
-    for b in range(block - block % 128, 0, -128):
-        if n % b == 0:
-            return b
-    return n
-
 
 def _tpu_rows(M: int, max_block_m: int) -> tuple[int, int]:
     block_m = min(-(-M // 16) * 16, max_block_m)  # 16: a bfloat16 sublane tile
@@ -241,7 +222,7 @@ def _int4_tpu_kernel(xe_ref, xo_ref, p_ref, s_ref, z_ref, o_ref, acc_ref, *, gro
         z = jnp.repeat(_float16_bits_to_float32(z_ref[...].astype(jnp.int32)), group_size // 2, axis=0)
         low = ((packed & 15).astype(jnp.float32) * s + z).astype(dtype)
         high = ((packed >> 4).astype(jnp.float32) * s + z).astype(dtype)
-        return _dot(xe_ref[...], low, precision) + _dot(xo_ref[...], high, precision)
+        return matmul_dot(xe_ref[...], low, precision) + matmul_dot(xo_ref[...], high, precision)
 
     def finish():
         o_ref[...] = acc_ref[...].astype(o_ref.dtype)
@@ -255,14 +236,15 @@ def int4_matmul_tpu(x, packed, scale, offset, *, group_size, block_n=256, block_
     """Arguments and result as `int4_matmul` (x [M, K_pad] already zero-padded to K_pad columns -> [M, N])."""
     M, K, N, groups = _int4_shapes(x, packed, scale, offset, group_size)
     block_m, Mp = _tpu_rows(M, max_block_m)
-    block_n = _lanes(N, block_n)
+    block_n = lane_block(N, block_n)
     # Groups a step: a multiple of 16 (scale and offset's float16 sublane tile; 16 groups are >= 256 packed
     # columns of x, whole lane tiles) dividing the groups, else all of them.
     block_g = next((g for g in range(max(block_k // group_size, 16) // 16 * 16, 0, -16) if groups % g == 0), groups)
     rows = block_g * group_size // 2
     x = jnp.pad(x, ((0, Mp - M), (0, 0)))
+    kernel = functools.partial(_int4_tpu_kernel, group_size=group_size, precision=matmul_precision(x.dtype))
     call = _tpu_matmul_call(
-        functools.partial(_int4_tpu_kernel, group_size=group_size, precision=_precision(x.dtype)), groups // block_g,
+        kernel, groups // block_g,
         [pl.BlockSpec((block_m, rows), lambda j, i, k: (i, k)),
          pl.BlockSpec((block_m, rows), lambda j, i, k: (i, k)),
          pl.BlockSpec((rows, block_n), lambda j, i, k: (k, j)),

@@ -36,7 +36,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from jaxserve.batch import RaggedRows
 from jaxserve.pallas_kernels.gpu_blocks import HOPPER_CORES, HOPPER_SHARED_MEMORY, dot_rows, gpu_blocks, key_splits
-from jaxserve.pallas_kernels.query_blocks import num_slots, query_blocks, unblock
+from jaxserve.pallas_kernels.query_blocks import QueryBlocks, num_slots, query_blocks, unblock
 from jaxserve.pallas_kernels.softmax import (dequantize, pad_head_dim, pow2, scores, softmax_block, softmax_init,
                                              softmax_result, split_pages)
 
@@ -153,55 +153,23 @@ def ragged_attention_gpu(q, k, v, k_pages, v_pages, rows: RaggedRows, *, sliding
 
     # Which row each block slot serves, and which of its tokens (see query_blocks).
     blocks = query_blocks(rows, T, block_q)
-    query_start, num_new, slot_row, present, token = (blocks.query_start, blocks.num_new, blocks.block_row,
-                                                      blocks.present, blocks.token)
-    first_local = blocks.local[:, 0]  # [NB] the slot's first token within its row
-    used = present[:, 0]  # slots past the last block: nothing to do
-    q_pos = jnp.where(present, rows.positions[token], -1)  # [NB, block_q]
-    meta = jnp.zeros((NB, 8), jnp.int32)
-    meta = meta.at[:, _CACHED].set(jnp.where(used, rows.cached_lens[slot_row], 0))
-    meta = meta.at[:, _ROW_START].set(query_start[slot_row])
-    meta = meta.at[:, _NUM_NEW].set(jnp.where(used, num_new[slot_row], 0))
-    meta = meta.at[:, _OWN_END].set(jnp.where(used, jnp.minimum(first_local + block_q, num_new[slot_row]), 0))
-    meta = meta.at[:, _LOWEST].set(jnp.min(jnp.where(q_pos >= 0, q_pos, _FAR), axis=1))
-
-    # [NB, KVH, R, D]: a slot's rows are its tokens' queries (token-major) for the heads of one KV head.
-    q_rows = q.reshape(T, KVH, G, D)[token].transpose(0, 2, 1, 3, 4).reshape(NB, KVH, block_q * G, D)
-    q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, R - block_q * G), (0, 0)))
-    pos_rows = jnp.pad(jnp.repeat(q_pos, G, axis=1), ((0, 0), (0, R - block_q * G)), constant_values=-1)
-    table = jnp.pad(rows.page_table, ((0, 0), (0, pow2(P, bp) - P)))[slot_row]  # [NB, P'] each slot's row's pages
+    meta, q_pos = _block_metadata(rows, blocks, block_q)
+    q_rows, pos_rows = _query_rows(q, q_pos, blocks.token, KVH, R)
+    table = jnp.pad(rows.page_table, ((0, 0), (0, pow2(P, bp) - P)))[blocks.block_row]  # [NB, P'] its row's pages
     # The new keys padded by a block, so a walk's last block never reads past them.
     k_new, v_new = (jnp.pad(x, ((0, block_k), (0, 0), (0, 0))) for x in (k, v))
     k_pos = jnp.pad(rows.positions, (0, block_k), constant_values=-1)  # [T + block_k]
     quantized = k_scale is not None
     scales = [k_scale, v_scale] if quantized else []
-    Tk, Pt = T + block_k, table.shape[1]
 
     kernel = functools.partial(_kernel, page_size=page_size, block_pages=bp, block_k=block_k,
                                sliding_window=sliding_window, scale=head_dim ** -0.5, quantized=quantized,
                                splits=splits)
-    if splits > 1:  # each split's part of the softmax, float32 until merged
-        out_specs = [pl.BlockSpec((None, None, None, R, D), lambda b, h, s: (b, h, s, 0, 0)),
-                     pl.BlockSpec((None, None, None, R), lambda b, h, s: (b, h, s, 0))]
-        out_shape = [jax.ShapeDtypeStruct((NB, KVH, splits, R, D), jnp.float32),
-                     jax.ShapeDtypeStruct((NB, KVH, splits, R), jnp.float32)]
-    else:
-        out_specs = pl.BlockSpec((None, None, R, D), lambda b, h: (b, h, 0, 0))
-        out_shape = jax.ShapeDtypeStruct((NB, KVH, R, D), q.dtype)
+    out_specs, out_shape = _outputs(NB, KVH, splits, R, D, q.dtype)
     out = pl.pallas_call(
         kernel,
         grid=kernel_grid(T, S, KVH, block_q, splits),
-        in_specs=[
-            pl.BlockSpec((1, 8), lambda b, h, *_: (b, 0)),  # block metadata
-            pl.BlockSpec((None, R), lambda b, h, *_: (b, 0)),  # query positions
-            pl.BlockSpec((None, Pt), lambda b, h, *_: (b, 0)),  # the row's page table
-            pl.BlockSpec((None, None, R, D), lambda b, h, *_: (b, h, 0, 0)),  # queries
-            pl.BlockSpec((Tk, None, D), lambda b, h, *_: (0, h, 0)),  # this step's keys of this head
-            pl.BlockSpec((Tk, None, D), lambda b, h, *_: (0, h, 0)),  # and values
-            pl.BlockSpec((Tk,), lambda b, h, *_: (0,)),  # their positions
-            pl.BlockSpec((num_pages, None, page_size, D), lambda b, h, *_: (0, h, 0, 0)),  # K pages of this head
-            pl.BlockSpec((num_pages, None, page_size, D), lambda b, h, *_: (0, h, 0, 0)),  # V pages of this head
-        ] + [pl.BlockSpec((num_pages, None, page_size), lambda b, h, *_: (0, h, 0))] * len(scales),  # their scales
+        in_specs=_in_specs(R, D, table.shape[1], T + block_k, num_pages, page_size, len(scales)),
         out_specs=out_specs,
         out_shape=out_shape,
         # Triton explicitly: JAX now lowers GPU Pallas to Mosaic GPU unless told otherwise.
@@ -217,3 +185,57 @@ def ragged_attention_gpu(q, k, v, k_pages, v_pages, rows: RaggedRows, *, sliding
     # Back to the flat tokens: token t of row r sits in slot first_block[r] + local // block_q, at local % block_q.
     out = out[:, :, :block_q * G].reshape(NB, KVH, block_q, G, D).transpose(0, 2, 1, 3, 4).reshape(NB * block_q, H, D)
     return unblock(out[..., :head_dim], blocks, rows, q.dtype)
+
+
+def _block_metadata(rows: RaggedRows, blocks: QueryBlocks, block_q: int):
+    """(meta [NB, 8] int32, the kernel's per-slot scalars (see _CACHED...); q_pos [NB, block_q], -1: no token)."""
+    num_new, slot_row = blocks.num_new, blocks.block_row
+    first_local = blocks.local[:, 0]  # [NB] the slot's first token within its row
+    used = blocks.present[:, 0]  # slots past the last block: nothing to do
+    q_pos = jnp.where(blocks.present, rows.positions[blocks.token], -1)  # [NB, block_q]
+    meta = jnp.zeros((blocks.block_row.shape[0], 8), jnp.int32)
+    meta = meta.at[:, _CACHED].set(jnp.where(used, rows.cached_lens[slot_row], 0))
+    meta = meta.at[:, _ROW_START].set(blocks.query_start[slot_row])
+    meta = meta.at[:, _NUM_NEW].set(jnp.where(used, num_new[slot_row], 0))
+    meta = meta.at[:, _OWN_END].set(jnp.where(used, jnp.minimum(first_local + block_q, num_new[slot_row]), 0))
+    meta = meta.at[:, _LOWEST].set(jnp.min(jnp.where(q_pos >= 0, q_pos, _FAR), axis=1))
+    return meta, q_pos
+
+
+def _query_rows(q, q_pos, token, kv_heads: int, R: int):
+    """A slot's dot rows: its tokens' queries (token-major) for the heads of one KV head, q_rows [NB, KVH, R, D],
+    and their positions pos_rows [NB, R] (-1 in the padding rows)."""
+    T, H, D = q.shape
+    G = H // kv_heads
+    NB, block_q = token.shape
+    q_rows = q.reshape(T, kv_heads, G, D)[token].transpose(0, 2, 1, 3, 4).reshape(NB, kv_heads, block_q * G, D)
+    q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, R - block_q * G), (0, 0)))
+    pos_rows = jnp.pad(jnp.repeat(q_pos, G, axis=1), ((0, 0), (0, R - block_q * G)), constant_values=-1)
+    return q_rows, pos_rows
+
+
+def _in_specs(R: int, D: int, Pt: int, Tk: int, num_pages: int, page_size: int, num_scales: int):
+    """The kernel's inputs per program (slot b, KV head h, split): Pt page-table entries, Tk new keys."""
+    return [
+        pl.BlockSpec((1, 8), lambda b, h, *_: (b, 0)),  # block metadata
+        pl.BlockSpec((None, R), lambda b, h, *_: (b, 0)),  # query positions
+        pl.BlockSpec((None, Pt), lambda b, h, *_: (b, 0)),  # the row's page table
+        pl.BlockSpec((None, None, R, D), lambda b, h, *_: (b, h, 0, 0)),  # queries
+        pl.BlockSpec((Tk, None, D), lambda b, h, *_: (0, h, 0)),  # this step's keys of this head
+        pl.BlockSpec((Tk, None, D), lambda b, h, *_: (0, h, 0)),  # and values
+        pl.BlockSpec((Tk,), lambda b, h, *_: (0,)),  # their positions
+        pl.BlockSpec((num_pages, None, page_size, D), lambda b, h, *_: (0, h, 0, 0)),  # K pages of this head
+        pl.BlockSpec((num_pages, None, page_size, D), lambda b, h, *_: (0, h, 0, 0)),  # V pages of this head
+    ] + [pl.BlockSpec((num_pages, None, page_size), lambda b, h, *_: (0, h, 0))] * num_scales  # their scales
+
+
+def _outputs(NB: int, KVH: int, splits: int, R: int, D: int, dtype):
+    """(out_specs, out_shape): [NB, KVH, R, D] in dtype, or with splits each split's part of the softmax, float32
+    until merged: out [NB, KVH, splits, R, D] and lse [NB, KVH, splits, R]."""
+    if splits > 1:
+        return ([pl.BlockSpec((None, None, None, R, D), lambda b, h, s: (b, h, s, 0, 0)),
+                 pl.BlockSpec((None, None, None, R), lambda b, h, s: (b, h, s, 0))],
+                [jax.ShapeDtypeStruct((NB, KVH, splits, R, D), jnp.float32),
+                 jax.ShapeDtypeStruct((NB, KVH, splits, R), jnp.float32)])
+    return (pl.BlockSpec((None, None, R, D), lambda b, h: (b, h, 0, 0)),
+            jax.ShapeDtypeStruct((NB, KVH, R, D), dtype))

@@ -27,6 +27,7 @@ Block sizes and the VMEM limit: `tpu_blocks`, from the shapes and the chip's VME
 from __future__ import annotations
 
 import functools
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -40,11 +41,39 @@ from jaxserve.pallas_kernels.softmax import (MASKED, dequantize, pad_head_dim, s
 from jaxserve.pallas_kernels.tpu_blocks import TPU_VMEM, tpu_blocks
 
 
-def _stream(lo, hi, start, wait, compute):
-    """Blocks [lo, hi) with double buffering: block i + 1's DMAs run while block i is computed."""
+class _Scratch(NamedTuple):
+    """The kernel's VMEM scratch (`_scratch_shapes`): page buffers [2, pages_per_block, KVH, page_size, D] (scales
+    [..., page_size], None unless quantized), own-key buffers [2, KVH, block_q, D], the running softmax m_sc, l_sc
+    [KVH, rows, 1] and acc_sc [KVH, rows, D] (float32), DMA semaphores [2, 2] ([cached | own, buffer])."""
+    k_buf: Any
+    v_buf: Any
+    k_scale_buf: Any
+    v_scale_buf: Any
+    own_k_buf: Any
+    own_v_buf: Any
+    m_sc: Any
+    l_sc: Any
+    acc_sc: Any
+    sems: Any
+
+
+def _split_refs(refs, quantized):
+    """The kernel's refs after the pages: (k_scale_hbm, v_scale_hbm (None unless quantized), o_ref, _Scratch)."""
+    if quantized:
+        k_scale_hbm, v_scale_hbm, o_ref, k_buf, v_buf, k_scale_buf, v_scale_buf, *refs = refs
+    else:
+        (o_ref, k_buf, v_buf, *refs), k_scale_buf, v_scale_buf = refs, None, None
+        k_scale_hbm = v_scale_hbm = None
+    return k_scale_hbm, v_scale_hbm, o_ref, _Scratch(k_buf, v_buf, k_scale_buf, v_scale_buf, *refs)
+
+
+def _stream(lo, hi, copies, compute):
+    """Blocks [lo, hi) with double buffering: block i + 1's DMAs (`copies(i, slot)`) run while block i is
+    computed."""
     @pl.when(lo < hi)
     def _():
-        start(lo, 0)
+        for c in copies(lo, 0):
+            c.start()
 
     @pl.loop(lo, hi)
     def _(i):
@@ -52,10 +81,37 @@ def _stream(lo, hi, start, wait, compute):
 
         @pl.when(i + 1 < hi)
         def _():
-            start(i + 1, 1 - slot)
+            for c in copies(i + 1, 1 - slot):
+                c.start()
 
-        wait(i, slot)
+        for c in copies(i, slot):
+            c.wait()
         compute(i, slot)
+
+
+def _page_copies(table_ref, row, i, slot, pairs, sems, pages_per_block, pages_per_row):
+    """The DMAs of the row's cached block i into buffer `slot`: its pages, whole (all KV heads: see the module's
+    doc), from each (HBM array, VMEM buffer) pair."""
+    copies = []
+    for p in range(pages_per_block):  # static: the block's pages, clamped inside the table (masked anyway)
+        page = table_ref[row * pages_per_row + jnp.minimum(i * pages_per_block + p, pages_per_row - 1)]
+        copies += [pltpu.make_async_copy(src.at[page], dst.at[slot, p], sems.at[0, slot]) for src, dst in pairs]
+    return copies
+
+
+def _load_pages(buf, scale_buf, slot, h, dtype):
+    """KV head h of the block in buffer `slot`: [block_kv, D] in dtype (int8 values times their scales)."""
+    scale = scale_buf[slot, :, h, :][..., None] if scale_buf is not None else None  # [pages_per_block, page_size, 1]
+    x = dequantize(buf[slot, :, h], scale, dtype)  # [pages_per_block, page_size, D]
+    return x.reshape(x.shape[0] * x.shape[1], x.shape[2])
+
+
+def _attend(sc: _Scratch, q_ref, sm_scale, visible, load_k, load_v):
+    """Every KV head with its query heads, on one block of keys (`load_k(h)`, `load_v(h)` [keys, D])."""
+    for h in range(q_ref.shape[0]):
+        m, l, acc = softmax_block(sc.m_sc[h], sc.l_sc[h], sc.acc_sc[h], scores(q_ref[h], load_k(h), sm_scale),
+                                  visible, load_v(h))
+        sc.m_sc[h], sc.l_sc[h], sc.acc_sc[h] = m, l, acc
 
 
 def _kernel(block_row_ref, first_block_ref, query_start_ref, cached_lens_ref, table_ref,  # scalar prefetch (SMEM)
@@ -63,17 +119,10 @@ def _kernel(block_row_ref, first_block_ref, query_start_ref, cached_lens_ref, ta
             block_q, pages_per_block, pages_per_row, sliding_window, sm_scale, quantized):
     # q_pos_ref [rows, 1] (rows = block_q * G, token-major; -1: empty slot); q_ref [KVH, rows, D]
     # k_own_hbm, v_own_hbm [blocks, KVH, block_q, D]; k_hbm, v_hbm [num_pages, KVH, page_size, D] (int8 if quantized,
-    # then k_scale_hbm, v_scale_hbm [num_pages, KVH, page_size] float32); o_ref [KVH, rows, D]; scratch: page
-    # buffers [2, pages_per_block, KVH, page_size, D] (scales [..., page_size]), own-key buffers [2, KVH, block_q, D],
-    # running softmax m_sc, l_sc [KVH, rows, 1], acc_sc [KVH, rows, D] (float32), DMA semaphores [2, 2]
-    if quantized:
-        k_scale_hbm, v_scale_hbm, o_ref, k_buf, v_buf, k_scale_buf, v_scale_buf, *refs = refs
-    else:
-        (o_ref, k_buf, v_buf, *refs), k_scale_buf, v_scale_buf = refs, None, None
-    own_k_buf, own_v_buf, m_sc, l_sc, acc_sc, sems = refs
+    # then k_scale_hbm, v_scale_hbm [num_pages, KVH, page_size] float32); o_ref [KVH, rows, D]; scratch: _Scratch
+    k_scale_hbm, v_scale_hbm, o_ref, sc = _split_refs(refs, quantized)
     b = pl.program_id(0)
-    _, num_kv_heads, page_size, head_dim = k_hbm.shape
-    block_kv = pages_per_block * page_size
+    block_kv = pages_per_block * k_hbm.shape[2]
     row = block_row_ref[b]
     j = b - first_block_ref[row]  # this block's place in its row
     num_new = query_start_ref[row + 1] - query_start_ref[row]
@@ -90,60 +139,38 @@ def _kernel(block_row_ref, first_block_ref, query_start_ref, cached_lens_ref, ta
     def in_window(visible, key_pos):
         return visible if sliding_window is None else visible & (key_pos > q_pos - sliding_window)
 
-    def attend(visible, load_k, load_v):  # every KV head with its query heads, on one block of keys
-        for h in range(num_kv_heads):
-            m, l, acc = softmax_block(m_sc[h], l_sc[h], acc_sc[h], scores(q_ref[h], load_k(h), sm_scale), visible,
-                                      load_v(h))
-            m_sc[h], l_sc[h], acc_sc[h] = m, l, acc
-
-    # -- cached keys: pages of the row, pages_per_block at a time, whole (all KV heads: see the module's doc) --
-    def page_copies(i, slot):
-        copies = []
-        for p in range(pages_per_block):  # static: the block's pages, clamped inside the table (masked anyway)
-            page = table_ref[row * pages_per_row + jnp.minimum(i * pages_per_block + p, pages_per_row - 1)]
-            pairs = [(k_hbm, k_buf), (v_hbm, v_buf)]
-            if quantized:
-                pairs += [(k_scale_hbm, k_scale_buf), (v_scale_hbm, v_scale_buf)]
-            copies += [pltpu.make_async_copy(src.at[page], dst.at[slot, p], sems.at[0, slot]) for src, dst in pairs]
-        return copies
-
-    def load_pages(buf, scale_buf, slot, h):  # KV head h of the block: [block_kv, D] in the queries' dtype
-        scale = scale_buf[slot, :, h, :][..., None] if quantized else None  # [pages_per_block, page_size, 1]
-        x = dequantize(buf[slot, :, h], scale, q_ref.dtype)  # [pages_per_block, page_size, D]
-        return x.reshape(block_kv, head_dim)
+    # -- cached keys: pages of the row, pages_per_block at a time --
+    pairs = [(k_hbm, sc.k_buf), (v_hbm, sc.v_buf)]
+    if quantized:
+        pairs += [(k_scale_hbm, sc.k_scale_buf), (v_scale_hbm, sc.v_scale_buf)]
 
     def visit_cached(i, slot):
         key_pos = i * block_kv + jax.lax.broadcasted_iota(jnp.int32, (1, block_kv), 1)
         visible = in_window((key_pos < cached_len) & (q_pos >= 0), key_pos)
-        attend(visible, lambda h: load_pages(k_buf, k_scale_buf, slot, h),
-               lambda h: load_pages(v_buf, v_scale_buf, slot, h))
+        _attend(sc, q_ref, sm_scale, visible, lambda h: _load_pages(sc.k_buf, sc.k_scale_buf, slot, h, q_ref.dtype),
+                lambda h: _load_pages(sc.v_buf, sc.v_scale_buf, slot, h, q_ref.dtype))
 
-    m_sc[...] = jnp.full(m_sc.shape, MASKED, jnp.float32)
-    l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
-    acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
+    sc.m_sc[...] = jnp.full(sc.m_sc.shape, MASKED, jnp.float32)
+    sc.l_sc[...] = jnp.zeros(sc.l_sc.shape, jnp.float32)
+    sc.acc_sc[...] = jnp.zeros(sc.acc_sc.shape, jnp.float32)
     _stream(window_lo(0) // block_kv, jnp.where(used, pl.cdiv(cached_len, block_kv), 0),
-            lambda i, slot: [c.start() for c in page_copies(i, slot)],
-            lambda i, slot: [c.wait() for c in page_copies(i, slot)],
+            lambda i, slot: _page_copies(table_ref, row, i, slot, pairs, sc.sems, pages_per_block, pages_per_row),
             visit_cached)
 
     # -- the step's own keys: the row's query blocks up to this one (causal) --
     def own_copies(i, slot):  # block i of the row: slot first_block[row] + i of the blocked layout
         src = first_block_ref[row] + i
-        return [pltpu.make_async_copy(k_own_hbm.at[src], own_k_buf.at[slot], sems.at[1, slot]),
-                pltpu.make_async_copy(v_own_hbm.at[src], own_v_buf.at[slot], sems.at[1, slot])]
+        return [pltpu.make_async_copy(k_own_hbm.at[src], sc.own_k_buf.at[slot], sc.sems.at[1, slot]),
+                pltpu.make_async_copy(v_own_hbm.at[src], sc.own_v_buf.at[slot], sc.sems.at[1, slot])]
 
     def visit_own(i, slot):
         local = i * block_q + jax.lax.broadcasted_iota(jnp.int32, (1, block_q), 1)
         key_pos = cached_len + local
         visible = in_window((local < num_new) & (key_pos <= q_pos) & (q_pos >= 0), key_pos)
-        attend(visible, lambda h: own_k_buf[slot, h], lambda h: own_v_buf[slot, h])
+        _attend(sc, q_ref, sm_scale, visible, lambda h: sc.own_k_buf[slot, h], lambda h: sc.own_v_buf[slot, h])
 
-    _stream(window_lo(cached_len) // block_q, jnp.where(used, j + 1, 0),
-            lambda i, slot: [c.start() for c in own_copies(i, slot)],
-            lambda i, slot: [c.wait() for c in own_copies(i, slot)],
-            visit_own)
-
-    out, _ = softmax_result(m_sc[...], l_sc[...], acc_sc[...])  # a query that saw nothing (empty slot) gets 0
+    _stream(window_lo(cached_len) // block_q, jnp.where(used, j + 1, 0), own_copies, visit_own)
+    out, _ = softmax_result(sc.m_sc[...], sc.l_sc[...], sc.acc_sc[...])  # a query that saw nothing gets 0
     o_ref[...] = out.astype(o_ref.dtype)
 
 
@@ -187,12 +214,8 @@ def ragged_attention_tpu(q, k, v, k_pages, v_pages, rows: RaggedRows, *, sliding
 
     rows_g = block_q * G  # query rows of a block: its tokens x the query heads of one KV head
     pages = [k_values, v_values] + ([k_scale, v_scale] if quantized else [])
-    scratch = [pltpu.VMEM((2, pages_per_block, KVH, page_size, D), k_values.dtype)] * 2
-    if quantized:
-        scratch += [pltpu.VMEM((2, pages_per_block, KVH, page_size), jnp.float32)] * 2
-    scratch += [pltpu.VMEM((2, KVH, block_q, D), k.dtype)] * 2
-    scratch += [pltpu.VMEM((KVH, rows_g, 1), jnp.float32)] * 2 + [pltpu.VMEM((KVH, rows_g, D), jnp.float32)]
-    scratch += [pltpu.SemaphoreType.DMA((2, 2))]  # [cached | own, buffer]
+    scratch = _scratch_shapes(pages_per_block, KVH, page_size, D, block_q, rows_g, k_values.dtype, k.dtype,
+                              quantized)
 
     kernel = functools.partial(_kernel, block_q=block_q, pages_per_block=pages_per_block, pages_per_row=P,
                                sliding_window=sliding_window, sm_scale=head_dim ** -0.5, quantized=quantized)
@@ -221,3 +244,14 @@ def ragged_attention_tpu(q, k, v, k_pages, v_pages, rows: RaggedRows, *, sliding
     # Back to the flat tokens: token t sits in slot first_block[row] + local // block_q at local % block_q.
     out = out.reshape(NB, KVH, block_q, G, D).transpose(0, 2, 1, 3, 4).reshape(NB * block_q, H, D)
     return unblock(out[..., :head_dim], blocks, rows, q.dtype)
+
+
+def _scratch_shapes(pages_per_block, KVH, page_size, D, block_q, rows_g, page_dtype, own_dtype, quantized):
+    """VMEM scratch in `_Scratch`'s order (the page scales only when quantized)."""
+    scratch = [pltpu.VMEM((2, pages_per_block, KVH, page_size, D), page_dtype)] * 2
+    if quantized:
+        scratch += [pltpu.VMEM((2, pages_per_block, KVH, page_size), jnp.float32)] * 2
+    scratch += [pltpu.VMEM((2, KVH, block_q, D), own_dtype)] * 2
+    scratch += [pltpu.VMEM((KVH, rows_g, 1), jnp.float32)] * 2 + [pltpu.VMEM((KVH, rows_g, D), jnp.float32)]
+    scratch += [pltpu.SemaphoreType.DMA((2, 2))]  # [cached | own, buffer]
+    return scratch

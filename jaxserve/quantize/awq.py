@@ -24,7 +24,7 @@ from jaxserve.model.quant import matmul, quantize_int4, quantize_params
 logger = logging.getLogger("jaxserve")
 
 # Chapter IV of Alice's Adventures in Wonderland (Lewis Carroll, 1865; public domain): ~1.5k tokens of English prose.
-CALIBRATION_TEXT = Path(__file__).parent / "data" / "calibration.txt"
+CALIBRATION_TEXT = Path(__file__).parents[1] / "data" / "calibration.txt"
 ALPHA_GRID = 20
 MAX_ROWS = 256  # activation rows the output error is measured on (mean |x| uses all of them)
 

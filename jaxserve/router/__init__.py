@@ -13,9 +13,11 @@ started); a server's 4xx is forwarded as it is. /health is 200 while each pool h
 state in its body; /metrics holds the router's own series. One sequence per request (n = 1, one prompt): the
 prefill servers refuse more with a 400.
 
-`pool` is the servers of one role, `proxy` one request's way through both, `app` the HTTP side, `metrics` the
-router's Prometheus series.
+`pool` is the servers of one role, `proxy` one request's way through both, `joined` the two servers' answers made
+into the client's, `upstream` what a server's answer or failure means to the router, `app` the HTTP side (`PDRouter`),
+`metrics` the router's Prometheus series. The `kv_transfer_params` it passes are typed in
+`jaxserve.openai.kv_transfer_params`, shared with the servers.
 """
-from jaxserve.router.app import Router, serve_router
+from jaxserve.router.app import PDRouter, serve_router
 
-__all__ = ["Router", "serve_router"]
+__all__ = ["PDRouter", "serve_router"]

@@ -11,7 +11,7 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from jaxserve.openai.api import ApiError
+from jaxserve.openai.errors import ApiError
 from jaxserve.router.metrics import RouterMetrics
 from jaxserve.router.pool import Pool
 from jaxserve.router.proxy import PDRequest
@@ -20,8 +20,8 @@ from jaxserve.openai.http import drain, errors, json_body, run_until_signalled
 logger = logging.getLogger("jaxserve")
 
 
-class Router:
-    """Router(prefill_urls, decode_urls): the OpenAI API over a pool of prefill servers and one of decode servers
+class PDRouter:
+    """PDRouter(prefill_urls, decode_urls): the OpenAI API over a pool of prefill servers and one of decode servers
     (`jaxserve serve --role prefill|decode`).
 
     prefill_timeout_s: the most a prefill answer may take (a hung server past it fails the request, or retries
@@ -112,7 +112,7 @@ class Router:
             self.in_flight -= 1
 
 
-async def serve_router(router: Router, host: str, port: int, grace_period_s: float = 30.0,
+async def serve_router(router: PDRouter, host: str, port: int, grace_period_s: float = 30.0,
                        ready: asyncio.Event | None = None) -> None:
     """Serves until SIGTERM/SIGINT; then stops accepting and gives running requests grace_period_s to finish."""
     pools = (f"the router (prefill {', '.join(b.url for b in router.prefill.backends)}; decode "

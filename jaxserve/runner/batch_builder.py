@@ -23,10 +23,11 @@ class RowSampling:
     banned: tuple[int, ...] = ()  # while fewer than min_tokens are generated
     min_tokens: int = 0
     want_top_logprobs: bool = False
-    token_mask: np.ndarray | None = None  # int32 [ceil(V / 32)] (`jaxserve.sample.token_mask`); None: every token allowed
-    # Logit controls (`jaxserve.sample.logit_controls`, SamplingParams): bad words' (trigger, banned) pairs, logit_bias as
-    # (ids int32 [n], biases float32 [n]), the penalties, and what they count: the sequence's tokens (int32, at
-    # least those before the row's start; None where no penalty is asked) and its prompt's length.
+    # int32 [ceil(V / 32)] (`jaxserve.sample.token_mask`); None: every token allowed
+    token_mask: np.ndarray | None = None
+    # Logit controls (`jaxserve.sample.logit_controls`, SamplingParams): bad words' (trigger, banned) pairs,
+    # logit_bias as (ids int32 [n], biases float32 [n]), the penalties, and what they count: the sequence's tokens
+    # (int32, at least those before the row's start; None where no penalty is asked) and its prompt's length.
     bad_word_bans: tuple[tuple[int, int], ...] = ()
     logit_bias: tuple[np.ndarray, np.ndarray] | None = None
     presence_penalty: float = 0.0
@@ -91,28 +92,42 @@ _USED = {
 }
 
 
+# RowSampling's fields that SamplingInput holds as they are, one entry per row.
+_SCALARS = ("temperature", "top_k", "top_p", "min_p", "seed", "step", "min_tokens", "want_top_logprobs",
+            "presence_penalty", "frequency_penalty", "repetition_penalty", "prompt_len")
+
+
 def build_batch(rows: list[Row], page_size: int, vocab_size: int, num_tokens: int, num_rows: int,
                 pages_per_row: int, num_scored: int = 1) -> StepInput:
     """Lays `rows` back to back in `num_tokens` tokens, with `num_rows` rows and a [num_rows, pages_per_row] table;
     each row scores up to `num_scored` tokens (1, or k + 1 for a verification program)."""
-    T, S, P, Q = num_tokens, num_rows, pages_per_row, num_scored
-    if len(rows) > S:
-        raise ValueError(f"{len(rows)} rows do not fit a batch of {S}")
+    total = _check_sizes(rows, num_tokens, num_rows)
+    batch = _padded_batch(rows, page_size, vocab_size, num_tokens, num_rows, pages_per_row, num_scored, total)
+    t = 0  # the row's first token in the batch
+    for i, row in enumerate(rows):
+        _place_tokens(batch, i, row, t, page_size)
+        _place_scoring(batch, i, row, t)
+        _fill_sampling(batch.sampling, i, row)
+        t += len(row.token_ids)
+    return batch
+
+
+def _check_sizes(rows: list[Row], num_tokens: int, num_rows: int) -> int:
+    """The rows' tokens in all, which must fit the batch, as the rows must."""
+    if len(rows) > num_rows:
+        raise ValueError(f"{len(rows)} rows do not fit a batch of {num_rows}")
     total = sum(len(r.token_ids) for r in rows)
-    if total > T:
-        raise ValueError(f"{total} tokens do not fit a batch of {T}")
-    token_ids = np.zeros(T, np.int32)
-    chain_slot = np.full(T, -1, np.int32)
-    positions = np.full(T, -1, np.int32)
-    # Padding writes land in the scratch page, spread over its slots.
-    slot_mapping = SCRATCH_PAGE * page_size + np.arange(T, dtype=np.int32) % page_size
-    token_row = np.zeros(T, np.int32)
-    query_start = np.full(S + 1, total, np.int32)
-    cached_lens = np.zeros(S, np.int32)
-    page_table = np.full((S, P), SCRATCH_PAGE, np.int32)
-    logits_index = np.full((S, Q), -1, np.int32)
-    num_draft = np.zeros(S, np.int32)
-    out_slot = np.full(S, -1, np.int32)
+    if total > num_tokens:
+        raise ValueError(f"{total} tokens do not fit a batch of {num_tokens}")
+    return total
+
+
+def _padded_batch(rows: list[Row], page_size: int, vocab_size: int, num_tokens: int, num_rows: int,
+                  pages_per_row: int, num_scored: int, total: int) -> StepInput:
+    """The batch before any row is placed: every token and row padding, which writes to the scratch page, reads
+    nothing through its table and samples nothing. A per-row array that none of `rows` uses stays a `constant`
+    (copied to the device once for all batches); the others are writeable, for the rows to fill."""
+    T, S, P, Q = num_tokens, num_rows, pages_per_row, num_scored
     sampling = neutral_sampling(S, vocab_size, P * page_size)
     for name, used in _USED.items():
         if any(used(r.sampling) for r in rows):
@@ -123,58 +138,77 @@ def build_batch(rows: list[Row], page_size: int, vocab_size: int, num_tokens: in
     lora_slot = constant((T,), np.int32, -1)
     if any(r.lora_slot >= 0 for r in rows):
         lora_slot = np.full(T, -1, np.int32)
-    t = 0
-    for i, row in enumerate(rows):
-        n, end = len(row.token_ids), row.end
-        if n < 1:
-            raise ValueError(f"row {i} has no new tokens")
-        if len(row.pages) * page_size < end:
-            raise ValueError(f"row {i}: {len(row.pages)} pages cannot hold {end} tokens")
-        # The table lists only the pages of tokens cached before this step: the new tokens' keys reach attention
-        # directly, so a fresh prompt attends through an empty table.
-        cached = row.pages[:pages_needed(row.start_pos, page_size)]
-        if len(cached) > P:
-            raise ValueError(f"row {i}: {row.start_pos} cached tokens need {len(cached)} pages, the table holds {P}")
-        pos = np.arange(row.start_pos, end, dtype=np.int32)
-        pages = np.asarray(row.pages, np.int32)
-        token_ids[t:t + n] = row.token_ids
-        positions[t:t + n] = pos
-        slot_mapping[t:t + n] = pages[pos // page_size] * page_size + pos % page_size
-        token_row[t:t + n] = i
-        query_start[i] = t
-        cached_lens[i] = row.start_pos
-        page_table[i, :len(cached)] = cached
-        if not 0 <= row.num_draft < min(n, Q):
-            raise ValueError(f"row {i}: {row.num_draft} proposals in {n} tokens; a row scores at most {Q}")
-        if row.samples:
-            logits_index[i, :row.num_draft + 1] = np.arange(t + n - 1 - row.num_draft, t + n)
-            num_draft[i] = row.num_draft
-            out_slot[i] = row.slot
-        if row.chained:
-            chain_slot[t] = row.slot
-        if row.lora_slot >= 0:
-            lora_slot[t:t + n] = row.lora_slot
-        if row.prompt_targets:
-            if not 0 <= row.score_from <= n - len(row.prompt_targets):
-                raise ValueError(f"row {i}: {len(row.prompt_targets)} prompt targets from token {row.score_from} "
-                                 f"of {n}")
-            prompt_targets[t + row.score_from:t + row.score_from + len(row.prompt_targets)] = row.prompt_targets
-        s = row.sampling
-        if len(s.banned) > MAX_BANNED_TOKENS:  # refused at admission (see LLM._sequences): a bug if it gets here
-            raise ValueError(f"row {i} bans {len(s.banned)} tokens; a row holds at most {MAX_BANNED_TOKENS}")
-        for key in ("temperature", "top_k", "top_p", "min_p", "seed", "step", "min_tokens", "want_top_logprobs",
-                    "presence_penalty", "frequency_penalty", "repetition_penalty", "prompt_len"):
-            getattr(sampling, key)[i] = getattr(s, key)
-        sampling.banned[i, :len(s.banned)] = s.banned
-        if s.token_mask is not None:
-            sampling.token_mask[i] = s.token_mask
-        _fill_logit_controls(sampling, i, row)
-        t += n
-    rows_in = RaggedRows(positions=positions, token_row=token_row, query_start=query_start, cached_lens=cached_lens,
-                         page_table=page_table)
-    return StepInput(token_ids=token_ids, chain_slot=chain_slot, slot_mapping=slot_mapping, rows=rows_in,
-                     logits_index=logits_index, num_draft=num_draft, out_slot=out_slot, sampling=sampling,
-                     prompt_targets=prompt_targets, lora_slot=lora_slot)
+    # Padding writes land in the scratch page, spread over its slots.
+    slot_mapping = SCRATCH_PAGE * page_size + np.arange(T, dtype=np.int32) % page_size
+    # Padding rows start where the real tokens end, so they hold none.
+    rows_in = RaggedRows(positions=np.full(T, -1, np.int32), token_row=np.zeros(T, np.int32),
+                         query_start=np.full(S + 1, total, np.int32), cached_lens=np.zeros(S, np.int32),
+                         page_table=np.full((S, P), SCRATCH_PAGE, np.int32))
+    return StepInput(token_ids=np.zeros(T, np.int32), chain_slot=np.full(T, -1, np.int32), slot_mapping=slot_mapping,
+                     rows=rows_in, logits_index=np.full((S, Q), -1, np.int32), num_draft=np.zeros(S, np.int32),
+                     out_slot=np.full(S, -1, np.int32), sampling=sampling, prompt_targets=prompt_targets,
+                     lora_slot=lora_slot)
+
+
+def _place_tokens(batch: StepInput, i: int, row: Row, t: int, page_size: int) -> None:
+    """Row i's tokens at batch tokens [t, t + n): their ids (or the device slot the first is chained from), their
+    positions, the cache slots their K/V go to, their adapter, and the row's cached pages in its table."""
+    n, end = len(row.token_ids), row.end
+    if n < 1:
+        raise ValueError(f"row {i} has no new tokens")
+    if len(row.pages) * page_size < end:
+        raise ValueError(f"row {i}: {len(row.pages)} pages cannot hold {end} tokens")
+    # The table lists only the pages of tokens cached before this step: the new tokens' keys reach attention
+    # directly, so a fresh prompt attends through an empty table.
+    cached = row.pages[:pages_needed(row.start_pos, page_size)]
+    P = batch.rows.page_table.shape[1]
+    if len(cached) > P:
+        raise ValueError(f"row {i}: {row.start_pos} cached tokens need {len(cached)} pages, the table holds {P}")
+    pos = np.arange(row.start_pos, end, dtype=np.int32)  # [n]
+    pages = np.asarray(row.pages, np.int32)
+    batch.token_ids[t:t + n] = row.token_ids
+    batch.rows.positions[t:t + n] = pos
+    batch.slot_mapping[t:t + n] = pages[pos // page_size] * page_size + pos % page_size
+    batch.rows.token_row[t:t + n] = i
+    batch.rows.query_start[i] = t
+    batch.rows.cached_lens[i] = row.start_pos
+    batch.rows.page_table[i, :len(cached)] = cached
+    if row.chained:
+        batch.chain_slot[t] = row.slot
+    if row.lora_slot >= 0:
+        token_adapter = batch.lora_slot  # int32 [T]; named apart from Sequence.lora_slot (tests/test_state_owners.py)
+        token_adapter[t:t + n] = row.lora_slot
+
+
+def _place_scoring(batch: StepInput, i: int, row: Row, t: int) -> None:
+    """What row i's step reads out: the logits it samples from (its last token, or its proposals' and the one
+    before them), where its sample is kept, and the prompt tokens it scores."""
+    n, Q = len(row.token_ids), batch.logits_index.shape[1]
+    if not 0 <= row.num_draft < min(n, Q):
+        raise ValueError(f"row {i}: {row.num_draft} proposals in {n} tokens; a row scores at most {Q}")
+    if row.samples:
+        batch.logits_index[i, :row.num_draft + 1] = np.arange(t + n - 1 - row.num_draft, t + n)
+        batch.num_draft[i] = row.num_draft
+        batch.out_slot[i] = row.slot
+    if row.prompt_targets:
+        if not 0 <= row.score_from <= n - len(row.prompt_targets):
+            raise ValueError(f"row {i}: {len(row.prompt_targets)} prompt targets from token {row.score_from} "
+                             f"of {n}")
+        start = t + row.score_from
+        batch.prompt_targets[start:start + len(row.prompt_targets)] = row.prompt_targets
+
+
+def _fill_sampling(sampling: SamplingInput, i: int, row: Row) -> None:
+    """Row i's sampling parameters, bans, mask and logit controls."""
+    s = row.sampling
+    if len(s.banned) > MAX_BANNED_TOKENS:  # refused at admission (see LLM._sequences): a bug if it gets here
+        raise ValueError(f"row {i} bans {len(s.banned)} tokens; a row holds at most {MAX_BANNED_TOKENS}")
+    for key in _SCALARS:
+        getattr(sampling, key)[i] = getattr(s, key)
+    sampling.banned[i, :len(s.banned)] = s.banned
+    if s.token_mask is not None:
+        sampling.token_mask[i] = s.token_mask
+    _fill_logit_controls(sampling, i, row)
 
 
 def _fill_logit_controls(sampling: SamplingInput, i: int, row: Row) -> None:

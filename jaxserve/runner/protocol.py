@@ -9,8 +9,9 @@ import dataclasses
 from typing import Protocol
 
 from jaxserve.batch import StepOutput
-from jaxserve.runner.batch_builder import Row
 from jaxserve.cache.transfer import KVPages
+from jaxserve.lora.adapter import LoRAAdapter
+from jaxserve.runner.batch_builder import Row
 
 
 @dataclasses.dataclass
@@ -23,6 +24,9 @@ class StepHandle:
 class Runner(Protocol):
     # Seconds per step by (tokens, tokens scored per row), measured at warm-up: what speculation's controller weighs.
     step_times: dict[tuple[int, int], float]
+    # The page counts a transfer of pages is padded to (export_pages, put_pages), ascending: disaggregated pools move
+    # each once at warm-up, so no transfer compiles while serving.
+    page_buckets: tuple[int, ...]
 
     def dispatch(self, rows: list[Row]) -> StepHandle:
         """Starts a step over `rows` without waiting for it."""
@@ -46,6 +50,11 @@ class Runner(Protocol):
 
     def import_pages(self, page_ids: list[int], kv: KVPages) -> None:
         """Writes kv's first len(page_ids) pages at page_ids, before any step dispatched after."""
+
+    def load_lora(self, slot: int, adapter: LoRAAdapter) -> None:
+        """Writes an adapter's arrays into device slot `slot` (LoRASlots decides which): the steps dispatched after
+        run rows naming the slot with it, those dispatched before with the slot's old contents. ValueError for a slot
+        out of range or an adapter that does not fit."""
 
     def warmup(self, progress: bool = True, time_steps: bool = False) -> int:
         """Compiles every step shape before serving; returns how many programs were compiled."""

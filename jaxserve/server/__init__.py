@@ -1,4 +1,5 @@
-"""`jaxserve serve`: an OpenAI-compatible HTTP server (aiohttp) over an AsyncEngine.
+"""`jaxserve serve`: an OpenAI-compatible HTTP server (aiohttp) over an AsyncEngine, which it knows only through the
+`jaxserve.engine.client.EngineClient` protocol (nothing of the scheduler, the KV cache or the runner below it).
 
 /v1/completions and /v1/chat/completions (streamed as server-sent events or whole), /v1/models, /health and
 /metrics (Prometheus). Every error is an OpenAI-style body with a 4xx/5xx status; a bad request never reaches
@@ -34,7 +35,7 @@ streams what follows (see `disaggregated`).
 capacity, tokenizing threads, metrics) and checks, `lora_modules` the adapters by name, `disaggregated` the role
 servers' side of the KV transfer, `cascade` a cascade's routing over the served models, `responses` a request's
 outputs as a JSON body or an SSE stream;
-`jaxserve.openai.api` the wire format (its structured-output fields in `jaxserve.openai.structured`, tool calls in
+`jaxserve.openai.requests` and `jaxserve.openai.responses` the wire format (its structured-output fields in `jaxserve.openai.structured`, tool calls in
 `jaxserve.openai.tool_calls`), `jaxserve.openai.metrics` the Prometheus metrics.
 """
 from jaxserve.server.app import Server, serve

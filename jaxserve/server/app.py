@@ -11,12 +11,14 @@ import time
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from jaxserve.engine.async_engine import AsyncEngine, EngineDeadError
+from jaxserve.engine.client import EngineClient, EngineDeadError
 from jaxserve.cascade.policy import CascadeConfig
-from jaxserve.openai.http import DISCARD_PATH, drain, errors, json_body, run_until_signalled
+from jaxserve.openai.http import DISCARD_PATH, KV_TRANSFER_FIELD, drain, errors, json_body, run_until_signalled
+from jaxserve.openai.kv_transfer_params import KVTransferParams
 from jaxserve.openai.metrics import ServerMetrics
-from jaxserve.openai.api import (ApiError, grammar_error, parse_chat, parse_completion, render_chat,
-                                 wants_usage_in_stream)
+from jaxserve.openai.chat_messages import render_chat
+from jaxserve.openai.errors import ApiError
+from jaxserve.openai.requests import grammar_error, parse_chat, parse_completion, wants_usage_in_stream
 from jaxserve.server import disaggregated
 from jaxserve.server.cascade import ServedCascade
 from jaxserve.server.disaggregated import PrefillSide
@@ -39,7 +41,7 @@ class Server:
     /v1/load_lora_adapter and /v1/unload_lora_adapter, off by default as there). Adapters: `lora` (LoRAModules).
     cascade: a CascadeConfig over served models, whose name requests may give as their model (`cascade`)."""
 
-    def __init__(self, engine: AsyncEngine | dict[str, AsyncEngine], model_name: str | None = None, *,
+    def __init__(self, engine: EngineClient | dict[str, EngineClient], model_name: str | None = None, *,
                  api_key: str | None = None, max_queued_requests: int = 256, max_request_sequences: int | None = None,
                  stream_write_timeout_s: float = 30.0, header_timeout_s: float = 10.0, body_timeout_s: float = 30.0,
                  tokenizer_threads: int = 2, allow_runtime_lora_updating: bool = False,
@@ -81,7 +83,7 @@ class Server:
         """Sequences admitted and not finished, over every model."""
         return sum(m.in_flight for m in self.models.values())
 
-    def engines(self) -> list[AsyncEngine]:
+    def engines(self) -> list[EngineClient]:
         return [m.engine for m in self.models.values()]
 
     def app(self) -> web.Application:
@@ -157,9 +159,9 @@ class Server:
 
         def card(name: str, m: ServedModel, root, parent) -> dict:
             return {"id": name, "object": "model", "created": created, "owned_by": "jaxserve", "root": root,
-                    "parent": parent, "max_model_len": m.engine.llm.max_model_len}
+                    "parent": parent, "max_model_len": m.engine.max_model_len}
         return web.json_response({"object": "list", "data": [
-            *(card(m.name, m, m.engine.llm.engine_config.model or m.name, None) for m in self.models.values()),
+            *(card(m.name, m, m.engine.model_path or m.name, None) for m in self.models.values()),
             *(card(a.name, a.model, a.lora_request.lora_path, a.model.name) for a in self.lora.adapters.values()),
             *([card(self.cascade.name, self.cascade.surely_taking(), ",".join(self.cascade.names), None)]
               if self.cascade is not None else [])]})
@@ -186,18 +188,17 @@ class Server:
         body = await self._body(request)
         m, _ = self._target(body)
         with self._admitted(m, 1):  # a 1 MiB prompt takes a while: off the event loop, within the capacity
-            return web.json_response(await m.off_loop(1, tokenize, body, m.tokenizer, m.engine.llm.max_model_len))
+            return web.json_response(await m.off_loop(1, tokenize, body, m.tokenizer, m.engine.max_model_len))
 
     async def detokenize(self, request):
         body = await self._body(request)
         m, _ = self._target(body)
         with self._admitted(m, 1):
-            vocab_size = m.engine.llm.engine.vocab_size
-            return web.json_response(await m.off_loop(1, detokenize, body, m.tokenizer, vocab_size))
+            return web.json_response(await m.off_loop(1, detokenize, body, m.tokenizer, m.engine.vocab_size))
 
     async def tokenizer_info(self, request):
         m, _ = self._target({"model": request.query["model"]} if "model" in request.query else {})
-        return web.json_response(tokenizer_info(m.tokenizer, m.engine.llm.max_model_len))
+        return web.json_response(tokenizer_info(m.tokenizer, m.engine.max_model_len))
 
     # ---- generation ----
 
@@ -287,7 +288,7 @@ class Server:
             yield
 
     async def _generate(self, m: ServedModel, adapter: ServedAdapter | None, request, body, prompts: list, params,
-                        chat: bool, tools=None, kv_params: dict | None = None):
+                        chat: bool, tools=None, kv_params: KVTransferParams | None = None):
         """prompts: tokenized, one engine request each (a completions batch); choice k * n + i is prompt k's i-th
         sample. kv_params: a role server's (checked) kv_transfer_params. Runs within _admitted. (A cascade's
         answering tier comes here as a model of its own.)"""
@@ -303,10 +304,11 @@ class Server:
         if self.role == "prefill":
             self.prefill_side.check_room()
         if self.role == "decode":  # the pages first: a failed fetch adds nothing
-            disaggregated.check_prompt(kv_params, prompts[0]["prompt_token_ids"])
+            disaggregated.check_prompt(kv_params.remote, prompts[0]["prompt_token_ids"])
             # A prefill server claiming more bytes than the prompt's pages take here is refused before any allocation.
-            most = m.engine.llm.engine.replicas[0].runner.pages_bytes(len(prompts[0]["prompt_token_ids"]))
-            prefilled, run.headers = await disaggregated.fetch_prefilled(kv_params, self.kv_fetch_timeout_s, most)
+            most = m.engine.pages_bytes(len(prompts[0]["prompt_token_ids"]))
+            prefilled, run.headers = await disaggregated.fetch_prefilled(kv_params.remote, self.kv_fetch_timeout_s,
+                                                                         most)
             lora["prefilled"] = prefilled
         async with self.running(m, adapter, run, body, prompts, params, lora) as outputs:
             if self.role == "prefill":
@@ -352,9 +354,9 @@ class Server:
         answer says where (kv_transfer_params)."""
         body = await run.whole_body(outputs)
         if run.handed_off is not None:
-            body[disaggregated.FIELD] = await self.prefill_side.hand_off(
-                run.handed_off.seq.request_id, run.handed_off, m.engine.llm.scheduler.page_size,
-                request.transport.get_extra_info("sockname")[0])
+            handed = await asyncio.to_thread(m.engine.handed_off, run.handed_off)  # the pages' copy to the host
+            remote = self.prefill_side.hand_off(handed, request.transport.get_extra_info("sockname")[0])
+            body[KV_TRANSFER_FIELD] = remote.to_json()
         return web.json_response(body)
 
 

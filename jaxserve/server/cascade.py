@@ -22,14 +22,15 @@ import time
 
 from aiohttp import web
 
-from jaxserve.engine.async_engine import EngineDeadError
-from jaxserve.batching.output_processor import merged
+from jaxserve.engine.client import EngineDeadError
 from jaxserve.cascade.features import (ANSWER_FEATURES, PROMPT_FEATURES, SCORE_TOPK, answer_features,
                                        prompt_features, score_params)
 from jaxserve.cascade.policy import CascadeConfig, Route, choose_tier
 from jaxserve.openai.metrics import ServerMetrics
-from jaxserve.openai.api import ApiError, ContextLengthError, new_id, parse_chat, parse_completion
-from jaxserve.outputs import CompletionOutput, RequestOutput
+from jaxserve.openai.errors import ApiError, ContextLengthError
+from jaxserve.openai.requests import parse_chat, parse_completion
+from jaxserve.openai.responses import new_id
+from jaxserve.outputs import CompletionOutput, RequestOutput, merged
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.server.responses import CompletionResponse
 from jaxserve.server.served_model import ServedModel
@@ -288,7 +289,7 @@ class _Run:
 def same_vocabulary(models: list[ServedModel]) -> bool:
     """Whether the models read token ids alike: the same vocabulary size, and no tokenizer or the same token for
     every id (checked once, at start)."""
-    if len({m.engine.llm.engine.vocab_size for m in models}) != 1:
+    if len({m.engine.vocab_size for m in models}) != 1:
         return False
     tokenizers = [m.tokenizer for m in models]
     if all(t is None for t in tokenizers):

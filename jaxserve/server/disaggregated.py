@@ -17,27 +17,22 @@ engine is sized for decoding.
 """
 from __future__ import annotations
 
-import asyncio
 import time
 import zlib
 
 import numpy as np
 
-from jaxserve.engine.async_engine import Prefilled
-from jaxserve.cache import pages_needed
-from jaxserve.cache.transfer import kv_bytes, trimmed
-from jaxserve.openai.http import KV_BYTES_HEADER, KV_SECONDS_HEADER, KV_TRANSFER_FIELD
+from jaxserve.engine.client import HandedOff, Prefilled
 from jaxserve.kv_transfer import KVServer, KVStore, KVTransferError, fetch_pages
 from jaxserve.kv_transfer.store import KVStoreFull
-from jaxserve.openai.api import ApiError
+from jaxserve.openai.errors import ApiError
+from jaxserve.openai.http import KV_BYTES_HEADER, KV_SECONDS_HEADER
+from jaxserve.openai.kv_transfer_params import FIELD, KVTransferParams, KVTransferParamsError, RemoteKV
 
-FIELD = KV_TRANSFER_FIELD
 WILDCARD_HOSTS = {"", "0.0.0.0", "::"}
-_DECODE_KEYS = {"do_remote_prefill": bool, "transfer_id": str, "remote_host": str, "remote_port": int,
-                "first_token_id": int, "num_cached": int, "num_prompt_tokens": int, "prompt_digest": int}
 
 
-def take_params(body: dict, role: str) -> dict | None:
+def take_params(body: dict, role: str) -> KVTransferParams | None:
     """Removes `kv_transfer_params` from the body (it is no sampling field) and checks it against the server's role:
     the params, or None for a plain request to a plain server."""
     params = body.pop(FIELD, None)
@@ -45,15 +40,10 @@ def take_params(body: dict, role: str) -> dict | None:
         if params is not None:
             raise ApiError(400, f"{FIELD} is for servers started with --role prefill or decode", FIELD)
         return None
-    side = "do_remote_decode" if role == "prefill" else "do_remote_prefill"
-    if not (isinstance(params, dict) and params.get(side) is True):
-        raise ApiError(400, f"this is a {role} server (--role {role}): requests come through `jaxserve router` "
-                            f"({FIELD} with {side}: true)", FIELD)
-    if role == "decode":
-        for key, kind in _DECODE_KEYS.items():
-            if not isinstance(params.get(key), kind) or isinstance(params[key], bool) and kind is not bool:
-                raise ApiError(400, f"{FIELD}.{key} must be a {kind.__name__}", FIELD)
-    return params
+    try:
+        return KVTransferParams.for_role(params, role)
+    except KVTransferParamsError as e:
+        raise ApiError(400, str(e), FIELD) from None
 
 
 def prompt_digest(token_ids) -> int:
@@ -62,11 +52,11 @@ def prompt_digest(token_ids) -> int:
     return zlib.crc32(np.asarray(token_ids, np.int32).tobytes())
 
 
-def check_prompt(params: dict, token_ids) -> None:
+def check_prompt(remote: RemoteKV, token_ids) -> None:
     """A 400 unless this server's prompt tokens are the prefill server's (checked before anything is fetched)."""
-    n, want = len(token_ids), params["num_prompt_tokens"]
-    if n != want or prompt_digest(token_ids) != params["prompt_digest"]:
-        what = f"{n} tokens, the prefill server's {want}" if n != want else f"other ids than the prefill server's"
+    n, want = len(token_ids), remote.num_prompt_tokens
+    if n != want or prompt_digest(token_ids) != remote.prompt_digest:
+        what = f"{n} tokens, the prefill server's {want}" if n != want else "other ids than the prefill server's"
         raise ApiError(400, f"the prompt tokenizes otherwise on this decode server ({what}): serve the same "
                             f"tokenizer and chat template on both", FIELD)
 
@@ -104,30 +94,28 @@ class PrefillSide:
             raise ApiError(503, f"this prefill server holds {self.store.max_bytes} bytes of KV transfers waiting to "
                                 f"be fetched (--kv-transfer-max-bytes): retry later or on another")
 
-    async def hand_off(self, transfer_id: str, hand_off, page_size: int, local_host: str) -> dict:
-        """Puts a HandOff's pages (trimmed to its cached tokens, on the host: off the event loop) in the store; the
-        params that fetch them (a 503 if the store is full: the pages are dropped). local_host: the address the
-        request came in on (see advertised_host)."""
-        kv = await asyncio.to_thread(trimmed, hand_off.kv, pages_needed(hand_off.num_cached, page_size))
+    def hand_off(self, handed: HandedOff, local_host: str) -> RemoteKV:
+        """Puts a handed-off request's pages (on the host: see EngineClient.handed_off) in the store, under its
+        request id; where they wait, for the answer (a 503 if the store is full: the pages are dropped). local_host:
+        the address the request came in on (see advertised_host)."""
         try:
-            self.store.put(transfer_id, kv)
+            self.store.put(handed.request_id, handed.kv)
         except KVStoreFull as e:
             raise ApiError(503, f"this prefill server cannot hold the request's KV pages: {e}") from None
-        return {"transfer_id": transfer_id, "remote_host": self.advertised_host(local_host),
-                "remote_port": self.kv_server.port,
-                "first_token_id": hand_off.seq.output_token_ids[0], "num_cached": hand_off.num_cached,
-                "num_prompt_tokens": len(hand_off.seq.prompt_token_ids),
-                "prompt_digest": prompt_digest(hand_off.seq.prompt_token_ids)}
+        return RemoteKV(handed.request_id, self.advertised_host(local_host), self.kv_server.port, handed.first_token,
+                        handed.num_cached, len(handed.prompt_token_ids), prompt_digest(handed.prompt_token_ids))
 
 
-async def fetch_prefilled(params: dict, timeout_s: float, max_bytes: int | None = None) -> tuple[Prefilled, dict]:
-    """The pages the params name, fetched (at most max_bytes: what the prompt's pages take in this server's cache): (Prefilled, the response
-    headers reporting the fetch). A failed fetch is a 502."""
+async def fetch_prefilled(remote: RemoteKV, timeout_s: float,
+                          max_bytes: int | None = None) -> tuple[Prefilled, dict]:
+    """The pages `remote` names, fetched (at most max_bytes: what the prompt's pages take in this server's cache):
+    (Prefilled, the response headers reporting the fetch). A failed fetch is a 502."""
     started = time.perf_counter()
     try:
-        kv = await fetch_pages(params["remote_host"], params["remote_port"], params["transfer_id"], timeout_s,
+        kv = await fetch_pages(remote.remote_host, remote.remote_port, remote.transfer_id, timeout_s,
                                max_bytes=max_bytes)
     except KVTransferError as e:
         raise ApiError(502, f"fetching the prefilled KV pages failed: {e}", FIELD) from None
-    headers = {KV_SECONDS_HEADER: f"{time.perf_counter() - started:.6f}", KV_BYTES_HEADER: str(kv_bytes(kv))}
-    return Prefilled(kv, params["num_cached"], params["first_token_id"], started), headers
+    prefilled = Prefilled(kv, remote.num_cached, remote.first_token_id, started)
+    headers = {KV_SECONDS_HEADER: f"{time.perf_counter() - started:.6f}", KV_BYTES_HEADER: str(prefilled.num_bytes)}
+    return prefilled, headers

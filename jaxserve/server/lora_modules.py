@@ -9,9 +9,9 @@ import inspect
 import itertools
 import json
 
-from jaxserve.engine.async_engine import EngineDeadError
+from jaxserve.engine.client import EngineDeadError
 from jaxserve.lora.request import LoRARequest
-from jaxserve.openai.api import ApiError
+from jaxserve.openai.errors import ApiError
 from jaxserve.server.served_model import ServedModel
 
 
@@ -96,7 +96,7 @@ class LoRAModules:
         if name in self._models or name in self._reserved:
             raise ApiError(400, f"'{name}' is a served model's name, not free for an adapter", "lora_name")
         model = self._base(base_model_name)
-        if not model.engine.llm.engine_config.enable_lora:
+        if not model.engine.enable_lora:
             raise ApiError(400, f"the model '{model.name}' serves no adapters: start the server with --enable-lora")
         request = LoRARequest(name, next(self._ids), path)
         self._loading.add(name)

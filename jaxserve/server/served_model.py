@@ -7,22 +7,22 @@ import concurrent.futures
 import contextlib
 import dataclasses
 
-from jaxserve.engine.async_engine import AsyncEngine
+from jaxserve.engine.client import EngineClient
 from jaxserve.openai.metrics import ModelMetrics
-from jaxserve.openai.api import ApiError, context_length_error
+from jaxserve.openai.errors import ApiError, context_length_error
 from jaxserve.openai.structured import FieldError
-from jaxserve.openai.tool_calls import tags_are_special
+from jaxserve.openai.tool_parsers import tags_are_special
 
 
 class ServedModel:
     """One served engine and what the server keeps for it: its name, capacity, admitted sequences and metrics."""
 
-    def __init__(self, name: str, engine: AsyncEngine, metrics: ModelMetrics, max_queued_requests: int,
+    def __init__(self, name: str, engine: EngineClient, metrics: ModelMetrics, max_queued_requests: int,
                  max_request_sequences: int | None, tokenizer_threads: int):
         self.name, self.engine, self.metrics = name, engine, metrics
-        self.tokenizer = engine.llm.tokenizer
+        self.tokenizer = engine.tokenizer
         # Sequences (n per request) admitted and not finished: bounded, so a burst gets 429s, not an endless queue.
-        max_num_seqs = engine.llm.engine_config.max_num_seqs
+        max_num_seqs = engine.max_num_seqs
         self.capacity = max_num_seqs + max_queued_requests
         # Per request, so one request cannot take the whole capacity and leave every other client a 429.
         self.max_request_sequences = min(max_num_seqs if max_request_sequences is None else max_request_sequences,
@@ -57,7 +57,7 @@ class ServedModel:
             except ValueError as e:  # text no tokenizer takes (a lone surrogate from a chat template's other fields)
                 raise ApiError(400, str(e)) from None
             prompt = {"prompt_token_ids": ids, "prompt": prompt}
-        n, limit = len(prompt["prompt_token_ids"]), self.engine.llm.max_model_len
+        n, limit = len(prompt["prompt_token_ids"]), self.engine.max_model_len
         if n + (params.max_tokens or 1) > limit:
             raise context_length_error(limit, n, params.max_tokens)
         return prompt
@@ -91,7 +91,7 @@ class ServedModel:
         min_tokens = getattr(self.tokenizer, "min_tokens", None)  # a stand-in tokenizer (tests) may state no bound
         if min_tokens is None:
             return
-        floor, limit = min_tokens(text), self.engine.llm.max_model_len
+        floor, limit = min_tokens(text), self.engine.max_model_len
         if floor + (params.max_tokens or 1) > limit:
             raise context_length_error(limit, floor, params.max_tokens, at_least=True)
 

@@ -3,7 +3,8 @@ reads exactly these): `POST /tokenize`, `POST /detokenize`, `GET /tokenizer_info
 here, pure functions of the served model's tokenizer; `jaxserve.server.app` routes them."""
 from __future__ import annotations
 
-from jaxserve.openai.api import ApiError, check_body_fields, parse_chat
+from jaxserve.openai.errors import ApiError
+from jaxserve.openai.requests import check_body_fields, parse_chat
 
 _TOKENIZE = {"model": (str,), "prompt": (str,), "add_special_tokens": (bool,), "messages": (list,),
              "add_generation_prompt": (bool,), "return_token_strs": (bool,)}

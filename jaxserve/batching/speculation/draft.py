@@ -13,7 +13,7 @@ from __future__ import annotations
 from jaxserve.runner.batch_builder import Row
 from jaxserve.batching.speculation.proposer import Proposals
 from jaxserve.runner.protocol import Runner
-from jaxserve.batching.scheduler import row_sampling
+from jaxserve.batching.step_rows import row_sampling
 
 
 class DraftProposer:

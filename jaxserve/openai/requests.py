@@ -1,40 +1,21 @@
-"""The OpenAI wire format: request bodies checked and turned into (prompt, SamplingParams), outputs into response
-and stream-chunk bodies. Pure functions, no HTTP: `jaxserve.server` moves the bytes.
+"""Request bodies checked and turned into (prompt, SamplingParams): completions' prompts, chat's messages (their
+checks in `chat_messages`), the sampling fields both share, and the grammar a request asks for.
 
 A field the API defines but the engine does not implement is refused unless it has its no-op value (`echo`
 false), and an unknown field is refused: a client never gets silently different sampling.
 """
 from __future__ import annotations
 
-import json
-import time
-import uuid
-
 from jaxserve.openai import structured as openai_structured
-
 from jaxserve.openai import tool_calls
+from jaxserve.openai.chat_messages import parse_message
+from jaxserve.openai.errors import ApiError, check_request_text
 from jaxserve.openai.structured import FieldError
-from jaxserve.outputs import CompletionOutput
-from jaxserve.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP, SamplingParams
-from jaxserve.tokenizer import check_unicode
 from jaxserve.openai.tool_calls import ToolRequest
+from jaxserve.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP, SamplingParams
 
 MAX_N = 16
 MAX_PROMPTS = 64
-
-
-class ApiError(Exception):
-    """An error answered with an OpenAI-style body: {"error": {"message", "type", "param", "code"}}."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-        self.type = type or {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
-                             429: "rate_limit_error", 503: "service_unavailable"}.get(status, "server_error")
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
 # field: the JSON types it accepts. Sampling fields common to both endpoints, then each endpoint's own.
@@ -81,29 +62,6 @@ def _check_fields(body, fields: dict) -> None:
             raise ApiError(400, f"{key} {body[key]!r} is not supported by this server", key)
     if body.get("best_of") not in (None, 1 if body.get("n") is None else body["n"]):
         raise ApiError(400, "best_of other than n is not supported by this server", "best_of")
-
-
-def _check_text(text: str, param: str, what: str) -> None:
-    try:
-        check_unicode(text, what)
-    except ValueError as e:
-        raise ApiError(400, str(e), param) from None
-
-
-class ContextLengthError(ApiError):
-    """The 400 for a request too long for the model's max_model_len: its own kind, so that a cascade can move such a
-    request past a tier that cannot take it (the body is ApiError's)."""
-
-
-def context_length_error(limit: int, prompt_tokens: int, max_tokens: int | None,
-                         at_least: bool = False) -> ContextLengthError:
-    """The 400 for prompt + max_tokens past max_model_len (as vLLM's); `at_least`: prompt_tokens is a floor found
-    from the prompt's length, before tokenizing it."""
-    generate = max_tokens or 1
-    floor = "at least " if at_least else ""
-    return ContextLengthError(400, f"this model's maximum context length is {limit} tokens; the request asks for "
-                                   f"{floor}{prompt_tokens + generate} ({floor}{prompt_tokens} in the prompt, "
-                                   f"{generate} to generate)")
 
 
 def _structured_outputs(body: dict, tools: ToolRequest | None = None):
@@ -155,7 +113,7 @@ def _sampling_params(body: dict, max_tokens_default: int | None, logprobs: int |
         raise ApiError(400, f"at most {MAX_STOP} stop sequences", "stop")
     for text in [stop] if isinstance(stop, str) else stop or []:
         if isinstance(text, str):  # SamplingParams refuses the rest
-            _check_text(text, "stop", "a stop string")
+            check_request_text(text, "stop", "a stop string")
     n = 1 if body.get("n") is None else body["n"]
     if isinstance(n, int) and n > MAX_N:
         raise ApiError(400, f"n must be at most {MAX_N}", "n")
@@ -208,7 +166,7 @@ def parse_completion(body) -> tuple[list, SamplingParams]:
         if _is_token_ids(p):
             prompts.append({"prompt_token_ids": p})
         elif isinstance(p, str) and p:
-            _check_text(p, "prompt", "the prompt")
+            check_request_text(p, "prompt", "the prompt")
             prompts.append(p)
         else:
             raise ApiError(400, "each prompt must be a non-empty string or a non-empty array of token ids", "prompt")
@@ -244,7 +202,7 @@ def parse_chat(body) -> tuple[list[dict], SamplingParams, ToolRequest | None]:
     messages = body.get("messages")
     if not messages:
         raise ApiError(400, "messages must be a non-empty array", "messages")
-    messages = [_message(m, i) for i, m in enumerate(messages)]
+    messages = [parse_message(m, i) for i, m in enumerate(messages)]
     try:
         tools = tool_calls.parse_tools(body)
     except FieldError as e:
@@ -258,150 +216,8 @@ def parse_chat(body) -> tuple[list[dict], SamplingParams, ToolRequest | None]:
                                       _prompt_logprobs(body), tools), tools
 
 
-def _message(m, i: int) -> dict:
-    """One message as a chat template gets it (as HF's apply_chat_template): text content parts joined, developer
-    as system, an assistant's tool calls with their arguments as JSON values, not text."""
-    if not (isinstance(m, dict) and m.get("role") in ("system", "user", "assistant", "developer", "tool")):
-        raise ApiError(400, f"messages[{i}] must be an object with a role (system, user, assistant, tool) and "
-                            f"content", "messages")
-    m = dict(m)
-    if m["role"] == "developer":
-        m["role"] = "system"
-    if m["role"] == "assistant" and m.get("tool_calls"):
-        if not isinstance(m["tool_calls"], list):
-            raise ApiError(400, f"messages[{i}].tool_calls must be an array", "messages")
-        m["tool_calls"] = [_past_tool_call(c, f"messages[{i}].tool_calls[{j}]") for j, c in enumerate(m["tool_calls"])]
-        if m.get("content") is None:  # a turn of tool calls only
-            m.pop("content", None)
-            return m
-    elif "tool_calls" in m:
-        if m["tool_calls"] not in (None, []):
-            raise ApiError(400, f"messages[{i}]: only assistant messages have tool_calls", "messages")
-        del m["tool_calls"]
-    if m["role"] == "tool" and not isinstance(m.get("tool_call_id"), str):
-        raise ApiError(400, f"messages[{i}]: a tool message needs the tool_call_id it answers", "messages")
-    if not isinstance(m.get("content"), (str, list)):
-        raise ApiError(400, f"messages[{i}] must have content (a string or text parts)", "messages")
-    if isinstance(m["content"], list):  # content parts: text only
-        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                   for p in m["content"]):
-            raise ApiError(400, f"messages[{i}]: only text content parts are supported", "messages")
-        m["content"] = "".join(p["text"] for p in m["content"])
-    _check_text(m["content"], "messages", f"messages[{i}].content")
-    return m
-
-
-def _past_tool_call(call, where: str) -> dict:
-    """A tool call of an earlier assistant turn: {id, type, function: {name, arguments}}, its arguments parsed."""
-    fn = call.get("function") if isinstance(call, dict) else None
-    if not (isinstance(fn, dict) and call.get("type", "function") == "function" and isinstance(fn.get("name"), str)
-            and isinstance(fn.get("arguments"), str)):
-        raise ApiError(400, f"{where} must be {{id, type: function, function: {{name, arguments (JSON text)}}}}",
-                       "messages")
-    try:
-        arguments = json.loads(fn["arguments"])
-    except ValueError:
-        raise ApiError(400, f"{where}.function.arguments is not JSON text", "messages") from None
-    try:
-        openai_structured.check_text(arguments, f"{where}.function.arguments")
-    except FieldError as e:
-        raise ApiError(400, str(e), "messages") from None
-    return {**call, "type": "function", "function": {**fn, "arguments": arguments}}
-
-
-def render_chat(messages: list[dict], tokenizer, tools: ToolRequest | None = None) -> str:
-    """The prompt text of parsed messages: the model's chat template (which writes any BOS itself), given the tools
-    as HF's apply_chat_template(tools=...) gives them (also under tool_choice none, as vLLM does)."""
-    try:
-        return tokenizer.apply_chat_template(messages, **({"tools": tools.tools} if tools is not None else {}))
-    except ValueError as e:
-        raise ApiError(400, str(e), "messages") from None
-
-
 def wants_usage_in_stream(body: dict) -> bool:
     options = body.get("stream_options") or {}
     if set(options) - {"include_usage"}:
         raise ApiError(400, f"unknown stream_options {sorted(set(options) - {'include_usage'})}", "stream_options")
     return bool(options.get("include_usage"))
-
-
-# ---- responses ----
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
-
-
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
-
-
-def completion_logprobs(out: CompletionOutput, token_text, offset: int) -> dict | None:
-    """Legacy completions logprobs: tokens, token_logprobs, top_logprobs, text_offset (from `offset`)."""
-    if out.logprobs is None:
-        return None
-    tokens, lps, tops, offsets = [], [], [], []
-    for token_id, entry in zip(out.token_ids, out.logprobs):
-        text = token_text(token_id)
-        tokens.append(text)
-        lps.append(entry[token_id].logprob)
-        tops.append({token_text(t): lp.logprob for t, lp in entry.items()})
-        offsets.append(offset)
-        offset += len(text)
-    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
-
-
-def echo_logprobs(prompt_ids: list[int], scored: list, token_text, top: int) -> dict:
-    """Legacy completions logprobs of an echoed prompt (as OpenAI's API gave them): the first token's logprob and
-    top_logprobs are None; each other's top_logprobs holds the top `top` and the token itself."""
-    tokens, lps, tops, offsets = [], [], [], []
-    offset = 0
-    for token_id, entry in zip(prompt_ids, scored):
-        text = token_text(token_id)
-        tokens.append(text)
-        offsets.append(offset)
-        offset += len(text)
-        if entry is None:
-            lps.append(None)
-            tops.append(None)
-        else:
-            lps.append(entry[token_id].logprob)
-            tops.append({token_text(t): lp.logprob for t, lp in _top(entry, token_id, top)})
-    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
-
-
-def prompt_logprobs_body(prompt_ids: list[int], scored: list, top: int) -> list:
-    """vLLM's `prompt_logprobs`: None, then per position {token id: {logprob, rank, decoded_token}} holding the
-    prompt token and the top `top`."""
-    return [None if entry is None else
-            {str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
-             for t, lp in _top(entry, token_id, top)} for token_id, entry in zip(prompt_ids, scored)]
-
-
-def _top(entry: dict, token_id: int, top: int):
-    """An entry's token and its top `top` (it may hold more: the prompt is scored once for every view of it)."""
-    return [(t, lp) for t, lp in entry.items() if t == token_id or lp.rank <= top]
-
-
-def chat_logprobs(out: CompletionOutput, token_text, top: int, token_bytes=None) -> dict | None:
-    """Chat logprobs. `bytes` come from `token_bytes` (Tokenizer.token_bytes), not from the token's text: a token
-    holding part of a character reads as U+FFFD. Without it (no tokenizer) they are the text's UTF-8."""
-    if out.logprobs is None:
-        return None
-    token_bytes = token_bytes or (lambda t: token_text(t).encode())
-    content = []
-    for token_id, entry in zip(out.token_ids, out.logprobs):
-        def item(t, lp):
-            return {"token": token_text(t), "logprob": lp.logprob, "bytes": list(token_bytes(t))}
-        ranked = sorted(entry.items(), key=lambda kv: -kv[1].logprob)[:top]
-        content.append({**item(token_id, entry[token_id]), "top_logprobs": [item(t, lp) for t, lp in ranked]})
-    return {"content": content}
-
-
-def completion_body(request_id: str, model: str, choices: list[dict], usage_: dict | None, chat: bool,
-                    chunk: bool) -> dict:
-    kind = ("chat.completion.chunk" if chunk else "chat.completion") if chat else "text_completion"
-    body = {"id": request_id, "object": kind, "created": int(time.time()), "model": model, "choices": choices}
-    if usage_ is not None:
-        body["usage"] = usage_
-    return body

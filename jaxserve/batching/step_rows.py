@@ -1,0 +1,79 @@
+"""A planned step as the runner's rows (`jaxserve.runner.batch_builder.Row`): each row's tokens, pages and how it
+samples, read from its sequence as it stands before the step is counted in; then the grammar masks of the rows that
+sample under one, filled all at once. Reads sequences, never writes them (the scheduler does).
+"""
+from __future__ import annotations
+
+from jaxserve.batching.sequence import Sequence
+from jaxserve.batching.step_plan import Chunk, ScheduledBatch
+from jaxserve.runner.batch_builder import Row, RowSampling
+from jaxserve.sample.logit_controls import bad_word_bans
+from jaxserve.sample.token_mask import both
+from jaxserve.structured_output import fill_masks
+
+
+def prompt_targets(chunk: Chunk) -> dict:
+    """A prompt chunk's Row arguments for prompt logprobs: each position from the first not yet collected (a
+    recomputed chunk asks only for what is missing) scores the prompt token after it; the last prompt token has
+    none. Empty when the sequence does not score its prompt."""
+    seq = chunk.seq
+    if not seq.scores_prompt:
+        return {}
+    prompt = seq.prompt_token_ids
+    first = max(chunk.start, len(seq.output.prompt_logprobs) - 1)
+    end = min(chunk.start + chunk.length, len(prompt) - 1)
+    if first >= end:
+        return {}
+    return dict(prompt_targets=prompt[first + 1:end + 1], score_from=first - chunk.start)
+
+
+def row_sampling(seq: Sequence, ahead: int = 0, top_logprobs: bool = True) -> RowSampling:
+    """How a row of `seq` samples its next token, or (a draft model's row) the token `ahead` tokens later: with its
+    seed and generated token number, so a draft's draw is coupled with the target's. top_logprobs=False: a row whose
+    logprobs nobody reads (a draft's)."""
+    p = seq.params
+    # min_tokens: until reached, ending tokens may not be sampled at all (a device-side ban, as in vLLM; the
+    # device counts, since one verification row samples several tokens).
+    banned = seq.ending_token_ids if seq.num_generated < p.min_tokens else ()
+    c = seq.controls
+    bans = bad_word_bans(c.bad_words, seq.output_token_ids, seq.num_generated) if c.bad_words else ()
+    return RowSampling(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p, seed=seq.seed,
+                       step=seq.num_generated + ahead, banned=banned, min_tokens=p.min_tokens,
+                       want_top_logprobs=bool(p.logprobs) and top_logprobs,
+                       # Logit controls: the request's mask and bias (resolved at admission), the bad words the
+                       # row's last token may complete, the penalties and the tokens they count.
+                       token_mask=c.token_mask, bad_word_bans=bans, logit_bias=c.logit_bias,
+                       presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
+                       repetition_penalty=p.repetition_penalty, past_tokens=seq.token_ids_array,
+                       prompt_len=len(seq.prompt_token_ids))
+
+
+def lay_out_rows(plan: ScheduledBatch) -> list[Row]:
+    """The batch as rows, from the sequences as they stand before it is counted in: decode rows (whose token the
+    step before sampled is taken straight from the device), then prompt chunks."""
+    rows = []
+    for s in plan.decode:
+        proposals = plan.proposals.get(s, [])
+        rows.append(Row([0 if s.pending else s.last_token] + proposals, s.num_tokens - 1, s.pages,
+                        row_sampling(s), s.slot, chained=bool(s.pending), num_draft=len(proposals),
+                        lora_slot=s.lora_slot))
+    rows += [Row(c.seq.token_ids[c.start:c.start + c.length], c.start, c.seq.pages, row_sampling(c.seq),
+                 c.seq.slot if c.is_last else -1, samples=c.is_last, lora_slot=c.seq.lora_slot,
+                 **prompt_targets(c))
+             for c in plan.prefill]
+    return rows
+
+
+def constrain(plan: ScheduledBatch) -> None:
+    """Fills the masks of the rows that sample under a grammar, all at once (llguidance's threads, without the
+    GIL), each ANDed with any mask the row has already."""
+    constrained = [(row, seq.output.grammar) for row, seq in zip(plan.rows, plan.row_seqs)
+                   if row.samples and seq.output.grammar is not None]
+    if not constrained:
+        return
+    if any(row.chained for row, _ in constrained):  # the engine reads such a row's last step back first
+        raise RuntimeError("a row under a grammar was planned before its previous token was known")
+    masks = fill_masks([grammar for _, grammar in constrained])  # [R, W]
+    for (row, _), mask in zip(constrained, masks):
+        row.sampling.token_mask = both(row.sampling.token_mask, mask)
+    plan.constrained = True
