@@ -13,9 +13,8 @@ from pathlib import Path
 
 from jaxserve.cache import KV_CACHE_DTYPES, check_kv_cache_dtype
 from jaxserve.cli_flags import FlagGroup, add_flags, flag, read_flags
-from jaxserve.options import (ATTENTION_BACKENDS, AUTO_CLUSTER, CPU_KV_CACHE_BYTES, DTYPES, ROLES,
-                              SCHEDULING_POLICIES)
 from jaxserve.model.quant import QUANTIZATIONS
+from jaxserve.options import ATTENTION_BACKENDS, AUTO_CLUSTER, CPU_KV_CACHE_BYTES, DTYPES, ROLES, SCHEDULING_POLICIES
 from jaxserve.spec_config import SpeculativeConfig
 from jaxserve.tokenizer import read_chat_template
 from jaxserve.weights.default_model import DEFAULT_MODEL

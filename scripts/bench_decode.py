@@ -32,18 +32,16 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-
 sys.path.insert(0, str(Path(__file__).parent))
 import peers  # noqa: E402
 
 from jaxserve import LLM, SamplingParams  # noqa: E402
-from jaxserve.runner.batch_builder import Row  # noqa: E402
 from jaxserve.batching.sequence import Sequence  # noqa: E402
 from jaxserve.cache.transfer import kv_bytes, num_pages  # noqa: E402
 from jaxserve.model.quant import Int4Weight, Int8Weight, is_quantized, matmul  # noqa: E402
+from jaxserve.runner.batch_builder import Row  # noqa: E402
 from jaxserve.weights import resolve_model_path  # noqa: E402
 from jaxserve.weights.params import param_bytes  # noqa: E402
-
 
 # name: LLM options. Weights: linear layers quantized (the embeddings stay float32, and the LM head unless the runner
 # makes it int8: on CPU for an int8 model with a large vocabulary, `model_runner.with_serving_head`);

@@ -105,8 +105,8 @@ def bench_decode(model, rounds: int, steps: int, batch_sizes=(1, 64)):
     is int8 as CPU ran it before int8_dot_matmul: that engine's Int8Weight nodes become WeightOnlyInt8, which
     quant's CPU branch (patched for this process) sends to the weight-only product."""
     from jaxserve import LLM, SamplingParams
-    from jaxserve.model import quant
     from jaxserve.batching.sequence import Sequence
+    from jaxserve.model import quant
 
     kinds = {"float32": {}, "int8": {"quantization": "int8"}, "int8-weight-only": {"quantization": "int8"}}
     llms = {fmt: LLM(model, max_model_len=512, max_num_seqs=max(batch_sizes), max_num_batched_tokens=256,

@@ -27,11 +27,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.model.attention import ragged_attention, ragged_attention_reference, resolve_attention_backend
-from jaxserve.runner.batch_builder import Row, build_batch
 from jaxserve.cache.kv_cache import stored_head_dim
+from jaxserve.model.attention import ragged_attention, ragged_attention_reference, resolve_attention_backend
 from jaxserve.pallas_kernels import int4_matmul, page_head_dim_multiple, ragged_kernel_for
 from jaxserve.pallas_kernels.quantized_matmul import int4_dequantize, int4_matmul_reference
+from jaxserve.runner.batch_builder import Row, build_batch
 
 KVH, H, D, PAGE = 8, 32, 128, 16
 REPEATS = 10  # --smoke: 1

@@ -32,8 +32,15 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.cache.kv_cache import Int8Pages
-from jaxserve.kv_transfer import (JaxTransferEndpoint, KVServer, KVStore, KVTransferError, decode_pages, encode_pages,
-                                  fetch_pages)
+from jaxserve.kv_transfer import (
+    JaxTransferEndpoint,
+    KVServer,
+    KVStore,
+    KVTransferError,
+    decode_pages,
+    encode_pages,
+    fetch_pages,
+)
 
 LAYERS, KV_HEADS, HEAD_DIM, PAGE_SIZE = 30, 3, 64, 16  # SmolLM2-135M, the default model
 HOST = "127.0.0.1"

@@ -23,10 +23,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 import peers  # noqa: E402
 
 from jaxserve import LLM, SamplingParams  # noqa: E402
-from jaxserve.runner.batch_builder import Row, build_batch  # noqa: E402
-from jaxserve.batching.step_rows import row_sampling  # noqa: E402
 from jaxserve.batching.sequence import Sequence  # noqa: E402
+from jaxserve.batching.step_rows import row_sampling  # noqa: E402
 from jaxserve.buckets import round_up  # noqa: E402
+from jaxserve.runner.batch_builder import Row, build_batch  # noqa: E402
 from jaxserve.sample.logit_controls import resolve  # noqa: E402
 from jaxserve.sampling_params import MAX_LOGIT_BIAS  # noqa: E402
 
@@ -80,6 +80,7 @@ def sampler_ms(llm, batches: dict, rounds: int) -> dict:
     """Median ms of the sampler alone (the step's tokens into the controls, then sample()) on random [rows, V]
     logits, for each batch, in turn: the controls' own cost, measured where a shared machine's noise is small."""
     import jax
+
     from jaxserve.sample.sampling import sample, with_step_tokens
 
     @jax.jit

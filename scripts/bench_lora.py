@@ -26,13 +26,13 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_decode import machine  # noqa: E402
 
-from jaxserve.runner.batch_builder import Row  # noqa: E402
-from jaxserve.runner.model_runner import ModelRunner, RunnerConfig  # noqa: E402
 from jaxserve.buckets import Buckets  # noqa: E402
-from jaxserve.model import lora as delta  # noqa: E402
 from jaxserve.lora.adapter import TARGETS, load_adapter, target_shapes  # noqa: E402
 from jaxserve.lora.request import LoRARequest  # noqa: E402
+from jaxserve.model import lora as delta  # noqa: E402
 from jaxserve.model.families import LINEARS  # noqa: E402
+from jaxserve.runner.batch_builder import Row  # noqa: E402
+from jaxserve.runner.model_runner import ModelRunner, RunnerConfig  # noqa: E402
 from jaxserve.runner.steps import steps_for  # noqa: E402
 from jaxserve.weights import load_model  # noqa: E402
 

@@ -24,9 +24,9 @@ if "--worker" not in sys.argv:
     os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 
 from jaxserve import LLM, SamplingParams  # noqa: E402
-from jaxserve.runner.batch_builder import Row, build_batch  # noqa: E402
 from jaxserve.aot.collectives import collective_census  # noqa: E402
 from jaxserve.parallel.mesh import bytes_per_device  # noqa: E402
+from jaxserve.runner.batch_builder import Row, build_batch  # noqa: E402
 
 ENGINE = dict(max_model_len=256, max_num_batched_tokens=256, warmup=True)
 NEW_TOKENS = 64

@@ -48,8 +48,17 @@ import aiohttp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_serving import (finite_json, load_tokenizer, make_prompt, parse_floats, parse_lengths,  # noqa: E402
-                           request_body, run_load, send, summarize)
+from bench_serving import (  # noqa: E402
+    finite_json,
+    load_tokenizer,
+    make_prompt,
+    parse_floats,
+    parse_lengths,
+    request_body,
+    run_load,
+    send,
+    summarize,
+)
 from workload import describe, synth_requests  # noqa: E402
 
 SERVE = "{python} -m jaxserve.cli serve --port {port} {serve_args}"

@@ -88,6 +88,7 @@ def hf_peers(workloads, tok, batch: int, max_tokens: int, k: int) -> list[dict]:
     """HF transformers on the same chat prompts, one at a time, greedy: plain and with prompt lookup (k tokens)."""
     sys.path.insert(0, str(Path(__file__).parent))
     import peers
+
     from jaxserve.weights.default_model import default_model_path
     gguf = default_model_path()
     rows = []

@@ -6,8 +6,8 @@ import argparse
 
 import jax.numpy as jnp
 
-from jaxserve.runner.batch_builder import Row, RowSampling, build_batch
 from jaxserve.cache import PageAllocator, init_kv_cache, pages_needed
+from jaxserve.runner.batch_builder import Row, RowSampling, build_batch
 from jaxserve.runner.steps import Steps
 from jaxserve.weights import load_model
 

@@ -42,9 +42,8 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
-
 import cascade_questions as cq
+import numpy as np
 import train_router as tr
 
 QUANTIZATIONS = ("int4", "int8", "awq")

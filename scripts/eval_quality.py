@@ -16,9 +16,9 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
+from jaxserve.model.quant import quantize_params
 from jaxserve.quantize.awq import CALIBRATION_TEXT, quantize_awq
 from jaxserve.quantize.perplexity import next_token_logits, perplexity
-from jaxserve.model.quant import quantize_params
 from jaxserve.weights import load_model
 from jaxserve.weights.params import param_bytes
 

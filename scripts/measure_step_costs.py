@@ -35,10 +35,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 from bench_decode import machine  # noqa: E402
 from simulate_pd import StepCosts, attention_work  # noqa: E402
 
-from jaxserve.runner.batch_builder import Row  # noqa: E402
-from jaxserve.runner.model_runner import ModelRunner, RunnerConfig  # noqa: E402
 from jaxserve.buckets import Buckets  # noqa: E402
 from jaxserve.cache import pages_needed  # noqa: E402
+from jaxserve.runner.batch_builder import Row  # noqa: E402
+from jaxserve.runner.model_runner import ModelRunner, RunnerConfig  # noqa: E402
 from jaxserve.weights import load_model  # noqa: E402
 
 PAGE = 16

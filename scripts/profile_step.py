@@ -23,15 +23,15 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_decode import machine, timed  # noqa: E402
 
-from jaxserve.model import attention as attention_module  # noqa: E402
-from jaxserve.runner.batch_builder import Row, build_batch  # noqa: E402
-from jaxserve.runner.model_runner import served_params  # noqa: E402
 from jaxserve.cache import init_kv_cache, pages_needed  # noqa: E402
+from jaxserve.model import attention as attention_module  # noqa: E402
 from jaxserve.model.decoder import DecoderModel  # noqa: E402
 from jaxserve.model.quant import matmul  # noqa: E402
 from jaxserve.quantize.apply import quantize_model  # noqa: E402
-from jaxserve.sample.sampling import sample  # noqa: E402
+from jaxserve.runner.batch_builder import Row, build_batch  # noqa: E402
+from jaxserve.runner.model_runner import served_params  # noqa: E402
 from jaxserve.runner.steps import Steps, write_cache  # noqa: E402
+from jaxserve.sample.sampling import sample  # noqa: E402
 from jaxserve.weights import load_model  # noqa: E402
 
 

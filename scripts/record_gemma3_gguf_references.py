@@ -1,5 +1,5 @@
 """Records what HF transformers reads from Gemma 3 270M's GGUF (the same file jaxserve loads) into
-tests/data/gemma3_gguf_hf.json, the reference tests/test_gemma3_gguf.py compares jaxserve's loader against: the
+tests/data/gemma3_gguf_hf.json, the reference tests/model/test_gemma3_gguf.py compares jaxserve's loader against: the
 config, a SHA-256 of every float32 tensor (with its shape), and the tokenizer's ids and decodings of the test's texts,
 and its rendering of the chat template. (Reading the file takes HF minutes on two cores: recorded, not recomputed.)
 

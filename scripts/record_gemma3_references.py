@@ -1,5 +1,5 @@
 """Records HF transformers' greedy continuations of Gemma 3 270M (float32, weights dequantized from the same GGUF
-jaxserve loads) into tests/data/gemma3_greedy.json, the reference tests/test_gemma3.py compares against.
+jaxserve loads) into tests/data/gemma3_greedy.json, the reference tests/model/test_gemma3.py compares against.
 
     python scripts/record_gemma3_references.py [--out tests/data/gemma3_greedy.json]
 
@@ -9,10 +9,10 @@ may pick different tokens, so the test only compares tokens up to the first near
 import argparse
 import json
 from pathlib import Path
+from pydoc_data.topics import topics
 
 import torch
 import transformers
-from pydoc_data.topics import topics
 
 from jaxserve.weights.default_model import known_model_path
 

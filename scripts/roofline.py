@@ -25,8 +25,8 @@ import json
 import jax.numpy as jnp
 
 from jaxserve.aot import deviceless as aot
-from jaxserve.cache import bytes_per_page
 from jaxserve.aot.collectives import Collective
+from jaxserve.cache import bytes_per_page
 from jaxserve.pallas_kernels import page_head_dim_multiple
 from jaxserve.weights.params import param_bytes
 

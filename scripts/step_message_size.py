@@ -9,10 +9,10 @@ import argparse
 import json
 import pickle
 
-from jaxserve.runner.batch_builder import Row, RowSampling, build_batch
 from jaxserve.buckets import Buckets, round_up
 from jaxserve.cache import pages_needed
 from jaxserve.multihost import StepMessage, encode
+from jaxserve.runner.batch_builder import Row, RowSampling, build_batch
 
 # (what, max_num_seqs, max_num_batched_tokens, block_size, max_model_len, context)
 CASES = [("defaults, 1,000-token contexts", 64, 512, 16, 8192, 1000),

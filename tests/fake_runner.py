@@ -17,18 +17,18 @@ import numpy as np
 
 from jaxserve import LLM
 from jaxserve.batch import StepOutput
-from jaxserve.runner.batch_builder import Row
-from jaxserve.batching.speculation.draft import DraftProposer
 from jaxserve.batching.engine_core import PLAN_LEAD_FACTOR, PLAN_LEAD_S, EngineCore
-from jaxserve.batching.speculation.ngram import NgramProposer
-from jaxserve.runner.protocol import StepHandle
 from jaxserve.batching.scheduler import Scheduler
 from jaxserve.batching.speculation.controller import SpecController
+from jaxserve.batching.speculation.draft import DraftProposer
+from jaxserve.batching.speculation.ngram import NgramProposer
 from jaxserve.buckets import geometric
 from jaxserve.cache import PageAllocator, PrefixCache, pages_needed
 from jaxserve.engine.factory import EngineParts
 from jaxserve.lora.adapter import LoRAError
 from jaxserve.lora.slot_cache import HostAdapters, LoRASlots
+from jaxserve.runner.batch_builder import Row
+from jaxserve.runner.protocol import StepHandle
 from jaxserve.sampling_params import MAX_LOGPROBS
 
 

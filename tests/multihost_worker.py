@@ -1,4 +1,4 @@
-"""One process of a multi-process engine (tests/test_multihost.py starts several):
+"""One process of a multi-process engine (tests/multihost/test_multihost.py starts several):
 
     python multihost_worker.py MODEL_DIR COORDINATOR NUM_PROCESSES PROCESS_ID TENSOR_PARALLEL OUT_JSON [OPTION...]
 

@@ -7,12 +7,13 @@ import typing
 
 import pytest
 
-from fake_runner import FakeRunner, fake_llm
 from jaxserve.engine.async_engine import AsyncEngine
 from jaxserve.engine.client import EngineClient
 from jaxserve.openai.kv_transfer_params import KVTransferParams, KVTransferParamsError, RemoteKV
 from jaxserve.runner.model_runner import ModelRunner
 from jaxserve.runner.protocol import Runner
+
+from fake_runner import FakeRunner, fake_llm
 
 
 def members(protocol) -> set[str]:

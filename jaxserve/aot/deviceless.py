@@ -22,17 +22,17 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.aot import hbm_audit
+from jaxserve.aot.collectives import collective_census
 from jaxserve.batch import RaggedRows
-from jaxserve.runner.batch_builder import build_batch
 from jaxserve.buckets import Buckets
 from jaxserve.cache import init_kv_cache, pages_needed
-from jaxserve.aot.collectives import collective_census
 from jaxserve.config import FULL, SLIDING, ModelConfig
-from jaxserve.parallel.mesh import check_tensor_parallel, make_mesh, replicated
-from jaxserve.parallel.layouts import param_formats
 from jaxserve.model.decoder import declared_params
-from jaxserve.pallas_kernels import page_head_dim_multiple, ragged_kernel_for
 from jaxserve.model.quant import quantize_params
+from jaxserve.pallas_kernels import page_head_dim_multiple, ragged_kernel_for
+from jaxserve.parallel.layouts import param_formats
+from jaxserve.parallel.mesh import check_tensor_parallel, make_mesh, replicated
+from jaxserve.runner.batch_builder import build_batch
 from jaxserve.runner.steps import Steps
 
 

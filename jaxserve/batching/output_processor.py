@@ -16,9 +16,9 @@ import dataclasses
 import logging
 
 from jaxserve.batch import PromptScores, StepOutput
-from jaxserve.runner.batch_builder import Row
 from jaxserve.batching.sequence import Sequence
 from jaxserve.outputs import CompletionOutput, Logprob, RequestMetrics
+from jaxserve.runner.batch_builder import Row
 
 logger = logging.getLogger("jaxserve")
 

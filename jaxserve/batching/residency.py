@@ -8,7 +8,7 @@ tokens. Under the priority policy a waiting sequence may also displace a strictl
 
 `Residency` is the base of `jaxserve.batching.scheduler.Scheduler`: the state every part of the scheduler shares
 (the waiting, running and handed-off sequences, the free slots) and the moves on it. Like the rest of the
-scheduler, it is a writer of a Sequence's fields (`tests/test_state_owners.py`).
+scheduler, it is a writer of a Sequence's fields (`tests/batching/test_state_owners.py`).
 """
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ processor's).
 
 Each field has one writer: the scheduler (`jaxserve.batching.scheduler`) writes a Sequence's own fields, the output
 processor (`jaxserve.batching.output_processor`) writes its `output` (`OutputState`); everything else only reads
-them (`tests/test_state_owners.py` checks it).
+them (`tests/batching/test_state_owners.py` checks it).
 """
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from jaxserve.sample.logit_controls import NONE, LogitControls
 from jaxserve.outputs import Logprob
+from jaxserve.sample.logit_controls import NONE, LogitControls
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.structured_output import GrammarMatcher
 

@@ -8,8 +8,15 @@ logistic classifier per tier but the last, for each policy, as a JSON file), `po
 (`jaxserve serve --cascade A,B`) is `jaxserve.server.cascade`; training and evaluation are scripts/train_router.py
 and scripts/eval_cascade.py.
 """
-from jaxserve.cascade.features import (ANSWER_FEATURES, FEATURES, PROMPT_FEATURES, SCORE_TOPK, answer_features,
-                                       prompt_features, score_params)
+from jaxserve.cascade.features import (
+                                       ANSWER_FEATURES,
+                                       FEATURES,
+                                       PROMPT_FEATURES,
+                                       SCORE_TOPK,
+                                       answer_features,
+                                       prompt_features,
+                                       score_params,
+)
 from jaxserve.cascade.router_file import CascadeRouter, RouterFileError, TierClassifier
 
 __all__ = ["ANSWER_FEATURES", "FEATURES", "PROMPT_FEATURES", "SCORE_TOPK", "CascadeRouter", "RouterFileError",

@@ -14,28 +14,28 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve import multihost
-from jaxserve.model.attention import resolve_attention_backend
+from jaxserve.batching.engine_core import PLAN_LEAD_FACTOR, PLAN_LEAD_S, EngineCore
 from jaxserve.batching.pools.data_parallel import DataParallel
 from jaxserve.batching.pools.disaggregated import Disaggregated
-from jaxserve.batching.speculation.draft import DraftProposer
-from jaxserve.batching.engine_core import PLAN_LEAD_FACTOR, PLAN_LEAD_S, EngineCore
-from jaxserve.runner.model_runner import ModelRunner, RunnerConfig
-from jaxserve.batching.speculation.ngram import NgramProposer
 from jaxserve.batching.scheduler import Scheduler
 from jaxserve.batching.slo import SloController
 from jaxserve.batching.speculation.controller import SpecController
+from jaxserve.batching.speculation.draft import DraftProposer
+from jaxserve.batching.speculation.ngram import NgramProposer
 from jaxserve.buckets import Buckets, geometric
 from jaxserve.cache import PageAllocator, PrefixCache, bytes_per_page, num_pages_for_budget, pages_needed
-from jaxserve.parallel.mesh import check_tensor_parallel, device_groups, make_mesh
 from jaxserve.engine_config import EngineConfig
 from jaxserve.lora.adapter import load_adapter
 from jaxserve.lora.buffers import lora_bytes
 from jaxserve.lora.slot_cache import HostAdapters, LoRASlots
+from jaxserve.model.attention import resolve_attention_backend
 from jaxserve.model.decoder import repeat_kv_heads
 from jaxserve.options import CPU_KV_CACHE_BYTES
 from jaxserve.pallas_kernels import page_head_dim_multiple
+from jaxserve.parallel.mesh import check_tensor_parallel, device_groups, make_mesh
 from jaxserve.paths import cache_dir
 from jaxserve.quantize.apply import quantize_model
+from jaxserve.runner.model_runner import ModelRunner, RunnerConfig
 from jaxserve.spec_config import check_draft
 from jaxserve.tokenizer import read_chat_template
 from jaxserve.weights import LoadedModel, load_model, resolve_dtype

@@ -14,12 +14,12 @@ from typing import Iterable
 from jaxserve.batching.engine_stats import EngineStats
 from jaxserve.batching.output_processor import SequenceDelta, completion_output, request_metrics
 from jaxserve.batching.sequence import Sequence
-from jaxserve.engine_config import EngineConfig
 from jaxserve.engine.factory import EngineParts, build_engine
-from jaxserve.sample.logit_controls import resolve
+from jaxserve.engine_config import EngineConfig
 from jaxserve.lora.request import LoRARequest
 from jaxserve.lora.slot_cache import HostAdapters, LoadedAdapter
 from jaxserve.outputs import RequestOutput
+from jaxserve.sample.logit_controls import resolve
 from jaxserve.sampling_params import MAX_BANNED_TOKENS, SamplingParams
 from jaxserve.structured_output import compile_grammar
 from jaxserve.tokenizer import IncrementalDetokenizer

@@ -17,16 +17,17 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
-from jaxserve.model.attention import attention
 from jaxserve.batch import RaggedRows
 from jaxserve.cache import init_kv_cache
 from jaxserve.config import ModelConfig
-from jaxserve.parallel.mesh import attention_over_heads, embed_over_vocab, model_size
+from jaxserve.model.attention import attention
 from jaxserve.model.layers import Linear, RMSNorm, rms_norm
-from jaxserve.model.rope import apply_rope, inverse_frequencies
 from jaxserve.model.quant import embed, logical_axes, matmul
+from jaxserve.model.rope import apply_rope, inverse_frequencies
+from jaxserve.parallel.mesh import attention_over_heads, embed_over_vocab, model_size
 
 
 class DeclaredParams(NamedTuple):

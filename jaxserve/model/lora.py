@@ -15,7 +15,6 @@ uses once, with no sort), where the layer's A and B are whole on the device.
 """
 from __future__ import annotations
 
-
 import jax
 import jax.numpy as jnp
 

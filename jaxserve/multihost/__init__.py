@@ -19,11 +19,18 @@ The public names are re-exported here. Module settings are read where they are d
 """
 from jaxserve.multihost.channel import StepChannel, ack_every
 from jaxserve.multihost.leader_follower import LeaderFollower
-from jaxserve.multihost.messages import (AbortMessage, EndMessage, ErrorMessage, Message, ShutdownMessage,
-                                         StepMessage)
-from jaxserve.multihost.process import (HEARTBEAT_TIMEOUT_S, MIN_SECRET_BYTES, SECRET_ENV, SHUTDOWN_TIMEOUT_S,
-                                        exit_now, initialize, is_leader, shared_secret,
-                                        take_held_sigterm)
+from jaxserve.multihost.messages import AbortMessage, EndMessage, ErrorMessage, Message, ShutdownMessage, StepMessage
+from jaxserve.multihost.process import (
+                                         HEARTBEAT_TIMEOUT_S,
+                                         MIN_SECRET_BYTES,
+                                         SECRET_ENV,
+                                         SHUTDOWN_TIMEOUT_S,
+                                         exit_now,
+                                         initialize,
+                                         is_leader,
+                                         shared_secret,
+                                         take_held_sigterm,
+)
 from jaxserve.multihost.wire import MessageRefused, decode, encode
 
 __all__ = ["AbortMessage", "EndMessage", "ErrorMessage", "HEARTBEAT_TIMEOUT_S", "LeaderFollower", "MIN_SECRET_BYTES",

@@ -37,8 +37,16 @@ from jax.experimental.pallas import triton as pltriton
 from jaxserve.batch import RaggedRows
 from jaxserve.pallas_kernels.gpu_blocks import HOPPER_CORES, HOPPER_SHARED_MEMORY, dot_rows, gpu_blocks, key_splits
 from jaxserve.pallas_kernels.query_blocks import QueryBlocks, num_slots, query_blocks, unblock
-from jaxserve.pallas_kernels.softmax import (dequantize, pad_head_dim, pow2, scores, softmax_block, softmax_init,
-                                             softmax_result, split_pages)
+from jaxserve.pallas_kernels.softmax import (
+    dequantize,
+    pad_head_dim,
+    pow2,
+    scores,
+    softmax_block,
+    softmax_init,
+    softmax_result,
+    split_pages,
+)
 
 _FAR = 2 ** 30  # a position past every real one: "no token here" in the block metadata
 # Per block slot, in the order the kernel reads them: cached keys, first new token of the row (flat index), the

@@ -36,8 +36,15 @@ from jax.experimental.pallas import tpu as pltpu
 
 from jaxserve.batch import RaggedRows
 from jaxserve.pallas_kernels.query_blocks import num_slots, query_blocks, unblock
-from jaxserve.pallas_kernels.softmax import (MASKED, dequantize, pad_head_dim, scores, softmax_block, softmax_result,
-                                             split_pages)
+from jaxserve.pallas_kernels.softmax import (
+    MASKED,
+    dequantize,
+    pad_head_dim,
+    scores,
+    softmax_block,
+    softmax_result,
+    split_pages,
+)
 from jaxserve.pallas_kernels.tpu_blocks import TPU_VMEM, tpu_blocks
 
 

@@ -6,8 +6,8 @@ import dataclasses
 import logging
 import time
 
-from jaxserve.quantize.awq import CALIBRATION_TEXT, quantize_awq
 from jaxserve.model.quant import DEFAULT_GROUP_SIZE, QUANTIZATIONS, quantize_params
+from jaxserve.quantize.awq import CALIBRATION_TEXT, quantize_awq
 from jaxserve.weights import LoadedModel
 from jaxserve.weights.params import param_bytes
 

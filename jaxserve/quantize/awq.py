@@ -18,8 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.model.layers import Linear
-from jaxserve.quantize.perplexity import next_token_logits
 from jaxserve.model.quant import matmul, quantize_int4, quantize_params
+from jaxserve.quantize.perplexity import next_token_logits
 
 logger = logging.getLogger("jaxserve")
 

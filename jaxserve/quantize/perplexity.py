@@ -5,8 +5,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.runner.batch_builder import Row, build_batch
 from jaxserve.cache import init_kv_cache, pages_needed
+from jaxserve.runner.batch_builder import Row, build_batch
 from jaxserve.runner.steps import steps_for
 
 

@@ -12,10 +12,10 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from jaxserve.openai.errors import ApiError
+from jaxserve.openai.http import drain, errors, json_body, run_until_signalled
 from jaxserve.router.metrics import RouterMetrics
 from jaxserve.router.pool import Pool
 from jaxserve.router.proxy import PDRequest
-from jaxserve.openai.http import drain, errors, json_body, run_until_signalled
 
 logger = logging.getLogger("jaxserve")
 

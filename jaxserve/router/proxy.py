@@ -26,8 +26,7 @@ from jaxserve.openai.http import DISCARD_PATH, KV_BYTES_HEADER, KV_SECONDS_HEADE
 from jaxserve.openai.kv_transfer_params import KVTransferParams, KVTransferParamsError, RemoteKV
 from jaxserve.router.joined import JoinedAnswer
 from jaxserve.router.pool import Backend, Pool
-from jaxserve.router.upstream import (ServerAnswer, ServerFailure, Unfinished, error_message, failure_of,
-                                      sse_events)
+from jaxserve.router.upstream import ServerAnswer, ServerFailure, Unfinished, error_message, failure_of, sse_events
 
 logger = logging.getLogger("jaxserve")
 

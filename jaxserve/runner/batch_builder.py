@@ -8,8 +8,8 @@ import numpy as np
 
 from jaxserve.batch import RaggedRows, SamplingInput, StepInput, constant
 from jaxserve.cache import SCRATCH_PAGE, pages_needed
-from jaxserve.sampling_params import MAX_BAD_WORD_BANS, MAX_BANNED_TOKENS, MAX_LOGIT_BIAS
 from jaxserve.sample.token_mask import num_words
+from jaxserve.sampling_params import MAX_BAD_WORD_BANS, MAX_BANNED_TOKENS, MAX_LOGIT_BIAS
 
 
 @dataclasses.dataclass
@@ -176,7 +176,7 @@ def _place_tokens(batch: StepInput, i: int, row: Row, t: int, page_size: int) ->
     if row.chained:
         batch.chain_slot[t] = row.slot
     if row.lora_slot >= 0:
-        token_adapter = batch.lora_slot  # int32 [T]; named apart from Sequence.lora_slot (tests/test_state_owners.py)
+        token_adapter = batch.lora_slot  # int32 [T]; named apart from Sequence.lora_slot (tests/batching/test_state_owners.py)
         token_adapter[t:t + n] = row.lora_slot
 
 

@@ -17,23 +17,24 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxserve.batch import StepInput, StepOutput
-from jaxserve.runner.batch_builder import Row, build_batch
-from jaxserve.runner.protocol import StepHandle
 from jaxserve.buckets import Buckets, geometric, round_up
 from jaxserve.cache import SCRATCH_PAGE, init_kv_cache, pages_needed
 from jaxserve.cache.kv_cache import bf16_pages_as_bits, values_dtype
 from jaxserve.cache.transfer import KVPages, gather_pages, kv_bytes, num_pages, padded_ids, scatter_pages
-from jaxserve.multihost import LeaderFollower
-from jaxserve.parallel.mesh import log_placement, param_shardings, place, replicated
-from jaxserve.parallel.layouts import param_formats, with_row_major_tables
 from jaxserve.lora.adapter import LoRAAdapter
 from jaxserve.lora.buffers import empty_lora, lora_axes, slot_arrays
 from jaxserve.model.fused import with_fused_projections
-from jaxserve.pallas_kernels import page_head_dim_multiple
 from jaxserve.model.quant import Int8Weight, is_quantized, quantize_int8
+from jaxserve.multihost import LeaderFollower
+from jaxserve.pallas_kernels import page_head_dim_multiple
+from jaxserve.parallel.layouts import param_formats, with_row_major_tables
+from jaxserve.parallel.mesh import log_placement, param_shardings, place, replicated
+from jaxserve.runner.batch_builder import Row, build_batch
+from jaxserve.runner.protocol import StepHandle
 from jaxserve.runner.steps import steps_for
 
 logger = logging.getLogger("jaxserve")

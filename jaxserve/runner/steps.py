@@ -17,17 +17,23 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.model.attention import write_kv
 from jaxserve.batch import StepInput, StepOutput, is_constant
 from jaxserve.config import ModelConfig
-from jaxserve.parallel.mesh import (HEADS, head_over_vocab, kv_pages_spec, param_shardings, replicated,
-                                  sample_over_vocab, shardings)
-from jaxserve.parallel.layouts import lookup_compiler_options
+from jaxserve.model.attention import write_kv
 from jaxserve.model.decoder import DecoderModel, lm_head, param_axes
+from jaxserve.parallel.layouts import lookup_compiler_options
+from jaxserve.parallel.mesh import (
+    HEADS,
+    head_over_vocab,
+    kv_pages_spec,
+    param_shardings,
+    replicated,
+    sample_over_vocab,
+    shardings,
+)
 from jaxserve.sample.prompt_logprobs import block_scores, score_targets
 from jaxserve.sample.sampling import sample, with_step_tokens
 from jaxserve.sample.verification import verify
-
 
 # The row counts a step's LM head and sampler run at below its own (`Steps._sample_used_rows`): a step of few
 # sequences then pays for those, not for its padded rows. Not 1: a one-row bf16 or int8 dot is XLA:CPU's slow loop.

@@ -15,8 +15,8 @@ import dataclasses
 
 import numpy as np
 
-from jaxserve.sampling_params import ParamError, SamplingParams
 from jaxserve.sample.token_mask import allow_all, allowing, forbidding
+from jaxserve.sampling_params import ParamError, SamplingParams
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,13 +11,13 @@ import time
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from jaxserve.engine.client import EngineClient, EngineDeadError
 from jaxserve.cascade.policy import CascadeConfig
+from jaxserve.engine.client import EngineClient, EngineDeadError
+from jaxserve.openai.chat_messages import render_chat
+from jaxserve.openai.errors import ApiError
 from jaxserve.openai.http import DISCARD_PATH, KV_TRANSFER_FIELD, drain, errors, json_body, run_until_signalled
 from jaxserve.openai.kv_transfer_params import KVTransferParams
 from jaxserve.openai.metrics import ServerMetrics
-from jaxserve.openai.chat_messages import render_chat
-from jaxserve.openai.errors import ApiError
 from jaxserve.openai.requests import grammar_error, parse_chat, parse_completion, wants_usage_in_stream
 from jaxserve.server import disaggregated
 from jaxserve.server.cascade import ServedCascade

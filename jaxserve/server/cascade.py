@@ -22,12 +22,18 @@ import time
 
 from aiohttp import web
 
-from jaxserve.engine.client import EngineDeadError
-from jaxserve.cascade.features import (ANSWER_FEATURES, PROMPT_FEATURES, SCORE_TOPK, answer_features,
-                                       prompt_features, score_params)
+from jaxserve.cascade.features import (
+    ANSWER_FEATURES,
+    PROMPT_FEATURES,
+    SCORE_TOPK,
+    answer_features,
+    prompt_features,
+    score_params,
+)
 from jaxserve.cascade.policy import CascadeConfig, Route, choose_tier
-from jaxserve.openai.metrics import ServerMetrics
+from jaxserve.engine.client import EngineDeadError
 from jaxserve.openai.errors import ApiError, ContextLengthError
+from jaxserve.openai.metrics import ServerMetrics
 from jaxserve.openai.requests import parse_chat, parse_completion
 from jaxserve.openai.responses import new_id
 from jaxserve.outputs import CompletionOutput, RequestOutput, merged

@@ -12,13 +12,20 @@ import time
 from aiohttp import web
 
 from jaxserve.engine.client import EngineDeadError
-from jaxserve.openai.http import write_stream
 from jaxserve.openai.errors import ApiError
-from jaxserve.openai.responses import (chat_logprobs, completion_body, completion_logprobs, echo_logprobs, new_id,
-                                       prompt_logprobs_body, usage)
-from jaxserve.server.served_model import ServedModel
+from jaxserve.openai.http import write_stream
+from jaxserve.openai.responses import (
+    chat_logprobs,
+    completion_body,
+    completion_logprobs,
+    echo_logprobs,
+    new_id,
+    prompt_logprobs_body,
+    usage,
+)
 from jaxserve.openai.tool_calls import ToolRequest
 from jaxserve.openai.tool_parsers import assemble
+from jaxserve.server.served_model import ServedModel
 
 logger = logging.getLogger("jaxserve")
 

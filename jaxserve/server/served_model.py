@@ -8,8 +8,8 @@ import contextlib
 import dataclasses
 
 from jaxserve.engine.client import EngineClient
-from jaxserve.openai.metrics import ModelMetrics
 from jaxserve.openai.errors import ApiError, context_length_error
+from jaxserve.openai.metrics import ModelMetrics
 from jaxserve.openai.structured import FieldError
 from jaxserve.openai.tool_parsers import tags_are_special
 

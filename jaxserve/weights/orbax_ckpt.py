@@ -1,9 +1,8 @@
 """jaxserve's own checkpoint: params saved with orbax beside config and tokenizer; the fastest way to load."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import json
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp

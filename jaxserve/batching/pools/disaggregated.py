@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxserve.batching.pools.data_parallel import DataParallel, merge_stats
 from jaxserve.batching.engine_core import EngineCore, StepError
 from jaxserve.batching.engine_stats import EngineStats
 from jaxserve.batching.output_processor import SequenceDelta
+from jaxserve.batching.pools.data_parallel import DataParallel, merge_stats
 from jaxserve.batching.sequence import Sequence
 from jaxserve.cache import SCRATCH_PAGE
 

@@ -10,10 +10,10 @@ and verification (`jaxserve.sample.verification`) accepts it.
 """
 from __future__ import annotations
 
-from jaxserve.runner.batch_builder import Row
 from jaxserve.batching.speculation.proposer import Proposals
-from jaxserve.runner.protocol import Runner
 from jaxserve.batching.step_rows import row_sampling
+from jaxserve.runner.batch_builder import Row
+from jaxserve.runner.protocol import Runner
 
 
 class DraftProposer:

@@ -1,0 +1,605 @@
+"""Prefill/decode disaggregation across servers: `jaxserve serve --role prefill|decode` and `jaxserve router`.
+
+Two servers behind the router answer as one colocated server does (greedy and seeded tokens, logprobs, usage, whole
+and streamed, completions and chat); a server that hangs, resets or dies fails its request cleanly (retried once
+before the first token), leaks no pages and no KV transfer, and /health and /metrics say so. Tiny random model
+(byte tokenizer), except one check with the official client on the default model."""
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from jaxserve.server.disaggregated import PrefillSide, prompt_digest
+
+from serving import AppThread, RouterThread, ServerThread, free_port, http, metric_samples, wait_idle
+from tiny import make_llm
+
+TTL_S = 5.0
+TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}<assistant>"
+
+
+@pytest.fixture(scope="module")
+def template(tmp_path_factory):
+    path = tmp_path_factory.mktemp("template") / "chat.jinja"
+    path.write_text(TEMPLATE)
+    return str(path)
+
+
+def role_llm(path, role, template):
+    return make_llm(path, role=role, chat_template=template, max_model_len=128)
+
+
+@pytest.fixture(scope="module")
+def pd(tiny_tokenized_dir, template):
+    """A colocated server, a prefill server, a decode server, and a router over the two."""
+    both, decode = (ServerThread(role_llm(tiny_tokenized_dir, role, template), "tiny") for role in ("both", "decode"))
+    # A short TTL: a transfer nobody fetches is dropped within seconds (the fetch comes within milliseconds).
+    prefill = ServerThread(role_llm(tiny_tokenized_dir, "prefill", template), "tiny",
+                           prefill_side=PrefillSide(ttl_s=TTL_S))
+    # Long timeouts: a first request compiles its step's program (seconds on a busy machine).
+    router = RouterThread([prefill.url], [decode.url], health_interval_s=0.2, prefill_timeout_s=120,
+                          decode_timeout_s=120)
+    yield both, prefill, decode, router
+    router.stop()
+    for st in (both, prefill, decode):
+        st.stop()
+
+
+def post(url, path, body):
+    status, raw = http("POST", url + path, body)
+    return status, json.loads(raw)
+
+
+def events(raw: bytes) -> list:
+    """An SSE body's events (dicts), checked to end with [DONE]."""
+    parts = [p for p in raw.decode().split("\n\n") if p]
+    assert parts[-1] == "data: [DONE]", parts[-1]
+    return [json.loads(p[len("data: "):]) for p in parts[:-1]]
+
+
+def streamed_text(evs, chat: bool) -> str:
+    key = (lambda c: c["delta"].get("content") or "") if chat else (lambda c: c["text"])
+    return "".join(key(c) for e in evs for c in e.get("choices", []))
+
+
+def assert_clean(*servers):
+    """Every request gone, every page back, no KV transfer left unclaimed."""
+    for st in servers:
+        wait_idle(st)
+        if st.server.prefill_side is not None:
+            assert len(st.server.prefill_side.store) == 0
+
+
+COMPLETIONS = [
+    {"prompt": "pages move between servers", "max_tokens": 12, "temperature": 0, "logprobs": 2, "ignore_eos": True},
+    {"prompt": "seeded", "max_tokens": 10, "temperature": 1.0, "seed": 11, "echo": True, "ignore_eos": True,
+     "prompt_logprobs": 1, "logprobs": 0},
+    {"prompt": [5, 6, 7, 8, 9, 10], "max_tokens": 9, "temperature": 0.8, "top_k": 20, "seed": 3, "stop": ["q"]},
+]
+CHAT = [
+    {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "temperature": 0, "logprobs": True,
+     "top_logprobs": 2, "ignore_eos": True},
+    {"messages": [{"role": "user", "content": "again"}], "max_tokens": 8, "temperature": 1.0, "seed": 5},
+]
+
+
+@pytest.mark.parametrize("path, body", [*(("/v1/completions", b) for b in COMPLETIONS),
+                                        *(("/v1/chat/completions", b) for b in CHAT)])
+def test_the_router_gives_the_colocated_answer_whole_and_streamed(pd, path, body):
+    both, prefill, decode, router = pd
+    body = {"model": "tiny", **body}
+    chat = "chat" in path
+    status, want = post(both.url, path, body)
+    assert status == 200
+    status, got = post(router.url, path, body)
+    assert status == 200, got
+    assert got["choices"] == want["choices"] and got["usage"] == want["usage"]
+    assert got.get("prompt_logprobs") == want.get("prompt_logprobs")
+    stream = dict(body, stream=True, stream_options={"include_usage": True})
+    status, raw = http("POST", router.url + path, stream)
+    assert status == 200
+    evs = events(raw)
+    assert len({e["id"] for e in evs}) == 1
+    text = want["choices"][0]["message"]["content"] if chat else want["choices"][0]["text"]
+    assert streamed_text(evs, chat) == text
+    assert [c["finish_reason"] for e in evs for c in e["choices"] if c["finish_reason"]] == \
+        [want["choices"][0]["finish_reason"]]
+    assert evs[-1]["usage"] == want["usage"] and not evs[-1]["choices"]
+    if not chat and body.get("logprobs") is not None:  # the streamed logprobs join into the whole ones
+        lps = [c["logprobs"] for e in evs for c in e["choices"] if c["logprobs"]]
+        joined = {k: [x for lp in lps for x in lp[k]] for k in lps[0]}
+        whole = want["choices"][0]["logprobs"]
+        assert joined["tokens"] == whole["tokens"] and joined["text_offset"] == whole["text_offset"]
+        # (approximately: the prompt is now a prefix-cache hit, a different sum order)
+        assert joined["token_logprobs"] == pytest.approx(whole["token_logprobs"], abs=1e-4)
+        assert [sorted(t or ()) for t in joined["top_logprobs"]] == [sorted(t or ()) for t in whole["top_logprobs"]]
+    assert_clean(prefill, decode)
+
+
+def test_int8_kv_pages_resharded_to_a_tensor_parallel_decode_server(tiny_tokenized_dir, template):
+    """int8 KV pages (values and scales) from a prefill server of two data-parallel replicas, through the wire, into
+    a decode server of 2-way tensor parallelism (the pages resharded by KV head): the colocated engine's tokens,
+    whole and streamed."""
+    args = dict(kv_cache_dtype="int8")
+    both = ServerThread(make_llm(tiny_tokenized_dir, **args), "tiny")
+    prefill = ServerThread(make_llm(tiny_tokenized_dir, role="prefill", data_parallel_size=2, **args), "tiny")
+    decode = ServerThread(make_llm(tiny_tokenized_dir, role="decode", tensor_parallel_size=2, **args), "tiny")
+    router = RouterThread([prefill.url], [decode.url], prefill_timeout_s=120, decode_timeout_s=120)
+    try:
+        for body in ({"prompt": "int8 pages, resharded", "max_tokens": 10, "temperature": 0, "ignore_eos": True},
+                     {"prompt": "seeded int8", "max_tokens": 10, "temperature": 1.0, "seed": 2, "ignore_eos": True}):
+            want = post(both.url, "/v1/completions", body)[1]["choices"][0]["text"]
+            assert post(router.url, "/v1/completions", body)[1]["choices"][0]["text"] == want
+            # Again, streamed: a prefix-cache hit on both sides now, which with int8 pages may change the tokens (it
+            # does here, on a colocated engine too): the colocated engine's own second answer is the reference.
+            stream = dict(body, stream=True)
+            want = streamed_text(events(http("POST", both.url + "/v1/completions", stream)[1]), chat=False)
+            assert streamed_text(events(http("POST", router.url + "/v1/completions", stream)[1]), chat=False) == want
+        assert_clean(prefill, decode)
+    finally:
+        router.stop()
+        for st in (both, prefill, decode):
+            st.stop()
+
+
+def test_a_first_token_that_ends_the_request_never_reaches_a_decode_server(pd):
+    both, prefill, decode, router = pd
+    before = metric_samples(http("GET", router.url + "/metrics")[1].decode())
+    body = {"model": "tiny", "prompt": "one", "max_tokens": 1, "temperature": 0}
+    assert post(router.url, "/v1/completions", body)[1]["choices"] == post(both.url, "/v1/completions", body)[1][
+        "choices"]
+    evs = events(http("POST", router.url + "/v1/completions", dict(body, stream=True))[1])
+    assert [c["finish_reason"] for e in evs for c in e["choices"]] == ["length"]
+    after = metric_samples(http("GET", router.url + "/metrics")[1].decode())
+    key = ("jaxserve_router:requests_total", frozenset({'pool="decode"', f'server="{decode.url}"'}))
+    assert after.get(key, 0) == before.get(key, 0)
+    assert_clean(prefill, decode)
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": "x", "temperature": 5}),  # the prefill server's 400, as it is
+    ("/v1/completions", {"prompt": "x", "model": "nope"}),  # 404
+    ("/v1/completions", {"prompt": "x", "max_tokens": 1000}),  # past the context
+    ("/v1/chat/completions", {"messages": []}),
+])
+def test_errors_of_the_servers_are_forwarded_as_they_are(pd, path, body):
+    both, _, _, router = pd
+    body = {"model": "tiny", **body}
+    assert post(router.url, path, body) == post(both.url, path, body)
+
+
+def test_a_transfer_is_advertised_at_a_reachable_address_and_held_as_a_copy(pd):
+    _, prefill, _, _ = pd
+    side = prefill.server.prefill_side
+    bound, side.kv_server.host = side.kv_server.host, "0.0.0.0"  # as `--host 0.0.0.0` binds it
+    try:
+        status, answer = post(prefill.url, "/v1/completions", {
+            "model": "tiny", "prompt": "wildcard", "max_tokens": 4, "temperature": 0, "ignore_eos": True,
+            "kv_transfer_params": {"do_remote_decode": True}})
+    finally:
+        side.kv_server.host = bound
+    assert status == 200, answer
+    params = answer["kv_transfer_params"]
+    kv = side.store.take(params["transfer_id"])
+    assert params["remote_host"] == "127.0.0.1"
+    # The pages held are a copy of the prompt's: no view keeping the whole padded export alive (as bytes_held counts).
+    assert all(a.base is None for layer in kv for a in layer)
+    assert_clean(prefill)
+
+
+def test_what_disaggregation_does_not_do_is_a_clear_400(pd):
+    _, prefill, decode, router = pd
+    status, body = post(router.url, "/v1/completions", {"prompt": "x", "n": 2})
+    assert status == 400 and "one sequence per request" in body["error"]["message"]
+    status, body = post(router.url, "/v1/completions", {"prompt": ["a", "b"]})
+    assert status == 400 and "one sequence per request" in body["error"]["message"]
+    # The role servers serve the router's requests only.
+    for st, side in ((prefill, "do_remote_decode"), (decode, "do_remote_prefill")):
+        status, body = post(st.url, "/v1/completions", {"prompt": "x"})
+        assert status == 400 and side in body["error"]["message"]
+    status, body = post(router.url, "/v1/completions", "not an object")
+    assert status == 400 and body["error"]["type"] == "invalid_request_error"
+
+
+def test_a_failed_kv_fetch_is_a_clean_error(pd):
+    """A decode server told to fetch pages that are not there (the prefill server died, or the transfer expired):
+    a 502, and nothing was added."""
+    _, _, decode, _ = pd
+    ids = decode.engine.llm.tokenizer.encode("ab")
+    params = {"do_remote_prefill": True, "transfer_id": "gone", "remote_host": "127.0.0.1", "remote_port": free_port(),
+              "first_token_id": 65, "num_cached": 2, "num_prompt_tokens": len(ids), "prompt_digest": prompt_digest(ids)}
+    status, body = post(decode.url, "/v1/completions", {"prompt": "ab", "kv_transfer_params": params, "stream": True})
+    assert status == 502 and "fetching the prefilled KV pages failed" in body["error"]["message"]
+    assert_clean(decode)
+
+
+@pytest.mark.parametrize("change", [{"prompt_digest": 1}, {"num_prompt_tokens": 1}])
+def test_a_prompt_that_tokenizes_otherwise_on_the_decode_server_is_a_400_before_any_fetch(pd, change):
+    """Another tokenizer or chat template on the decode server: its pages would be for other tokens."""
+    _, prefill, decode, _ = pd
+    body = {"model": "tiny", "prompt": "tokens differ", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    status, answer = post(prefill.url, "/v1/completions", dict(body, kv_transfer_params={"do_remote_decode": True}))
+    assert status == 200, answer
+    params = answer["kv_transfer_params"]
+    params = dict(params, do_remote_prefill=True, **{k: params[k] + v for k, v in change.items()})
+    status, answer = post(decode.url, "/v1/completions", dict(body, kv_transfer_params=params))
+    assert status == 400 and "tokenizes otherwise" in answer["error"]["message"], answer
+    assert prefill.server.prefill_side.store.discard(params["transfer_id"])  # never fetched
+    assert_clean(prefill, decode)
+
+
+def test_health_and_metrics(pd):
+    _, prefill, decode, router = pd
+    status, raw = http("GET", router.url + "/health")
+    health = json.loads(raw)
+    assert status == 200 and health["status"] == "ok"
+    assert [(b["url"], b["healthy"]) for b in health["prefill"]] == [(prefill.url, True)]
+    assert [(b["url"], b["healthy"]) for b in health["decode"]] == [(decode.url, True)]
+    post(router.url, "/v1/completions", {"prompt": "metrics", "max_tokens": 4, "ignore_eos": True})
+    samples = metric_samples(http("GET", router.url + "/metrics")[1].decode())
+    assert samples["jaxserve_router:requests_total", frozenset({'pool="prefill"', f'server="{prefill.url}"'})] >= 1
+    assert samples["jaxserve_router:requests_total", frozenset({'pool="decode"', f'server="{decode.url}"'})] >= 1
+    assert samples["jaxserve_router:kv_transfer_seconds_count", frozenset({""})] >= 1
+    assert samples["jaxserve_router:kv_transfer_bytes_total", frozenset({""})] > 0
+    assert samples["jaxserve_router:time_to_first_token_seconds_count", frozenset({""})] >= 1
+    models = json.loads(http("GET", router.url + "/v1/models")[1])
+    assert [m["id"] for m in models["data"]] == ["tiny"]
+
+
+def test_the_openai_client_through_the_router(pd):
+    from openai import OpenAI
+    both, prefill, decode, router = pd
+    c, ref = (OpenAI(base_url=st.url + "/v1", api_key="unused", max_retries=0) for st in (router, both))
+    assert [m.id for m in c.models.list().data] == ["tiny"]
+    args = dict(model="tiny", prompt="the client", max_tokens=10, temperature=0, logprobs=1)
+    r, want = c.completions.create(**args), ref.completions.create(**args)
+    assert r.choices[0].text == want.choices[0].text and r.usage == want.usage
+    assert r.choices[0].logprobs.token_logprobs == want.choices[0].logprobs.token_logprobs
+    chunks = list(c.completions.create(**args, stream=True, stream_options={"include_usage": True}))
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == want.choices[0].text
+    assert chunks[-1].usage == want.usage
+    messages = [{"role": "user", "content": "chat with the client"}]
+    args = dict(model="tiny", messages=messages, max_tokens=10, temperature=0.9, seed=1, logprobs=True, top_logprobs=1)
+    r, want = c.chat.completions.create(**args), ref.chat.completions.create(**args)
+    assert r.choices[0].message.content == want.choices[0].message.content
+    assert r.choices[0].logprobs == want.choices[0].logprobs and r.usage == want.usage
+    chunks = list(c.chat.completions.create(**args, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == want.choices[0].message.content
+    # A grammar holds on the decode side too (its matcher took the first token).
+    args = dict(model="tiny", messages=messages, max_tokens=20, temperature=0,
+                extra_body={"structured_outputs": {"regex": "[a-c]{3}x[0-9]{2}"}})
+    assert c.chat.completions.create(**args).choices[0].message.content == \
+        ref.chat.completions.create(**args).choices[0].message.content
+    import openai
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        c.completions.create(model="tiny", prompt="x", temperature=5)
+    assert_clean(prefill, decode)
+
+
+# ---- faults ----
+
+def stub(mode: str) -> AppThread:
+    """A server whose /health says 200 and whose completions hang ("hang"), reset the connection ("reset") or
+    answer 429 ("full")."""
+    async def health(request):
+        return web.json_response({"status": "ok"})
+
+    async def completions(request):
+        await request.read()
+        if mode == "full":
+            return web.json_response({"error": {"message": "too many requests are queued; retry later",
+                                                "type": "rate_limit_error", "param": None, "code": None}},
+                                     status=429)
+        if mode == "draining":
+            return web.json_response({"error": {"message": "the server is shutting down",
+                                                "type": "service_unavailable", "param": None, "code": None}},
+                                     status=503)
+        if mode == "reset":
+            request.transport.abort()
+        await asyncio.sleep(3600)
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    app.router.add_post("/v1/completions", completions)
+    return AppThread(app)
+
+
+@pytest.mark.parametrize("mode", ["hang", "reset"])
+def test_a_prefill_server_that_hangs_or_resets_is_retried_once_on_another(pd, mode):
+    both, prefill, decode, warm = pd
+    body = {"model": "tiny", "prompt": "retried", "max_tokens": 6, "temperature": 0}
+    for _ in range(2):  # its programs compiled (a prompt, then a prefix-cache hit): the timeout is the stub's
+        assert post(warm.url, "/v1/completions", body)[0] == 200
+    stub_server = stub(mode)
+    # The stub first (ties go to the first); a long health interval, so the probe does not bring it back meanwhile.
+    router = RouterThread([stub_server.url, prefill.url], [decode.url], prefill_timeout_s=2.0, health_interval_s=60)
+    try:
+        t0 = time.monotonic()
+        status, got = post(router.url, "/v1/completions", body)
+        assert status == 200 and got["choices"] == post(both.url, "/v1/completions", body)[1]["choices"]
+        assert time.monotonic() - t0 < 10
+        samples = metric_samples(http("GET", router.url + "/metrics")[1].decode())
+        assert samples["jaxserve_router:retries_total", frozenset({'pool="prefill"'})] == 1
+        kind = "timeout" if mode == "hang" else "disconnect"
+        assert samples["jaxserve_router:failures_total",
+                       frozenset({'pool="prefill"', f'server="{stub_server.url}"', f'kind="{kind}"'})] == 1
+        health = json.loads(http("GET", router.url + "/health")[1])
+        # A reset takes it out of the pool; a timeout does not (a busy server is not a dead one: /health decides).
+        assert [b["healthy"] for b in health["prefill"]] == [mode == "hang", True] and health["status"] == "ok"
+        # Once out of the pool, it is not tried again (no retry); a hung one still in it is tried, and retried.
+        assert post(router.url, "/v1/completions", body)[0] == 200
+        assert metric_samples(http("GET", router.url + "/metrics")[1].decode())[
+            "jaxserve_router:retries_total", frozenset({'pool="prefill"'})] == 1 + (mode == "hang")
+    finally:
+        router.stop()
+        stub_server.stop()
+    assert_clean(prefill, decode)
+
+
+@pytest.mark.parametrize("mode", ["full", "draining"])
+def test_a_full_or_draining_decode_server_passes_the_request_to_another(pd, mode):
+    """A decode server's 429 (full) or 503 (shutting down) comes before it fetches anything: the next decode server
+    takes the pages; one shutting down leaves the pool."""
+    both, prefill, decode, _ = pd
+    full = stub(mode)
+    router = RouterThread([prefill.url], [full.url, decode.url], health_interval_s=60)
+    try:
+        body = {"model": "tiny", "prompt": "full", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+        status, got = post(router.url, "/v1/completions", body)
+        assert status == 200 and got["choices"] == post(both.url, "/v1/completions", body)[1]["choices"]
+        samples = metric_samples(http("GET", router.url + "/metrics")[1].decode())
+        assert samples["jaxserve_router:retries_total", frozenset({'pool="decode"'})] == 1
+        health = json.loads(http("GET", router.url + "/health")[1])
+        assert [b["healthy"] for b in health["decode"]] == [mode == "full", True]
+    finally:
+        router.stop()
+        full.stop()
+    assert_clean(prefill, decode)
+
+
+def test_a_decode_that_fails_before_its_fetch_discards_the_transfer_at_once(pd):
+    """No decode server takes the request (here: the only one is shutting down): the router tells the prefill
+    server, whose pages go now rather than after their TTL."""
+    _, prefill, decode, _ = pd
+    draining = stub("draining")
+    router = RouterThread([prefill.url], [draining.url], health_interval_s=60)
+    try:
+        body = {"model": "tiny", "prompt": "discarded", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+        status, answer = post(router.url, "/v1/completions", body)
+        assert status == 503 and "shutting down" in answer["error"]["message"], answer
+        assert len(prefill.server.prefill_side.store) == 0
+    finally:
+        router.stop()
+        draining.stop()
+    assert_clean(prefill, decode)
+
+
+def test_a_client_that_leaves_before_the_fetch_has_its_transfer_discarded(pd):
+    """The decode server has not fetched (here: it hangs) when the client leaves: the pages go now, not after their
+    TTL."""
+    _, prefill, decode, _ = pd
+    hung = stub("hang")
+    router = RouterThread([prefill.url], [hung.url], decode_timeout_s=60, health_interval_s=60)
+    store = prefill.server.prefill_side.store
+
+    async def leave():
+        body = {"model": "tiny", "prompt": "left", "max_tokens": 6, "temperature": 0, "stream": True}
+        async with aiohttp.ClientSession() as s, s.post(router.url + "/v1/completions", json=body) as r:
+            async for _ in r.content:  # the first token has come: its transfer waits
+                if len(store):
+                    return
+    try:
+        asyncio.run(leave())
+        deadline = time.monotonic() + TTL_S / 2
+        while len(store):
+            assert time.monotonic() < deadline, "the transfer waited for its TTL"
+            time.sleep(0.02)
+    finally:
+        router.stop()
+        hung.stop()
+    assert_clean(prefill, decode)
+
+
+def test_a_prefill_server_whose_kv_store_is_full_answers_503(pd):
+    _, prefill, decode, router = pd
+    store = prefill.server.prefill_side.store
+    store.max_bytes = 1  # (--kv-transfer-max-bytes 1: no transfer fits)
+    try:
+        body = {"model": "tiny", "prompt": "no room", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+        status, answer = post(router.url, "/v1/completions", body)
+        assert status == 503 and "cannot hold the request's KV pages" in answer["error"]["message"], answer
+    finally:
+        store.max_bytes = None
+    assert_clean(prefill, decode)
+
+
+def test_a_decode_server_that_hangs_ends_the_request_with_an_error(pd):
+    """The first token is out when the decode server stops answering: the stream ends with an error event (a whole
+    answer is a 504) once it has been silent for decode_timeout_s; the prefill server holds no pages, and the
+    unclaimed transfers' host copies are discarded."""
+    _, prefill, decode, _ = pd
+    hung = stub("hang")
+    router = RouterThread([prefill.url], [hung.url], decode_timeout_s=1.0, health_interval_s=60)
+    try:
+        body = {"model": "tiny", "prompt": "hung decode", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+        t0 = time.monotonic()
+        evs = events(http("POST", router.url + "/v1/completions", dict(body, stream=True))[1])
+        assert evs[0]["choices"][0]["text"] and "did not answer in time" in evs[-1]["error"]["message"]
+        assert time.monotonic() - t0 < 10
+        # A timeout leaves the server in the pool (/health decides): the next request goes there too.
+        status, answer = post(router.url, "/v1/completions", body)
+        assert status == 504 and "did not answer in time" in answer["error"]["message"]
+    finally:
+        router.stop()
+        hung.stop()
+    wait_idle(prefill)
+    store = prefill.server.prefill_side.store
+    assert len(store) == 0 and store.bytes_held == 0  # the router discarded what the hung server never fetched
+
+
+def test_a_client_that_leaves_mid_stream_frees_the_decode_servers_pages(pd):
+    _, prefill, decode, router = pd
+
+    async def leave():
+        body = {"model": "tiny", "prompt": "leaving", "max_tokens": 100, "temperature": 0, "ignore_eos": True,
+                "stream": True}
+        async with aiohttp.ClientSession() as s, s.post(router.url + "/v1/completions", json=body) as r:
+            seen = 0
+            async for line in r.content:
+                seen += line.startswith(b"data: ")
+                if seen == 3:
+                    return  # the connection closes with the session
+
+    asyncio.run(asyncio.wait_for(leave(), 60))
+    assert_clean(prefill, decode)
+
+
+def test_no_healthy_prefill_server_ends_the_request_at_once(pd):
+    _, prefill, decode, _ = pd
+    stubs = [stub("reset"), stub("reset")]  # (a hung one would stay in the pool: a timeout is no proof of death)
+    router = RouterThread([s.url for s in stubs], [decode.url], prefill_timeout_s=0.5, health_interval_s=60)
+    try:
+        status, body = post(router.url, "/v1/completions", {"prompt": "x", "stream": True})
+        assert status == 502 and body["error"]["message"].startswith("prefill failed")
+        status, body = post(router.url, "/v1/completions", {"prompt": "x"})  # both are out of the pool now
+        assert status == 503 and body["error"]["message"] == "no prefill server is healthy"
+        assert http("GET", router.url + "/health")[0] == 503
+    finally:
+        router.stop()
+        for s in stubs:
+            s.stop()
+    assert_clean(prefill, decode)
+
+
+def test_killing_the_decode_server_mid_stream_ends_the_request_with_an_error(pd, tiny_tokenized_dir, template):
+    """A real decode server (its own process) killed while it streams: the client's stream ends with an error event
+    and [DONE], the prefill server holds no pages and no transfer, and /health turns 503."""
+    _, prefill, _, _ = pd
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "jaxserve.cli", "serve", "--model", tiny_tokenized_dir,
+                             "--served-model-name", "tiny", "--role", "decode", "--port", str(port),
+                             "--max-model-len", "128", "--max-num-seqs", "4", "--max-num-batched-tokens", "16",
+                             "--block-size", "4", "--no-warmup", "--chat-template", template],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    decode_url = f"http://127.0.0.1:{port}"
+    router = None
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if http("GET", decode_url + "/health")[0] == 200:
+                    break
+            except aiohttp.ClientError:
+                pass
+            assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+            assert time.monotonic() < deadline, "the decode server did not start"
+            time.sleep(0.2)
+        router = RouterThread([prefill.url], [decode_url], health_interval_s=0.2, decode_timeout_s=120)
+
+        async def stream_and_kill():
+            body = {"model": "tiny", "prompt": "killed mid-stream", "max_tokens": 100, "temperature": 0,
+                    "ignore_eos": True, "stream": True}
+            seen = []
+            async with aiohttp.ClientSession() as s, s.post(router.url + "/v1/completions", json=body) as r:
+                assert r.status == 200
+                async for line in r.content:
+                    if line.startswith(b"data: "):
+                        seen.append(line[6:].strip())
+                        if len(seen) == 4:  # the first token and some decoded ones
+                            proc.send_signal(signal.SIGKILL)
+            return seen
+
+        seen = asyncio.run(asyncio.wait_for(stream_and_kill(), 60))
+        assert seen[-1] == b"[DONE]"
+        error = json.loads(seen[-2])["error"]
+        assert error["type"] == "server_error" and "decode failed after the first token" in error["message"]
+        assert 4 <= len(seen) < 100
+        deadline = time.monotonic() + 10
+        while http("GET", router.url + "/health")[0] != 503:
+            assert time.monotonic() < deadline, "/health never saw the decode server go"
+            time.sleep(0.1)
+        health = json.loads(http("GET", router.url + "/health")[1])
+        assert health["decode"][0]["healthy"] is False and health["prefill"][0]["healthy"] is True
+        assert_clean(prefill)
+    finally:
+        if router is not None:
+            router.stop()
+        proc.kill()
+        proc.wait(30)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["router", "--prefill", "ftp://x", "--decode", "localhost:2"], "is not a server URL"),
+    (["router", "--prefill", "localhost:1", "--decode", "http://localhost:1/"], "in both pools"),
+    (["router", "--prefill", "localhost:1", "localhost:1", "--decode", "localhost:2"], "named twice"),
+    (["router", "--prefill", "localhost:1", "--decode", "localhost:2", "--decode-timeout", "0"], "--decode-timeout"),
+    (["router", "--prefill", "localhost:1", "--decode", "localhost:2", "--port", "0"], "--port"),
+    (["serve", "--role", "decode", "--kv-transfer-port", "9000"], "a prefill server's"),
+    (["serve", "--kv-transfer-host", "0.0.0.0"], "a prefill server's"),
+    (["serve", "--role", "prefill", "--model", "a", "--model", "b"], "serves one model"),
+    (["serve", "--role", "prefill", "--kv-transfer-port", "70000"], "--kv-transfer-port"),
+    (["serve", "--role", "decode", "--kv-transfer-max-bytes", "9"], "a prefill server's"),
+    (["serve", "--role", "prefill", "--kv-fetch-timeout", "5"], "a decode server's"),
+    (["serve", "--role", "decode", "--kv-fetch-timeout", "0"], "--kv-fetch-timeout"),
+    (["serve", "--role", "prefill", "--kv-transfer-max-bytes", "0"], "--kv-transfer-max-bytes"),
+])
+def test_flag_errors_are_one_line_before_anything_starts(argv, message, capsys):
+    from jaxserve.cli import main
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_the_default_model_through_the_router_with_the_openai_client(default_llm):
+    """The official client's checks of the plain server (test_server.py, test_openai_clients.py), through the router
+    over a prefill and a decode server of the default model: the same answers as the colocated server's."""
+    import openai
+    import pydantic
+
+    from jaxserve import LLM
+
+    class Person(pydantic.BaseModel):
+        name: str = pydantic.Field(max_length=24)
+        age: int = pydantic.Field(ge=0, le=150)
+
+    name = "SmolLM2-135M-Instruct"
+    both = ServerThread(default_llm, name)
+    prefill, decode = (ServerThread(LLM(role=role, max_model_len=512, max_num_seqs=4, max_num_batched_tokens=256,
+                                        warmup=False), name) for role in ("prefill", "decode"))
+    router = RouterThread([prefill.url], [decode.url], prefill_timeout_s=120, decode_timeout_s=120)
+    try:
+        c, ref = (openai.OpenAI(base_url=st.url + "/v1", api_key="unused", max_retries=0) for st in (router, both))
+        assert [m.id for m in c.models.list().data] == [name]
+        prompt = "The capital of France is"
+        for args in (dict(max_tokens=12, logprobs=1), dict(max_tokens=12, stop=["\n\nThe answer"])):
+            args = dict(model=name, prompt=prompt, temperature=0, **args)
+            r, want = c.completions.create(**args), ref.completions.create(**args)
+            assert "Paris" in r.choices[0].text and r.choices[0].text == want.choices[0].text
+            assert r.choices[0].finish_reason == want.choices[0].finish_reason and r.usage == want.usage
+            chunks = list(c.completions.create(**args, stream=True, stream_options={"include_usage": True}))
+            assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == want.choices[0].text
+            assert chunks[-1].usage == want.usage
+        assert r.choices[0].text == " Paris."  # a stop string spanning the hand-off's tokens is never sent in part
+        messages = [{"role": "user", "content": "Describe a person as JSON: name, age."}]
+        args = dict(model=name, messages=messages, response_format=Person, temperature=0, max_tokens=80)
+        r, want = c.chat.completions.parse(**args), ref.chat.completions.parse(**args)
+        assert r.choices[0].message.parsed == want.choices[0].message.parsed and r.usage == want.usage
+        with c.chat.completions.stream(**args) as stream:
+            assert stream.get_final_completion().choices[0].message.parsed == want.choices[0].message.parsed
+        args = dict(model=name, messages=messages, temperature=0.8, seed=7, max_tokens=16)
+        assert c.chat.completions.create(**args).choices[0].message.content == \
+            ref.chat.completions.create(**args).choices[0].message.content
+        assert_clean(prefill, decode)
+    finally:
+        router.stop()
+        for st in (both, prefill, decode):
+            st.stop()
