@@ -4,8 +4,9 @@ The public API is imported on first use (PEP 562), so what needs no engine (the 
 jaxserve.router) imports no jax."""
 import importlib
 
-_PUBLIC = {"LLM": "jaxserve.engine.llm", "AsyncEngine": "jaxserve.engine.async_engine", "EngineConfig": "jaxserve.engine_config",
-           "SamplingParams": "jaxserve.sampling_params", "SpeculativeConfig": "jaxserve.spec_config",
+_PUBLIC = {"LLM": "jaxserve.engine.llm", "AsyncEngine": "jaxserve.engine.async_engine",
+           "EngineConfig": "jaxserve.engine_config", "SamplingParams": "jaxserve.sampling_params",
+           "SpeculativeConfig": "jaxserve.spec_config",
            "RequestOutput": "jaxserve.outputs", "CompletionOutput": "jaxserve.outputs", "Logprob": "jaxserve.outputs",
            "LoRARequest": "jaxserve.lora.request"}
 

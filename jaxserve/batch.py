@@ -14,66 +14,70 @@ import functools
 import jax
 import numpy as np
 
+# A step's arrays: numpy as the host builds them (`jaxserve.runner.batch_builder`), device arrays (or tracers) after.
+StepArray = jax.Array | np.ndarray
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class RaggedRows:
     """What attention needs to know of the rows."""
-    positions: jax.Array  # int32 [T]   each token's position in its sequence (-1: padding, attends to nothing)
-    token_row: jax.Array  # int32 [T]   each token's row (padding tokens: row 0; their position hides them)
-    query_start: jax.Array  # int32 [S + 1]   row r's tokens are token_ids[query_start[r]:query_start[r + 1]]
-    cached_lens: jax.Array  # int32 [S]   tokens of each row in the cache before this step: keys 0 .. len - 1
-    page_table: jax.Array  # int32 [S, P]   pages holding each row's cached tokens, in order (scratch page padded)
+    positions: StepArray  # int32 [T]   each token's position in its sequence (-1: padding, attends to nothing)
+    token_row: StepArray  # int32 [T]   each token's row (padding tokens: row 0; their position hides them)
+    query_start: StepArray  # int32 [S + 1]   row r's tokens are token_ids[query_start[r]:query_start[r + 1]]
+    cached_lens: StepArray  # int32 [S]   tokens of each row in the cache before this step: keys 0 .. len - 1
+    page_table: StepArray  # int32 [S, P]   pages holding each row's cached tokens, in order (scratch page padded)
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class SamplingInput:
     """Per row; see `jaxserve.sample.sampling.sample`."""
-    temperature: jax.Array  # float32 [S]   0: greedy
-    top_k: jax.Array  # int32 [S]   0: off
-    top_p: jax.Array  # float32 [S]
-    min_p: jax.Array  # float32 [S]
-    seed: jax.Array  # uint32 [S]
-    step: jax.Array  # int32 [S]   tokens generated so far: with the seed, a reproducible draw
-    banned: jax.Array  # int32 [S, MAX_BANNED_TOKENS]   may not be sampled as the g-th generated token while
+    temperature: StepArray  # float32 [S]   0: greedy
+    top_k: StepArray  # int32 [S]   0: off
+    top_p: StepArray  # float32 [S]
+    min_p: StepArray  # float32 [S]
+    seed: StepArray  # uint32 [S]
+    step: StepArray  # int32 [S]   tokens generated so far: with the seed, a reproducible draw
+    banned: StepArray  # int32 [S, MAX_BANNED_TOKENS]   may not be sampled as the g-th generated token while
     #                                         g < min_tokens (padded with vocab_size)
-    min_tokens: jax.Array  # int32 [S]
-    want_top_logprobs: jax.Array  # bool [S]
-    token_mask: jax.Array  # int32 [S, ceil(V / 32)]   the tokens a row may sample (`jaxserve.sample.token_mask`; -1: all)
+    min_tokens: StepArray  # int32 [S]
+    want_top_logprobs: StepArray  # bool [S]
+    token_mask: StepArray  # int32 [S, ceil(V / 32)]   the tokens a row may sample (`jaxserve.sample.token_mask`;
+    #                                         -1: all)
     # Logit controls (`jaxserve.sample.sampling.controlled`); a batch where no row uses one holds a `constant` for it.
-    bad_word_bans: jax.Array  # int32 [S, MAX_BAD_WORD_BANS, 2]   (trigger, banned): banned may not follow the row's
+    bad_word_bans: StepArray  # int32 [S, MAX_BAD_WORD_BANS, 2]   (trigger, banned): banned may not follow the row's
     #                                         last token if it is trigger (padded with vocab_size)
-    logit_bias_ids: jax.Array  # int32 [S, MAX_LOGIT_BIAS]   padded with vocab_size
-    logit_bias: jax.Array  # float32 [S, MAX_LOGIT_BIAS]
-    presence_penalty: jax.Array  # float32 [S]
-    frequency_penalty: jax.Array  # float32 [S]
-    repetition_penalty: jax.Array  # float32 [S]
-    past_tokens: jax.Array  # int32 [S, H]   each row's tokens by position, H = its most (pages_per_row x page_size):
+    logit_bias_ids: StepArray  # int32 [S, MAX_LOGIT_BIAS]   padded with vocab_size
+    logit_bias: StepArray  # float32 [S, MAX_LOGIT_BIAS]
+    presence_penalty: StepArray  # float32 [S]
+    frequency_penalty: StepArray  # float32 [S]
+    repetition_penalty: StepArray  # float32 [S]
+    past_tokens: StepArray  # int32 [S, H]   each row's tokens by position, H = its most (pages_per_row x page_size):
     #                                the host fills those before the row's start, the step its new ones (vocab_size
     #                                elsewhere); counted by the penalties
-    prompt_len: jax.Array  # int32 [S]   positions from this one on are generated tokens
+    prompt_len: StepArray  # int32 [S]   positions from this one on are generated tokens
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class StepInput:
-    token_ids: jax.Array  # int32 [T]
-    chain_slot: jax.Array  # int32 [T]   >= 0: the token is last_tokens[chain_slot], sampled by the step before
+    token_ids: StepArray  # int32 [T]
+    chain_slot: StepArray  # int32 [T]   >= 0: the token is last_tokens[chain_slot], sampled by the step before
     #                                     and still on device (token_ids holds a placeholder); -1: token_ids holds it
-    slot_mapping: jax.Array  # int32 [T]   flat cache slot (page * page_size + offset) each new K/V is written to
+    slot_mapping: StepArray  # int32 [T]   flat cache slot (page * page_size + offset) each new K/V is written to
     rows: RaggedRows
-    logits_index: jax.Array  # int32 [S, Q]   the tokens whose logits each row samples from: its last, or its
+    logits_index: StepArray  # int32 [S, Q]   the tokens whose logits each row samples from: its last, or its
     #                                        last num_draft + 1 in a verification program (Q = k + 1); -1: none
-    num_draft: jax.Array  # int32 [S]   proposals at the end of each row (speculative decoding), to accept or not
-    out_slot: jax.Array  # int32 [S]   where each row's sampled token is kept on device (-1: the padding slot)
+    num_draft: StepArray  # int32 [S]   proposals at the end of each row (speculative decoding), to accept or not
+    out_slot: StepArray  # int32 [S]   where each row's sampled token is kept on device (-1: the padding slot)
     sampling: SamplingInput
     # Prompt logprobs: the prompt token after each token, whose logprob the step reports (-1: not wanted; a
     # `constant` when no row wants any, so a plain batch copies nothing for it).
-    prompt_targets: jax.Array  # int32 [T]
+    prompt_targets: StepArray  # int32 [T]
     # Multi-LoRA: each token's adapter slot in the runner's LoRA buffers (`jaxserve.lora`), -1 for the base model (a
     # `constant` when no row has an adapter).
-    lora_slot: jax.Array  # int32 [T]
+    lora_slot: StepArray  # int32 [T]
 
     @property
     def num_tokens(self) -> int:
@@ -103,8 +107,9 @@ class StepOutput:
     num_tokens: jax.Array  # int32 [S]
     logprobs: jax.Array  # float32 [S, Q]   of each token under the model's distribution
     ranks: jax.Array  # int32 [S, Q]   1: the most likely token
-    top_ids: jax.Array  # int32 [S, Q, MAX_LOGPROBS]   (zeros unless a row asked for top logprobs)
-    top_logprobs: jax.Array  # float32 [S, Q, MAX_LOGPROBS]
+    # Zeros unless a row asked for top logprobs; None once the runner drops them from a step where none did.
+    top_ids: jax.Array | None  # int32 [S, Q, MAX_LOGPROBS]
+    top_logprobs: jax.Array | None  # float32 [S, Q, MAX_LOGPROBS]
     prompt: PromptScores | None = None  # per scored prompt token, not per row (None: no row asked)
 
 

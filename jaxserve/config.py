@@ -47,10 +47,11 @@ class ModelConfig:
         if self.rope_scaling is not None:
             kind = dict(self.rope_scaling).get("rope_type", dict(self.rope_scaling).get("type"))
             if kind not in SUPPORTED_ROPE_SCALING:
-                raise ValueError(f"unsupported rope scaling {kind!r}; jaxserve supports {', '.join(SUPPORTED_ROPE_SCALING)}")
+                raise ValueError(f"unsupported rope scaling {kind!r}; jaxserve supports "
+                                 f"{', '.join(SUPPORTED_ROPE_SCALING)}")
         if self.architecture not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(
-                f"unsupported architecture {self.architecture!r}; jaxserve supports {', '.join(SUPPORTED_ARCHITECTURES)}")
+            raise ValueError(f"unsupported architecture {self.architecture!r}; jaxserve supports "
+                             f"{', '.join(SUPPORTED_ARCHITECTURES)}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
         if self.hidden_activation not in ("silu", "gelu_tanh"):

@@ -3,8 +3,8 @@
 Formats: float32; bf16 weights with bf16 activations (float32 accumulation); int8 weights converted inside the dot
 (weight-only, `quant._xla_matmul` for Int8Weight, what TPU and GPU run); int8 x int8 -> int32 with dynamic
 per-row activation scales (w8a8, `quant.int8_dot_matmul(digits=1)`), and with the activations as two int8 digits
-(int8x2, `quant.int8_dot_matmul`, what CPU runs for an int8 weight). Each also under oneDNN (`xla_cpu_use_onednn`, passed as a per-program compiler option,
-so every variant runs in this one process).
+(int8x2, `quant.int8_dot_matmul`, what CPU runs for an int8 weight). Each also under oneDNN (`xla_cpu_use_onednn`,
+passed as a per-program compiler option, so every variant runs in this one process).
 
 Decode reads every weight from memory once a step, so one program holds `copies` distinct copies of a weight
 (unrolled, no scan: a scan's dynamic slice copies the weight on XLA:CPU) adding up to about --bytes bytes: a single

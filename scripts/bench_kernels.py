@@ -12,8 +12,8 @@ cached K and V the step must read; achieved bandwidth = bytes / time, against th
 in the same run (a large array copy). The oracle may run out of memory at the largest sizes: that is recorded, not
 raised. Times: median of 10 after a warm-up.
 Quantized matmul (GPU only): x [M, K] bfloat16 times int8 / int4 (groups of --group-size) weights [K, N]: XLA's int8
-`(x @ values.astype(x.dtype)) * scale` (what `jaxserve.model.quant.matmul` runs for int8: XLA keeps the weight s8 into its
-dot), the int4 kernel that dequantizes in registers against XLA's dequantize-then-matmul, and a bfloat16 matmul of
+`(x @ values.astype(x.dtype)) * scale` (what `jaxserve.model.quant.matmul` runs for int8: XLA keeps the weight s8 into
+its dot), the int4 kernel that dequantizes in registers against XLA's dequantize-then-matmul, and a bfloat16 matmul of
 the same shape; bandwidth = the weight bytes (values and scales) / time.
 """
 import argparse
@@ -70,7 +70,8 @@ def ragged_step(rows, dtype):
                         PAGE, 2, sum(n for _, n in rows), len(rows), max(pages))
     normal = lambda *shape: jnp.asarray(rng.standard_normal(shape, np.float32), dtype)  # noqa: E731
     T = batch.num_tokens
-    stored = stored_head_dim(D, page_head_dim_multiple(resolve_attention_backend("pallas")))  # as the engine stores them
+    # as the engine stores them
+    stored = stored_head_dim(D, page_head_dim_multiple(resolve_attention_backend("pallas")))
     return (normal(T, H, D), normal(T, KVH, D), normal(T, KVH, D), normal(num_pages, KVH, PAGE, stored),
             normal(num_pages, KVH, PAGE, stored), jax.tree.map(jnp.asarray, batch.rows))
 

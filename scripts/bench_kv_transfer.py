@@ -191,7 +191,7 @@ def main():
                                          args.repeats, lambda: kv), None),
                 "socket": asyncio.run(fetch_cost(kv, args.repeats)),
                 "socket encode": (median_ms(encode_pages, args.repeats, lambda: fresh(kv)), None),
-                "socket decode": (median_ms(decode_pages, args.repeats, lambda: data), None),
+                "socket decode": (median_ms(decode_pages, args.repeats, lambda data=data: data), None),
                 "jax.transfer": asyncio.run(fetch_cost(kv, args.repeats, prefill, decode)),
                 **cross_process_costs(prompt_len, kv_dtype, args.repeats, decode),
             }

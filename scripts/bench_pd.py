@@ -153,7 +153,8 @@ async def measure(base_url: str, setup: str, args, tokenizer, run_index: int) ->
             raise SystemExit(f"{setup}: no model from {base_url}/models: {type(e).__name__}: {e}")
         warm_rng = np.random.default_rng([args.prompt_seed, run_index, 1 << 20])
         for n in args.warmup_prompts:  # first-request costs (and a chunked prompt's path) out of the runs
-            r = await send(s, url, request_body(opts, model, make_prompt(warm_rng, n, tokenizer), 4), time.perf_counter())
+            r = await send(s, url, request_body(opts, model, make_prompt(warm_rng, n, tokenizer), 4),
+                           time.perf_counter())
             if not r.ok:
                 raise SystemExit(f"{setup}: warm-up request failed: {r.error}")
         for i, rate in enumerate(args.rates):

@@ -39,7 +39,8 @@ RECORD = {"type": "object", "properties": {
     "required": ["name", "age", "email", "tags"], "additionalProperties": False}
 SCHEMA = {"type": "array", "items": RECORD, "minItems": 50}
 DOCUMENT = json.dumps([{"name": f"Zoë Person {i}", "age": 20 + i, "email": f"user{'x' * (i % 5)}@mail.com",
-                        "tags": ["red", "blue"][:i % 3]} for i in range(60)], separators=(", ", ": "), ensure_ascii=False)
+                        "tags": ["red", "blue"][:i % 3]} for i in range(60)],
+                      separators=(", ", ": "), ensure_ascii=False)
 
 
 def bench_fill(tokenizer: Tokenizer, rows: list[int], steps: int = 200) -> dict[int, float]:

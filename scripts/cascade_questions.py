@@ -20,7 +20,8 @@ import unicodedata
 ARITHMETIC_SHOTS = "Q: What is 3 + 5?\nA: 8\n\nQ: What is 15 - 6?\nA: 9\n\nQ: What is 7 * 6?\nA: 42\n\n"
 SHOTS = {
     "capital": "Q: What is the capital of Italy?\nA: Rome\n\nQ: What is the capital of Japan?\nA: Tokyo\n\n",
-    "element": "Q: What is the chemical symbol for oxygen?\nA: O\n\nQ: What is the chemical symbol for iron?\nA: Fe\n\n",
+    "element": "Q: What is the chemical symbol for oxygen?\nA: O\n\n"
+               "Q: What is the chemical symbol for iron?\nA: Fe\n\n",
     "unit": "Q: How many seconds are in a minute?\nA: 60\n\nQ: How many grams are in a kilogram?\nA: 1000\n\n",
     "plural": "Q: What is the plural of cat?\nA: cats\n\nQ: What is the plural of dish?\nA: dishes\n\n",
     "past": "Q: What is the past tense of walk?\nA: walked\n\nQ: What is the past tense of make?\nA: made\n\n",

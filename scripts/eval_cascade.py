@@ -222,7 +222,8 @@ def summarise(records: list[dict], tiers: list[str]) -> dict:
     small = np.array([r["tiers"][tiers[0]]["correct"] for r in records])
     large = np.array([r["tiers"][tiers[1]]["correct"] for r in records])
     out["agreement"] = {"both_right": float(np.mean(small & large)), "only_small_right": float(np.mean(small & ~large)),
-                        "only_large_right": float(np.mean(~small & large)), "both_wrong": float(np.mean(~small & ~large))}
+                        "only_large_right": float(np.mean(~small & large)),
+                        "both_wrong": float(np.mean(~small & ~large))}
     return out
 
 
@@ -304,9 +305,9 @@ def print_table(summary: dict, results: dict, orc: dict, tiers: list[str], n_tes
     for t in tiers:
         s = summary[t]
         g = s["accuracy_by_group"]
-        print(f"{t:<28}{100 * s['accuracy']:>8.1f}%{100 * g.get('arithmetic', 0):>6.0f}%{100 * g.get('facts', 0):>6.0f}%"
-              f"{100 * g.get('choice', 0):>6.0f}%{s['seconds_per_request']:>8.3f}{s['tokens_in_per_request']:>8.1f}"
-              f"{s['tokens_out_per_request']:>8.1f}")
+        print(f"{t:<28}{100 * s['accuracy']:>8.1f}%{100 * g.get('arithmetic', 0):>6.0f}%"
+              f"{100 * g.get('facts', 0):>6.0f}%{100 * g.get('choice', 0):>6.0f}%{s['seconds_per_request']:>8.3f}"
+              f"{s['tokens_in_per_request']:>8.1f}{s['tokens_out_per_request']:>8.1f}")
     a = summary["agreement"]
     print(f"both right {100 * a['both_right']:.1f}%, only {tiers[0]} {100 * a['only_small_right']:.1f}%, "
           f"only {tiers[1]} {100 * a['only_large_right']:.1f}%, both wrong {100 * a['both_wrong']:.1f}%")

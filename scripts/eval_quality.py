@@ -56,7 +56,8 @@ def main():
         logits = next_token_logits(loaded.config, params, ids, **score)
         top1 = logits.argmax(-1)
         reference = top1 if reference is None else reference
-        rows.append({"format": name, "weight_bytes": param_bytes(params), "perplexity": round(perplexity(logits, ids), 4),
+        rows.append({"format": name, "weight_bytes": param_bytes(params),
+                     "perplexity": round(perplexity(logits, ids), 4),
                      "top1_agreement": round(float((top1 == reference).mean()), 4),
                      "seconds": round(time.perf_counter() - start, 1)})
     base = rows[0]["perplexity"]

@@ -114,7 +114,8 @@ def main():
               flush=True)
     costs, check = fit(points, args.max_num_seqs)
     result = {"date": time.strftime("%Y-%m-%d %H:%M"), "command": " ".join(sys.argv), "machine": machine(),
-              "cores": cores, "loadavg_1m_after": round(os.getloadavg()[0], 2), "model": "default (SmolLM2-135M-Instruct)", "dtype": "float32", "page_size": PAGE,
+              "cores": cores, "loadavg_1m_after": round(os.getloadavg()[0], 2),
+              "model": "default (SmolLM2-135M-Instruct)", "dtype": "float32", "page_size": PAGE,
               "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
               "token_buckets": list(buckets.num_tokens), **costs.to_json(),
               "kv_bytes_per_token": int(2 * config.num_layers * config.num_kv_heads * config.head_dim * 4),

@@ -303,7 +303,7 @@ def bench_hf(gguf_dir, gguf_file, prompt_len=512, decode_tokens=64, batch_sizes=
                 cache.batch_repeat_interleave(B)
             inp = ids.expand(B, P).contiguous()
 
-            def run():
+            def run(cache):
                 c = copy.deepcopy(cache)  # generate() appends to the cache in place
                 c0 = _clock()
                 out = model.generate(inp, attention_mask=torch.ones_like(inp), cache=c,
@@ -313,8 +313,8 @@ def bench_hf(gguf_dir, gguf_file, prompt_len=512, decode_tokens=64, batch_sizes=
                 assert out.shape == (B, P + N), out.shape
                 return [round(B * N / t, 1), cores]
 
-            run()
-            runs = [run() for _ in range(repeats)]
+            run(cache)
+            runs = [run(cache) for _ in range(repeats)]
             res["decode_tok_s"][B] = _median([r[0] for r in runs])
             res["decode_runs"][B] = runs  # [tok/s, cores busy] per run
             del cache

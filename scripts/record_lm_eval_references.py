@@ -1,6 +1,6 @@
 """Records lm-evaluation-harness's own `hf` backend on the default model (HF transformers, float32, from the same
-GGUF jaxserve loads) over tests/server/test_lm_eval.py's two tiny tasks into tests/data/lm_eval_hf.json: the reference that
-test compares `jaxserve serve` against, per document. (HF's reading of the GGUF, its tokenizer and its evaluation
+GGUF jaxserve loads) over tests/server/test_lm_eval.py's two tiny tasks into tests/data/lm_eval_hf.json: the reference
+that test compares `jaxserve serve` against, per document. (HF's reading of the GGUF, its tokenizer and its evaluation
 take minutes on two cores: recorded, not recomputed. Re-record after an lm-eval, transformers or task change.)
 
     python scripts/record_lm_eval_references.py [--out tests/data/lm_eval_hf.json]

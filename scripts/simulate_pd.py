@@ -150,8 +150,8 @@ class ModelShape:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.kv_bytes_per_elem
 
 
-# Llama 3 8B in bf16 (jaxserve.aot.deviceless.MODEL_CONFIGS["llama-3-8b"]): 8.03 B parameters, of which the 128256 x 4096
-# embedding table is only looked up; the LM head (the same size) is a matmul.
+# Llama 3 8B in bf16 (jaxserve.aot.deviceless.MODEL_CONFIGS["llama-3-8b"]): 8.03 B parameters, of which the
+# 128256 x 4096 embedding table is only looked up; the LM head (the same size) is a matmul.
 LLAMA3_8B = ModelShape("llama-3-8b", 8.03e9 - 128256 * 4096, 2 * 8.03e9, 32, 32, 8, 128)
 
 

@@ -91,14 +91,22 @@ def free_compiled_programs():
 TIER_SIGNALS = {
     # the real default model (SmolLM2-135M's GGUF) or Gemma 3 270M: a download on first use, seconds to load
     "real_model": re.compile(r"\b(default_gguf_path|default_llm|gemma3_llm|hf_default_model|default_model_path)\b"
-                             r"|[\"']gemma3-270m[\"']|\bLLM\(\)"),
+                             r"|[\"']gemma3-270m[\"']|\bLLM\(\)|\bload_model\(None"),
     # HF transformers / torch / peft as the reference implementation
     "reference": re.compile(r"\b(torch|transformers|peft)\."),
     # the real TPU and GPU compilers, deviceless (the .aot-venv beside the project)
     "aot": re.compile(r"\baot\.|aot[-_]venv|\btopologies\b|\bget_topology_desc\b"),
     # real processes: a CLI run, a server or a multi-host group in subprocesses
     "processes": re.compile(r"\b(subprocess|Popen|multiprocessing|sys\.executable)\b"),
+    # a mesh of several CPU devices (tensor or data parallelism): every program compiled again, partitioned
+    "multi_device": re.compile(r"\b(tensor_parallel_size|data_parallel_size|make_mesh|device_groups)\b|\bMesh\("),
+    # tiny checkpoints of other families than the shared tiny Llama: an engine (and its programs) per family
+    "model_zoo": re.compile(r"\bsave_tiny_model\((?![\"']llama[\"'])"),
+    # every bucket compiled ahead (warm-up), to show that serving then compiles nothing
+    "warmup": re.compile(r"\bwarmup=True\b|\.warmup\(|\bwarm_up\("),
 }
+
+
 @functools.lru_cache(maxsize=None)
 def _module_functions(module) -> dict[str, str]:
     """The source of each function and class defined in a test module, by name."""

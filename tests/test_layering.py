@@ -77,7 +77,8 @@ def under(module: str, *prefixes: str) -> bool:
 
 def test_the_reader_sees_the_package():
     """Guards the guards: the modules are found, and so are imports inside functions (cli's lazy ones)."""
-    assert {"jaxserve", "jaxserve.engine.llm", "jaxserve.engine_config", "jaxserve.cli.serve", "jaxserve.server"} <= set(MODULES)
+    assert {"jaxserve", "jaxserve.engine.llm", "jaxserve.engine_config", "jaxserve.cli.serve",
+            "jaxserve.server"} <= set(MODULES)
     assert any(i.target == "jaxserve.server" for i in IMPORTS["jaxserve.cli.serve"])  # inside cmd_serve
     assert all(i.target in MODULES for edges in IMPORTS.values() for i in edges), "an import of no jaxserve module"
 

@@ -121,8 +121,8 @@ def collective_problems(compiled, config: ModelConfig, params, num_pages: int, p
     after each row-parallel layer (o_proj, down_proj) and once after the vocab-split embedding (2 x layers + 1; an
     all-reduce, or a reduce-scatter whose all-gather completes it), and otherwise moves only small per-row values:
     the vocab-parallel sampler's and prompt scorer's maxima, sums and counts, and each device's top MAX_LOGPROBS
-    (`jaxserve.sample.sampling`, `jaxserve.sample.prompt_logprobs`), at most tp x MAX_LOGPROBS values a row or token; a cache
-    write moves nothing. Unexpected: any other count of activation reductions, any other collective bigger than
+    (`jaxserve.sample.sampling`, `jaxserve.sample.prompt_logprobs`), at most tp x MAX_LOGPROBS values a row or token; a
+    cache write moves nothing. Unexpected: any other count of activation reductions, any other collective bigger than
     those per-row values (logits gathered: even one row's slice of the vocabulary is bigger), and any of a whole
     weight's or cache page array's size (a weight or the cache gathered)."""
     if compiled.error or compiled.tensor_parallel_size == 1:

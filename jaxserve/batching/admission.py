@@ -85,13 +85,13 @@ class Admission(Residency):
         """Gives a waiting sequence a slot, its adapter's slot (the caller saw one can be had), its cached prefix,
         and pages for all its tokens; False if it must wait."""
         # The adapter slot first: loading it is the step that can fail, and then nothing else is held yet.
-        lora_slot = self.lora_slots.take(seq.lora) if seq.lora is not None else -1
+        lora_slot = self._adapter_slots().take(seq.lora) if seq.lora is not None else -1
         admitted = False
         try:
             admitted = self._admit_pages(seq, cap)
         finally:
             if lora_slot >= 0 and not admitted:  # it keeps the adapter for the next try; nobody counts as using it
-                self.lora_slots.release(lora_slot)
+                self._adapter_slots().release(lora_slot)
         if admitted:
             seq.lora_slot = lora_slot
         return admitted

@@ -237,7 +237,8 @@ class EngineCore(StepReader):
             lengths = self._speculation_lengths()
             if lengths:
                 return self._speculative_step(lengths)
-            self.controller.num_speculating = 0
+            _, controller = self._speculation()
+            controller.num_speculating = 0
         if self._in_flight is not None and (self._in_flight.batch.constrained or not self.async_scheduling
                                             or read_back_first):
             self._read_back(timed=not self.async_scheduling or read_back_first)
@@ -268,26 +269,34 @@ class EngineCore(StepReader):
         seqs = [s for s in self.scheduler.running if s.num_to_compute == 1 and not s.reached_length_limit
                 and not _position_dependent(s)
                 and s.output.grammar is None]  # a constrained row's mask needs the token before it: none to guess
+        proposer, controller = self._speculation()
         if not self.adaptive:
-            return {s: self.controller.k for s in seqs}
-        return self.controller.choose(seqs, self.proposer.available)
+            return {s: controller.k for s in seqs}
+        return controller.choose(seqs, proposer.available)
+
+    def _speculation(self) -> tuple[Proposer, SpecController]:
+        """The proposer and its controller: speculative decoding has both (the engine factory gives both or
+        neither)."""
+        assert self.proposer is not None and self.controller is not None, "speculation needs a proposer and controller"
+        return self.proposer, self.controller
 
     def _speculative_step(self, lengths: dict[Sequence, int]) -> None:
         """A step planned with every token on the host, and waited for: its proposals continue the latest tokens,
         and the plan after it must know how many were accepted. So the step before is read back first, and the
         host's work no longer overlaps the device's for this step (what that costs: BENCHMARKS.md)."""
+        proposer, controller = self._speculation()
         self._read_back()
         start = time.perf_counter()
-        batch = self.scheduler.schedule(lengths, self.proposer.propose)
+        batch = self.scheduler.schedule(lengths, proposer.propose)
         self._import(batch)
         if not batch:
             return
         self._update(self._dispatch(batch))
         speculating = [k for k in batch.num_draft.values() if k]
-        self.controller.num_speculating = len(speculating)
+        controller.num_speculating = len(speculating)
         if self.adaptive:
-            self.controller.observe_step(batch.num_tokens, time.perf_counter() - start, True, len(batch.rows),
-                                         len(speculating), max(speculating, default=0))
+            controller.observe_step(batch.num_tokens, time.perf_counter() - start, True, len(batch.rows),
+                                    len(speculating), max(speculating, default=0))
 
     def _import(self, batch: ScheduledBatch) -> None:
         """Writes the K/V of the prefilled sequences admitted to `batch` into their pages, before its step. An import

@@ -103,7 +103,7 @@ def copy_in(runner: Runner, seq: Sequence, kv: KVPages, num_cached: int, page_si
 def write_imports(runner: Runner, batch: ScheduledBatch) -> dict[str, BaseException]:
     """Writes the K/V of the prefilled sequences admitted to `batch` into their pages, before its step. Returns
     request id -> why its import failed: a failure ends its own request only (the caller's to take out)."""
-    failed = {}
+    failed: dict[str, BaseException] = {}
     for seq, pages, kv in batch.imports:
         try:
             runner.import_pages(pages, kv)

@@ -12,6 +12,7 @@ may cut the output short of the grammar's end, as in OpenAI's API).
 """
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 import logging
 
@@ -39,7 +40,8 @@ class SequenceDelta:
         return self.completion.finish_reason is not None
 
 
-def process(rows: list[Sequence], result: StepOutput, layout: list[Row] = ()) -> list[SequenceDelta]:
+def process(rows: list[Sequence], result: StepOutput,
+            layout: collections.abc.Sequence[Row] = ()) -> list[SequenceDelta]:
     """A step's result, rows in the order the scheduler laid them out (`layout`: the rows themselves, which say
     which prompt positions the step scored); rows that emitted nothing (a prompt chunk short of its end) and
     sequences finished or aborted while the step ran are skipped."""
@@ -61,6 +63,8 @@ def process(rows: list[Sequence], result: StepOutput, layout: list[Row] = ()) ->
         for j in range(counts[i]):
             top = []
             if seq.params.logprobs:
+                # The runner drops the top logprobs only from a step where no row asked for them.
+                assert result.top_ids is not None and result.top_logprobs is not None
                 top = list(zip(result.top_ids[i, j].tolist(), result.top_logprobs[i, j].tolist()))
             taken.append(tokens[i][j])
             _take_token(seq, tokens[i][j], float(result.logprobs[i, j]), int(result.ranks[i, j]), top)
@@ -96,10 +100,10 @@ def request_metrics(seqs: list[Sequence]) -> RequestMetrics:
     def first(values):
         values = [v for v in values if v is not None]
         return min(values) if values else None
-    finished = [s.finish_time for s in seqs]
+    finished = [s.finish_time for s in seqs if s.finish_time is not None]
     return RequestMetrics(seqs[0].arrival_time, first(s.first_scheduled_time for s in seqs),
                           first(s.first_token_time for s in seqs),
-                          None if None in finished else max(finished), sum(s.num_preemptions for s in seqs))
+                          max(finished) if len(finished) == len(seqs) else None, sum(s.num_preemptions for s in seqs))
 
 
 def _take_token(seq: Sequence, token: int, logprob: float, rank: int, top: list[tuple[int, float]]) -> None:
@@ -120,7 +124,7 @@ def _take_token(seq: Sequence, token: int, logprob: float, rank: int, top: list[
             out.text += piece
         return
     out.text += piece
-    if piece and params.stop and n >= params.min_tokens:
+    if piece and rules.strings and n >= params.min_tokens:
         _check_stop_strings(seq, len(out.text) - len(piece))
         if out.finish_reason:
             return
@@ -136,6 +140,7 @@ def _advance_grammar(seq: Sequence, token: int) -> bool:
     """Moves the sequence's grammar past its new token; True if the grammar is complete (or failed, which its
     masks cannot let happen but for a per-step limit: the sequence then ends as if complete)."""
     grammar = seq.output.grammar
+    assert grammar is not None  # called only for a sequence under a grammar
     if grammar.accept(token) and not grammar.error:
         return grammar.is_terminated
     logger.warning("request %s: its grammar failed (%s); the sequence ends", seq.request_id, grammar.error)
@@ -147,7 +152,7 @@ def free_grammar(seq: Sequence) -> None:
     seq.output.grammar = None
 
 
-def _take_prompt_scores(rows: list[Sequence], layout: list[Row], scores: PromptScores) -> None:
+def _take_prompt_scores(rows: list[Sequence], layout: collections.abc.Sequence[Row], scores: PromptScores) -> None:
     """Appends the prompt positions each row's chunk scored to its sequence's prompt logprobs. The scores are packed
     in the rows' order; a position already collected (a chunk recomputed after a preemption) is not taken twice."""
     k = 0
@@ -171,7 +176,7 @@ def _check_stop_strings(seq: Sequence, old_len: int) -> None:
     """Ends the text at the first stop string that the text since old_len completed."""
     out, params = seq.output, seq.params
     # A match must end in the new text: one wholly before it was written under min_tokens, and stays (as vLLM).
-    hits = [(at, s) for s in params.stop if (at := out.text.find(s, max(0, old_len - len(s) + 1))) >= 0]
+    hits = [(at, s) for s in seq.stop_rules.strings if (at := out.text.find(s, max(0, old_len - len(s) + 1))) >= 0]
     if hits:
         at, stop = min(hits)
         out.text = out.text[:at + (len(stop) if params.include_stop_str_in_output else 0)]
@@ -180,14 +185,14 @@ def _check_stop_strings(seq: Sequence, old_len: int) -> None:
 
 def _stop_prefix_length(seq: Sequence) -> int:
     """Characters at the end of the text that are the start of some stop string (0 if none)."""
-    out, stops, rules = seq.output, seq.params.stop, seq.stop_rules
+    out, rules = seq.output, seq.stop_rules
     text = out.text
     for p in range(max(out.sent, len(text) - rules.longest_stop + 1), len(text)):
         # Most positions fail the first-character test: a stop string's prefix is looked for only where one
         # could start, so the host's per-token work stays small.
         if text[p] in rules.stop_firsts:
             tail = text[p:]
-            if any(s.startswith(tail) for s in stops):
+            if any(s.startswith(tail) for s in rules.strings):
                 return len(text) - p
     return 0
 

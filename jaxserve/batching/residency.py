@@ -79,22 +79,29 @@ class Residency:
         # never be written.
         self.cache.release(seq.pages)
         seq.pages, seq.num_cached, seq.num_written, seq.num_published, seq.num_draft_cached = [], 0, 0, 0, 0
-        self._free_slots.append(seq.slot)
-        seq.slot = None
-        if seq.lora_slot >= 0:
-            self.lora_slots.release(seq.lora_slot)
-            seq.lora_slot = -1
+        self._release_slots(seq)
 
     def _hand_off(self, seq: Sequence) -> None:
         """Its prompt computed and first token taken: out of the batch, its pages held for the export."""
-        self._free_slots.append(seq.slot)
-        seq.slot = None
-        if seq.lora_slot >= 0:
-            self.lora_slots.release(seq.lora_slot)
-            seq.lora_slot = -1
+        self._release_slots(seq)
         self.running.remove(seq)
         seq.status = Status.HANDED_OFF
         self.handed_off.append(seq)
+
+    def _release_slots(self, seq: Sequence) -> None:
+        """A running sequence leaves the batch: its slot, and its adapter's slot if it has one, go back."""
+        assert seq.slot is not None, f"request {seq.request_id} leaves the batch but holds no slot"
+        self._free_slots.append(seq.slot)
+        seq.slot = None
+        if seq.lora_slot >= 0:
+            self._adapter_slots().release(seq.lora_slot)
+            seq.lora_slot = -1
+
+    def _adapter_slots(self) -> LoRASlots:
+        """The runner's adapter slots, there wherever a sequence has an adapter (`Admission.add` refuses one
+        on an engine without them)."""
+        assert self.lora_slots is not None, "a LoRA adapter on an engine without enable_lora"
+        return self.lora_slots
 
     def release_handed_off(self, seq: Sequence) -> None:
         """A handed-off sequence's pages go back (their export dispatched first: JAX runs a later step that

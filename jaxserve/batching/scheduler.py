@@ -183,7 +183,7 @@ class Scheduler(Admission):
                 continue  # preempted with a token in flight: resumable once it lands
             if not self._kv_landed(seq):
                 continue  # its KV is still on its way
-            if seq.lora is not None and (slot_short or not self.lora_slots.can_take(seq.lora)):
+            if seq.lora is not None and (slot_short or not self._adapter_slots().can_take(seq.lora)):
                 slot_short = True
                 continue
             if not self._admit(seq, cap):
@@ -202,7 +202,7 @@ class Scheduler(Admission):
             return 0
         oldest = min(fresh, key=lambda s: s.arrival_time)
         if pages_needed(len(oldest.token_ids), self.page_size) > self.cache.num_available or (
-                oldest.lora is not None and not self.lora_slots.can_take(oldest.lora)):
+                oldest.lora is not None and not self._adapter_slots().can_take(oldest.lora)):
             return 0  # it could not run this step: the decodes keep the budget (a prefix hit may fit it later)
         return min(oldest.num_to_compute, self.max_num_batched_tokens // 2)
 

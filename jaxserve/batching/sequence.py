@@ -23,6 +23,7 @@ from jaxserve.structured_output import GrammarMatcher
 if TYPE_CHECKING:
     from jaxserve.lora.request import LoRARequest
     from jaxserve.lora.slot_cache import LoadedAdapter
+    from jaxserve.tokenizer import IncrementalDetokenizer
 
 
 class Status(enum.Enum):
@@ -58,17 +59,20 @@ class StopRules:
     stop_ids: frozenset[int]
     longest_stop: int  # characters of the longest stop string
     stop_firsts: frozenset[str]  # the first characters of the stop strings
+    strings: tuple[str, ...]  # the stop strings (SamplingParams.stop, a list once the params are checked)
 
     @classmethod
     def of(cls, params: SamplingParams, eos_token_ids: list[int]) -> "StopRules":
+        # Lists once SamplingParams is checked (its __post_init__); the annotations say what it takes.
+        assert isinstance(params.stop, list) and params.stop_token_ids is not None
         return cls(frozenset(eos_token_ids), frozenset(params.stop_token_ids), max(map(len, params.stop), default=0),
-                   frozenset(s[0] for s in params.stop))
+                   frozenset(s[0] for s in params.stop), tuple(params.stop))
 
 
 @dataclasses.dataclass
 class OutputState:
     """What a sequence has said: its text, logprobs and why it ended. Written by the output processor only."""
-    detokenizer: object | None = None  # IncrementalDetokenizer-like: add(token_id) -> new text
+    detokenizer: IncrementalDetokenizer | None = None  # or one like it: add(token_id) -> new text
     num_tokens: int = 0  # tokens taken in (the scheduler appends the same ones to output_token_ids)
     text: str = ""  # all of it, including what is held back from the stream
     sent: int = 0  # characters of text already streamed
@@ -87,8 +91,8 @@ _arrivals = itertools.count()
 
 class Sequence:
     def __init__(self, request_id: str, index: int, prompt_token_ids: list[int], params: SamplingParams, seed: int,
-                 max_model_len: int, eos_token_ids: list[int], detokenizer=None, priority: int = 0,
-                 controls: LogitControls = NONE, grammar: GrammarMatcher | None = None,
+                 max_model_len: int, eos_token_ids: list[int], detokenizer: IncrementalDetokenizer | None = None,
+                 priority: int = 0, controls: LogitControls = NONE, grammar: GrammarMatcher | None = None,
                  lora: LoadedAdapter | None = None):
         # What the request asked: never changes.
         self.request_id = request_id
@@ -101,7 +105,8 @@ class Sequence:
         self.seed = seed
         self.max_model_len = max_model_len
         self.eos_token_ids = [] if params.ignore_eos else list(eos_token_ids)
-        # What min_tokens bans on device, each id once: EOS and stop ids.
+        # What min_tokens bans on device, each id once: EOS and stop ids (a list once SamplingParams is checked).
+        assert params.stop_token_ids is not None
         self.ending_token_ids = tuple(dict.fromkeys(self.eos_token_ids + params.stop_token_ids))
         self.controls = controls  # logit_bias, allowed_token_ids and bad_words on the model's vocabulary
         self.lora = lora  # its LoRA adapter (None: the base model), held from here on (see jaxserve.lora.slot_cache)

@@ -80,6 +80,7 @@ class StepReader:
         deltas = output_processor.process(batch.row_seqs, out, batch.rows)
         for d in deltas:
             if batch.proposals.get(d.seq):
+                assert self.controller is not None  # proposals come only with speculation, which has one
                 self.controller.observe(d.seq, len(batch.proposals[d.seq]), d.num_emitted - 1)
         self.scheduler.update(batch, deltas, now)
         if any(d.finished or len(d.seq.output_token_ids) > 1 or d.seq.status is Status.HANDED_OFF for d in deltas):

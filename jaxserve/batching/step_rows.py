@@ -17,10 +17,11 @@ def prompt_targets(chunk: Chunk) -> dict:
     recomputed chunk asks only for what is missing) scores the prompt token after it; the last prompt token has
     none. Empty when the sequence does not score its prompt."""
     seq = chunk.seq
-    if not seq.scores_prompt:
+    collected = seq.output.prompt_logprobs
+    if collected is None or not seq.scores_prompt:
         return {}
     prompt = seq.prompt_token_ids
-    first = max(chunk.start, len(seq.output.prompt_logprobs) - 1)
+    first = max(chunk.start, len(collected) - 1)
     end = min(chunk.start + chunk.length, len(prompt) - 1)
     if first >= end:
         return {}
@@ -55,13 +56,19 @@ def lay_out_rows(plan: ScheduledBatch) -> list[Row]:
     for s in plan.decode:
         proposals = plan.proposals.get(s, [])
         rows.append(Row([0 if s.pending else s.last_token] + proposals, s.num_tokens - 1, s.pages,
-                        row_sampling(s), s.slot, chained=bool(s.pending), num_draft=len(proposals),
+                        row_sampling(s), _slot(s), chained=bool(s.pending), num_draft=len(proposals),
                         lora_slot=s.lora_slot))
     rows += [Row(c.seq.token_ids[c.start:c.start + c.length], c.start, c.seq.pages, row_sampling(c.seq),
-                 c.seq.slot if c.is_last else -1, samples=c.is_last, lora_slot=c.seq.lora_slot,
+                 _slot(c.seq) if c.is_last else -1, samples=c.is_last, lora_slot=c.seq.lora_slot,
                  **prompt_targets(c))
              for c in plan.prefill]
     return rows
+
+
+def _slot(seq: Sequence) -> int:
+    """Its slot in the device's buffer of sampled tokens: a sequence in a step is running, so it has one."""
+    assert seq.slot is not None, f"request {seq.request_id} is in a step but holds no slot"
+    return seq.slot
 
 
 def constrain(plan: ScheduledBatch) -> None:

@@ -61,7 +61,9 @@ class StepClock:
         """When to plan the next step (time.perf_counter()): the end predicted for `f` less the host's time to plan
         and dispatch one (plan_lead: a factor of that time, and seconds more); None: once it has run (not timed
         yet, constrained, or nothing in flight)."""
-        seconds = None if f is None else self.step_seconds.get(step_shape(f.batch))
+        if f is None:
+            return None
+        seconds = self.step_seconds.get(step_shape(f.batch))
         if seconds is None or self.plan_seconds is None or f.batch.constrained or plan_lead is None:
             return None
         start = max(f.dispatched, self.ended_at or 0.0)  # it runs once the step before it has

@@ -12,12 +12,22 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
+from typing import Protocol
 
 import numpy as np
 
 from jaxserve.cache.page_allocator import OutOfPages, PageAllocator
 
 ROOT_KEY = b""  # the parent of a sequence's first page
+
+
+class TokenSlices(Protocol):
+    """Token ids as this module reads them, by length and slices: a list, or a view that joins a sequence's prompt
+    and output without copying them each step."""
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, s: slice, /) -> list[int]: ...
 
 
 def page_keys(token_ids: list[int], page_size: int, keys: list[bytes], salt: bytes = b"") -> list[bytes]:
@@ -76,7 +86,7 @@ class PrefixCache:
             self._refs[p] = 1
         return pages
 
-    def match(self, token_ids: list[int], keys: list[bytes], max_pages: int) -> list[int]:
+    def match(self, token_ids: TokenSlices, keys: list[bytes], max_pages: int) -> list[int]:
         """Holds and returns the cached pages of the longest cached prefix of `token_ids`, at most max_pages.
 
         `keys` are the token_ids' page keys (see page_keys).
@@ -94,7 +104,7 @@ class PrefixCache:
             self._refs[p] = self._refs.get(p, 0) + 1
         return pages
 
-    def num_cached_pages(self, token_ids: list[int], keys: list[bytes]) -> int:
+    def num_cached_pages(self, token_ids: TokenSlices, keys: list[bytes]) -> int:
         """How many leading pages of token_ids `match` would find, holding nothing (a data-parallel router's
         question: which replica has this prompt's prefix)."""
         if not self.enabled:
@@ -111,7 +121,7 @@ class PrefixCache:
         self.queries += num_tokens
         self.hits += num_hit_tokens
 
-    def publish(self, pages: list[int], token_ids: list[int], keys: list[bytes], start: int) -> None:
+    def publish(self, pages: list[int], token_ids: TokenSlices, keys: list[bytes], start: int) -> None:
         """Remembers pages[start:len(keys)], now full of token_ids, under their keys (a held page's content)."""
         if not self.enabled:
             return

@@ -18,9 +18,11 @@ import threading
 import uuid
 from typing import AsyncIterator
 
-from jaxserve.batching.engine_core import MAX_FAILED_STEPS, EngineDeadError, StepError
+from jaxserve.batching.engine_core import MAX_FAILED_STEPS, EngineCore, EngineDeadError, StepError
 from jaxserve.batching.engine_stats import EngineStats
 from jaxserve.batching.output_processor import SequenceDelta, request_metrics
+from jaxserve.batching.pools.data_parallel import DataParallel
+from jaxserve.batching.pools.disaggregated import Disaggregated
 from jaxserve.cache import pages_needed
 from jaxserve.cache.transfer import trimmed
 from jaxserve.engine.client import HandedOff, Prefilled
@@ -273,7 +275,7 @@ class AsyncEngine:
         if llm.has_unfinished_requests():
             self._publish(llm.step())
             if self.role == "prefill":
-                self._hand_off(llm.core.take_handed_off())
+                self._hand_off(_one_pool(llm).take_handed_off())
         self._stats = llm.stats()
         return False
 
@@ -287,8 +289,8 @@ class AsyncEngine:
                     self.llm.submit(command.request)
                 else:
                     p = command.prefilled
-                    self.llm.core.add_prefilled(command.request.seqs[0], p.kv, p.num_cached,
-                                                first_token=p.first_token, started=p.started)
+                    _one_pool(self.llm).add_prefilled(command.request.seqs[0], p.kv, p.num_cached,
+                                                      first_token=p.first_token, started=p.started)
             except Exception as e:  # noqa: BLE001 - nowhere to run it (every replica stopped): this request fails
                 self.llm.abort_request(request_id)  # any of its sequences already queued
                 stream = self._streams.pop(request_id, None)
@@ -340,3 +342,11 @@ class AsyncEngine:
         finally:  # the streams hear of it even if the abort fails
             for stream in streams:
                 stream.put(error)
+
+
+def _one_pool(llm: LLM) -> EngineCore | DataParallel:
+    """A prefill or decode engine's core, which hands pages off or takes them in: one pool (only a "both" engine's
+    core is a Disaggregated pair, and it keeps its pages to itself)."""
+    core = llm.core
+    assert not isinstance(core, Disaggregated), "a role engine's core is one pool"
+    return core

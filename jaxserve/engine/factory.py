@@ -37,7 +37,7 @@ from jaxserve.paths import cache_dir
 from jaxserve.quantize.apply import quantize_model
 from jaxserve.runner.model_runner import ModelRunner, RunnerConfig
 from jaxserve.spec_config import check_draft
-from jaxserve.tokenizer import read_chat_template
+from jaxserve.tokenizer import Tokenizer, read_chat_template
 from jaxserve.weights import LoadedModel, load_model, resolve_dtype
 from jaxserve.weights.params import param_bytes
 
@@ -53,13 +53,13 @@ class EngineParts:
     model_name: str
     vocab_size: int
     max_model_len: int
-    tokenizer: object | None = None
+    tokenizer: Tokenizer | None = None
     model_config: object | None = None  # the ModelConfig (None for a fake model)
     runners: list = dataclasses.field(default_factory=list)  # every runner, a replica's target then its draft
     processes: multihost.LeaderFollower = dataclasses.field(
         default_factory=lambda: multihost.LeaderFollower(None, True))
     attention_backend: str = "reference"
-    quantization: str | None = None
+    quantization: dict | None = None  # LoadedModel's: {"method", "group_size", "quantize_embeddings"}
     loras: HostAdapters | None = None  # the LoRA adapters on the host, shared by the replicas (None: not enabled)
 
     @property
@@ -74,6 +74,7 @@ class EngineParts:
              decode: list[EngineCore] | None = None) -> "EngineParts":
         """An engine over replicas built by hand (tests: over fake runners); with decode replicas, the replicas
         are a prefill pool (disaggregated prefill)."""
+        core: EngineCore | DataParallel | Disaggregated
         if decode:
             core = Disaggregated(replicas, decode)
         else:
@@ -106,6 +107,7 @@ def build_engine(c: EngineConfig) -> EngineParts:
     buckets = Buckets.for_limits(c.max_num_seqs, c.max_num_batched_tokens, pages_needed(max_model_len, c.block_size))
     by_role, backend = _build_pools(c, pools, models, pages, buckets, dtype, backend, processes, runners)
     replicas = [replica for pool in by_role.values() for replica in pool]
+    core: EngineCore | DataParallel | Disaggregated
     if c.disaggregated:
         core = Disaggregated(by_role["prefill"], by_role["decode"])
     else:
@@ -140,9 +142,10 @@ def _load_models(c: EngineConfig, pools: list[tuple[str, int, list]], dtype) -> 
         loaded = quantize_model(load_model(c.model, dtype), c.quantization, group_size=c.quantization_group_size,
                                 quantize_embeddings=c.quantize_embeddings, calibration_text=c.calibration_text)
         if c.chat_template is not None:
-            if loaded.tokenizer is None:
+            tokenizer = loaded.tokenizer
+            if tokenizer is None:
                 raise ValueError(f"chat_template {c.chat_template}: this model has no tokenizer to chat with")
-            loaded.tokenizer.chat_template = read_chat_template(c.chat_template)
+            tokenizer.chat_template = read_chat_template(c.chat_template)
         limit = loaded.config.max_position_embeddings
         if c.max_model_len is not None and c.max_model_len > limit:
             raise ValueError(f"max_model_len must be an integer in [2, {limit}] for this model, got "
@@ -300,6 +303,7 @@ def _replica(c: EngineConfig, runner_config: RunnerConfig, config, params, draft
         return EngineCore(scheduler, runner, async_scheduling=overlap, plan_lead=lead)
     k = spec.num_speculative_tokens
     draft_runner = None
+    proposer: DraftProposer | NgramProposer
     if draft is not None:
         # A draft draws its proposals in plain steps, with no adapters (they are the target's).
         draft_runner = runner_for(draft.config, draft.params, 0, lora=False)
@@ -363,7 +367,7 @@ def checked_backend(backend: str, asked: str, config, page_size: int, dtype, ser
 def _enable_compilation_cache() -> None:
     """Keep compiled steps on disk, so a second start skips most compilation (unless the user chose a cache). A
     cache directory that cannot be written (a read-only container) costs only the speed-up: no cache, no noise."""
-    if jax.config.jax_compilation_cache_dir is None:
+    if jax.config.jax_compilation_cache_dir is None:  # type: ignore[attr-defined]  # jax's flags are set at runtime
         directory = cache_dir() / "xla"
         try:
             directory.mkdir(parents=True, exist_ok=True)

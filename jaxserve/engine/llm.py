@@ -120,6 +120,7 @@ class LLM:
         request_id = str(next(self._request_ids)) if request_id is None else request_id
         base_seed = params.seed if params.seed is not None else self._rng.getrandbits(32)
         eos = self.tokenizer.eos_token_ids if self.tokenizer is not None else []
+        assert params.stop_token_ids is not None  # SamplingParams makes it a list
         ending = set(eos) | set(params.stop_token_ids)
         if params.min_tokens and not params.ignore_eos and len(ending) > MAX_BANNED_TOKENS:
             raise ValueError(f"min_tokens can hold back at most {MAX_BANNED_TOKENS} ending tokens; this model's "

@@ -2,9 +2,9 @@
 holding pages offers them under a uuid (`await_pull`); the peer pulls them into its own device buffers over the
 transfer server's sockets, with no host copy made by this code on either side.
 
-Measured here (CPU, jax 0.10.2; tests/kv_transfer/test_kv_transfer.py): it works in one process and between two processes,
-provided the server is started with transport addresses. Without them it uses an in-process transport, and a pull
-from another process kills the serving process (`F socket-server.cc:360] Check failed: num_sys_refs_ != 0`), so
+Measured here (CPU, jax 0.10.2; tests/kv_transfer/test_kv_transfer.py): it works in one process and between two
+processes, provided the server is started with transport addresses. Without them it uses an in-process transport, and a
+pull from another process kills the serving process (`F socket-server.cc:360] Check failed: num_sys_refs_ != 0`), so
 this module always passes them. A peer killed mid-pull fails the pull (`INTERNAL: SocketServer: Connection closed
 recv() == 0`). But a pull of a uuid never offered (or whose offer timed out), or from an address where nothing
 listens, does not fail: its arrays never become ready, and the pull's timeout argument does not end it. So the

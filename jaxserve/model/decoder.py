@@ -128,7 +128,8 @@ class DecoderLayer(nn.Module):
         q = apply_rope(q, rows.positions, inv_freq)
         k = apply_rope(k, rows.positions, inv_freq)
         if c.query_pre_attn_scalar is not None and c.query_pre_attn_scalar != c.head_dim:
-            q = q * jnp.asarray((c.head_dim / c.query_pre_attn_scalar) ** 0.5, dt)  # attention divides by sqrt(head_dim)
+            # attention divides by sqrt(head_dim)
+            q = q * jnp.asarray((c.head_dim / c.query_pre_attn_scalar) ** 0.5, dt)
         attend = functools.partial(attention, sliding_window=window, backend=self.attention_backend)
         attn = attention_over_heads(attend, self.mesh, q, k, v, kv[0], kv[1], rows)
         # o_proj and down_proj split their inputs (a device holds its heads' / FFN rows' part): one all-reduce each.
@@ -162,8 +163,9 @@ class DecoderModel(nn.Module):
         """token_ids: [T]; kv_cache: per layer (k_pages, v_pages), as before this step; rows: `RaggedRows`.
 
         logits_index: [S] or [S, Q], which tokens get logits (None: all of them).
-        Returns (logits [S, V], [S, Q, V] or [T, V] in float32, per layer this step's (k, v), each [T, kv_heads, head_dim]),
-        and with return_hidden every token's final hidden state [T, hidden] (before the final norm: `lm_head` takes it).
+        Returns (logits [S, V], [S, Q, V] or [T, V] in float32, per layer this step's (k, v), each
+        [T, kv_heads, head_dim]), and with return_hidden every token's final hidden state [T, hidden] (before the final
+        norm: `lm_head` takes it).
         lora_slot: int32 [T], each token's LoRA adapter slot (-1: none), with the adapters in the "lora" collection
         (`jaxserve.lora.buffers`); None: the base model alone.
         """

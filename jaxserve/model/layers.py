@@ -27,8 +27,8 @@ class Linear(nn.Module):
     def __call__(self, x, lora_slot=None):
         """x: [T, in]. lora_slot: int32 [T], each token's adapter slot (-1: none), read with the "lora" collection's
         a [N, in, R] and b [N, R, out] if the layer has them (`jaxserve.lora.buffers`)."""
-        # kernel: [in, out], float or quantized (jaxserve.model.quant). A quantized kernel's leaves do not have the float
-        # kernel's shape, so an existing kernel is read as is rather than through param()'s shape check.
+        # kernel: [in, out], float or quantized (jaxserve.model.quant). A quantized kernel's leaves do not have the
+        # float kernel's shape, so an existing kernel is read as is rather than through param()'s shape check.
         if self.has_variable("params", "kernel"):
             kernel = self.get_variable("params", "kernel")
         else:
@@ -48,7 +48,8 @@ class Linear(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    """x / rms(x) * weight, in float32. Gemma's x * (1 + w) is this with the 1 added at load (jaxserve.model.families)."""
+    """x / rms(x) * weight, in float32. Gemma's x * (1 + w) is this with the 1 added at load
+    (jaxserve.model.families)."""
     eps: float
     dtype: Any = jnp.float32
     axis: str = "embed"  # the logical axis of the normalised dimension ("head_dim" for a per-head norm)

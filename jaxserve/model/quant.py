@@ -291,8 +291,8 @@ def quantize_params(params: dict, method: str | None, *, quantize_embeddings: bo
     """Every linear layer's kernel quantized; with quantize_embeddings also the LM head (same method) and the
     embedding table (int8 rows). Norms stay as they are.
 
-    input_scales: {(module path, ...): float32 [in]} for "awq" (jaxserve.quantize.awq.find_input_scales), keyed by the path
-    of the module holding the kernel, e.g. ("params", "layers_0", "q_proj").
+    input_scales: {(module path, ...): float32 [in]} for "awq" (jaxserve.quantize.awq.find_input_scales), keyed by the
+    path of the module holding the kernel, e.g. ("params", "layers_0", "q_proj").
     """
     if method not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS[1:]} or None, got {method!r}")

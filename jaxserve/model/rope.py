@@ -24,7 +24,8 @@ def inverse_frequencies(head_dim: int, theta: float, scaling) -> np.ndarray:
         wavelen = 2 * math.pi / inv_freq
         smooth = (old_ctx / wavelen - low) / (high - low)
         blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
-        out = np.where(wavelen > old_ctx / low, inv_freq / factor, np.where(wavelen < old_ctx / high, inv_freq, blended))
+        out = np.where(wavelen > old_ctx / low, inv_freq / factor,
+                       np.where(wavelen < old_ctx / high, inv_freq, blended))
         return out.astype(np.float32)
     raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: linear, llama3)")
 

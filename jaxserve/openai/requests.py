@@ -71,13 +71,13 @@ def _structured_outputs(body: dict, tools: ToolRequest | None = None):
     except FieldError as e:
         raise ApiError(400, str(e), e.field) from None
     enforced = tools.structured_outputs() if tools is not None else None
-    if enforced is not None and structured is not None:
+    if tools is not None and enforced is not None and structured is not None:
         raise ApiError(400, f"tool_choice {tools.choice if tools.choice != 'function' else 'naming a function'} "
                             f"is enforced by a grammar, so {structured.field} cannot be used with it", "tool_choice")
     return enforced if enforced is not None else structured.params if structured is not None else None
 
 
-def grammar_error(body: dict, error: ValueError) -> ApiError:
+def grammar_error(body: dict, error: ValueError | TypeError) -> ApiError:
     """The 400 for a grammar the engine could not compile (its ValueError names structured_outputs.KIND): named
     after the request's own field."""
     field = grammar_field(body)
@@ -161,7 +161,7 @@ def parse_completion(body) -> tuple[list, SamplingParams]:
     if not (isinstance(prompt, list) and 0 < len(prompt) <= MAX_PROMPTS):
         raise ApiError(400, f"prompt must be a string, an array of token ids, or an array of up to {MAX_PROMPTS} "
                             f"of either", "prompt")
-    prompts = []
+    prompts: list[str | dict] = []
     for p in prompt:
         if _is_token_ids(p):
             prompts.append({"prompt_token_ids": p})

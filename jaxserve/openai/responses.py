@@ -35,7 +35,10 @@ def completion_logprobs(out: CompletionOutput, token_text, offset: int) -> dict 
 def echo_logprobs(prompt_ids: list[int], scored: list, token_text, top: int) -> dict:
     """Legacy completions logprobs of an echoed prompt (as OpenAI's API gave them): the first token's logprob and
     top_logprobs are None; each other's top_logprobs holds the top `top` and the token itself."""
-    tokens, lps, tops, offsets = [], [], [], []
+    tokens: list[str] = []
+    lps: list[float | None] = []
+    tops: list[dict | None] = []
+    offsets: list[int] = []
     offset = 0
     for token_id, entry in zip(prompt_ids, scored):
         text = token_text(token_id)

@@ -43,6 +43,7 @@ class ToolRequest:
     def structured_outputs(self) -> StructuredOutputsParams | None:
         """The grammar that enforces `required` or a named function (None for auto and none)."""
         if self.choice == "function":
+            assert self.named is not None  # set whenever choice is "function"
             return StructuredOutputsParams(json=self.functions[self.named].parameters)
         if self.choice != "required":
             return None
@@ -58,6 +59,7 @@ class ToolRequest:
     def parser(self, chat_template: str | None):
         """A new parser for one choice's output (None: the output is plain content)."""
         if self.choice == "function":
+            assert self.named is not None  # set whenever choice is "function"
             return NamedCall(self.named)
         if self.choice == "required":
             return ArrayCalls()

@@ -23,7 +23,7 @@ HERMES_START, HERMES_END = "<tool_call>", "</tool_call>"
 
 def is_hermes(chat_template: str | None) -> bool:
     """Whether a chat template writes tool calls in the Hermes format (it spells the tag out)."""
-    return bool(chat_template) and HERMES_START in chat_template
+    return chat_template is not None and HERMES_START in chat_template
 
 
 def tags_are_special(tokenizer) -> bool:
@@ -53,7 +53,7 @@ class NamedCall:
         self.name, self.calls = name, 0
 
     def feed(self, text: str) -> list[dict]:
-        deltas = []
+        deltas: list[dict] = []
         if not self.calls:
             deltas.append(_header(0, self.name))
             self.calls = 1
@@ -83,7 +83,7 @@ class ArrayCalls:
         self._sent_header = False
 
     def feed(self, text: str) -> list[dict]:
-        deltas = []
+        deltas: list[dict] = []
         for c in text:
             self._step(c, deltas)
         self._flush_arguments(deltas)
@@ -191,7 +191,7 @@ class HermesCalls:
         if self._done:
             return []
         self._text += text
-        deltas = []
+        deltas: list[dict] = []
         while True:
             if self._in_block:
                 end = self._text.find(HERMES_END)
@@ -225,7 +225,7 @@ class HermesCalls:
             return deltas
 
     def finish(self) -> list[dict]:
-        deltas = []
+        deltas: list[dict] = []
         if self._done:
             return deltas
         if self._in_block:  # the output ended inside a block: a call if what came is one, else text

@@ -1,7 +1,7 @@
 """Pallas kernels: ragged paged attention for GPU (Triton lowering; `ragged_attention`) and TPU (Mosaic;
 `ragged_attention_tpu`), both with the arguments and result of their plain-jnp oracle, `ragged_attention_reference`
-(`reference`). `jaxserve.model.attention.attention` reaches them through `ragged_kernel_for`, by the resolved backend; on
-CPU they run in Pallas interpret mode (tests). Also weight-only int4 matmuls that dequantize in the kernel (GPU
+(`reference`). `jaxserve.model.attention.attention` reaches them through `ragged_kernel_for`, by the resolved backend;
+on CPU they run in Pallas interpret mode (tests). Also weight-only int4 matmuls that dequantize in the kernel (GPU
 and TPU; `quantized_matmul`, run by `jaxserve.model.quant.matmul`), and the multi-LoRA term (`lora`: `lora_delta_gpu`,
 `lora_delta_tpu`, with `reference.lora_delta_reference`'s arguments and result).
 """

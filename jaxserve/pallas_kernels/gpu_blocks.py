@@ -28,7 +28,8 @@ from typing import NamedTuple
 
 from jaxserve.pallas_kernels.softmax import pow2, pow2_floor
 
-HOPPER_SHARED_MEMORY = 232448  # bytes per block, opt-in (H100, H200); the compile targets in jaxserve.aot.deviceless say so
+HOPPER_SHARED_MEMORY = 232448  # bytes per block, opt-in (H100, H200); the compile targets in
+#                                jaxserve.aot.deviceless say so
 HOPPER_CORES = 132  # SMs (H100 SXM, H200): programs that run at once, one block each at the least
 MIN_SPLIT_BLOCKS = 4  # key blocks a split walks at the least: its partial result (R x D float32) stays ~3% of its reads
 MAX_KEYS = 128  # keys per step of the walk: past this a wider block buys little and costs registers

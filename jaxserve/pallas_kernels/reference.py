@@ -1,6 +1,6 @@
 """The ragged paged attention written as directly as possible, in plain jnp: the oracle every other implementation
-(the Pallas kernels here, `jaxserve.model.attention.ragged_attention`) is checked against, and the "dense" attention backend
-(slow, but differentiable: what training needs).
+(the Pallas kernels here, `jaxserve.model.attention.ragged_attention`) is checked against, and the "dense" attention
+backend (slow, but differentiable: what training needs).
 
 Arrays in, arrays out: it knows the ragged batch layout (`RaggedRows`) and the paged cache (`read_pages`), nothing of
 the model.

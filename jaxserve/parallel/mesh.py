@@ -123,9 +123,9 @@ def shardings(mesh: Mesh, specs):
 
 
 def place(tree, sharding_tree):
-    """Puts every leaf on its sharding (or `Format`: a layout and a sharding, `jaxserve.parallel.layouts`) from the host: each
-    device is handed only its slice, so no device of the group ever holds the whole array (and each process only
-    copies what its own devices hold)."""
+    """Puts every leaf on its sharding (or `Format`: a layout and a sharding, `jaxserve.parallel.layouts`) from the
+    host: each device is handed only its slice, so no device of the group ever holds the whole array (and each process
+    only copies what its own devices hold)."""
     def put(x, s):
         x = np.asarray(x)  # a loader's array on its default device comes through the host (once, at load)
         return jax.make_array_from_callback(x.shape, s, lambda index: x[index])
@@ -180,8 +180,8 @@ def embed_over_vocab(lookup, mesh: Mesh | None, table, token_ids):
 
 def head_over_vocab(score, head, mesh: Mesh | None, params, specs):
     """A function (h [B, hidden], targets [B]) -> score(head(params, h), targets): the LM head's logits [B, V]
-    scored (`jaxserve.sample.prompt_logprobs`). Over a mesh whose model axis splits the head's vocabulary (specs: each of
-    params' leaves' PartitionSpec), each device computes and scores its own slice (`score(local logits, targets,
+    scored (`jaxserve.sample.prompt_logprobs`). Over a mesh whose model axis splits the head's vocabulary (specs: each
+    of params' leaves' PartitionSpec), each device computes and scores its own slice (`score(local logits, targets,
     axis)`): left to the partitioner, the [B, V] logits would be gathered whole for every block."""
     if model_size(mesh) == 1 or not any(
             MODEL in spec for spec in jax.tree.leaves(specs["params"]["lm_head"], is_leaf=lambda x: isinstance(x, P))):

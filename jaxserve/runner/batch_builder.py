@@ -176,7 +176,8 @@ def _place_tokens(batch: StepInput, i: int, row: Row, t: int, page_size: int) ->
     if row.chained:
         batch.chain_slot[t] = row.slot
     if row.lora_slot >= 0:
-        token_adapter = batch.lora_slot  # int32 [T]; named apart from Sequence.lora_slot (tests/batching/test_state_owners.py)
+        # int32 [T]; named apart from Sequence.lora_slot (tests/batching/test_state_owners.py)
+        token_adapter = batch.lora_slot
         token_adapter[t:t + n] = row.lora_slot
 
 

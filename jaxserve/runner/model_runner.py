@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -68,8 +69,8 @@ def with_serving_head(config, params, platform: str):
 
 def served_params(config, params, platform: str, fuse: bool = True):
     """The params a runner on one device serves, what its steps read: the LM head in its serving format
-    (`with_serving_head`), the embedding table row-major (`jaxserve.parallel.layouts`), and on CPU each layer's q/k/v and
-    gate/up fused (`jaxserve.model.fused`; fuse=False keeps them apart, as LoRA adapters need)."""
+    (`with_serving_head`), the embedding table row-major (`jaxserve.parallel.layouts`), and on CPU each layer's q/k/v
+    and gate/up fused (`jaxserve.model.fused`; fuse=False keeps them apart, as LoRA adapters need)."""
     params = with_row_major_tables(with_serving_head(config, params, platform))
     return with_fused_projections(params) if platform == "cpu" and fuse else params
 
@@ -141,7 +142,7 @@ class ModelRunner:
         self.kv_transfer = warm
         # Where the cache's pages live (over a mesh: split over KV heads), and so where imported pages must go.
         self._page_shardings = jax.tree.map(lambda x: x.sharding, self.kv_cache)
-        out = {} if self.mesh is None else dict(out_shardings=self.steps.cache_sharding)
+        out: dict[str, Any] = {} if self.mesh is None else dict(out_shardings=self.steps.cache_sharding)
         self._gather = jax.jit(gather_pages, **out)  # its pages keep the cache's sharding
         self._scatter = jax.jit(scatter_pages, donate_argnums=0, **out)
 
@@ -161,7 +162,9 @@ class ModelRunner:
         page-count bucket: from host numpy, or another mesh's export (resharded). Raises ValueError for pages of
         another shape or dtype (a cast would import other values than were exported)."""
         kv = [(k, v) for k, v in kv]
-        if len(kv) != len(self.kv_cache) or jax.tree.structure(kv) != jax.tree.structure(self.kv_cache):
+        # The ignore: PyTreeDef compares by structure, but mypy sees jaxlib's PyTreeDef unresolved, with no __ne__.
+        if (len(kv) != len(self.kv_cache)
+                or jax.tree.structure(kv) != jax.tree.structure(self.kv_cache)):  # type: ignore[operator]
             raise ValueError(f"KV pages of {len(kv)} layers ({jax.tree.structure(kv)}) do not fit this cache's "
                              f"{len(self.kv_cache)} ({jax.tree.structure(self.kv_cache)})")
         have = num_pages(kv)
@@ -192,7 +195,8 @@ class ModelRunner:
 
     def transfer_compiled(self) -> int:
         """Programs compiled so far to export and import pages."""
-        return self._gather._cache_size() + self._scatter._cache_size()
+        # The ignore: jit's C++ wrapper has _cache_size; the JitWrapped stub does not declare it.
+        return self._gather._cache_size() + self._scatter._cache_size()  # type: ignore[attr-defined]
 
     def _warm_transfer(self) -> None:
         """Every page-count bucket's export and import, of the scratch page only (no content touched)."""

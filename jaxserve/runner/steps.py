@@ -12,6 +12,7 @@ program call less a step, whose host time a CPU takes from the step itself (BENC
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -78,6 +79,9 @@ class Steps:
         self.model = DecoderModel(config, dtype, attention_backend, mesh)  # every family's (jaxserve.model.families)
         self.num_speculative_tokens = num_speculative_tokens
         self.mesh = mesh
+        forward: dict[str, Any]  # each program's jax.jit options
+        logits: dict[str, Any]
+        write: dict[str, Any]
         if mesh is not None:
             rep = replicated(mesh)
             self.new_kv_sharding = [(shardings(mesh, HEADS),) * 2] * config.num_layers  # this step's (k, v) per layer
@@ -89,12 +93,13 @@ class Steps:
         else:
             forward = logits = write = {}
         platform = platform or (mesh.devices.flat[0] if mesh is not None else jax.devices()[0]).platform
-        embeds = dict(compiler_options=lookup_compiler_options(platform))  # the forward programs look up rows
+        # The forward programs look up rows.
+        embeds: dict[str, Any] = dict(compiler_options=lookup_compiler_options(platform))
         forward, logits = {**forward, **embeds}, {**logits, **embeds}
         # One CPU device: the step's forward also writes the cache (module docstring); elsewhere `_write` does.
         self.writes_in_forward = mesh is None and platform == "cpu"
         if self.writes_in_forward:
-            in_place = dict(compiler_options={**(embeds["compiler_options"] or {}), **IN_PLACE_WRITES})
+            in_place: dict[str, Any] = dict(compiler_options={**(embeds["compiler_options"] or {}), **IN_PLACE_WRITES})
             self._forward = jax.jit(functools.partial(self._and_write, self._forward_and_sample),
                                     donate_argnums=(1, 2), **in_place)
             self._verify = jax.jit(functools.partial(self._and_write, self._forward_and_verify),
@@ -181,7 +186,8 @@ class Steps:
             s = self._sample_used_rows(params, hidden, batch.logits_index[:, 0], sampling)
         else:
             s = sample_over_vocab(sample, self.mesh, logits, sampling)
-        out = StepOutput(tokens=s.tokens[:, None], num_tokens=(batch.logits_index[:, 0] >= 0).astype(jnp.int32),
+        num_tokens = jnp.greater_equal(batch.logits_index[:, 0], 0).astype(jnp.int32)  # [S] 1: the row samples
+        out = StepOutput(tokens=s.tokens[:, None], num_tokens=num_tokens,
                          logprobs=s.logprobs[:, None], ranks=s.ranks[:, None], top_ids=s.top_ids[:, None],
                          top_logprobs=s.top_logprobs[:, None], prompt=self._prompt_scores(params, hidden, batch))
         last_tokens = last_tokens.at[batch.out_slot].set(s.tokens)  # -1 wraps to the padding slot
@@ -245,7 +251,8 @@ class Steps:
 
     def num_compiled(self) -> int:
         """Programs compiled so far for serving (forwards and cache writes)."""
-        return sum(f._cache_size() for f in (self._forward, self._verify, self._write))
+        # The ignore: jit's C++ wrapper has _cache_size; the JitWrapped stub does not declare it.
+        return sum(f._cache_size() for f in (self._forward, self._verify, self._write))  # type: ignore[attr-defined]
 
 
 @functools.cache

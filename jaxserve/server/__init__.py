@@ -34,9 +34,9 @@ streams what follows (see `disaggregated`).
 `app` is the HTTP side (routes, middleware, endpoints, `serve`), `served_model` a model's own state (admission
 capacity, tokenizing threads, metrics) and checks, `lora_modules` the adapters by name, `disaggregated` the role
 servers' side of the KV transfer, `cascade` a cascade's routing over the served models, `responses` a request's
-outputs as a JSON body or an SSE stream;
-`jaxserve.openai.requests` and `jaxserve.openai.responses` the wire format (its structured-output fields in `jaxserve.openai.structured`, tool calls in
-`jaxserve.openai.tool_calls`), `jaxserve.openai.metrics` the Prometheus metrics.
+outputs as a JSON body or an SSE stream; `jaxserve.openai.requests` and `jaxserve.openai.responses` the wire format
+(its structured-output fields in `jaxserve.openai.structured`, tool calls in `jaxserve.openai.tool_calls`),
+`jaxserve.openai.metrics` the Prometheus metrics.
 """
 from jaxserve.server.app import Server, serve
 

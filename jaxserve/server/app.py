@@ -7,6 +7,7 @@ import contextlib
 import hmac
 import logging
 import time
+from typing import Any
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -268,6 +269,7 @@ class Server:
         if m is not None:
             return m, None
         if self._cascade_named(body):
+            assert self.cascade is not None  # _cascade_named found it
             return self.cascade.tokenizing_model(), None
         adapter = self.lora.get(name)
         if adapter is not None:
@@ -300,10 +302,13 @@ class Server:
         run = CompletionResponse(m, body, params, chat, len(prompts), self.stream_write_timeout_s, tools,
                                  adapter.name if adapter is not None else m.name)
         # Base-model requests pass no lora_request: the engine's own default (an engine without LoRA takes none).
-        lora = {"lora_request": adapter.lora_request} if adapter is not None else {}
+        lora: dict[str, Any] = {"lora_request": adapter.lora_request} if adapter is not None else {}
         if self.role == "prefill":
+            assert self.prefill_side is not None  # a prefill server always has one
             self.prefill_side.check_room()
         if self.role == "decode":  # the pages first: a failed fetch adds nothing
+            # A decode server's checked params always name the pages (KVTransferParams.for_role).
+            assert kv_params is not None and kv_params.remote is not None
             disaggregated.check_prompt(kv_params.remote, prompts[0]["prompt_token_ids"])
             # A prefill server claiming more bytes than the prompt's pages take here is refused before any allocation.
             most = m.engine.pages_bytes(len(prompts[0]["prompt_token_ids"]))

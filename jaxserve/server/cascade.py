@@ -263,6 +263,7 @@ class _Collected:
 
     def output(self) -> RequestOutput:
         out = self.last
+        assert out is not None, "output() before any add()"
         return RequestOutput(out.request_id, out.prompt, out.prompt_token_ids,
                              [self.choices[i] for i in sorted(self.choices)], out.finished, out.metrics,
                              self.prompt_logprobs)

@@ -8,6 +8,7 @@ import dataclasses
 import inspect
 import itertools
 import json
+from collections.abc import Iterable
 
 from jaxserve.engine.client import EngineDeadError
 from jaxserve.lora.request import LoRARequest
@@ -74,7 +75,7 @@ class LoRAModules:
     """The server's adapters by name. Loading reads the adapter on a thread and puts it in its base engine's host
     cache (so a bad one fails here, as a 400, and the first request finds it ready); running requests go on."""
 
-    def __init__(self, models: dict[str, ServedModel], reserved: set[str] = frozenset()):
+    def __init__(self, models: dict[str, ServedModel], reserved: Iterable[str] = frozenset()):
         """reserved: other names requests give as their model (a cascade's), not free for an adapter either."""
         self._models = models
         self._reserved = set(reserved)

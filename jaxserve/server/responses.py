@@ -8,6 +8,7 @@ import dataclasses
 import json
 import logging
 import time
+from typing import Any
 
 from aiohttp import web
 
@@ -93,14 +94,14 @@ class CompletionResponse:
         self.tokens = [0] * choices
         self.last_token_at = [None] * choices
         self.finish = [None] * choices
-        self.logprobs = [[] for _ in range(choices)]
+        self.logprobs: list[list[dict]] = [[] for _ in range(choices)]
         # Tool calls: each choice's text goes through its own parser (None: plain content), its deltas kept for a
         # whole response.
         self.parsers = [None] * choices
         if tools is not None:  # (only then is the tokenizer's template read: the rest need none)
             template = model.tokenizer.chat_template if model.tokenizer is not None else None
             self.parsers = [tools.parser(template) for _ in range(choices)]
-        self.deltas = [[] for _ in range(choices)]
+        self.deltas: list[list[dict]] = [[] for _ in range(choices)]
         self.headers: dict = {}  # of the response (a decode server's KV fetch report)
         self.handed_off = None  # a prefill server's: the HandOff its engine ended the request with
 
@@ -221,7 +222,7 @@ class CompletionResponse:
             lp = merge_logprobs(self.logprobs[i]) if self.params.logprobs is not None else None
             finish = self._finish_reason(i, self.finish[i])
             if self.chat:
-                message = {"role": "assistant", "content": self.text[i]}
+                message: dict[str, Any] = {"role": "assistant", "content": self.text[i]}
                 if self.parsers[i] is not None:
                     message["content"], calls = assemble(self.deltas[i])
                     if calls:
@@ -281,7 +282,7 @@ def merge_logprobs(parts: list[dict]) -> dict | None:
     """Per-delta logprobs objects -> one (lists concatenated)."""
     if not parts:
         return None
-    merged = {k: [] for k in parts[0]}
+    merged: dict[str, list] = {k: [] for k in parts[0]}
     for part in parts:
         for k, v in part.items():
             merged[k] += v

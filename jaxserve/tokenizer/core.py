@@ -112,7 +112,8 @@ class Tokenizer:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
-        """Render `messages` with the model's template; extra keyword arguments (tools=...) become template variables."""
+        """Render `messages` with the model's template; extra keyword arguments (tools=...) become template
+        variables."""
         if not self.chat_template:
             raise ValueError("this model has no chat template; send a plain completion prompt instead")
         try:
@@ -140,7 +141,9 @@ class Tokenizer:
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         self._tok.save(str(path / "tokenizer.json"))
-        name = lambda i: self.id_to_token(i) if i is not None else None
+
+        def name(i):
+            return self.id_to_token(i) if i is not None else None
         cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": name(self.bos_token_id),
                "eos_token": name(self.eos_token_ids[0]) if self.eos_token_ids else None,
                "add_bos_token": self.add_bos, "add_eos_token": False,

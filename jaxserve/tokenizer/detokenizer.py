@@ -5,7 +5,8 @@ from jaxserve.tokenizer.core import Tokenizer
 
 
 class IncrementalDetokenizer:
-    """Turns a stream of token ids into text deltas; never emits half a UTF-8 character (vLLM-style prefix/read offsets).
+    """Turns a stream of token ids into text deltas; never emits half a UTF-8 character (vLLM-style prefix/read
+    offsets).
 
     Each step decodes only the ids since the last emitted text (plus the window before it, so that decoders that
     depend on context, like spaces after a word, see it) instead of the whole sequence.

@@ -5,12 +5,16 @@ import dataclasses
 import logging
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 
 from jaxserve.config import ModelConfig
 from jaxserve.weights.params import param_bytes, params_from_hf_tensors
+
+if TYPE_CHECKING:  # imported where a tokenizer is loaded: the model alone needs none
+    from jaxserve.tokenizer import Tokenizer
 
 logger = logging.getLogger("jaxserve")
 
@@ -22,7 +26,7 @@ class LoadedModel:
     name: str
     config: ModelConfig
     params: dict
-    tokenizer: object | None  # jaxserve.tokenizer.Tokenizer
+    tokenizer: Tokenizer | None
     quantization: dict | None = None  # {"method", "group_size", "quantize_embeddings"} when params are quantized
 
 

@@ -16,7 +16,8 @@ _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm"
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
 # Gemma 3 norms both sides of attention and FFN: its `ffn_norm` is the pre-FFN norm, which Llama calls
 # post_attention_layernorm; HF's Gemma uses that name for the norm on the attention's output.

@@ -61,13 +61,13 @@ def test_the_default_model_preset_is_the_default_model(default_llm):
 
 
 # Every family's shape compiled for every chip at TP 1 and at the tensor-parallel size that leaves one KV head per
-# chip (KV heads repeated where the size exceeds them: jaxserve.aot.deviceless.tensor_parallel_config), read by the compile,
-# tensor-parallel and HBM audit tests below: one aot_check process per chip (and quantization) compiles every case
-# once. Two of each model's layers (every layer compiles to the same program; Gemma keeps a global one), a
+# chip (KV heads repeated where the size exceeds them: jaxserve.aot.deviceless.tensor_parallel_config), read by the
+# compile, tensor-parallel and HBM audit tests below: one aot_check process per chip (and quantization) compiles every
+# case once. Two of each model's layers (every layer compiles to the same program; Gemma keeps a global one), a
 # 16-sequence engine of 16-token steps (--only-extremes: the 1-token step and the 16 x 16 one, with their cache
 # writes and the kernel alone; a 16 x 16 step is the ragged program a 64-token one is, smaller, and the attention
-# kernel's larger blocks are tests/pallas_kernels/test_pallas_kernels.py's), and 32768-token sequences, so each device's cache
-# (32769 pages: 134 MB a page array for SmolLM2's one KV head a chip at TP 3) is serving-sized, larger than VMEM:
+# kernel's larger blocks are tests/pallas_kernels/test_pallas_kernels.py's), and 32768-token sequences, so each device's
+# cache (32769 pages: 134 MB a page array for SmolLM2's one KV head a chip at TP 3) is serving-sized, larger than VMEM:
 # XLA:TPU prefetches a page array small enough for VMEM into it whole (8193 pages at TP 3, 33.6 MB; 1025 pages at
 # TP 1), which the audit would count as a copy. A case is (model, tensor-parallel size, quantization): a new one, e.g.
 # ("llama-3-8b", 1, "int4"), is one more entry (compiled in its quantization's process, audited if its model is).
@@ -206,8 +206,8 @@ def test_no_program_copies_the_kv_cache(chip_rows, model, tp, quantization, chip
 @pytest.mark.parametrize("model, tp, quantization, chip", AUDITED)
 def test_no_program_copies_a_weight(chip_rows, model, tp, quantization, chip):
     """Each weight read once by its dot, the embedding table a row per token: on TPU SmolLM2's [49152, 576] table
-    (and its [16384, 576] shard at TP 3) is placed row-major and kept out of VMEM (jaxserve.parallel.layouts); before, the
-    TPU default's column-major table was relaid out whole (56.6 MB) by every multi-token step's lookup."""
+    (and its [16384, 576] shard at TP 3) is placed row-major and kept out of VMEM (jaxserve.parallel.layouts); before,
+    the TPU default's column-major table was relaid out whole (56.6 MB) by every multi-token step's lookup."""
     found = extra_traffic(case_rows(chip_rows(chip), model, tp, quantization), cache=False)
     assert not found, "\n".join(found)
 

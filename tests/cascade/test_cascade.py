@@ -266,7 +266,8 @@ def test_choose_tier_takes_the_first_tier_whose_classifier_keeps_the_request():
         route = run(choose_tier(judges, features_of))
         assert (route.tier, was_asked) == (tier, asked)  # the last tier is never asked: it answers regardless
         assert route.escalations == [(i, i + 1) for i in range(tier)]
-        assert route.probabilities == pytest.approx(tuple(keep_if_confident.probability(f[0]) for f in said[:len(asked)]))
+        assert route.probabilities == pytest.approx(
+            tuple(keep_if_confident.probability(f[0]) for f in said[:len(asked)]))
         # Deterministic: the same features, the same route.
         assert run(choose_tier(judges, fake_tiers(said)[0])) == route
 

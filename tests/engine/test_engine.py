@@ -109,8 +109,8 @@ def test_no_compilation_after_warmup(tiny_tokenized_dir, other_tiny_dir, specula
 
 
 def test_one_program_and_one_copy_back_per_step(tiny_dir, monkeypatch):
-    """A step is one forward program (which writes the cache on one CPU device: jaxserve.runner.steps; elsewhere one cache
-    write besides) and one device-to-host copy, whatever its mix of decode rows and prompt chunks (implicit
+    """A step is one forward program (which writes the cache on one CPU device: jaxserve.runner.steps; elsewhere one
+    cache write besides) and one device-to-host copy, whatever its mix of decode rows and prompt chunks (implicit
     transfers are refused outright)."""
     llm = make_llm(tiny_dir)
     counts = {"forward": 0, "write": 0, "device_get": 0}

@@ -479,7 +479,8 @@ SERVE_IN_A_CHILD = textwrap.dedent("""
 def test_fetch_from_another_process_both_paths(endpoints):
     """A prefill server's process serves two transfers: one fetched as bytes, one pulled by jax.experimental.transfer
     onto this process's device, at once."""
-    child = subprocess.Popen([sys.executable, "-c", SERVE_IN_A_CHILD.format(here=str(Path(__file__).parent), tests=str(TESTS))],
+    child = subprocess.Popen([sys.executable, "-c",
+                              SERVE_IN_A_CHILD.format(here=str(Path(__file__).parent), tests=str(TESTS))],
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                              env={**os.environ, "PYTHONPATH": str(ROOT), "XLA_FLAGS": ""})
     try:

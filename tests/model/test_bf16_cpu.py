@@ -47,8 +47,8 @@ def test_bf16_product_with_int4_weights_is_xlas_dequantized_product():
 @pytest.mark.parametrize("platform", ["cpu", "tpu", "cuda"])
 def test_only_cpu_takes_a_float32_accumulating_bf16_dot_of_at_least_min_rows(platform):
     """XLA:CPU runs a bf16 dot with a bf16 result, or of one row, as a slow loop (3-7x float32's time), and a few
-    rows faster padded to 8 (jaxserve.model.quant.bf16_dot_matmul): fewer rows get zero ones up to BF16_MIN_ROWS, and the
-    dot returns float32. TPU and GPU keep x @ w as before. (Up to few_row_matmul.MAX_ROWS rows CPU runs the FFI
+    rows faster padded to 8 (jaxserve.model.quant.bf16_dot_matmul): fewer rows get zero ones up to BF16_MIN_ROWS, and
+    the dot returns float32. TPU and GPU keep x @ w as before. (Up to few_row_matmul.MAX_ROWS rows CPU runs the FFI
     kernel unless kernels=False, a tensor-parallel split: tests/cpu_kernels/test_cpu_kernels.py.)"""
     sds = jax.ShapeDtypeStruct
     w = sds((576, 192), jnp.bfloat16)

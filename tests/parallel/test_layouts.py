@@ -1,6 +1,6 @@
-"""The embedding table's placement (jaxserve.parallel.layouts): row-major where the platform's default may not be (TPU, taken
-here by the CPU for the test: its compiler honours a column-major argument too), nothing else touched, values kept.
-What it does to TPU programs is tests/aot/test_aot.py's (the HBM audit of SmolLM2's steps)."""
+"""The embedding table's placement (jaxserve.parallel.layouts): row-major where the platform's default may not be (TPU,
+taken here by the CPU for the test: its compiler honours a column-major argument too), nothing else touched, values
+kept. What it does to TPU programs is tests/aot/test_aot.py's (the HBM audit of SmolLM2's steps)."""
 import jax
 import jax.numpy as jnp
 import numpy as np

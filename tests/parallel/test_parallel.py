@@ -16,7 +16,8 @@ from hf_models import save_tiny_model
 from tiny import make_llm, prompts, step_logits
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs XLA_FLAGS=--xla_force_host_platform_device_count=8")
+pytestmark = pytest.mark.skipif(len(jax.devices()) < 8,
+                                reason="needs XLA_FLAGS=--xla_force_host_platform_device_count=8")
 
 
 @pytest.fixture(scope="module")
@@ -85,9 +86,9 @@ def test_a_step_gathers_no_weights_and_no_cache(tp_dir):
                                           r.buckets.pages_per_row))
     census = collective_census(r.steps._forward.lower(r.params, r.kv_cache, r.last_tokens, batch).compile().as_text())
     hidden, vocab = r.config.hidden_size, r.config.vocab_size
-    # Each device's probability mass (the draw: jaxserve.sample.sampling.inverse_cdf), and its top K for top_logprobs, of
-    # the sampled rows and of the prompt-logprob scorer's (jaxserve.sample.prompt_logprobs; each in a branch or loop that
-    # runs only when a row asks): never logits.
+    # Each device's probability mass (the draw: jaxserve.sample.sampling.inverse_cdf), and its top K for top_logprobs,
+    # of the sampled rows and of the prompt-logprob scorer's (jaxserve.sample.prompt_logprobs; each in a branch or loop
+    # that runs only when a row asks): never logits.
     top_k = [(("f32", (4, 2 * MAX_LOGPROBS)),), (("s32", (4, 2 * MAX_LOGPROBS)),)]
     assert sorted(c.arrays for c in census if c.kind == "all-gather") == sorted([(("f32", (4, 2)),)] + 2 * top_k), \
         census

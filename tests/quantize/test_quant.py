@@ -72,8 +72,9 @@ def test_matmul_reads_int4_through_the_pallas_kernel_on_tpu_and_gpu(monkeypatch,
     """`matmul` as lowered for each platform: on TPU and GPU an int4 weight goes to the Pallas kernel (XLA would
     write a float copy of the weight first), unless it is split over a mesh (kernels=False); CPU keeps jnp. On GPU
     a one-row product of a float or int8 weight has a second row (XLA:GPU would write the weight-sized product of a
-    multiply + reduce); on CPU a bf16 one has 8 (XLA:CPU's one-row bf16 dot is a slow loop: tests/model/test_bf16_cpu.py)
-    where the few-row CPU kernel is not used (kernels=False; tests/cpu_kernels/test_cpu_kernels.py)."""
+    multiply + reduce); on CPU a bf16 one has 8 (XLA:CPU's one-row bf16 dot is a slow loop:
+    tests/model/test_bf16_cpu.py) where the few-row CPU kernel is not used (kernels=False;
+    tests/cpu_kernels/test_cpu_kernels.py)."""
     from jax import export
     from jax._src.pallas.mosaic import tpu_info
     monkeypatch.setattr(tpu_info, "get_device_kind", lambda: "TPU v5 lite")  # Mosaic asks which chip it targets
@@ -202,9 +203,9 @@ def test_int8_kv_pages_round_trip_and_bytes():
 
 def test_engine_with_int8_kv_cache(tiny_dir):
     """int8 pages through chunked prefill, batched decode and preemption: each token's log-probability stays near
-    float pages' until their greedy paths part (only at a near-tie), and no page is left held. (Not token-exact across batchings, as
-    float pages are: a recomputed key that differs in its last bit can round to another int8 step, and this
-    random model's near-ties flip. The real model's cost is its perplexity, below.)"""
+    float pages' until their greedy paths part (only at a near-tie), and no page is left held. (Not token-exact across
+    batchings, as float pages are: a recomputed key that differs in its last bit can round to another int8 step, and
+    this random model's near-ties flip. The real model's cost is its perplexity, below.)"""
     rng = np.random.default_rng()
     ps = prompts(rng, [40, 7, 25])
     sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)

@@ -72,8 +72,8 @@ def cache_copies(hlo: str, pages_shape: tuple[int, ...]) -> list[str]:
     [Row(list(range(9)), 0, [1, 2, 3], slot=0)],
 ], ids=["b1", "chunk9"])
 def test_cpu_step_writes_its_cache_in_place_in_one_program(tiny_dir, rows):
-    """On one CPU device the forward also writes the cache (jaxserve.runner.steps): its compiled program copies no layer's
-    cache (a write XLA could order before a read would), and a step dispatches that one program, no `_write`."""
+    """On one CPU device the forward also writes the cache (jaxserve.runner.steps): its compiled program copies no
+    layer's cache (a write XLA could order before a read would), and a step dispatches that one program, no `_write`."""
     llm = make_llm(tiny_dir)
     steps = llm.runner.steps
     assert steps.writes_in_forward

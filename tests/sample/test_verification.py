@@ -255,9 +255,12 @@ def scenario(name, seed):
                              for j in range(K)], axis=1)
     elif name in ("onehot_fixed", "filtered_onehot"):
         fixed = np.array([np.argsort(p[0])[-2], np.argsort(p[1])[-1]])  # a likely token, then the most likely
-        propose = lambda rng, seeds, step: np.broadcast_to(fixed, (len(seeds), K))
+
+        def propose(rng, seeds, step):
+            return np.broadcast_to(fixed, (len(seeds), K))
     else:  # "onehot_random": an n-gram's proposals, unrelated to p
-        propose = lambda rng, seeds, step: rng.integers(0, V, (len(seeds), K))
+        def propose(rng, seeds, step):
+            return rng.integers(0, V, (len(seeds), K))
     return logits, params, propose
 
 

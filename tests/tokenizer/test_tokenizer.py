@@ -112,7 +112,9 @@ def test_token_bytes_sentencepiece():
 def test_chat_logprobs_bytes(tok):
     ids = tok.encode(" 🎉")
     out = CompletionOutput(0, " 🎉", ids, None, [{i: Logprob(-0.5, 1)} for i in ids])
-    token_text = lambda i: tok.decode([i], skip_special_tokens=False)  # as the server writes `token`
+
+    def token_text(i):  # as the server writes `token`
+        return tok.decode([i], skip_special_tokens=False)
     content = chat_logprobs(out, token_text, 1, tok.token_bytes)["content"]
     assert [c["token"] for c in content] == [" \ufffd", "\ufffd", "\ufffd"]  # as vLLM: the token's decoded text
     assert [c["bytes"] for c in content] == [[32, 0xF0, 0x9F], [0x8E], [0x89]]

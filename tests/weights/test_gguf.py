@@ -28,7 +28,8 @@ def test_config(ours, hf):
     assert config.rms_norm_eps == 1e-5 and config.tie_word_embeddings and not config.attention_bias
     for ours_name, hf_name in [("num_layers", "num_hidden_layers"), ("num_heads", "num_attention_heads"),
                                ("num_kv_heads", "num_key_value_heads"), ("vocab_size", "vocab_size"),
-                               ("intermediate_size", "intermediate_size"), ("tie_word_embeddings", "tie_word_embeddings")]:
+                               ("intermediate_size", "intermediate_size"),
+                               ("tie_word_embeddings", "tie_word_embeddings")]:
         assert getattr(config, ours_name) == getattr(hf_config, hf_name), ours_name
     assert config.rms_norm_eps == pytest.approx(hf_config.rms_norm_eps)
 

@@ -51,7 +51,9 @@ class Disaggregated:
     def step(self) -> list[SequenceDelta]:
         """Steps the prefill replicas, moves their hand-offs to the decode pool, steps the decode replicas. If any
         failed: StepError with every result of the round and the ended requests."""
-        changed, failed, cause = [], {}, None
+        changed: list[SequenceDelta] = []
+        failed: dict[str, BaseException] = {}
+        cause: BaseException | None = None
         try:
             changed += self.prefill.step()
         except StepError as e:

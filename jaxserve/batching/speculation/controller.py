@@ -76,7 +76,8 @@ class SpecController:
             rates.append((acc.rate, s))
         if not self._could_pay(B, max(r for r, _ in rates), plain):
             return {}  # before asking the proposer anything: a lookup per sequence is host time every step
-        chosen, tokens, extra, longest = {}, float(B), 0, 0
+        chosen: dict = {}
+        tokens, extra, longest = float(B), 0, 0
         best = plain
         for alpha, s in sorted(rates, key=lambda c: -c[0]):
             limit = self.k if (a := available(s)) is None else min(self.k, len(a))
