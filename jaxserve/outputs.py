@@ -19,7 +19,9 @@ class CompletionOutput:
     cumulative_logprob: float | None
     # Per generated token: {token_id: Logprob} holding the chosen token and the top-n (when logprobs was asked).
     logprobs: list[dict[int, Logprob]] | None
-    finish_reason: str | None = None  # "stop" or "length"; None while running
+    # "stop", "length", or "error" (vLLM's: no token left within its constraints, or a failed grammar); None while
+    # running
+    finish_reason: str | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
 
     def finished(self) -> bool:

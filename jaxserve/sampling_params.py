@@ -120,7 +120,20 @@ class SamplingParams:
                f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs!r}")
         _check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
                "structured_outputs must be a StructuredOutputsParams")
+        self._check_choice_reaches_min_tokens()
         self._check_logit_controls()
+
+    def _check_choice_reaches_min_tokens(self) -> None:
+        """A choice every string of which ends before min_tokens: once it is written the grammar allows only EOS,
+        which min_tokens bans, so no output could obey both. Each token spells at least one byte, so a string is
+        at most its UTF-8 length in tokens; known without the tokenizer (other grammars need compiling)."""
+        choice = self.structured_outputs.choice if self.structured_outputs is not None else None
+        if not choice or not self.min_tokens:
+            return
+        longest = max(len(c.encode("utf-8", "surrogatepass")) for c in choice)
+        _check(self.min_tokens <= longest,
+               f"min_tokens ({self.min_tokens}) can never be reached under structured_outputs.choice: its longest "
+               f"string is {longest} bytes, at most {longest} tokens, and only EOS may follow it", "min_tokens")
 
     def _check_logit_controls(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):

@@ -9,6 +9,10 @@ in OpenAI's and vLLM's APIs.
 Under a grammar (structured output) each token taken advances the sequence's matcher, and the token that completes
 the grammar ends the sequence ("stop"); stop strings, EOS and max_tokens end it as they would any other (max_tokens
 may cut the output short of the grammar's end, as in OpenAI's API).
+
+A sequence that cannot go on within its constraints ends with finish reason "error" (vLLM's FinishReason.ERROR):
+a row whose masks and bans left no token (the device's NO_TOKEN, nothing taken), a grammar that failed, and a
+grammar complete before min_tokens (it allows only EOS, which min_tokens bans). Never a token outside the mask.
 """
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ from jaxserve.batch import PromptScores, StepOutput
 from jaxserve.batching.sequence import Sequence
 from jaxserve.outputs import CompletionOutput, Logprob, RequestMetrics
 from jaxserve.runner.batch_builder import Row
+from jaxserve.sample.sampling import NO_TOKEN
 
 logger = logging.getLogger("jaxserve")
 
@@ -61,6 +66,9 @@ def process(rows: list[Sequence], result: StepOutput,
         start_logprobs = len(out.logprobs) if out.logprobs is not None else 0
         taken = []
         for j in range(counts[i]):
+            if tokens[i][j] == NO_TOKEN:
+                _end_without_token(seq)
+                break
             top = []
             if seq.params.logprobs:
                 # The runner drops the top logprobs only from a step where no row asked for them.
@@ -116,7 +124,11 @@ def _take_token(seq: Sequence, token: int, logprob: float, rank: int, top: list[
         out.logprobs.append(entry)
     piece = out.detokenizer.add(token) if out.detokenizer is not None else ""
     n = out.num_tokens
-    complete = out.grammar is not None and _advance_grammar(seq, token)
+    grammar = _advance_grammar(seq, token) if out.grammar is not None else None
+    if grammar == FAILED:
+        out.text += piece
+        out.finish_reason, out.stop_reason = "error", None
+        return
     if n >= params.min_tokens and (token in rules.eos or token in rules.stop_ids):
         # The ending token's text is not part of the output unless asked, as in vLLM.
         out.finish_reason, out.stop_reason = "stop", None if token in rules.eos else token
@@ -128,23 +140,40 @@ def _take_token(seq: Sequence, token: int, logprob: float, rank: int, top: list[
         _check_stop_strings(seq, len(out.text) - len(piece))
         if out.finish_reason:
             return
-    if complete:
-        out.finish_reason, out.stop_reason = "stop", None
+    if grammar == COMPLETE:
+        # Short of min_tokens the grammar allows only EOS, which min_tokens bans: nothing can follow.
+        out.finish_reason, out.stop_reason = "stop" if n >= params.min_tokens else "error", None
+        if n < params.min_tokens:
+            logger.warning("request %s: its grammar is complete after %d of min_tokens %d; the sequence ends with "
+                           "an error", seq.request_id, n, params.min_tokens)
         return
     if n >= (seq.max_model_len if params.max_tokens is None else params.max_tokens) or \
             len(seq.prompt_token_ids) + n >= seq.max_model_len:
         out.finish_reason = "length"
 
 
-def _advance_grammar(seq: Sequence, token: int) -> bool:
-    """Moves the sequence's grammar past its new token; True if the grammar is complete (or failed, which its
-    masks cannot let happen but for a per-step limit: the sequence then ends as if complete)."""
+COMPLETE, FAILED = "complete", "failed"
+
+
+def _advance_grammar(seq: Sequence, token: int) -> str | None:
+    """Moves the sequence's grammar past its new token: COMPLETE, FAILED (which its masks cannot let happen but for
+    a per-step limit of llguidance's), or None while it goes on."""
     grammar = seq.output.grammar
     assert grammar is not None  # called only for a sequence under a grammar
-    if grammar.accept(token) and not grammar.error:
-        return grammar.is_terminated
-    logger.warning("request %s: its grammar failed (%s); the sequence ends", seq.request_id, grammar.error)
-    return True
+    if grammar.accept(token) and not grammar.failed:
+        return COMPLETE if grammar.is_terminated else None
+    logger.warning("request %s: its grammar failed (%s); the sequence ends with an error", seq.request_id,
+                   grammar.error_line)
+    return FAILED
+
+
+def _end_without_token(seq: Sequence) -> None:
+    """A row that had no token to sample (NO_TOKEN): the sequence ends with an error, taking nothing."""
+    grammar = seq.output.grammar
+    why = f"its grammar failed ({grammar.error_line})" if grammar is not None and grammar.failed else \
+        "its grammar, allowed_token_ids, bad_words and min_tokens left no token to sample"
+    logger.warning("request %s: %s; the sequence ends with an error", seq.request_id, why)
+    seq.output.finish_reason, seq.output.stop_reason = "error", None
 
 
 def free_grammar(seq: Sequence) -> None:

@@ -73,7 +73,8 @@ def _slot(seq: Sequence) -> int:
 
 def constrain(plan: ScheduledBatch) -> None:
     """Fills the masks of the rows that sample under a grammar, all at once (llguidance's threads, without the
-    GIL), each ANDed with any mask the row has already."""
+    GIL), each ANDed with any mask the row has already. A mask that allows nothing is sent as it is: the device
+    sees it with the row's other bans and answers NO_TOKEN (`jaxserve.sample.sampling`)."""
     constrained = [(row, seq.output.grammar) for row, seq in zip(plan.rows, plan.row_seqs)
                    if row.samples and seq.output.grammar is not None]
     if not constrained:
@@ -81,6 +82,8 @@ def constrain(plan: ScheduledBatch) -> None:
     if any(row.chained for row, _ in constrained):  # the engine reads such a row's last step back first
         raise RuntimeError("a row under a grammar was planned before its previous token was known")
     masks = fill_masks([grammar for _, grammar in constrained])  # [R, W]
-    for (row, _), mask in zip(constrained, masks):
+    for (row, grammar), mask in zip(constrained, masks):
+        if grammar.failed:  # its mask allows EOS, as a complete grammar's would: none instead, so it ends in error
+            mask[:] = 0
         row.sampling.token_mask = both(row.sampling.token_mask, mask)
     plan.constrained = True

@@ -51,8 +51,8 @@ def _past_tool_call(call, where: str) -> dict:
                        "messages")
     try:
         arguments = json.loads(fn["arguments"])
-    except ValueError:
-        raise ApiError(400, f"{where}.function.arguments is not JSON text", "messages") from None
+    except (ValueError, RecursionError):  # RecursionError: nested deeper than the parser's stack
+        raise ApiError(400, f"{where}.function.arguments is not JSON text (or nested too deeply)", "messages") from None
     try:
         openai_structured.check_text(arguments, f"{where}.function.arguments")
     except FieldError as e:

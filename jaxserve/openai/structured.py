@@ -60,9 +60,14 @@ def _make(field: str, **kind) -> Structured:
 
 def check_text(value, field: str) -> None:
     """FieldError if a JSON value holds a lone surrogate (JSON's "\\ud800" escape): no grammar or prompt can
-    spell it."""
+    spell it, or if it nests too deeply to write (the body parser's recursion limit is Python's too, but it ran
+    with fewer frames above it)."""
     try:
-        check_unicode(json.dumps(value, ensure_ascii=False), field)
+        text = json.dumps(value, ensure_ascii=False)
+    except RecursionError:
+        raise FieldError(f"{field} is nested too deeply", field) from None
+    try:
+        check_unicode(text, field)
     except ValueError as e:
         raise FieldError(str(e), field) from None
 

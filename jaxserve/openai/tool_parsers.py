@@ -252,21 +252,23 @@ class HermesCalls:
         self._done = not self.parallel
 
     def _call(self, block: str) -> tuple[str, str] | None:
+        # RecursionError: JSON nested past Python's recursion limit (a model can write "[" a thousand times) is
+        # text like any other block that is no call.
         try:
             obj = json.loads(block)
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
         if not (isinstance(obj, dict) and set(obj) <= {"name", "arguments"} and obj.get("name") in self.functions):
             return None
         arguments = obj.get("arguments", {})
-        if isinstance(arguments, str):  # some models write the arguments as JSON text
-            try:
+        try:
+            if isinstance(arguments, str):  # some models write the arguments as JSON text
                 arguments = json.loads(arguments)
-            except ValueError:
+            if not isinstance(arguments, dict):
                 return None
-        if not isinstance(arguments, dict):
+            return obj["name"], json.dumps(arguments, ensure_ascii=False)
+        except (ValueError, RecursionError):
             return None
-        return obj["name"], json.dumps(arguments, ensure_ascii=False)
 
 
 def assemble(deltas: list[dict]) -> tuple[str | None, list[dict]]:

@@ -48,6 +48,7 @@ def resolve(params: SamplingParams, vocab_size: int, tokenizer=None) -> LogitCon
         check_ids(params.allowed_token_ids, "allowed_token_ids")
         mask = allowing(params.allowed_token_ids, vocab_size)
     longer: dict[tuple[int, ...], None] = {}
+    single: list[int] = []
     if params.bad_words:
         if tokenizer is None:
             raise ParamError("bad_words need a tokenizer, and this model has none", "bad_words")
@@ -57,9 +58,28 @@ def resolve(params: SamplingParams, vocab_size: int, tokenizer=None) -> LogitCon
         if single:
             mask = forbidding(allow_all(vocab_size) if mask is None else mask, single)
         longer = dict.fromkeys(tuple(ids) for ids in spellings if len(ids) > 1)
+    if params.allowed_token_ids is not None:
+        check_some_allowed(params, single, tokenizer.eos_token_ids if tokenizer is not None else [])
     if mask is None and not longer and bias is None:
         return NONE
     return LogitControls(mask, tuple(longer), bias)
+
+
+def check_some_allowed(params: SamplingParams, bad_tokens: list[int], eos_token_ids: list[int]) -> None:
+    """A ParamError where allowed_token_ids leave nothing to sample: all of them bad words, or (while min_tokens
+    bans them) all EOS or stop ids. Such a row would have an empty mask from its first token: refused up front
+    rather than ended with an error after its prompt is computed. (A grammar's mask is known only once compiled;
+    the device ends such a row: `jaxserve.sample.sampling.NO_TOKEN`.)"""
+    assert params.allowed_token_ids is not None and params.stop_token_ids is not None  # lists once checked
+    left = set(params.allowed_token_ids).difference(bad_tokens)
+    if not left:
+        raise ParamError("allowed_token_ids leave no token to sample: bad_words forbid all of them",
+                         "allowed_token_ids")
+    ending = set(params.stop_token_ids).union(() if params.ignore_eos else eos_token_ids)
+    if params.min_tokens and left <= ending:
+        raise ParamError(f"allowed_token_ids leave no token to sample before min_tokens ({params.min_tokens}): "
+                         f"they are all end-of-sequence or stop tokens {sorted(left)[:8]}, which min_tokens bans",
+                         "allowed_token_ids")
 
 
 def bad_words_token_ids(words: list[str], tokenizer) -> list[list[int]]:

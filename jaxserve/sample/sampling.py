@@ -15,12 +15,18 @@ import jax.numpy as jnp
 
 from jaxserve.sampling_params import MAX_LOGPROBS
 
+# The token a row "samples" when its masks and bans leave it none (a grammar's next-token set disjoint from
+# allowed_token_ids, EOS-only after min_tokens' ban, a grammar that failed): not a token id, so the host ends the
+# sequence with finish reason "error" and takes nothing (`jaxserve.batching.output_processor`). -1 also stays a
+# harmless index where the device reads it before the host does (a chained row's embedding, last_tokens).
+NO_TOKEN = -1
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Sampled:
     """What sample() returns for S rows (a pytree: it leaves a jitted function as it is)."""
-    tokens: jax.Array  # int32 [S]
+    tokens: jax.Array  # int32 [S] (NO_TOKEN where a row's masks and bans allow no token)
     logprobs: jax.Array  # float32 [S]: each token's under the model's own distribution (raw log_softmax)
     ranks: jax.Array  # int32 [S]: 1 is the most likely token
     top_ids: jax.Array  # int32 [S, MAX_LOGPROBS] (zeros unless a row wants them)
@@ -35,17 +41,25 @@ def sample(logits, p, axis: str | None = None) -> Sampled:
         banned [S, B] i32 (token ids that may not be sampled while step < min_tokens [S]; padded with vocab_size),
         token_mask [S, ceil(V / 32)] i32 (the tokens each row may sample at all: `jaxserve.sample.token_mask`),
         and the logit controls (`controlled`): logit_bias_ids, logit_bias, the penalties, past_tokens, prompt_len.
-    The result is the same on every device of the axis.
+    The result is the same on every device of the axis; a row whose masks and bans leave no token gets NO_TOKEN.
     """
     # Logprobs are those of the model's own distribution, before any sampling transform (as vLLM reports them).
     logprobs = log_softmax(logits, axis)
     logits = controlled(masked(ban(logits, p, axis), p.token_mask, axis), p, axis)
-    greedy = first_argmax(logits, axis)
+    # A row that may sample nothing is all -inf here (a bias or a penalty leaves -inf as it is), so its maximum,
+    # which the greedy argmax needs anyway, says so. Found on device, not on the host where the grammar masks are
+    # built: only the device sees every source of the mask together (min_tokens' ban and a bad word's ban depend
+    # on a token that may still be in flight), and the answer rides back in the step's one existing copy (the
+    # token itself), so it costs no device->host sync and no extra pass over the vocabulary.
+    top = _max(logits, axis)  # [S, 1]
+    greedy = first_argmax(logits, axis, top)
 
     sampled = jax.lax.cond(jnp.any(p.temperature > 0), lambda x, p: _sample_rows(x, p, axis), lambda x, p: greedy,
                            logits, p)
-    tokens = jnp.where(p.temperature == 0, greedy, sampled).astype(jnp.int32)
-    return Sampled(tokens, *token_logprobs(logprobs, tokens, p.want_top_logprobs, axis))
+    empty = top[:, 0] == -jnp.inf
+    # An empty row's draw is noise (probabilities of 0 / 0): token 0's logprob stands in, the same on every device.
+    tokens = jnp.where(empty | (p.temperature == 0), greedy, sampled).astype(jnp.int32)
+    return Sampled(jnp.where(empty, NO_TOKEN, tokens), *token_logprobs(logprobs, tokens, p.want_top_logprobs, axis))
 
 
 # The vocabulary split over a mesh axis (see the module's doc): V is always the local slice's size.
@@ -256,12 +270,12 @@ def draw(probs, keys, axis=None):
     return inverse_cdf(probs, u, axis=axis)
 
 
-def first_argmax(x, axis=None):
+def first_argmax(x, axis=None, m=None):
     """argmax over the last axis (the first index on ties), as two plain reductions: XLA:CPU's argmax (one
     reduction over value-index pairs) took 7 ms on [S, V] = [64, 49152] where these take 2.6. Over a mesh axis
-    ([S, V] slices): the lowest id among every device's first."""
+    ([S, V] slices): the lowest id among every device's first. m: x's maximum [S, 1] where the caller has it."""
     V = x.shape[-1]
-    m = jnp.max(x, axis=-1, keepdims=True) if axis is None else _max(x, axis)
+    m = _max(x, axis) if m is None else m
     first = jnp.min(jnp.where(x == m, jnp.arange(V) + _offset(V, axis), _vocab_size(V, axis)), axis=-1)
     return first if axis is None else jax.lax.pmin(first, axis)
 

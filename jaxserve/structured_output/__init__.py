@@ -3,7 +3,10 @@ grammar) by llguidance, one token mask per step.
 
 - `tokenizer_bridge`: our tokenizer as llguidance's (`ll_tokenizer`), for every vocabulary we load, cached.
 - `grammar`: a request's `StructuredOutputsParams` compiled and checked when the request is made (`compile_grammar`:
-  ValueError naming the field), with bounded size and effort.
+  ValueError naming the field), with bounded size, depth and effort.
+- `depth`: how deep a JSON schema or a Lark grammar nests (subschemas, $ref chains, rules naming rules), measured
+  before llguidance's compiler, which recurses once a level, sees it.
+- `compile_pool`: the large-stack threads every compile runs on, whichever thread asks.
 - `matcher`: each sequence's `GrammarMatcher`, advanced by the output processor on every token the sequence emits
   (the sequence ends, "stop", when the grammar is complete), and `fill_masks`, with which the scheduler fills the
   masks of a step's constrained rows at once, in parallel and without the GIL.

@@ -30,10 +30,21 @@ class GrammarMatcher:
         return self._matcher.is_stopped()
 
     @property
+    def failed(self) -> bool:
+        """The grammar failed, for good: a token it refused, or a per-step limit it ran into while computing a mask.
+        llguidance's mask then allows only EOS, as if the output were complete: `jaxserve.batching.step_rows`
+        empties it instead, so the sequence ends with an error, not "stop"."""
+        return self._matcher.is_error()
+
+    @property
     def error(self) -> str:
-        """Why the grammar failed ('' if it has not): a token it refused, or a per-step limit it ran into while
-        computing a mask (a failed grammar then allows only EOS)."""
+        """Why the grammar failed ('' if it has not), with llguidance's parser state and the grammar itself."""
         return self._matcher.get_error()
+
+    @property
+    def error_line(self) -> str:
+        """The first line of `error`: what a log needs (the rest holds the grammar, up to the request's size)."""
+        return self.error.split("\n", 1)[0][:500]
 
     def allows(self, token_ids: list[int]) -> int:
         """How many of token_ids, in order, the grammar would take from here (the matcher does not advance)."""

@@ -9,6 +9,7 @@ from jaxserve.batch import StepOutput
 from jaxserve.batching.output_processor import process
 from jaxserve.batching.sequence import Sequence
 from jaxserve.batching.step_rows import row_sampling
+from jaxserve.sample.sampling import NO_TOKEN
 from jaxserve.sampling_params import MAX_STOP, MAX_STOP_LENGTH, MAX_STOP_TOKEN_IDS, SamplingParams
 
 
@@ -115,3 +116,26 @@ def test_a_ban_list_past_the_device_width_is_a_clear_error():
     with pytest.raises(ValueError, match="bans"):
         build_batch([row], 4, 320, 1, 1, 1)
     build_batch([Row([1], 0, [1], RowSampling(banned=tuple(range(MAX_BANNED_TOKENS))))], 4, 320, 1, 1, 1)
+
+
+def emitted(seq, tokens):
+    """One verification row's result that emitted `tokens`, through the output processor: the delta."""
+    q = len(tokens)
+    result = StepOutput(tokens=np.array([tokens], np.int32), num_tokens=np.array([q], np.int32),
+                        logprobs=np.zeros((1, q), np.float32), ranks=np.ones((1, q), np.int32),
+                        top_ids=np.zeros((1, q, 1), np.int32), top_logprobs=np.zeros((1, q, 1), np.float32))
+    (delta,) = process([seq], result)
+    return delta
+
+
+def test_a_row_left_no_token_ends_in_error_taking_nothing():
+    """NO_TOKEN (the device found the row's masks and bans left nothing) ends the sequence with "error": no token
+    is taken for it, nor any after it; the tokens before it (accepted proposals) are taken as usual."""
+    seq = Sequence("r", 0, [0], SamplingParams(max_tokens=10), 0, 100, [9], PieceDetokenizer("abcdefgh"))
+    delta = emitted(seq, [1, 2, NO_TOKEN, 3])
+    assert delta.finished and seq.finish_reason == "error" and seq.stop_reason is None
+    assert delta.token_ids == [1, 2] and delta.completion.text == seq.text == "bc"
+    assert seq.output.num_tokens == 2
+    alone = Sequence("r", 0, [0], SamplingParams(max_tokens=10), 0, 100, [9], PieceDetokenizer("abcdefgh"))
+    delta = emitted(alone, [NO_TOKEN])
+    assert delta.finished and alone.finish_reason == "error" and delta.token_ids == [] and alone.text == ""

@@ -115,3 +115,26 @@ def test_a_grammar_error_is_named_after_the_request_field():
     e = grammar_error({"messages": MESSAGES, "tools": tools, "tool_choice": "required"},
                       ValueError("structured_outputs.json: unknown type objet"))
     assert (e.param, e.message) == ("tools", "tools: unknown type objet")
+
+
+def _nested(depth: int) -> dict:
+    """{"items": {"items": ...}} `depth` deep, built without recursion."""
+    value: dict = {}
+    for _ in range(depth):
+        value = {"items": value}
+    return value
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"guided_json": _nested(3000)}, "guided_json"),
+    ({"structured_outputs": {"json": _nested(3000)}}, "structured_outputs"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": _nested(3000)}}},
+     "response_format"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": _nested(3000)}}]}, "tools"),
+])
+def test_a_field_nested_past_pythons_recursion_limit_is_400_naming_it(fields, param):
+    """Its check (json.dumps) raised RecursionError, a 500: a body the parser read can still nest too deeply to
+    write a few frames further down."""
+    with pytest.raises(ApiError) as e:
+        chat(**fields)
+    assert (e.value.status, e.value.param) == (400, param) and "nested too deeply" in e.value.message

@@ -12,7 +12,15 @@ from jaxserve.openai.errors import ApiError
 from jaxserve.openai.requests import parse_chat
 from jaxserve.openai.structured import FieldError
 from jaxserve.openai.tool_calls import parse_tools
-from jaxserve.openai.tool_parsers import ArrayCalls, HermesCalls, NamedCall, assemble, is_hermes
+from jaxserve.openai.tool_parsers import (
+    HERMES_END,
+    HERMES_START,
+    ArrayCalls,
+    HermesCalls,
+    NamedCall,
+    assemble,
+    is_hermes,
+)
 
 from locations import DATA
 
@@ -243,6 +251,21 @@ def test_hermes_whole_and_incremental(text, expected, seed):
     assert hermes(text, seed) == expected
 
 
+DEEP = "[" * 5000 + "]" * 5000  # nested past Python's recursion limit
+
+
+@pytest.mark.parametrize("block", [
+    DEEP,
+    '{"name": "get_time", "arguments": ' + '{"a": ' * 5000 + "1" + "}" * 5000 + "}",
+    '{"name": "get_time", "arguments": "' + DEEP + '"}',  # as JSON text
+], ids=["block", "arguments", "arguments-text"])
+@pytest.mark.parametrize("closed", [True, False])
+def test_hermes_takes_json_nested_too_deeply_as_text(block, closed):
+    """Item 15: json.loads raised RecursionError out of the parser (a model can write "[" five thousand times)."""
+    text = HERMES_START + block + (HERMES_END if closed else "")
+    assert hermes(text, 0) == (text, [])
+
+
 def test_hermes_without_parallel_calls_keeps_the_first():
     assert hermes(CALL_W + "\n" + CALL_T + " trailing", 0, parallel=False) == (None, [W])
 
@@ -282,6 +305,9 @@ def test_messages_with_tool_calls_and_results():
     {"role": "function", "content": "x"},
     {"role": "assistant", "tool_calls": [{"id": "c", "type": "function",
                                           "function": {"name": "f", "arguments": '{"a": "\\ud800"}'}}]},
+    # Deeper than json's parser can recurse (a RecursionError, once a 500).
+    {"role": "assistant", "tool_calls": [{"id": "c", "type": "function",
+                                          "function": {"name": "f", "arguments": "[" * 100_000 + "]" * 100_000}}]},
 ])
 def test_bad_messages(message):
     with pytest.raises(ApiError) as e:

@@ -7,7 +7,8 @@ import pytest
 from jaxserve.batch import SamplingInput
 from jaxserve.runner.batch_builder import neutral_sampling
 from jaxserve.sample import token_mask
-from jaxserve.sample.sampling import sample
+from jaxserve.sample.sampling import NO_TOKEN, sample
+from jaxserve.sample.verification import verify
 from jaxserve.sampling_params import MAX_BANNED_TOKENS, MAX_LOGPROBS, SamplingParams
 
 V = 50
@@ -119,18 +120,22 @@ def test_two_level_inverse_cdf_and_argmax_match_the_plain_ones():
     np.testing.assert_array_equal(np.asarray(jax.jit(first_argmax)(x)), np.argmax(x, axis=-1), err_msg=f"seed {seed}")
 
 
-def sorted_top_k_top_p(x, top_k, top_p):
-    """The plain way, by sorting the vocabulary: what the bisection in jaxserve.sample.sampling must equal."""
+def sorted_top_k_top_p(x, top_k, top_p, near=None):
+    """The plain way, by sorting the vocabulary: what the bisection in jaxserve.sample.sampling must equal.
+    near (bool like x, optional): set where a token's mass before it is within float32 rounding of top_p, the one
+    place where sums in another order may decide otherwise."""
     V = x.shape[-1]
-    desc = -np.sort(-x, axis=-1)
+    order = np.argsort(-x, axis=-1, kind="stable")
     out = np.full_like(x, -np.inf)
     for r in range(x.shape[0]):
         k = min(top_k[r], V) if top_k[r] > 0 else V
-        top = desc[r, :k]
+        top = x[r, order[r, :k]].astype(np.float64)
         probs = np.exp(top - top.max()) / np.exp(top - top.max()).sum()
         before = np.cumsum(probs) - probs
         last = np.flatnonzero(before < top_p[r])[-1] if top_p[r] < 1 else k - 1
         out[r] = np.where(x[r] >= top[last], x[r], -np.inf)
+        if near is not None and top_p[r] < 1:
+            near[r, order[r, :k]] = np.abs(before - top_p[r]) < 1e-5
     return out
 
 
@@ -146,9 +151,12 @@ def test_top_k_top_p_cuts_where_sorting_would():
         top_k[::3] = 0
         top_p = rng.uniform(0.05, 1.0, 16).astype(np.float32)
         top_p[::4] = 1.0
-        got, want = np.asarray(cut(x, top_k, top_p)), sorted_top_k_top_p(x, top_k, top_p)
-        # Sums in another order could differ in the last bit at a cut; with distinct random values none lands there.
-        assert (np.isfinite(got) == np.isfinite(want)).all(), f"seed {seed}, V {V}"
+        near = np.zeros(x.shape, bool)
+        got, want = np.asarray(cut(x, top_k, top_p)), sorted_top_k_top_p(x, top_k, top_p, near)
+        # Sums in another order may differ in the last bits where a token's mass before it is top_p itself (about
+        # one row in 300 at V 5000): only there may the two cuts disagree.
+        differ = np.isfinite(got) != np.isfinite(want)
+        assert not (differ & ~near).any(), f"seed {seed}, V {V}: {np.argwhere(differ & ~near)[:4].tolist()}"
 
 
 def test_token_mask_allows_only_its_tokens_and_leaves_logprobs_raw():
@@ -178,6 +186,39 @@ def test_token_mask_allows_only_its_tokens_and_leaves_logprobs_raw():
         np.testing.assert_allclose(np.asarray(out.logprobs), raw, rtol=1e-5, err_msg=f"seed {seed}")
     assert token_mask.allowed_ids(token_mask.forbidding(masks[1], allowed[1][:1]), V).tolist() == \
         sorted(allowed[1][1:]), f"seed {seed}"
+
+
+def test_a_row_left_no_token_samples_none():
+    """A row whose mask allows nothing, or only what min_tokens bans (under a bias and penalties too), samples
+    NO_TOKEN, greedy or not, never a token outside its mask (it sampled token 0); a ban that has lapsed frees the
+    token again, and the rows beside them sample as they would alone. Verification reports it the same way."""
+    seed = int(np.random.default_rng().integers(2 ** 31))
+    rng = np.random.default_rng(seed)
+    n = 6
+    logits = rng.normal(0, 2, (n, V)).astype(np.float32)
+    t = int(rng.integers(1, V))
+    masks = np.stack([np.zeros(token_mask.num_words(V), np.int32), token_mask.allowing([t], V),
+                      token_mask.allowing([t], V), token_mask.allow_all(V), np.zeros(token_mask.num_words(V), np.int32),
+                      token_mask.allowing(rng.choice(V, 4, replace=False), V)])
+    banned = np.full((n, MAX_BANNED_TOKENS), V, np.int32)
+    banned[1:3, 0] = t
+    bias_ids = np.full((n, 300), V, np.int32)
+    bias_ids[4, :2] = [0, t]
+    controls = dict(token_mask=masks, banned=banned, min_tokens=[0, 5, 2, 0, 0, 0], step=[0, 4, 2, 0, 0, 0],
+                    logit_bias_ids=bias_ids, logit_bias=np.where(bias_ids < V, 50.0, 0.0).astype(np.float32),
+                    repetition_penalty=[1, 1, 1, 1, 1.5, 1], frequency_penalty=[0, 0, 0, 0, -1.0, 0],
+                    past_tokens=np.zeros((n, 1), np.int32), prompt_len=np.zeros(n, np.int32))
+    for temperature in (0.0, 1.0):
+        tokens = np.asarray(sample_jit(jnp.asarray(logits), rows(n, temperature=temperature, **controls)).tokens)
+        assert tokens[[0, 1, 4]].tolist() == [NO_TOKEN] * 3, f"seed {seed}, temperature {temperature}: {tokens}"
+        assert tokens[2] == t, f"seed {seed}"  # step 2 of min_tokens 2: no longer banned
+        assert tokens[5] in token_mask.allowed_ids(masks[5], V), f"seed {seed}"
+        alone = sample_jit(jnp.asarray(logits[3:4]), rows(1, temperature=temperature, seed=3, min_tokens=0))
+        assert tokens[3] == int(alone.tokens[0]), f"seed {seed}"
+    p = rows(n, temperature=0.0, **controls)
+    v = jax.jit(verify)(jnp.asarray(np.repeat(logits[:, None], 2, axis=1)), jnp.full((n, 1), t, jnp.int32),
+                        jnp.ones(n, jnp.int32), p)
+    assert np.asarray(v.tokens)[[0, 4], 0].tolist() == [NO_TOKEN] * 2 and np.asarray(v.num_tokens)[0] == 1
 
 
 def test_a_batch_without_masks_copies_none(tiny_dir):
@@ -213,6 +254,7 @@ def every_control(S, V, rng, greedy=False):
     p["want_top_logprobs"] = rng.random(S) < 0.7
     for i in range(0, S, 3):
         p["token_mask"][i] = token_mask.allowing(rng.choice(V, rng.integers(1, V // 3), replace=False), V)
+    p["token_mask"][1] = 0  # a row left no token: NO_TOKEN on every device alike
     p["logit_bias_ids"][:, :30] = np.where(rng.random((S, 30)) < 0.5, rng.integers(0, V, (S, 30)), V)
     p["logit_bias"][:, :30] = rng.normal(0, 3, (S, 30))
     p["presence_penalty"] = np.where(rng.random(S) < 0.4, rng.uniform(-1, 1, S), 0).astype(np.float32)
@@ -248,6 +290,7 @@ def test_sampling_over_a_vocab_split_mesh_is_one_devices():
         wanted = np.asarray(p.want_top_logprobs)
         err = f"seed {seed}, greedy {greedy}"
         np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens), err_msg=err)
+        assert int(got.tokens[1]) == NO_TOKEN, err
         np.testing.assert_array_equal(np.asarray(got.ranks), np.asarray(want.ranks), err_msg=err)
         np.testing.assert_allclose(np.asarray(got.logprobs), np.asarray(want.logprobs), rtol=1e-5, atol=1e-5,
                                    err_msg=err)

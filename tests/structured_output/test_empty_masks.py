@@ -1,0 +1,118 @@
+"""Constraints that leave nothing to sample (issue 48, item 7): refused up front where the request alone shows it,
+otherwise the sequence ends with finish reason "error" and never takes a token its masks forbid; a failed grammar
+ends with "error" too, not "stop" like a complete one. On the tiny random model with a byte-level tokenizer (320
+ids, EOS 319), through the whole engine: the device's sampler, the host's masks and the output processor."""
+import pytest
+
+from jaxserve import SamplingParams
+from jaxserve.batching.step_plan import ScheduledBatch
+from jaxserve.batching.step_rows import constrain, row_sampling
+from jaxserve.runner.batch_builder import Row
+from jaxserve.sample.token_mask import allowed_ids
+from jaxserve.sampling_params import StructuredOutputsParams as Structured
+from jaxserve.structured_output import fill_masks
+
+from tiny import make_llm
+
+EOS = 319
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_tokenized_dir):
+    return make_llm(tiny_tokenized_dir, max_model_len=64)
+
+
+def token(llm, text: str) -> int:
+    (t,) = llm.tokenizer.encode(text, add_special_tokens=False)
+    return t
+
+
+def run(llm, params: SamplingParams):
+    """The one completion of a request, the engine checked clean after it (no page or slot kept)."""
+    request = llm.add_request("Hello", params)
+    while llm.has_unfinished_requests():
+        llm.step()
+    llm.core.assert_idle_and_clean()
+    return request.seqs[0]
+
+
+@pytest.mark.parametrize("params, message", [
+    # EOS the only allowed token, which min_tokens bans (it sampled token 0 four times, then EOS: "stop").
+    (dict(allowed_token_ids=[EOS], min_tokens=4), "allowed_token_ids leave no token .* min_tokens"),
+    (dict(allowed_token_ids=[7, EOS], stop_token_ids=[7], min_tokens=1), "allowed_token_ids leave no token"),
+    # A choice written before min_tokens (it answered "a", "stop").
+    (dict(structured_outputs=Structured(choice=["a", "bc"]), min_tokens=5), "min_tokens .* structured_outputs.choice"),
+])
+def test_a_statically_empty_allowed_set_is_refused(llm, params, message):
+    with pytest.raises(ValueError, match=message):
+        llm.make_request("Hello", SamplingParams(max_tokens=8, **params))
+
+
+def test_allowed_tokens_all_bad_words_are_refused(llm):
+    with pytest.raises(ValueError, match="bad_words forbid all of them"):
+        llm.make_request("Hello", SamplingParams(allowed_token_ids=[token(llm, "x")], bad_words=["x"]))
+
+
+def test_what_min_tokens_or_ignore_eos_leaves_is_not_refused(llm):
+    """EOS alone is fine without min_tokens (the output ends at once), and with ignore_eos (EOS is not banned)."""
+    assert run(llm, SamplingParams(max_tokens=8, allowed_token_ids=[EOS])).finish_reason == "stop"
+    seq = run(llm, SamplingParams(max_tokens=3, min_tokens=2, ignore_eos=True, allowed_token_ids=[EOS]))
+    assert seq.finish_reason == "length" and seq.output_token_ids == [EOS] * 3
+    llm.make_request("Hello", SamplingParams(structured_outputs=Structured(choice=["a", "abcde"]), min_tokens=5))
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_grammar_disjoint_from_allowed_token_ids_ends_in_error(llm, temperature):
+    """The regex allows only "a", allowed_token_ids only "b": nothing may be sampled (it sampled token 0, which the
+    grammar refused, and ended "stop" with "" as if the regex were matched)."""
+    seq = run(llm, SamplingParams(temperature=temperature, seed=1, max_tokens=8, allowed_token_ids=[token(llm, "b")],
+                                  structured_outputs=Structured(regex="a+")))
+    assert seq.finish_reason == "error" and seq.output_token_ids == [] and seq.text == ""
+
+
+def test_a_grammar_complete_before_min_tokens_ends_in_error(llm):
+    """After "a" the regex allows only EOS, which min_tokens bans (it ended "stop" after one token)."""
+    seq = run(llm, SamplingParams(temperature=1.0, seed=2, max_tokens=8, min_tokens=5,
+                                  structured_outputs=Structured(regex="a")))
+    assert seq.finish_reason == "error" and seq.text == "a" and seq.output_token_ids == [token(llm, "a")]
+    seq = run(llm, SamplingParams(temperature=1.0, seed=2, max_tokens=8, min_tokens=1,
+                                  structured_outputs=Structured(regex="a")))
+    assert seq.finish_reason == "stop" and seq.text == "a"
+
+
+def test_a_failed_grammar_ends_in_error(llm):
+    """A grammar that fails while the sequence runs (a per-step limit of llguidance's; here a token it refuses) ended
+    "stop" like a matched output; now "error", after at most the token already in flight."""
+    request = llm.add_request("Hello", SamplingParams(temperature=1.0, seed=3, max_tokens=20,
+                                                      structured_outputs=Structured(regex="[a-z]{10}")))
+    seq = request.seqs[0]
+    while not seq.output_token_ids:
+        llm.step()
+    taken = list(seq.output_token_ids)
+    assert not seq.output.grammar.accept(token(llm, "7")) and seq.output.grammar.failed
+    while llm.has_unfinished_requests():
+        llm.step()
+    assert seq.finish_reason == "error"
+    assert seq.output_token_ids[:len(taken)] == taken and len(seq.output_token_ids) <= len(taken) + 1
+    llm.core.assert_idle_and_clean()
+
+
+def test_a_failed_grammars_mask_allows_nothing(llm):
+    """llguidance's mask of a failed grammar allows EOS, as a complete one's: the row would sample EOS and end
+    "stop". The step's mask for it allows nothing instead, so the device ends it (NO_TOKEN); a sound grammar's row
+    gets its grammar's mask ANDed with allowed_token_ids."""
+    def planned(grammar_text, allowed=None):
+        seq = llm.make_request("Hello", SamplingParams(max_tokens=8, allowed_token_ids=allowed,
+                                                       structured_outputs=Structured(regex=grammar_text))).seqs[0]
+        plan = ScheduledBatch(decode=[seq], prefill=[], rows=[Row([1], 0, [1], row_sampling(seq), slot=0)])
+        return seq, plan
+
+    a, b = token(llm, "a"), token(llm, "b")
+    seq, plan = planned("[ab]+", [b, EOS])
+    constrain(plan)
+    assert allowed_ids(plan.rows[0].sampling.token_mask, llm.vocab_size).tolist() == [b] and plan.constrained
+    seq, plan = planned("[ab]+")
+    assert seq.output.grammar.accept(a) and not seq.output.grammar.accept(token(llm, "7"))
+    assert allowed_ids(fill_masks([seq.output.grammar])[0], llm.vocab_size).tolist() == [EOS]  # llguidance's
+    constrain(plan)
+    assert allowed_ids(plan.rows[0].sampling.token_mask, llm.vocab_size).tolist() == []
