@@ -28,6 +28,7 @@ from jaxserve.cache.transfer import trimmed
 from jaxserve.engine.client import HandedOff, Prefilled
 from jaxserve.engine.llm import LLM, Request
 from jaxserve.engine_config import EngineConfig
+from jaxserve.lora.adapter import LOADS
 from jaxserve.lora.request import LoRARequest
 from jaxserve.outputs import CompletionOutput, RequestOutput, merged
 from jaxserve.sampling_params import SamplingParams
@@ -158,8 +159,9 @@ class AsyncEngine:
                 self.abort(request_id)
 
     async def add_lora(self, lora_request: LoRARequest) -> bool:
-        """Loads an adapter onto the host (on a thread: it reads files) ahead of its requests: LLM.add_lora."""
-        return await asyncio.get_running_loop().run_in_executor(None, self.llm.add_lora, lora_request)
+        """Loads an adapter onto the host (on a thread: it reads files) ahead of its requests: LLM.add_lora. On
+        LOADS, not the pool that checks requests and compiles grammars: loads queue there, one at a time."""
+        return await asyncio.get_running_loop().run_in_executor(LOADS, self.llm.add_lora, lora_request)
 
     async def remove_lora(self, lora_int_id: int) -> bool:
         """LLM.remove_lora: requests running on the adapter finish on it."""

@@ -74,6 +74,10 @@ class HostAdapters:
         self.capacity = capacity
         self._by_id: OrderedDict[int, LoadedAdapter] = OrderedDict()  # least recently used first
         self._lock = threading.Lock()
+        # One read at a time: an adapter's arrays (up to max_lora_rank x the model's shapes) are in memory once, and
+        # loads that pile up wait here rather than each reading its own. Not _lock: a load holds up other loads only,
+        # not the requests of adapters held, nor remove / list (which the server calls on its event loop).
+        self._reading = threading.Lock()
 
     def get(self, request: LoRARequest) -> LoadedAdapter:
         """The request's adapter, loaded now if the host does not hold it. Raises LoRAError for a bad adapter, and
@@ -82,18 +86,18 @@ class HostAdapters:
             held = self._held(request)
         if held is not None:
             return held
-        # Read outside the lock: a slow load holds up no other adapter's requests, nor remove / list (which the
-        # server calls on its event loop). Two threads loading one id at once both read it; the first kept wins.
-        adapter = self._load(request)  # raises before anything changes
-        loaded = LoadedAdapter(request, adapter, content_key(adapter.weights))
-        with self._lock:
-            held = self._held(request)
+        with self._reading:
+            with self._lock:  # read while this one waited?
+                held = self._held(request)
             if held is not None:
                 return held
-            self._by_id[request.lora_int_id] = loaded
-            while len(self._by_id) > self.capacity:
-                self._by_id.popitem(last=False)
-            return loaded
+            adapter = self._load(request)  # raises before anything changes
+            loaded = LoadedAdapter(request, adapter, content_key(adapter.weights))
+            with self._lock:
+                self._by_id[request.lora_int_id] = loaded
+                while len(self._by_id) > self.capacity:
+                    self._by_id.popitem(last=False)
+                return loaded
 
     def _held(self, request: LoRARequest) -> LoadedAdapter | None:
         """The adapter held under the request's id (now the most recently used), if any; under the lock."""

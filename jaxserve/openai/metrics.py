@@ -82,17 +82,28 @@ class ModelMetrics:
         self.queue = parent._queue.labels(model_name=model_name)
         self._success = parent._success
         self._lora_requests = parent._lora_requests
+        self._adapters: set[str] = set()  # those loaded: an adapter's series lives from its load to its unload
 
     def finished(self, reason: str) -> None:
         self._success.labels(model_name=self.model_name, finished_reason=reason).inc()
 
     def add_adapter(self, lora_name: str) -> None:
-        """An adapter's series, at 0 from its load (kept after an unload: a counter does not go back)."""
+        """An adapter's series, at 0 from its load (a counter that starts again at 0 if the name is loaded again
+        after an unload: Prometheus's rate() reads that as a reset)."""
+        self._adapters.add(lora_name)
         self._lora_requests.labels(model_name=self.model_name, lora_name=lora_name)
 
+    def remove_adapter(self, lora_name: str) -> None:
+        """Drops an unloaded adapter's series: else each name ever loaded stays in every scrape."""
+        if lora_name in self._adapters:
+            self._adapters.discard(lora_name)
+            self._lora_requests.remove(self.model_name, lora_name)
+
     def lora_request(self, lora_name: str) -> None:
-        """One engine request (a prompt of a batch) run with the adapter."""
-        self._lora_requests.labels(model_name=self.model_name, lora_name=lora_name).inc()
+        """One engine request (a prompt of a batch) run with the adapter; not counted once it is unloaded (a request
+        admitted as the adapter was unloaded would bring its series back)."""
+        if lora_name in self._adapters:
+            self._lora_requests.labels(model_name=self.model_name, lora_name=lora_name).inc()
 
     def observe_request(self, metrics) -> None:
         """A finished request's RequestMetrics (time.monotonic stamps). (TTFT is observed by the server as the first

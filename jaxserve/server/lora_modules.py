@@ -8,12 +8,15 @@ import dataclasses
 import inspect
 import itertools
 import json
+import logging
 from collections.abc import Iterable
 
 from jaxserve.engine.client import EngineDeadError
 from jaxserve.lora.request import LoRARequest
 from jaxserve.openai.errors import ApiError
 from jaxserve.server.served_model import ServedModel
+
+logger = logging.getLogger("jaxserve")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,8 +108,13 @@ class LoRAModules:
             await _off_loop(model.engine.add_lora, request)
         except EngineDeadError as e:
             raise ApiError(503, str(e)) from None
-        except (ValueError, OSError) as e:  # LoRAError (a ValueError) names the adapter and the field
+        except ValueError as e:  # LoRAError (a ValueError) names the adapter and the field
             raise ApiError(400, str(e), "lora_path") from None
+        except OSError as e:  # its text names files and why they failed: the log's, not the client's
+            logger.warning("LoRA adapter %r (%s) refused: %s", name, path, e)
+            raise ApiError(400, f"LoRA adapter '{name}' ({path}): not found, not readable, or not a PEFT LoRA "
+                                "adapter (a directory of adapter_config.json and adapter_model.safetensors)",
+                           "lora_path") from None
         finally:
             self._loading.discard(name)
         adapter = self.adapters[name] = ServedAdapter(name, model, request)
@@ -120,6 +128,7 @@ class LoRAModules:
         adapter = self.adapters.pop(name, None)
         if adapter is None:
             raise ApiError(404, f"The lora adapter '{name}' cannot be found.", "lora_name", "model_not_found")
+        adapter.model.metrics.remove_adapter(name)
         try:
             await _off_loop(adapter.model.engine.remove_lora, adapter.lora_request.lora_int_id)
         except EngineDeadError as e:

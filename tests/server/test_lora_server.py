@@ -223,6 +223,66 @@ def test_metrics_count_each_adapters_requests(served):
     wait_idle(st)
 
 
+def _untrusted(root, good):
+    """Adapters a client may name (issue 48), each a copy of `good` spoiled one way: name -> (path, message)."""
+    import shutil
+
+    def copy(name, **config):
+        shutil.copytree(good, root / name)
+        c = json.loads((root / name / "adapter_config.json").read_text())
+        (root / name / "adapter_config.json").write_text(json.dumps({**c, **config}))
+        return root / name
+    made = {"paren": (copy("paren", rank_pattern={"(": 4}), "rank_pattern: key '(': only module names"),
+            "backtracking": (copy("backtracking", alpha_pattern={"(.|.)*Z": 4}), "alpha_pattern: key '(.|.)*Z'")}
+    # 2 GiB with an lm_head key in its header, sparse (no disk, no memory): refused from the header alone.
+    path = copy("lm-head")
+    text = json.dumps({"base_model.model.lm_head.lora_A.weight": {
+        "dtype": "F32", "shape": [2, 2**28 - 512], "data_offsets": [0, 8 * (2**28 - 512)]}}).encode()
+    with open(path / "adapter_model.safetensors", "wb") as f:
+        f.write(len(text).to_bytes(8, "little") + text)
+        f.truncate(8 + len(text) + 8 * (2**28 - 512))
+    made["lm-head"] = (path, "base_model.model.lm_head.lora_A.weight: not a LoRA weight")
+    nothing = "not found, not readable, or not a PEFT LoRA adapter"
+    (root / "empty").mkdir()
+    made.update({"nowhere": (root / "nowhere", nothing), "empty": (root / "empty", nothing)})
+    return made
+
+
+def test_untrusted_adapters_are_400s_and_the_server_goes_on(served, adapters, tmp_path):
+    """A rank_pattern key that does not compile (before: a 500), one that backtracks without end (before: over 20 s
+    on a thread shared with grammar compiles), a 2 GiB file with an lm_head key (before: read whole, 6.4 s and
+    3.4 GB of RSS), and paths that hold no adapter (before: "adapter_config.json: missing" told what is on the
+    disk): each a 400 with an OpenAI body, and the server serves on."""
+    st, expected = served
+    for name, (path, message) in _untrusted(tmp_path, adapters["sql"]).items():
+        status, text = http("POST", st.url + "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path)})
+        error = json.loads(text)["error"]
+        assert status == 400 and message in error["message"], (name, text)
+        assert (error["type"], error["param"]) == ("invalid_request_error", "lora_path"), (name, text)
+        assert name not in st.server.lora.adapters
+    assert http("GET", st.url + "/health")[0] == 200
+    answer = client(st).completions.create(model="poet", prompt=PROMPTS, temperature=0, max_tokens=MAX_TOKENS,
+                                           extra_body={"ignore_eos": True})
+    assert [c.text for c in answer.choices] == expected["poet"]
+
+
+def test_an_unloaded_adapters_metric_series_goes(served, adapters):
+    """Before: every name ever loaded stayed in each scrape."""
+    st, _ = served
+
+    def series():
+        samples = metric_samples(http("GET", st.url + "/metrics")[1].decode())
+        return {dict(label.split("=") for label in labels)["lora_name"].strip('"')
+                for name, labels in samples if name == "jaxserve:lora_requests_total"}
+    body = {"lora_name": "brief", "lora_path": adapters["sql"]}
+    assert http("POST", st.url + "/v1/load_lora_adapter", body)[0] == 200
+    client(st).completions.create(model="brief", prompt="hi", max_tokens=2)
+    assert series() == {"sql", "poet", "brief"}
+    assert http("POST", st.url + "/v1/unload_lora_adapter", {"lora_name": "brief"})[0] == 200
+    assert series() == {"sql", "poet"}
+    wait_idle(st)
+
+
 def test_runtime_loading_is_off_unless_allowed():
     """As vLLM's without VLLM_ALLOW_RUNTIME_LORA_UPDATING: the endpoints do not exist."""
     st = ServerThread(fake_llm(vocab_size=320), BASE)
