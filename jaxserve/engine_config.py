@@ -110,8 +110,7 @@ class EngineConfig:
     coordinator_bind_address: "host:port" process 0's coordination service listens on (default: the host of
         coordinator_address, not every interface).
     coordinator_secret_file: a file holding the secret every process authenticates the leader's messages with
-        (default: $JAXSERVE_COORDINATOR_SECRET); required unless the coordination service is reachable from this host
-        only (see jaxserve.multihost).
+        (default: $JAXSERVE_COORDINATOR_SECRET); required by every multi-process run (see jaxserve.multihost).
     chat_template: a jinja chat template file to use instead of the model's own (or where the model has none).
     enable_lora: serve PEFT LoRA adapters beside the base model (a request names one with a LoRARequest).
     max_loras: adapters in one step (their device slots); max_lora_rank: the highest adapter rank they hold (an
@@ -183,7 +182,7 @@ class EngineConfig:
         "interface)", metavar="HOST:PORT")
     coordinator_secret_file: str | None = flag(
         "a file with the secret (16+ bytes, the same on every process) that authenticates process 0's messages; "
-        "default $JAXSERVE_COORDINATOR_SECRET; required across hosts", metavar="FILE")
+        "default $JAXSERVE_COORDINATOR_SECRET; required by every multi-process run", metavar="FILE")
     chat_template: str | None = flag("a jinja chat template file, used instead of the model's own", metavar="FILE")
     enable_lora: bool = flag("serve LoRA adapters (PEFT directories) beside the base model", default=False)
     max_loras: int = flag("LoRA adapters in one step (device slots)", default=1)

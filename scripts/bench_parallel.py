@@ -95,7 +95,8 @@ def bench_processes(n, batch):
         s.bind(("127.0.0.1", 0))
         coordinator = f"127.0.0.1:{s.getsockname()[1]}"
     out = Path(f"/tmp/bench_parallel_{os.getpid()}.json")
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1", "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1", "JAX_PLATFORMS": "cpu",
+           "JAXSERVE_COORDINATOR_SECRET": os.urandom(16).hex()}
     procs = [subprocess.Popen([sys.executable, __file__, "--batch", str(batch), "--worker", coordinator, str(n),
                                str(i), str(out)], env=env) for i in range(n)]
     if any(p.wait(timeout=1800) for p in procs):

@@ -18,6 +18,8 @@ shift
 PORT=${COORDINATOR_PORT:-$(python -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')}
 export XLA_FLAGS="${XLA_FLAGS:-} --xla_force_host_platform_device_count=${LOCAL_DEVICES:-1}"
 export JAX_PLATFORMS=${JAX_PLATFORMS:-cpu}
+# The processes' shared secret (jaxserve.multihost.process.shared_secret): a fresh one for this run unless given.
+export JAXSERVE_COORDINATOR_SECRET=${JAXSERVE_COORDINATOR_SECRET:-$(python -c 'import secrets; print(secrets.token_hex(16))')}
 pids=()
 for ((i = 0; i < N; i++)); do
   jaxserve "$@" --coordinator-address "127.0.0.1:$PORT" --num-processes "$N" --process-id "$i" &

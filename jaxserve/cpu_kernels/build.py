@@ -4,13 +4,17 @@ CPU runs, into the cache directory), and loading it.
 
 A library's name holds a key of everything its code depends on besides the compiler: its source and headers, the
 flags, jaxlib's version and the FFI headers it was compiled against (an upgrade of jaxlib never loads a stale one).
-The compiler is left out so a prebuilt library is found on a machine that has none. Whatever goes wrong (no
-compiler, a failed build, an unwritable cache, a library that does not load) turns the kernels off with one warning
-for the process: XLA's own lowering runs instead.
+The compiler is left out so a prebuilt library is found on a machine that has none (the binary interface is C's,
+which no C++ compiler changes). A library another user could have written is never loaded (`trust`): with a cache
+directory shared or writable by others, the kernels are built in a private temporary directory instead. Whatever goes
+wrong (no compiler, a failed or hung build, an unwritable cache, a library that does not load) turns the kernels off
+with one warning for the process: XLA's own lowering runs instead.
 """
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
+import contextlib
 import ctypes
 import dataclasses
 import functools
@@ -18,6 +22,7 @@ import hashlib
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import tempfile
 from pathlib import Path
@@ -26,6 +31,7 @@ import jax
 import jaxlib
 
 from jaxserve.cpu_kernels import isa
+from jaxserve.cpu_kernels.trust import why_untrusted
 from jaxserve.paths import cache_dir
 
 logger = logging.getLogger("jaxserve")
@@ -35,6 +41,9 @@ logger = logging.getLogger("jaxserve")
 ENV_SWITCH = "JAXSERVE_CPU_KERNELS"
 SOURCE_DIR = Path(__file__).parent
 PREBUILT_DIR = SOURCE_DIR / "prebuilt"  # `jaxserve build-kernels`'s default output, looked in before the cache
+# A build that takes longer is stopped (a compiler hung on a network file system, a wrapper waiting for a licence):
+# the kernels are off rather than the process's first step held forever. Each takes ~5 s on 2 vCPUs.
+COMPILE_TIMEOUT_S = 300.0
 
 
 def enabled() -> bool:
@@ -55,6 +64,7 @@ class FirstWarning:
 
 
 kernels_off = FirstWarning()
+not_private = FirstWarning()
 
 
 def sources() -> list[str]:
@@ -95,20 +105,37 @@ def compiler() -> str | None:
 
 def compile_library(cxx: str, source_name: str, variant: isa.Variant, output: Path,
                     extra_flags: tuple[str, ...] = ()) -> Path:
-    """Compiles source_name for variant into output (a file); raises OSError or CalledProcessError (its stderr
-    captured) where it cannot."""
+    """Compiles source_name for variant into output (a file); raises OSError, CalledProcessError (its stderr
+    captured) or TimeoutExpired (after COMPILE_TIMEOUT_S) where it cannot."""
     output.parent.mkdir(parents=True, exist_ok=True)
     # Built beside its final name and renamed into place: processes that build at once never load half a file.
     fd, partial = tempfile.mkstemp(suffix=".so", dir=output.parent)
     os.close(fd)
     try:
-        subprocess.run([cxx, *flags(variant), *extra_flags, "-isystem", jax.ffi.include_dir(),
-                        str(SOURCE_DIR / source_name), "-o", partial], capture_output=True, text=True, check=True)
+        run_compiler([cxx, *flags(variant), *extra_flags, "-isystem", jax.ffi.include_dir(),
+                      str(SOURCE_DIR / source_name), "-o", partial])
         os.replace(partial, output)
     finally:
         if os.path.exists(partial):
             os.remove(partial)
     return output
+
+
+def run_compiler(command: list[str]) -> None:
+    """command, its output captured, within COMPILE_TIMEOUT_S. The compiler runs in a process group of its own, all
+    of it ended at the timeout: g++ hands the work to cc1plus, as and ld, which would otherwise keep running (and
+    keep the pipes open, so that reading them would wait for them)."""
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True) as compiling:
+        try:
+            stdout, stderr = compiling.communicate(timeout=COMPILE_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):  # it ended just now
+                os.killpg(compiling.pid, signal.SIGKILL)
+            compiling.communicate()
+            raise
+    if compiling.returncode:
+        raise subprocess.CalledProcessError(compiling.returncode, command, stdout, stderr)
 
 
 @dataclasses.dataclass
@@ -130,6 +157,8 @@ def build_all(output_dir: Path, extra_flags: tuple[str, ...] = ()) -> Built:
         try:
             return compile_library(cxx, source_name, variant, output_dir / library_name(source_name, variant),
                                    extra_flags)
+        except subprocess.TimeoutExpired:
+            return f"{source_name} {variant.name}: no result after {COMPILE_TIMEOUT_S:.0f} s"
         except subprocess.CalledProcessError as e:
             lines = e.stderr.strip().splitlines() or [f"exit status {e.returncode}"]
             return f"{source_name} {variant.name}: {next((x for x in lines if 'error' in x), lines[-1])}"
@@ -143,13 +172,43 @@ def build_all(output_dir: Path, extra_flags: tuple[str, ...] = ()) -> Built:
 
 
 def _prebuilt(source_name: str, candidates: tuple[isa.Variant, ...]) -> Path | None:
-    """The best variant's library already built (prebuilt or cached), if any."""
+    """The best variant's library already built (prebuilt or cached) that only this user or root could have
+    written, if any (resolved: what was checked is what is loaded)."""
     for variant in candidates:
         for directory in library_dirs():
             path = directory / library_name(source_name, variant)
             if path.is_file():
-                return path
+                path = path.resolve()
+                problem = why_untrusted(path)
+                if problem is None:
+                    return path
+                not_private("not loading the CPU kernel %s: %s (another user could have written it)", path, problem)
     return None
+
+
+@functools.cache
+def private_dir() -> Path:
+    """A directory of this process's own for the kernels it builds (removed at exit), where the cache is not
+    private."""
+    path = Path(tempfile.mkdtemp(prefix="jaxserve-cpu-kernels-"))
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
+
+
+def _build_dir() -> Path:
+    """Where to build a library: the cache's directory, or a private one where another user could write there."""
+    directory = library_dirs()[-1]
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    problem = why_untrusted(directory)
+    if problem is None:
+        return directory
+    not_private("not building the CPU kernels in %s: %s (chmod go-w it, or set $JAXSERVE_CACHE): building them in "
+                "a private temporary directory instead, each run", directory, problem)
+    directory = private_dir()
+    problem = why_untrusted(directory)
+    if problem is not None:
+        raise OSError(f"no private directory to build in: {problem}")
+    return directory
 
 
 def _library(source_name: str) -> Path | None:
@@ -167,12 +226,15 @@ def _library(source_name: str) -> Path | None:
         kernels_off("no C++ compiler (g++, clang++ or $CXX) and no prebuilt kernel (`jaxserve build-kernels`): "
                     "CPU kernels off, XLA's own lowering instead")
         return None
-    output = library_dirs()[-1] / library_name(source_name, candidates[0])
+    output = _build_dir() / library_name(source_name, candidates[0])
     try:
         return compile_library(cxx, source_name, candidates[0], output)
     except subprocess.CalledProcessError as e:
         kernels_off("building %s failed, CPU kernels off: %s", source_name, e.stderr[-2000:])
-        return None
+    except subprocess.TimeoutExpired:
+        kernels_off("building %s took more than %g s (%s), CPU kernels off: XLA's own lowering instead",
+                    source_name, COMPILE_TIMEOUT_S, cxx)
+    return None
 
 
 @functools.cache

@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "parallel.h"
@@ -132,14 +133,36 @@ void AccumulateRows(int64_t rows, const float* x, int64_t in, const W* w, int64_
 }
 
 // y = (x @ w) * scale (per output column; none: 1).
+// Why x [rows, in], w [in, out], scale (int8: [out]; else null) and y [rows, out] do not go together (naming the
+// operand), or success: the loops read and write by these sizes, so an operand smaller than they say is an access
+// past its end.
+ffi::Error CheckOperands(ffi::Span<const int64_t> xd, ffi::Span<const int64_t> wd, const ffi::Buffer<ffi::F32>* scale,
+                         ffi::Span<const int64_t> yd) {
+  if (xd.size() != 2 || xd[0] > kMaxRows) {
+    return ffi::Error::InvalidArgument("jaxserve matmul: x must be [rows <= 8, in]");
+  }
+  if (wd.size() != 2 || wd[0] != xd[1]) {
+    return ffi::Error::InvalidArgument("jaxserve matmul: w must be [in, out], in = " + std::to_string(xd[1]) +
+                                       " (x's columns)");
+  }
+  if (scale != nullptr && (scale->dimensions().size() != 1 || scale->dimensions()[0] != wd[1])) {
+    return ffi::Error::InvalidArgument("jaxserve matmul: scale must be [out] = [" + std::to_string(wd[1]) + "]");
+  }
+  if (yd.size() != 2 || yd[0] != xd[0] || yd[1] != wd[1]) {
+    return ffi::Error::InvalidArgument("jaxserve matmul: the result must be [rows, out] = [" + std::to_string(xd[0]) +
+                                       ", " + std::to_string(wd[1]) + "]");
+  }
+  return ffi::Error::Success();
+}
+
 template <typename W>
 ffi::Error Matmul(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, const void* w, ffi::Span<const int64_t> wd,
-                  const float* scale, ffi::ResultBuffer<ffi::F32>& y) {
+                  const ffi::Buffer<ffi::F32>* scale_buffer, ffi::ResultBuffer<ffi::F32>& y) {
   auto xd = x.dimensions();
-  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[0] || xd[0] > kMaxRows) {
-    return ffi::Error::InvalidArgument("jaxserve matmul: x must be [rows <= 8, in] and w [in, out]");
-  }
+  if (auto error = CheckOperands(xd, wd, scale_buffer, y->dimensions()); error.failure()) return error;
   const int64_t rows = xd[0], in = xd[1], out = wd[1];
+  if (rows == 0) return ffi::Error::Success();  // AccumulateRows has a case for 1 to 8 rows
+  const float* scale = scale_buffer == nullptr ? nullptr : scale_buffer->typed_data();
   float* y_data = y->typed_data();
   std::fill(y_data, y_data + rows * out, 0.0f);
 
@@ -186,7 +209,7 @@ ffi::Error FloatMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBu
 
 ffi::Error Int8Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w,
                       ffi::Buffer<ffi::F32> scale, ffi::ResultBuffer<ffi::F32> y) {
-  return Matmul<int8_t>(pool, x, w.typed_data(), w.dimensions(), scale.typed_data(), y);
+  return Matmul<int8_t>(pool, x, w.typed_data(), w.dimensions(), &scale, y);
 }
 
 }  // namespace

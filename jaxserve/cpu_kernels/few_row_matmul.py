@@ -15,6 +15,8 @@ float32 at 40-43, about what the machine gives one process.
 """
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
@@ -35,10 +37,30 @@ def available() -> bool:
                                                 (INT8_TARGET, "JaxserveInt8Matmul")))
 
 
+def check_operands(x, w, w_dtypes: tuple[str, ...], scale=None) -> None:
+    """ValueError naming the operand that does not go with the others (the kernel checks them too, but XLA reports
+    its refusal without the operand's name, and at run time)."""
+    if len(x.shape) < 1:
+        raise ValueError(f"few-row matmul: x must be [..., in], got a scalar {x.shape}")
+    if len(w.shape) != 2 or w.shape[0] != x.shape[-1] or jnp.dtype(w.dtype).name not in w_dtypes:
+        raise ValueError(f"few-row matmul: the weight must be {'/'.join(w_dtypes)} [in = {x.shape[-1]}, out], got "
+                         f"{w.dtype} {w.shape}")
+    if scale is not None and tuple(scale.shape) != (w.shape[1],):
+        raise ValueError(f"few-row matmul: scale must be [out] = [{w.shape[1]}], got {scale.shape}")
+
+
+def _rows(x):
+    """x [..., in] as float32 rows [M, in], or None where it has none (0 rows: the product is empty)."""
+    m = math.prod(x.shape[:-1])
+    return None if m == 0 else x.reshape(m, x.shape[-1]).astype(jnp.float32)  # [M, in]
+
+
 def float_matmul(x, kernel):
     """x [..., in] @ kernel [in, out] (float32 or bfloat16) -> [..., out] in x's dtype, float32 arithmetic."""
     _registered()
-    rows = x.reshape(-1, x.shape[-1]).astype(jnp.float32)  # [M, in]
+    check_operands(x, kernel, ("float32", "bfloat16"))
+    if (rows := _rows(x)) is None:
+        return jnp.zeros((*x.shape[:-1], kernel.shape[1]), x.dtype)
     out = jax.ffi.ffi_call(FLOAT_TARGET, jax.ShapeDtypeStruct((rows.shape[0], kernel.shape[1]), jnp.float32))(
         rows, kernel)  # [M, out]
     return out.astype(x.dtype).reshape(*x.shape[:-1], -1)
@@ -47,7 +69,9 @@ def float_matmul(x, kernel):
 def int8_matmul(x, values, scale):
     """x [..., in] @ (values [in, out] int8 * scale [out]) -> [..., out] in x's dtype, float32 arithmetic."""
     _registered()
-    rows = x.reshape(-1, x.shape[-1]).astype(jnp.float32)  # [M, in]
+    check_operands(x, values, ("int8",), scale)
+    if (rows := _rows(x)) is None:
+        return jnp.zeros((*x.shape[:-1], values.shape[1]), x.dtype)
     out = jax.ffi.ffi_call(INT8_TARGET, jax.ShapeDtypeStruct((rows.shape[0], values.shape[1]), jnp.float32))(
         rows, values, scale.astype(jnp.float32))  # [M, out]
     return out.astype(x.dtype).reshape(*x.shape[:-1], -1)

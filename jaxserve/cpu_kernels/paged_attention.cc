@@ -11,6 +11,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <initializer_list>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -155,7 +157,8 @@ void AttendPart(const Step& s, int64_t t, int64_t split, int64_t splits, std::ve
   // A sliding window shows the keys after position - window (the rule of jaxserve.model.attention).
   const int64_t first = s.sliding_window > 0 ? std::max<int64_t>(0, pos - s.sliding_window + 1) : 0;
   const int64_t cached_end = std::max<int64_t>(first, s.cached_lens[t]);
-  const int64_t first_page = first / ps, pages = (cached_end + ps - 1) / ps - first_page;
+  // A window past every cached key reads no page (not even the one `first` falls in: the table may end before it).
+  const int64_t first_page = first / ps, pages = first < cached_end ? (cached_end + ps - 1) / ps - first_page : 0;
   const int64_t lo = std::max(first, (first_page + pages * split / splits) * ps);
   const int64_t hi = std::min(cached_end, (first_page + pages * (split + 1) / splits) * ps);
   own.clear();
@@ -228,26 +231,70 @@ void AttendPart(const Step& s, int64_t t, int64_t split, int64_t splits, std::ve
   });
 }
 
+// Why the operands cannot be attended over (naming the operand), or success. Each shape is checked against q's and
+// the pages': a kernel reads by the sizes it is told, so one operand smaller than they say is a read past its end.
+ffi::Error CheckOperands(F32x4& q, F32x3& k, F32x3& v, S32x1& token_row, S32x1& positions, S32x1& cached_lens,
+                         S32x2& page_ids, ffi::AnyBuffer& k_pages, ffi::AnyBuffer& v_pages, F32x1& k_scale,
+                         F32x1& v_scale, F32x4Result& out) {
+  auto bad = [](const char* operand, const std::string& want, ffi::Span<const int64_t> got) {
+    std::string shape = "[";
+    for (size_t i = 0; i < got.size(); ++i) shape += (i ? ", " : "") + std::to_string(got[i]);
+    return ffi::Error::InvalidArgument(std::string("jaxserve paged attention: ") + operand + " must be " + want +
+                                       ", got " + shape + "]");
+  };
+  auto is = [](ffi::Span<const int64_t> got, std::initializer_list<int64_t> want) {
+    return std::equal(got.begin(), got.end(), want.begin(), want.end());
+  };
+  auto qd = q.dimensions(), pd = k_pages.dimensions();
+  const int64_t T = qd[0], H = qd[1], G = qd[2], D = qd[3];
+  const std::string thd = "[T, kv_heads, head_dim] = [" + std::to_string(T) + ", " + std::to_string(H) + ", " +
+                          std::to_string(D) + "]";
+  if (G < 1 || G > kMaxGroup) return bad("q", "[T, kv_heads, G (1 to 64), head_dim]", qd);
+  if (!is(k.dimensions(), {T, H, D})) return bad("k", thd, k.dimensions());
+  if (!is(v.dimensions(), {T, H, D})) return bad("v", thd, v.dimensions());
+  if (!is(token_row.dimensions(), {T})) return bad("token_row", "[T]", token_row.dimensions());
+  if (!is(positions.dimensions(), {T})) return bad("positions", "[T]", positions.dimensions());
+  if (!is(cached_lens.dimensions(), {T})) return bad("cached_lens", "[T]", cached_lens.dimensions());
+  if (page_ids.dimensions()[0] != T) return bad("page_ids", "[T, pages]", page_ids.dimensions());
+  if (pd.size() != 4 || pd[1] != H || pd[2] < 1 || pd[3] < D) {
+    return bad("k_pages", "[num_pages, kv_heads, page_size >= 1, >= head_dim]", pd);
+  }
+  if (!is(v_pages.dimensions(), {pd[0], pd[1], pd[2], pd[3]}) || v_pages.element_type() != k_pages.element_type()) {
+    return bad("v_pages", "k_pages' shape and dtype", v_pages.dimensions());
+  }
+  switch (k_pages.element_type()) {
+    case ffi::DataType::F32:
+    case ffi::DataType::BF16:
+    case ffi::DataType::U16:  // bf16 pages stored as their bits (jaxserve.cache.kv_cache)
+      break;
+    case ffi::DataType::S8: {  // a scale per page, head and slot
+      const int64_t n = pd[0] * H * pd[2];
+      const std::string scales = "a float32 scale per page, head and slot (" + std::to_string(n) + ")";
+      if (static_cast<int64_t>(k_scale.element_count()) != n) return bad("k_scale", scales, k_scale.dimensions());
+      if (static_cast<int64_t>(v_scale.element_count()) != n) return bad("v_scale", scales, v_scale.dimensions());
+      break;
+    }
+    default:
+      return ffi::Error::InvalidArgument("jaxserve paged attention: pages must be float32, bfloat16 or int8");
+  }
+  if (!is(out->dimensions(), {T, H, G, D})) return bad("out", "q's shape", out->dimensions());
+  return ffi::Error::Success();
+}
+
 ffi::Error PagedAttention(ffi::ThreadPool pool, F32x4 q, F32x3 k, F32x3 v, S32x1 token_row, S32x1 positions,
                           S32x1 cached_lens, S32x2 page_ids, ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages,
                           F32x1 k_scale, F32x1 v_scale, int64_t sliding_window, F32x4Result out) {
-  auto qd = q.dimensions(), pd = k_pages.dimensions(), vd = v_pages.dimensions();
-  if (pd.size() != 4 || vd.size() != 4 || !std::equal(pd.begin(), pd.end(), vd.begin()) ||
-      k_pages.element_type() != v_pages.element_type()) {
-    return ffi::Error::InvalidArgument("jaxserve paged attention: K and V pages must be alike, 4-D");
+  if (auto error = CheckOperands(q, k, v, token_row, positions, cached_lens, page_ids, k_pages, v_pages, k_scale,
+                                 v_scale, out);
+      error.failure()) {
+    return error;
   }
+  auto qd = q.dimensions(), pd = k_pages.dimensions();
   const int64_t T = qd[0], P = page_ids.dimensions()[1];
+  if (T == 0) return ffi::Error::Success();
   Step s{T, qd[1], qd[2], qd[3], pd[3], pd[2], P, sliding_window, q.typed_data(), k.typed_data(), v.typed_data(),
          token_row.typed_data(), positions.typed_data(), cached_lens.typed_data(), page_ids.typed_data(),
          {k_pages.untyped_data(), nullptr}, {v_pages.untyped_data(), nullptr}};
-  auto kd = k.dimensions();
-  if (pd[1] != s.kv_heads || s.head_dim > s.stored_head_dim || s.group > kMaxGroup || kd[0] != T ||
-      kd[1] != s.kv_heads || kd[2] != s.head_dim || page_ids.dimensions()[0] != T ||
-      token_row.dimensions()[0] != T || positions.dimensions()[0] != T || cached_lens.dimensions()[0] != T) {
-    return ffi::Error::InvalidArgument(
-        "jaxserve paged attention: q [T, kv_heads, G <= 64, D], k and v [T, kv_heads, D], token_row, positions "
-        "and cached_lens [T], page_ids [T, P], pages [num_pages, kv_heads, page_size, >= D]");
-  }
   for (int64_t t = 0; t < T; ++t) {  // a bad table would read outside the cache
     if (s.positions[t] < 0) continue;
     if (s.cached_lens[t] > P * s.page_size) {

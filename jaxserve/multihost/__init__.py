@@ -10,8 +10,8 @@ the others (followers) run what it published, in order. One module a concept:
 - `messages`: what the leader sends (`StepMessage`, `EndMessage`, `ErrorMessage`, `AbortMessage`,
   `ShutdownMessage`);
 - `wire`: a message as authenticated bytes, data only, never code (`encode`, `decode`, `MessageRefused`);
-- `channel`: `StepChannel`, the messages in order through the coordination service's key-value store, and its
-  flow control (KEEP_MESSAGES);
+- `channel`: `StepChannel`, the messages in order through the coordination service's key-value store, its flow
+  control (KEEP_MESSAGES) and the run's id every value it writes is signed for;
 - `leader_follower`: `LeaderFollower`, the protocol every process follows.
 
 The public names are re-exported here. Module settings are read where they are defined, so set or patch them there

@@ -3,7 +3,7 @@
 `initialize` starts JAX's multi-controller runtime with bounded failure detection; process 0's coordination service
 binds one interface (the coordinator address's own, not all). Whoever reaches the coordination service's port can
 write its keys, so the leader's messages are authenticated (jaxserve.multihost.wire) with a secret every process
-shares (`shared_secret`), required unless the service is reachable from this host only.
+shares (`shared_secret`), always required: a loopback service is reachable by every user of the host.
 
 Failures are bounded by the coordination service's heartbeats: a process that dies or hangs stops sending them,
 and the service then terminates every other process within about HEARTBEAT_TIMEOUT_S, printing which task stopped
@@ -31,8 +31,6 @@ SHUTDOWN_TIMEOUT_S = 15
 SECRET_ENV = "JAXSERVE_COORDINATOR_SECRET"
 MIN_SECRET_BYTES = 16
 
-# Whether the coordination service may be reachable from other hosts: JAX's own default binds every interface.
-_exposed = True
 # A SIGTERM that came between initialize() and the run's own handler (see hold_sigterm).
 _held_sigterm = threading.Event()
 
@@ -41,19 +39,16 @@ def initialize(coordinator_address: str, num_processes: int | None, process_id: 
                bind_address: str | None = None) -> None:
     """jax.distributed.initialize, before anything starts JAX's backends, with bounded failure detection. Process
     0's coordination service binds bind_address (default: the coordinator address's own interface, not all)."""
-    global _exposed
     if jax.distributed.is_initialized():
         return
     if coordinator_address == AUTO_CLUSTER:
         args = {} if bind_address is None else dict(coordinator_bind_address=bind_address)
-        _exposed = True  # the processes are on several hosts
     else:
         bind_address = bind_address or coordinator_address
         if process_id == 0:
             _warn_if_unreachable(bind_address, num_processes)
         args = dict(coordinator_address=coordinator_address, num_processes=num_processes, process_id=process_id,
                     coordinator_bind_address=bind_address)
-        _exposed = not (_is_loopback(coordinator_address) and _is_loopback(bind_address))
     jax.distributed.initialize(**args, heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_S,
                                shutdown_timeout_seconds=SHUTDOWN_TIMEOUT_S)
     hold_sigterm()
@@ -110,16 +105,18 @@ def _is_loopback(address: str) -> bool:
 
 
 def shared_secret(secret_file: str | None = None) -> bytes:
-    """The key messages are authenticated with: secret_file's content, else $JAXSERVE_COORDINATOR_SECRET. Required
-    when the coordination service may be reachable from another host; otherwise it may be empty."""
+    """The key messages are authenticated with: secret_file's content, else $JAXSERVE_COORDINATOR_SECRET. Always
+    required, the processes on one host too: a service on loopback is reachable by every user of the host, and its
+    port is easily found. scripts/launch_multihost.sh makes a fresh one for its processes."""
     if secret_file is not None:
         secret = Path(secret_file).read_bytes().strip()
     else:
         secret = os.environ.get(SECRET_ENV, "").encode()
-    if _exposed and len(secret) < MIN_SECRET_BYTES:
-        raise ValueError(f"a multi-host run needs a shared secret of at least {MIN_SECRET_BYTES} bytes, the same on "
-                         f"every process, in ${SECRET_ENV} or --coordinator-secret-file: without one, whoever reaches "
-                         "the coordinator's port can send steps to every process")
+    if len(secret) < MIN_SECRET_BYTES:
+        raise ValueError(f"a multi-process run needs a shared secret of at least {MIN_SECRET_BYTES} bytes, the same "
+                         f"on every process, in ${SECRET_ENV} or --coordinator-secret-file (e.g. `export {SECRET_ENV}="
+                         "$(openssl rand -hex 16)`): without one, whoever reaches the coordinator's port, on this host "
+                         "or another, can send steps to every process")
     return secret
 
 

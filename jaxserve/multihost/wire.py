@@ -2,10 +2,13 @@
 
 Whoever reaches the coordination service's port can write its keys, so a message is data only, never code: a JSON
 header and raw arrays of whitelisted dtypes, results as plain values rebuilt into their dataclasses, errors as a
-whitelisted type name and a message. Each message carries an HMAC-SHA256 over its sequence number and content with
-a secret every process shares (required unless the service is reachable from this host only: see
-jaxserve.multihost.process.shared_secret): a forged, altered, replayed or reordered message ends the follower that
-reads it, unexecuted.
+whitelisted type name and a message. Each message carries an HMAC-SHA256 with a secret every process shares (always
+required: see jaxserve.multihost.process.shared_secret) over the run's id, its sequence number and its content: a
+forged, altered, replayed or reordered message, or one recorded in an earlier run with the same secret, ends the
+follower that reads it, unexecuted. The run id is fresh each run, from every process (StepChannel's handshake).
+
+`mac`, `sign` and `verified` are the HMAC underneath, for the channel's other keys (and anything else that needs a
+value only the secret's holders could have written).
 """
 from __future__ import annotations
 
@@ -52,9 +55,30 @@ def _build(arrays: dict, cls=StepInput, prefix: str = ""):
                   else arrays[prefix + f.name] for f in dataclasses.fields(cls)})
 
 
-def encode(message: Message, seq: int, secret: bytes) -> bytes:
-    """One message as bytes, authenticated as the channel's message number seq. A result followers cannot receive
-    (not plain data) is a TypeError, raised before anything is sent."""
+def mac(secret: bytes, *parts: bytes) -> bytes:
+    """HMAC-SHA256 with secret over parts, each prefixed with its length: no two lists of parts read the same."""
+    h = hmac.new(secret, digestmod=hashlib.sha256)
+    for part in parts:
+        h.update(struct.pack(">Q", len(part)))
+        h.update(part)
+    return h.digest()
+
+
+def sign(secret: bytes, value: bytes, *context: bytes) -> bytes:
+    """value with its MAC in front, bound to context (what the value is: a key's name, the run): a value signed for
+    one context does not verify in another."""
+    return mac(secret, *context, value) + value
+
+
+def verified(secret: bytes, data: bytes, *context: bytes) -> bytes | None:
+    """The value `sign` signed in this context, or None where data was not signed so (forged, altered, moved)."""
+    value = data[_MAC_BYTES:]
+    return value if hmac.compare_digest(data[:_MAC_BYTES], mac(secret, *context, value)) else None
+
+
+def encode(message: Message, seq: int, secret: bytes, run: bytes = b"") -> bytes:
+    """One message as bytes, authenticated as message number seq of the run with id run. A result followers cannot
+    receive (not plain data) is a TypeError, raised before anything is sent."""
     if not isinstance(message, tuple(_KINDS.values())):
         raise TypeError(f"not a message: {type(message).__name__}")
     header, buffers = {"kind": message.kind}, []
@@ -92,16 +116,16 @@ def encode(message: Message, seq: int, secret: bytes) -> bytes:
         header["message"] = str(message.reason)
     text = json.dumps(header).encode()
     body = _PREFIX.pack(seq, len(text)) + text + b"".join(buffers)
-    return hmac.digest(secret, body, hashlib.sha256) + body
+    return sign(secret, body, b"message", run)
 
 
-def decode(data: bytes, seq: int, secret: bytes) -> Message:
-    """The message encode made, once its MAC and sequence number check out; MessageRefused otherwise."""
-    mac, body = data[:_MAC_BYTES], data[_MAC_BYTES:]
-    if not hmac.compare_digest(mac, hmac.digest(secret, body, hashlib.sha256)):
-        raise MessageRefused(f"message {seq} failed authentication: it was not sent by process 0 with this "
-                             f"process's secret (every process needs the same ${SECRET_ENV} or "
-                             "--coordinator-secret-file)")
+def decode(data: bytes, seq: int, secret: bytes, run: bytes = b"") -> Message:
+    """The message encode made for this run, once its MAC and sequence number check out; MessageRefused otherwise."""
+    body = verified(secret, data, b"message", run)
+    if body is None:
+        raise MessageRefused(f"message {seq} failed authentication: it was not sent by process 0 of this run with "
+                             f"this process's secret (every process needs the same ${SECRET_ENV} or "
+                             "--coordinator-secret-file; a message recorded in an earlier run is refused too)")
     try:
         got, length = _PREFIX.unpack_from(body)
         if got != seq:

@@ -6,6 +6,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +14,7 @@ import numpy as np
 import pytest
 
 from jaxserve.cache.kv_cache import BF16_BITS, Int8Pages
-from jaxserve.cpu_kernels import build, few_row_matmul, isa, paged_attention
+from jaxserve.cpu_kernels import build, few_row_matmul, isa, paged_attention, trust
 from jaxserve.model import quant
 from jaxserve.model.attention import blocked_attention, ragged_attention
 
@@ -104,6 +105,7 @@ def own_cache(monkeypatch, tmp_path):
     monkeypatch.setenv("JAXSERVE_CACHE", str(tmp_path))
     monkeypatch.setattr(build, "PREBUILT_DIR", tmp_path / "no-prebuilt")
     monkeypatch.setattr(build.kernels_off, "given", False)
+    monkeypatch.setattr(build.not_private, "given", False)
     return tmp_path
 
 
@@ -120,14 +122,73 @@ def test_a_compiler_that_fails_turns_the_kernels_off_with_a_warning(monkeypatch,
     assert build.load.__wrapped__("few_row_matmul.cc") is None
 
 
-def test_an_unwritable_cache_turns_the_kernels_off_with_one_warning(monkeypatch, own_cache, caplog):
-    """A read-only container: building into the cache fails, each kernel falls back to XLA, and the process says
-    so once."""
-    monkeypatch.setenv("JAXSERVE_CACHE", "/proc/x")
+@pytest.mark.parametrize("where", ["/proc/x", "a file/sub"])
+def test_an_unwritable_cache_turns_the_kernels_off_with_one_warning(monkeypatch, own_cache, caplog, where):
+    """A read-only container, or a cache path that cannot be created (under a regular file: refused to root too):
+    building into the cache fails, each kernel falls back to XLA, and the process says so once."""
+    if where == "a file/sub":
+        (own_cache / "a file").write_text("not a directory")
+        where = str(own_cache / where)
+    monkeypatch.setenv("JAXSERVE_CACHE", where)
     with caplog.at_level(logging.WARNING, logger="jaxserve"):
         assert [build.load.__wrapped__(s) for s in build.sources()] == [None] * len(build.sources())
     warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
-    assert len(warned) == 1 and "CPU kernels off" in warned[0] and "/proc/x" in warned[0], warned
+    assert len(warned) == 1 and "CPU kernels off" in warned[0] and where in warned[0], warned
+
+
+def test_a_cache_others_can_write_is_neither_loaded_from_nor_built_in(own_cache, caplog):
+    """A library in a directory writable by group or others could be anyone's code: it is not loaded, and the
+    kernels are built in a private directory of the process instead, with one warning."""
+    shared = own_cache / "cpu_kernels"
+    shared.mkdir(mode=0o755)
+    shared.chmod(0o777)  # a mode, not an access check: it holds for root too
+    planted = shared / build.library_name("few_row_matmul.cc", isa.supported()[0])
+    planted.write_bytes(b"not a library")  # loading it would raise OSError: the kernels would be off
+    with caplog.at_level(logging.WARNING, logger="jaxserve"):
+        libraries = [build.load.__wrapped__(s) for s in build.sources()]
+    assert all(library is not None for library in libraries)
+    assert all(Path(library._name).parent == build.private_dir() for library in libraries)
+    warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warned) == 1 and "writable by others" in warned[0] and str(shared) in warned[0], warned
+    assert planted.read_bytes() == b"not a library"
+
+
+def test_a_library_another_user_could_have_written_is_not_loaded(own_cache):
+    """Only this user's and root's own files in directories only they can write are loaded (judged where a
+    symbolic link leads)."""
+    directory = own_cache / "cpu_kernels"
+    directory.mkdir(mode=0o700)
+    library = directory / "x.so"
+    library.write_bytes(b"")
+    library.chmod(0o644)
+    assert trust.why_untrusted(library) is None
+    library.chmod(0o664)
+    assert "writable by its group" in trust.why_untrusted(library)
+    library.chmod(0o644)
+    link = own_cache / "link"
+    link.symlink_to(directory)
+    directory.chmod(0o757)
+    assert "writable by others" in trust.why_untrusted(link / "x.so")
+    directory.chmod(0o1777)  # sticky, as /tmp: others cannot replace what is this user's
+    assert trust.why_untrusted(library) is None
+    if os.geteuid() == 0:  # only root can give a file away
+        os.chown(library, 4242, -1)
+        assert "owned by another user (uid 4242)" in trust.why_untrusted(library)
+
+
+def test_a_compiler_that_hangs_is_stopped_and_the_kernels_are_off(monkeypatch, own_cache, caplog):
+    """A build that does not end within COMPILE_TIMEOUT_S is stopped, and the kernels are off with one warning
+    instead of the step waiting forever. The compiler's own children are stopped too: a child left running holds
+    the output pipes open, and load() would wait for it (here 1000 s) instead of returning."""
+    compiler = own_cache / "cxx"
+    compiler.write_text("#!/bin/sh\nsleep 1000 &\nexec sleep 1000\n")  # a child of its own, as g++'s cc1plus
+    compiler.chmod(0o755)
+    monkeypatch.setenv("CXX", str(compiler))
+    monkeypatch.setattr(build, "COMPILE_TIMEOUT_S", 0.5)
+    with caplog.at_level(logging.WARNING, logger="jaxserve"):
+        assert build.load.__wrapped__("few_row_matmul.cc") is None
+    assert "building few_row_matmul.cc took more than 0.5 s" in caplog.text and "CPU kernels off" in caplog.text
+    assert not list((own_cache / "cpu_kernels").glob("*"))
 
 
 def test_the_library_is_built_once_and_reused(own_cache):

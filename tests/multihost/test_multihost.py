@@ -32,6 +32,8 @@ from jaxserve.multihost import (
     StepChannel,
     StepMessage,
 )
+from jaxserve.multihost.channel import NONCE_BYTES
+from jaxserve.multihost.wire import sign
 from jaxserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from jaxserve.runner.batch_builder import Row, RowSampling, build_batch
 
@@ -42,7 +44,8 @@ from serving import free_port
 
 ROOT = ROOT
 WORKER = TESTS / "multihost_worker.py"
-ENV = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1", "JAX_PLATFORMS": "cpu"}
+ENV = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1", "JAX_PLATFORMS": "cpu",
+       multihost.SECRET_ENV: os.urandom(16).hex()}
 
 
 @pytest.fixture(scope="module")
@@ -253,51 +256,146 @@ def test_the_page_table_goes_only_as_wide_as_used(kv_client):
 
 def test_a_forged_pickle_is_refused_unread(kv_client, tmp_path):
     """Whoever reaches the coordinator's port can write a message key; what it writes is never unpickled."""
-    _, follower, name = leader_and_follower(kv_client)
     marker = tmp_path / "pwned"
-    plant = type("Plant", (), {"__reduce__": lambda self: (open, (str(marker), "w"))})()
-    kv_client.key_value_set_bytes(f"{name}/message/0", pickle.dumps(("step", 0, plant)))
+    plant = pickle.dumps(("step", 0, type("Plant", (), {"__reduce__": lambda self: (open, (str(marker), "w"))})()))
+    _, follower, name = leader_and_follower(kv_client)
+    kv_client.key_value_set_bytes(f"{name}/run", plant)  # in place of the run id the leader publishes
+    with pytest.raises(MessageRefused, match="refused the run id"):
+        follower.receive()
+    leader, follower, name = leader_and_follower(kv_client)
+    leader.send(ShutdownMessage())
+    kv_client.key_value_set_bytes(f"{name}/message/0", plant, allow_overwrite=True)
     with pytest.raises(MessageRefused, match="authentication"):
         follower.receive()
     assert not marker.exists()
 
 
 def test_a_wrong_altered_or_replayed_message_is_refused(kv_client):
-    leader, stranger, name = leader_and_follower(kv_client, follower_secret=b"another secret, 16+ bytes")
-    leader.send(EndMessage(["hello"]))
-    with pytest.raises(MessageRefused, match="authentication"):
+    leader, follower, name = leader_and_follower(kv_client)
+    for text in ("hello", "again"):
+        leader.send(EndMessage([text]))
+    stranger = StepChannel(b"another secret, 16+ bytes", name, kv_client, 1, 2)
+    stranger._nonce = follower._nonce  # the follower's place in the run, but not its secret
+    with pytest.raises(MessageRefused, match="refused the run id: not signed with this secret"):
         stranger.receive()
-    data = bytearray(kv_client.key_value_try_get_bytes(f"{name}/message/0"))
-    for key, forged in ((f"{name}/altered/message/0", data[:-3] + b"bye"),  # content changed, MAC kept
-                        (f"{name}/replayed/message/1", data)):  # message 0 again, in place of message 1
-        kv_client.key_value_set_bytes(key, bytes(forged))
-    altered = StepChannel(SECRET, f"{name}/altered", kv_client, 1, 2)
+    data = kv_client.key_value_try_get_bytes(f"{name}/message/0")
+    kv_client.key_value_set_bytes(f"{name}/message/0", data[:-3] + b"bye", allow_overwrite=True)  # MAC kept
     with pytest.raises(MessageRefused, match="authentication"):
-        altered.receive()
-    replayed = StepChannel(SECRET, f"{name}/replayed", kv_client, 1, 2)
-    replayed._count = 1
+        follower.receive()
+    kv_client.key_value_set_bytes(f"{name}/message/0", data, allow_overwrite=True)
+    assert follower.receive().result == ["hello"]
+    kv_client.key_value_set_bytes(f"{name}/message/1", data, allow_overwrite=True)  # message 0 again, in 1's place
     with pytest.raises(MessageRefused, match="replayed or reordered"):
-        replayed.receive()
+        follower.receive()
 
 
-def test_a_multi_host_run_needs_a_secret_and_binds_one_interface(monkeypatch):
-    """Reachable from another host (a coordinator address or bind address that is not loopback, or JAX's cluster
-    detection), the run refuses to start without a shared secret; the service binds the coordinator's address."""
+def earlier_run():
+    """The keys a run of two processes left in its coordination service (what someone recording them holds): its
+    run id, two messages, a follower's stop request. Every run names its keys alike ("jaxserve")."""
+    store = MemoryStore()
+    leader, follower = StepChannel(SECRET, "jaxserve", store, 0, 2), StepChannel(SECRET, "jaxserve", store, 1, 2)
+    for text in ("run A", "run A again"):
+        leader.send(EndMessage([text]))
+    follower.receive()
+    follower.request_stop()
+    return store.data
+
+
+@pytest.mark.parametrize("replayed", ["run id and messages", "messages"])
+def test_a_message_recorded_in_an_earlier_run_is_refused(replayed):
+    """Same secret, same keys, same index: a message from an earlier run does not decode in this one (the issue's
+    replay), whether the run id is replayed with it (before this run's leader publishes its own) or not."""
+    recorded = earlier_run()
+    store = MemoryStore()
+    leader, follower = StepChannel(SECRET, "jaxserve", store, 0, 2), StepChannel(SECRET, "jaxserve", store, 1, 2)
+    if replayed == "messages":
+        leader.send(EndMessage(["run B"]))
+    for key in ("jaxserve/run", "jaxserve/message/0")[replayed == "messages":]:
+        store.key_value_set_bytes(key, recorded[key], allow_overwrite=True)
+    with pytest.raises(MessageRefused, match="not this run" if replayed != "messages" else "authentication"):
+        follower.receive()
+    fresh = MemoryStore()  # the same run unrecorded: the messages go through
+    leader, follower = StepChannel(SECRET, "jaxserve", fresh, 0, 2), StepChannel(SECRET, "jaxserve", fresh, 1, 2)
+    leader.send(EndMessage(["run B"]))
+    assert follower.receive().result == ["run B"]
+
+
+def test_stop_ack_and_oldest_keys_are_authenticated(kv_client, monkeypatch):
+    """Only a process of this run can ask the leader to stop, acknowledge messages (so that the leader deletes
+    them) or tell a follower which messages are gone: a forged or recorded value is ignored (stop, ack) or refused
+    (oldest), never acted on."""
+    recorded = earlier_run()
+    monkeypatch.setattr(multihost.channel, "KEEP_MESSAGES", 4)  # an acknowledgement every message
+    monkeypatch.setattr(multihost.channel, "POLL_MS", 50)
+    leader, follower, name = leader_and_follower(kv_client)
+    leader.send(EndMessage([0]))
+    for forged in (b"1", recorded["jaxserve/stop"]):  # a bare process index; a signed request of an earlier run
+        assert not leader._authentic_stop(forged)
+    stopped = threading.Event()
+    leader.watch_stop_requests(stopped.set)
+    kv_client.key_value_set_bytes(f"{name}/stop", recorded["jaxserve/stop"])
+    within(30, lambda: wait_until(lambda: _absent(kv_client, f"{name}/stop")))  # read, refused and removed
+    assert not stopped.is_set()
+    follower.request_stop()
+    within(30, stopped.wait)
+    leader.close()
+    # Acknowledgements: the leader keeps 4 messages; the 5th waits for the follower to have read the first.
+    for i in range(1, 4):
+        leader.send(EndMessage([i]))
+    kv_client.key_value_set_bytes(f"{name}/ack/1/1", b"1")  # forged: deleting message 0 unread would lose it
+    sending = threading.Thread(target=leader.send, args=(EndMessage([4]),), daemon=True)
+    sending.start()
+    within(30, lambda: wait_until(lambda: _absent(kv_client, f"{name}/ack/1/1")))  # read, refused and removed
+    assert sending.is_alive() and _present(kv_client, f"{name}/message/0")
+    assert follower.receive().result == [0]  # its acknowledgement lets the leader go on
+    sending.join(30)
+    assert not sending.is_alive() and _absent(kv_client, f"{name}/message/0")
+    assert [follower.receive().result for _ in range(4)] == [[1], [2], [3], [4]]
+    kv_client.key_value_set_bytes(f"{name}/oldest", b"9", allow_overwrite=True)  # forged: "messages 5-8 are gone"
+    with pytest.raises(MessageRefused, match="the oldest message's number failed authentication"):
+        within(30, follower.receive)  # waiting for message 5, it looks at the oldest kept
+
+
+def wait_until(condition):
+    while not condition():
+        time.sleep(0.01)
+
+
+def _present(client, key):
+    try:
+        client.key_value_try_get_bytes(key)
+        return True
+    except Exception as e:  # noqa: BLE001 - jaxlib's error type is not public
+        assert "NOT_FOUND" in str(e)
+        return False
+
+
+def _absent(client, key):
+    return not _present(client, key)
+
+
+def test_a_run_needs_a_secret_and_binds_one_interface(monkeypatch):
+    """Every multi-process run, on one host too (a loopback port is open to every user of the host), refuses to
+    start without a shared secret of 16 bytes or more; the service binds the coordinator's address."""
     calls = []
     monkeypatch.setattr(jax.distributed, "is_initialized", lambda: False)
     monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: calls.append(kw))
-    monkeypatch.setattr(multihost.process, "_exposed", True)
     monkeypatch.delenv(multihost.SECRET_ENV, raising=False)
-    multihost.initialize("127.0.0.1:1234", 2, 1)
-    assert calls[-1]["coordinator_bind_address"] == "127.0.0.1:1234"
-    assert multihost.shared_secret() == b""
-    for address, bind in (("10.1.2.3:1234", None), ("127.0.0.1:1234", "0.0.0.0:1234"), ("auto", None)):
+    for address, bind in (("127.0.0.1:1234", None), ("10.1.2.3:1234", None), ("127.0.0.1:1234", "0.0.0.0:1234"),
+                          ("auto", None)):
         multihost.initialize(address, None if address == "auto" else 2, None if address == "auto" else 1, bind)
-        with pytest.raises(ValueError, match="shared secret"):
-            multihost.shared_secret()
+        for secret in (None, "", "15 bytes secret"):
+            if secret is not None:
+                monkeypatch.setenv(multihost.SECRET_ENV, secret)
+            with pytest.raises(ValueError, match="shared secret of at least 16 bytes"):
+                multihost.shared_secret()
+        monkeypatch.delenv(multihost.SECRET_ENV)
+    assert calls[0]["coordinator_bind_address"] == "127.0.0.1:1234"
     assert calls[1]["coordinator_bind_address"] == "10.1.2.3:1234"
     monkeypatch.setenv(multihost.SECRET_ENV, "a secret of 16 bytes or more")
     assert multihost.shared_secret() == b"a secret of 16 bytes or more"
+    with pytest.raises(ValueError, match="at least 16 bytes"):
+        StepChannel(b"", "x", MemoryStore(), 0, 2)
 
 
 def test_a_slow_follower_holds_the_leader_back(kv_client, monkeypatch):
@@ -323,7 +421,7 @@ def test_a_follower_that_lost_a_message_stops(kv_client):
     leader.send(EndMessage(None))
     leader.send(EndMessage(None))
     kv_client.key_value_delete(f"{name}/message/0")
-    kv_client.key_value_set_bytes(f"{name}/oldest", b"1")
+    kv_client.key_value_set_bytes(f"{name}/oldest", sign(SECRET, b"1", b"oldest", leader._run))
     with pytest.raises(RuntimeError, match="lost the leader's message 0"):
         within(10, follower.receive)
 
@@ -388,6 +486,7 @@ def published(protocol):
     """The messages the leader has sent so far, as a follower reads them."""
     channel = protocol.channel
     reader = StepChannel(SECRET, "p", channel._client, 1, 2)
+    reader._nonce = channel._run[NONCE_BYTES:2 * NONCE_BYTES]  # the follower's place in the leader's run
     return [reader.receive() for _ in range(channel._count)]
 
 
@@ -535,7 +634,7 @@ def test_a_follower_publishes_no_step():
     with pytest.raises(RuntimeError, match="leader of a multi-process run"):
         follower.abort("why")
     follower.shutdown()  # nothing: only the leader ends the run
-    assert follower.channel._client.data == {}
+    assert list(follower.channel._client.data) == ["p/hello/1"]  # its part of the run id, no message
 
 
 # ---- failures and signals over real processes ----
