@@ -39,7 +39,7 @@ def test_the_async_engine_serves_the_engine_client_protocol():
 
 
 REMOTE = {"transfer_id": "t", "remote_host": "h", "remote_port": 1, "first_token_id": 2, "num_cached": 3,
-          "num_prompt_tokens": 4, "prompt_digest": 5}
+          "num_prompt_tokens": 4, "prompt_digest": "d" * 64, "kv_digest": "e" * 64, "expires": 5, "mac": "f" * 64}
 
 
 def test_kv_transfer_params_round_trip_through_their_wire_form():
@@ -59,6 +59,12 @@ def test_kv_transfer_params_round_trip_through_their_wire_form():
     ({"do_remote_prefill": True, **REMOTE, "remote_port": True}, "decode", "kv_transfer_params.remote_port must be "
                                                                              "a int"),
     ({"do_remote_prefill": True, **dict(REMOTE, transfer_id=None)}, "decode", "transfer_id must be a str"),
+    # Issue 48 item 3: out of range, a 500 in the engine before
+    ({"do_remote_prefill": True, **REMOTE, "first_token_id": -3}, "decode", r"first_token_id must be in \[0, "),
+    ({"do_remote_prefill": True, **REMOTE, "first_token_id": 2**31}, "decode", "first_token_id must be in"),
+    ({"do_remote_prefill": True, **REMOTE, "num_cached": 5}, "decode", r"num_cached must be in \[0, 4\]"),
+    ({"do_remote_prefill": True, **REMOTE, "remote_port": 0}, "decode", "remote_port must be in"),
+    ({"do_remote_prefill": True, **REMOTE, "remote_host": "h" * 300}, "decode", "remote_host must be 1 to 256"),
 ])
 def test_kv_transfer_params_refused_say_what_is_wrong(value, role, message):
     with pytest.raises(KVTransferParamsError, match=message):

@@ -14,9 +14,16 @@ def cmd_router(args) -> None:
     for flag in ("prefill_timeout", "decode_timeout", "connect_timeout", "health_interval"):
         if not getattr(args, flag) > 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be > 0 seconds, got {getattr(args, flag)}")
+    import os
+
+    from jaxserve.openai.kv_transfer_params import SECRET_ENV
+    secret = args.kv_transfer_secret or os.environ.get(SECRET_ENV) or None
     router = PDRouter(args.prefill, args.decode, prefill_timeout_s=args.prefill_timeout,
                       decode_timeout_s=args.decode_timeout, connect_timeout_s=args.connect_timeout,
-                      health_interval_s=args.health_interval)
+                      health_interval_s=args.health_interval, kv_secret=secret)
+    if secret is None:
+        raise ValueError(f"the router needs --kv-transfer-secret (or {SECRET_ENV}): the secret its prefill and decode "
+                         "servers were started with")
     asyncio.run(serve_router(router, args.host, args.port, args.shutdown_grace_period))
 
 

@@ -74,6 +74,12 @@ def _server_flags(srv: argparse.ArgumentParser) -> None:
     srv.add_argument("--max-request-sequences", type=int, default=None,
                      help="most sequences (n x prompts) one request may ask for; more is a 400 (default: "
                           "--max-num-seqs)")
+    srv.add_argument("--max-logprobs", type=int, default=20,
+                     help="most top logprobs one position may show (logprobs, top_logprobs, prompt_logprobs; "
+                          "vLLM's flag; at most 20); more is a 400")
+    srv.add_argument("--max-logprob-entries", type=int, default=500_000,
+                     help="most logprob entries one answer may hold (positions x (top logprobs + 1), per choice; "
+                          "~70 bytes each); a request whose answer could hold more is a 400 before any work")
     srv.add_argument("--stream-write-timeout", type=float, default=30.0,
                      help="seconds one write of a stream may wait for a client that does not read before the "
                           "connection is dropped and the request aborted")
@@ -100,8 +106,12 @@ def _lora_and_kv_transfer_flags(srv: argparse.ArgumentParser) -> None:
     srv.add_argument("--kv-fetch-timeout", type=float, default=None,
                      help="--role decode: seconds a KV pages fetch from a prefill server may take (default: 30)")
     srv.add_argument("--kv-transfer-max-bytes", type=int, default=None,
-                     help="--role prefill: the most bytes of KV pages held waiting to be fetched (default: no bound); "
+                     help="--role prefill: the most bytes of KV pages held waiting to be fetched (default: 4 GiB); "
                           "when full, the server answers 503 and the router tries another prefill server")
+    _kv_secret_arg(srv, "--role prefill|decode")
+    srv.add_argument("--kv-transfer-peers", default=None, metavar="HOST[:PORT],...",
+                     help="--role decode: the only prefill KV ports it fetches from (default: any whose address "
+                          "comes MACed by a prefill server)")
     srv.add_argument("--kv-transfer-host", default=None,
                      help="--role prefill: the address to bind that port on and the one decode servers are told "
                           "(default: --host; bound to a wildcard such as 0.0.0.0, decode servers are told the address "
@@ -150,7 +160,16 @@ def _add_router(sub) -> None:
                     help="seconds between two asks of every server's /health")
     rt.add_argument("--shutdown-grace-period", type=float, default=30.0,
                     help="seconds running requests get to finish after SIGTERM")
+    _kv_secret_arg(rt, "required")
     _verbose_arg(rt)
+
+
+def _kv_secret_arg(parser: argparse.ArgumentParser, who: str) -> None:
+    parser.add_argument("--kv-transfer-secret", default=None,
+                        help=f"{who}: the secret the router and the prefill and decode servers share (at least 16 "
+                             "characters); role servers serve only requests the router MACed with it, and their KV "
+                             "ports only its holders. Better given as JAXSERVE_KV_SECRET (not seen in ps). Required "
+                             "for role servers not bound to loopback")
 
 
 def _add_convert(sub) -> None:

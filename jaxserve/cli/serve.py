@@ -25,11 +25,13 @@ def cmd_serve(args) -> None:
         flag = "--lora-modules" if lora_modules else "--allow-runtime-lora-updating"
         raise ValueError(f"{flag} serves LoRA adapters: it needs --enable-lora")
     role = _checked_role(args, configs)
+    trust = _kv_trust(args, role)
     server_args = dict(api_key=args.api_key, max_queued_requests=args.max_queued_requests,
-                       max_request_sequences=args.max_request_sequences,
+                       max_request_sequences=args.max_request_sequences, max_logprobs=args.max_logprobs,
+                       max_logprob_entries=args.max_logprob_entries,
                        stream_write_timeout_s=args.stream_write_timeout, header_timeout_s=args.header_timeout,
                        body_timeout_s=args.body_timeout, allow_runtime_lora_updating=runtime_lora,
-                       prefill_side=_prefill_side(args, role), cascade=cascade,
+                       prefill_side=_prefill_side(args, role, trust), kv_trust=trust, cascade=cascade,
                        **({"kv_fetch_timeout_s": args.kv_fetch_timeout} if args.kv_fetch_timeout is not None else {}))
 
     def run(llms) -> None:
@@ -50,6 +52,8 @@ def _check_server_flags(args) -> None:
         raise ValueError(f"--max-queued-requests must be >= 0, got {args.max_queued_requests}")
     if args.max_request_sequences is not None and args.max_request_sequences < 1:
         raise ValueError(f"--max-request-sequences must be >= 1, got {args.max_request_sequences}")
+    from jaxserve.openai.answer_size import LogprobLimits
+    LogprobLimits(args.max_logprobs, args.max_logprob_entries)  # its ValueError names a bad flag
     for flag in ("stream_write_timeout", "header_timeout", "body_timeout"):
         if not getattr(args, flag) > 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be > 0 seconds, got {getattr(args, flag)}")
@@ -72,16 +76,45 @@ def _checked_role(args, configs) -> str:
                               or args.kv_transfer_max_bytes is not None):
         raise ValueError("--kv-transfer-port, --kv-transfer-host and --kv-transfer-max-bytes are a prefill server's "
                          "(--role prefill)")
+    if role != "decode" and args.kv_transfer_peers is not None:
+        raise ValueError("--kv-transfer-peers is a decode server's (--role decode)")
+    if role == "both" and args.kv_transfer_secret is not None:
+        raise ValueError("--kv-transfer-secret is a role server's (--role prefill|decode)")
     return role
 
 
-def _prefill_side(args, role: str):
+def _kv_trust(args, role: str):
+    """A role server's KVTrust: the shared secret (--kv-transfer-secret, else JAXSERVE_KV_SECRET), required unless
+    the server (and its KV port) is reachable from this host only, and --kv-transfer-peers. None for --role both."""
+    import os
+
+    from jaxserve.openai.kv_transfer_params import SECRET_ENV
+    from jaxserve.server.kv_trust import KVTrust
+    if role == "both":
+        return None
+    secret = args.kv_transfer_secret or os.environ.get(SECRET_ENV) or None
+    hosts = [args.host] + ([args.kv_transfer_host] if args.kv_transfer_host is not None else [])
+    if secret is None and not all(_loopback(h) for h in hosts):
+        raise ValueError(f"--role {role} on {', '.join(hosts)} needs --kv-transfer-secret (or {SECRET_ENV}): else "
+                         "anyone who reaches it could have it fetch KV pages from anywhere")
+    return KVTrust.of(secret, args.kv_transfer_peers)
+
+
+def _loopback(host: str) -> bool:
+    import ipaddress
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _prefill_side(args, role: str, trust):
     """A prefill server's side of the KV transfer (its port bound now), None for the other roles."""
     if role != "prefill":
         return None
-    from jaxserve.server.disaggregated import PrefillSide
-    return PrefillSide(args.kv_transfer_host or args.host, args.kv_transfer_port,
-                       max_bytes=args.kv_transfer_max_bytes)
+    from jaxserve.server.disaggregated import DEFAULT_MAX_BYTES, PrefillSide
+    max_bytes = DEFAULT_MAX_BYTES if args.kv_transfer_max_bytes is None else args.kv_transfer_max_bytes
+    return PrefillSide(args.kv_transfer_host or args.host, args.kv_transfer_port, max_bytes=max_bytes, trust=trust)
 
 
 def _cascade_config(args, names: list[str], adapters: list[str]):

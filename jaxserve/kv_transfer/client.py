@@ -4,9 +4,11 @@ from __future__ import annotations
 import asyncio
 import math
 import socket
+import time
 
 import numpy as np
 
+from jaxserve.kv_transfer.auth import fetch_auth
 from jaxserve.kv_transfer.codec import PREFIX, decode_pages, header_length, read_header
 from jaxserve.kv_transfer.errors import KVTransferError
 from jaxserve.kv_transfer.jax_transfer import JaxTransferEndpoint, wait_ready
@@ -15,22 +17,25 @@ from jaxserve.kv_transfer.protocol import frame, read_message, recv_exactly, rec
 
 
 async def fetch_pages(host: str, port: int, transfer_id: str, timeout: float = 30.0,
-                      jax_endpoint: JaxTransferEndpoint | None = None, max_bytes: int | None = None) -> list:
+                      jax_endpoint: JaxTransferEndpoint | None = None, max_bytes: int | None = None,
+                      secret: bytes | None = None) -> list:
     """The KVPages held under transfer_id by the KVServer at host:port, taken from it (a second fetch fails).
     Without jax_endpoint: numpy arrays, sent as bytes with checksums. With one: the server's choice; jax arrays on
     the endpoint's device if it has a jax transfer server, numpy otherwise. KVTransferError on an unknown or expired
     id, a checksum mismatch, a refused, dropped or silent connection, or no pages within timeout seconds; also for
     pages of more than max_bytes (what the caller's cache can take; None: no limit but memory), refused before
-    anything is allocated for them."""
+    anything is allocated for them. secret: the one the KVServer was started with (its fetch requests are MACed)."""
     peer = f"KV server {host}:{port}"
+    request = {"transfer_id": transfer_id, "via": ["bytes"] if jax_endpoint is None else ["jax", "bytes"],
+               **fetch_auth(secret, transfer_id, time.time())}
     try:
         async with asyncio.timeout(timeout):
-            return await _fetch(host, port, transfer_id, jax_endpoint, peer, timeout, max_bytes)
+            return await _fetch(host, port, request, jax_endpoint, peer, timeout, max_bytes)
     except TimeoutError as e:
         raise KVTransferError(f"KV transfer {transfer_id!r} from {peer} timed out after {timeout} s") from e
 
 
-async def _fetch(host, port, transfer_id, jax_endpoint, peer, timeout, max_bytes) -> list:
+async def _fetch(host, port, request, jax_endpoint, peer, timeout, max_bytes) -> list:
     loop = asyncio.get_running_loop()
     try:
         address = (await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM))[0]
@@ -44,8 +49,7 @@ async def _fetch(host, port, transfer_id, jax_endpoint, peer, timeout, max_bytes
         except OSError as e:
             raise KVTransferError(f"cannot connect to {peer}: {e}") from e
         try:
-            await send_all(sock, frame({"transfer_id": transfer_id,
-                                        "via": ["bytes"] if jax_endpoint is None else ["jax", "bytes"]}))
+            await send_all(sock, frame(request))
             reply = await read_message(sock, peer)
             if not reply.get("ok"):
                 raise KVTransferError(f"{peer}: {reply.get('error', 'the fetch failed')}")

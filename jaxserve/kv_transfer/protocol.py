@@ -1,7 +1,8 @@
 """The fetch protocol: a JSON message in a length-prefixed frame each way, then (bytes path) the pages as
 codec.encode_pages writes them.
 
-    client -> server: {"transfer_id": str, "via": ["jax", "bytes"] (the paths the client takes, best first)}
+    client -> server: {"transfer_id": str, "via": ["jax", "bytes"] (the paths the client takes, best first),
+                       "expires", "mac" (auth.fetch_auth: a server with a secret serves only its holders)}
     server -> client: {"ok": false, "error": str}
                     | {"ok": true, "via": "bytes"}, then the encoded pages
                     | {"ok": true, "via": "jax", "address", "uuid", "layers", "arrays"}: the client pulls the arrays
@@ -22,6 +23,7 @@ from jaxserve.kv_transfer.errors import KVTransferError
 
 FRAME = struct.Struct("<I")
 MAX_MESSAGE_BYTES = 1 << 20  # a message is a header, never pages
+MAX_REQUEST_BYTES = 4096  # a fetch request is a transfer id and a MAC: a server reserves no more for one
 RECV_CHUNK_BYTES = 1 << 20  # a receive's most: the loop's turns stay short (a first touch of fresh pages is slow)
 
 
@@ -30,11 +32,12 @@ def frame(message: dict) -> bytes:
     return FRAME.pack(len(body)) + body
 
 
-async def read_message(sock: socket.socket, peer: str) -> dict:
-    """The next message; KVTransferError if the stream ends, the length is absurd or the body is not an object."""
+async def read_message(sock: socket.socket, peer: str, max_bytes: int = MAX_MESSAGE_BYTES) -> dict:
+    """The next message; KVTransferError if the stream ends, the length is past max_bytes (refused before anything
+    is reserved for it) or the body is not an object."""
     length, = FRAME.unpack(await recv_exactly(sock, FRAME.size, peer, "a message's length"))
-    if length > MAX_MESSAGE_BYTES:
-        raise KVTransferError(f"a {length}-byte message from {peer} (at most {MAX_MESSAGE_BYTES})")
+    if length > max_bytes:
+        raise KVTransferError(f"a {length}-byte message from {peer} (at most {max_bytes})")
     body = await recv_exactly(sock, length, peer, "a message")
     try:
         message = json.loads(body)

@@ -1,23 +1,31 @@
 """Serves a KVStore's transfers over TCP, in the prefill server's event loop: one fetch a connection (the
 protocol in protocol.py). What takes time (a device-to-host copy, the checksum, a jax offer) runs in a thread, so
-the loop keeps serving HTTP while a 400 MB transfer goes out."""
+the loop keeps serving HTTP while a 400 MB transfer goes out.
+
+Whoever reaches the port can connect (issue 48: 600 idle connections reserved 1 MiB each), so a connection costs
+little and not for long: at most max_connections are served at once (the rest wait in the kernel's backlog, nothing
+reserved for them here), a request is at most MAX_REQUEST_BYTES and must come within REQUEST_TIMEOUT_S, and with a
+secret only a request MACed with it (auth.fetch_auth) is served."""
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
 import socket
+import time
 
+from jaxserve.kv_transfer.auth import fetch_verified
 from jaxserve.kv_transfer.codec import encoded_parts
 from jaxserve.kv_transfer.errors import KVTransferError
 from jaxserve.kv_transfer.jax_transfer import JaxTransferEndpoint
 from jaxserve.kv_transfer.layout import flatten_pages
-from jaxserve.kv_transfer.protocol import frame, read_message, send_all
+from jaxserve.kv_transfer.protocol import MAX_REQUEST_BYTES, frame, read_message, send_all
 from jaxserve.kv_transfer.store import KVStore
 
 logger = logging.getLogger(__name__)
 
-REQUEST_TIMEOUT_S = 10.0  # a connection that sends no request in this long is dropped
+REQUEST_TIMEOUT_S = 5.0  # a connection that sends no request in this long is dropped
+MAX_CONNECTIONS = 64  # connections served at once (a decode server makes one a transfer, for its fetch's length)
 PULL_TIMEOUT_S = 60.0  # an offer on the jax path that the client does not pull in this long is dropped
 SEND_TIMEOUT_S = 60.0  # a client that has not read its pages in this long (it stopped reading) is dropped
 
@@ -26,11 +34,18 @@ class KVServer:
     """`await start()` listens on host:port (0: a free port) and returns the port; `await close()` stops it. host is
     also the address clients use. With a JaxTransferEndpoint, a client that asks for the jax path gets it;
     otherwise every fetch goes as bytes. send_timeout_s: a client that has not read all of its pages by then is dropped
-    (with its pages: they were taken from the store)."""
+    (with its pages: they were taken from the store). secret: only fetch requests MACed with it are served (None:
+    any). max_connections: served at once (see the module's note)."""
 
     def __init__(self, store: KVStore, host: str = "127.0.0.1", port: int = 0,
-                 jax_endpoint: JaxTransferEndpoint | None = None, send_timeout_s: float = SEND_TIMEOUT_S):
+                 jax_endpoint: JaxTransferEndpoint | None = None, send_timeout_s: float = SEND_TIMEOUT_S,
+                 secret: bytes | None = None, max_connections: int = MAX_CONNECTIONS, clock=time.time):
+        if max_connections < 1:
+            raise ValueError(f"max_connections must be >= 1, got {max_connections}")
         self.store = store
+        self.secret, self._clock = secret, clock
+        self._slots = asyncio.Semaphore(max_connections)  # (bound to the loop on first use)
+        self.active = self.peak_active = 0  # connections being served, now and at most
         self.send_timeout_s = send_timeout_s
         self.host = host
         self.port = port
@@ -65,14 +80,28 @@ class KVServer:
     async def _accept(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
+            await self._slots.acquire()  # a free slot first: past the cap, connections wait in the backlog
             try:
                 sock, address = await loop.sock_accept(self._listener)
             except OSError as e:  # out of file descriptors, say: this connection is lost, not the server
+                self._slots.release()
                 logger.warning("KV server accept failed: %r", e)
                 await asyncio.sleep(0.1)
                 continue
+            except BaseException:
+                self._slots.release()
+                raise
             sock.setblocking(False)
-            self._spawn(self._serve(sock, f"{address[0]}:{address[1]}"))
+            self.active += 1
+            self.peak_active = max(self.peak_active, self.active)
+            self._spawn(self._served(sock, f"{address[0]}:{address[1]}"))
+
+    async def _served(self, sock: socket.socket, peer: str) -> None:
+        try:
+            await self._serve(sock, peer)
+        finally:
+            self.active -= 1
+            self._slots.release()
 
     async def _expire_periodically(self) -> None:
         while True:
@@ -82,7 +111,9 @@ class KVServer:
     async def _serve(self, sock: socket.socket, peer: str) -> None:
         with sock:
             try:
-                request = await asyncio.wait_for(read_message(sock, peer), REQUEST_TIMEOUT_S)
+                request = await asyncio.wait_for(read_message(sock, peer, MAX_REQUEST_BYTES), REQUEST_TIMEOUT_S)
+                if self.secret is not None and not fetch_verified(self.secret, request, self._clock()):
+                    raise KVTransferError("the fetch request is not authenticated")  # (no word of what is held)
                 transfer_id = request.get("transfer_id")
                 via = request.get("via", ["bytes"])
                 if not isinstance(transfer_id, str):

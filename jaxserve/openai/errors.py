@@ -11,8 +11,11 @@ class ApiError(Exception):
                  type: str | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
-        self.type = type or {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
-                             429: "rate_limit_error", 503: "service_unavailable"}.get(status, "server_error")
+        # A client's error (4xx: a body too large, a wrong method, ...) is OpenAI's invalid_request_error unless it
+        # has a type of its own; the server's (5xx) a server_error.
+        self.type = type or {401: "authentication_error", 429: "rate_limit_error",
+                             503: "service_unavailable"}.get(status, "invalid_request_error" if status < 500
+                                                             else "server_error")
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}

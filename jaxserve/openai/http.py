@@ -36,6 +36,9 @@ async def errors(request, handler):
             raise
         # Its headers stay (Allow on a 405); its body is replaced.
         headers = {k: v for k, v in e.headers.items() if k.lower() not in ("content-type", "content-length")}
+        if isinstance(e, web.HTTPRequestEntityTooLarge):  # the client's body, past client_max_size: its text says it
+            return error_response(ApiError(413, f"the request body is too large: {e.text}",
+                                           code="request_too_large"), headers)
         return error_response(ApiError(e.status, e.reason or "error"), headers)
     except Exception:  # noqa: BLE001 - a bug answers 500 and the server goes on
         logger.exception("request %s %s failed", request.method, request.path)
@@ -49,6 +52,11 @@ def error_response(e: ApiError, headers: dict | None = None) -> web.Response:
     if e.status == 401:
         headers["WWW-Authenticate"] = "Bearer"  # RFC 6750: says which credentials were expected
     return web.json_response(e.body(), status=e.status, headers=headers)
+
+
+def json_bytes_response(data: bytes, headers: dict | None = None) -> web.Response:
+    """A 200 of JSON already encoded (off the event loop: see jaxserve.openai.answer_size.encode_json)."""
+    return web.Response(body=data, content_type="application/json", charset="utf-8", headers=headers)
 
 
 async def json_body(request, timeout_s: float) -> dict:

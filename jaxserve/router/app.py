@@ -13,6 +13,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from jaxserve.openai.errors import ApiError
 from jaxserve.openai.http import drain, errors, json_body, run_until_signalled
+from jaxserve.openai.kv_transfer_params import check_secret
 from jaxserve.router.metrics import RouterMetrics
 from jaxserve.router.pool import Pool
 from jaxserve.router.proxy import PDRequest
@@ -27,11 +28,13 @@ class PDRouter:
     prefill_timeout_s: the most a prefill answer may take (a hung server past it fails the request, or retries
     it); decode_timeout_s: the most a decode stream may stay silent; connect_timeout_s: to open a connection;
     health_interval_s: how often every server's /health is asked (a server a request could not reach is out of
-    its pool at once, back when its /health answers 200)."""
+    its pool at once, back when its /health answers 200). kv_secret: the secret the servers share
+    (`--kv-transfer-secret`): role servers serve only requests MACed with it."""
 
     def __init__(self, prefill_urls: list[str], decode_urls: list[str], *, prefill_timeout_s: float = 300.0,
                  decode_timeout_s: float = 120.0, connect_timeout_s: float = 5.0, health_interval_s: float = 2.0,
-                 body_timeout_s: float = 30.0, stream_write_timeout_s: float = 30.0):
+                 body_timeout_s: float = 30.0, stream_write_timeout_s: float = 30.0,
+                 kv_secret: str | bytes | None = None):
         self.prefill, self.decode = Pool("prefill", prefill_urls), Pool("decode", decode_urls)
         both = {b.url for b in self.prefill.backends} & {b.url for b in self.decode.backends}
         if both:
@@ -39,6 +42,7 @@ class PDRouter:
         self.prefill_timeout_s, self.decode_timeout_s = prefill_timeout_s, decode_timeout_s
         self.connect_timeout_s, self.health_interval_s = connect_timeout_s, health_interval_s
         self.body_timeout_s, self.stream_write_timeout_s = body_timeout_s, stream_write_timeout_s
+        self.kv_secret = check_secret(kv_secret)
         self.metrics = RouterMetrics([self.prefill, self.decode])
         self.session: aiohttp.ClientSession | None = None
         self.in_flight = 0
@@ -81,10 +85,12 @@ class PDRouter:
     # ---- endpoints ----
 
     async def health(self, request):
-        """200 while at least one prefill and one decode server are healthy; the pools' state either way."""
+        """200 while at least one prefill and one decode server are healthy; each pool's healthy and total servers
+        either way. Counts only: the role servers' addresses are for the router alone (whoever reaches them can
+        load them; their errors are in the log)."""
         ok = bool(self.prefill.healthy()) and bool(self.decode.healthy()) and not self.draining
-        return web.json_response({"status": "ok" if ok else "unavailable", "prefill": self.prefill.state(),
-                                  "decode": self.decode.state()}, status=200 if ok else 503)
+        pools = {p.role: {"healthy": len(p.healthy()), "total": len(p.backends)} for p in (self.prefill, self.decode)}
+        return web.json_response({"status": "ok" if ok else "unavailable", **pools}, status=200 if ok else 503)
 
     async def prometheus(self, request):
         return web.Response(body=self.metrics.exposition(), headers={"Content-Type": CONTENT_TYPE_LATEST})

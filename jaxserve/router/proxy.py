@@ -23,7 +23,7 @@ from aiohttp import web
 
 from jaxserve.openai.errors import ApiError
 from jaxserve.openai.http import DISCARD_PATH, KV_BYTES_HEADER, KV_SECONDS_HEADER, KV_TRANSFER_FIELD
-from jaxserve.openai.kv_transfer_params import KVTransferParams, KVTransferParamsError, RemoteKV
+from jaxserve.openai.kv_transfer_params import KVTransferParams, KVTransferParamsError, RemoteKV, router_auth
 from jaxserve.router.joined import JoinedAnswer
 from jaxserve.router.pool import Backend, Pool
 from jaxserve.router.upstream import ServerAnswer, ServerFailure, Unfinished, error_message, failure_of, sse_events
@@ -50,9 +50,12 @@ class PDRequest:
     async def prefill(self) -> dict:
         """The prefill's JSON answer; ServerAnswer for a server's error to forward as it is. Retried once on another
         prefill server when one fails (nothing has reached the client yet)."""
-        body = dict(self.body, **{KV_TRANSFER_FIELD: KVTransferParams(do_remote_decode=True).to_json()})
+        body = dict(self.body)
         if self.stream:
             body["stream"] = False  # (any other value goes as sent: the server says what is wrong with it)
+        # The router's MAC over this body: only the router may have a prefill server hold pages for a transfer.
+        auth = router_auth(self.router.kv_secret, body, time.time()) if self.router.kv_secret is not None else {}
+        body[KV_TRANSFER_FIELD] = {**KVTransferParams(do_remote_decode=True).to_json(), **auth}
         pool, tried, failure = self.router.prefill, (), None
         for _ in range(2):
             backend = pool.pick(tried)

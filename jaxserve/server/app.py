@@ -14,17 +14,20 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from jaxserve.cascade.policy import CascadeConfig
 from jaxserve.engine.client import EngineClient, EngineDeadError
+from jaxserve.openai.answer_size import DEFAULT_MAX_LOGPROB_ENTRIES, LogprobLimits
 from jaxserve.openai.chat_messages import render_chat
 from jaxserve.openai.errors import ApiError
 from jaxserve.openai.http import DISCARD_PATH, KV_TRANSFER_FIELD, drain, errors, json_body, run_until_signalled
 from jaxserve.openai.kv_transfer_params import KVTransferParams
 from jaxserve.openai.metrics import ServerMetrics
 from jaxserve.openai.requests import grammar_error, parse_chat, parse_completion, wants_usage_in_stream
+from jaxserve.sampling_params import MAX_LOGPROBS
 from jaxserve.server import disaggregated
 from jaxserve.server.cascade import ServedCascade
 from jaxserve.server.disaggregated import PrefillSide
+from jaxserve.server.kv_trust import KVTrust
 from jaxserve.server.lora_modules import LoRAModules, ServedAdapter
-from jaxserve.server.responses import CompletionResponse, merged
+from jaxserve.server.responses import CompletionResponse, answered_off_loop, merged
 from jaxserve.server.served_model import ServedModel
 from jaxserve.server.tokenizer_endpoints import detokenize, tokenize, tokenizer_info
 
@@ -40,14 +43,16 @@ class Server:
     being the default for requests that name no model. The other arguments apply to each engine (tokenizer_threads:
     the threads each model tokenizes and renders chat templates on; allow_runtime_lora_updating: vLLM's
     /v1/load_lora_adapter and /v1/unload_lora_adapter, off by default as there). Adapters: `lora` (LoRAModules).
-    cascade: a CascadeConfig over served models, whose name requests may give as their model (`cascade`)."""
+    cascade: a CascadeConfig over served models, whose name requests may give as their model (`cascade`).
+    max_logprobs, max_logprob_entries: how large one answer's logprobs may be (jaxserve.openai.answer_size)."""
 
     def __init__(self, engine: EngineClient | dict[str, EngineClient], model_name: str | None = None, *,
                  api_key: str | None = None, max_queued_requests: int = 256, max_request_sequences: int | None = None,
                  stream_write_timeout_s: float = 30.0, header_timeout_s: float = 10.0, body_timeout_s: float = 30.0,
                  tokenizer_threads: int = 2, allow_runtime_lora_updating: bool = False,
                  prefill_side: PrefillSide | None = None, kv_fetch_timeout_s: float = 30.0,
-                 cascade: CascadeConfig | None = None):
+                 kv_trust: KVTrust | None = None, cascade: CascadeConfig | None = None,
+                 max_logprobs: int = MAX_LOGPROBS, max_logprob_entries: int = DEFAULT_MAX_LOGPROB_ENTRIES):
         if isinstance(engine, dict):
             if model_name is not None:
                 raise TypeError("with several engines ({name: engine}) the names are the dict's keys: no model_name")
@@ -60,8 +65,9 @@ class Server:
             raise ValueError("a server needs at least one engine, each under a non-empty name")
         self._api_key = api_key.encode() if api_key else None
         self.metrics = ServerMetrics()
+        limits = LogprobLimits(max_logprobs, max_logprob_entries)
         self.models = {name: ServedModel(name, e, self.metrics.add_model(name, e.stats), max_queued_requests,
-                                         max_request_sequences, tokenizer_threads)
+                                         max_request_sequences, tokenizer_threads, limits)
                        for name, e in engines.items()}
         self.default = next(iter(self.models.values()))
         self.cascade = ServedCascade(cascade, self.models, self.metrics) if cascade is not None else None
@@ -76,7 +82,9 @@ class Server:
             raise ValueError(f"a {self.role} server (--role {self.role}) serves one model")
         if self.role != "prefill" and prefill_side is not None:
             raise ValueError("a KV transfer port is a prefill server's (--role prefill)")
-        self.prefill_side = prefill_side or (PrefillSide() if self.role == "prefill" else None)
+        self.prefill_side = prefill_side or (PrefillSide(trust=kv_trust) if self.role == "prefill" else None)
+        # Whom kv_transfer_params are trusted from (a prefill server's is its prefill_side's: its KV port uses it).
+        self.kv_trust = self.prefill_side.trust if self.prefill_side is not None else (kv_trust or KVTrust())
         self.kv_fetch_timeout_s = kv_fetch_timeout_s
 
     @property
@@ -188,14 +196,16 @@ class Server:
     async def tokenize(self, request):
         body = await self._body(request)
         m, _ = self._target(body)
-        with self._admitted(m, 1):  # a 1 MiB prompt takes a while: off the event loop, within the capacity
-            return web.json_response(await m.off_loop(1, tokenize, body, m.tokenizer, m.engine.max_model_len))
+        # A 1 MiB prompt takes a while, and its answer (500,000 ids, their strings) too: off the event loop, within
+        # the capacity.
+        with self._admitted(m, 1):
+            return await answered_off_loop(m, tokenize, body, m.tokenizer, m.engine.max_model_len)
 
     async def detokenize(self, request):
         body = await self._body(request)
         m, _ = self._target(body)
         with self._admitted(m, 1):
-            return web.json_response(await m.off_loop(1, detokenize, body, m.tokenizer, m.engine.vocab_size))
+            return await answered_off_loop(m, detokenize, body, m.tokenizer, m.engine.vocab_size)
 
     async def tokenizer_info(self, request):
         m, _ = self._target({"model": request.query["model"]} if "model" in request.query else {})
@@ -207,9 +217,10 @@ class Server:
         body = await self._body(request)
         if self._cascade_named(body):
             return await self.cascade.completions(self, request, body, chat=False)
-        kv_params = disaggregated.take_params(body, self.role)
+        kv_params = disaggregated.take_params(body, self.role, self.kv_trust)
         m, adapter = self._target(body)
         prompts, params = parse_completion(body)
+        m.logprob_limits.check_counts(params, chat=False)
         m.fits_prompts(prompts, params)
         seqs = params.n * len(prompts)
         if kv_params is not None:
@@ -227,7 +238,7 @@ class Server:
         body = await self._body(request)
         if self._cascade_named(body):
             return await self.cascade.completions(self, request, body, chat=True)
-        kv_params = disaggregated.take_params(body, self.role)
+        kv_params = disaggregated.take_params(body, self.role, self.kv_trust)
         m, adapter = self._target(body)
         m.check_chat()
         messages, params, tools = parse_chat(body)
@@ -236,6 +247,7 @@ class Server:
             if tools is not None:  # the decode side's parser would not see the first token's text
                 raise ApiError(400, "tool calls are not supported with disaggregated prefill yet", "tools")
         params = m.chat_params(params, tools)
+        m.logprob_limits.check_counts(params, chat=True)
         with self._admitted(m, params.n):
             prompt = await self.chat_prompt(m, messages, params, tools)
             return await self._generate(m, adapter, request, body, [prompt], params, chat=True, tools=tools,
@@ -309,11 +321,11 @@ class Server:
         if self.role == "decode":  # the pages first: a failed fetch adds nothing
             # A decode server's checked params always name the pages (KVTransferParams.for_role).
             assert kv_params is not None and kv_params.remote is not None
-            disaggregated.check_prompt(kv_params.remote, prompts[0]["prompt_token_ids"])
+            disaggregated.check_prompt(kv_params.remote, prompts[0]["prompt_token_ids"], m.engine.vocab_size)
             # A prefill server claiming more bytes than the prompt's pages take here is refused before any allocation.
             most = m.engine.pages_bytes(len(prompts[0]["prompt_token_ids"]))
             prefilled, run.headers = await disaggregated.fetch_prefilled(kv_params.remote, self.kv_fetch_timeout_s,
-                                                                         most)
+                                                                         most, self.kv_trust)
             lora["prefilled"] = prefilled
         async with self.running(m, adapter, run, body, prompts, params, lora) as outputs:
             if self.role == "prefill":
@@ -328,6 +340,8 @@ class Server:
         way out, however it ends (a client gone, a cancelled handler, an error), aborts what is unfinished (a no-op
         for a finished request) and counts it. engine_args: add_request's other arguments (lora_request,
         prefilled)."""
+        if isinstance(run, CompletionResponse):  # (a cascade's scoring pass shows the client nothing)
+            run.check_size(prompts)  # before anything is submitted: a 400, no engine work
         admitted = []
         try:
             streams = []
@@ -360,9 +374,9 @@ class Server:
         body = await run.whole_body(outputs)
         if run.handed_off is not None:
             handed = await asyncio.to_thread(m.engine.handed_off, run.handed_off)  # the pages' copy to the host
-            remote = self.prefill_side.hand_off(handed, request.transport.get_extra_info("sockname")[0])
+            remote = await self.prefill_side.hand_off(handed, request.transport.get_extra_info("sockname")[0])
             body[KV_TRANSFER_FIELD] = remote.to_json()
-        return web.json_response(body)
+        return await run.respond(body)
 
 
 async def serve(server: Server, host: str, port: int, grace_period_s: float = 30.0,
@@ -378,5 +392,5 @@ async def serve(server: Server, host: str, port: int, grace_period_s: float = 30
     loop = asyncio.get_running_loop()
     await asyncio.gather(*(loop.run_in_executor(None, engine.shutdown, 30.0) for engine in server.engines()))
     for m in server.models.values():
-        m.tokenizing.shutdown(wait=False, cancel_futures=True)
+        m.close()
     await runner.cleanup()

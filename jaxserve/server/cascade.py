@@ -109,7 +109,8 @@ class _Routing:
         self.stream = body.get("stream") is True
         self.id = new_id("cascade")
         self.prepared: dict[int, tuple[list[dict], SamplingParams]] = {}
-        self.answers: dict[int, dict] = {}  # after: tier -> its whole response body
+        # after: tier -> its whole response body, and the response that encodes it (off the loop when heavy)
+        self.answers: dict[int, tuple[CompletionResponse, dict]] = {}
         self.answer_started: dict[int, float] = {}
 
     async def _prepare(self, tier: int, seqs: int) -> tuple[list[dict], SamplingParams]:
@@ -172,7 +173,8 @@ class _Routing:
         if route.tier == len(self.cascade.tiers) - 1:
             return await self._answer_directly(route)
         self._routed(route, self.answer_started[route.tier])
-        return web.json_response(self.answers[route.tier])
+        run, body = self.answers[route.tier]
+        return await run.respond(body)
 
     async def _answer_features(self, tier: int) -> list[dict[str, float]] | None:
         """The tier answers (asked for what its judge reads), its response body is kept for the client, and each
@@ -189,7 +191,7 @@ class _Routing:
             engine_params = judged_params(params, self.cascade.reads)
             answers = [_Collected() for _ in prompts]
             async with self.server.running(m, None, run, self.body, prompts, engine_params) as outputs:
-                self.answers[tier] = await run.whole_body(_as_asked(outputs, answers, params))
+                self.answers[tier] = run, await run.whole_body(_as_asked(outputs, answers, params))
         return judged_features([a.output() for a in answers], self.cascade.reads)
 
 

@@ -13,8 +13,9 @@ from typing import Any
 from aiohttp import web
 
 from jaxserve.engine.client import EngineDeadError
+from jaxserve.openai.answer_size import encode_json
 from jaxserve.openai.errors import ApiError
-from jaxserve.openai.http import write_stream
+from jaxserve.openai.http import json_bytes_response, write_stream
 from jaxserve.openai.responses import (
     chat_logprobs,
     completion_body,
@@ -68,6 +69,12 @@ async def merged(streams):
             await asyncio.gather(*tasks, return_exceptions=True)
 
 
+async def answered_off_loop(model: ServedModel, fn, *args) -> web.Response:
+    """fn(*args), a JSON answer, built and encoded on the model's tokenizing threads (a tokenizer endpoint's: within
+    an admission of one)."""
+    return json_bytes_response(await model.off_loop(1, lambda: encode_json(fn(*args))))
+
+
 class CompletionResponse:
     """One request's outputs as they come: per choice its text, tokens and timing, and the bodies built from them."""
 
@@ -85,6 +92,10 @@ class CompletionResponse:
         # prompt its token ids, text and scores, from its first output.
         self.echo = not chat and body.get("echo") is True
         self.show_prompt_logprobs = body.get("prompt_logprobs")
+        self.sent_prompt_logprobs = False  # a chat stream's, in its first chunk
+        # Logprobs are what make an answer large (see jaxserve.openai.answer_size): such an answer is built and encoded
+        # on the model's responding threads, so the event loop serves everyone else (/health too) meanwhile.
+        self.heavy = params.logprobs is not None or params.prompt_logprobs is not None
         self.prompts: list = [None] * num_prompts  # (token ids, text, scores) per prompt
         self.started: set[int] = set()  # choices whose first chunk has gone out (with the prompt, if asked)
         self.prompt_tokens = [0] * num_prompts
@@ -104,6 +115,22 @@ class CompletionResponse:
         self.deltas: list[list[dict]] = [[] for _ in range(choices)]
         self.headers: dict = {}  # of the response (a decode server's KV fetch report)
         self.handed_off = None  # a prefill server's: the HandOff its engine ended the request with
+
+    def check_size(self, prompts: list[dict]) -> None:
+        """A 400 if the answer to these (tokenized) prompts could hold more logprobs than the server gives one
+        request: checked before they are submitted."""
+        limits = self.model.logprob_limits
+        limits.check_counts(self.params, self.chat)
+        limits.check_entries([len(p["prompt_token_ids"]) for p in prompts], self.params, chat=self.chat,
+                             echo=self.echo, shown_prompt_logprobs=self.show_prompt_logprobs,
+                             max_model_len=self.model.engine.max_model_len)
+
+    async def _built(self, fn, *args):
+        """fn(*args): a heavy answer's on the model's responding threads (within the request's admission, as the
+        tokenizing threads' work), a light one's here."""
+        if not self.heavy:
+            return fn(*args)
+        return await self.model.off_loop(len(self.text), fn, *args, pool=self.model.responding)
 
     def _token_text(self, token_id: int) -> str:
         tok = self.model.tokenizer
@@ -210,10 +237,19 @@ class CompletionResponse:
         return prompt_logprobs_body(ids, scored, self.show_prompt_logprobs)
 
     async def whole(self, outputs) -> web.Response:
-        return web.json_response(await self.whole_body(outputs), headers=self.headers)
+        return await self.respond(await self.whole_body(outputs))
+
+    async def respond(self, body: dict) -> web.Response:
+        """The whole answer `body` as a JSON response (a heavy one encoded off the event loop)."""
+        data = await self._built(encode_json, body) if self.heavy else json.dumps(body).encode()
+        return json_bytes_response(data, self.headers)
 
     async def whole_body(self, outputs) -> dict:
-        async for i, c in self._each(outputs):
+        deltas = [(i, c) async for i, c in self._each(outputs)]
+        return await self._built(self._whole_body, deltas)
+
+    def _whole_body(self, deltas: list) -> dict:
+        for i, c in deltas:
             lp = self._choices(i, c)[0]["logprobs"]
             if lp is not None:
                 self.logprobs[i].append(lp)
@@ -237,6 +273,18 @@ class CompletionResponse:
             body["prompt_logprobs"] = self._prompt_logprobs(0)
         return body
 
+    def _events(self, i: int, c, large: bool = False) -> bytes:
+        """The stream events of choice i's delta c; `large` (one carrying the prompt's logprobs): encoded in pieces
+        (encode_json), the rest by one json.dumps (cheaper for a token's worth)."""
+        events = []
+        for entry in self._choices(i, c):
+            chunk = completion_body(self.id, self.name, [entry], None, self.chat, chunk=True)
+            if self.chat and self.show_prompt_logprobs is not None and not self.sent_prompt_logprobs:
+                chunk["prompt_logprobs"] = self._prompt_logprobs(0)  # once, in the first chunk
+                self.sent_prompt_logprobs = True
+            events.append(b"data: " + (encode_json(chunk) if large else json.dumps(chunk).encode()) + b"\n\n")
+        return b"".join(events)
+
     async def stream(self, request, outputs, include_usage: bool) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                            **self.headers})
@@ -249,7 +297,6 @@ class CompletionResponse:
         async def send(body) -> None:
             await write(b"data: " + json.dumps(body).encode() + b"\n\n")
 
-        sent_prompt_logprobs = False
         try:
             try:
                 if self.chat:  # the role first, as OpenAI sends it
@@ -257,12 +304,12 @@ class CompletionResponse:
                              "finish_reason": None} for i in range(len(self.text))]
                     await send(completion_body(self.id, name, role, None, True, chunk=True))
                 async for i, c in self._each(outputs):
-                    for entry in self._choices(i, c):
-                        chunk = completion_body(self.id, name, [entry], None, self.chat, chunk=True)
-                        if self.chat and self.show_prompt_logprobs is not None and not sent_prompt_logprobs:
-                            chunk["prompt_logprobs"] = self._prompt_logprobs(0)  # once, in the first chunk
-                            sent_prompt_logprobs = True
-                        await send(chunk)
+                    # A choice's first delta carries the prompt (echo, prompt_logprobs): with logprobs, its bulk
+                    # is built off the event loop, as a whole answer's.
+                    if i not in self.started and (self.echo or self.show_prompt_logprobs is not None):
+                        await write(await self._built(self._events, i, c, True))
+                    else:
+                        await write(self._events(i, c))
                 if include_usage:
                     await send(completion_body(self.id, name, [], self._usage(), self.chat, chunk=True))
             except ConnectionError:

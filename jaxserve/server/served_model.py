@@ -8,6 +8,7 @@ import contextlib
 import dataclasses
 
 from jaxserve.engine.client import EngineClient
+from jaxserve.openai.answer_size import LogprobLimits
 from jaxserve.openai.errors import ApiError, context_length_error
 from jaxserve.openai.metrics import ModelMetrics
 from jaxserve.openai.structured import FieldError
@@ -18,8 +19,10 @@ class ServedModel:
     """One served engine and what the server keeps for it: its name, capacity, admitted sequences and metrics."""
 
     def __init__(self, name: str, engine: EngineClient, metrics: ModelMetrics, max_queued_requests: int,
-                 max_request_sequences: int | None, tokenizer_threads: int):
+                 max_request_sequences: int | None, tokenizer_threads: int,
+                 logprob_limits: LogprobLimits | None = None):
         self.name, self.engine, self.metrics = name, engine, metrics
+        self.logprob_limits = logprob_limits or LogprobLimits()
         self.tokenizer = engine.tokenizer
         # Sequences (n per request) admitted and not finished: bounded, so a burst gets 429s, not an endless queue.
         max_num_seqs = engine.max_num_seqs
@@ -30,6 +33,14 @@ class ServedModel:
         self.in_flight = 0
         # Its own threads, so that another model's long prompts cannot keep this one's requests from being tokenized.
         self.tokenizing = concurrent.futures.ThreadPoolExecutor(tokenizer_threads, f"tokenize-{name}")
+        # Answers with logprobs are built and encoded here (tens of MB take a second): not on the event loop, and not
+        # on the tokenizing threads, where they would hold up other requests' prompts.
+        self.responding = concurrent.futures.ThreadPoolExecutor(2, f"respond-{name}")
+
+    def close(self) -> None:
+        """Stops the model's threads (at shutdown: what is queued is dropped)."""
+        for pool in (self.tokenizing, self.responding):
+            pool.shutdown(wait=False, cancel_futures=True)
 
     @contextlib.contextmanager
     def admitted(self, seqs: int):
@@ -95,11 +106,11 @@ class ServedModel:
         if floor + (params.max_tokens or 1) > limit:
             raise context_length_error(limit, floor, params.max_tokens, at_least=True)
 
-    async def off_loop(self, seqs: int, fn, *args):
-        """fn(*args) on one of the model's tokenizing threads, for work too heavy for the event loop. Runs
+    async def off_loop(self, seqs: int, fn, *args, pool: concurrent.futures.Executor | None = None):
+        """fn(*args) on one of the model's tokenizing threads (or `pool`'s), for work too heavy for the event loop. Runs
         within `admitted`: if the client leaves meanwhile, its `seqs` of capacity stay taken until the thread is done,
         so clients that send long prompts and leave cannot pile work up beyond the capacity."""
-        future = asyncio.get_running_loop().run_in_executor(self.tokenizing, fn, *args)
+        future = asyncio.get_running_loop().run_in_executor(pool or self.tokenizing, fn, *args)
         try:
             return await asyncio.shield(future)
         except asyncio.CancelledError:

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 import zlib
 from pathlib import Path
 
@@ -25,8 +26,9 @@ from jaxserve.kv_transfer import (
     encode_pages,
     fetch_pages,
 )
+from jaxserve.kv_transfer.auth import pages_digest
 from jaxserve.kv_transfer.codec import MAGIC, PREFIX, header_length
-from jaxserve.kv_transfer.protocol import FRAME, frame
+from jaxserve.kv_transfer.protocol import FRAME, MAX_REQUEST_BYTES, frame
 from jaxserve.kv_transfer.store import KVStoreFull
 
 from locations import ROOT, TESTS
@@ -189,6 +191,87 @@ def test_fetch_over_the_socket_takes_once_and_says_why_it_fails():
         with pytest.raises(KVTransferError, match="cannot connect"):  # refused: nothing listens any more
             await fetch_pages(HOST, server.port, "req-1", timeout=10)
     asyncio.run(main())
+
+
+SECRET = b"kv-port-secret-0123456789"
+
+
+def test_a_port_with_a_secret_serves_only_its_holders():
+    """Issue 48 item 4: whoever reached the KV port took any transfer by its id. With a secret, a fetch request must
+    carry its MAC over the transfer id, unexpired; a refusal takes nothing and says nothing of what is held."""
+    now = [1_000_000.0]
+
+    async def main():
+        store = KVStore()
+        server = KVServer(store, HOST, 0, secret=SECRET, clock=lambda: now[0])
+        await server.start()
+        kv = make_pages("float32", seed=5)
+        store.put("t", kv)
+        for secret in (None, b"another-secret-0123456789"):
+            with pytest.raises(KVTransferError, match="not authenticated"):
+                await fetch_pages(HOST, server.port, "t", timeout=10, secret=secret)
+        with pytest.raises(KVTransferError, match="not authenticated"):  # nor for an id it does not hold
+            await fetch_pages(HOST, server.port, "nothing", timeout=10, secret=None)
+        now[0] = time.time() + 10_000  # the client's MAC has expired by the server's clock
+        with pytest.raises(KVTransferError, match="not authenticated"):
+            await fetch_pages(HOST, server.port, "t", timeout=10, secret=SECRET)
+        now[0] = time.time()
+        assert len(store) == 1  # every refusal left the pages
+        assert_same_pages(await fetch_pages(HOST, server.port, "t", timeout=10, secret=SECRET), kv)
+        await server.close()
+    asyncio.run(main())
+
+
+def test_a_request_past_its_small_cap_is_refused_before_anything_is_reserved():
+    """A fetch request is a transfer id and a MAC: a length past MAX_REQUEST_BYTES is refused at once (it reserved
+    1 MiB for 10 s before), the rest of it never awaited."""
+    async def main():
+        server = await serving(KVStore())
+        reader, writer = await asyncio.open_connection(HOST, server.port)
+        writer.write(FRAME.pack(MAX_REQUEST_BYTES + 1))
+        await writer.drain()
+        reply = await asyncio.wait_for(read_frame(reader), 5)
+        assert not reply["ok"] and f"at most {MAX_REQUEST_BYTES}" in reply["error"]
+        writer.close()
+        await server.close()
+    asyncio.run(main())
+
+
+def test_idle_connections_past_the_cap_wait_unaccepted():
+    """Issue 48 item 4: 600 idle connections took 600 handlers and 600 MB. Past max_connections, connections are
+    not accepted (they wait in the kernel's backlog, nothing held here) until a served one ends."""
+    async def main():
+        store = KVStore()
+        server = KVServer(store, HOST, 0, max_connections=4)
+        await server.start()
+        idle = [await asyncio.open_connection(HOST, server.port) for _ in range(12)]
+        deadline = time.monotonic() + 10
+        while server.active < 4:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
+        for _ in range(20):  # turns of the loop in which more could be accepted
+            await asyncio.sleep(0)
+        assert server.active == server.peak_active == 4
+        kv = make_pages("int8")
+        store.put("t", kv)
+        for _, writer in idle:  # their handlers end, the waiting connections are served (and end) in turn
+            writer.close()
+        assert_same_pages(await fetch_pages(HOST, server.port, "t", timeout=10), kv)
+        assert server.peak_active == 4
+        await server.close()
+    asyncio.run(main())
+
+
+def test_pages_digest_covers_every_array_and_its_layout():
+    kv = make_pages("int8", seed=1)
+    assert pages_digest(kv) == pages_digest(make_pages("int8", seed=1))
+    assert pages_digest(kv) != pages_digest(make_pages("int8", seed=2))
+    flipped = make_pages("int8", seed=1)
+    flipped[1][1].scale[0, 0, 0] += 1
+    assert pages_digest(flipped) != pages_digest(kv)
+    dense = make_pages("float32", seed=1)
+    reshaped = [(k.reshape(k.shape[0], 1, -1, k.shape[3]), v.reshape(v.shape[0], 1, -1, v.shape[3])) for k, v in dense]
+    assert pages_digest(reshaped) != pages_digest(dense)  # same bytes, another shape
 
 
 def test_pages_whose_export_failed_fail_that_fetch_only():

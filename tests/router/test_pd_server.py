@@ -16,12 +16,16 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from jaxserve.server.disaggregated import PrefillSide, prompt_digest
+from jaxserve.openai.kv_transfer_params import router_auth
+from jaxserve.server.disaggregated import FETCH_FAILED, PrefillSide
+from jaxserve.server.kv_trust import NOT_AUTHENTICATED, KVTrust
 
 from serving import AppThread, RouterThread, ServerThread, free_port, http, metric_samples, wait_idle
 from tiny import make_llm
 
 TTL_S = 5.0
+SECRET = "pd-test-secret-0123456789"  # what --kv-transfer-secret / JAXSERVE_KV_SECRET give the router and servers
+TRUST = KVTrust.of(SECRET)
 TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}<assistant>"
 
 
@@ -36,16 +40,23 @@ def role_llm(path, role, template):
     return make_llm(path, role=role, chat_template=template, max_model_len=128)
 
 
+def with_router_auth(body: dict) -> dict:
+    """A prefill request as the router sends it: {"do_remote_decode": true} MACed over the body."""
+    return dict(body, kv_transfer_params={"do_remote_decode": True,
+                                          **router_auth(TRUST.secret, body, time.time())})
+
+
 @pytest.fixture(scope="module")
 def pd(tiny_tokenized_dir, template):
     """A colocated server, a prefill server, a decode server, and a router over the two."""
-    both, decode = (ServerThread(role_llm(tiny_tokenized_dir, role, template), "tiny") for role in ("both", "decode"))
+    both = ServerThread(role_llm(tiny_tokenized_dir, "both", template), "tiny")
+    decode = ServerThread(role_llm(tiny_tokenized_dir, "decode", template), "tiny", kv_trust=TRUST)
     # A short TTL: a transfer nobody fetches is dropped within seconds (the fetch comes within milliseconds).
     prefill = ServerThread(role_llm(tiny_tokenized_dir, "prefill", template), "tiny",
-                           prefill_side=PrefillSide(ttl_s=TTL_S))
+                           prefill_side=PrefillSide(ttl_s=TTL_S, trust=TRUST))
     # Long timeouts: a first request compiles its step's program (seconds on a busy machine).
     router = RouterThread([prefill.url], [decode.url], health_interval_s=0.2, prefill_timeout_s=120,
-                          decode_timeout_s=120)
+                          decode_timeout_s=120, kv_secret=SECRET)
     yield both, prefill, decode, router
     router.stop()
     for st in (both, prefill, decode):
@@ -129,9 +140,11 @@ def test_int8_kv_pages_resharded_to_a_tensor_parallel_decode_server(tiny_tokeniz
     whole and streamed."""
     args = dict(kv_cache_dtype="int8")
     both = ServerThread(make_llm(tiny_tokenized_dir, **args), "tiny")
-    prefill = ServerThread(make_llm(tiny_tokenized_dir, role="prefill", data_parallel_size=2, **args), "tiny")
-    decode = ServerThread(make_llm(tiny_tokenized_dir, role="decode", tensor_parallel_size=2, **args), "tiny")
-    router = RouterThread([prefill.url], [decode.url], prefill_timeout_s=120, decode_timeout_s=120)
+    prefill = ServerThread(make_llm(tiny_tokenized_dir, role="prefill", data_parallel_size=2, **args), "tiny",
+                           kv_trust=TRUST)
+    decode = ServerThread(make_llm(tiny_tokenized_dir, role="decode", tensor_parallel_size=2, **args), "tiny",
+                          kv_trust=TRUST)
+    router = RouterThread([prefill.url], [decode.url], prefill_timeout_s=120, decode_timeout_s=120, kv_secret=SECRET)
     try:
         for body in ({"prompt": "int8 pages, resharded", "max_tokens": 10, "temperature": 0, "ignore_eos": True},
                      {"prompt": "seeded int8", "max_tokens": 10, "temperature": 1.0, "seed": 2, "ignore_eos": True}):
@@ -180,9 +193,8 @@ def test_a_transfer_is_advertised_at_a_reachable_address_and_held_as_a_copy(pd):
     side = prefill.server.prefill_side
     bound, side.kv_server.host = side.kv_server.host, "0.0.0.0"  # as `--host 0.0.0.0` binds it
     try:
-        status, answer = post(prefill.url, "/v1/completions", {
-            "model": "tiny", "prompt": "wildcard", "max_tokens": 4, "temperature": 0, "ignore_eos": True,
-            "kv_transfer_params": {"do_remote_decode": True}})
+        status, answer = post(prefill.url, "/v1/completions", with_router_auth({
+            "model": "tiny", "prompt": "wildcard", "max_tokens": 4, "temperature": 0, "ignore_eos": True}))
     finally:
         side.kv_server.host = bound
     assert status == 200, answer
@@ -208,30 +220,170 @@ def test_what_disaggregation_does_not_do_is_a_clear_400(pd):
     assert status == 400 and body["error"]["type"] == "invalid_request_error"
 
 
+def prefilled_params(prefill, body: dict) -> dict:
+    """A real prefill answer's kv_transfer_params (its pages held), as the router passes them to a decode server."""
+    status, answer = post(prefill.url, "/v1/completions", with_router_auth(body))
+    assert status == 200, answer
+    return dict(answer["kv_transfer_params"], do_remote_prefill=True)
+
+
 def test_a_failed_kv_fetch_is_a_clean_error(pd):
     """A decode server told to fetch pages that are not there (the prefill server died, or the transfer expired):
-    a 502, and nothing was added."""
-    _, _, decode, _ = pd
-    ids = decode.engine.llm.tokenizer.encode("ab")
-    params = {"do_remote_prefill": True, "transfer_id": "gone", "remote_host": "127.0.0.1", "remote_port": free_port(),
-              "first_token_id": 65, "num_cached": 2, "num_prompt_tokens": len(ids), "prompt_digest": prompt_digest(ids)}
-    status, body = post(decode.url, "/v1/completions", {"prompt": "ab", "kv_transfer_params": params, "stream": True})
-    assert status == 502 and "fetching the prefilled KV pages failed" in body["error"]["message"]
-    assert_clean(decode)
+    a 502 that says nothing of the peer, and nothing was added."""
+    _, prefill, decode, _ = pd
+    body = {"model": "tiny", "prompt": "ab", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    params = prefilled_params(prefill, body)
+    assert prefill.server.prefill_side.store.discard(params["transfer_id"])  # gone before the fetch
+    status, answer = post(decode.url, "/v1/completions", dict(body, kv_transfer_params=params, stream=True))
+    assert status == 502 and answer["error"]["message"] == FETCH_FAILED, answer
+    assert_clean(prefill, decode)
 
 
-@pytest.mark.parametrize("change", [{"prompt_digest": 1}, {"num_prompt_tokens": 1}])
-def test_a_prompt_that_tokenizes_otherwise_on_the_decode_server_is_a_400_before_any_fetch(pd, change):
-    """Another tokenizer or chat template on the decode server: its pages would be for other tokens."""
+@pytest.mark.parametrize("prompt", ["tokens differ!", "tokens diffex"])
+def test_a_prompt_that_tokenizes_otherwise_on_the_decode_server_is_a_400_before_any_fetch(pd, prompt):
+    """Another tokenizer or chat template on the decode server, or a client passing one prompt's pages off as
+    another's (issue 48 (b): "France" decoded on Germany's pages): the pages would be for other tokens."""
     _, prefill, decode, _ = pd
     body = {"model": "tiny", "prompt": "tokens differ", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
-    status, answer = post(prefill.url, "/v1/completions", dict(body, kv_transfer_params={"do_remote_decode": True}))
-    assert status == 200, answer
-    params = answer["kv_transfer_params"]
-    params = dict(params, do_remote_prefill=True, **{k: params[k] + v for k, v in change.items()})
-    status, answer = post(decode.url, "/v1/completions", dict(body, kv_transfer_params=params))
+    params = prefilled_params(prefill, body)
+    status, answer = post(decode.url, "/v1/completions", dict(body, prompt=prompt, kv_transfer_params=params))
     assert status == 400 and "tokenizes otherwise" in answer["error"]["message"], answer
     assert prefill.server.prefill_side.store.discard(params["transfer_id"])  # never fetched
+    assert_clean(prefill, decode)
+
+
+class Listener:
+    """A listening socket that counts the connections made to it (accepted by a thread): proof of none."""
+
+    def __init__(self, http_server: bool):
+        import socket
+        import threading
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port, self.accepted = self.sock.getsockname()[1], 0
+        self.http_server = http_server
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.accepted += 1
+            if self.http_server:
+                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+            conn.close()
+
+
+def forgeries(real: dict, port: int) -> list[dict]:
+    """kv_transfer_params a client could send, pointing at port: made up whole (with a MAC of its own), or a real
+    answer's with the port changed (and its MAC kept)."""
+    return [dict(real, remote_port=port, transfer_id="guessed", mac="f" * 64), dict(real, remote_port=port)]
+
+
+def test_forged_kv_transfer_params_are_refused_alike_before_any_connection(pd):
+    """Issue 48 item 2: a client sending kv_transfer_params straight to a decode server had it connect wherever they
+    pointed (a port-scan oracle: a web server's port answered "a 1347703880-byte message", a closed one otherwise).
+    Params the prefill server did not write are one 400, the same whatever they name, before any connection; any one
+    field changed is refused the same way; the server serves on."""
+    _, prefill, decode, router = pd
+    body = {"model": "tiny", "prompt": "forged", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    real = prefilled_params(prefill, body)
+    web_server, closed = Listener(http_server=True), free_port()
+    answers = [post(decode.url, "/v1/completions", dict(body, kv_transfer_params=forged))
+               for port in (web_server.port, closed) for forged in forgeries(real, port)]
+    assert answers == [(400, {"error": {"message": NOT_AUTHENTICATED, "type": "invalid_request_error",
+                                        "param": "kv_transfer_params", "code": None}})] * len(answers)
+    for field, value in real.items():  # each field changed alone: refused (or out of range) all the same
+        if field not in ("do_remote_prefill", "mac"):
+            changed = value + 1 if isinstance(value, int) else value[:-1] + ("1" if value[-1] == "0" else "0")
+            status, answer = post(decode.url, "/v1/completions", dict(body, kv_transfer_params=dict(real, **{
+                field: changed})))
+            message = answer["error"]["message"]
+            assert status == 400 and (message == NOT_AUTHENTICATED or f".{field} must be in" in message), answer
+    assert web_server.accepted == 0
+    web_server.sock.close()
+    # The real params still work (nothing was fetched), and the server serves on.
+    status, answer = post(decode.url, "/v1/completions", dict(body, kv_transfer_params=real))
+    assert status == 200, answer
+    assert post(router.url, "/v1/completions", body)[0] == 200
+    assert_clean(prefill, decode)
+
+
+def test_fuzzed_kv_transfer_params_are_4xx_on_both_roles(pd):
+    """Random kv_transfer_params (each field missing, mistyped, out of range or plausible; a real answer's with one
+    field fuzzed) to either role server: always a 4xx, never a 5xx, and both serve on."""
+    import random
+    _, prefill, decode, router = pd
+    rng = random.Random(4848)
+    body = {"model": "tiny", "prompt": "fuzz", "max_tokens": 2, "temperature": 0}
+    real = prefilled_params(prefill, body)
+    junk = [None, True, -1, 0, 2**31, 10**30, 1.5, "", "x" * 300, "\udcff", "127.0.0.1", "[::1]", [], {}, "0" * 64]
+    for _ in range(120):
+        params = {k: v for k, v in real.items() if rng.random() < 0.8}
+        for key in rng.sample(sorted(real), rng.randrange(1, 4)):
+            params[key] = rng.choice(junk)
+        for st in (decode, prefill):
+            status, answer = post(st.url, "/v1/completions", dict(body, kv_transfer_params=params))
+            assert 400 <= status < 500, (params, answer)
+    assert prefill.server.prefill_side.store.discard(real["transfer_id"])
+    assert post(router.url, "/v1/completions", body)[0] == 200
+    assert_clean(prefill, decode)
+
+
+def test_a_decode_server_without_a_secret_or_off_its_peers_list_refuses_params(pd, tiny_tokenized_dir, template):
+    """No secret: no kv_transfer_params served at all. --kv-transfer-peers: a port off the list is a 400 before any
+    connection, even with the prefill server's MAC."""
+    _, prefill, _, _ = pd
+    body = {"model": "tiny", "prompt": "peers", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    params = prefilled_params(prefill, body)
+    for trust, message in ((KVTrust(), "no KV transfer secret"),
+                           (KVTrust.of(SECRET, "127.0.0.1:1,10.0.0.1"), "not on this decode server's")):
+        decode = ServerThread(role_llm(tiny_tokenized_dir, "decode", template), "tiny", kv_trust=trust)
+        try:
+            status, answer = post(decode.url, "/v1/completions", dict(body, kv_transfer_params=params))
+            assert status == 400 and message in answer["error"]["message"], answer
+        finally:
+            decode.stop()
+    assert len(prefill.server.prefill_side.store) == 1  # never fetched
+    assert prefill.server.prefill_side.store.discard(params["transfer_id"])
+
+
+def test_only_the_router_has_a_prefill_server_hold_pages(pd):
+    """Issue 48 item 5: a client's own {"do_remote_decode": true} parked pages for the TTL. Without the router's MAC
+    over this very body (or with an expired one), a 400 and nothing held."""
+    _, prefill, _, _ = pd
+    body = {"model": "tiny", "prompt": "parked", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    signed = with_router_auth(body)
+    expired = dict(body, kv_transfer_params={"do_remote_decode": True,
+                                             **router_auth(TRUST.secret, body, time.time() - 3600)})
+    for params in ({"do_remote_decode": True}, signed["kv_transfer_params"]):
+        for sent in (dict(body, kv_transfer_params=params), dict(body, prompt="another", kv_transfer_params=params)):
+            if sent == signed:
+                continue
+            status, answer = post(prefill.url, "/v1/completions", sent)
+            assert status == 400 and answer["error"]["message"] == NOT_AUTHENTICATED, answer
+    status, answer = post(prefill.url, "/v1/completions", expired)
+    assert status == 400 and answer["error"]["message"] == NOT_AUTHENTICATED, answer
+    assert len(prefill.server.prefill_side.store) == 0
+    assert_clean(prefill)
+
+
+def test_a_first_token_outside_the_vocabulary_is_a_400(pd):
+    """Issue 48 item 3: first_token_id 10**9 answered 200, -3 and 2**31 a 500."""
+    from jaxserve.openai.kv_transfer_params import RemoteKV
+    _, prefill, decode, _ = pd
+    body = {"model": "tiny", "prompt": "first token", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    params = prefilled_params(prefill, body)
+    try:
+        for first in (decode.engine.vocab_size, 10**9, -3, 2**31):
+            remote = RemoteKV(**{**{k: v for k, v in params.items() if k != "do_remote_prefill"},
+                                 "first_token_id": first}).signed(TRUST.secret)
+            status, answer = post(decode.url, "/v1/completions",
+                                  dict(body, kv_transfer_params=dict(remote.to_json(), do_remote_prefill=True)))
+            assert status == 400 and "first_token_id" in answer["error"]["message"], (first, answer)
+    finally:
+        assert prefill.server.prefill_side.store.discard(params["transfer_id"])  # never fetched
     assert_clean(prefill, decode)
 
 
@@ -239,9 +391,11 @@ def test_health_and_metrics(pd):
     _, prefill, decode, router = pd
     status, raw = http("GET", router.url + "/health")
     health = json.loads(raw)
-    assert status == 200 and health["status"] == "ok"
-    assert [(b["url"], b["healthy"]) for b in health["prefill"]] == [(prefill.url, True)]
-    assert [(b["url"], b["healthy"]) for b in health["decode"]] == [(decode.url, True)]
+    # Counts only (issue 48 item 16: the role servers' addresses are the router's alone).
+    assert status == 200 and health == {"status": "ok", "prefill": {"healthy": 1, "total": 1},
+                                        "decode": {"healthy": 1, "total": 1}}
+    assert prefill.url not in raw.decode() and decode.url not in raw.decode()
+    assert [(b["url"], b["healthy"]) for b in router.router.prefill.state()] == [(prefill.url, True)]
     post(router.url, "/v1/completions", {"prompt": "metrics", "max_tokens": 4, "ignore_eos": True})
     samples = metric_samples(http("GET", router.url + "/metrics")[1].decode())
     assert samples["jaxserve_router:requests_total", frozenset({'pool="prefill"', f'server="{prefill.url}"'})] >= 1
@@ -320,7 +474,8 @@ def test_a_prefill_server_that_hangs_or_resets_is_retried_once_on_another(pd, mo
         assert post(warm.url, "/v1/completions", body)[0] == 200
     stub_server = stub(mode)
     # The stub first (ties go to the first); a long health interval, so the probe does not bring it back meanwhile.
-    router = RouterThread([stub_server.url, prefill.url], [decode.url], prefill_timeout_s=2.0, health_interval_s=60)
+    router = RouterThread([stub_server.url, prefill.url], [decode.url], prefill_timeout_s=2.0, health_interval_s=60,
+                          kv_secret=SECRET)
     try:
         t0 = time.monotonic()
         status, got = post(router.url, "/v1/completions", body)
@@ -333,7 +488,8 @@ def test_a_prefill_server_that_hangs_or_resets_is_retried_once_on_another(pd, mo
                        frozenset({'pool="prefill"', f'server="{stub_server.url}"', f'kind="{kind}"'})] == 1
         health = json.loads(http("GET", router.url + "/health")[1])
         # A reset takes it out of the pool; a timeout does not (a busy server is not a dead one: /health decides).
-        assert [b["healthy"] for b in health["prefill"]] == [mode == "hang", True] and health["status"] == "ok"
+        assert [b["healthy"] for b in router.router.prefill.state()] == [mode == "hang", True]
+        assert health["status"] == "ok"
         # Once out of the pool, it is not tried again (no retry); a hung one still in it is tried, and retried.
         assert post(router.url, "/v1/completions", body)[0] == 200
         assert metric_samples(http("GET", router.url + "/metrics")[1].decode())[
@@ -350,15 +506,14 @@ def test_a_full_or_draining_decode_server_passes_the_request_to_another(pd, mode
     takes the pages; one shutting down leaves the pool."""
     both, prefill, decode, _ = pd
     full = stub(mode)
-    router = RouterThread([prefill.url], [full.url, decode.url], health_interval_s=60)
+    router = RouterThread([prefill.url], [full.url, decode.url], health_interval_s=60, kv_secret=SECRET)
     try:
         body = {"model": "tiny", "prompt": "full", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
         status, got = post(router.url, "/v1/completions", body)
         assert status == 200 and got["choices"] == post(both.url, "/v1/completions", body)[1]["choices"]
         samples = metric_samples(http("GET", router.url + "/metrics")[1].decode())
         assert samples["jaxserve_router:retries_total", frozenset({'pool="decode"'})] == 1
-        health = json.loads(http("GET", router.url + "/health")[1])
-        assert [b["healthy"] for b in health["decode"]] == [mode == "full", True]
+        assert [b["healthy"] for b in router.router.decode.state()] == [mode == "full", True]
     finally:
         router.stop()
         full.stop()
@@ -370,7 +525,7 @@ def test_a_decode_that_fails_before_its_fetch_discards_the_transfer_at_once(pd):
     server, whose pages go now rather than after their TTL."""
     _, prefill, decode, _ = pd
     draining = stub("draining")
-    router = RouterThread([prefill.url], [draining.url], health_interval_s=60)
+    router = RouterThread([prefill.url], [draining.url], health_interval_s=60, kv_secret=SECRET)
     try:
         body = {"model": "tiny", "prompt": "discarded", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
         status, answer = post(router.url, "/v1/completions", body)
@@ -387,7 +542,7 @@ def test_a_client_that_leaves_before_the_fetch_has_its_transfer_discarded(pd):
     TTL."""
     _, prefill, decode, _ = pd
     hung = stub("hang")
-    router = RouterThread([prefill.url], [hung.url], decode_timeout_s=60, health_interval_s=60)
+    router = RouterThread([prefill.url], [hung.url], decode_timeout_s=60, health_interval_s=60, kv_secret=SECRET)
     store = prefill.server.prefill_side.store
 
     async def leave():
@@ -427,7 +582,7 @@ def test_a_decode_server_that_hangs_ends_the_request_with_an_error(pd):
     unclaimed transfers' host copies are discarded."""
     _, prefill, decode, _ = pd
     hung = stub("hang")
-    router = RouterThread([prefill.url], [hung.url], decode_timeout_s=1.0, health_interval_s=60)
+    router = RouterThread([prefill.url], [hung.url], decode_timeout_s=1.0, health_interval_s=60, kv_secret=SECRET)
     try:
         body = {"model": "tiny", "prompt": "hung decode", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
         t0 = time.monotonic()
@@ -465,7 +620,8 @@ def test_a_client_that_leaves_mid_stream_frees_the_decode_servers_pages(pd):
 def test_no_healthy_prefill_server_ends_the_request_at_once(pd):
     _, prefill, decode, _ = pd
     stubs = [stub("reset"), stub("reset")]  # (a hung one would stay in the pool: a timeout is no proof of death)
-    router = RouterThread([s.url for s in stubs], [decode.url], prefill_timeout_s=0.5, health_interval_s=60)
+    router = RouterThread([s.url for s in stubs], [decode.url], prefill_timeout_s=0.5, health_interval_s=60,
+                          kv_secret=SECRET)
     try:
         status, body = post(router.url, "/v1/completions", {"prompt": "x", "stream": True})
         assert status == 502 and body["error"]["message"].startswith("prefill failed")
@@ -489,7 +645,7 @@ def test_killing_the_decode_server_mid_stream_ends_the_request_with_an_error(pd,
                              "--max-model-len", "128", "--max-num-seqs", "4", "--max-num-batched-tokens", "16",
                              "--block-size", "4", "--no-warmup", "--chat-template", template],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            env={**os.environ, "JAX_PLATFORMS": "cpu"})
+                            env={**os.environ, "JAX_PLATFORMS": "cpu", "JAXSERVE_KV_SECRET": SECRET})
     decode_url = f"http://127.0.0.1:{port}"
     router = None
     try:
@@ -503,7 +659,8 @@ def test_killing_the_decode_server_mid_stream_ends_the_request_with_an_error(pd,
             assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
             assert time.monotonic() < deadline, "the decode server did not start"
             time.sleep(0.2)
-        router = RouterThread([prefill.url], [decode_url], health_interval_s=0.2, decode_timeout_s=120)
+        router = RouterThread([prefill.url], [decode_url], health_interval_s=0.2, decode_timeout_s=120,
+                              kv_secret=SECRET)
 
         async def stream_and_kill():
             body = {"model": "tiny", "prompt": "killed mid-stream", "max_tokens": 100, "temperature": 0,
@@ -528,7 +685,7 @@ def test_killing_the_decode_server_mid_stream_ends_the_request_with_an_error(pd,
             assert time.monotonic() < deadline, "/health never saw the decode server go"
             time.sleep(0.1)
         health = json.loads(http("GET", router.url + "/health")[1])
-        assert health["decode"][0]["healthy"] is False and health["prefill"][0]["healthy"] is True
+        assert health["decode"]["healthy"] == 0 and health["prefill"]["healthy"] == 1
         assert_clean(prefill)
     finally:
         if router is not None:
@@ -551,9 +708,17 @@ def test_killing_the_decode_server_mid_stream_ends_the_request_with_an_error(pd,
     (["serve", "--role", "prefill", "--kv-fetch-timeout", "5"], "a decode server's"),
     (["serve", "--role", "decode", "--kv-fetch-timeout", "0"], "--kv-fetch-timeout"),
     (["serve", "--role", "prefill", "--kv-transfer-max-bytes", "0"], "--kv-transfer-max-bytes"),
+    (["serve", "--role", "decode", "--host", "0.0.0.0"], "needs --kv-transfer-secret"),
+    (["serve", "--role", "prefill", "--kv-transfer-host", "10.0.0.1"], "needs --kv-transfer-secret"),
+    (["serve", "--role", "decode", "--kv-transfer-secret", "short"], "at least 16 characters"),
+    (["serve", "--role", "prefill", "--kv-transfer-peers", "h:1"], "a decode server's"),
+    (["serve", "--role", "decode", "--kv-transfer-peers", "h:99999"], "--kv-transfer-peers"),
+    (["serve", "--kv-transfer-secret", SECRET], "a role server's"),
+    (["router", "--prefill", "localhost:1", "--decode", "localhost:2"], "needs --kv-transfer-secret"),
 ])
-def test_flag_errors_are_one_line_before_anything_starts(argv, message, capsys):
+def test_flag_errors_are_one_line_before_anything_starts(argv, message, capsys, monkeypatch):
     from jaxserve.cli import main
+    monkeypatch.delenv("JAXSERVE_KV_SECRET", raising=False)
     assert main(argv) == 1
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1, err
@@ -574,8 +739,8 @@ def test_the_default_model_through_the_router_with_the_openai_client(default_llm
     name = "SmolLM2-135M-Instruct"
     both = ServerThread(default_llm, name)
     prefill, decode = (ServerThread(LLM(role=role, max_model_len=512, max_num_seqs=4, max_num_batched_tokens=256,
-                                        warmup=False), name) for role in ("prefill", "decode"))
-    router = RouterThread([prefill.url], [decode.url], prefill_timeout_s=120, decode_timeout_s=120)
+                                        warmup=False), name, kv_trust=TRUST) for role in ("prefill", "decode"))
+    router = RouterThread([prefill.url], [decode.url], prefill_timeout_s=120, decode_timeout_s=120, kv_secret=SECRET)
     try:
         c, ref = (openai.OpenAI(base_url=st.url + "/v1", api_key="unused", max_retries=0) for st in (router, both))
         assert [m.id for m in c.models.list().data] == [name]
@@ -598,6 +763,24 @@ def test_the_default_model_through_the_router_with_the_openai_client(default_llm
         args = dict(model=name, messages=messages, temperature=0.8, seed=7, max_tokens=16)
         assert c.chat.completions.create(**args).choices[0].message.content == \
             ref.chat.completions.create(**args).choices[0].message.content
+        # Issue 48 item 2, live: forged params straight to the decode server (the prefill's real answer for Germany,
+        # pointed at a web server or at a closed port; then sent with France's prompt) are refused with nothing of
+        # the peer, no connection made, and the server answers the next request as before.
+        germany = {"model": name, "prompt": "The capital of Germany is", "max_tokens": 8, "temperature": 0}
+        real = prefilled_params(prefill, germany)
+        web_server = Listener(http_server=True)
+        for forged in forgeries(real, web_server.port) + forgeries(real, free_port()):
+            assert post(decode.url, "/v1/completions", dict(germany, kv_transfer_params=forged)) == \
+                (400, {"error": {"message": NOT_AUTHENTICATED, "type": "invalid_request_error",
+                                 "param": "kv_transfer_params", "code": None}})
+        assert web_server.accepted == 0
+        web_server.sock.close()
+        france = dict(germany, prompt="The capital of France is", kv_transfer_params=real)
+        status, answer = post(decode.url, "/v1/completions", france)
+        assert status == 400 and "tokenizes otherwise" in answer["error"]["message"]
+        assert prefill.server.prefill_side.store.discard(real["transfer_id"])
+        r = c.completions.create(model=name, prompt="The capital of France is", max_tokens=12, temperature=0)
+        assert "Paris" in r.choices[0].text
         assert_clean(prefill, decode)
     finally:
         router.stop()

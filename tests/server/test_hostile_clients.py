@@ -352,13 +352,16 @@ def test_a_lone_surrogate_offline_is_a_value_error(tiny_dir):
 def test_405_keeps_its_allow_header_and_401_asks_for_a_bearer_token(st):
     status, headers, reply = call(st, "GET", "/v1/completions")
     assert status == 405 and headers["Allow"] == "POST" and reply["error"]["message"]
+    assert reply["error"]["type"] == "invalid_request_error"  # the client's mistake, not the server's
     status, headers, reply = call(st, "POST", "/v1/completions", {"prompt": [1]}, key=None)
     assert status == 401 and headers["WWW-Authenticate"] == "Bearer" and reply["error"]["code"] == "invalid_api_key"
 
 
-def test_a_body_over_1_MiB_is_413(st):
+def test_a_body_over_1_MiB_is_413_a_client_error(st):
     status, _, reply = call(st, "POST", "/v1/completions", {"prompt": "a" * (1 << 20)})
-    assert status == 413 and reply["error"]["message"]
+    error = reply["error"]
+    assert (status, error["type"], error["code"]) == (413, "invalid_request_error", "request_too_large"), reply
+    assert "1048576" in error["message"]  # the limit the client passed
 
 
 # ---- everyone at once ----
