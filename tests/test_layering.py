@@ -136,7 +136,7 @@ WING_LAYERS = [
                                                                   "jaxserve.cache")),
     ("public types and leaves", ("jaxserve.config", "jaxserve.batch", "jaxserve.buckets", "jaxserve.options",
                                  "jaxserve.sampling_params", "jaxserve.outputs", "jaxserve.spec_config",
-                                 "jaxserve.cli_flags", "jaxserve.paths", "jaxserve.tokenizer")),
+                                 "jaxserve.cli_flags", "jaxserve.paths", "jaxserve.tokenizer", "jaxserve.hex_mac")),
 ]
 
 

@@ -84,8 +84,10 @@ def _checked_role(args, configs) -> str:
 
 
 def _kv_trust(args, role: str):
-    """A role server's KVTrust: the shared secret (--kv-transfer-secret, else JAXSERVE_KV_SECRET), required unless
-    the server (and its KV port) is reachable from this host only, and --kv-transfer-peers. None for --role both."""
+    """A role server's KVTrust: the shared secret (--kv-transfer-secret, else JAXSERVE_KV_SECRET), and
+    --kv-transfer-peers. None for --role both. Without the secret a role server serves no kv_transfer_params, so none
+    of the router's requests: that is an error where other hosts could reach it (surely a missing secret), and
+    allowed on loopback only (a test's server, say)."""
     import os
 
     from jaxserve.openai.kv_transfer_params import SECRET_ENV
@@ -95,9 +97,15 @@ def _kv_trust(args, role: str):
     secret = args.kv_transfer_secret or os.environ.get(SECRET_ENV) or None
     hosts = [args.host] + ([args.kv_transfer_host] if args.kv_transfer_host is not None else [])
     if secret is None and not all(_loopback(h) for h in hosts):
-        raise ValueError(f"--role {role} on {', '.join(hosts)} needs --kv-transfer-secret (or {SECRET_ENV}): else "
-                         "anyone who reaches it could have it fetch KV pages from anywhere")
-    return KVTrust.of(secret, args.kv_transfer_peers)
+        raise ValueError(f"--role {role} on {', '.join(hosts)} needs --kv-transfer-secret (or {SECRET_ENV}), the "
+                         "one `jaxserve router` has: without it a role server serves no kv_transfer_params, so none "
+                         "of the router's requests")
+    trust = KVTrust.of(secret, args.kv_transfer_peers)
+    if secret is None:
+        import sys
+        print(f"jaxserve: note: --role {role} without --kv-transfer-secret (or {SECRET_ENV}) serves no "
+              "kv_transfer_params: it refuses every request, the router's too", file=sys.stderr)
+    return trust
 
 
 def _loopback(host: str) -> bool:

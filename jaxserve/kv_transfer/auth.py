@@ -4,19 +4,18 @@ decode server decodes only on the pages that server computed for that prompt). j
 from __future__ import annotations
 
 import hashlib
-import hmac
 import json
 
 import numpy as np
 
+from jaxserve.hex_mac import CLOCK_SKEW_S, mac, mac_matches
 from jaxserve.kv_transfer.layout import flatten_pages
 
 FETCH_TTL_S = 60  # a fetch request's MAC is good this long (it goes out at once; the hosts' clocks may differ)
 
 
 def fetch_mac(secret: bytes, transfer_id: str, expires: int) -> str:
-    message = json.dumps(["kv_fetch", transfer_id, expires], separators=(",", ":"), ensure_ascii=True).encode()
-    return hmac.new(secret, message, hashlib.sha256).hexdigest()
+    return mac(secret, "kv_fetch", [transfer_id, expires])
 
 
 def fetch_auth(secret: bytes | None, transfer_id: str, now: float) -> dict:
@@ -28,13 +27,15 @@ def fetch_auth(secret: bytes | None, transfer_id: str, now: float) -> dict:
 
 
 def fetch_verified(secret: bytes, request: dict, now: float) -> bool:
-    """Whether a fetch request was made by a holder of the secret, for its transfer id, and is unexpired."""
-    expires, given, transfer_id = request.get("expires"), request.get("mac"), request.get("transfer_id")
-    if not (isinstance(expires, int) and isinstance(given, str) and isinstance(transfer_id, str)):
+    """Whether a fetch request was made by a holder of the secret, for its transfer id, and is unexpired, its expiry
+    no later than a client writes one (now + FETCH_TTL_S), give or take the clocks' skew either way: a MAC that
+    expires far in the future (a holder's bug, or one taken off the wire) is no fetch request good for ever."""
+    expires, transfer_id = request.get("expires"), request.get("transfer_id")
+    if not (isinstance(expires, int) and not isinstance(expires, bool) and isinstance(transfer_id, str)):
         return False
-    if not now <= expires + FETCH_TTL_S:  # (the client's clock may be ahead or behind: FETCH_TTL_S either way)
+    if not now - CLOCK_SKEW_S <= expires <= now + FETCH_TTL_S + CLOCK_SKEW_S:
         return False
-    return hmac.compare_digest(fetch_mac(secret, transfer_id, expires), given)
+    return mac_matches(secret, "kv_fetch", [transfer_id, expires], request.get("mac"))
 
 
 def pages_digest(kv) -> str:

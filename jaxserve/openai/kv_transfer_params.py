@@ -15,17 +15,16 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import hmac
 import json
 import typing
 
+from jaxserve.hex_mac import CLOCK_SKEW_S, mac, mac_matches
 from jaxserve.openai.http import KV_TRANSFER_FIELD
 
 FIELD = KV_TRANSFER_FIELD
 SECRET_ENV = "JAXSERVE_KV_SECRET"
 MIN_SECRET_CHARS = 16
 ROUTER_AUTH_TTL_S = 60  # the router's MAC on a prefill request is good for this long (it is sent at once)
-CLOCK_SKEW_S = 30  # what the servers' clocks may differ by (expiries are wall-clock seconds, hosts apart)
 MAX_STRING_CHARS = 256  # a transfer id or a host name: the prefill server's own, short
 
 
@@ -42,16 +41,6 @@ def check_secret(secret: str | bytes | None) -> bytes | None:
         raise ValueError(f"the KV transfer secret must be at least {MIN_SECRET_CHARS} characters (a random one: "
                          "`openssl rand -hex 32`)")
     return raw
-
-
-def mac(secret: bytes, label: str, fields: list) -> str:
-    """HMAC-SHA256 (hex) over [label, *fields] as compact ASCII JSON: unambiguous, and the same on every host."""
-    message = json.dumps([label, *fields], separators=(",", ":"), ensure_ascii=True).encode()
-    return hmac.new(secret, message, hashlib.sha256).hexdigest()
-
-
-def mac_matches(secret: bytes, label: str, fields: list, given) -> bool:
-    return isinstance(given, str) and hmac.compare_digest(mac(secret, label, fields), given)
 
 
 def body_digest(body: dict) -> str:

@@ -53,7 +53,8 @@ class JoinedAnswer:
         except ServerAnswer as e:
             return e.response()
         except ServerFailure as e:
-            raise ApiError(e.status, e.message) from None
+            logger.warning("request %s: %s", first.get("id"), e.message)
+            raise ApiError(e.status, e.public) from None
         joined = self._join_logprobs(choice.get("logprobs"), logprobs)
         if self.chat:
             content, calls = assemble(deltas)
@@ -146,7 +147,7 @@ class JoinedAnswer:
             return decoded, True
         except ServerFailure as e:
             logger.warning("request %s: %s", head["id"], e.message)
-            await send(ApiError(e.status, f"decode failed after the first token: {e.message}").body())
+            await send(ApiError(e.status, f"decode failed after the first token: {e.public}").body())
             return decoded, True
         return decoded, False
 

@@ -31,6 +31,8 @@ from jaxserve.router.upstream import ServerAnswer, ServerFailure, Unfinished, er
 logger = logging.getLogger("jaxserve")
 
 _FORWARDED_HEADERS = ("Authorization",)
+PREFILL_FAILED = "the prefill server failed"  # (which one, and how, is in the log: see ServerFailure)
+NO_DECODE = "no decode server is healthy"
 
 
 class PDRequest:
@@ -70,7 +72,8 @@ class PDRequest:
                 failure = e
         if failure is None:
             raise ApiError(503, "no prefill server is healthy")
-        raise ApiError(failure.status, f"prefill failed: {failure.message}")
+        logger.warning("prefill failed: %s", failure.message)
+        raise ApiError(failure.status, failure.public)
 
     async def _post(self, pool: Pool, backend: Backend, body: dict) -> dict:
         metrics = self.router.metrics
@@ -83,22 +86,23 @@ class PDRequest:
                     raw, status, headers = await r.read(), r.status, r.headers
                     self.prefilled_on = backend
         except (aiohttp.ClientError, TimeoutError) as e:
-            failure = failure_of(e, f"prefill server {backend.url}")
+            failure = failure_of(e, pool.role, backend.url)
             metrics.failures.labels(pool=pool.role, server=backend.url, kind=failure.kind).inc()
             if failure.down:
                 pool.mark_down(backend, failure.message)
             raise failure from None
         if status >= 500:
             metrics.failures.labels(pool=pool.role, server=backend.url, kind="http_5xx").inc()
-            raise ServerFailure("http_5xx", f"prefill server {backend.url} answered {status}: "
-                                            f"{error_message(raw)}", status=status)
+            raise ServerFailure("http_5xx", f"prefill server {backend.url} answered {status}: {error_message(raw)}",
+                                PREFILL_FAILED, status=status)
         if status != 200:
             raise ServerAnswer(status, raw, headers)
         try:
             return json.loads(raw)
         except ValueError:
             metrics.failures.labels(pool=pool.role, server=backend.url, kind="bad_answer").inc()
-            raise ServerFailure("bad_answer", f"prefill server {backend.url} answered no JSON") from None
+            raise ServerFailure("bad_answer", f"prefill server {backend.url} answered no JSON", PREFILL_FAILED) \
+                from None
 
     # ---- the decode ----
 
@@ -128,8 +132,10 @@ class PDRequest:
         while True:
             backend = pool.pick(tried)
             if backend is None:
-                raise ServerFailure("connect", "no decode server is healthy" if failure is None else
-                                    f"decode failed: {failure.message}", reached=False, status=503)
+                if failure is None:
+                    raise ServerFailure("connect", NO_DECODE, NO_DECODE, reached=False, status=503)
+                raise ServerFailure("connect", f"decode failed: {failure.message}",
+                                    "no decode server could be reached", reached=False, status=503)
             if tried:
                 router.metrics.retries.labels(pool="decode").inc()
             tried += (backend,)
@@ -150,7 +156,8 @@ class PDRequest:
                             if r.status in (429, 503):
                                 failure = ServerFailure("full" if r.status == 429 else "draining",
                                                         f"{what} answered {r.status}: {error_message(answer.raw)}",
-                                                        reached=False, status=r.status)
+                                                        "the decode server is busy", reached=False,
+                                                        status=r.status)
                                 if failure.down:
                                     pool.mark_down(backend, failure.message)
                                 if len(tried) < 2 and pool.pick(tried) is not None:
@@ -164,7 +171,7 @@ class PDRequest:
                                 return
                         return
             except (aiohttp.ClientError, TimeoutError, Unfinished) as e:
-                failure = failure_of(e, what)
+                failure = failure_of(e, pool.role, backend.url)
                 router.metrics.failures.labels(pool="decode", server=backend.url, kind=failure.kind).inc()
                 if failure.down:
                     pool.mark_down(backend, failure.message)
@@ -195,7 +202,7 @@ class PDRequest:
 
     async def respond(self) -> web.StreamResponse:
         if not self.router.decode.healthy():  # no prefill that no server could go on with
-            raise ApiError(503, "no decode server is healthy")
+            raise ApiError(503, NO_DECODE)
         try:
             first = await self.prefill()
         except ServerAnswer as e:  # the server's own 4xx, as it sent it

@@ -34,11 +34,13 @@ class ServerFailure(Exception):
     the request never got to it (then it is safe to send elsewhere, even after the prefill). `down`: the server is
     taken out of its pool until /health says it is back: a refused or reset connection, never a timeout (a busy
     server is slow, not gone: under load every server could time out once and the router would refuse everything
-    until the next probe)."""
+    until the next probe). `message` names the server and why, for the router's log; `public` is all the client
+    hears (which side failed, and how): never a server's address nor the OS's error, the network behind the router
+    is none of a client's business."""
 
-    def __init__(self, kind: str, message: str, reached: bool = True, status: int = 502):
+    def __init__(self, kind: str, message: str, public: str, reached: bool = True, status: int = 502):
         super().__init__(message)
-        self.kind, self.message, self.reached, self.status = kind, message, reached, status
+        self.kind, self.message, self.public, self.reached, self.status = kind, message, public, reached, status
         self.down = kind in ("connect", "disconnect", "draining")
 
 
@@ -46,13 +48,16 @@ class Unfinished(Exception):
     """A stream that ended without its [DONE]: the server went away mid-answer."""
 
 
-def failure_of(e: BaseException, what: str) -> ServerFailure:
-    """The failure a client error (or a timeout, or an unfinished stream) from `what` (a server, named) makes."""
+def failure_of(e: BaseException, role: str, url: str) -> ServerFailure:
+    """The failure a client error (or a timeout, or an unfinished stream) from the `role` server at `url` makes."""
+    what, side = f"{role} server {url}", f"the {role} server"
     if isinstance(e, aiohttp.ClientConnectorError):
-        return ServerFailure("connect", f"{what} could not be reached: {e.os_error}", reached=False)
+        return ServerFailure("connect", f"{what} could not be reached: {e.os_error}", f"{side} could not be reached",
+                             reached=False)
     if isinstance(e, (TimeoutError, asyncio.TimeoutError)):
-        return ServerFailure("timeout", f"{what} did not answer in time", status=504)
-    return ServerFailure("disconnect", f"{what} failed: {type(e).__name__}: {e}")
+        return ServerFailure("timeout", f"{what} did not answer in time", f"{side} did not answer in time",
+                             status=504)
+    return ServerFailure("disconnect", f"{what} failed: {type(e).__name__}: {e}", f"{side} failed")
 
 
 async def sse_events(r: aiohttp.ClientResponse):

@@ -56,13 +56,27 @@ class KVTrust:
             raise ApiError(400, NOT_AUTHENTICATED, FIELD)
         if self.clock() > remote.expires + CLOCK_SKEW_S:  # (the prefill server's clock may be behind)
             raise ApiError(400, f"{FIELD} have expired: the prefill server has dropped the pages", FIELD)
-        if self.peers is not None and not ({(remote.remote_host, remote.remote_port), (remote.remote_host, None)}
-                                           & self.peers):
+        host = normal_host(remote.remote_host)
+        if self.peers is not None and not {(host, remote.remote_port), (host, None)} & self.peers:
             raise ApiError(400, f"{FIELD} name a KV port not on this decode server's --kv-transfer-peers", FIELD)
 
 
+def normal_host(host: str) -> str:
+    """A host as --kv-transfer-peers compares it: an IP address in one form (an IPv4-mapped IPv6 address as the IPv4
+    one, an IPv6 address compressed and in lower case), a name in lower case (names are case-blind). Nothing is
+    resolved: a name on the list matches only params naming it, and an address only params naming that address."""
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return host.lower()
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        return str(address.ipv4_mapped)
+    return str(address)
+
+
 def parse_peers(spec: str) -> frozenset[tuple[str, int | None]]:
-    """--kv-transfer-peers "HOST[:PORT],..." ([v6]:PORT for an IPv6 address) as (host, port or None)."""
+    """--kv-transfer-peers "HOST[:PORT],..." ([v6]:PORT for an IPv6 address) as (host, port or None), each host in
+    its normal form (normal_host)."""
     peers = set()
     for item in (p.strip() for p in spec.split(",")):
         host, port = item, None
@@ -79,5 +93,5 @@ def parse_peers(spec: str) -> frozenset[tuple[str, int | None]]:
             number = -1
         if not host or (number is not None and not 0 < number < 65536):
             raise ValueError(f"--kv-transfer-peers: {item!r} is not HOST, HOST:PORT or [IPv6]:PORT")
-        peers.add((host, number))
+        peers.add((normal_host(host), number))
     return frozenset(peers)

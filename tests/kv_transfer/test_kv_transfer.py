@@ -1,6 +1,7 @@
 """jaxserve.kv_transfer: KV pages between processes, as checked bytes over a socket and by jax.experimental.transfer."""
 import asyncio
 import json
+import logging
 import os
 import socket
 import subprocess
@@ -17,6 +18,7 @@ import numpy as np
 import pytest
 
 from jaxserve.cache.kv_cache import Int8Pages
+from jaxserve.hex_mac import CLOCK_SKEW_S
 from jaxserve.kv_transfer import (
     JaxTransferEndpoint,
     KVServer,
@@ -26,9 +28,10 @@ from jaxserve.kv_transfer import (
     encode_pages,
     fetch_pages,
 )
-from jaxserve.kv_transfer.auth import pages_digest
+from jaxserve.kv_transfer.auth import FETCH_TTL_S, fetch_auth, fetch_mac, fetch_verified, pages_digest
 from jaxserve.kv_transfer.codec import MAGIC, PREFIX, header_length
 from jaxserve.kv_transfer.protocol import FRAME, MAX_REQUEST_BYTES, frame
+from jaxserve.kv_transfer.server import MALFORMED
 from jaxserve.kv_transfer.store import KVStoreFull
 
 from locations import ROOT, TESTS
@@ -237,29 +240,118 @@ def test_a_request_past_its_small_cap_is_refused_before_anything_is_reserved():
     asyncio.run(main())
 
 
+async def until(condition) -> None:
+    """Turns of the loop until condition() (a server's counters), with a generous deadline for a busy machine."""
+    deadline = time.monotonic() + 30
+    while not condition():
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.01)
+
+
 def test_idle_connections_past_the_cap_wait_unaccepted():
-    """Issue 48 item 4: 600 idle connections took 600 handlers and 600 MB. Past max_connections, connections are
-    not accepted (they wait in the kernel's backlog, nothing held here) until a served one ends."""
+    """Issue 48 item 4: 600 idle connections took 600 handlers and 600 MB. Past max_pending, connections are not
+    accepted (they wait in the kernel's backlog, nothing held here) until a pending one ends; none of them holds a
+    serving slot."""
     async def main():
         store = KVStore()
-        server = KVServer(store, HOST, 0, max_connections=4)
+        server = KVServer(store, HOST, 0, max_pending=4, auth_timeout_s=60)
         await server.start()
         idle = [await asyncio.open_connection(HOST, server.port) for _ in range(12)]
-        deadline = time.monotonic() + 10
-        while server.active < 4:
-            assert time.monotonic() < deadline
-            await asyncio.sleep(0.01)
+        await until(lambda: server.pending == 4)
         for _ in range(20):  # turns of the loop in which more could be accepted
             await asyncio.sleep(0)
-        assert server.active == server.peak_active == 4
+        assert server.pending == server.peak_pending == 4 and server.active == server.peak_active == 0
         kv = make_pages("int8")
         store.put("t", kv)
-        for _, writer in idle:  # their handlers end, the waiting connections are served (and end) in turn
+        for _, writer in idle:  # their handlers end, the waiting connections are read (and end) in turn
             writer.close()
         assert_same_pages(await fetch_pages(HOST, server.port, "t", timeout=10), kv)
-        assert server.peak_active == 4
+        assert server.peak_pending == 4 and server.peak_active == 1
         await server.close()
     asyncio.run(main())
+
+
+def test_idle_connections_never_hold_a_fetchs_slot():
+    """Review of issue 48: a connection held one of the 64 serving slots from before its accept through its
+    unauthenticated read (5 s), so 64 idle sockets re-opened every 5 s stalled every fetch. Now idle connections
+    hold only pending slots (cheap, many, 1 s): with all but one taken, and more idle connections than serving slots,
+    a decode server's MACed fetch is served at once."""
+    async def main():
+        store = KVStore()
+        server = KVServer(store, HOST, 0, secret=SECRET, max_connections=2, max_pending=9, auth_timeout_s=60)
+        await server.start()
+        idle = [await asyncio.open_connection(HOST, server.port) for _ in range(8)]  # max_pending - 1
+        await until(lambda: server.pending == 8)
+        assert server.active == 0 and server._slots._value == 2  # no serving slot taken by a stranger
+        kv = make_pages("float32", seed=9)
+        store.put("t", kv)
+        assert_same_pages(await fetch_pages(HOST, server.port, "t", timeout=30, secret=SECRET), kv)
+        assert server.served["bytes"] == 1 and server.peak_active == 1 and server.peak_pending == 9
+        assert server.pending == 8 and server.active == 0 and server._slots._value == 2  # the idle ones still wait
+        for _, writer in idle:
+            writer.close()
+        await server.close()
+    asyncio.run(main())
+
+
+def test_a_silent_connection_is_dropped_after_the_auth_timeout():
+    async def main():
+        server = KVServer(KVStore(), HOST, 0, auth_timeout_s=0.2)
+        await server.start()
+        reader, writer = await asyncio.open_connection(HOST, server.port)
+        reply = await asyncio.wait_for(read_frame(reader), 30)
+        assert reply == {"ok": False, "error": "no request in time"}
+        await until(lambda: server.pending == 0)
+        writer.close()
+        await server.close()
+    asyncio.run(main())
+
+
+def test_a_request_that_breaks_the_parser_or_the_mac_check_is_one_clean_refusal(caplog):
+    """Review of issue 48: JSON nested past the recursion limit (within 4 KiB) raised RecursionError, and a MAC of
+    non-ASCII text made hmac.compare_digest raise TypeError, out of the connection's task ("Task exception was never
+    retrieved", no answer). Each is now one refusal, the server serves on, and the pages are left."""
+    async def main():
+        store = KVStore()
+        server = KVServer(store, HOST, 0, secret=SECRET)
+        await server.start()
+        kv = make_pages("float32", seed=3)
+        store.put("t", kv)
+        nested = b"[" * (MAX_REQUEST_BYTES - 8)
+        now = int(time.time())
+        junk = [FRAME.pack(len(nested)) + nested]
+        for mac in ("\u00e9", "\ud800", "\u00e9" * 64, "A" * 64, "0" * 63, "0" * 65, 7, None, ["x"]):
+            junk.append(frame({"transfer_id": "t", "expires": now + 60, "mac": mac}))
+        for raw in junk:
+            reader, writer = await asyncio.open_connection(HOST, server.port)
+            writer.write(raw)
+            await writer.drain()
+            reply = await asyncio.wait_for(read_frame(reader), 30)
+            assert reply["ok"] is False and reply["error"] in (MALFORMED, "the fetch request is not authenticated")
+            writer.close()
+        await until(lambda: server.pending == 0)
+        assert len(store) == 1 and server.active == 0
+        assert_same_pages(await fetch_pages(HOST, server.port, "t", timeout=30, secret=SECRET), kv)
+        await server.close()
+    with caplog.at_level(logging.DEBUG, logger="jaxserve.kv_transfer.server"):
+        asyncio.run(main())
+    assert "RecursionError" in caplog.text  # (at debug: a stranger's junk is no operator's alarm)
+
+
+def test_a_fetch_mac_must_expire_soon_and_be_a_tag():
+    """The fetch MAC's window both ways (issue 48 review: an expiry far in the future was good for ever), and only a
+    tag's form is compared (non-ASCII text raised TypeError in hmac.compare_digest)."""
+    now = 1_000_000.0
+    good = {"transfer_id": "t", **fetch_auth(SECRET, "t", now)}
+    assert fetch_verified(SECRET, good, now)
+    assert fetch_verified(SECRET, good, now - CLOCK_SKEW_S) and fetch_verified(SECRET, good, now + FETCH_TTL_S)
+    assert not fetch_verified(SECRET, good, now + FETCH_TTL_S + CLOCK_SKEW_S + 1)  # expired
+    assert not fetch_verified(SECRET, good, now - 2 * CLOCK_SKEW_S)  # expires too far ahead of this clock
+    far = int(now) + 10 * 365 * 86400
+    assert not fetch_verified(SECRET, {"transfer_id": "t", "expires": far, "mac": fetch_mac(SECRET, "t", far)}, now)
+    for mac in ("\u00e9", "\ud800", good["mac"].upper(), good["mac"] + "\n", " " + good["mac"], True, None):
+        assert not fetch_verified(SECRET, dict(good, mac=mac), now), mac
+    assert not fetch_verified(SECRET, dict(good, expires=True), now)
 
 
 def test_pages_digest_covers_every_array_and_its_layout():

@@ -68,3 +68,38 @@ def test_peers_and_secret_flags():
     with pytest.raises(ValueError, match="at least 16"):
         check_secret("short")
     assert check_secret("0123456789abcdef") == b"0123456789abcdef" and check_secret(None) is None
+
+
+NOT_TAGS = ["é", "\ud800", "é" * 64, "\ud800" * 64, "F" * 64, "0" * 63, "0" * 65, "0" * 64 + "\n", " " + "0" * 63]
+
+
+def test_a_mac_that_is_no_tag_is_refused_not_a_crash():
+    """Review of issue 48: hmac.compare_digest raises TypeError on non-ASCII text, so a client's mac of 'é' was a
+    500 on either role server. Only 64 lowercase hex digits are compared; anything else is a plain refusal."""
+    rng = random.Random(4849)
+    signed = remote(rng).signed(SECRET)
+    body = {"model": "m", "prompt": "x"}
+    params = {"do_remote_decode": True, **router_auth(SECRET, body, 1000.0)}
+    trust = KVTrust(SECRET, clock=lambda: 1000.0)
+    for given in NOT_TAGS:
+        assert not RemoteKV(**{**signed.to_json(), "mac": given}).verified(SECRET), repr(given)
+        assert not router_verified(SECRET, dict(params, mac=given), body, 1000.0), repr(given)
+        with pytest.raises(ApiError) as e:
+            trust.check_router(dict(params, mac=given), body)
+        assert e.value.status == 400 and e.value.message == NOT_AUTHENTICATED
+    assert signed.verified(SECRET) and router_verified(SECRET, params, body, 1000.0)
+
+
+def test_peers_match_an_address_in_any_of_its_forms_and_a_name_in_any_case():
+    """Review of issue 48: --kv-transfer-peers compared raw strings, so "::ffff:10.0.0.7" (how a dual-stack socket
+    names an IPv4 peer), an IPv6 address written out in full, or a name in capitals missed their entry."""
+    rng = random.Random(4850)
+    trust = KVTrust(SECRET, parse_peers("[::FFFF:10.0.0.7]:8190, [2001:DB8:0:0::1], KVHost:9"),
+                    clock=lambda: 1_000_000_000.0)
+    for host, port in (("10.0.0.7", 8190), ("::ffff:10.0.0.7", 8190), ("2001:db8::1", 5), ("2001:0db8::0:1", 5),
+                       ("kvhost", 9), ("KVHOST", 9)):
+        trust.check_remote(remote(rng, remote_host=host, remote_port=port).signed(SECRET))
+    for host, port in (("10.0.0.7", 8191), ("10.0.0.8", 8190), ("2001:db8::2", 5), ("kvhost2", 9), ("kvhost", 10)):
+        with pytest.raises(ApiError, match="not on this decode server's --kv-transfer-peers"):
+            trust.check_remote(remote(rng, remote_host=host, remote_port=port).signed(SECRET))
+    assert parse_peers("[::ffff:10.0.0.7]:1,Host") == {("10.0.0.7", 1), ("host", None)}

@@ -312,13 +312,16 @@ def test_forged_kv_transfer_params_are_refused_alike_before_any_connection(pd):
 
 def test_fuzzed_kv_transfer_params_are_4xx_on_both_roles(pd):
     """Random kv_transfer_params (each field missing, mistyped, out of range or plausible; a real answer's with one
-    field fuzzed) to either role server: always a 4xx, never a 5xx, and both serve on."""
+    field fuzzed) to either role server: always a 4xx, never a 5xx, and both serve on. So is a MAC that is no tag
+    (non-ASCII text made hmac.compare_digest raise TypeError: a 500 on both roles) on the router's params to a
+    prefill server and the prefill server's to a decode server."""
     import random
     _, prefill, decode, router = pd
     rng = random.Random(4848)
     body = {"model": "tiny", "prompt": "fuzz", "max_tokens": 2, "temperature": 0}
     real = prefilled_params(prefill, body)
-    junk = [None, True, -1, 0, 2**31, 10**30, 1.5, "", "x" * 300, "\udcff", "127.0.0.1", "[::1]", [], {}, "0" * 64]
+    junk = [None, True, -1, 0, 2**31, 10**30, 1.5, "", "x" * 300, "\udcff", "127.0.0.1", "[::1]", [], {}, "0" * 64,
+            "é", "\ud800", "é" * 64]
     for _ in range(120):
         params = {k: v for k, v in real.items() if rng.random() < 0.8}
         for key in rng.sample(sorted(real), rng.randrange(1, 4)):
@@ -326,6 +329,11 @@ def test_fuzzed_kv_transfer_params_are_4xx_on_both_roles(pd):
         for st in (decode, prefill):
             status, answer = post(st.url, "/v1/completions", dict(body, kv_transfer_params=params))
             assert 400 <= status < 500, (params, answer)
+    for mac in ["é", "\ud800", "é" * 64, "\ud800" * 64, "F" * 64, "0" * 63, "0" * 64 + "\n"]:
+        routed = with_router_auth(body)["kv_transfer_params"]
+        for st, params in ((decode, dict(real, mac=mac)), (prefill, dict(routed, mac=mac))):
+            status, answer = post(st.url, "/v1/completions", dict(body, kv_transfer_params=params))
+            assert status == 400 and answer["error"]["message"] == NOT_AUTHENTICATED, (params, answer)
     assert prefill.server.prefill_side.store.discard(real["transfer_id"])
     assert post(router.url, "/v1/completions", body)[0] == 200
     assert_clean(prefill, decode)
@@ -624,7 +632,7 @@ def test_no_healthy_prefill_server_ends_the_request_at_once(pd):
                           kv_secret=SECRET)
     try:
         status, body = post(router.url, "/v1/completions", {"prompt": "x", "stream": True})
-        assert status == 502 and body["error"]["message"].startswith("prefill failed")
+        assert status == 502 and body["error"]["message"] == "the prefill server failed"  # (no address: in the log)
         status, body = post(router.url, "/v1/completions", {"prompt": "x"})  # both are out of the pool now
         assert status == 503 and body["error"]["message"] == "no prefill server is healthy"
         assert http("GET", router.url + "/health")[0] == 503
@@ -708,7 +716,7 @@ def test_killing_the_decode_server_mid_stream_ends_the_request_with_an_error(pd,
     (["serve", "--role", "prefill", "--kv-fetch-timeout", "5"], "a decode server's"),
     (["serve", "--role", "decode", "--kv-fetch-timeout", "0"], "--kv-fetch-timeout"),
     (["serve", "--role", "prefill", "--kv-transfer-max-bytes", "0"], "--kv-transfer-max-bytes"),
-    (["serve", "--role", "decode", "--host", "0.0.0.0"], "needs --kv-transfer-secret"),
+    (["serve", "--role", "decode", "--host", "0.0.0.0"], "without it a role server serves no kv_transfer_params"),
     (["serve", "--role", "prefill", "--kv-transfer-host", "10.0.0.1"], "needs --kv-transfer-secret"),
     (["serve", "--role", "decode", "--kv-transfer-secret", "short"], "at least 16 characters"),
     (["serve", "--role", "prefill", "--kv-transfer-peers", "h:1"], "a decode server's"),
@@ -722,6 +730,16 @@ def test_flag_errors_are_one_line_before_anything_starts(argv, message, capsys, 
     assert main(argv) == 1
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_loopback_role_server_without_a_secret_says_it_serves_nothing(tmp_path, capsys, monkeypatch):
+    """Without the secret a role server serves no kv_transfer_params (review of issue 48: the message spoke of
+    fetches from anywhere); on loopback it starts, and says so (here it then finds no model)."""
+    from jaxserve.cli import main
+    monkeypatch.delenv("JAXSERVE_KV_SECRET", raising=False)
+    assert main(["serve", "--role", "decode", "--model", str(tmp_path / "no-model")]) == 1
+    err = capsys.readouterr().err
+    assert "without --kv-transfer-secret" in err and "refuses every request, the router's too" in err, err
 
 
 def test_the_default_model_through_the_router_with_the_openai_client(default_llm):
