@@ -12,7 +12,8 @@ may cut the output short of the grammar's end, as in OpenAI's API).
 
 A sequence that cannot go on within its constraints ends with finish reason "error" (vLLM's FinishReason.ERROR):
 a row whose masks and bans left no token (the device's NO_TOKEN, nothing taken), a grammar that failed, and a
-grammar complete before min_tokens (it allows only EOS, which min_tokens bans). Never a token outside the mask.
+grammar complete before min_tokens (it allows only EOS, which min_tokens bans). Never a token outside the mask: a
+token the grammar refuses is not taken (no text, count or logprob of it).
 """
 from __future__ import annotations
 
@@ -74,8 +75,8 @@ def process(rows: list[Sequence], result: StepOutput,
                 # The runner drops the top logprobs only from a step where no row asked for them.
                 assert result.top_ids is not None and result.top_logprobs is not None
                 top = list(zip(result.top_ids[i, j].tolist(), result.top_logprobs[i, j].tolist()))
-            taken.append(tokens[i][j])
-            _take_token(seq, tokens[i][j], float(result.logprobs[i, j]), int(result.ranks[i, j]), top)
+            if _take_token(seq, tokens[i][j], float(result.logprobs[i, j]), int(result.ranks[i, j]), top):
+                taken.append(tokens[i][j])
             if out.finish_reason is not None:
                 break  # never a token past a stop
         new_logprobs = out.logprobs[start_logprobs:] if out.logprobs is not None else None
@@ -114,8 +115,14 @@ def request_metrics(seqs: list[Sequence]) -> RequestMetrics:
                           max(finished) if len(finished) == len(seqs) else None, sum(s.num_preemptions for s in seqs))
 
 
-def _take_token(seq: Sequence, token: int, logprob: float, rank: int, top: list[tuple[int, float]]) -> None:
+def _take_token(seq: Sequence, token: int, logprob: float, rank: int, top: list[tuple[int, float]]) -> bool:
+    """Takes a token into the sequence's output; False if its grammar refused it (or failed on it): then nothing
+    of it is kept (text, count, logprobs), and the sequence ends with an error after the tokens before it."""
     out, params, rules = seq.output, seq.params, seq.stop_rules
+    grammar = _advance_grammar(seq, token) if out.grammar is not None else None
+    if grammar == FAILED:
+        out.finish_reason, out.stop_reason = "error", None
+        return False
     out.num_tokens += 1
     out.cumulative_logprob += logprob
     if out.logprobs is not None:
@@ -124,32 +131,28 @@ def _take_token(seq: Sequence, token: int, logprob: float, rank: int, top: list[
         out.logprobs.append(entry)
     piece = out.detokenizer.add(token) if out.detokenizer is not None else ""
     n = out.num_tokens
-    grammar = _advance_grammar(seq, token) if out.grammar is not None else None
-    if grammar == FAILED:
-        out.text += piece
-        out.finish_reason, out.stop_reason = "error", None
-        return
     if n >= params.min_tokens and (token in rules.eos or token in rules.stop_ids):
         # The ending token's text is not part of the output unless asked, as in vLLM.
         out.finish_reason, out.stop_reason = "stop", None if token in rules.eos else token
         if params.include_stop_str_in_output:
             out.text += piece
-        return
+        return True
     out.text += piece
     if piece and rules.strings and n >= params.min_tokens:
         _check_stop_strings(seq, len(out.text) - len(piece))
         if out.finish_reason:
-            return
+            return True
     if grammar == COMPLETE:
         # Short of min_tokens the grammar allows only EOS, which min_tokens bans: nothing can follow.
         out.finish_reason, out.stop_reason = "stop" if n >= params.min_tokens else "error", None
         if n < params.min_tokens:
             logger.warning("request %s: its grammar is complete after %d of min_tokens %d; the sequence ends with "
                            "an error", seq.request_id, n, params.min_tokens)
-        return
+        return True
     if n >= (seq.max_model_len if params.max_tokens is None else params.max_tokens) or \
             len(seq.prompt_token_ids) + n >= seq.max_model_len:
         out.finish_reason = "length"
+    return True
 
 
 COMPLETE, FAILED = "complete", "failed"

@@ -262,7 +262,7 @@ class Scheduler(Admission):
                 end = len(seq.prompt_token_ids) + len(seq.output_token_ids)
                 seq.token_ids_array[end:end + len(d.token_ids)] = d.token_ids
             seq.output_token_ids += d.token_ids
-            if seq.first_token_time is None:
+            if seq.first_token_time is None and d.token_ids:  # one ended with no token (an error) took none
                 seq.first_token_time = now
             if d.finished:
                 seq.finish_time = now

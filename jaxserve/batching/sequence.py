@@ -106,8 +106,11 @@ class Sequence:
         self.max_model_len = max_model_len
         self.eos_token_ids = [] if params.ignore_eos else list(eos_token_ids)
         # What min_tokens bans on device, each id once: EOS and stop ids (a list once SamplingParams is checked).
+        # Under a grammar EOS is banned even with ignore_eos: the grammar's mask allows EOS wherever the grammar may
+        # end, and taking it completes the grammar, which ends the sequence all the same.
         assert params.stop_token_ids is not None
-        self.ending_token_ids = tuple(dict.fromkeys(self.eos_token_ids + params.stop_token_ids))
+        banned_eos = list(eos_token_ids) if grammar is not None else self.eos_token_ids
+        self.ending_token_ids = tuple(dict.fromkeys(banned_eos + params.stop_token_ids))
         self.controls = controls  # logit_bias, allowed_token_ids and bad_words on the model's vocabulary
         self.lora = lora  # its LoRA adapter (None: the base model), held from here on (see jaxserve.lora.slot_cache)
         # The scheduler's.

@@ -19,9 +19,9 @@ from jaxserve.engine_config import EngineConfig
 from jaxserve.lora.request import LoRARequest
 from jaxserve.lora.slot_cache import HostAdapters, LoadedAdapter
 from jaxserve.outputs import RequestOutput
-from jaxserve.sample.logit_controls import resolve
+from jaxserve.sample.logit_controls import check_first_token, resolve
 from jaxserve.sampling_params import MAX_BANNED_TOKENS, SamplingParams
-from jaxserve.structured_output import compile_grammar
+from jaxserve.structured_output import compile_grammar, fill_masks
 from jaxserve.tokenizer import IncrementalDetokenizer
 
 
@@ -122,13 +122,17 @@ class LLM:
         eos = self.tokenizer.eos_token_ids if self.tokenizer is not None else []
         assert params.stop_token_ids is not None  # SamplingParams makes it a list
         ending = set(eos) | set(params.stop_token_ids)
-        if params.min_tokens and not params.ignore_eos and len(ending) > MAX_BANNED_TOKENS:
+        # Under a grammar min_tokens bans EOS even with ignore_eos (`Sequence.ending_token_ids`).
+        bans_eos = not params.ignore_eos or params.structured_outputs is not None
+        if params.min_tokens and bans_eos and len(ending) > MAX_BANNED_TOKENS:
             raise ValueError(f"min_tokens can hold back at most {MAX_BANNED_TOKENS} ending tokens; this model's "
                              f"{len(eos)} EOS ids and the stop_token_ids make {len(ending)}")
         controls = resolve(params, self.vocab_size, self.tokenizer)
         grammar = None
         if params.structured_outputs is not None:
             grammar = compile_grammar(params.structured_outputs, self.tokenizer, self.vocab_size)
+            if controls.token_mask is not None or params.min_tokens:  # a first token the grammar and they allow?
+                check_first_token(params, controls, fill_masks([grammar.matcher()])[0], ending, self.vocab_size)
         lora = self._adapter(lora_request)  # last: loading from disk is the slowest check
         seqs = []
         for i in range(params.n):

@@ -15,7 +15,7 @@ import dataclasses
 
 import numpy as np
 
-from jaxserve.sample.token_mask import allow_all, allowing, forbidding
+from jaxserve.sample.token_mask import allow_all, allowed_ids, allowing, forbidding
 from jaxserve.sampling_params import ParamError, SamplingParams
 
 
@@ -68,8 +68,9 @@ def resolve(params: SamplingParams, vocab_size: int, tokenizer=None) -> LogitCon
 def check_some_allowed(params: SamplingParams, bad_tokens: list[int], eos_token_ids: list[int]) -> None:
     """A ParamError where allowed_token_ids leave nothing to sample: all of them bad words, or (while min_tokens
     bans them) all EOS or stop ids. Such a row would have an empty mask from its first token: refused up front
-    rather than ended with an error after its prompt is computed. (A grammar's mask is known only once compiled;
-    the device ends such a row: `jaxserve.sample.sampling.NO_TOKEN`.)"""
+    rather than ended with an error after its prompt is computed. (A grammar's first mask is checked once compiled:
+    `check_first_token`; a later one that leaves nothing ends its row on device: `jaxserve.sample.sampling.NO_TOKEN`.)
+    """
     assert params.allowed_token_ids is not None and params.stop_token_ids is not None  # lists once checked
     left = set(params.allowed_token_ids).difference(bad_tokens)
     if not left:
@@ -80,6 +81,25 @@ def check_some_allowed(params: SamplingParams, bad_tokens: list[int], eos_token_
         raise ParamError(f"allowed_token_ids leave no token to sample before min_tokens ({params.min_tokens}): "
                          f"they are all end-of-sequence or stop tokens {sorted(left)[:8]}, which min_tokens bans",
                          "allowed_token_ids")
+
+
+def check_first_token(params: SamplingParams, controls: LogitControls, grammar_mask: np.ndarray,
+                      ending_token_ids, vocab_size: int) -> None:
+    """A ParamError where a grammar's first mask (`jaxserve.structured_output.fill_masks` of a fresh matcher) leaves
+    no first token with the request's own mask (allowed_token_ids, one-token bad_words) and min_tokens' ban of
+    `ending_token_ids`: known when the grammar is compiled, so refused then, not ended with an error after the
+    prompt is computed. What only later tokens show ends its row on device (`jaxserve.sample.sampling.NO_TOKEN`)."""
+    mask = grammar_mask if controls.token_mask is None else controls.token_mask & grammar_mask
+    if params.min_tokens:
+        mask = forbidding(mask, ending_token_ids)
+    if allowed_ids(mask, vocab_size).size:
+        return
+    kind = params.structured_outputs.kind if params.structured_outputs is not None else "grammar"
+    named = [n for n, on in (("allowed_token_ids", params.allowed_token_ids is not None),
+                             ("bad_words", bool(params.bad_words)), ("min_tokens", bool(params.min_tokens))) if on]
+    # (Not starting with "structured_outputs": the server reads such a message as a grammar's compile error.)
+    raise ParamError(f"{' and '.join(named) or 'the request'} leave no first token that structured_outputs.{kind} "
+                     "allows: nothing could be sampled", named[0] if named else None)
 
 
 def bad_words_token_ids(words: list[str], tokenizer) -> list[list[int]]:

@@ -59,6 +59,10 @@ def sample(logits, p, axis: str | None = None) -> Sampled:
     empty = top[:, 0] == -jnp.inf
     # An empty row's draw is noise (probabilities of 0 / 0): token 0's logprob stands in, the same on every device.
     tokens = jnp.where(empty | (p.temperature == 0), greedy, sampled).astype(jnp.int32)
+    # The draw's three reductions (u scaled by the total, the block by block sums, the place in the block by a
+    # cumulative sum) round apart: a u within an ulp of a block's end may land on the next block's first token (or
+    # the vocabulary's last), which can be one the masks forbid. Such a draw takes the greedy token instead.
+    tokens = jnp.where(_at(logits, tokens, axis) == -jnp.inf, greedy, tokens)
     return Sampled(jnp.where(empty, NO_TOKEN, tokens), *token_logprobs(logprobs, tokens, p.want_top_logprobs, axis))
 
 
@@ -209,13 +213,18 @@ def token_logprobs(logprobs, tokens, want_top_logprobs, axis=None):
         lambda lp: _top_logprobs(lp, axis),
         lambda lp: (jnp.zeros((S, MAX_LOGPROBS), lp.dtype), jnp.zeros((S, MAX_LOGPROBS), jnp.int32)),
         logprobs)
-    if axis is None:
-        chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=1)  # [S, 1]
-    else:  # from the device that holds the token (the others add 0)
-        local = _local_ids(tokens, V, axis)
-        picked = jnp.take_along_axis(logprobs, jnp.minimum(local, V - 1)[:, None], axis=1)  # [S, 1]
-        chosen = jax.lax.psum(jnp.where(local[:, None] < V, picked, 0.0), axis)
+    chosen = _at(logprobs, tokens, axis)[:, None]  # [S, 1]
     return chosen[:, 0], 1 + _sum(logprobs > chosen, axis), top_ids, top_logprobs
+
+
+def _at(x, tokens, axis=None):
+    """x [S, V] at each row's token [S] (over a mesh axis: from the device that holds it, the others adding 0)."""
+    if axis is None:
+        return jnp.take_along_axis(x, tokens[:, None], axis=1)[:, 0]
+    V = x.shape[-1]
+    local = _local_ids(tokens, V, axis)
+    picked = jnp.take_along_axis(x, jnp.minimum(local, V - 1)[:, None], axis=1)[:, 0]  # [S]
+    return jax.lax.psum(jnp.where(local < V, picked, 0.0), axis)
 
 
 def _top_logprobs(logprobs, axis):

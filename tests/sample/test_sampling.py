@@ -14,8 +14,9 @@ from jaxserve.sampling_params import MAX_BANNED_TOKENS, MAX_LOGPROBS, SamplingPa
 V = 50
 
 
-def rows(n, **overrides):
-    p = {**vars(neutral_sampling(n, V)), "temperature": np.ones(n, np.float32), "seed": np.arange(n, dtype=np.uint32),
+def rows(n, vocab=V, **overrides):
+    p = {**vars(neutral_sampling(n, vocab)), "temperature": np.ones(n, np.float32),
+         "seed": np.arange(n, dtype=np.uint32),
          "min_tokens": np.ones(n, np.int32)}
     for k, v in overrides.items():
         p[k] = np.broadcast_to(np.asarray(v, p[k].dtype), p[k].shape).copy()
@@ -219,6 +220,28 @@ def test_a_row_left_no_token_samples_none():
     v = jax.jit(verify)(jnp.asarray(np.repeat(logits[:, None], 2, axis=1)), jnp.full((n, 1), t, jnp.int32),
                         jnp.ones(n, jnp.int32), p)
     assert np.asarray(v.tokens)[[0, 4], 0].tolist() == [NO_TOKEN] * 2 and np.asarray(v.num_tokens)[0] == 1
+
+
+def test_a_draw_at_a_rounding_edge_never_takes_a_masked_token(monkeypatch):
+    """The draw's reductions round apart: a uniform at the top of its range, or one an ulp below a block's end,
+    lands past the last allowed token, on the vocabulary's last id or the next block's first (it sampled them with
+    their logits at -inf). The draw is pinned at those edges; every row samples a token its mask allows."""
+    from jaxserve.sample import sampling
+    seed = int(np.random.default_rng().integers(2 ** 31))
+    rng = np.random.default_rng(seed)
+    n, vocab = 32, 600  # blocks of 256: 0-255, 256-511, 512-599
+    masks = np.stack([token_mask.forbidding(token_mask.allow_all(vocab), [255, 256, 511, 512, vocab - 1])] * n)
+
+    def edge_draw(probs, keys, axis=None):
+        top = jnp.float32(1 - 2 ** -24) * jnp.sum(probs, axis=-1)  # jax.random.uniform's largest, times the mass
+        block_end = jnp.nextafter(jnp.sum(probs[:, :256], axis=-1), jnp.float32(0))
+        return sampling.inverse_cdf(probs, jnp.where(jnp.arange(probs.shape[0]) % 2 == 0, top, block_end))
+
+    monkeypatch.setattr(sampling, "draw", edge_draw)
+    logits = rng.normal(0, 2, (n, vocab)).astype(np.float32)
+    tokens = np.asarray(jax.jit(sample)(jnp.asarray(logits), rows(n, vocab, token_mask=masks)).tokens)
+    assert all(masks[0].view(np.uint32)[t // 32] >> (t % 32) & 1 for t in tokens.tolist()), \
+        f"seed {seed}: {tokens}"
 
 
 def test_a_batch_without_masks_copies_none(tiny_dir):

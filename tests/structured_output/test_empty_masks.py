@@ -9,9 +9,11 @@ from jaxserve.batching.step_plan import ScheduledBatch
 from jaxserve.batching.step_rows import constrain, row_sampling
 from jaxserve.runner.batch_builder import Row
 from jaxserve.sample.token_mask import allowed_ids
+from jaxserve.sampling_params import ParamError
 from jaxserve.sampling_params import StructuredOutputsParams as Structured
 from jaxserve.structured_output import fill_masks
 
+from fake_runner import ScriptedRunner, fake_llm
 from tiny import make_llm
 
 EOS = 319
@@ -61,13 +63,44 @@ def test_what_min_tokens_or_ignore_eos_leaves_is_not_refused(llm):
     llm.make_request("Hello", SamplingParams(structured_outputs=Structured(choice=["a", "abcde"]), min_tokens=5))
 
 
+@pytest.mark.parametrize("params, param", [
+    (dict(allowed_token_ids=["b"]), "allowed_token_ids"),  # ran, and ended "error" with ""
+    (dict(allowed_token_ids=["b", "<eos>"], min_tokens=1, regex="a*"), "allowed_token_ids"),
+    (dict(bad_words=["a"]), "bad_words"),
+    (dict(min_tokens=2, ignore_eos=True, regex=""), "min_tokens"),  # EOS is the grammar's end: banned all the same
+])
+def test_a_grammar_with_no_first_token_is_refused(llm, params, param):
+    """The grammar's first mask is known once it is compiled: where allowed_token_ids, bad_words and min_tokens'
+    ban leave none of it, the request is refused (a ParamError naming the field, a 400 on the server)."""
+    ids = {"a": token(llm, "a"), "b": token(llm, "b"), "<eos>": EOS}
+    regex = params.pop("regex", "a+")
+    if "allowed_token_ids" in params:
+        params["allowed_token_ids"] = [ids[t] for t in params["allowed_token_ids"]]
+    with pytest.raises(ParamError, match="leave no first token that structured_outputs.regex allows") as e:
+        llm.make_request("Hello", SamplingParams(max_tokens=8, structured_outputs=Structured(regex=regex), **params))
+    assert e.value.param == param
+    llm.make_request("Hello", SamplingParams(max_tokens=8, structured_outputs=Structured(regex="[ab]+"),
+                                             allowed_token_ids=[ids["b"]], min_tokens=3))
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_a_grammar_disjoint_from_allowed_token_ids_ends_in_error(llm, temperature):
-    """The regex allows only "a", allowed_token_ids only "b": nothing may be sampled (it sampled token 0, which the
-    grammar refused, and ended "stop" with "" as if the regex were matched)."""
-    seq = run(llm, SamplingParams(temperature=temperature, seed=1, max_tokens=8, allowed_token_ids=[token(llm, "b")],
-                                  structured_outputs=Structured(regex="a+")))
-    assert seq.finish_reason == "error" and seq.output_token_ids == [] and seq.text == ""
+def test_a_grammar_disjoint_from_allowed_token_ids_later_ends_in_error(llm, temperature):
+    """The regex allows "a" then "b", allowed_token_ids only "a": the first token is possible (not refused), the
+    second has nothing to sample, so the sequence ends "error" after "a"."""
+    seq = run(llm, SamplingParams(temperature=temperature, seed=1, max_tokens=8, allowed_token_ids=[token(llm, "a")],
+                                  structured_outputs=Structured(regex="ab")))
+    assert seq.finish_reason == "error" and seq.output_token_ids == [token(llm, "a")] and seq.text == "a"
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_ignore_eos_with_a_grammar_still_bans_eos_before_min_tokens(llm, temperature):
+    """The grammar's mask allows EOS wherever the grammar may end ("[a-z]+" after one letter), and taking it
+    completes the grammar: under ignore_eos min_tokens did not ban it, so a row that liked EOS took it at once and
+    ended "error" (grammar complete before min_tokens). EOS is banned until min_tokens, then ends it "stop"."""
+    seq = run(llm, SamplingParams(temperature=temperature, seed=4, max_tokens=8, min_tokens=4, ignore_eos=True,
+                                  logit_bias={EOS: 100.0}, structured_outputs=Structured(regex="[a-z]+")))
+    assert seq.finish_reason == "stop", (seq.finish_reason, seq.output_token_ids)
+    assert len(seq.output_token_ids) == 5 and seq.output_token_ids[-1] == EOS and len(seq.text) == 4
 
 
 def test_a_grammar_complete_before_min_tokens_ends_in_error(llm):
@@ -92,9 +125,36 @@ def test_a_failed_grammar_ends_in_error(llm):
     assert not seq.output.grammar.accept(token(llm, "7")) and seq.output.grammar.failed
     while llm.has_unfinished_requests():
         llm.step()
-    assert seq.finish_reason == "error"
-    assert seq.output_token_ids[:len(taken)] == taken and len(seq.output_token_ids) <= len(taken) + 1
+    # The failed grammar refuses any token: the one in flight, if any, is not taken.
+    assert seq.finish_reason == "error" and seq.output_token_ids == taken
     llm.core.assert_idle_and_clean()
+
+
+def scripted_llm(llm, text: str):
+    """An engine over a model that writes `text` (then EOS) whatever it is asked, masks or not: a grammar refuses
+    what it writes outside it. The tiny model's byte-level tokenizer."""
+    script = llm.tokenizer.encode(text, add_special_tokens=False)
+    return fake_llm(vocab_size=llm.vocab_size, tokenizer=llm.tokenizer,
+                    runner=ScriptedRunner(script, EOS, llm.vocab_size))
+
+
+@pytest.mark.parametrize("text, kept", [("ab7cd", "ab"), ("7", "")])
+def test_a_token_the_grammar_refuses_is_not_taken(llm, text, kept):
+    """The grammar refuses "7": the sequence ends "error" with what came before it; the refused token is in no part
+    of the output (it was in the text, the token ids, the logprobs and the count), and a sequence that took no
+    token has no first-token time (it had one)."""
+    fake = scripted_llm(llm, text)
+    ids = [token(llm, ch) for ch in kept]
+    params = SamplingParams(max_tokens=8, logprobs=1, structured_outputs=Structured(regex="[a-z]{10}"))
+    (out,) = fake.generate(["Hello"], params)
+    (c,) = out.outputs
+    assert c.finish_reason == "error" and c.text == kept and c.token_ids == ids and len(c.logprobs) == len(kept)
+    assert (out.metrics.first_token_time is None) == (not kept), out.metrics
+    (seq,) = fake.add_request("Hello", params).seqs
+    while fake.has_unfinished_requests():
+        fake.step()
+    assert seq.output.num_tokens == len(kept) and seq.output_token_ids == ids and seq.finish_reason == "error"
+    fake.core.assert_idle_and_clean()
 
 
 def test_a_failed_grammars_mask_allows_nothing(llm):
