@@ -571,14 +571,16 @@ def test_a_client_that_leaves_before_the_fetch_has_its_transfer_discarded(pd):
     assert_clean(prefill, decode)
 
 
-def test_a_prefill_server_whose_kv_store_is_full_answers_503(pd):
+def test_a_prefill_server_whose_kv_store_is_full_answers_503(pd, caplog):
+    """A 503 through the router, which tells the client no more than that (the reason is in its log)."""
     _, prefill, decode, router = pd
     store = prefill.server.prefill_side.store
     store.max_bytes = 1  # (--kv-transfer-max-bytes 1: no transfer fits)
     try:
         body = {"model": "tiny", "prompt": "no room", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
         status, answer = post(router.url, "/v1/completions", body)
-        assert status == 503 and "cannot hold the request's KV pages" in answer["error"]["message"], answer
+        assert status == 503 and answer["error"]["message"] == "the prefill server failed", answer
+        assert "cannot hold the request's KV pages" in caplog.text
     finally:
         store.max_bytes = None
     assert_clean(prefill, decode)
