@@ -13,6 +13,7 @@ from pathlib import Path
 
 from jaxserve.cache import KV_CACHE_DTYPES, check_kv_cache_dtype
 from jaxserve.cli_flags import FlagGroup, add_flags, flag, read_flags
+from jaxserve.config import check_hf_overrides, hf_overrides_from_json
 from jaxserve.model.quant import QUANTIZATIONS
 from jaxserve.options import ATTENTION_BACKENDS, AUTO_CLUSTER, CPU_KV_CACHE_BYTES, DTYPES, ROLES, SCHEDULING_POLICIES
 from jaxserve.spec_config import SpeculativeConfig
@@ -39,6 +40,11 @@ def _add_speculative_cli_args(p: argparse.ArgumentParser) -> None:
                         "costs say it pays")
 
 
+def _add_hf_overrides_cli_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--hf-overrides", metavar="JSON", help="a JSON object of HF config keys that replace the model's "
+                   "(vLLM's): rope_scaling / rope_parameters, rope_theta, max_position_embeddings")
+
+
 def _speculative_config(args: argparse.Namespace) -> dict | None:
     method = args.speculative_method or ("draft_model" if args.draft_model else None)
     if method is None:
@@ -59,7 +65,9 @@ class EngineConfig:
     """The arguments of `LLM(...)` (and `AsyncEngine.from_args(...)`), checked before anything loads.
 
     model: None (SmolLM2-135M-Instruct, fetched once), a .gguf file, a HF directory or a jaxserve checkpoint.
-    max_model_len: longest prompt + output (default: the model's context length).
+    max_model_len: longest prompt + output (default: the model's context length, stretched by RoPE scaling).
+    hf_overrides: HF config keys that replace the model's, as vLLM's (e.g. {"rope_scaling": {"rope_type": "yarn",
+        "factor": 4.0, "original_max_position_embeddings": 8192}}); see jaxserve.config.HF_OVERRIDABLE.
     dtype: "auto" (float32 on CPU, bfloat16 on GPU/TPU), "float32", "bfloat16" or "float16".
     max_num_seqs: most sequences running together.
     max_num_batched_tokens: tokens computed per step, one per decoding sequence and the rest prompt chunks: the
@@ -123,6 +131,8 @@ class EngineConfig:
         "~/.cache/jaxserve or $JAXSERVE_CACHE)", repeat_in_serve=True,
         serve_help="; give it again to serve several models at once, an engine each")
     max_model_len: int | None = flag("longest prompt + output in tokens (default: the model's context length)")
+    hf_overrides: dict | None = dataclasses.field(default=None, metadata={"cli": FlagGroup(
+        _add_hf_overrides_cli_arg, lambda args: hf_overrides_from_json(getattr(args, "hf_overrides", None)))})
     dtype: str = flag("parameter and activation dtype (auto: float32 on CPU, bfloat16 on GPU/TPU)", default="auto",
                       choices=DTYPES)
     max_num_seqs: int = flag("most sequences decoding together", default=64, serve_only=True, offline_default=1)
@@ -195,6 +205,7 @@ class EngineConfig:
             object.__setattr__(self, "model", os.fspath(self.model))
         _check_type("model", self.model, str, optional=True)
         _check_int("max_model_len", self.max_model_len, 2, optional=True)  # the model's own limit: at load
+        check_hf_overrides(self.hf_overrides)
         _check_choice("dtype", self.dtype, DTYPES)
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "tensor_parallel_size",
                      "data_parallel_size"):

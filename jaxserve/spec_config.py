@@ -56,6 +56,6 @@ def check_draft(draft_config, target_config, max_model_len: int) -> None:
     if draft_config.vocab_size != target_config.vocab_size:
         raise ValueError(f"the draft model's vocabulary ({draft_config.vocab_size} tokens) is not the target's "
                          f"({target_config.vocab_size}): a draft must share the target's tokenizer")
-    if draft_config.max_position_embeddings < max_model_len:
-        raise ValueError(f"the draft model's context ({draft_config.max_position_embeddings} tokens) is shorter than "
+    if draft_config.derived_max_model_len < max_model_len:  # (stretched by its RoPE scaling, as the target's)
+        raise ValueError(f"the draft model's context ({draft_config.derived_max_model_len} tokens) is shorter than "
                          f"max_model_len ({max_model_len}); lower max_model_len or use another draft")

@@ -139,17 +139,21 @@ def _load_models(c: EngineConfig, pools: list[tuple[str, int, list]], dtype) -> 
     accelerator ever holds the whole model."""
     on_host = pools[0][2][0] is not None
     with jax.default_device(jax.local_devices(backend="cpu")[0]) if on_host else nullcontext():
-        loaded = quantize_model(load_model(c.model, dtype), c.quantization, group_size=c.quantization_group_size,
+        loaded = load_model(c.model, dtype)
+        loaded = dataclasses.replace(loaded, config=loaded.config.with_hf_overrides(c.hf_overrides))
+        loaded = quantize_model(loaded, c.quantization, group_size=c.quantization_group_size,
                                 quantize_embeddings=c.quantize_embeddings, calibration_text=c.calibration_text)
         if c.chat_template is not None:
             tokenizer = loaded.tokenizer
             if tokenizer is None:
                 raise ValueError(f"chat_template {c.chat_template}: this model has no tokenizer to chat with")
             tokenizer.chat_template = read_chat_template(c.chat_template)
-        limit = loaded.config.max_position_embeddings
+        limit = loaded.config.derived_max_model_len  # its context, stretched by any RoPE scaling (as vLLM's)
         if c.max_model_len is not None and c.max_model_len > limit:
             raise ValueError(f"max_model_len must be an integer in [2, {limit}] for this model, got "
-                             f"{c.max_model_len!r}")
+                             f"{c.max_model_len!r}; RoPE scaling extends a model's context, e.g. hf_overrides="
+                             "{'rope_scaling': {'rope_type': 'yarn', 'factor': 4.0, "
+                             "'original_max_position_embeddings': N}}")
         max_model_len = c.max_model_len or limit
         draft = _load_draft(c, loaded, dtype, max_model_len)
         # What the runners hold: over a mesh wider than the KV heads, each device gets a copy of the head it reads.

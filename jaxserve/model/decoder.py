@@ -26,7 +26,7 @@ from jaxserve.config import ModelConfig
 from jaxserve.model.attention import attention
 from jaxserve.model.layers import Linear, RMSNorm, rms_norm
 from jaxserve.model.quant import embed, logical_axes, matmul
-from jaxserve.model.rope import apply_rope, inverse_frequencies
+from jaxserve.model.rope import apply_rope, rope_parameters
 from jaxserve.parallel.mesh import attention_over_heads, embed_over_vocab, model_size
 
 
@@ -124,9 +124,10 @@ class DecoderLayer(nn.Module):
             k = RMSNorm(c.rms_norm_eps, dt, "head_dim", name="k_norm")(k)
         window = c.layer_window(i)
         local_rope = window is not None and c.rope_local_theta is not None  # Gemma's sliding layers: their own base
-        inv_freq = inverse_frequencies(c.head_dim, c.layer_rope_theta(i), None if local_rope else c.rope_scaling)
-        q = apply_rope(q, rows.positions, inv_freq)
-        k = apply_rope(k, rows.positions, inv_freq)
+        inv_freq, attention_factor = rope_parameters(c.head_dim, c.layer_rope_theta(i),
+                                                     None if local_rope else c.rope_scaling, c.max_position_embeddings)
+        q = apply_rope(q, rows.positions, inv_freq, attention_factor)
+        k = apply_rope(k, rows.positions, inv_freq, attention_factor)
         if c.query_pre_attn_scalar is not None and c.query_pre_attn_scalar != c.head_dim:
             # attention divides by sqrt(head_dim)
             q = q * jnp.asarray((c.head_dim / c.query_pre_attn_scalar) ** 0.5, dt)

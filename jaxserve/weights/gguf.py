@@ -205,11 +205,31 @@ def _rope_scaling(meta, params: dict[str, np.ndarray], path: Path, arch: str, ro
     if scaling_type == "linear":
         return {"rope_type": "linear", "factor": meta(f"{arch}.rope.scaling.factor")}
     if scaling_type == "yarn":
-        return {"rope_type": "yarn", "factor": meta(f"{arch}.rope.scaling.factor"),
-                "original_max_position_embeddings": meta(f"{arch}.rope.scaling.original_context_length")}
+        return _yarn_rope_scaling(meta, path, arch)
     if scaling_type != "none":
         raise ValueError(f"{path}: unsupported RoPE scaling {scaling_type!r}")
     return None
+
+
+def _yarn_rope_scaling(meta, path: Path, arch: str) -> dict:
+    """HF's YaRN rope_scaling from the keys llama.cpp's converter writes (gguf-py's Keys.Rope): the factor, the
+    original context (default: the context length, as HF's and llama.cpp's), and where the HF config had them,
+    beta_fast / beta_slow and attention_factor (yarn_attn_factor)."""
+    key = f"{arch}.rope.scaling."
+    scaling = {"rope_type": "yarn", "factor": meta(key + "factor"),
+               "original_max_position_embeddings": meta(key + "original_context_length",
+                                                        meta(f"{arch}.context_length", 2048))}
+    for gguf_key, hf_key in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow"),
+                             ("yarn_attn_factor", "attention_factor")):
+        if meta(key + gguf_key, None) is not None:
+            scaling[hf_key] = meta(key + gguf_key)
+    # llama.cpp's knobs HF has no equivalent of: the ramp's weight (1, or its default -1, is HF's YaRN) and
+    # DeepSeek's mscale_all_dim (MLA models only); any other value would silently compute something else.
+    if meta(key + "yarn_ext_factor", 1.0) not in (1.0, -1.0):
+        raise ValueError(f"{path}: YaRN with yarn_ext_factor {meta(key + 'yarn_ext_factor')} is not supported (1 is)")
+    if meta(key + "yarn_log_multiplier", 0.0):
+        raise ValueError(f"{path}: YaRN with a yarn_log_multiplier (DeepSeek's mscale_all_dim) is not supported")
+    return scaling
 
 
 def _gemma3_config(meta, params, rope_scaling: dict | None) -> ModelConfig:

@@ -219,10 +219,10 @@ def test_bad_engine_arguments(tiny_dir, tmp_path):
                                           '"num_attention_heads": 2}')
     with pytest.raises(ValueError, match="unsupported architecture"):
         LLM(str(tmp_path), warmup=False)
-    yarn = json.loads((Path(tiny_dir) / "config.json").read_text())
-    yarn["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
-    (tmp_path / "config.json").write_text(json.dumps(yarn))
-    with pytest.raises(ValueError, match="unsupported rope scaling 'yarn'"):
+    longrope = json.loads((Path(tiny_dir) / "config.json").read_text())
+    longrope["rope_scaling"] = {"rope_type": "longrope", "factor": 4.0, "original_max_position_embeddings": 64}
+    (tmp_path / "config.json").write_text(json.dumps(longrope))
+    with pytest.raises(ValueError, match="unsupported rope scaling 'longrope'"):
         LLM(str(tmp_path), warmup=False)
 
 

@@ -76,7 +76,8 @@ def _permute(w, n_head):  # llama.cpp's convert_hf_to_gguf.py permutation of Q/K
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _tiny(path, arch, *, bias=False, untied=False, rope_freqs=None, linear=None):
+def _tiny(path, arch, *, bias=False, untied=False, rope_freqs=None, linear=None, yarn=None):
+    """yarn: {GGUFWriter.add_rope_scaling_<key>: value} (factor, orig_ctx_len, yarn_beta_fast, ...)."""
     rng = np.random.default_rng(0)
     hf = {"model.embed_tokens.weight": rng.standard_normal((V, H)), "model.norm.weight": rng.standard_normal(H)}
     kv = H // N_HEAD * N_KV
@@ -106,6 +107,10 @@ def _tiny(path, arch, *, bias=False, untied=False, rope_freqs=None, linear=None)
     if linear:
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(linear)
+    if yarn:
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        for key, value in yarn.items():
+            getattr(w, "add_rope_scaling_" + key)(value)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("llama-bpe")
     w.add_token_list(["a", "b", "ab", "<|eot_id|>"])
@@ -194,3 +199,21 @@ def test_linear_rope_and_unknown_arch(tmp_path):
     _tiny(tmp_path / "g.gguf", "gemma")
     with pytest.raises(ValueError, match="unsupported architecture 'gemma'"):
         load_gguf(tmp_path / "g.gguf")
+
+
+def test_yarn_rope_metadata(tmp_path):
+    """The keys llama.cpp's converter writes for a HF config's YaRN (gguf-py Keys.Rope), back to HF's rope_scaling."""
+    _tiny(tmp_path / "y.gguf", "qwen2", bias=True, yarn={"factor": 4.0, "orig_ctx_len": 1024, "yarn_beta_fast": 16.0,
+                                                          "yarn_beta_slow": 2.0, "yarn_attn_factor": 0.5})
+    config = load_gguf(tmp_path / "y.gguf")[0]
+    assert dict(config.rope_scaling) == {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024,
+                                         "beta_fast": 16.0, "beta_slow": 2.0, "attention_factor": 0.5}
+    assert config.derived_max_model_len == 4096
+    _tiny(tmp_path / "bare.gguf", "llama", yarn={"factor": 2.0})  # the original context: the context length
+    config = load_gguf(tmp_path / "bare.gguf")[0]
+    assert dict(config.rope_scaling) == {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 4096}
+    assert config.derived_max_model_len == 8192
+    for knob in ({"yarn_ext_factor": 0.5}, {"yarn_log_mul": 0.1}):
+        _tiny(tmp_path / "knob.gguf", "llama", yarn={"factor": 2.0, **knob})
+        with pytest.raises(ValueError, match="not supported"):
+            load_gguf(tmp_path / "knob.gguf")
