@@ -104,6 +104,8 @@ TIER_SIGNALS = {
     "model_zoo": re.compile(r"\bsave_tiny_model\((?![\"']llama[\"'])"),
     # every bucket compiled ahead (warm-up), to show that serving then compiles nothing
     "warmup": re.compile(r"\bwarmup=True\b|\.warmup\(|\bwarm_up\("),
+    # a request of 128K tokens (tests/long_context.py): minutes of attention on these CPUs
+    "long_context": re.compile(r"\b(LONG_CONTEXT|save_long_model)\b"),
 }
 
 

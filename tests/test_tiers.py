@@ -17,6 +17,7 @@ TIER_SIGNALS = sys.modules["conftest"].TIER_SIGNALS
     ("llm = make_llm(tiny_dir, tensor_parallel_size=2)", {"multi_device"}),
     ("save_tiny_model('qwen3', path)", {"model_zoo"}),
     ("llm = make_llm(tiny_dir, warmup=True)", {"warmup"}),
+    ("prompt = ids[:LONG_CONTEXT]", {"long_context"}),
     # look-alikes: the shared tiny Llama, a local named like a signal, a warm-up that is switched off
     ("save_tiny_model('llama', path, seed=1)", set()),
     ("llm = LLM(tiny_dir, warmup=False)", set()),

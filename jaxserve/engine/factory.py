@@ -22,7 +22,7 @@ from jaxserve.batching.slo import SloController
 from jaxserve.batching.speculation.controller import SpecController
 from jaxserve.batching.speculation.draft import DraftProposer
 from jaxserve.batching.speculation.ngram import NgramProposer
-from jaxserve.buckets import Buckets, geometric
+from jaxserve.buckets import MIN_TABLE_TOKENS, Buckets, geometric
 from jaxserve.cache import PageAllocator, PrefixCache, bytes_per_page, num_pages_for_budget, pages_needed
 from jaxserve.engine_config import EngineConfig
 from jaxserve.lora.adapter import load_adapter
@@ -104,7 +104,8 @@ def build_engine(c: EngineConfig) -> EngineParts:
     for num_pages in pages.values():  # a sequence of max_model_len fits every pool
         max_model_len = _fitted_max_model_len(max_model_len, num_pages, c.block_size,
                                               asked=c.max_model_len is not None)
-    buckets = Buckets.for_limits(c.max_num_seqs, c.max_num_batched_tokens, pages_needed(max_model_len, c.block_size))
+    buckets = Buckets.for_limits(c.max_num_seqs, c.max_num_batched_tokens, pages_needed(max_model_len, c.block_size),
+                                 pages_needed(MIN_TABLE_TOKENS, c.block_size))
     by_role, backend = _build_pools(c, pools, models, pages, buckets, dtype, backend, processes, runners)
     replicas = [replica for pool in by_role.values() for replica in pool]
     core: EngineCore | DataParallel | Disaggregated

@@ -266,7 +266,7 @@ def _cached_per_token(q, rows: RaggedRows, cache: _BlockedCache, carry, in_long,
     parts = []
     for lo, hi in zip(bounds, bounds[1:]):
         idx = order[lo:hi]
-        group = q[idx], token_len[idx], cache.table[row[idx]], pos[idx]
+        group = q[idx], token_len[idx], row[idx], pos[idx]
         parts.append(_walk_group(*group, cache, (m[idx], l[idx], acc[idx])))
     # The groups hold the tokens in `order`: back to the step's order by a gather of the inverse permutation, which
     # XLA:CPU copies row by row (a scatter per group went element by element; the 512-token prompt's forward:
@@ -275,11 +275,13 @@ def _cached_per_token(q, rows: RaggedRows, cache: _BlockedCache, carry, in_long,
     return jnp.concatenate([acc_g / l_g[..., None] for _, l_g, acc_g in parts])[inverse]  # [T, KVH, G, D]
 
 
-def _walk_group(q_g, g_len, g_pages, g_pos, cache: _BlockedCache, carry):
+def _walk_group(q_g, g_len, g_row, g_pos, cache: _BlockedCache, carry):
     """One group's running softmax with its tokens' cached keys added, for as many blocks as its first (longest)
-    token needs. q_g [n, KVH, G, D]; g_len [n] cached keys; g_pages [n, pages] their rows' pages; g_pos [n]."""
+    token needs. q_g [n, KVH, G, D]; g_len [n] cached keys; g_row [n] their rows; g_pos [n]."""
     def visit(i, carry):
-        pages = jax.lax.dynamic_slice_in_dim(g_pages, i * cache.block_pages, cache.block_pages, axis=1)
+        # The block's columns of the table first, then each token's row of them: a token's whole row of the table
+        # would be [n, width], at 128K a 2048-token chunk's 64 MB per layer.
+        pages = jax.lax.dynamic_slice_in_dim(cache.table, i * cache.block_pages, cache.block_pages, axis=1)[g_row]
         key_pos = i * cache.block + jnp.arange(cache.block)
         s = _masked_scores(q_g, cache.read(cache.k_pages, pages), key_pos[None, :] < g_len[:, None],
                            jnp.broadcast_to(key_pos, (len(g_len), cache.block)), g_pos, cache.sliding_window)

@@ -242,13 +242,17 @@ class ModelRunner:
         """Programs compiled so far to fill LoRA slots (at most one)."""
         return 0 if self.lora is None else self._write_lora._cache_size()
 
-    def dispatch(self, rows: list[Row]) -> StepHandle:
-        """Starts a step over `rows` without waiting for it; returns the handle `fetch` reads it back with."""
+    def dispatch(self, rows: list[Row], table_width: int | None = None) -> StepHandle:
+        """Starts a step over `rows` without waiting for it; returns the handle `fetch` reads it back with.
+        table_width: the page table's (a bucket; default: the narrowest that spans every row's tokens, this step's
+        new ones included, as the penalties' past tokens must)."""
         self._check_lora_slots(rows)
         tokens = round_up(sum(len(r.token_ids) for r in rows), self.buckets.num_tokens)
         scored = self.num_speculative_tokens + 1 if any(r.num_draft for r in rows) else 1
+        if table_width is None:
+            table_width = self.buckets.table_width(max(pages_needed(r.end, self.page_size) for r in rows))
         batch = build_batch(rows, self.page_size, self.config.vocab_size, tokens, self.buckets.num_rows(tokens),
-                            self.buckets.pages_per_row, scored)
+                            table_width, scored)
         if self.leader is None:
             out = self.run(batch)
         else:  # a multi-process leader: every process runs the same step
@@ -316,7 +320,8 @@ class ModelRunner:
             drafts = [min(num_draft, lengths[0] - 1)] + [0] * (len(lengths) - 1)
             rows = [Row([0] * n, 0, [0] * pages_needed(n + 1, self.page_size), num_draft=d)
                     for n, d in zip(lengths, drafts)]
-            self.fetch(self.dispatch(rows))
+            for width in self.buckets.widths():  # the tables' widths are the same programs' shapes
+                self.fetch(self.dispatch(rows, width))
             if time_steps:  # the fastest of a few: one page fault or GC pause must not set a cost for good
                 self.step_times[tokens, 1 + k if num_draft else 1] = min(self._time(rows) for _ in range(3))
         compiled = self.steps.num_compiled() - before

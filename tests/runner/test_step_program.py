@@ -98,3 +98,21 @@ def test_the_cache_copies_counted_are_there_without_region_analysis(tiny_dir, mo
         assert cache_copies(hlo, llm.runner.kv_cache[0][0].shape)
     finally:
         steps_module.steps_for.cache_clear()
+
+
+def test_a_step_s_memory_grows_with_its_page_table_not_with_tokens_times_context(tiny_dir):
+    """A prompt chunk's program at page tables of 64 and 8192 pages (a 128K-token context at 16 tokens a page): its
+    temporaries grow by a few [rows, width] arrays (the table itself, padded), not by anything [tokens, width] (each
+    token's row of the table, gathered whole: 8 MB here, 64 MB a layer for a 2048-token chunk at 128K), nor by any
+    [tokens, context] score. The context enters a step only through the table's width (chunked prefill bounds its
+    tokens), so this is a prefill's memory staying flat in the prompt's length."""
+    llm = make_llm(tiny_dir, max_num_batched_tokens=256)
+    r = llm.runner
+    rows = [Row(list(range(200)), 40, [1] * 60), Row([5], 100, [1] * 26)]  # a chunk after 40 cached, a decode row
+    temp = {}
+    for width in (64, 8192):
+        batch = r.steps.put_batch(build_batch(rows, r.page_size, 320, 256, 4, width))
+        compiled = r.steps._forward.lower(r.params, r.kv_cache, r.last_tokens, batch, None).compile()
+        temp[width] = compiled.memory_analysis().temp_size_in_bytes
+    table = 4 * (8192 - 64) * 4  # one [rows, width] int32 array's growth
+    assert temp[8192] - temp[64] <= 8 * table, (temp, "a step's temporaries grew with tokens x table width")
