@@ -108,6 +108,8 @@ def test_metrics_show_the_host_tier():
     assert samples["jaxserve:kv_offload_store_bytes_count", label] == s.kv_offload_stored_pages
     assert samples["jaxserve:kv_offload_load_seconds_count", label] == s.kv_offload_loaded_pages > 0
     assert samples["jaxserve:kv_offload_usage_bytes", label] == s.kv_offload_used_bytes > 0
+    llm.reset_prefix_cache()  # forgets the host's pages too
+    assert llm.stats().kv_offload_used_bytes == 0 and len(llm.replicas[0].host.tier) == 0
 
 
 @settings(max_examples=40, deadline=None)
