@@ -11,7 +11,7 @@ import dataclasses
 import os
 from pathlib import Path
 
-from jaxserve.cache import KV_CACHE_DTYPES, check_kv_cache_dtype
+from jaxserve.cache import KV_CACHE_DTYPES, check_kv_options
 from jaxserve.cli_flags import FlagGroup, add_flags, flag, read_flags
 from jaxserve.config import check_hf_overrides, hf_overrides_from_json
 from jaxserve.model.quant import QUANTIZATIONS
@@ -75,7 +75,7 @@ class EngineConfig:
     block_size: tokens per KV-cache page. kv_cache_memory_bytes: the KV budget per device (default: 2 GiB on CPU,
     gpu_memory_utilization of device memory less the weights on an accelerator).
     seed: seeds the sampling of requests that give no seed of their own.
-    enable_prefix_caching: reuse the KV pages of prompt prefixes seen before.
+    enable_prefix_caching: reuse prompt prefixes' KV pages; kv_offloading_size: GiB of host memory for evicted ones.
     scheduling_policy: "fcfs", or "priority" (lower `priority` first; a better one may preempt a worse one).
     ttft_slo, tpot_slo: latency targets in seconds; with them the running batch is sized from measured step times
         (see jaxserve.batching.slo).
@@ -168,6 +168,7 @@ class EngineConfig:
                                         name="calibration-file", read_value=_read_file)
     kv_cache_dtype: str = flag("KV-cache pages: auto (the model's dtype) or int8 (about twice the sequences per byte)",
                                default="auto", choices=KV_CACHE_DTYPES)
+    kv_offloading_size: float | None = flag("GiB of host RAM for evicted prefix-cache pages (0: off)", serve_only=True)
     speculative_config: SpeculativeConfig | None = dataclasses.field(
         default=None, metadata={"cli": FlagGroup(_add_speculative_cli_args, _speculative_config)})
     warmup: bool = flag("compile shapes on first use instead of before serving", default=True,
@@ -229,8 +230,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
         _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         self._check_quantization()
-        check_kv_cache_dtype(self.kv_cache_dtype)
         object.__setattr__(self, "speculative_config", SpeculativeConfig.from_value(self.speculative_config))
+        check_kv_options(self)
         self._check_distributed()
         self._check_lora()
         self._check_disaggregated()

@@ -23,7 +23,7 @@ from jaxserve.batching.speculation.controller import SpecController
 from jaxserve.batching.speculation.draft import DraftProposer
 from jaxserve.batching.speculation.ngram import NgramProposer
 from jaxserve.buckets import geometric
-from jaxserve.cache import PageAllocator, PrefixCache, pages_needed
+from jaxserve.cache import HostTier, PageAllocator, PrefixCache, pages_needed
 from jaxserve.engine.factory import EngineParts
 from jaxserve.lora.adapter import LoRAError
 from jaxserve.lora.slot_cache import HostAdapters, LoRASlots
@@ -226,24 +226,26 @@ def fake_replica(num_pages: int = 32, page_size: int = 4, max_num_seqs: int = 4,
                  vocab_size: int = 64, ngram: int = 0, enable_prefix_caching: bool = True, proposer=None,
                  draft: bool = False, scheduling_policy: str = "fcfs", runner: FakeRunner | None = None,
                  max_loras: int = 0, role: str = "both", async_scheduling: bool | None = None,
-                 plan_lead: tuple[float, float] | None = (PLAN_LEAD_FACTOR, PLAN_LEAD_S)) -> EngineCore:
+                 plan_lead: tuple[float, float] | None = (PLAN_LEAD_FACTOR, PLAN_LEAD_S),
+                 host_tier_bytes: int = 0) -> EngineCore:
     """An engine core over a FakeRunner. ngram=k: speculating up to k proposals for every sequence every step, from
     `proposer` (default: n-gram lookup; draft=True: a fake draft model, right two times in three). max_loras: LoRA
     slots (0: adapters not enabled). async_scheduling, plan_lead: EngineCore's (async_scheduling default:
-    ASYNC_SCHEDULING)."""
+    ASYNC_SCHEDULING). host_tier_bytes: a host KV tier of that size (0: none)."""
     async_scheduling = ASYNC_SCHEDULING if async_scheduling is None else async_scheduling
     runner = runner or FakeRunner(vocab_size, ngram, num_pages=num_pages, page_size=page_size)
-    scheduler = Scheduler(PrefixCache(PageAllocator(num_pages), page_size, enable_prefix_caching), max_num_seqs,
+    tier = HostTier(host_tier_bytes) if host_tier_bytes else None
+    scheduler = Scheduler(PrefixCache(PageAllocator(num_pages), page_size, enable_prefix_caching, tier), max_num_seqs,
                           max_num_batched_tokens, policy=scheduling_policy,
                           lora_slots=LoRASlots(max_loras, runner.load_lora) if max_loras else None, role=role)
     if not ngram:
-        return EngineCore(scheduler, runner, async_scheduling=async_scheduling, plan_lead=plan_lead)
+        return EngineCore(scheduler, runner, async_scheduling=async_scheduling, plan_lead=plan_lead, host_tier=tier)
     if draft:
         guesser = FakeRunner(vocab_size, successor=lambda t: t + 1 if t % 3 else t + 2)
         proposer = DraftProposer(guesser, max_num_batched_tokens, max_num_seqs)
     return EngineCore(scheduler, runner, proposer=proposer or NgramProposer(ngram, 3, 1),
                       controller=SpecController(ngram, (max_num_batched_tokens,), runner.step_times), adaptive=False,
-                      async_scheduling=async_scheduling, plan_lead=plan_lead)
+                      async_scheduling=async_scheduling, plan_lead=plan_lead, host_tier=tier)
 
 
 def fake_llm(num_replicas: int = 1, max_model_len: int = 64, vocab_size: int = 64, tokenizer=None,
@@ -255,6 +257,14 @@ def fake_llm(num_replicas: int = 1, max_model_len: int = 64, vocab_size: int = 6
     max_loras = replica_args.get("max_loras", 0)
     loras = HostAdapters(fake_adapter, max_cpu_loras or max_loras) if max_loras else None
     return LLM.over(EngineParts.over(replicas, vocab_size, max_model_len, tokenizer, loras=loras))
+
+
+def add_request(llm: LLM, prompt: list[int], sp) -> str:
+    """Adds a token-id request's sequences to the LLM's engine core (tests that step it themselves); its id."""
+    request = llm._request({"prompt_token_ids": prompt}, sp)
+    for s in request.seqs:
+        llm.core.add(s)
+    return request.request_id
 
 
 def both_schedulings(request, monkeypatch):

@@ -18,6 +18,7 @@ from typing import Callable
 
 from jaxserve.batching.residency import Residency
 from jaxserve.batching.sequence import Sequence, Status
+from jaxserve.batching.step_plan import Load
 from jaxserve.cache import PrefixCache, page_keys, pages_needed
 from jaxserve.cache.transfer import KVPages
 from jaxserve.lora.slot_cache import LoRASlots
@@ -31,6 +32,7 @@ class Admission(Residency):
         self._imports: dict[Sequence, tuple[int, KVPages, float, Callable[[], bool]]] = {}
         self.num_prefilled_admitted, self.prefilled_wait_seconds = 0, 0.0
         self._admitted_imports: list[tuple[Sequence, list[int], KVPages]] = []  # while planning a step
+        self._admitted_loads: list[Load] = []  # host-tier pages to load, while planning a step
 
     def check_fits(self, seq: Sequence) -> None:
         need = pages_needed(seq.max_total_tokens, self.page_size)
@@ -106,7 +108,9 @@ class Admission(Residency):
                 keys = page_keys(tokens[:len(tokens) - 1], self.page_size, seq.page_keys, seq.prefix_salt)
                 # At least the last token is computed, whatever is cached: its logits give the next token. A
                 # sequence scoring its prompt computes all of it (its pages are still published).
-                hit = self.cache.match(tokens, keys, 0 if seq.scores_prompt else (len(tokens) - 1) // self.page_size)
+                most = 0 if seq.scores_prompt else (len(tokens) - 1) // self.page_size
+                hit = self.cache.match(tokens, keys, most)
+                host = self._host_hit(seq, keys, len(hit), most)
                 need = pages_needed(len(tokens), self.page_size) - len(hit)
                 if need <= self.cache.num_available:
                     break
@@ -114,12 +118,23 @@ class Admission(Residency):
             if not self._preempt_for(seq, cap):
                 return False
         seq.pages = hit + self.cache.allocate(need)
-        seq.num_cached = seq.num_written = len(hit) * self.page_size
+        if host:  # loaded into the first fresh pages before the step; published with the step's own pages
+            self._admitted_loads.append(Load(seq, seq.pages[len(hit):len(hit) + len(host)], host,
+                                             seq.num_preemptions))
+        seq.num_cached = seq.num_written = (len(hit) + len(host)) * self.page_size
         seq.num_published = len(hit)
         if not seq.scores_prompt:
-            self.cache.count_lookup(len(tokens), len(hit) * self.page_size)
+            self.cache.count_lookup(len(tokens), (len(hit) + len(host)) * self.page_size, len(host) * self.page_size)
         self._start(seq)
         return True
+
+    def _host_hit(self, seq: Sequence, keys: list[bytes], start: int, most: int) -> list[bytes]:
+        """The keys of the pages after the device's hit that the host tier holds, if loading them beats computing
+        them (a preempted sequence's pages come back this way: swapped in rather than recomputed)."""
+        host = self.cache.match_host(seq.token_ids, keys, start, most)
+        if host and self.cache.host is not None and not self.cache.host.worth_loading(len(host), self.page_size):
+            return []
+        return host
 
     def _admit_prefilled(self, seq: Sequence, cap: int) -> bool:
         """A prefilled sequence: pages for all its tokens, the first ones to be written from its KV before the

@@ -31,6 +31,9 @@ engine takes them in (`add_prefilled`) and writes their pages before the step th
 `jaxserve.batching.kv_handoff`. When a server plans the next step with async scheduling:
 `jaxserve.batching.step_timing`; reading a step back and what it feeds: `jaxserve.batching.step_reader`.
 
+The host KV tier (`kv_offloading_size`): the pages a plan evicts are stored in host memory and those it finds there
+loaded, before its step is dispatched (`jaxserve.batching.host_swap`).
+
 A step that fails ends only the requests it held, and the results read back before it failed still reach theirs
 (`StepError`); a replica whose steps keep failing stops (`healthy`) and ends every request it holds.
 """
@@ -40,6 +43,7 @@ import time
 
 from jaxserve.batching import output_processor
 from jaxserve.batching.engine_stats import EngineStats, replica_stats
+from jaxserve.batching.host_swap import HostSwap
 from jaxserve.batching.kv_handoff import HandOff, KVTransfers, copy_in, export_handed_off, is_ready, write_imports
 from jaxserve.batching.output_processor import SequenceDelta
 from jaxserve.batching.scheduler import Scheduler
@@ -49,6 +53,7 @@ from jaxserve.batching.speculation.proposer import Proposer
 from jaxserve.batching.step_plan import ScheduledBatch
 from jaxserve.batching.step_reader import StepReader
 from jaxserve.batching.step_timing import InFlight
+from jaxserve.cache.host_tier import HostTier
 from jaxserve.cache.transfer import KVPages
 from jaxserve.runner.protocol import Runner
 
@@ -83,13 +88,15 @@ class EngineCore(StepReader):
     def __init__(self, scheduler: Scheduler, runner: Runner, rate_window_s: float = 5.0,
                  proposer: Proposer | None = None, controller: SpecController | None = None, adaptive: bool = True,
                  async_scheduling: bool = True,
-                 plan_lead: tuple[float, float] | None = (PLAN_LEAD_FACTOR, PLAN_LEAD_S)):
+                 plan_lead: tuple[float, float] | None = (PLAN_LEAD_FACTOR, PLAN_LEAD_S),
+                 host_tier: HostTier | None = None):
         """proposer (an NgramProposer or DraftProposer) and controller: speculative decoding, off without them;
         adaptive=False speculates for every decoding sequence every step (as vLLM does). async_scheduling: plan a
         step before the one in flight is read back (see the module's docstring). plan_lead: with it, how long
         before the step in flight ends a server plans the next (`wait_in_flight`); None: a server waits for the
         step in flight to end and reads it back before it plans the next, as without async scheduling, while
-        stepping at once still plans ahead."""
+        stepping at once still plans ahead. host_tier: the host KV tier (None: none), the scheduler's prefix
+        cache's."""
         super().__init__(scheduler, runner, controller, adaptive, rate_window_s)
         self.proposer = proposer
         self.async_scheduling = async_scheduling
@@ -98,6 +105,7 @@ class EngineCore(StepReader):
         self._waited_at: float | None = None  # when a server's wait for the step in flight ended
         self._failed_imports: dict[str, BaseException] = {}  # request id -> why its import failed, this step
         self.transfers = KVTransfers()  # KV copies taken in (disaggregated prefill)
+        self.host = None if host_tier is None else HostSwap(host_tier, runner)
 
     @property
     def healthy(self) -> bool:
@@ -211,6 +219,8 @@ class EngineCore(StepReader):
         read back before; the engine is then clean for the next step."""
         self._changed, self._failed_imports = [], {}
         self.transfers.count_landed()
+        if self.host is not None:
+            self.host.poll()
         try:
             self._step()
         except Exception as e:  # noqa: BLE001 - any failure: its requests end, the others go on
@@ -253,6 +263,8 @@ class EngineCore(StepReader):
         if dispatched is not None:
             self.clock.planned(dispatched.dispatched - planning)
         done, self._in_flight = self._in_flight, dispatched
+        if dispatched is None and self.host is not None:  # nothing more to run: its copies land now, not when polled
+            self.host.poll(wait=True)
         if done is None:
             if dispatched is None:  # idle from here: the gap to the next read-back is no step's time
                 self._last_fetch = self._last_arrival = None
@@ -300,7 +312,10 @@ class EngineCore(StepReader):
 
     def _import(self, batch: ScheduledBatch) -> None:
         """Writes the K/V of the prefilled sequences admitted to `batch` into their pages, before its step. An import
-        that fails ends its own request only: its rows leave the batch before the step is dispatched."""
+        that fails ends its own request only: its rows leave the batch before the step is dispatched. The host tier's
+        stores and loads go first (a load is an import from host memory)."""
+        if self.host is not None:
+            self.host.run(batch)
         self._failed_imports.update(write_imports(self.runner, batch))
         if self._failed_imports:
             for request_id in self._failed_imports:
@@ -313,7 +328,14 @@ class EngineCore(StepReader):
         return InFlight(batch, handle, time.perf_counter())
 
     def stats(self) -> EngineStats:
-        return replica_stats(self.scheduler, self.counters, self.transfers, self.controller, self.healthy)
+        return replica_stats(self.scheduler, self.counters, self.transfers, self.controller, self.healthy,
+                             None if self.host is None else self.host.tier)
+
+    def reset_prefix_cache(self) -> None:
+        """Forgets every cached prefix no running sequence holds, on the device and in the host tier."""
+        self.scheduler.cache.reset()
+        if self.host is not None:
+            self.host.tier.clear()
 
     def assert_idle_and_clean(self) -> None:
         """For tests: nothing queued, nothing in flight, no page held by anyone but the prefix cache."""

@@ -9,6 +9,7 @@ import dataclasses
 from jaxserve.batching.kv_handoff import KVTransfers
 from jaxserve.batching.scheduler import Scheduler
 from jaxserve.batching.speculation.controller import SpecController
+from jaxserve.cache.host_tier import HostTier
 
 
 @dataclasses.dataclass
@@ -45,6 +46,17 @@ class EngineStats:
     # Prefilled sequences admitted to decode, and their seconds waiting for a slot and pages (the decode queue).
     decode_admitted: int = 0
     decode_queue_seconds: float = 0.0
+    # The host KV tier (kv_offloading_size): prompt tokens found there (counted in prefix_cache_hits too), pages and
+    # bytes stored to it and loaded from it, their seconds from dispatch to landing (polled once per step), and the
+    # bytes it holds.
+    kv_offload_hits: int = 0
+    kv_offload_stored_pages: int = 0
+    kv_offload_stored_bytes: int = 0
+    kv_offload_store_seconds: float = 0.0
+    kv_offload_loaded_pages: int = 0
+    kv_offload_loaded_bytes: int = 0
+    kv_offload_load_seconds: float = 0.0
+    kv_offload_used_bytes: int = 0
     # Per pool (disaggregated prefill): (pool, running, waiting).
     pools: tuple[tuple[str, int, int], ...] = ()
 
@@ -89,7 +101,7 @@ class TokenRate:
 
 
 def replica_stats(s: Scheduler, counters: StepCounters, transfers: KVTransfers, controller: SpecController | None,
-                  healthy: bool) -> EngineStats:
+                  healthy: bool, host: HostTier | None = None) -> EngineStats:
     cache = s.cache
     total = cache.allocator.num_usable
     used = total - cache.num_available
@@ -101,7 +113,17 @@ def replica_stats(s: Scheduler, counters: StepCounters, transfers: KVTransfers, 
         generation_tokens_per_s=counters.rate.per_second(), steps=counters.steps, num_replicas_healthy=int(healthy),
         kv_transfers=transfers.count, kv_transfer_bytes=transfers.num_bytes, kv_transfer_seconds=transfers.seconds,
         decode_admitted=s.num_prefilled_admitted, decode_queue_seconds=s.prefilled_wait_seconds,
-        **spec_stats(controller))
+        **spec_stats(controller), **host_stats(host, cache.host_hits))
+
+
+def host_stats(t: HostTier | None, hits: int) -> dict:
+    """EngineStats' host-tier fields (none without a tier)."""
+    if t is None:
+        return {}
+    return dict(kv_offload_hits=hits, kv_offload_stored_pages=t.stored_pages, kv_offload_stored_bytes=t.stored_bytes,
+                kv_offload_store_seconds=t.store_seconds, kv_offload_loaded_pages=t.loaded_pages,
+                kv_offload_loaded_bytes=t.loaded_bytes, kv_offload_load_seconds=t.load_seconds,
+                kv_offload_used_bytes=t.num_bytes)
 
 
 def spec_stats(c: SpecController | None) -> dict:

@@ -20,7 +20,7 @@ from jaxserve.batching.scheduler import Scheduler
 from jaxserve.batching.sequence import Sequence
 from jaxserve.batching.step_plan import ScheduledBatch
 from jaxserve.cache import pages_needed
-from jaxserve.cache.transfer import KVPages, kv_bytes, num_pages
+from jaxserve.cache.transfer import KVPages, is_ready, kv_bytes, num_pages
 from jaxserve.runner.protocol import Runner
 
 
@@ -40,11 +40,6 @@ class Transfer:
     started: float  # time.perf_counter()
     kv: KVPages
     num_bytes: int
-
-
-def is_ready(kv: KVPages) -> bool:
-    """Every array of kv has landed (numpy ones always have)."""
-    return all(getattr(x, "is_ready", lambda: True)() for x in jax.tree.leaves(kv))
 
 
 class KVTransfers:

@@ -113,7 +113,7 @@ class Scheduler(Admission):
 
     def _plan(self, num_draft: dict[Sequence, int] | None) -> ScheduledBatch:
         plan = ScheduledBatch([], [])
-        self._admitted_imports = []
+        self._admitted_imports, self._admitted_loads = [], []
         reserved = self._prompt_reserve()
         preemptions = self.num_preemptions
         budget = self._plan_decodes(plan, self.max_num_batched_tokens, reserved)
@@ -131,6 +131,9 @@ class Scheduler(Admission):
         plan.num_draft = {s: k for s, k in plan.num_draft.items() if s.status is Status.RUNNING}
         plan.prefill = [c for c in plan.prefill if c.seq.status is Status.RUNNING]
         plan.imports = [i for i in self._admitted_imports if i[0].status is Status.RUNNING]
+        plan.loads = [load for load in self._admitted_loads
+                      if load.seq.status is Status.RUNNING and load.seq.num_preemptions == load.num_preemptions]
+        plan.stores = self.cache.take_stores()
         for seq in self.waiting:
             seq.waited_steps += 1
             seq.boost = seq.waited_steps // AGING_STEPS

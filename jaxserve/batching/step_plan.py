@@ -34,6 +34,16 @@ class Write:
 
 
 @dataclasses.dataclass
+class Load:
+    """Pages a sequence found in the host tier (`jaxserve.cache.host_tier`): loaded into its fresh pages before the
+    step; dropped if it was preempted since it was admitted (its pages went back)."""
+    seq: Sequence
+    pages: list[int]
+    keys: list[bytes]
+    num_preemptions: int
+
+
+@dataclasses.dataclass
 class ScheduledBatch:
     decode: list[Sequence]  # one token each, and any proposals after it
     prefill: list[Chunk]  # at most one chunk per sequence
@@ -48,6 +58,10 @@ class ScheduledBatch:
     # Sequences prefilled elsewhere and admitted now: (the sequence, its first pages, the KV to write there before
     # the step).
     imports: list[tuple[Sequence, list[int], KVPages]] = dataclasses.field(default_factory=list)
+    # Host tier: (page, content) of the pages evicted while planning, to export to the host before the step (and
+    # before any load or import into them), and the host pages to load into fresh ones.
+    stores: list[tuple[int, tuple]] = dataclasses.field(default_factory=list)
+    loads: list[Load] = dataclasses.field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.decode or self.prefill)
@@ -63,6 +77,7 @@ class ScheduledBatch:
         self.proposals = {s: p for s, p in self.proposals.items() if kept(s)}
         self.writes = [w for w in self.writes if kept(w.seq)]
         self.imports = [i for i in self.imports if kept(i[0])]
+        self.loads = [load for load in self.loads if kept(load.seq)]
 
     @property
     def num_tokens(self) -> int:

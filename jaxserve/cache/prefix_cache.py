@@ -7,6 +7,10 @@ CVE-2025-25183). A hit also checks the page's tokens and its parent key, so even
 prefix's page onto another. A page whose last holder lets go keeps its key and waits in an LRU; it is evicted
 (forgotten, returned to the free list) only when a fresh page is needed and none is free. Only full pages are shared,
 and a sequence only ever writes past the pages it matched, so a shared page is never written again.
+
+With a host tier (`jaxserve.cache.host_tier`), an evicted page is listed to be stored there (`take_stores`: the
+scheduler's plan carries them, the engine exports them before the step that reuses the page), and a lookup goes on
+past the device's pages into the tier's (`match_host`): those pages are loaded into fresh ones before the step.
 """
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ from typing import Protocol
 
 import numpy as np
 
+from jaxserve.cache.host_tier import HostTier
 from jaxserve.cache.page_allocator import OutOfPages, PageAllocator
 
 ROOT_KEY = b""  # the parent of a sequence's first page
@@ -48,8 +53,11 @@ def _parent(keys: list[bytes], i: int) -> bytes:
 
 
 class PrefixCache:
-    def __init__(self, allocator: PageAllocator, page_size: int, enabled: bool = True):
+    def __init__(self, allocator: PageAllocator, page_size: int, enabled: bool = True, host: HostTier | None = None):
+        """host: the host tier evicted pages go to (None: they are forgotten). Read here, written by the engine."""
         self.allocator = allocator
+        self.host = host if enabled else None
+        self._stores: list[tuple[int, tuple]] = []  # (page, content) evicted since take_stores, to store on the host
         self.page_size = page_size
         self.enabled = enabled
         self._refs: dict[int, int] = {}  # page -> holders (absent: free or evictable)
@@ -59,6 +67,7 @@ class PrefixCache:
         self._evictable: OrderedDict[int, None] = OrderedDict()  # pages nobody holds that keep a key, oldest first
         self.queries = 0  # prompt tokens looked up
         self.hits = 0  # of those, tokens found cached
+        self.host_hits = 0  # of those, tokens found in the host tier
 
     @property
     def num_available(self) -> int:
@@ -116,10 +125,31 @@ class PrefixCache:
                 return i
         return len(keys)
 
-    def count_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
-        """Counts one admitted request's lookup in the hit rate (a lookup undone for lack of pages does not count)."""
+    def match_host(self, token_ids: TokenSlices, keys: list[bytes], start: int, max_pages: int) -> list[bytes]:
+        """The keys of the pages from `start` on (the device's hit ends there) that the host tier holds, at most up
+        to max_pages; holds nothing (the engine loads them, after the plan)."""
+        found: list[bytes] = []
+        if self.host is None:
+            return found
+        for i in range(start, min(max_pages, len(keys))):
+            content = (_parent(keys, i), keys[i], tuple(token_ids[i * self.page_size:(i + 1) * self.page_size]))
+            if not self.host.holds(keys[i], content):
+                break
+            found.append(keys[i])
+        return found
+
+    def take_stores(self) -> list[tuple[int, tuple]]:
+        """The (page, content) evicted since the last call: the engine exports them to the host tier before any
+        step that writes them again."""
+        stores, self._stores = self._stores, []
+        return stores
+
+    def count_lookup(self, num_tokens: int, num_hit_tokens: int, num_host_tokens: int = 0) -> None:
+        """Counts one admitted request's lookup in the hit rate (a lookup undone for lack of pages does not count);
+        num_host_tokens of the hit came from the host tier."""
         self.queries += num_tokens
         self.hits += num_hit_tokens
+        self.host_hits += num_host_tokens
 
     def publish(self, pages: list[int], token_ids: TokenSlices, keys: list[bytes], start: int) -> None:
         """Remembers pages[start:len(keys)], now full of token_ids, under their keys (a held page's content)."""
@@ -150,10 +180,12 @@ class PrefixCache:
     def reset(self) -> None:
         """Forgets every evictable page (held pages keep their keys until released)."""
         for p in list(self._evictable):
-            self._evict(p)
+            self._evict(p, store=False)
 
-    def _evict(self, page: int) -> None:
+    def _evict(self, page: int, store: bool = True) -> None:
         del self._evictable[page]
-        _, key, _ = self._content.pop(page)
-        del self._by_key[key]
+        content = self._content.pop(page)
+        del self._by_key[content[1]]
+        if store and self.host is not None:
+            self._stores.append((page, content))
         self.allocator.free([page])

@@ -29,6 +29,11 @@ def scatter_pages(kv_cache, page_ids, kv: KVPages):
     return jax.tree.map(lambda pages, x: pages.at[page_ids].set(as_stored(x, pages)), kv_cache, kv)
 
 
+def is_ready(kv: KVPages) -> bool:
+    """Every array of kv has landed (numpy ones always have)."""
+    return all(getattr(x, "is_ready", lambda: True)() for x in jax.tree.leaves(kv))
+
+
 def num_pages(kv: KVPages) -> int:
     """Pages kv holds (padding included)."""
     return jax.tree.leaves(kv)[0].shape[0]

@@ -23,7 +23,7 @@ from jaxserve.batching.speculation.controller import SpecController
 from jaxserve.batching.speculation.draft import DraftProposer
 from jaxserve.batching.speculation.ngram import NgramProposer
 from jaxserve.buckets import MIN_TABLE_TOKENS, Buckets, geometric
-from jaxserve.cache import PageAllocator, PrefixCache, bytes_per_page, num_pages_for_budget, pages_needed
+from jaxserve.cache import HostTier, PageAllocator, PrefixCache, bytes_per_page, num_pages_for_budget, pages_needed
 from jaxserve.engine_config import EngineConfig
 from jaxserve.lora.adapter import load_adapter
 from jaxserve.lora.buffers import lora_bytes
@@ -226,7 +226,7 @@ def _build_pools(c: EngineConfig, pools: list[tuple[str, int, list]], models: _M
         runner_config = RunnerConfig(dtype, num_pages, c.block_size, buckets, c.max_num_seqs, backend,
                                      c.kv_cache_dtype, spec.num_speculative_tokens if spec else 0,
                                      *((c.max_loras, c.max_lora_rank) if c.enable_lora else (0, 0)),
-                                     kv_transfer=c.disaggregated or role != "both")
+                                     kv_transfer=c.disaggregated or role != "both" or bool(c.kv_offloading_size))
         # One engine replica per device group: its own runner, KV cache and scheduler (see batching.data_parallel).
         pool_config, pool_params = models.split[pool_tp]
         by_role[role] = [_replica(c, runner_config, pool_config, pool_params, models.draft, group, processes,
@@ -245,8 +245,9 @@ def _host_adapters(c: EngineConfig, loaded: LoadedModel, dtype) -> HostAdapters 
 
 def _warm_up(c: EngineConfig, parts: EngineParts) -> None:
     """Compiles every step (and, disaggregated, every page transfer) before serving, on every process. The
-    controller weighs step times measured at warm-up, so speculation warms up even if asked not to."""
-    timed = c.speculative_config is not None and c.speculative_config.adaptive
+    controller (and a host tier, with a transfer's) weighs step times measured at warm-up, so speculation warms up
+    even if asked not to."""
+    timed = (c.speculative_config is not None and c.speculative_config.adaptive) or (c.warmup and c.kv_offloading_size)
     if not (c.warmup or timed):
         return
 
@@ -255,6 +256,8 @@ def _warm_up(c: EngineConfig, parts: EngineParts) -> None:
             runner.warmup(time_steps=timed)
         if c.disaggregated:
             parts.core.warm_up_transfers()
+        for host in [r.host for r in parts.replicas if r.host is not None]:
+            host.calibrate()
     parts.processes.run(warm_up)
 
 
@@ -295,7 +298,8 @@ def _replica(c: EngineConfig, runner_config: RunnerConfig, config, params, draft
     slo = None
     if c.ttft_slo is not None or c.tpot_slo is not None:
         slo = SloController(geometric(1, c.max_num_seqs), c.max_num_seqs, tpot_slo=c.tpot_slo, ttft_slo=c.ttft_slo)
-    cache = PrefixCache(PageAllocator(runner_config.num_pages), c.block_size, c.enable_prefix_caching)
+    tier = HostTier(int(c.kv_offloading_size * 2**30) // c.data_parallel_size) if c.kv_offloading_size else None
+    cache = PrefixCache(PageAllocator(runner_config.num_pages), c.block_size, c.enable_prefix_caching, tier)
     # Each replica's runner has its own adapter slots; a draft model has none (its proposals are only proposals).
     lora_slots = LoRASlots(c.max_loras, runner.load_lora) if c.enable_lora else None
     scheduler = Scheduler(cache, c.max_num_seqs, c.max_num_batched_tokens, runner_config.buckets.num_tokens,
@@ -305,7 +309,7 @@ def _replica(c: EngineConfig, runner_config: RunnerConfig, config, params, draft
     overlap = c.async_scheduling is not False
     lead = None if c.async_scheduling is None and jax.default_backend() == "cpu" else (PLAN_LEAD_FACTOR, PLAN_LEAD_S)
     if spec is None:
-        return EngineCore(scheduler, runner, async_scheduling=overlap, plan_lead=lead)
+        return EngineCore(scheduler, runner, async_scheduling=overlap, plan_lead=lead, host_tier=tier)
     k = spec.num_speculative_tokens
     draft_runner = None
     proposer: DraftProposer | NgramProposer
@@ -319,7 +323,7 @@ def _replica(c: EngineConfig, runner_config: RunnerConfig, config, params, draft
     controller = SpecController(k, runner_config.buckets.num_tokens, runner.step_times,
                                 draft_runner.step_times if draft_runner else None)
     return EngineCore(scheduler, runner, proposer=proposer, controller=controller, adaptive=spec.adaptive,
-                      async_scheduling=overlap, plan_lead=lead)
+                      async_scheduling=overlap, plan_lead=lead, host_tier=tier)
 
 
 def split_for(config, params, tp: int, what: str = "the model"):

@@ -325,7 +325,7 @@ class LLM:
     def reset_prefix_cache(self) -> None:
         """Forgets every cached prefix no running sequence holds (benchmarks: runs that must not share hits)."""
         for replica in self.replicas:
-            replica.scheduler.cache.reset()
+            replica.reset_prefix_cache()
 
     def stats(self) -> EngineStats:
         """A snapshot: running and waiting sequences, pages, prefix-cache hit rate, preemptions, tokens/s."""

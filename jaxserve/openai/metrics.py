@@ -183,6 +183,30 @@ class _EngineCollector:
                      "Sequences that speculated in the last step (0: speculation is off).",
                      "spec_decode_num_speculating")
         yield from _disaggregated_families(snapshots)
+        yield from _host_tier_families(snapshots)
+
+
+def _host_tier_families(snapshots):
+    """The host KV tier (kv_offloading_size; zeros without one): its hits, and pages moved each way as summaries of
+    bytes and of seconds from dispatch to landing (count: pages moved), and the bytes it holds."""
+    hits = CounterMetricFamily("jaxserve:kv_offload_hits", "Prompt tokens found in the host KV tier (counted in "
+                               "prefix_cache_hits too).", labels=["model_name"])
+    used = GaugeMetricFamily("jaxserve:kv_offload_usage_bytes", "Bytes of KV pages held in the host tier.",
+                             labels=["model_name"])
+    for model_name, s in snapshots:
+        hits.add_metric([model_name], s.kv_offload_hits)
+        used.add_metric([model_name], s.kv_offload_used_bytes)
+    yield hits
+    yield used
+    for way, pages in (("store", "stored"), ("load", "loaded")):
+        to = "to host memory" if way == "store" else "back to the device"
+        for unit, field in (("bytes", f"kv_offload_{pages}_bytes"), ("seconds", f"kv_offload_{way}_seconds")):
+            f = SummaryMetricFamily(f"jaxserve:kv_offload_{way}_{unit}", f"KV-cache pages moved {to}: their {unit} "
+                                    "(count: pages; seconds polled once per engine step).", labels=["model_name"])
+            for model_name, s in snapshots:
+                f.add_metric([model_name], count_value=getattr(s, f"kv_offload_{pages}_pages"),
+                             sum_value=getattr(s, field))
+            yield f
 
 
 def _disaggregated_families(snapshots):

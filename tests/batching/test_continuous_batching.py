@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from jaxserve import SamplingParams
 from jaxserve.batching.slo import SloController
 
-from fake_runner import fake_llm
+from fake_runner import add_request, fake_llm
 from tiny import TINY_PAGE_BYTES, make_llm, prompts
 
 VOCAB = 320
@@ -117,10 +117,7 @@ def test_pages_are_accounted_for_after_aborts_and_preemptions(small_pool_llm, da
         prompt = (shared + rng.integers(0, VOCAB, n).tolist())[:max(n, 2)] if i % 2 else \
             rng.integers(0, VOCAB, n).tolist()
         sp = SamplingParams(temperature=0, max_tokens=int(rng.integers(1, 30)), ignore_eos=True)
-        request = llm._request({"prompt_token_ids": prompt}, sp)
-        for s in request.seqs:
-            core.add(s)
-        ids.append(request.request_id)
+        ids.append(add_request(llm, prompt, sp))
     for _ in range(400):
         if not core.has_unfinished():
             break

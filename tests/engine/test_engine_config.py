@@ -46,6 +46,13 @@ def test_speculative_config_is_parsed():
     (dict(quantize_embeddings=True), ValueError, "quantize_embeddings"),
     (dict(quantization="int4", calibration_text="text"), ValueError, "awq"),
     (dict(kv_cache_dtype="fp8"), ValueError, "kv_cache_dtype"),
+    (dict(kv_offloading_size=-1), ValueError, "kv_offloading_size"),
+    (dict(kv_offloading_size="4"), ValueError, "kv_offloading_size"),
+    (dict(kv_offloading_size=float("nan")), ValueError, "kv_offloading_size"),
+    (dict(kv_offloading_size=4, enable_prefix_caching=False), ValueError, "enable_prefix_caching"),
+    (dict(kv_offloading_size=4, speculative_config={"method": "draft_model", "model": "d.gguf",
+                                                    "num_speculative_tokens": 2}), ValueError, "draft model"),
+    (dict(kv_offloading_size=4, role="decode"), ValueError, "disaggregated"),
     (dict(speculative_config={"method": "medusa", "num_speculative_tokens": 2}), ValueError, "method"),
     (dict(speculative_config="ngram"), TypeError, "speculative_config"),
     (dict(warmup=None), TypeError, "warmup"),
@@ -95,6 +102,11 @@ def test_cli_generate_flags():
     assert c.seed == 0  # generate's --seed seeds sampling, not the engine
     # One prompt at a time, no warm-up unless asked.
     assert parse("chat") == EngineConfig(max_num_seqs=1, warmup=False)
+
+
+def test_kv_offloading_size_as_vllm_names_it():
+    assert parse("serve", "--kv-offloading-size", "2.5").kv_offloading_size == 2.5
+    assert EngineConfig().kv_offloading_size is None and EngineConfig(kv_offloading_size=0).kv_offloading_size == 0
 
 
 def test_cli_serve_flags(tmp_path):
