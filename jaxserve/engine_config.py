@@ -173,6 +173,7 @@ class EngineConfig:
     warmup: bool = flag("compile shapes on first use instead of before serving", default=True,
                         offline_default=False, offline_help="compile every shape bucket before generating")
     tensor_parallel_size: int = flag("devices each model replica is sharded over (weights and KV heads)", default=1)
+    decode_context_parallel_size: int = flag("1 or --tensor-parallel-size: KV by token", default=1, aliases=("-dcp",))
     data_parallel_size: int = flag("model replicas, each running its own sequences", default=1)
     prefill_replicas: int = flag("replicas that only prefill (disaggregated prefill, with --decode-replicas; 0: "
                                  "every replica prefills and decodes)", default=0, serve_only=True)
@@ -208,7 +209,7 @@ class EngineConfig:
         check_hf_overrides(self.hf_overrides)
         _check_choice("dtype", self.dtype, DTYPES)
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "tensor_parallel_size",
-                     "data_parallel_size"):
+                     "data_parallel_size", "decode_context_parallel_size"):
             _check_int(name, getattr(self, name), 1)
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least max_num_seqs "

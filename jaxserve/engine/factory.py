@@ -96,6 +96,8 @@ def build_engine(c: EngineConfig) -> EngineParts:
     processes = _start_processes(c, runners)
     pools = _pools(c, processes.multi_process)  # (role, tensor parallelism, device groups) per pool
     backend = resolve_attention_backend(c.attention_backend)
+    if c.decode_context_parallel_size > 1:  # pages of d x block_size tokens to the host (parallel.context_parallel)
+        c = dataclasses.replace(c, block_size=c.block_size * c.decode_context_parallel_size)
     _enable_compilation_cache()
     dtype = resolve_dtype(c.dtype)
     models = _load_models(c, pools, dtype)
@@ -157,7 +159,8 @@ def _load_models(c: EngineConfig, pools: list[tuple[str, int, list]], dtype) -> 
         max_model_len = c.max_model_len or limit
         draft = _load_draft(c, loaded, dtype, max_model_len)
         # What the runners hold: over a mesh wider than the KV heads, each device gets a copy of the head it reads.
-        split = {pool_tp: split_for(loaded.config, loaded.params, pool_tp) for _, pool_tp, _ in pools}
+        split = {pool_tp: split_for(loaded.config, loaded.params, pool_tp, dcp=c.decode_context_parallel_size)
+                 for _, pool_tp, _ in pools}
         if len({pool_config.num_kv_heads for pool_config, _ in split.values()}) > 1:
             raise ValueError(f"tensor_parallel_size {c.tensor_parallel_size} and decode_tensor_parallel_size "
                              f"{c.decode_tensor_parallel_size} hold different KV heads per page (over more devices "
@@ -165,7 +168,7 @@ def _load_models(c: EngineConfig, pools: list[tuple[str, int, list]], dtype) -> 
                              "pages would not match; keep both at most the KV-head count, or equal")
         if draft is not None:
             draft = dataclasses.replace(draft, **dict(zip(("config", "params"), split_for(
-                draft.config, draft.params, c.tensor_parallel_size, "the draft"))))
+                draft.config, draft.params, c.tensor_parallel_size, "the draft", c.decode_context_parallel_size))))
     return _Models(loaded, draft, split, max_model_len)
 
 
@@ -225,7 +228,8 @@ def _build_pools(c: EngineConfig, pools: list[tuple[str, int, list]], models: _M
         runner_config = RunnerConfig(dtype, num_pages, c.block_size, buckets, c.max_num_seqs, backend,
                                      c.kv_cache_dtype, spec.num_speculative_tokens if spec else 0,
                                      *((c.max_loras, c.max_lora_rank) if c.enable_lora else (0, 0)),
-                                     kv_transfer=c.disaggregated or role != "both")
+                                     kv_transfer=c.disaggregated or role != "both",
+                                     decode_context_parallel_size=c.decode_context_parallel_size)
         # One engine replica per device group: its own runner, KV cache and scheduler (see batching.data_parallel).
         pool_config, pool_params = models.split[pool_tp]
         by_role[role] = [_replica(c, runner_config, pool_config, pool_params, models.draft, group, processes,
@@ -321,11 +325,12 @@ def _replica(c: EngineConfig, runner_config: RunnerConfig, config, params, draft
                       async_scheduling=overlap, plan_lead=lead)
 
 
-def split_for(config, params, tp: int, what: str = "the model"):
+def split_for(config, params, tp: int, what: str = "the model", dcp: int = 1):
     """(config, params) as a tensor-parallel group of tp devices holds them: checked to split, KV heads repeated
-    up to one per device where there are fewer."""
-    check_tensor_parallel(config, tp, what)
-    return repeat_kv_heads(config, params, max(1, tp // config.num_kv_heads))
+    up to one per device where there are fewer (none with decode context parallelism, dcp = tp: see Steps)."""
+    if dcp == 1:
+        check_tensor_parallel(config, tp, what)
+    return repeat_kv_heads(config, params, 1 if dcp > 1 else max(1, tp // config.num_kv_heads))
 
 
 def _fitted_max_model_len(max_model_len: int, num_pages: int, block_size: int, asked: bool) -> int:
