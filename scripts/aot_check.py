@@ -108,6 +108,8 @@ def main() -> None:
     rows = []
     for name, tp in args.model or [("smollm2-135m", None)]:
         tp = tp or args.tensor_parallel_size
+        if args.decode_context_parallel_size not in (1, tp):
+            raise SystemExit(f"--decode-context-parallel-size must be 1 or {name}'s tensor-parallel size {tp}")
         config = aot.MODEL_CONFIGS[name]
         if args.num_layers:
             config = aot.with_layers(config, args.num_layers)
@@ -133,7 +135,8 @@ def main() -> None:
                                           only_extremes=args.only_extremes,
                                           num_speculative_tokens=args.num_speculative_tokens,
                                           tensor_parallel_size=tp,
-                                          decode_context_parallel_size=args.decode_context_parallel_size)
+                                          decode_context_parallel_size=args.decode_context_parallel_size,
+                                          page_size=16 * args.decode_context_parallel_size)
             split = (f" over {tp} devices (tensor parallel; sizes per device, weights "
                      f"{weight_bytes / tp / 1e9:.2f} GB each)") if tp > 1 else ""
             print(f"\n{name} ({config.num_layers} layers) on {target} ({device.device_kind}, "

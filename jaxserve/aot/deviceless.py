@@ -249,21 +249,17 @@ def compile_serving(config: ModelConfig, dtype, device, *, max_num_seqs: int, ma
     batch replicated; KV heads repeated as `repeat_kv_heads` does when tp exceeds them: `params`, if given, must
     be of that config), each record with its collectives. The attention kernel alone is compiled at one device's
     shapes (its heads), as shard_map runs it.
-    attention_backend: default the device's Pallas kernel (e.g. "reference" to compile for CPU devices).
-    decode_context_parallel_size: = tp, the cache split by token (`jaxserve.parallel.context_parallel`: KV heads
-    not repeated, pages of page_size x tp tokens to the host, the jnp attention)."""
+    attention_backend: default the Pallas kernel (the jnp one at decode_context_parallel_size = tp, page_size x tp)."""
     tp = tensor_parallel_size
     devices = list(device) if isinstance(device, (list, tuple)) else [device]
     device = devices[0]
-    dcp = decode_context_parallel_size
-    backend = attention_backend or ("reference" if dcp > 1 else "pallas-" + device.platform)
+    backend = attention_backend or ("reference" if decode_context_parallel_size > 1 else "pallas-" + device.platform)
     k = num_speculative_tokens
     mesh = None
     if tp > 1:
-        config = config if dcp > 1 else tensor_parallel_config(config, tp)
+        config = config if decode_context_parallel_size > 1 else tensor_parallel_config(config, tp)
         mesh = make_mesh(tp, 1, devices[:tp])
-    page_size *= dcp
-    steps = Steps(config, dtype, backend, k, mesh, kv_cache_dtype, device.platform, dcp)
+    steps = Steps(config, dtype, backend, k, mesh, kv_cache_dtype, device.platform, decode_context_parallel_size)
     params = abstract_params(config, dtype) if params is None else params
     lanes = page_head_dim_multiple(backend)
     kv = jax.eval_shape(lambda: init_kv_cache(config, num_pages, page_size, dtype, kv_cache_dtype, lanes))

@@ -23,11 +23,13 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.experimental.layout import Format, Layout
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxserve.batch import RaggedRows
 from jaxserve.cache.kv_cache import SCRATCH_PAGE, Int8Pages, write_pages
-from jaxserve.parallel.mesh import HEADS, MODEL, model_size
+from jaxserve.parallel.mesh import HEADS, MODEL, model_size, shardings
 
 # The attention backends whose partial attention (output and log-sum-exp) DCP can run: the blocked jnp path.
 CONTEXT_PARALLEL_BACKENDS = ("reference",)
@@ -58,6 +60,27 @@ def pages_by_token_spec(kv_cache_dtype: str = "auto"):
     return Int8Pages(pages, P(None, None, MODEL)) if kv_cache_dtype == "int8" else pages
 
 
+def pages_by_token(mesh, kv_cache_dtype: str = "auto", platform: str | None = None):
+    """Where one layer's K (or V) pages live: split by token (`pages_by_token_spec`), and on TPU in row-major layout.
+    XLA:TPU lays a [num_pages, kv_heads, page_size, head_dim] array out pages-minor when its two minor dimensions
+    are under a (8, 128) tile (SmolLM2's [.., 16, 64]), and the jnp attention's page gathers then relayout every
+    layer's whole page array each step (the HBM audit's 1.6 GB a 2-layer step at 128K); row-major, they read pages
+    in place, at the price of head_dim padded to 128 lanes in HBM where it is smaller."""
+    placed = shardings(mesh, pages_by_token_spec(kv_cache_dtype))
+    if platform != "tpu":
+        return placed
+    return jax.tree.map(lambda s: Format(Layout(major_to_minor=tuple(range(len(s.spec)))), s), placed,
+                        is_leaf=lambda x: isinstance(x, NamedSharding))
+
+
+def whole_kv_heads(axes):
+    """Params' logical axes (`jaxserve.model.decoder.param_axes`) with the KV-head axis kept whole: every rank
+    writes and reads every KV head of its own tokens, so each computes all of k and v (small projections) rather
+    than gathering them, or the kernels split across a head, every layer."""
+    return jax.tree.map(lambda a: P(*[None if name == "kv_heads" else name for name in a]), axes,
+                        is_leaf=lambda x: isinstance(x, P))
+
+
 def local_rows(rows: RaggedRows, d: int, rank) -> RaggedRows:
     """rows as rank sees its own share of the cache: each row's cached tokens at positions = rank mod d, in the same
     pages (cached_lens counted in them)."""
@@ -77,12 +100,17 @@ def merge_partials(out, lse, axis: str):
     """Each rank's partial attention -> rank's own heads of the exact result, by log-sum-exp.
 
     out [T, H, D] float32 over this rank's keys, lse [T, H] their log-sum-exp (a very negative finite number
-    where it has none) -> [T, H / d, D]: out_r weighted by exp(lse_r - lse) and summed over ranks, one
-    reduce-scatter over heads."""
+    where it has none) -> [T, H / d, D]: out_r weighted by exp(lse_r - lse) and summed over ranks. Each rank sends
+    each other rank that rank's heads (an all-to-all: a reduce-scatter's bytes), and sums what it receives: XLA:TPU
+    cannot lower a reduce-scatter over an odd number of devices (3: SmolLM2's 9 heads) inside a fusion."""
     lse_all = jax.lax.all_gather(lse, axis)  # [d, T, H]
     top = lse_all.max(0)  # [T, H]
     weight = jnp.exp(lse - top) / jnp.exp(lse_all - top).sum(0)  # [T, H]
-    return jax.lax.psum_scatter(out * weight[..., None], axis, scatter_dimension=1, tiled=True)
+    T, H, D = out.shape
+    d = lse_all.shape[0]
+    mine = out * weight[..., None]  # [T, H, D]
+    # [T, d, H / d, D]: heads chunk j to rank j; received, axis 1 is the sending rank
+    return jax.lax.all_to_all(mine.reshape(T, d, H // d, D), axis, 1, 1).sum(1)
 
 
 def attention_over_tokens(attend, mesh, q, k, v, k_pages, v_pages, rows: RaggedRows):

@@ -22,7 +22,12 @@ from jaxserve.batch import StepInput, StepOutput, is_constant
 from jaxserve.config import ModelConfig
 from jaxserve.model.attention import write_kv
 from jaxserve.model.decoder import DecoderModel, lm_head, param_axes
-from jaxserve.parallel.context_parallel import check_context_parallel, pages_by_token_spec, write_over_tokens
+from jaxserve.parallel.context_parallel import (
+    check_context_parallel,
+    pages_by_token,
+    whole_kv_heads,
+    write_over_tokens,
+)
 from jaxserve.parallel.layouts import lookup_compiler_options
 from jaxserve.parallel.mesh import (
     HEADS,
@@ -89,20 +94,21 @@ class Steps:
         forward: dict[str, Any]  # each program's jax.jit options
         logits: dict[str, Any]
         write: dict[str, Any]
+        platform = platform or (mesh.devices.flat[0] if mesh is not None else jax.devices()[0]).platform
         if mesh is not None:
             rep = replicated(mesh)
             # This step's (k, v) per layer: split with the cache's heads, or whole where the cache splits by token.
             new_kv = rep if self.context_parallel else shardings(mesh, HEADS)
             self.new_kv_sharding = [(new_kv,) * 2] * config.num_layers
-            pages = pages_by_token_spec(kv_cache_dtype) if self.context_parallel else kv_pages_spec(kv_cache_dtype)
-            self.cache_sharding = [(shardings(mesh, pages),) * 2] * config.num_layers
+            pages = (pages_by_token(mesh, kv_cache_dtype, platform) if self.context_parallel
+                     else shardings(mesh, kv_pages_spec(kv_cache_dtype)))
+            self.cache_sharding = [(pages,) * 2] * config.num_layers
             self._replicated = rep
             forward = dict(out_shardings=(rep, self.new_kv_sharding, rep))
             logits = dict(out_shardings=(rep, self.new_kv_sharding))
             write = dict(out_shardings=self.cache_sharding)
         else:
             forward = logits = write = {}
-        platform = platform or (mesh.devices.flat[0] if mesh is not None else jax.devices()[0]).platform
         # The forward programs look up rows.
         embeds: dict[str, Any] = dict(compiler_options=lookup_compiler_options(platform))
         forward, logits = {**forward, **embeds}, {**logits, **embeds}
@@ -124,7 +130,8 @@ class Steps:
     def param_shardings(self, params):
         """Where each leaf of params (loaded, possibly quantized) lives on the mesh: split as the model declares
         its parameters' logical axes (`jaxserve.model.decoder.param_axes`, `jaxserve.parallel.mesh.RULES`)."""
-        return param_shardings(self.mesh, params, param_axes(self.config, params))
+        axes = param_axes(self.config, params)
+        return param_shardings(self.mesh, params, whole_kv_heads(axes) if self.context_parallel else axes)
 
     def put_batch(self, batch: StepInput) -> StepInput:
         """A step's inputs as its programs take them (an array no row uses, a `jaxserve.batch.constant`, is copied
