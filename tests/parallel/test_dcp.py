@@ -47,6 +47,15 @@ def test_dcp_gives_one_devices_tokens_and_logits(tiny_dir, reference, d):
                                atol=1e-4)
 
 
+def test_an_int8_cache(tiny_dir):
+    """int8 pages with their per-token scales split alike: the tokens of one device's int8 cache."""
+    ps = prompts(np.random.default_rng(7), [21, 40])
+    want = tokens(make_llm(tiny_dir, kv_cache_dtype="int8"), ps)
+    llm = make_llm(tiny_dir, kv_cache_dtype="int8", tensor_parallel_size=2, decode_context_parallel_size=2)
+    assert tokens(llm, ps) == want, "seed 7"
+    assert llm.runner.kv_cache[0][0].scale.addressable_shards[0].data.shape[2] == 4
+
+
 def test_sliding_windows_by_position(tmp_path_factory):
     """Gemma 3's sliding layers (a 12-token window, shorter than the prompts) and its one KV head: a cached key's
     window is decided by its position (j * d + rank), the step's own keys by theirs."""
