@@ -17,7 +17,7 @@ Attention over a mesh (`attention_over_tokens`), per layer, each rank: gathers t
 (an all-gather of [T, heads, head_dim]: the step's tokens, never the context), attends to its own cached keys (key
 j at position j * d + rank) and the step's own new keys at its positions, giving a partial output and its
 log-sum-exp; the partials are merged exactly by their log-sum-exps, each rank keeping its own heads (one
-reduce-scatter). A step's new K/V are written by each rank for its own tokens only (`write_over_tokens`).
+all-to-all of the partials by head). Each rank writes a step's new K/V of its own tokens only (`write_over_tokens`).
 """
 from __future__ import annotations
 
