@@ -22,7 +22,7 @@ class Flag:
     help, metavar, choices: argparse's. serve_help: appended to help under serve. repeat_in_serve: serve takes it
     several times (a list: --model). How generate and chat (one prompt at a time) differ: serve_only (no flag there),
     offline_default (their default, flag or not), offline_help (their help). name, read_value: another flag name
-    (--calibration-file), and what turns its value into the field's.
+    (--calibration-file), and what turns its value into the field's. aliases: more flags for it (vLLM's "-dcp").
     """
 
     help: str | None
@@ -35,6 +35,7 @@ class Flag:
     offline_help: str | None = None
     name: str | None = None
     read_value: Callable | None = None
+    aliases: tuple[str, ...] = ()
 
     def add(self, p: argparse.ArgumentParser, field: dataclasses.Field, serving: bool) -> None:
         default, help = field.default, self.help
@@ -66,7 +67,7 @@ class Flag:
             kw["type"] = _TYPES[kind]
         if serving and self.repeat_in_serve:
             kw["action"] = "append"
-        p.add_argument("--" + (self.name or field.name.replace("_", "-")), **kw)
+        p.add_argument("--" + (self.name or field.name.replace("_", "-")), *self.aliases, **kw)
 
     def read(self, field: dataclasses.Field, args: argparse.Namespace) -> dict:
         """{field: value} from parsed flags; nothing if the command has no such flag (the field keeps its default)."""

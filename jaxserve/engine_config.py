@@ -15,7 +15,17 @@ from jaxserve.cache import KV_CACHE_DTYPES, check_kv_options
 from jaxserve.cli_flags import FlagGroup, add_flags, flag, read_flags
 from jaxserve.config import check_hf_overrides, hf_overrides_from_json
 from jaxserve.model.quant import QUANTIZATIONS
-from jaxserve.options import ATTENTION_BACKENDS, AUTO_CLUSTER, CPU_KV_CACHE_BYTES, DTYPES, ROLES, SCHEDULING_POLICIES
+from jaxserve.options import (
+    ATTENTION_BACKENDS,
+    AUTO_CLUSTER,
+    CPU_KV_CACHE_BYTES,
+    DTYPES,
+    ROLES,
+    SCHEDULING_POLICIES,
+    check_choice,
+    check_int,
+    check_type,
+)
 from jaxserve.spec_config import SpeculativeConfig
 from jaxserve.tokenizer import read_chat_template
 from jaxserve.weights.default_model import DEFAULT_MODEL
@@ -174,6 +184,7 @@ class EngineConfig:
     warmup: bool = flag("compile shapes on first use instead of before serving", default=True,
                         offline_default=False, offline_help="compile every shape bucket before generating")
     tensor_parallel_size: int = flag("devices each model replica is sharded over (weights and KV heads)", default=1)
+    decode_context_parallel_size: int = flag("1 or --tensor-parallel-size: KV by token", default=1, aliases=("-dcp",))
     data_parallel_size: int = flag("model replicas, each running its own sequences", default=1)
     prefill_replicas: int = flag("replicas that only prefill (disaggregated prefill, with --decode-replicas; 0: "
                                  "every replica prefills and decodes)", default=0, serve_only=True)
@@ -204,31 +215,34 @@ class EngineConfig:
         # Nothing here may touch JAX's backends: jax.distributed must initialise before they start.
         if isinstance(self.model, os.PathLike):
             object.__setattr__(self, "model", os.fspath(self.model))
-        _check_type("model", self.model, str, optional=True)
-        _check_int("max_model_len", self.max_model_len, 2, optional=True)  # the model's own limit: at load
+        check_type("model", self.model, str, optional=True)
+        check_int("max_model_len", self.max_model_len, 2, optional=True)  # the model's own limit: at load
         check_hf_overrides(self.hf_overrides)
-        _check_choice("dtype", self.dtype, DTYPES)
+        check_choice("dtype", self.dtype, DTYPES)
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "tensor_parallel_size",
-                     "data_parallel_size"):
-            _check_int(name, getattr(self, name), 1)
+                     "data_parallel_size", "decode_context_parallel_size"):
+            check_int(name, getattr(self, name), 1)
+        if self.decode_context_parallel_size not in (1, self.tensor_parallel_size):
+            raise ValueError(f"decode_context_parallel_size must be 1 or tensor_parallel_size "
+                             f"({self.tensor_parallel_size}), got {self.decode_context_parallel_size}")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least max_num_seqs "
                              f"({self.max_num_seqs}): every running sequence decodes a token per step")
-        _check_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes, 1, optional=True)
+        check_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes, 1, optional=True)
         u = self.gpu_memory_utilization
         if not isinstance(u, (int, float)) or isinstance(u, bool) or not 0 < u <= 1:
             raise ValueError(f"gpu_memory_utilization must be a number in (0, 1], got {u!r}")
-        _check_type("seed", self.seed, int)
+        check_type("seed", self.seed, int)
         for name in ("enable_prefix_caching", "quantize_embeddings", "warmup"):
-            _check_type(name, getattr(self, name), bool)
-        _check_choice("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES)
-        _check_type("async_scheduling", self.async_scheduling, bool, optional=True)
+            check_type(name, getattr(self, name), bool)
+        check_choice("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES)
+        check_type("async_scheduling", self.async_scheduling, bool, optional=True)
         for name in ("ttft_slo", "tpot_slo"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)
                                       or not value > 0):
                 raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
-        _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         self._check_quantization()
         object.__setattr__(self, "speculative_config", SpeculativeConfig.from_value(self.speculative_config))
         check_kv_options(self)
@@ -237,15 +251,15 @@ class EngineConfig:
         self._check_disaggregated()
         if isinstance(self.chat_template, os.PathLike):
             object.__setattr__(self, "chat_template", os.fspath(self.chat_template))
-        _check_type("chat_template", self.chat_template, str, optional=True)
+        check_type("chat_template", self.chat_template, str, optional=True)
         if self.chat_template is not None:
             read_chat_template(self.chat_template)  # an unreadable file fails here, before the model loads
 
     def _check_quantization(self) -> None:
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS[1:]} or None, got {self.quantization!r}")
-        _check_int("quantization_group_size", self.quantization_group_size, 1, optional=True)
-        _check_type("calibration_text", self.calibration_text, str, optional=True)
+        check_int("quantization_group_size", self.quantization_group_size, 1, optional=True)
+        check_type("calibration_text", self.calibration_text, str, optional=True)
         # Each of these would be silently ignored without the quantization it refines.
         if self.quantization_group_size is not None and self.quantization not in ("int4", "awq"):
             raise ValueError("a quantization group size applies to int4 and awq; int8 has a scale per output channel")
@@ -255,10 +269,10 @@ class EngineConfig:
             raise ValueError("calibration_text is what awq calibrates on; it needs quantization 'awq'")
 
     def _check_lora(self) -> None:
-        _check_type("enable_lora", self.enable_lora, bool)
-        _check_int("max_loras", self.max_loras, 1)
-        _check_int("max_lora_rank", self.max_lora_rank, 1)
-        _check_int("max_cpu_loras", self.max_cpu_loras, 1, optional=True)
+        check_type("enable_lora", self.enable_lora, bool)
+        check_int("max_loras", self.max_loras, 1)
+        check_int("max_lora_rank", self.max_lora_rank, 1)
+        check_int("max_cpu_loras", self.max_cpu_loras, 1, optional=True)
         if not self.enable_lora:  # each would be silently ignored
             given = [name for name, default in (("max_loras", 1), ("max_lora_rank", 16), ("max_cpu_loras", None))
                      if getattr(self, name) != default]
@@ -274,10 +288,10 @@ class EngineConfig:
         return self.prefill_replicas > 0
 
     def _check_disaggregated(self) -> None:
-        _check_int("prefill_replicas", self.prefill_replicas, 0)
-        _check_int("decode_replicas", self.decode_replicas, 0)
-        _check_int("decode_tensor_parallel_size", self.decode_tensor_parallel_size, 1, optional=True)
-        _check_choice("role", self.role, ROLES)
+        check_int("prefill_replicas", self.prefill_replicas, 0)
+        check_int("decode_replicas", self.decode_replicas, 0)
+        check_int("decode_tensor_parallel_size", self.decode_tensor_parallel_size, 1, optional=True)
+        check_choice("role", self.role, ROLES)
         if (self.prefill_replicas > 0) != (self.decode_replicas > 0):
             raise ValueError(f"prefill_replicas ({self.prefill_replicas}) and decode_replicas "
                              f"({self.decode_replicas}) go together: both at least 1 (disaggregated prefill), or "
@@ -302,11 +316,11 @@ class EngineConfig:
             raise ValueError(f"{what} runs in one process (one host): not with coordinator_address")
 
     def _check_distributed(self) -> None:
-        _check_type("coordinator_address", self.coordinator_address, str, optional=True)
-        _check_int("num_processes", self.num_processes, 1, optional=True)
-        _check_int("process_id", self.process_id, 0, optional=True)
-        _check_type("coordinator_bind_address", self.coordinator_bind_address, str, optional=True)
-        _check_type("coordinator_secret_file", self.coordinator_secret_file, str, optional=True)
+        check_type("coordinator_address", self.coordinator_address, str, optional=True)
+        check_int("num_processes", self.num_processes, 1, optional=True)
+        check_int("process_id", self.process_id, 0, optional=True)
+        check_type("coordinator_bind_address", self.coordinator_bind_address, str, optional=True)
+        check_type("coordinator_secret_file", self.coordinator_secret_file, str, optional=True)
         given = [v is not None for v in (self.coordinator_address, self.num_processes, self.process_id)]
         if self.coordinator_address == AUTO_CLUSTER and any(given[1:]):
             raise ValueError(f"coordinator_address {AUTO_CLUSTER!r} finds the processes itself: give no num_processes "
@@ -379,22 +393,3 @@ def add_quantization_cli_args(p: argparse.ArgumentParser) -> None:
 def quantization_from_cli_args(args: argparse.Namespace) -> dict:
     """{quantization, quantization_group_size, quantize_embeddings, calibration_text} from those flags."""
     return read_flags(EngineConfig, args, _QUANTIZATION_FIELDS)
-
-
-def _check_int(name: str, value, low: int, optional: bool = False) -> None:
-    if value is None and optional:
-        return
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise TypeError(f"{name} must be an integer, got {value!r}")
-    if value < low:
-        raise ValueError(f"{name} must be an integer >= {low}, got {value}")
-
-
-def _check_type(name: str, value, kind: type, optional: bool = False) -> None:
-    if not (isinstance(value, kind) or (optional and value is None)):
-        raise TypeError(f"{name} must be a {kind.__name__}{' or None' if optional else ''}, got {value!r}")
-
-
-def _check_choice(name: str, value, choices) -> None:
-    if value not in choices:
-        raise ValueError(f"{name} must be one of {tuple(choices)}, got {value!r}")

@@ -24,3 +24,23 @@ CPU_KV_CACHE_BYTES = 2 << 30
 
 # coordinator_address for JAX's own cluster detection (TPU pod slices, SLURM).
 AUTO_CLUSTER = "auto"
+
+
+# The checks EngineConfig (and the options defined beside the code that implements them) run on a value.
+def check_int(name: str, value, low: int, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{name} must be an integer, got {value!r}")
+    if value < low:
+        raise ValueError(f"{name} must be an integer >= {low}, got {value}")
+
+
+def check_type(name: str, value, kind: type, optional: bool = False) -> None:
+    if not (isinstance(value, kind) or (optional and value is None)):
+        raise TypeError(f"{name} must be a {kind.__name__}{' or None' if optional else ''}, got {value!r}")
+
+
+def check_choice(name: str, value, choices) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {tuple(choices)}, got {value!r}")

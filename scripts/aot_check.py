@@ -63,8 +63,9 @@ def kv_pages(config, chip, weight_bytes, args, lanes: int = 1, tp: int = 1) -> i
     """Pages from what the chip holds after the weights (90%, as LLM's default budget), within what the engine's
     sequences can use and never less than one max_model_len sequence (so the program still compiles and the table
     can say it does not fit). Tensor parallel: each chip holds 1/tp of the weights and of every page."""
-    per_page = bytes_per_page(config, 16, jnp.bfloat16, args.kv_cache_dtype, lanes) // tp
-    per_seq = pages_needed(args.max_model_len, 16)
+    page_size = 16 * args.decode_context_parallel_size  # the host's pages (DCP: 16 tokens a device)
+    per_page = bytes_per_page(config, page_size, jnp.bfloat16, args.kv_cache_dtype, lanes) // tp
+    per_seq = pages_needed(args.max_model_len, page_size)
     budget = int(chip.hbm_bytes * 0.9) - weight_bytes // tp
     return max(per_seq + 1, min(budget // per_page, args.max_num_seqs * per_seq + 1))
 
@@ -95,6 +96,8 @@ def main() -> None:
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="compile the steps over a mesh of this many of the target's devices (e.g. 4 on v5e:2x2, "
                         "8 on h100:8) and check their collectives")
+    p.add_argument("--decode-context-parallel-size", type=int, default=1,
+                   help="1 or the tensor-parallel size: the KV cache split over the mesh by token (no KV head copies)")
     p.add_argument("--num-layers", type=int, default=None,
                    help="only this many of the model's layers (the same programs per layer, compiled quicker)")
     p.add_argument("--quantization", default=None, choices=("int8", "int4"),
@@ -105,10 +108,12 @@ def main() -> None:
     rows = []
     for name, tp in args.model or [("smollm2-135m", None)]:
         tp = tp or args.tensor_parallel_size
+        if args.decode_context_parallel_size not in (1, tp):
+            raise SystemExit(f"--decode-context-parallel-size must be 1 or {name}'s tensor-parallel size {tp}")
         config = aot.MODEL_CONFIGS[name]
         if args.num_layers:
             config = aot.with_layers(config, args.num_layers)
-        if tp > 1:
+        if tp > 1 and args.decode_context_parallel_size == 1:
             config = aot.tensor_parallel_config(config, tp)  # KV heads repeated where tp exceeds them
         params = aot.abstract_params(config, jnp.bfloat16, args.quantization)
         weight_bytes = param_bytes(params)
@@ -129,7 +134,9 @@ def main() -> None:
                                           kv_cache_dtype=args.kv_cache_dtype, params=params,
                                           only_extremes=args.only_extremes,
                                           num_speculative_tokens=args.num_speculative_tokens,
-                                          tensor_parallel_size=tp)
+                                          tensor_parallel_size=tp,
+                                          decode_context_parallel_size=args.decode_context_parallel_size,
+                                          page_size=16 * args.decode_context_parallel_size)
             split = (f" over {tp} devices (tensor parallel; sizes per device, weights "
                      f"{weight_bytes / tp / 1e9:.2f} GB each)") if tp > 1 else ""
             print(f"\n{name} ({config.num_layers} layers) on {target} ({device.device_kind}, "
@@ -160,8 +167,8 @@ def main() -> None:
                     print(f"    HBM: {t}")
                 if len(r.traffic) > SHOWN_TRAFFIC:
                     print(f"    HBM: ... {len(r.traffic) - SHOWN_TRAFFIC} more (--out has them all)")
-                if tp > 1 and r.program != "ragged attention":
-                    row["collective_problems"] = collective_problems(
+                if tp > 1 and r.program != "ragged attention":  # (DCP's own: tests/aot/test_aot_dcp.py)
+                    row["collective_problems"] = [] if args.decode_context_parallel_size > 1 else collective_problems(
                         r, config, params, num_pages, kv_cache_dtype=args.kv_cache_dtype,
                         num_speculative_tokens=args.num_speculative_tokens, head_dim_multiple=lanes)
                     ops = collections.Counter(r.collective_ops)

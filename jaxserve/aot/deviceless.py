@@ -234,7 +234,8 @@ def tensor_parallel_config(config: ModelConfig, tensor_parallel_size: int) -> Mo
 def compile_serving(config: ModelConfig, dtype, device, *, max_num_seqs: int, max_num_batched_tokens: int,
                     max_model_len: int, num_pages: int, page_size: int = 16, kv_cache_dtype: str = "auto",
                     params=None, only_extremes: bool = False, num_speculative_tokens: int = 0,
-                    tensor_parallel_size: int = 1, attention_backend: str | None = None) -> list[Compiled]:
+                    tensor_parallel_size: int = 1, attention_backend: str | None = None,
+                    decode_context_parallel_size: int = 1) -> list[Compiled]:
     """Every program an engine of this shape runs, compiled for `device` with its Pallas attention kernel: the step
     (forward + sampling) of each token bucket and its cache write, and the ragged attention kernel alone at the
     largest step. only_extremes: of the buckets, only the smallest, the largest that can be all decode rows
@@ -248,17 +249,17 @@ def compile_serving(config: ModelConfig, dtype, device, *, max_num_seqs: int, ma
     batch replicated; KV heads repeated as `repeat_kv_heads` does when tp exceeds them: `params`, if given, must
     be of that config), each record with its collectives. The attention kernel alone is compiled at one device's
     shapes (its heads), as shard_map runs it.
-    attention_backend: default the device's Pallas kernel (e.g. "reference" to compile for CPU devices)."""
+    attention_backend: default the Pallas kernel (the jnp one at decode_context_parallel_size = tp, page_size x tp)."""
     tp = tensor_parallel_size
     devices = list(device) if isinstance(device, (list, tuple)) else [device]
     device = devices[0]
-    backend = attention_backend or "pallas-" + device.platform
+    backend = attention_backend or ("reference" if decode_context_parallel_size > 1 else "pallas-" + device.platform)
     k = num_speculative_tokens
     mesh = None
     if tp > 1:
-        config = tensor_parallel_config(config, tp)
+        config = config if decode_context_parallel_size > 1 else tensor_parallel_config(config, tp)
         mesh = make_mesh(tp, 1, devices[:tp])
-    steps = Steps(config, dtype, backend, k, mesh, kv_cache_dtype, device.platform)
+    steps = Steps(config, dtype, backend, k, mesh, kv_cache_dtype, device.platform, decode_context_parallel_size)
     params = abstract_params(config, dtype) if params is None else params
     lanes = page_head_dim_multiple(backend)
     kv = jax.eval_shape(lambda: init_kv_cache(config, num_pages, page_size, dtype, kv_cache_dtype, lanes))

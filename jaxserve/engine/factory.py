@@ -24,13 +24,13 @@ from jaxserve.batching.speculation.draft import DraftProposer
 from jaxserve.batching.speculation.ngram import NgramProposer
 from jaxserve.buckets import MIN_TABLE_TOKENS, Buckets, geometric
 from jaxserve.cache import HostTier, PageAllocator, PrefixCache, bytes_per_page, num_pages_for_budget, pages_needed
+from jaxserve.engine.kv_budget import default_kv_budget, fitted_max_model_len
 from jaxserve.engine_config import EngineConfig
 from jaxserve.lora.adapter import load_adapter
 from jaxserve.lora.buffers import lora_bytes
 from jaxserve.lora.slot_cache import HostAdapters, LoRASlots
 from jaxserve.model.attention import resolve_attention_backend
 from jaxserve.model.decoder import repeat_kv_heads
-from jaxserve.options import CPU_KV_CACHE_BYTES
 from jaxserve.pallas_kernels import page_head_dim_multiple
 from jaxserve.parallel.mesh import check_tensor_parallel, device_groups, make_mesh
 from jaxserve.paths import cache_dir
@@ -96,13 +96,15 @@ def build_engine(c: EngineConfig) -> EngineParts:
     processes = _start_processes(c, runners)
     pools = _pools(c, processes.multi_process)  # (role, tensor parallelism, device groups) per pool
     backend = resolve_attention_backend(c.attention_backend)
+    if c.decode_context_parallel_size > 1:  # pages of d x block_size tokens to the host (parallel.context_parallel)
+        c = dataclasses.replace(c, block_size=c.block_size * c.decode_context_parallel_size)
     _enable_compilation_cache()
     dtype = resolve_dtype(c.dtype)
     models = _load_models(c, pools, dtype)
     pages = _pages_per_pool(c, models, dtype, backend)
     max_model_len = models.max_model_len
     for num_pages in pages.values():  # a sequence of max_model_len fits every pool
-        max_model_len = _fitted_max_model_len(max_model_len, num_pages, c.block_size,
+        max_model_len = fitted_max_model_len(max_model_len, num_pages, c.block_size,
                                               asked=c.max_model_len is not None)
     buckets = Buckets.for_limits(c.max_num_seqs, c.max_num_batched_tokens, pages_needed(max_model_len, c.block_size),
                                  pages_needed(MIN_TABLE_TOKENS, c.block_size))
@@ -158,7 +160,8 @@ def _load_models(c: EngineConfig, pools: list[tuple[str, int, list]], dtype) -> 
         max_model_len = c.max_model_len or limit
         draft = _load_draft(c, loaded, dtype, max_model_len)
         # What the runners hold: over a mesh wider than the KV heads, each device gets a copy of the head it reads.
-        split = {pool_tp: split_for(loaded.config, loaded.params, pool_tp) for _, pool_tp, _ in pools}
+        split = {pool_tp: split_for(loaded.config, loaded.params, pool_tp, dcp=c.decode_context_parallel_size)
+                 for _, pool_tp, _ in pools}
         if len({pool_config.num_kv_heads for pool_config, _ in split.values()}) > 1:
             raise ValueError(f"tensor_parallel_size {c.tensor_parallel_size} and decode_tensor_parallel_size "
                              f"{c.decode_tensor_parallel_size} hold different KV heads per page (over more devices "
@@ -166,7 +169,7 @@ def _load_models(c: EngineConfig, pools: list[tuple[str, int, list]], dtype) -> 
                              "pages would not match; keep both at most the KV-head count, or equal")
         if draft is not None:
             draft = dataclasses.replace(draft, **dict(zip(("config", "params"), split_for(
-                draft.config, draft.params, c.tensor_parallel_size, "the draft"))))
+                draft.config, draft.params, c.tensor_parallel_size, "the draft", c.decode_context_parallel_size))))
     return _Models(loaded, draft, split, max_model_len)
 
 
@@ -193,7 +196,7 @@ def _pages_per_pool(c: EngineConfig, models: _Models, dtype, backend: str) -> di
 
     def pool_pages(pool_tp: int) -> int:
         pool_params = models.split[pool_tp][1]
-        kv_budget = c.kv_cache_memory_bytes or _default_kv_budget(
+        kv_budget = c.kv_cache_memory_bytes or default_kv_budget(
             (param_bytes(pool_params) + (param_bytes(draft.params) if draft else 0) + adapters) // pool_tp,
             c.gpu_memory_utilization)
         # The draft's pages are the target's page ids in a second cache: a page costs both.
@@ -226,7 +229,8 @@ def _build_pools(c: EngineConfig, pools: list[tuple[str, int, list]], models: _M
         runner_config = RunnerConfig(dtype, num_pages, c.block_size, buckets, c.max_num_seqs, backend,
                                      c.kv_cache_dtype, spec.num_speculative_tokens if spec else 0,
                                      *((c.max_loras, c.max_lora_rank) if c.enable_lora else (0, 0)),
-                                     kv_transfer=c.disaggregated or role != "both" or bool(c.kv_offloading_size))
+                                     kv_transfer=c.disaggregated or role != "both" or bool(c.kv_offloading_size),
+                                     decode_context_parallel_size=c.decode_context_parallel_size)
         # One engine replica per device group: its own runner, KV cache and scheduler (see batching.data_parallel).
         pool_config, pool_params = models.split[pool_tp]
         by_role[role] = [_replica(c, runner_config, pool_config, pool_params, models.draft, group, processes,
@@ -326,27 +330,12 @@ def _replica(c: EngineConfig, runner_config: RunnerConfig, config, params, draft
                       async_scheduling=overlap, plan_lead=lead, host_tier=tier)
 
 
-def split_for(config, params, tp: int, what: str = "the model"):
+def split_for(config, params, tp: int, what: str = "the model", dcp: int = 1):
     """(config, params) as a tensor-parallel group of tp devices holds them: checked to split, KV heads repeated
-    up to one per device where there are fewer."""
-    check_tensor_parallel(config, tp, what)
-    return repeat_kv_heads(config, params, max(1, tp // config.num_kv_heads))
-
-
-def _fitted_max_model_len(max_model_len: int, num_pages: int, block_size: int, asked: bool) -> int:
-    """A max_model_len sequence must fit the KV cache, or every request that leaves max_tokens unset (the OpenAI
-    clients' default for chat) is refused while the model advertises the full length. As vLLM: an explicit
-    max_model_len that does not fit is an error, the model's own context is lowered to what fits."""
-    fits = (num_pages - 1) * block_size  # page 0 is scratch
-    if max_model_len <= fits:
-        return max_model_len
-    if asked or fits < 2:
-        raise ValueError(f"max_model_len {max_model_len} does not fit the KV cache, which holds {fits} "
-                         "tokens: lower max_model_len or raise the KV budget (kv_cache_memory_bytes / "
-                         "gpu_memory_utilization)")
-    logger.warning("max_model_len lowered from the model's %d to %d tokens: the most one sequence can hold in "
-                   "the KV cache (raise the KV budget for more)", max_model_len, fits)
-    return fits
+    up to one per device where there are fewer (none with decode context parallelism, dcp = tp: see Steps)."""
+    if dcp == 1:
+        check_tensor_parallel(config, tp, what)
+    return repeat_kv_heads(config, params, 1 if dcp > 1 else max(1, tp // config.num_kv_heads))
 
 
 def _check_same_tokenizer(draft, target) -> None:
@@ -387,14 +376,3 @@ def _enable_compilation_cache() -> None:
             return
         jax.config.update("jax_compilation_cache_dir", str(directory))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
-
-
-def _default_kv_budget(weight_bytes: int, utilization: float) -> int:
-    device = jax.devices()[0]
-    if device.platform == "cpu":
-        return CPU_KV_CACHE_BYTES
-    limit = (device.memory_stats() or {}).get("bytes_limit")
-    if not limit:
-        return CPU_KV_CACHE_BYTES
-    # Leave a tenth of the remainder for activations and compiled programs.
-    return int((limit * utilization - weight_bytes) * 0.9)

@@ -12,7 +12,7 @@ possible: the oracle for every other implementation in the tests; slow, but diff
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -24,8 +24,8 @@ from jaxserve.cpu_kernels import paged_attention as cpu_paged_attention
 from jaxserve.options import ATTENTION_BACKENDS as BACKENDS
 from jaxserve.pallas_kernels.reference import ragged_attention_reference
 
-__all__ = ["BACKENDS", "attention", "blocked_attention", "ragged_attention", "ragged_attention_reference",
-           "resolve_attention_backend", "write_kv"]
+__all__ = ["BACKENDS", "attention", "blocked_attention", "partial_attention", "ragged_attention",
+           "ragged_attention_reference", "resolve_attention_backend", "write_kv"]
 
 
 def resolve_attention_backend(name: str, platform: str | None = None) -> str:
@@ -56,6 +56,20 @@ def attention(q, k, v, k_pages, v_pages, rows: RaggedRows, *, sliding_window=Non
     if backend == "reference":
         return ragged_attention(q, k, v, k_pages, v_pages, rows, sliding_window=sliding_window)
     return pk.ragged_kernel_for(backend)(q, k, v, k_pages, v_pages, rows, sliding_window=sliding_window)
+
+
+def partial_attention(q, k, v, k_pages, v_pages, rows: RaggedRows, key_stride, key_offset, *, sliding_window=None,
+                      backend="reference"):
+    """Attention over a share of the keys, for decode context parallelism (`jaxserve.parallel.context_parallel`):
+    cached key j of a row is at position j * key_stride + key_offset (rows.cached_lens counts this share's), and
+    of the step's own keys only those at positions = key_offset mod key_stride are seen. Returns (out [T, H, D]
+    float32, lse [T, H]): the attention over those keys and their log-sum-exp (about -1e30 where a token sees
+    none), for an exact merge with the other shares'. The blocked jnp path only (backend "reference")."""
+    if backend != "reference":
+        raise ValueError(f"partial attention (decode context parallelism) runs the 'reference' backend, not "
+                         f"{backend!r}")
+    return blocked_attention(q, k, v, k_pages, v_pages, rows, sliding_window=sliding_window, key_stride=key_stride,
+                             key_offset=key_offset, return_lse=True)
 
 
 # Finite, so a query with nothing to attend to (padding) gives a harmless value instead of NaN.
@@ -122,13 +136,19 @@ class _BlockedCache(NamedTuple):
     block: int  # block_pages * page_size
     head_dim: int
     sliding_window: int | None
+    key_stride: int = 1  # cached key j is at position j * key_stride + key_offset (`partial_attention`)
+    key_offset: Any = 0
 
     def read(self, pages, page_ids):  # page_ids [n, block_pages] -> [n, KVH, block, D] float32
         return read_blocks(pages, page_ids, jnp.float32, self.head_dim)
 
+    def key_positions(self, i):  # [block]: the positions of block i's keys
+        return (i * self.block + jnp.arange(self.block)) * self.key_stride + self.key_offset
+
 
 def blocked_attention(q, k, v, k_pages, v_pages, rows: RaggedRows, *, sliding_window=None, block_pages=8,
-                      num_groups=2, long_row_share=8, small_step=64, own_block=128):
+                      num_groups=2, long_row_share=8, small_step=64, own_block=128, key_stride=1, key_offset=0,
+                      return_lse=False):
     """`ragged_attention_reference` computed in parts, each with an online softmax, in jnp for XLA.
 
     Same arguments and result. Three parts, merged by log-sum-exp:
@@ -143,23 +163,26 @@ def blocked_attention(q, k, v, k_pages, v_pages, rows: RaggedRows, *, sliding_wi
         after 4k cached tokens would gather 4k keys 512 times; `_long_row`).
     A step of at most `small_step` tokens takes one group and no long-row pass: per token, its cached keys cost at
     most what as many decode rows' do, and each loop adds ~1.5 s to a program's compile time.
+    key_stride, key_offset, return_lse: `partial_attention`'s share of the keys, and (out float32, lse [T, H]).
     """
     T, H, D = q.shape
     _, KVH, page_size, _ = k_pages.shape
     num_blocks = -(-rows.page_table.shape[1] // block_pages)
     table = jnp.pad(rows.page_table, ((0, 0), (0, num_blocks * block_pages - rows.page_table.shape[1])))
-    cache = _BlockedCache(k_pages, v_pages, table, block_pages, block_pages * page_size, D, sliding_window)
+    cache = _BlockedCache(k_pages, v_pages, table, block_pages, block_pages * page_size, D, sliding_window,
+                          key_stride, key_offset)
     q = q.reshape(T, KVH, H // KVH, D) * (D ** -0.5)
-    carry = _own_keys(q, k, v, rows, sliding_window, own_block)
+    own = None if key_stride == 1 else rows.positions % key_stride == key_offset  # [T] the step's keys seen
+    carry = _own_keys(q, k, v, rows, sliding_window, own_block, own)
     # Cached keys in float32, whatever the model's dtype: their dots have G query rows per batch, which XLA:CPU runs
     # as a slow loop on bf16 operands. bf16 model, engine steps (1025 pages, interleaved, 2026-12-02), bf16 / float32:
     # batch 1 35.3 / 33.7 ms, batch 16 94.0 / 90.4. (The step's own keys above stay in the model's dtype: a
     # 512-token prompt 228 ms bf16, 233 float32.)
     q = q.astype(jnp.float32)
     in_long, carry = _long_row(q, rows, cache, carry, long_row_share, small_step)
-    out = _cached_per_token(q, rows, cache, carry, in_long, num_groups, small_step)  # [T, KVH, G, D]
-    out = jnp.where((rows.positions >= 0)[:, None, None, None], out, 0.0)
-    return out.reshape(T, H, D).astype(v.dtype)
+    out, lse = _cached_per_token(q, rows, cache, carry, in_long, num_groups, small_step)  # [T, KVH, G, (D)]
+    out = jnp.where((rows.positions >= 0)[:, None, None, None], out, 0.0).reshape(T, H, D)
+    return (out, lse.reshape(T, H)) if return_lse else out.astype(v.dtype)
 
 
 def _masked_scores(q, keys, visible, key_pos, q_pos, sliding_window):
@@ -182,7 +205,7 @@ def _accumulate(carry, s, values):
     return m_new, l * corr + p.sum(-1), acc
 
 
-def _own_keys(q, k, v, rows: RaggedRows, sliding_window, own_block):
+def _own_keys(q, k, v, rows: RaggedRows, sliding_window, own_block, own=None):
     """The running softmax (m, l [T, KVH, G], acc [T, KVH, G, D] float32) over the step's own keys.
 
     First of the parts: every real token sees at least itself, so the running max starts finite. A row's tokens
@@ -191,17 +214,18 @@ def _own_keys(q, k, v, rows: RaggedRows, sliding_window, own_block):
     queries [KVH, T * G, D] against keys [KVH, T, D], a batched dot per block that XLA:CPU runs as it is (the
     token-major einsum transposed each block's operands and recomputed what produced them, RoPE included). A
     512-token prompt's forward, default model, interleaved (2026-12-02, loaded 2 vCPU): float32 990 -> 884 ms,
-    bf16 496 -> 422.
+    bf16 496 -> 422. own [T]: which of the step's keys are seen (None: all; a token that sees none starts from a
+    running max of _MASKED, which the first key it sees replaces).
     """
     T, KVH, G, D = q.shape
     qh = q.transpose(1, 0, 2, 3).reshape(KVH, T * G, D)  # [KVH, T * G, D]
     kh, vh = k.transpose(1, 0, 2).astype(q.dtype), v.transpose(1, 0, 2)  # [KVH, T, D]
-    parts = [_own_block(qh, kh, vh, rows, lo, min(lo + own_block, T), sliding_window)
+    parts = [_own_block(qh, kh, vh, rows, lo, min(lo + own_block, T), sliding_window, own)
              for lo in range(0, T, own_block)]
     return tuple(jnp.concatenate(x) for x in zip(*parts))
 
 
-def _own_block(qh, kh, vh, rows: RaggedRows, lo, hi, sliding_window):
+def _own_block(qh, kh, vh, rows: RaggedRows, lo, hi, sliding_window, own):
     """Queries lo..hi - 1 against the step's keys 0..hi - 1: their (m, l, acc), token-major."""
     KVH, _, D = kh.shape
     G = qh.shape[1] // kh.shape[1]
@@ -210,6 +234,8 @@ def _own_block(qh, kh, vh, rows: RaggedRows, lo, hi, sliding_window):
                & (pos[None, :hi] <= pos[lo:hi, None]))  # [hi - lo, hi]
     if sliding_window is not None:
         visible &= pos[None, :hi] > pos[lo:hi, None] - sliding_window
+    if own is not None:
+        visible &= own[None, :hi]
     s = jax.lax.dot_general(qh[:, lo * G:hi * G], kh[:, :hi], (((2,), (2,)), ((0,), (0,))),
                             preferred_element_type=jnp.float32).reshape(KVH, hi - lo, G, hi)
     s = jnp.where(visible[None, :, None, :], s, _MASKED)  # [KVH, hi - lo, G, hi]
@@ -235,10 +261,10 @@ def _long_row(q, rows: RaggedRows, cache: _BlockedCache, carry, long_row_share, 
 
     def visit(i, carry):
         pages = jax.lax.dynamic_slice_in_dim(cache.table[long_row], i * cache.block_pages, cache.block_pages)[None]
-        key_pos = i * cache.block + jnp.arange(cache.block)
-        visible = jnp.broadcast_to((key_pos < long_len)[None, :], (T, cache.block)) & in_long[:, None]
+        key_index = i * cache.block + jnp.arange(cache.block)
+        visible = jnp.broadcast_to((key_index < long_len)[None, :], (T, cache.block)) & in_long[:, None]
         s = _masked_scores(q, cache.read(cache.k_pages, pages)[0], visible,
-                           jnp.broadcast_to(key_pos, (T, cache.block)), pos, cache.sliding_window)
+                           jnp.broadcast_to(cache.key_positions(i), (T, cache.block)), pos, cache.sliding_window)
         return _accumulate(carry, s, cache.read(cache.v_pages, pages)[0])
 
     if T > small_step:
@@ -247,8 +273,8 @@ def _long_row(q, rows: RaggedRows, cache: _BlockedCache, carry, long_row_share, 
 
 
 def _cached_per_token(q, rows: RaggedRows, cache: _BlockedCache, carry, in_long, num_groups, small_step):
-    """The attention's result [T, KVH, G, D] float32: each token's cached keys added to its running softmax, which
-    is then normalised.
+    """The attention's result [T, KVH, G, D] float32 and its log-sum-exp [T, KVH, G]: each token's cached keys
+    added to its running softmax, which is then normalised.
 
     Per token, in groups sorted by cached length (longest first), each walking only the blocks it needs. The first
     group holds as many tokens as the step has rows, so a step's decode tokens (one per row) can fill it and leave
@@ -272,7 +298,8 @@ def _cached_per_token(q, rows: RaggedRows, cache: _BlockedCache, carry, in_long,
     # XLA:CPU copies row by row (a scatter per group went element by element; the 512-token prompt's forward:
     # float32 920 -> 857 ms, bf16 428 -> 408).
     inverse = jnp.zeros(T, jnp.int32).at[order].set(jnp.arange(T, dtype=jnp.int32))  # [T]
-    return jnp.concatenate([acc_g / l_g[..., None] for _, l_g, acc_g in parts])[inverse]  # [T, KVH, G, D]
+    out = jnp.concatenate([acc_g / l_g[..., None] for _, l_g, acc_g in parts])[inverse]  # [T, KVH, G, D]
+    return out, jnp.concatenate([m_g + jnp.log(l_g) for m_g, l_g, _ in parts])[inverse]
 
 
 def _walk_group(q_g, g_len, g_row, g_pos, cache: _BlockedCache, carry):
@@ -282,9 +309,10 @@ def _walk_group(q_g, g_len, g_row, g_pos, cache: _BlockedCache, carry):
         # The block's columns of the table first, then each token's row of them: a token's whole row of the table
         # would be [n, width], at 128K a 2048-token chunk's 64 MB per layer.
         pages = jax.lax.dynamic_slice_in_dim(cache.table, i * cache.block_pages, cache.block_pages, axis=1)[g_row]
-        key_pos = i * cache.block + jnp.arange(cache.block)
-        s = _masked_scores(q_g, cache.read(cache.k_pages, pages), key_pos[None, :] < g_len[:, None],
-                           jnp.broadcast_to(key_pos, (len(g_len), cache.block)), g_pos, cache.sliding_window)
+        key_index = i * cache.block + jnp.arange(cache.block)
+        s = _masked_scores(q_g, cache.read(cache.k_pages, pages), key_index[None, :] < g_len[:, None],
+                           jnp.broadcast_to(cache.key_positions(i), (len(g_len), cache.block)), g_pos,
+                           cache.sliding_window)
         return _accumulate(carry, s, cache.read(cache.v_pages, pages))
 
     return jax.lax.fori_loop(0, -(-g_len[0] // cache.block), visit, carry)

@@ -23,10 +23,11 @@ from jax.sharding import PartitionSpec as P
 from jaxserve.batch import RaggedRows
 from jaxserve.cache import init_kv_cache
 from jaxserve.config import ModelConfig
-from jaxserve.model.attention import attention
+from jaxserve.model.attention import attention, partial_attention
 from jaxserve.model.layers import Linear, RMSNorm, rms_norm
 from jaxserve.model.quant import embed, logical_axes, matmul
 from jaxserve.model.rope import apply_rope, rope_parameters
+from jaxserve.parallel.context_parallel import attention_over_tokens
 from jaxserve.parallel.mesh import attention_over_heads, embed_over_vocab, model_size
 
 
@@ -94,8 +95,9 @@ class DecoderLayer(nn.Module):
     dtype: Any
     attention_backend: str = "reference"  # resolved (see jaxserve.model.attention.resolve_attention_backend)
     mesh: Mesh | None = None  # tensor parallel: attention runs per device on its heads
-
     layer: int = 0  # its index: which window and RoPE base it has
+    # Decode context parallelism: the cache split over the mesh by token (jaxserve.parallel.context_parallel).
+    context_parallel: bool = False
 
     @nn.compact
     def __call__(self, x, kv, rows, lora_slot=None):
@@ -131,8 +133,12 @@ class DecoderLayer(nn.Module):
         if c.query_pre_attn_scalar is not None and c.query_pre_attn_scalar != c.head_dim:
             # attention divides by sqrt(head_dim)
             q = q * jnp.asarray((c.head_dim / c.query_pre_attn_scalar) ** 0.5, dt)
-        attend = functools.partial(attention, sliding_window=window, backend=self.attention_backend)
-        attn = attention_over_heads(attend, self.mesh, q, k, v, kv[0], kv[1], rows)
+        if self.context_parallel:
+            attend = functools.partial(partial_attention, sliding_window=window, backend=self.attention_backend)
+            attn = attention_over_tokens(attend, self.mesh, q, k, v, kv[0], kv[1], rows)
+        else:
+            attend = functools.partial(attention, sliding_window=window, backend=self.attention_backend)
+            attn = attention_over_heads(attend, self.mesh, q, k, v, kv[0], kv[1], rows)
         # o_proj and down_proj split their inputs (a device holds its heads' / FFN rows' part): one all-reduce each.
         out = Linear(c.hidden_size, ("heads", "embed"), False, dt, whole, name="o_proj")(attn.reshape(T, -1), lora_slot)
         if c.sandwich_norm:
@@ -158,6 +164,7 @@ class DecoderModel(nn.Module):
     dtype: Any = jnp.float32
     attention_backend: str = "reference"
     mesh: Mesh | None = None
+    context_parallel: bool = False  # the cache split over the mesh by token, not by KV head
 
     @nn.compact
     def __call__(self, token_ids, kv_cache, rows, logits_index=None, return_hidden: bool = False, lora_slot=None):
@@ -182,7 +189,8 @@ class DecoderModel(nn.Module):
         new_kv = []
         # A Python loop over per-layer weights: on XLA:CPU a scan over stacked layers copies each weight slice.
         for i in range(c.num_layers):
-            layer = DecoderLayer(c, self.dtype, self.attention_backend, self.mesh, i, name=f"layers_{i}")
+            layer = DecoderLayer(c, self.dtype, self.attention_backend, self.mesh, i, self.context_parallel,
+                                 name=f"layers_{i}")
             x, kv = layer(x, kv_cache[i], rows, lora_slot)
             new_kv.append(kv)
         hidden = x  # [T, hidden]

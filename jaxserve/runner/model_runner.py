@@ -92,6 +92,8 @@ class RunnerConfig:
     max_lora_rank: int = 0
     # Warm up the programs that move a sequence's pages out of and into the cache (a disaggregated pool's runner).
     kv_transfer: bool = False
+    # Decode context parallelism: the cache split over the mesh by token (page_size is then the host's, d x a device's).
+    decode_context_parallel_size: int = 1
 
 
 class ModelRunner:
@@ -107,7 +109,7 @@ class ModelRunner:
         self.mesh = mesh
         self.leader, self.index = leader, index
         self.steps = steps_for(config, rc.dtype, rc.attention_backend, rc.num_speculative_tokens, mesh,
-                               rc.kv_cache_dtype)
+                               rc.kv_cache_dtype, rc.decode_context_parallel_size)
 
         def new_cache():
             return init_kv_cache(config, rc.num_pages, rc.page_size, rc.dtype, rc.kv_cache_dtype,

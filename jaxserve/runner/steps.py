@@ -22,11 +22,18 @@ from jaxserve.batch import StepInput, StepOutput, is_constant
 from jaxserve.config import ModelConfig
 from jaxserve.model.attention import write_kv
 from jaxserve.model.decoder import DecoderModel, lm_head, param_axes
+from jaxserve.parallel.context_parallel import (
+    check_context_parallel,
+    pages_by_token,
+    whole_kv_heads,
+    write_over_tokens,
+)
 from jaxserve.parallel.layouts import lookup_compiler_options
 from jaxserve.parallel.mesh import (
     HEADS,
     head_over_vocab,
     kv_pages_spec,
+    model_size,
     param_shardings,
     replicated,
     sample_over_vocab,
@@ -70,29 +77,38 @@ class Steps:
 
     def __init__(self, config: ModelConfig, dtype, attention_backend: str = "reference",
                  num_speculative_tokens: int = 0, mesh=None, kv_cache_dtype: str = "auto",
-                 platform: str | None = None):
+                 platform: str | None = None, decode_context_parallel_size: int = 1):
         """mesh: a device group's [data=1, model] mesh for tensor parallelism (None: one device). The programs'
         outputs are pinned to the shardings their inputs arrive in (params and cache placed by the runner, the
         batch replicated), so a step never reshards anything. platform: what the programs compile for (None: the
-        mesh's devices', or the default device's), for the compiler options of the programs that embed tokens."""
+        mesh's devices', or the default device's), for the compiler options of the programs that embed tokens.
+        decode_context_parallel_size: the mesh's size, to split the cache over it by token (pages of that many
+        times the host's page size / d tokens a device: `jaxserve.parallel.context_parallel`), or 1."""
+        check_context_parallel(config, model_size(mesh), decode_context_parallel_size, attention_backend)
+        self.context_parallel = decode_context_parallel_size > 1
         self.config = config
-        self.model = DecoderModel(config, dtype, attention_backend, mesh)  # every family's (jaxserve.model.families)
+        # every family's (jaxserve.model.families)
+        self.model = DecoderModel(config, dtype, attention_backend, mesh, self.context_parallel)
         self.num_speculative_tokens = num_speculative_tokens
         self.mesh = mesh
         forward: dict[str, Any]  # each program's jax.jit options
         logits: dict[str, Any]
         write: dict[str, Any]
+        platform = platform or (mesh.devices.flat[0] if mesh is not None else jax.devices()[0]).platform
         if mesh is not None:
             rep = replicated(mesh)
-            self.new_kv_sharding = [(shardings(mesh, HEADS),) * 2] * config.num_layers  # this step's (k, v) per layer
-            self.cache_sharding = [(shardings(mesh, kv_pages_spec(kv_cache_dtype)),) * 2] * config.num_layers
+            # This step's (k, v) per layer: split with the cache's heads, or whole where the cache splits by token.
+            new_kv = rep if self.context_parallel else shardings(mesh, HEADS)
+            self.new_kv_sharding = [(new_kv,) * 2] * config.num_layers
+            pages = (pages_by_token(mesh, kv_cache_dtype, platform) if self.context_parallel
+                     else shardings(mesh, kv_pages_spec(kv_cache_dtype)))
+            self.cache_sharding = [(pages,) * 2] * config.num_layers
             self._replicated = rep
             forward = dict(out_shardings=(rep, self.new_kv_sharding, rep))
             logits = dict(out_shardings=(rep, self.new_kv_sharding))
             write = dict(out_shardings=self.cache_sharding)
         else:
             forward = logits = write = {}
-        platform = platform or (mesh.devices.flat[0] if mesh is not None else jax.devices()[0]).platform
         # The forward programs look up rows.
         embeds: dict[str, Any] = dict(compiler_options=lookup_compiler_options(platform))
         forward, logits = {**forward, **embeds}, {**logits, **embeds}
@@ -114,7 +130,8 @@ class Steps:
     def param_shardings(self, params):
         """Where each leaf of params (loaded, possibly quantized) lives on the mesh: split as the model declares
         its parameters' logical axes (`jaxserve.model.decoder.param_axes`, `jaxserve.parallel.mesh.RULES`)."""
-        return param_shardings(self.mesh, params, param_axes(self.config, params))
+        axes = param_axes(self.config, params)
+        return param_shardings(self.mesh, params, whole_kv_heads(axes) if self.context_parallel else axes)
 
     def put_batch(self, batch: StepInput) -> StepInput:
         """A step's inputs as its programs take them (an array no row uses, a `jaxserve.batch.constant`, is copied
@@ -243,8 +260,10 @@ class Steps:
         kv_cache, out = jax.lax.optimization_barrier((kv_cache, out))
         return out, write_cache(kv_cache, new_kv, batch.slot_mapping), last_tokens
 
-    def _write_cache(self, kv_cache, new_kv, slot_mapping):
-        return write_cache(kv_cache, new_kv, slot_mapping)  # a method, so each Steps counts its own programs
+    def _write_cache(self, kv_cache, new_kv, slot_mapping):  # a method, so each Steps counts its own programs
+        if self.context_parallel:
+            return write_over_tokens(self.mesh, kv_cache, new_kv, slot_mapping)
+        return write_cache(kv_cache, new_kv, slot_mapping)
 
     def _forward_logits(self, params, kv_cache, batch: StepInput, lora=None):
         return self._apply(params, lora, batch, batch.token_ids, kv_cache, batch.rows)
@@ -257,5 +276,6 @@ class Steps:
 
 @functools.cache
 def steps_for(config: ModelConfig, dtype, attention_backend: str = "reference", num_speculative_tokens: int = 0,
-              mesh=None, kv_cache_dtype: str = "auto") -> Steps:
-    return Steps(config, dtype, attention_backend, num_speculative_tokens, mesh, kv_cache_dtype)
+              mesh=None, kv_cache_dtype: str = "auto", decode_context_parallel_size: int = 1) -> Steps:
+    return Steps(config, dtype, attention_backend, num_speculative_tokens, mesh, kv_cache_dtype,
+                 decode_context_parallel_size=decode_context_parallel_size)
