@@ -220,7 +220,8 @@ def ragged_attention_tpu(q, k, v, k_pages, v_pages, rows: RaggedRows, *, sliding
       steps with more tokens than rows; a decode-only step packs 8 / gcd(G, 8) (`tpu_blocks.decode_block_q`).
     pages_per_block: pages per DMA'd block of cached keys; by default derived by `tpu_blocks` from the page's
       bytes and `vmem` (bytes of VMEM a core: the chip's), which also sets the kernel's VMEM limit.
-    table_chunk: page-table entries per DMA into SMEM (the table is padded to whole chunks when wider than one).
+    table_chunk: page-table entries per DMA into SMEM, a multiple of 128 on a TPU (the table's tiles); the table is
+      padded to whole chunks.
     """
     T, H, head_dim = q.shape
     _, KVH, page_size, D = k_pages.shape
@@ -253,10 +254,10 @@ def ragged_attention_tpu(q, k, v, k_pages, v_pages, rows: RaggedRows, *, sliding
     # The page table stays in HBM: a program DMAs the entries its row's walk reads into SMEM (`_table_copies`).
     # As a scalar prefetch it was all of SMEM's business: [S * P] int32 is 2 MiB at 64 rows of 8192 pages (128K
     # tokens), over v5e's 1 MiB of SMEM.
-    chunk = min(P, table_chunk)
+    chunk = table_chunk
     table = rows.page_table.astype(jnp.int32)
-    if P % chunk:
-        table = jnp.pad(table, ((0, 0), (0, chunk - P % chunk)))  # [S, P'] whole chunks
+    if P % chunk:  # [S, P'] whole chunks: a DMA's offset is a whole number of (128-lane) tiles
+        table = jnp.pad(table, ((0, 0), (0, chunk - P % chunk)))
     scratch = _scratch_shapes(pages_per_block, KVH, page_size, D, block_q, rows_g, k_values.dtype, k.dtype,
                               quantized, table.shape[1])
 

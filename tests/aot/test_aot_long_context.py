@@ -1,9 +1,10 @@
 """128K tokens deviceless (issue 49, item 5): the ragged attention kernels at max_model_len 131072 (page tables of
 8192 pages of 16 tokens, 64 rows) compile for v5e, v6e and an H100 with the real compilers, so their scalar memory
 (SMEM), VMEM and shared memory fit; the HBM audit finds no copy of the KV cache; and nothing they hold grows with
-the context: their temporaries at 128K are within a page table's size of those at 2K. (The TPU kernel took the page table as a scalar prefetch:
-2 MiB of SMEM at this shape, over v5e's and v6e's 1 MiB; the GPU kernel gathered a [slots, 8192] table per call.)
-The kernels alone (`aot_check.py --kernel-only`): a step is the kernel plus programs that do not see the table."""
+the context: their temporaries at 128K are within a page table's size of those at 2K. (The TPU kernel took the page
+table as a scalar prefetch: 2 MiB of SMEM at this shape, over v5e's and v6e's 1 MiB; the GPU kernel gathered a
+[slots, 8192] table per call.) The kernels alone (`aot_check.py --kernel-only`): the steps around them take minutes
+a chip to compile, and the table reaches nothing else of a step."""
 import pytest
 from test_aot import aot_check
 
