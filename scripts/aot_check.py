@@ -91,6 +91,9 @@ def main() -> None:
     p.add_argument("--context-len", type=int, default=1024, help="tokens each decode row attends to, for the roofline")
     p.add_argument("--only-extremes", action="store_true",
                    help="of the token buckets, only the smallest, the largest all-decode one and the largest")
+    p.add_argument("--kernel-only", action="store_true",
+                   help="only the ragged attention kernel alone, at each token bucket (quick: its SMEM, VMEM or "
+                        "shared memory and temporaries at long page tables)")
     p.add_argument("--num-speculative-tokens", type=int, default=0,
                    help="also compile the speculative verification step for k proposals a row")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
@@ -134,7 +137,7 @@ def main() -> None:
                                           kv_cache_dtype=args.kv_cache_dtype, params=params,
                                           only_extremes=args.only_extremes,
                                           num_speculative_tokens=args.num_speculative_tokens,
-                                          tensor_parallel_size=tp,
+                                          tensor_parallel_size=tp, kernel_only=args.kernel_only,
                                           decode_context_parallel_size=args.decode_context_parallel_size,
                                           page_size=16 * args.decode_context_parallel_size)
             split = (f" over {tp} devices (tensor parallel; sizes per device, weights "

@@ -235,7 +235,7 @@ def compile_serving(config: ModelConfig, dtype, device, *, max_num_seqs: int, ma
                     max_model_len: int, num_pages: int, page_size: int = 16, kv_cache_dtype: str = "auto",
                     params=None, only_extremes: bool = False, num_speculative_tokens: int = 0,
                     tensor_parallel_size: int = 1, attention_backend: str | None = None,
-                    decode_context_parallel_size: int = 1) -> list[Compiled]:
+                    decode_context_parallel_size: int = 1, kernel_only: bool = False) -> list[Compiled]:
     """Every program an engine of this shape runs, compiled for `device` with its Pallas attention kernel: the step
     (forward + sampling) of each token bucket and its cache write, and the ragged attention kernel alone at the
     largest step. only_extremes: of the buckets, only the smallest, the largest that can be all decode rows
@@ -249,7 +249,10 @@ def compile_serving(config: ModelConfig, dtype, device, *, max_num_seqs: int, ma
     batch replicated; KV heads repeated as `repeat_kv_heads` does when tp exceeds them: `params`, if given, must
     be of that config), each record with its collectives. The attention kernel alone is compiled at one device's
     shapes (its heads), as shard_map runs it.
-    attention_backend: default the Pallas kernel (the jnp one at decode_context_parallel_size = tp, page_size x tp)."""
+    attention_backend: default the device's Pallas kernel (the jnp one at decode_context_parallel_size = tp, page_size
+    x tp; e.g. "reference" to compile for CPU devices).
+    kernel_only: only the attention kernel alone, at every shape (its scalar memory, VMEM or shared memory at a long
+    max_model_len's page tables, in seconds where the steps take minutes)."""
     tp = tensor_parallel_size
     devices = list(device) if isinstance(device, (list, tuple)) else [device]
     device = devices[0]
@@ -287,7 +290,7 @@ def compile_serving(config: ModelConfig, dtype, device, *, max_num_seqs: int, ma
     step_shardings = (param_formats(params, where), None if mesh is None else steps.cache_sharding, None, None)
     write_shardings = (None, None, None) if mesh is None else (steps.cache_sharding, steps.new_kv_sharding, None)
     results = []
-    for tokens, rows in shapes:
+    for tokens, rows in [] if kernel_only else shapes:
         batch = build_batch([], page_size, config.vocab_size, tokens, rows, buckets.pages_per_row)
         batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), batch)
         shape = f"{tokens} tokens x {rows} rows"
@@ -304,13 +307,11 @@ def compile_serving(config: ModelConfig, dtype, device, *, max_num_seqs: int, ma
                                     step_shardings, ("weights", "cache")))
     if not backend.startswith("pallas"):
         return results
-    tokens, rows = shapes[-1]
     local = config if tp == 1 else dataclasses.replace(config, num_heads=config.num_heads // tp,
                                                        num_kv_heads=config.num_kv_heads // tp)
-    pages = jax.eval_shape(lambda: init_kv_cache(local, 1, page_size, dtype, kv_cache_dtype, lanes))[0][0]
-    pages = jax.tree.map(lambda x: jax.ShapeDtypeStruct((num_pages, *x.shape[1:]), x.dtype), pages)
-    results.append(_compile_kernel(local, dtype, device, backend, pages, tokens, rows, buckets.pages_per_row))
-    return results
+    pages = jax.eval_shape(lambda: init_kv_cache(local, num_pages, page_size, dtype, kv_cache_dtype, lanes))[0][0]
+    return results + [_compile_kernel(local, dtype, device, backend, pages, tokens, rows, buckets.pages_per_row)
+                      for tokens, rows in (shapes if kernel_only else shapes[-1:])]
 
 
 def _compile_kernel(config, dtype, device, backend, pages, tokens, rows, pages_per_row) -> Compiled:

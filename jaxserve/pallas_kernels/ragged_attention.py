@@ -5,10 +5,12 @@ Each row's new tokens are cut into query blocks of `block_q` tokens; a block nev
 the grid (query block, KV head) serves one row. Which row and which of its tokens a block holds is worked out in
 the wrapper with jnp from `query_start` (no host round trip), over a static number of block slots (`num_slots`:
 min(T, T // block_q + S) bounds the blocks of any split of T tokens into S rows); unused slots do no work. The
-wrapper gathers each slot's queries (and the page table of its row) so a program's inputs are plain blocks: its rows
-are its tokens' queries for the query heads sharing its KV head (GQA without repeating K/V), padded to a power of
-two >= 16 for the dots. A decode-only step (T <= S) packs 16 / G tokens a block, so a decode row is one program
-per KV head whose dot rows are its G query heads; block sizes come from `gpu_blocks` (shared memory, registers).
+wrapper gathers each slot's queries so a program's inputs are plain blocks: its rows are its tokens' queries for
+the query heads sharing its KV head (GQA without repeating K/V), padded to a power of two >= 16 for the dots. The
+page table is not gathered: a program reads its row's entries of the whole [S, P] table in place, as many as it
+walks (a per-slot copy was [slots, P] int32, 3 MB a call at 128K and 64 rows). A decode-only step (T <= S) packs
+16 / G tokens a block, so a decode row is one program per KV head whose dot rows are its G query heads; block sizes
+come from `gpu_blocks` (shared memory, registers).
 When those programs are few against the chip's SMs (1-4 rows over 8 KV heads: 8-32 programs on 132 SMs) and the
 page tables long, each row's cached keys are split over a third grid axis (flash-decoding, `key_splits`): split s
 walks the s-th equal part of the row's own cached blocks and writes its partial softmax (output and log-sum-exp,
@@ -50,13 +52,14 @@ from jaxserve.pallas_kernels.softmax import (
 
 _FAR = 2 ** 30  # a position past every real one: "no token here" in the block metadata
 # Per block slot, in the order the kernel reads them: cached keys, first new token of the row (flat index), the
-# row's new tokens, how many of them this block's queries can see, the lowest position among its queries.
-_CACHED, _ROW_START, _NUM_NEW, _OWN_END, _LOWEST = range(5)
+# row's new tokens, how many of them this block's queries can see, the lowest position among its queries, the row.
+_CACHED, _ROW_START, _NUM_NEW, _OWN_END, _LOWEST, _ROW = range(6)
 
 
 def _kernel(meta_ref, q_pos_ref, table_ref, q_ref, k_ref, v_ref, k_pos_ref, k_pages_ref, v_pages_ref, *refs,
             page_size, block_pages, block_k, sliding_window, scale, quantized, splits):
-    # meta_ref [1, 8] (see _CACHED...); q_pos_ref [rows] (-1: no query); table_ref [P]; q_ref [rows, D];
+    # meta_ref [1, 8] (see _CACHED...); q_pos_ref [rows] (-1: no query); table_ref [S, P'] every row's (P' whole
+    # blocks of block_pages: a program reads its row's, no [slots, P'] copy per step); q_ref [rows, D];
     # k_ref, v_ref [T + block_k, D] this step's keys of this KV head; k_pos_ref [T + block_k] their positions;
     # k_pages_ref, v_pages_ref [num_pages, page_size, D] of this KV head (int8 when quantized, then the scales
     # [num_pages, page_size] float32 follow); o_ref [rows, D]; split: then o_ref float32 and lse_ref [rows], this
@@ -68,14 +71,14 @@ def _kernel(meta_ref, q_pos_ref, table_ref, q_ref, k_ref, v_ref, k_pos_ref, k_pa
     q = q_ref[...]
     q_pos = q_pos_ref[...][:, None]  # [rows, 1]
     cached, row_start, num_new = meta_ref[0, _CACHED], meta_ref[0, _ROW_START], meta_ref[0, _NUM_NEW]
-    own_end, lowest = meta_ref[0, _OWN_END], meta_ref[0, _LOWEST]
+    own_end, lowest, row = meta_ref[0, _OWN_END], meta_ref[0, _LOWEST], meta_ref[0, _ROW]
     window_start = 0 if sliding_window is None else jnp.maximum(lowest - sliding_window + 1, 0)
 
     def in_window(key_pos):
         return True if sliding_window is None else key_pos > q_pos - sliding_window
 
     def visit_cached(i, carry):
-        pages = table_ref[pl.ds(i * block_pages, block_pages)]
+        pages = table_ref[row, pl.ds(i * block_pages, block_pages)]
         k = k_pages_ref[pages].reshape(block, head_dim)  # [block, D]: a gather through the page table
         v = v_pages_ref[pages].reshape(block, head_dim)
         if quantized:  # the scales gathered alike, [block, 1]
@@ -94,7 +97,7 @@ def _kernel(meta_ref, q_pos_ref, table_ref, q_ref, k_ref, v_ref, k_pos_ref, k_pa
         visible = mine & (key_pos >= 0) & (key_pos <= q_pos) & in_window(key_pos)
         return softmax_block(*carry, scores(q, k, scale), visible, v.astype(q.dtype))
 
-    num_blocks = jnp.minimum(pl.cdiv(cached, block), table_ref.shape[0] // block_pages)
+    num_blocks = jnp.minimum(pl.cdiv(cached, block), table_ref.shape[1] // block_pages)
     first = jnp.minimum(window_start // block, num_blocks)
     # This program's split of the row's visible cached blocks: equal parts of what the row holds (not of the
     # table), so a short row's keys spread too; the last split, often the shortest, also takes the new keys.
@@ -163,7 +166,9 @@ def ragged_attention_gpu(q, k, v, k_pages, v_pages, rows: RaggedRows, *, sliding
     blocks = query_blocks(rows, T, block_q)
     meta, q_pos = _block_metadata(rows, blocks, block_q)
     q_rows, pos_rows = _query_rows(q, q_pos, blocks.token, KVH, R)
-    table = jnp.pad(rows.page_table, ((0, 0), (0, pow2(P, bp) - P)))[blocks.block_row]  # [NB, P'] its row's pages
+    table = rows.page_table.astype(jnp.int32)  # [S, P'] whole blocks of pages (a walk never reads past it)
+    if P % bp:
+        table = jnp.pad(table, ((0, 0), (0, bp - P % bp)))
     # The new keys padded by a block, so a walk's last block never reads past them.
     k_new, v_new = (jnp.pad(x, ((0, block_k), (0, 0), (0, 0))) for x in (k, v))
     k_pos = jnp.pad(rows.positions, (0, block_k), constant_values=-1)  # [T + block_k]
@@ -177,7 +182,7 @@ def ragged_attention_gpu(q, k, v, k_pages, v_pages, rows: RaggedRows, *, sliding
     out = pl.pallas_call(
         kernel,
         grid=kernel_grid(T, S, KVH, block_q, splits),
-        in_specs=_in_specs(R, D, table.shape[1], T + block_k, num_pages, page_size, len(scales)),
+        in_specs=_in_specs(R, D, table.shape, T + block_k, num_pages, page_size, len(scales)),
         out_specs=out_specs,
         out_shape=out_shape,
         # Triton explicitly: JAX now lowers GPU Pallas to Mosaic GPU unless told otherwise.
@@ -185,7 +190,7 @@ def ragged_attention_gpu(q, k, v, k_pages, v_pages, rows: RaggedRows, *, sliding
                                                 num_stages=num_stages or derived.num_stages),
         interpret=interpret,
         name="ragged_attention",
-    )(meta, pos_rows.astype(jnp.int32), table.astype(jnp.int32), q_rows, k_new, v_new, k_pos.astype(jnp.int32),
+    )(meta, pos_rows.astype(jnp.int32), table, q_rows, k_new, v_new, k_pos.astype(jnp.int32),
       k_values, v_values, *scales)
     if splits > 1:
         out = combine_splits(*out).astype(q.dtype)  # [NB, KVH, R, D]
@@ -207,6 +212,7 @@ def _block_metadata(rows: RaggedRows, blocks: QueryBlocks, block_q: int):
     meta = meta.at[:, _NUM_NEW].set(jnp.where(used, num_new[slot_row], 0))
     meta = meta.at[:, _OWN_END].set(jnp.where(used, jnp.minimum(first_local + block_q, num_new[slot_row]), 0))
     meta = meta.at[:, _LOWEST].set(jnp.min(jnp.where(q_pos >= 0, q_pos, _FAR), axis=1))
+    meta = meta.at[:, _ROW].set(slot_row)
     return meta, q_pos
 
 
@@ -222,12 +228,12 @@ def _query_rows(q, q_pos, token, kv_heads: int, R: int):
     return q_rows, pos_rows
 
 
-def _in_specs(R: int, D: int, Pt: int, Tk: int, num_pages: int, page_size: int, num_scales: int):
-    """The kernel's inputs per program (slot b, KV head h, split): Pt page-table entries, Tk new keys."""
+def _in_specs(R: int, D: int, table: tuple[int, int], Tk: int, num_pages: int, page_size: int, num_scales: int):
+    """The kernel's inputs per program (slot b, KV head h, split): the whole page table, Tk new keys."""
     return [
         pl.BlockSpec((1, 8), lambda b, h, *_: (b, 0)),  # block metadata
         pl.BlockSpec((None, R), lambda b, h, *_: (b, 0)),  # query positions
-        pl.BlockSpec((None, Pt), lambda b, h, *_: (b, 0)),  # the row's page table
+        pl.BlockSpec(table, lambda b, h, *_: (0, 0)),  # the page table (the program's row read through meta)
         pl.BlockSpec((None, None, R, D), lambda b, h, *_: (b, h, 0, 0)),  # queries
         pl.BlockSpec((Tk, None, D), lambda b, h, *_: (0, h, 0)),  # this step's keys of this head
         pl.BlockSpec((Tk, None, D), lambda b, h, *_: (0, h, 0)),  # and values

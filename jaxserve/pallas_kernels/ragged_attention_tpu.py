@@ -5,7 +5,12 @@ Each row's new tokens are cut into query blocks of `block_q` tokens; a block nev
 of the grid (one per query block) serves one row. The wrapper lays the blocks out in a static number of slots
 (T // block_q + S bound the blocks of any split of T tokens into S rows) and gathers queries and the step's own
 keys into them; unused slots and the tail of a row's last block are masked. Per-row metadata (query starts,
-cached lengths, the page table) and the block -> row map are prefetched scalars.
+cached lengths) and the block -> row map are prefetched scalars. The page table is not: [S, P] int32 is 2 MiB at
+64 rows of 128K tokens (8192 pages of 16), and SMEM is 1 MiB on v5e and v6e (the compiler's RESOURCE_EXHAUSTED,
+deviceless). It stays in HBM, and a program DMAs into SMEM only the entries its row's walk reads, in chunks of
+TABLE_CHUNK (`_table_copies`): SMEM holds one row's table (32 KiB at 8192 pages), and a short row reads one chunk
+however wide the table is. That DMA runs before the first page's (one more DMA latency a program, ~1-2 us, not
+hidden across programs: prefetching the next program's entries would need the grid "arbitrary", in order).
 
 The K/V cache stays in HBM (`memory_space=pl.ANY`): a program DMAs its row's pages, `pages_per_block` at a time,
 into a double buffer in VMEM and folds them into an online softmax kept in VMEM scratch; then the row's own new
@@ -45,13 +50,14 @@ from jaxserve.pallas_kernels.softmax import (
     softmax_result,
     split_pages,
 )
-from jaxserve.pallas_kernels.tpu_blocks import TPU_VMEM, tpu_blocks
+from jaxserve.pallas_kernels.tpu_blocks import TABLE_CHUNK, TPU_VMEM, tpu_blocks
 
 
 class _Scratch(NamedTuple):
-    """The kernel's VMEM scratch (`_scratch_shapes`): page buffers [2, pages_per_block, KVH, page_size, D] (scales
+    """The kernel's scratch (`_scratch_shapes`): page buffers [2, pages_per_block, KVH, page_size, D] (scales
     [..., page_size], None unless quantized), own-key buffers [2, KVH, block_q, D], the running softmax m_sc, l_sc
-    [KVH, rows, 1] and acc_sc [KVH, rows, D] (float32), DMA semaphores [2, 2] ([cached | own, buffer])."""
+    [KVH, rows, 1] and acc_sc [KVH, rows, D] (float32) in VMEM; the row's page table [P'] int32 in SMEM; DMA
+    semaphores [3, 2] ([cached | own | table, buffer])."""
     k_buf: Any
     v_buf: Any
     k_scale_buf: Any
@@ -61,6 +67,7 @@ class _Scratch(NamedTuple):
     m_sc: Any
     l_sc: Any
     acc_sc: Any
+    table: Any
     sems: Any
 
 
@@ -96,12 +103,27 @@ def _stream(lo, hi, copies, compute):
         compute(i, slot)
 
 
-def _page_copies(table_ref, row, i, slot, pairs, sems, pages_per_block, pages_per_row):
-    """The DMAs of the row's cached block i into buffer `slot`: its pages, whole (all KV heads: see the module's
-    doc), from each (HBM array, VMEM buffer) pair."""
+def _table_copies(table_hbm, sc: _Scratch, row, first_page, end_page, chunk):
+    """`copies("start")` / `copies("wait")`: the DMAs of the row's page-table entries [first_page, end_page) into
+    the SMEM table, as the whole `chunk`s of entries that hold them: what the row's walk reads, never the rest of
+    the table (a 128K row is 8192 pages; a short row's few pages are one chunk however wide the table is)."""
+    lo, hi = first_page // chunk, pl.cdiv(end_page, chunk)
+
+    def copies(action):
+        @pl.loop(lo, hi)
+        def _(c):
+            part = pl.ds(pl.multiple_of(c * chunk, chunk), chunk)
+            copy = pltpu.make_async_copy(table_hbm.at[row, part], sc.table.at[part], sc.sems.at[2, 0])
+            copy.start() if action == "start" else copy.wait()
+    return copies
+
+
+def _page_copies(table_ref, i, slot, pairs, sems, pages_per_block, pages_per_row):
+    """The DMAs of the row's cached block i into buffer `slot`: its pages (entries of the row's table, `table_ref`
+    in SMEM), whole (all KV heads: see the module's doc), from each (HBM array, VMEM buffer) pair."""
     copies = []
     for p in range(pages_per_block):  # static: the block's pages, clamped inside the table (masked anyway)
-        page = table_ref[row * pages_per_row + jnp.minimum(i * pages_per_block + p, pages_per_row - 1)]
+        page = table_ref[jnp.minimum(i * pages_per_block + p, pages_per_row - 1)]
         copies += [pltpu.make_async_copy(src.at[page], dst.at[slot, p], sems.at[0, slot]) for src, dst in pairs]
     return copies
 
@@ -121,10 +143,11 @@ def _attend(sc: _Scratch, q_ref, sm_scale, visible, load_k, load_v):
         sc.m_sc[h], sc.l_sc[h], sc.acc_sc[h] = m, l, acc
 
 
-def _kernel(block_row_ref, first_block_ref, query_start_ref, cached_lens_ref, table_ref,  # scalar prefetch (SMEM)
-            q_pos_ref, q_ref, k_own_hbm, v_own_hbm, k_hbm, v_hbm, *refs,
-            block_q, pages_per_block, pages_per_row, sliding_window, sm_scale, quantized):
+def _kernel(block_row_ref, first_block_ref, query_start_ref, cached_lens_ref,  # scalar prefetch (SMEM)
+            q_pos_ref, q_ref, table_hbm, k_own_hbm, v_own_hbm, k_hbm, v_hbm, *refs,
+            block_q, pages_per_block, pages_per_row, table_chunk, sliding_window, sm_scale, quantized):
     # q_pos_ref [rows, 1] (rows = block_q * G, token-major; -1: empty slot); q_ref [KVH, rows, D]
+    # table_hbm [S, P'] int32 (P' = pages_per_row rounded up to whole table_chunks)
     # k_own_hbm, v_own_hbm [blocks, KVH, block_q, D]; k_hbm, v_hbm [num_pages, KVH, page_size, D] (int8 if quantized,
     # then k_scale_hbm, v_scale_hbm [num_pages, KVH, page_size] float32); o_ref [KVH, rows, D]; scratch: _Scratch
     k_scale_hbm, v_scale_hbm, o_ref, sc = _split_refs(refs, quantized)
@@ -157,11 +180,15 @@ def _kernel(block_row_ref, first_block_ref, query_start_ref, cached_lens_ref, ta
         _attend(sc, q_ref, sm_scale, visible, lambda h: _load_pages(sc.k_buf, sc.k_scale_buf, slot, h, q_ref.dtype),
                 lambda h: _load_pages(sc.v_buf, sc.v_scale_buf, slot, h, q_ref.dtype))
 
+    lo, hi = window_lo(0) // block_kv, jnp.where(used, pl.cdiv(cached_len, block_kv), 0)
+    table_copies = _table_copies(table_hbm, sc, row, lo * pages_per_block,
+                                 jnp.minimum(hi * pages_per_block, pages_per_row), table_chunk)
+    table_copies("start")  # its DMAs run while the softmax scratch is cleared
     sc.m_sc[...] = jnp.full(sc.m_sc.shape, MASKED, jnp.float32)
     sc.l_sc[...] = jnp.zeros(sc.l_sc.shape, jnp.float32)
     sc.acc_sc[...] = jnp.zeros(sc.acc_sc.shape, jnp.float32)
-    _stream(window_lo(0) // block_kv, jnp.where(used, pl.cdiv(cached_len, block_kv), 0),
-            lambda i, slot: _page_copies(table_ref, row, i, slot, pairs, sc.sems, pages_per_block, pages_per_row),
+    table_copies("wait")
+    _stream(lo, hi, lambda i, slot: _page_copies(sc.table, i, slot, pairs, sc.sems, pages_per_block, pages_per_row),
             visit_cached)
 
     # -- the step's own keys: the row's query blocks up to this one (causal) --
@@ -181,9 +208,10 @@ def _kernel(block_row_ref, first_block_ref, query_start_ref, cached_lens_ref, ta
     o_ref[...] = out.astype(o_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("sliding_window", "block_q", "pages_per_block", "vmem", "interpret"))
+@functools.partial(jax.jit, static_argnames=("sliding_window", "block_q", "pages_per_block", "vmem", "table_chunk",
+                                             "interpret"))
 def ragged_attention_tpu(q, k, v, k_pages, v_pages, rows: RaggedRows, *, sliding_window=None, block_q=16,
-                         pages_per_block=None, vmem=TPU_VMEM, interpret=False):
+                         pages_per_block=None, vmem=TPU_VMEM, table_chunk=TABLE_CHUNK, interpret=False):
     """Arguments and result as `ragged_attention_reference`: q [T, H, D], k, v [T, KVH, D], pages
     [num_pages, KVH, page_size, D'] (or Int8Pages; D' >= D, stored padded to TPU's 128 lanes) -> [T, H, D];
     padding tokens give zeros.
@@ -192,6 +220,8 @@ def ragged_attention_tpu(q, k, v, k_pages, v_pages, rows: RaggedRows, *, sliding
       steps with more tokens than rows; a decode-only step packs 8 / gcd(G, 8) (`tpu_blocks.decode_block_q`).
     pages_per_block: pages per DMA'd block of cached keys; by default derived by `tpu_blocks` from the page's
       bytes and `vmem` (bytes of VMEM a core: the chip's), which also sets the kernel's VMEM limit.
+    table_chunk: page-table entries per DMA into SMEM, a multiple of 128 on a TPU (the table's tiles); the table is
+      padded to whole chunks.
     """
     T, H, head_dim = q.shape
     _, KVH, page_size, D = k_pages.shape
@@ -221,18 +251,26 @@ def ragged_attention_tpu(q, k, v, k_pages, v_pages, rows: RaggedRows, *, sliding
 
     rows_g = block_q * G  # query rows of a block: its tokens x the query heads of one KV head
     pages = [k_values, v_values] + ([k_scale, v_scale] if quantized else [])
+    # The page table stays in HBM: a program DMAs the entries its row's walk reads into SMEM (`_table_copies`).
+    # As a scalar prefetch it was all of SMEM's business: [S * P] int32 is 2 MiB at 64 rows of 8192 pages (128K
+    # tokens), over v5e's 1 MiB of SMEM.
+    chunk = table_chunk
+    table = rows.page_table.astype(jnp.int32)
+    if P % chunk:  # [S, P'] whole chunks: a DMA's offset is a whole number of (128-lane) tiles
+        table = jnp.pad(table, ((0, 0), (0, chunk - P % chunk)))
     scratch = _scratch_shapes(pages_per_block, KVH, page_size, D, block_q, rows_g, k_values.dtype, k.dtype,
-                              quantized)
+                              quantized, table.shape[1])
 
     kernel = functools.partial(_kernel, block_q=block_q, pages_per_block=pages_per_block, pages_per_row=P,
-                               sliding_window=sliding_window, sm_scale=head_dim ** -0.5, quantized=quantized)
+                               table_chunk=chunk, sliding_window=sliding_window, sm_scale=head_dim ** -0.5,
+                               quantized=quantized)
     any_space = pl.BlockSpec(memory_space=pl.ANY)
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=5,  # block_row [NB], first_block [S], query_start [S + 1], cached_lens [S], table [S * P]
+        num_scalar_prefetch=4,  # block_row [NB], first_block [S], query_start [S + 1], cached_lens [S]
         grid=(NB,),
         in_specs=[pl.BlockSpec((None, rows_g, 1), lambda b, *_: (b, 0, 0)),
                   pl.BlockSpec((None, KVH, rows_g, D), lambda b, *_: (b, 0, 0, 0)),
-                  any_space, any_space] + [any_space] * len(pages),
+                  any_space, any_space, any_space] + [any_space] * len(pages),
         out_specs=pl.BlockSpec((None, KVH, rows_g, D), lambda b, *_: (b, 0, 0, 0)),
         scratch_shapes=scratch,
     )
@@ -246,19 +284,21 @@ def ragged_attention_tpu(q, k, v, k_pages, v_pages, rows: RaggedRows, *, sliding
         interpret=interpret,
         name="ragged_attention_tpu",
     )(block_row, first_block.astype(jnp.int32), query_start, rows.cached_lens.astype(jnp.int32),
-      rows.page_table.reshape(-1).astype(jnp.int32), q_pos, q_blocks, k_own, v_own, *pages)
+      q_pos, q_blocks, table, k_own, v_own, *pages)
 
     # Back to the flat tokens: token t sits in slot first_block[row] + local // block_q at local % block_q.
     out = out.reshape(NB, KVH, block_q, G, D).transpose(0, 2, 1, 3, 4).reshape(NB * block_q, H, D)
     return unblock(out[..., :head_dim], blocks, rows, q.dtype)
 
 
-def _scratch_shapes(pages_per_block, KVH, page_size, D, block_q, rows_g, page_dtype, own_dtype, quantized):
-    """VMEM scratch in `_Scratch`'s order (the page scales only when quantized)."""
+def _scratch_shapes(pages_per_block, KVH, page_size, D, block_q, rows_g, page_dtype, own_dtype, quantized,
+                    table_width):
+    """Scratch in `_Scratch`'s order (the page scales only when quantized)."""
     scratch = [pltpu.VMEM((2, pages_per_block, KVH, page_size, D), page_dtype)] * 2
     if quantized:
         scratch += [pltpu.VMEM((2, pages_per_block, KVH, page_size), jnp.float32)] * 2
     scratch += [pltpu.VMEM((2, KVH, block_q, D), own_dtype)] * 2
     scratch += [pltpu.VMEM((KVH, rows_g, 1), jnp.float32)] * 2 + [pltpu.VMEM((KVH, rows_g, D), jnp.float32)]
-    scratch += [pltpu.SemaphoreType.DMA((2, 2))]  # [cached | own, buffer]
+    scratch += [pltpu.SMEM((table_width,), jnp.int32)]  # 32 KiB at 8192 pages a row
+    scratch += [pltpu.SemaphoreType.DMA((3, 2))]  # [cached | own | table, buffer]
     return scratch

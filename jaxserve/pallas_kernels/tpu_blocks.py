@@ -35,6 +35,7 @@ TPU_VMEM = 128 << 20  # v5e and v6e, per core: what serving derives from when no
 BLOCK_BYTES = 1 << 20  # K and V bytes a key block moves at the least when it can
 MAX_PAGES_PER_BLOCK = 16
 VMEM_HEADROOM = 4  # the limit asked for: the modelled sum times this (the compiler's figure was up to 3.8x it)
+TABLE_CHUNK = 128  # page-table entries per DMA into SMEM (512 bytes, 2048 tokens of 16-token pages)
 DEFAULT_SCOPED_VMEM = 32 << 20  # never ask for less than the largest chip's default (v6e's; v5e's is 16 MiB)
 
 
