@@ -429,9 +429,10 @@ def main():
     print("expected time (COSTS in the script: fitted on a loaded machine, so upper bounds): "
           + ", ".join(f"{p} ~{s / 60:.0f} min" for p, s in est.items()), flush=True)
     for engine in args.engines:
-        print(f"  {engine} TTFT of one prompt: " + ", ".join(
-            f"{name} {n // 1024}K ~{estimate_s(engine, name, n, 0) / 60:.0f} min" for name in args.models
-            for n in sorted({*args.lengths, *args.ttft_lengths}) if n >= 8192 and n <= MODELS[name].max_model_len))
+        long_ones = [f"{name} {n // 1024}K ~{estimate_s(engine, name, n, 0) / 60:.0f} min" for name in args.models
+                     for n in sorted({*args.lengths, *args.ttft_lengths}) if 8192 <= n <= MODELS[name].max_model_len]
+        if long_ones:
+            print(f"  {engine} TTFT of one prompt: " + ", ".join(long_ones))
     if "long" in args.parts:
         print(f"  jaxserve TTFT of the {args.long_length // 1024}K prompt: "
               f"~{estimate_s('jaxserve', 'smollm2-yarn16', args.long_length, 0) / 60:.0f} min")
