@@ -142,7 +142,7 @@ class Served:
 
     def kv_cache_line(self) -> str | None:
         """The server's own line about its KV cache (jaxserve: pages and MB; llama-server: its KV buffer size)."""
-        pattern = re.compile(r"KV cache: .*|KV buffer size.*|llama_kv_cache.*size = .*")
+        pattern = re.compile(r"KV cache: .*|KV buffer size.*|llama_kv_cache.*size = .*|n_ctx_slot = .*")
         found = [m.group() for m in pattern.finditer(self.server.log.read_text(errors="replace"))]
         return found[-1].strip() if found else None
 
