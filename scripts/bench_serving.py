@@ -88,6 +88,7 @@ class Result:
     cached_tokens: int = 0  # the server's usage.prompt_tokens_details.cached_tokens
     max_tokens: int = 0
     finish_reason: str | None = None
+    text: str = ""  # the streamed text, joined
 
     @property
     def tpot(self) -> float | None:
@@ -196,6 +197,7 @@ async def send(session: aiohttp.ClientSession, url: str, body: dict, t0: float) 
                             r.itl.append(now - last)
                         last = now
                         r.text_chunks += 1
+                        r.text += piece
                     r.finish_reason = choice.get("finish_reason") or r.finish_reason
                 if chunk.get("usage"):
                     r.output_tokens = int(chunk["usage"].get("completion_tokens") or 0)
