@@ -249,8 +249,7 @@ def compile_serving(config: ModelConfig, dtype, device, *, max_num_seqs: int, ma
     batch replicated; KV heads repeated as `repeat_kv_heads` does when tp exceeds them: `params`, if given, must
     be of that config), each record with its collectives. The attention kernel alone is compiled at one device's
     shapes (its heads), as shard_map runs it.
-    attention_backend: default the device's Pallas kernel (the jnp one at decode_context_parallel_size = tp, page_size
-    x tp; e.g. "reference" to compile for CPU devices).
+    attention_backend: default the device's Pallas kernel (DCP: the jnp one, pages of tp x page_size; "reference").
     kernel_only: only the attention kernel alone, at every shape (its scalar memory, VMEM or shared memory at a long
     max_model_len's page tables, in seconds where the steps take minutes)."""
     tp = tensor_parallel_size
