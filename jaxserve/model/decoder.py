@@ -167,7 +167,8 @@ class DecoderModel(nn.Module):
     context_parallel: bool = False  # the cache split over the mesh by token, not by KV head
 
     @nn.compact
-    def __call__(self, token_ids, kv_cache, rows, logits_index=None, return_hidden: bool = False, lora_slot=None):
+    def __call__(self, token_ids, kv_cache, rows, logits_index=None, return_hidden: bool = False, lora_slot=None,
+                 capture: tuple[int, ...] = ()):
         """token_ids: [T]; kv_cache: per layer (k_pages, v_pages), as before this step; rows: `RaggedRows`.
 
         logits_index: [S] or [S, Q], which tokens get logits (None: all of them).
@@ -176,6 +177,8 @@ class DecoderModel(nn.Module):
         norm: `lm_head` takes it).
         lora_slot: int32 [T], each token's LoRA adapter slot (-1: none), with the adapters in the "lora" collection
         (`jaxserve.lora.buffers`); None: the base model alone.
+        capture: layers whose inputs (num_layers: the final hidden state) a speculative head reads
+        (`jaxserve.model.head_config`); given, with return_hidden, they come last: [T, len(capture) * hidden].
         """
         c = self.config
         if self.has_variable("params", "embed_tokens"):  # float or int8 rows (jaxserve.model.quant)
@@ -186,9 +189,11 @@ class DecoderModel(nn.Module):
         x = embed_over_vocab(functools.partial(embed, dtype=self.dtype), self.mesh, embedding, token_ids)  # [T, hidden]
         if c.embedding_multiplier != 1.0:  # in the model's dtype, as HF rounds it
             x = x * jnp.asarray(c.embedding_multiplier, self.dtype)
-        new_kv = []
+        new_kv, captured = [], []
         # A Python loop over per-layer weights: on XLA:CPU a scan over stacked layers copies each weight slice.
         for i in range(c.num_layers):
+            if i in capture:
+                captured.append(x)
             layer = DecoderLayer(c, self.dtype, self.attention_backend, self.mesh, i, self.context_parallel,
                                  name=f"layers_{i}")
             x, kv = layer(x, kv_cache[i], rows, lora_slot)
@@ -201,6 +206,10 @@ class DecoderModel(nn.Module):
         # by it faster than by the transposed embedding, and a step reads the same bytes either way.
         logits = Linear(c.vocab_size, ("embed", "vocab"), False, self.dtype, model_size(self.mesh) == 1,
                         name="lm_head")(x)  # split by vocab
+        if c.num_layers in capture:
+            captured.append(hidden)
+        if return_hidden and capture:
+            return logits.astype(jnp.float32), new_kv, hidden, jnp.concatenate(captured, axis=-1)
         if return_hidden:
             return logits.astype(jnp.float32), new_kv, hidden
         return logits.astype(jnp.float32), new_kv
