@@ -90,7 +90,8 @@ def checkpoint_config(head: LoadedHead, layout: str) -> dict:
     layer = {"hidden_act": "silu", "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
              "num_attention_heads": c.num_heads, "num_key_value_heads": c.num_kv_heads, "head_dim": c.head_dim,
              "num_hidden_layers": 1, "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta,
-             "rope_scaling": None, "max_position_embeddings": c.max_position_embeddings,
+             "rope_scaling": dict(c.rope_scaling) if c.rope_scaling else None,
+             "max_position_embeddings": c.max_position_embeddings,
              "vocab_size": c.vocab_size, "model_type": "llama", "tie_word_embeddings": False,
              "attention_bias": c.attention_bias, "mlp_bias": False, "torch_dtype": "float32"}
     if layout == "eagle3":

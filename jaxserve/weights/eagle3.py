@@ -48,13 +48,13 @@ def load_head(path, target_config: ModelConfig, dtype=np.float32) -> LoadedHead:
     the field that disagrees, rather than proposing nothing useful."""
     path = Path(path)
     raw = read_config(path)
-    layout = layout_of(raw, path)
+    tensors = read_weights(path)
+    layout = layout_of(raw, tensors, path)
     try:
         config = head_config(raw, layout, target_config)
         config.check_target(target_config)
     except ValueError as e:
         raise ValueError(f"{path}: {e}") from None
-    tensors = read_weights(path)
     params = params_from_tensors(tensors, config, layout, dtype, path)
     return LoadedHead(config, {"params": params}, draft_to_target(tensors, config, path))
 
@@ -72,18 +72,20 @@ def read_config(path: Path) -> dict:
     return raw
 
 
-def layout_of(raw: dict, path: Path) -> str:
-    """Which public layout a config.json is in, from what each layout alone writes."""
+def layout_of(raw: dict, tensors: dict, path: Path) -> str:
+    """Which public layout a head is in, from what each layout alone writes: some EAGLE heads name their
+    architecture only LlamaForCausalLM, and their `midlayer.` tensors tell."""
     kind = raw.get("speculators_model_type")
     if kind is not None:
         if kind != "eagle3":
             raise ValueError(f"{path}: speculators_model_type {kind!r} is not supported; only 'eagle3' heads load")
         return "speculators"
-    if any("eagle3" in str(a).lower() for a in raw.get("architectures") or ()):
+    if any("eagle3" in str(a).lower() for a in raw.get("architectures") or ()) or \
+            any(name.startswith(LAYER_PREFIX["eagle3"]) for name in tensors):
         return "eagle3"
-    raise ValueError(f"{path}: config.json is in no EAGLE-3 layout this loads: neither `speculators_model_type: "
-                     f"\"eagle3\"` (speculators) nor an Eagle3 architecture such as LlamaForCausalLMEagle3 (the "
-                     f"EAGLE reference); architectures: {raw.get('architectures')}")
+    raise ValueError(f"{path}: the head is in no EAGLE-3 layout this loads: neither `speculators_model_type: "
+                     f"\"eagle3\"` (speculators) nor an Eagle3 architecture such as LlamaForCausalLMEagle3 or "
+                     f"`midlayer.` tensors (the EAGLE reference); architectures: {raw.get('architectures')}")
 
 
 def head_config(raw: dict, layout: str, target: ModelConfig) -> HeadConfig:

@@ -91,12 +91,31 @@ def test_dtype_and_defaults(tmp_path):
                                       head.params["params"]["fc"]["kernel"].astype(jnp.bfloat16))
 
 
+def test_a_reference_head_named_only_llama_loads_by_its_tensors(tmp_path):
+    """Some EAGLE-3 heads' config.json says only LlamaForCausalLM (e.g. nebius/EAGLE3-gpt-oss-20b)."""
+    head = random_head(TINY_TARGET, seed=4)
+    config = {**checkpoint_config(head, "eagle3"), "architectures": ["LlamaForCausalLM"]}
+    path = write_checkpoint(tmp_path, config, checkpoint_tensors(head, "eagle3"))
+    assert_same_head(load_head(path, TINY_TARGET), head, "seed 4")
+
+
+def test_layers_listed_out_of_order_read_in_layer_order(tmp_path):
+    """vLLM concatenates the target's states in layer order whatever order the config lists them in: so does fc."""
+    head = random_head(TINY_TARGET, seed=6)
+    config = {**checkpoint_config(head, "speculators"), "eagle_aux_hidden_state_layer_ids": [2, 0, 1]}
+    path = write_checkpoint(tmp_path, config, checkpoint_tensors(head, "speculators"))
+    assert_same_head(load_head(path, TINY_TARGET), head, "seed 6")
+
+
 @pytest.mark.parametrize("layout", ["eagle3", "speculators"])
 @pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])
 def test_save_then_load_round_trips(tmp_path, layout, dtype):
     seed = 7
     head = random_head(TINY_TARGET, seed)
-    head = dataclasses.replace(head, params=jax.tree.map(lambda x: np.asarray(x, dtype), head.params))
+    llama3 = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                  original_max_position_embeddings=64)  # as Llama-3.1's heads have it
+    head = dataclasses.replace(head, params=jax.tree.map(lambda x: np.asarray(x, dtype), head.params),
+                               config=dataclasses.replace(head.config, rope_scaling=llama3, rope_theta=500000.0))
     save_head(tmp_path, head, layout, target_name="tiny", target_architectures=("LlamaForCausalLM",))
     assert_same_head(load_head(tmp_path, TINY_TARGET, dtype=dtype), head, f"seed {seed} {layout}")
     # What it wrote is the layout's, name for name, as the reference and speculators write it.
@@ -161,8 +180,8 @@ BAD_HEADS = [
      "missing tensor d2t"),
     ("eagle3", "t2d against d2t", lambda p: edit_tensors(p, lambda t: t["t2d"].__setitem__(slice(None), False)),
      "t2d and d2t disagree"),
-    ("eagle3", "a plain Llama", lambda p: edit_config(p, lambda c: c.update(architectures=["LlamaForCausalLM"])),
-     "no EAGLE-3 layout"),
+    ("speculators", "a plain Llama", lambda p: edit_config(p, lambda c: c.update(
+        architectures=["LlamaForCausalLM"], speculators_model_type=None)), "no EAGLE-3 layout"),
     ("speculators", "another speculator", lambda p: edit_config(p, lambda c: c.update(speculators_model_type="mlp")),
      "speculators_model_type 'mlp'"),
     ("speculators", "a norm before fc", lambda p: edit_config(p, lambda c: c.update(norm_before_fc=True)),
