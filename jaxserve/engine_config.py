@@ -26,7 +26,12 @@ from jaxserve.options import (
     check_int,
     check_type,
 )
-from jaxserve.spec_config import SpeculativeConfig
+from jaxserve.spec_config import (
+    SpeculativeConfig,
+    add_speculative_cli_args,
+    check_speculation_with,
+    speculative_config_from_args,
+)
 from jaxserve.tokenizer import read_chat_template
 from jaxserve.weights.default_model import DEFAULT_MODEL
 
@@ -35,39 +40,9 @@ def _read_file(path: str | None) -> str | None:
     return Path(path).read_text() if path else None
 
 
-def _add_speculative_cli_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--speculative-method", default=None, choices=["ngram", "draft_model"],
-                   help="speculative decoding: ngram (prompt lookup, no model) or draft_model (--draft-model)")
-    p.add_argument("--num-speculative-tokens", type=int, default=None,
-                   help="tokens proposed per verification (default 4 with a speculative method)")
-    p.add_argument("--draft-model", default=None,
-                   help="the draft for draft_model: a model sharing the target's tokenizer (.gguf, HF dir, checkpoint; "
-                        "scripts/train_draft.py distills one for the default model)")
-    p.add_argument("--prompt-lookup-max", type=int, default=4, help="ngram: the longest suffix looked up")
-    p.add_argument("--prompt-lookup-min", type=int, default=2, help="ngram: the shortest suffix looked up")
-    p.add_argument("--no-adaptive-speculation", dest="adaptive_speculation", action="store_false",
-                   help="speculate for every sequence every step, not only where measured acceptance and step "
-                        "costs say it pays")
-
-
 def _add_hf_overrides_cli_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hf-overrides", metavar="JSON", help="a JSON object of HF config keys that replace the model's "
                    "(vLLM's): rope_scaling / rope_parameters, rope_theta, max_position_embeddings")
-
-
-def _speculative_config(args: argparse.Namespace) -> dict | None:
-    method = args.speculative_method or ("draft_model" if args.draft_model else None)
-    if method is None:
-        if args.num_speculative_tokens is not None:
-            raise ValueError("--num-speculative-tokens needs --speculative-method (or --draft-model)")
-        return None
-    config = dict(method=method, num_speculative_tokens=4 if args.num_speculative_tokens is None
-                  else args.num_speculative_tokens, adaptive=args.adaptive_speculation)
-    if method == "ngram":
-        config.update(prompt_lookup_max=args.prompt_lookup_max, prompt_lookup_min=args.prompt_lookup_min)
-    elif args.draft_model:
-        config["model"] = args.draft_model
-    return config
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,8 +81,9 @@ class EngineConfig:
     quantize_embeddings: also the LM head (same method) and the embedding table (int8 rows).
     kv_cache_dtype: "auto" (the model's dtype) or "int8" (a float32 scale per token and KV head beside the pages:
         about twice the sequences in the same memory as bfloat16; dequantized as the attention reads them).
-    speculative_config: speculative decoding, as vLLM's: {"method": "ngram" | "draft_model",
-        "num_speculative_tokens": k, "model": DRAFT (draft_model), "prompt_lookup_max": 4, "prompt_lookup_min": 2
+    speculative_config: speculative decoding, as vLLM's: {"method": "ngram" | "draft_model" | "eagle3",
+        "num_speculative_tokens": k, "model": DRAFT (draft_model) or HEAD (eagle3: a checkpoint directory),
+        "prompt_lookup_max": 4, "prompt_lookup_min": 2
         (ngram), "adaptive": True (speculate only where measured acceptance and step costs say it pays)}, or a
         SpeculativeConfig; held parsed. The draft shares the KV budget (its pages beside the target's) and the dtype.
     warmup: compile every step bucket now rather than on first use.
@@ -180,7 +156,7 @@ class EngineConfig:
                                default="auto", choices=KV_CACHE_DTYPES)
     kv_offloading_size: float | None = flag("GiB of host RAM for evicted prefix-cache pages (0: off)", serve_only=True)
     speculative_config: SpeculativeConfig | None = dataclasses.field(
-        default=None, metadata={"cli": FlagGroup(_add_speculative_cli_args, _speculative_config)})
+        default=None, metadata={"cli": FlagGroup(add_speculative_cli_args, speculative_config_from_args)})
     warmup: bool = flag("compile shapes on first use instead of before serving", default=True,
                         offline_default=False, offline_help="compile every shape bucket before generating")
     tensor_parallel_size: int = flag("devices each model replica is sharded over (weights and KV heads)", default=1)
@@ -245,6 +221,7 @@ class EngineConfig:
         check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         self._check_quantization()
         object.__setattr__(self, "speculative_config", SpeculativeConfig.from_value(self.speculative_config))
+        check_speculation_with(self)
         check_kv_options(self)
         self._check_distributed()
         self._check_lora()

@@ -77,7 +77,7 @@ def profile(case, model, context, page_size, repeats):
     # what a step costs beyond its forward when no row asks for logprobs.
     def forward_program():
         nonlocal kv, last
-        o, written, last = steps._forward(params, kv, last, device_batch, None)  # last_tokens donated
+        o, written, last, _ = steps._forward(params, kv, last, device_batch, None)  # last_tokens donated
         if steps.writes_in_forward:  # on one CPU device the program writes the cache too, donated
             kv = written
         return o.tokens

@@ -64,12 +64,11 @@ def bytes_per_page(config: ModelConfig, page_size: int, dtype, kv_cache_dtype: s
 
 
 def num_pages_for_budget(config: ModelConfig, page_size: int, dtype, memory_bytes: int,
-                         kv_cache_dtype: str = "auto", draft_config: ModelConfig | None = None,
+                         kv_cache_dtype: str = "auto", extra_bytes_per_page: int = 0,
                          head_dim_multiple: int = 1) -> int:
-    """Pages the budget holds; with a draft model, each page id has a page in the draft's cache too."""
-    per_page = bytes_per_page(config, page_size, dtype, kv_cache_dtype, head_dim_multiple)
-    if draft_config is not None:
-        per_page += bytes_per_page(draft_config, page_size, dtype, kv_cache_dtype, head_dim_multiple)
+    """Pages the budget holds; extra_bytes_per_page: what else a page id costs (a draft model's page in its own
+    cache, a speculative head's: `jaxserve.engine.speculation`)."""
+    per_page = bytes_per_page(config, page_size, dtype, kv_cache_dtype, head_dim_multiple) + extra_bytes_per_page
     n = memory_bytes // per_page
     if n < 2:
         raise ValueError(f"a KV-cache budget of {memory_bytes} bytes holds fewer than 2 pages of {page_size} tokens")

@@ -19,12 +19,10 @@ from jaxserve.batching.pools.data_parallel import DataParallel
 from jaxserve.batching.pools.disaggregated import Disaggregated
 from jaxserve.batching.scheduler import Scheduler
 from jaxserve.batching.slo import SloController
-from jaxserve.batching.speculation.controller import SpecController
-from jaxserve.batching.speculation.draft import DraftProposer
-from jaxserve.batching.speculation.ngram import NgramProposer
 from jaxserve.buckets import MIN_TABLE_TOKENS, Buckets, geometric
 from jaxserve.cache import HostTier, PageAllocator, PrefixCache, bytes_per_page, num_pages_for_budget, pages_needed
 from jaxserve.engine.kv_budget import default_kv_budget, fitted_max_model_len
+from jaxserve.engine.speculation import Speculators, load_speculators, proposer_for
 from jaxserve.engine_config import EngineConfig
 from jaxserve.lora.adapter import load_adapter
 from jaxserve.lora.buffers import lora_bytes
@@ -36,7 +34,6 @@ from jaxserve.parallel.mesh import check_tensor_parallel, device_groups, make_me
 from jaxserve.paths import cache_dir
 from jaxserve.quantize.apply import quantize_model
 from jaxserve.runner.model_runner import ModelRunner, RunnerConfig
-from jaxserve.spec_config import check_draft
 from jaxserve.tokenizer import Tokenizer, read_chat_template
 from jaxserve.weights import LoadedModel, load_model, resolve_dtype
 from jaxserve.weights.params import param_bytes
@@ -84,9 +81,9 @@ class EngineParts:
 
 @dataclasses.dataclass
 class _Models:
-    """The loaded model and its draft, each as every pool's tensor parallelism holds it."""
+    """The loaded model and its draft or head, each as every pool's tensor parallelism holds it."""
     loaded: LoadedModel  # as loaded (and quantized): the target's own shapes
-    draft: LoadedModel | None  # split for the first pool's tensor parallelism
+    speculators: Speculators  # a draft model split for the first pool's tensor parallelism
     split: dict[int, tuple]  # tensor parallelism -> the target's (config, params) split over it
     max_model_len: int  # asked, else the model's own (before it is fitted to the KV cache)
 
@@ -158,7 +155,7 @@ def _load_models(c: EngineConfig, pools: list[tuple[str, int, list]], dtype) -> 
                              "{'rope_scaling': {'rope_type': 'yarn', 'factor': 4.0, "
                              "'original_max_position_embeddings': N}}")
         max_model_len = c.max_model_len or limit
-        draft = _load_draft(c, loaded, dtype, max_model_len)
+        speculators = load_speculators(c.speculative_config, loaded, dtype, max_model_len, c.tensor_parallel_size)
         # What the runners hold: over a mesh wider than the KV heads, each device gets a copy of the head it reads.
         split = {pool_tp: split_for(loaded.config, loaded.params, pool_tp, dcp=c.decode_context_parallel_size)
                  for _, pool_tp, _ in pools}
@@ -167,28 +164,17 @@ def _load_models(c: EngineConfig, pools: list[tuple[str, int, list]], dtype) -> 
                              f"{c.decode_tensor_parallel_size} hold different KV heads per page (over more devices "
                              f"than the model's {loaded.config.num_kv_heads} KV heads, each is repeated): the pools' "
                              "pages would not match; keep both at most the KV-head count, or equal")
-        if draft is not None:
-            draft = dataclasses.replace(draft, **dict(zip(("config", "params"), split_for(
+        if (draft := speculators.draft) is not None:
+            speculators.draft = dataclasses.replace(draft, **dict(zip(("config", "params"), split_for(
                 draft.config, draft.params, c.tensor_parallel_size, "the draft", c.decode_context_parallel_size))))
-    return _Models(loaded, draft, split, max_model_len)
-
-
-def _load_draft(c: EngineConfig, target: LoadedModel, dtype, max_model_len: int) -> LoadedModel | None:
-    """Speculative decoding's draft model, checked to propose for the target (None without one)."""
-    spec = c.speculative_config
-    if spec is None or spec.method != "draft_model":
-        return None
-    draft = load_model(spec.model, dtype)
-    check_draft(draft.config, target.config, max_model_len)
-    _check_same_tokenizer(draft.tokenizer, target.tokenizer)
-    return draft
+    return _Models(loaded, speculators, split, max_model_len)
 
 
 def _pages_per_pool(c: EngineConfig, models: _Models, dtype, backend: str) -> dict[int, int]:
     """KV pages per device group, by tensor parallelism. The budget is per device, as gpu_memory_utilization is; the
     weights and the pages split over tp devices. The LoRA slots too: 8 slots of rank 64 on Llama 3 8B are 2.7 GB,
     half of what the budget leaves free."""
-    config, draft = models.split[c.tensor_parallel_size][0], models.draft
+    config, speculators = models.split[c.tensor_parallel_size][0], models.speculators
     adapters = lora_bytes(config, c.max_loras, c.max_lora_rank, dtype) if c.enable_lora else 0
     # (pages padded for the kernel that reads them: the backend before its start-up check, which can only fall
     # back to unpadded pages, so the count errs on the safe side)
@@ -197,11 +183,10 @@ def _pages_per_pool(c: EngineConfig, models: _Models, dtype, backend: str) -> di
     def pool_pages(pool_tp: int) -> int:
         pool_params = models.split[pool_tp][1]
         kv_budget = c.kv_cache_memory_bytes or default_kv_budget(
-            (param_bytes(pool_params) + (param_bytes(draft.params) if draft else 0) + adapters) // pool_tp,
-            c.gpu_memory_utilization)
-        # The draft's pages are the target's page ids in a second cache: a page costs both.
+            (param_bytes(pool_params) + speculators.param_bytes() + adapters) // pool_tp, c.gpu_memory_utilization)
+        # The draft's (or head's) pages are the target's page ids in a second cache: a page costs both.
         n = num_pages_for_budget(config, c.block_size, dtype, kv_budget * pool_tp, c.kv_cache_dtype,
-                                 draft.config if draft else None, lanes)
+                                 speculators.page_bytes(c.block_size, dtype, c.kv_cache_dtype, lanes), lanes)
         # Never more pages than max_num_seqs full-length sequences can use (+1 for the scratch page).
         return min(n, c.max_num_seqs * pages_needed(models.max_model_len, c.block_size) + 1)
     return {pool_tp: pool_pages(pool_tp) for pool_tp in models.split}
@@ -230,10 +215,11 @@ def _build_pools(c: EngineConfig, pools: list[tuple[str, int, list]], models: _M
                                      c.kv_cache_dtype, spec.num_speculative_tokens if spec else 0,
                                      *((c.max_loras, c.max_lora_rank) if c.enable_lora else (0, 0)),
                                      kv_transfer=c.disaggregated or role != "both" or bool(c.kv_offloading_size),
-                                     decode_context_parallel_size=c.decode_context_parallel_size)
+                                     decode_context_parallel_size=c.decode_context_parallel_size,
+                                     capture=models.speculators.capture)
         # One engine replica per device group: its own runner, KV cache and scheduler (see batching.data_parallel).
         pool_config, pool_params = models.split[pool_tp]
-        by_role[role] = [_replica(c, runner_config, pool_config, pool_params, models.draft, group, processes,
+        by_role[role] = [_replica(c, runner_config, pool_config, pool_params, models.speculators, group, processes,
                                   runners, role) for group in pool_groups]
     return by_role, backend
 
@@ -284,21 +270,17 @@ def _pools(c: EngineConfig, multi_process: bool) -> list[tuple[str, int, list]]:
             ("decode", dtp, device_groups(make_mesh(dtp, c.decode_replicas, devices[split:need])))]
 
 
-def _replica(c: EngineConfig, runner_config: RunnerConfig, config, params, draft, mesh,
+def _replica(c: EngineConfig, runner_config: RunnerConfig, config, params, speculators: Speculators, mesh,
              processes: multihost.LeaderFollower, runners: list, role: str = "both") -> EngineCore:
     """An engine on one device group (mesh None: the default device); its runners join `runners`, whose index is
     how a multi-process leader names them to the followers."""
     spec = c.speculative_config
 
-    def runner_for(model_config, model_params, k: int, lora: bool = True) -> ModelRunner:
-        rc = dataclasses.replace(runner_config, num_speculative_tokens=k)
-        if not lora:
-            rc = dataclasses.replace(rc, max_loras=0, max_lora_rank=0)
-        runner = ModelRunner(model_config, model_params, rc, mesh, processes if processes.is_leader else None,
-                             len(runners))
-        runners.append(runner)
+    def add_runner(make):
+        runners.append(runner := make(len(runners)))
         return runner
-    runner = runner_for(config, params, runner_config.num_speculative_tokens)
+    runner = add_runner(lambda index: ModelRunner(config, params, runner_config, mesh,
+                                                  processes if processes.is_leader else None, index))
     slo = None
     if c.ttft_slo is not None or c.tpot_slo is not None:
         slo = SloController(geometric(1, c.max_num_seqs), c.max_num_seqs, tpot_slo=c.tpot_slo, ttft_slo=c.ttft_slo)
@@ -314,18 +296,8 @@ def _replica(c: EngineConfig, runner_config: RunnerConfig, config, params, draft
     lead = None if c.async_scheduling is None and jax.default_backend() == "cpu" else (PLAN_LEAD_FACTOR, PLAN_LEAD_S)
     if spec is None:
         return EngineCore(scheduler, runner, async_scheduling=overlap, plan_lead=lead, host_tier=tier)
-    k = spec.num_speculative_tokens
-    draft_runner = None
-    proposer: DraftProposer | NgramProposer
-    if draft is not None:
-        # A draft draws its proposals in plain steps, with no adapters (they are the target's).
-        draft_runner = runner_for(draft.config, draft.params, 0, lora=False)
-        proposer = DraftProposer(draft_runner, c.max_num_batched_tokens, c.max_num_seqs)
-    else:
-        proposer = NgramProposer(k, spec.prompt_lookup_max, spec.prompt_lookup_min)
-    # Its step times are the runners', filled in at warm-up.
-    controller = SpecController(k, runner_config.buckets.num_tokens, runner.step_times,
-                                draft_runner.step_times if draft_runner else None)
+    proposer, controller = proposer_for(spec, speculators, runner, runner_config, add_runner,
+                                        c.max_num_batched_tokens, c.max_num_seqs)
     return EngineCore(scheduler, runner, proposer=proposer, controller=controller, adaptive=spec.adaptive,
                       async_scheduling=overlap, plan_lead=lead, host_tier=tier)
 
@@ -336,13 +308,6 @@ def split_for(config, params, tp: int, what: str = "the model", dcp: int = 1):
     if dcp == 1:
         check_tensor_parallel(config, tp, what)
     return repeat_kv_heads(config, params, 1 if dcp > 1 else max(1, tp // config.num_kv_heads))
-
-
-def _check_same_tokenizer(draft, target) -> None:
-    probe = "Speculative decoding: 42 tokens, café, 日本語 and\n    def f(x): return x"
-    if draft is not None and target is not None and draft.encode(probe) != target.encode(probe):
-        raise ValueError("the draft model's tokenizer is not the target's: a draft must share the target's tokenizer")
-
 
 def checked_backend(backend: str, asked: str, config, page_size: int, dtype, serving: dict | None = None,
                     kv_cache_dtype: str = "auto") -> str:

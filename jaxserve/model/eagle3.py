@@ -14,10 +14,14 @@ import functools
 from typing import Any
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
+from jaxserve.batch import RaggedRows
+from jaxserve.cache import init_kv_cache
 from jaxserve.model.attention import attention
+from jaxserve.model.decoder import DeclaredParams
 from jaxserve.model.head_config import HeadConfig
 from jaxserve.model.layers import Linear, RMSNorm
 from jaxserve.model.quant import embed
@@ -100,3 +104,18 @@ def to_target_vocab(logits, d2t, vocab_size: int):
     ids = jnp.arange(logits.shape[-1]) + d2t  # [Vd]
     full = jnp.full(logits.shape[:-1] + (vocab_size,), -jnp.inf, logits.dtype)
     return full.at[..., ids].set(logits)
+
+
+def declared_head_params(config: HeadConfig, dtype=jnp.float32) -> DeclaredParams:
+    """The head's params tree (shapes, each leaf's logical axes) as its layers declare them: what a loader must
+    build (`jaxserve.weights.eagle3`) and how a mesh splits it."""
+    def init():
+        one = jnp.zeros(1, jnp.int32)
+        rows = RaggedRows(positions=one, token_row=one, query_start=jnp.zeros(2, jnp.int32), cached_lens=one,
+                          page_table=jnp.zeros((1, 1), jnp.int32))
+        return Eagle3Head(config, dtype).init(
+            jax.random.key(0), one, jnp.zeros((1, config.feature_size), dtype), jnp.zeros((1, config.hidden_size),
+                                                                                          dtype),
+            jnp.ones(1, bool), init_kv_cache(config.layer_config(), 2, 16, dtype), rows)
+    boxed = jax.eval_shape(init)
+    return DeclaredParams(nn.meta.unbox(boxed), nn.get_partition_spec(boxed))

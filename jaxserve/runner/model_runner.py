@@ -78,7 +78,7 @@ def served_params(config, params, platform: str, fuse: bool = True):
 @dataclasses.dataclass(frozen=True)
 class RunnerConfig:
     """How a runner lays out a model's steps and cache: all a ModelRunner needs beyond the model itself."""
-    dtype: object  # of the weights and (unless kv_cache_dtype says int8) the KV cache
+    dtype: Any  # of the weights and (unless kv_cache_dtype says int8) the KV cache
     num_pages: int
     page_size: int
     buckets: Buckets
@@ -94,6 +94,8 @@ class RunnerConfig:
     kv_transfer: bool = False
     # Decode context parallelism: the cache split over the mesh by token (page_size is then the host's, d x a device's).
     decode_context_parallel_size: int = 1
+    # The layers whose inputs a speculative head reads (`jaxserve.model.head_config`), kept by cache slot.
+    capture: tuple[int, ...] = ()
 
 
 class ModelRunner:
@@ -109,7 +111,7 @@ class ModelRunner:
         self.mesh = mesh
         self.leader, self.index = leader, index
         self.steps = steps_for(config, rc.dtype, rc.attention_backend, rc.num_speculative_tokens, mesh,
-                               rc.kv_cache_dtype, rc.decode_context_parallel_size)
+                               rc.kv_cache_dtype, rc.decode_context_parallel_size, rc.capture)
 
         def new_cache():
             return init_kv_cache(config, rc.num_pages, rc.page_size, rc.dtype, rc.kv_cache_dtype,
@@ -130,6 +132,12 @@ class ModelRunner:
             # Replicated, made on every device of the group (of every process).
             self.last_tokens = jax.jit(lambda: jnp.zeros(rc.num_slots + 1, jnp.int32),
                                        out_shardings=replicated(mesh))()
+        # [pages x page_size, F]: the captured hidden states of every cached token, by slot (None: no head reads them).
+        self.features = None
+        if rc.capture:
+            shape = (rc.num_pages * rc.page_size, len(rc.capture) * config.hidden_size)
+            self.features = (jnp.zeros(shape, rc.dtype) if mesh is None else
+                             jax.jit(lambda: jnp.zeros(shape, rc.dtype), out_shardings=replicated(mesh))())
         # Seconds per step by (tokens, scored per row), measured at warm-up: what speculation's controller weighs.
         self.step_times: dict[tuple[int, int], float] = {}
         self.max_loras, self.max_lora_rank, self.dtype = rc.max_loras, rc.max_lora_rank, rc.dtype
@@ -273,8 +281,8 @@ class ModelRunner:
 
     def run(self, batch: StepInput) -> StepOutput:
         """The device side of a step whose batch is built (all a multi-process follower does of it)."""
-        out, self.kv_cache, self.last_tokens = self.steps.step(self.params, self.kv_cache, self.last_tokens, batch,
-                                                               self.lora)
+        out, self.kv_cache, self.last_tokens, self.features = self.steps.step_with_features(
+            self.params, self.kv_cache, self.last_tokens, self.features, batch, self.lora)
         return out
 
     def wait(self, handle: StepHandle, until: float | None = None) -> bool:

@@ -16,9 +16,8 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from jaxserve.batch import StepInput, StepOutput, is_constant
+from jaxserve.batch import StepInput, StepOutput
 from jaxserve.config import ModelConfig
 from jaxserve.model.attention import write_kv
 from jaxserve.model.decoder import DecoderModel, lm_head, param_axes
@@ -39,6 +38,7 @@ from jaxserve.parallel.mesh import (
     sample_over_vocab,
     shardings,
 )
+from jaxserve.runner.placement import BatchPlacer
 from jaxserve.sample.prompt_logprobs import block_scores, score_targets
 from jaxserve.sample.sampling import sample, with_step_tokens
 from jaxserve.sample.verification import verify
@@ -48,9 +48,6 @@ from jaxserve.sample.verification import verify
 HEAD_ROWS = (4, 16)
 # XLA:CPU's compiler options for a forward that writes the cache: copy insertion that follows the barrier's order.
 IN_PLACE_WRITES = {"xla_cpu_copy_insertion_use_region_analysis": True}
-# The fields of a StepInput that a batch holds as a `jaxserve.batch.constant` when no row uses them (batch_builder).
-MAYBE_CONSTANT = frozenset({"token_mask", "bad_word_bans", "logit_bias_ids", "logit_bias", "past_tokens",
-                            "prompt_targets", "lora_slot"})
 
 
 def write_cache(kv_cache, new_kv, slot_mapping):
@@ -77,13 +74,15 @@ class Steps:
 
     def __init__(self, config: ModelConfig, dtype, attention_backend: str = "reference",
                  num_speculative_tokens: int = 0, mesh=None, kv_cache_dtype: str = "auto",
-                 platform: str | None = None, decode_context_parallel_size: int = 1):
+                 platform: str | None = None, decode_context_parallel_size: int = 1, capture: tuple[int, ...] = ()):
         """mesh: a device group's [data=1, model] mesh for tensor parallelism (None: one device). The programs'
         outputs are pinned to the shardings their inputs arrive in (params and cache placed by the runner, the
         batch replicated), so a step never reshards anything. platform: what the programs compile for (None: the
         mesh's devices', or the default device's), for the compiler options of the programs that embed tokens.
         decode_context_parallel_size: the mesh's size, to split the cache over it by token (pages of that many
-        times the host's page size / d tokens a device: `jaxserve.parallel.context_parallel`), or 1."""
+        times the host's page size / d tokens a device: `jaxserve.parallel.context_parallel`), or 1.
+        capture: the layers whose inputs a speculative head reads (`jaxserve.model.head_config`): every step then
+        keeps its tokens' [T, F] of them by cache slot (`step_with_features`), as it keeps their K/V."""
         check_context_parallel(config, model_size(mesh), decode_context_parallel_size, attention_backend)
         self.context_parallel = decode_context_parallel_size > 1
         self.config = config
@@ -91,6 +90,7 @@ class Steps:
         self.model = DecoderModel(config, dtype, attention_backend, mesh, self.context_parallel)
         self.num_speculative_tokens = num_speculative_tokens
         self.mesh = mesh
+        self.capture = tuple(capture)
         forward: dict[str, Any]  # each program's jax.jit options
         logits: dict[str, Any]
         write: dict[str, Any]
@@ -103,8 +103,7 @@ class Steps:
             pages = (pages_by_token(mesh, kv_cache_dtype, platform) if self.context_parallel
                      else shardings(mesh, kv_pages_spec(kv_cache_dtype)))
             self.cache_sharding = [(pages,) * 2] * config.num_layers
-            self._replicated = rep
-            forward = dict(out_shardings=(rep, self.new_kv_sharding, rep))
+            forward = dict(out_shardings=(rep, self.new_kv_sharding, rep, rep))
             logits = dict(out_shardings=(rep, self.new_kv_sharding))
             write = dict(out_shardings=self.cache_sharding)
         else:
@@ -117,15 +116,15 @@ class Steps:
         if self.writes_in_forward:
             in_place: dict[str, Any] = dict(compiler_options={**(embeds["compiler_options"] or {}), **IN_PLACE_WRITES})
             self._forward = jax.jit(functools.partial(self._and_write, self._forward_and_sample),
-                                    donate_argnums=(1, 2), **in_place)
+                                    donate_argnums=(1, 2, 5), **in_place)
             self._verify = jax.jit(functools.partial(self._and_write, self._forward_and_verify),
-                                   donate_argnums=(1, 2), **in_place)
+                                   donate_argnums=(1, 2, 5), **in_place)
         else:
-            self._forward = jax.jit(self._forward_and_sample, donate_argnums=2, **forward)
-            self._verify = jax.jit(self._forward_and_verify, donate_argnums=2, **forward)
+            self._forward = jax.jit(self._forward_and_sample, donate_argnums=(2, 5), **forward)
+            self._verify = jax.jit(self._forward_and_verify, donate_argnums=(2, 5), **forward)
         self._logits = jax.jit(self._forward_logits, **logits)
         self._write = jax.jit(self._write_cache, donate_argnums=0, **write)
-        self._constants: dict[tuple, jax.Array] = {}  # (shape, dtype, value) -> its device copy
+        self.placer = BatchPlacer(mesh)
 
     def param_shardings(self, params):
         """Where each leaf of params (loaded, possibly quantized) lives on the mesh: split as the model declares
@@ -134,31 +133,8 @@ class Steps:
         return param_shardings(self.mesh, params, whole_kv_heads(axes) if self.context_parallel else axes)
 
     def put_batch(self, batch: StepInput) -> StepInput:
-        """A step's inputs as its programs take them (an array no row uses, a `jaxserve.batch.constant`, is copied
-        once and kept). On one device the per-step arrays stay numpy: a jitted call copies its numpy arguments in
-        its C++ dispatch, which costs less than device_put's Python path per array (batch 1: the forward's call
-        with them 1.0 ms against 2.2 ms for device_put and the call). A field that may hold a constant is always a
-        device array, so that each argument of a program is always of one kind: a numpy argument where a device
-        array was is a new entry of jit's dispatch cache. Over a mesh: replicated, from each process's own copy of
-        the same values, with no cross-process check (device_put's is a collective)."""
-        if self.mesh is None:
-            return jax.tree_util.tree_map_with_path(self._put_leaf, batch)
-        return jax.tree.map(lambda x: self._device_constant(x) if is_constant(x) else
-                            jax.make_array_from_process_local_data(self._replicated, np.asarray(x)), batch)
-
-    def _put_leaf(self, path, x):
-        if path[-1].name not in MAYBE_CONSTANT:
-            return x
-        return self._device_constant(x) if is_constant(x) else jax.device_put(x)
-
-    def _device_constant(self, x):
-        if not is_constant(x):
-            return x
-        key = (x.shape, x.dtype.str, x.flat[0].item())
-        if key not in self._constants:
-            self._constants[key] = (jax.device_put(x) if self.mesh is None else
-                                    jax.make_array_from_process_local_data(self._replicated, np.asarray(x)))
-        return self._constants[key]
+        """A step's inputs as its programs take them (`jaxserve.runner.placement.BatchPlacer`)."""
+        return self.placer.put(batch)
 
     def step(self, params, kv_cache, last_tokens, batch: StepInput, lora=None):
         """One ragged step. Returns (StepOutput, kv_cache, last_tokens); kv_cache and last_tokens [slots] are
@@ -167,10 +143,23 @@ class Steps:
         ones: its proposals are drawn as sample() draws, with the sequence's seed and generated token numbers.
         lora: the LoRA adapters' buffers (`jaxserve.lora.buffers`) that batch.lora_slot indexes, or None (no
         adapters: the base model's programs)."""
+        return self.step_with_features(params, kv_cache, last_tokens, None, batch, lora)[:3]
+
+    def step_with_features(self, params, kv_cache, last_tokens, features, batch: StepInput, lora=None):
+        """step(), also keeping the captured layers' inputs of each new token at its cache slot: features
+        [num_pages * page_size, F] (None without capture), donated and returned as the fourth result."""
         batch = self.put_batch(batch)
         program = self._verify if batch.logits_index.shape[1] > 1 else self._forward
-        out, kv, last_tokens = program(params, kv_cache, last_tokens, batch, lora)  # kv: the cache, or its new K/V
-        return out, kv if self.writes_in_forward else self._write(kv_cache, kv, batch.slot_mapping), last_tokens
+        # kv: the cache, or its new K/V
+        out, kv, last_tokens, features = program(params, kv_cache, last_tokens, batch, lora, features)
+        kv = kv if self.writes_in_forward else self._write(kv_cache, kv, batch.slot_mapping)
+        return out, kv, last_tokens, features
+
+    def _keep_features(self, features, hidden_and_features, batch: StepInput):
+        """features with this step's captured [T, F] written at its tokens' slots (padding: the scratch page's)."""
+        if not self.capture:
+            return features
+        return features.at[batch.slot_mapping].set(hidden_and_features[1].astype(features.dtype))
 
     def forward_logits(self, params, kv_cache, batch: StepInput, lora=None):
         """Logits of every new token, [T, V] float32, and the updated cache (for tests and perplexity)."""
@@ -194,10 +183,11 @@ class Steps:
             return self.model.apply(params, *args, **kw)
         return self.model.apply({**params, "lora": lora}, *args, **kw, lora_slot=batch.lora_slot)
 
-    def _forward_and_sample(self, params, kv_cache, last_tokens, batch: StepInput, lora=None):
+    def _forward_and_sample(self, params, kv_cache, last_tokens, batch: StepInput, lora=None, features=None):
         tokens = input_tokens(batch, last_tokens)
-        logits, new_kv, hidden = self._apply(params, lora, batch, tokens, kv_cache, batch.rows,
-                                             batch.logits_index[:, 0], return_hidden=True)
+        logits, new_kv, *captured = self._apply(params, lora, batch, tokens, kv_cache, batch.rows,
+                                                batch.logits_index[:, 0], return_hidden=True, capture=self.capture)
+        hidden = captured[0]
         sampling = with_step_tokens(batch.sampling, tokens, batch.rows, batch.logits_index[:, 0])
         if self.mesh is None and batch.logits_index.shape[0] > HEAD_ROWS[0]:
             s = self._sample_used_rows(params, hidden, batch.logits_index[:, 0], sampling)
@@ -208,7 +198,7 @@ class Steps:
                          logprobs=s.logprobs[:, None], ranks=s.ranks[:, None], top_ids=s.top_ids[:, None],
                          top_logprobs=s.top_logprobs[:, None], prompt=self._prompt_scores(params, hidden, batch))
         last_tokens = last_tokens.at[batch.out_slot].set(s.tokens)  # -1 wraps to the padding slot
-        return out, new_kv, last_tokens
+        return out, new_kv, last_tokens, self._keep_features(features, captured, batch)
 
     def _sample_used_rows(self, params, hidden, last_index, sampling):
         """sample() over the rows up to the last that samples, the LM head included, run at the smallest of
@@ -231,16 +221,18 @@ class Steps:
         which = sum((used > b).astype(jnp.int32) for b in sizes[:-1])
         return jax.lax.switch(which, [over(b) for b in sizes], x, sampling)
 
-    def _forward_and_verify(self, params, kv_cache, last_tokens, batch: StepInput, lora=None):
+    def _forward_and_verify(self, params, kv_cache, last_tokens, batch: StepInput, lora=None, features=None):
         tokens = input_tokens(batch, last_tokens)  # [T]
         index = jnp.maximum(batch.logits_index, 0)  # [S, Q]
         T, (S, Q) = tokens.shape[0], index.shape
         if T <= S * Q:  # the LM head over every token costs less than over every (row, position)
-            logits, new_kv, hidden = self._apply(params, lora, batch, tokens, kv_cache, batch.rows, return_hidden=True)
+            logits, new_kv, *captured = self._apply(params, lora, batch, tokens, kv_cache, batch.rows,
+                                                    return_hidden=True, capture=self.capture)
             logits = logits[index]  # [S, Q, V]
         else:
-            logits, new_kv, hidden = self._apply(params, lora, batch, tokens, kv_cache, batch.rows, index,
-                                                 return_hidden=True)
+            logits, new_kv, *captured = self._apply(params, lora, batch, tokens, kv_cache, batch.rows, index,
+                                                    return_hidden=True, capture=self.capture)
+        hidden = captured[0]
         # The proposal a scored position is checked against is the token after it in the row.
         drafts = tokens[jnp.minimum(index[:, :-1] + 1, T - 1)]  # [S, Q - 1]
         # Rows whose logit controls depend on the tokens before a position do not speculate: position 0 is theirs.
@@ -251,14 +243,14 @@ class Steps:
                          top_ids=v.top_ids, top_logprobs=v.top_logprobs,
                          prompt=self._prompt_scores(params, hidden, batch))
         last = jnp.take_along_axis(v.tokens, jnp.maximum(num_tokens - 1, 0)[:, None], axis=1)[:, 0]  # [S]
-        return out, new_kv, last_tokens.at[batch.out_slot].set(last)
+        return out, new_kv, last_tokens.at[batch.out_slot].set(last), self._keep_features(features, captured, batch)
 
     @staticmethod
-    def _and_write(forward, params, kv_cache, last_tokens, batch: StepInput, lora=None):
+    def _and_write(forward, params, kv_cache, last_tokens, batch: StepInput, lora=None, features=None):
         """forward's results with the cache written, every write after every layer's read (module docstring)."""
-        out, new_kv, last_tokens = forward(params, kv_cache, last_tokens, batch, lora)
+        out, new_kv, last_tokens, features = forward(params, kv_cache, last_tokens, batch, lora, features)
         kv_cache, out = jax.lax.optimization_barrier((kv_cache, out))
-        return out, write_cache(kv_cache, new_kv, batch.slot_mapping), last_tokens
+        return out, write_cache(kv_cache, new_kv, batch.slot_mapping), last_tokens, features
 
     def _write_cache(self, kv_cache, new_kv, slot_mapping):  # a method, so each Steps counts its own programs
         if self.context_parallel:
@@ -276,6 +268,7 @@ class Steps:
 
 @functools.cache
 def steps_for(config: ModelConfig, dtype, attention_backend: str = "reference", num_speculative_tokens: int = 0,
-              mesh=None, kv_cache_dtype: str = "auto", decode_context_parallel_size: int = 1) -> Steps:
+              mesh=None, kv_cache_dtype: str = "auto", decode_context_parallel_size: int = 1,
+              capture: tuple[int, ...] = ()) -> Steps:
     return Steps(config, dtype, attention_backend, num_speculative_tokens, mesh, kv_cache_dtype,
-                 decode_context_parallel_size=decode_context_parallel_size)
+                 decode_context_parallel_size=decode_context_parallel_size, capture=capture)

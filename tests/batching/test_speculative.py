@@ -161,7 +161,7 @@ def test_bad_configurations_are_refused(tiny_dir):
 
 
 def test_a_draft_with_another_tokenizer_is_refused():
-    from jaxserve.engine.factory import _check_same_tokenizer
+    from jaxserve.engine.speculation import check_same_tokenizer
 
     class Chars:
         def __init__(self, shift):
@@ -169,10 +169,10 @@ def test_a_draft_with_another_tokenizer_is_refused():
 
         def encode(self, text):
             return [ord(c) + self.shift for c in text]
-    _check_same_tokenizer(Chars(0), Chars(0))
-    _check_same_tokenizer(None, Chars(0))  # a model without a tokenizer (token-id prompts only) has nothing to compare
+    check_same_tokenizer(Chars(0), Chars(0))
+    check_same_tokenizer(None, Chars(0))  # a model without a tokenizer (token-id prompts only) has nothing to compare
     with pytest.raises(ValueError, match="tokenizer"):
-        _check_same_tokenizer(Chars(1), Chars(0))
+        check_same_tokenizer(Chars(1), Chars(0))
 
 
 @pytest.mark.parametrize("change, message", [(dict(vocab_size=256), "vocabulary"),

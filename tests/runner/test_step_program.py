@@ -9,7 +9,7 @@ import pytest
 
 from jaxserve.batch import is_constant
 from jaxserve.runner.batch_builder import Row, RowSampling, build_batch
-from jaxserve.runner.steps import MAYBE_CONSTANT
+from jaxserve.runner.placement import MAYBE_CONSTANT
 from jaxserve.sample import token_mask
 
 from programs import entry, step_program

@@ -7,6 +7,11 @@ it costs nothing while speculation is off. It draws its proposals as sample() dr
 sequence) with the sequence's own sampling parameters and seed: its proposal for generated token number n takes
 the uniform the target's draw of n takes, so where the two models' distributions are alike the two draws agree
 and verification (`jaxserve.sample.verification`) accepts it.
+
+A speculative head (EAGLE-3: `jaxserve.runner.head_runner`) is proposed for alike, one position behind: at head
+position i it reads token i + 1 and the target's hidden states at i, which exist up to the target's last computed
+position, so its catch-up ends one position before a draft model's. Its chain's K/V were computed from its own
+outputs, not the target's, so a next round recomputes them from the target's: only the catch-up counts as cached.
 """
 from __future__ import annotations
 
@@ -17,8 +22,10 @@ from jaxserve.runner.protocol import Runner
 
 
 class DraftProposer:
-    def __init__(self, runner: Runner, max_num_batched_tokens: int, max_num_seqs: int):
+    def __init__(self, runner: Runner, max_num_batched_tokens: int, max_num_seqs: int, reads_target: bool = False):
+        """reads_target: the runner is a head over the target's hidden states (positions one behind)."""
         self.runner = runner
+        self.shift = int(reads_target)
         self.max_tokens = max_num_batched_tokens
         self.max_rows = max_num_seqs
 
@@ -41,7 +48,7 @@ class DraftProposer:
             handles.append((self.runner.dispatch(rows), sources))
         for j in range(1, max(batch.num_draft[s] for s in seqs)):
             going = [s for s in seqs if batch.num_draft[s] > j]
-            rows = [Row([0], s.num_tokens - 1 + j, s.pages, row_sampling(s, j, top_logprobs=False), s.slot,
+            rows = [Row([0], s.num_tokens - 1 - self.shift + j, s.pages, row_sampling(s, j, top_logprobs=False), s.slot,
                         chained=True)
                     for s in going]
             handles.append((self.runner.dispatch(rows), list(enumerate(going))))
@@ -51,7 +58,8 @@ class DraftProposer:
                 proposals.tokens[s].append(tokens[i])
         for s in seqs:
             # The last proposal's K/V is not computed: a next round that accepts it takes it in its catch-up.
-            proposals.draft_cached[s] = s.num_tokens - 1 + batch.num_draft[s]
+            # (A head's chain is recomputed from the target's hidden states.)
+            proposals.draft_cached[s] = s.num_tokens - 1 + (0 if self.shift else batch.num_draft[s])
         return proposals
 
     def _catch_up_steps(self, seqs):
@@ -60,7 +68,7 @@ class DraftProposer:
         [(row index, seq)] of the sampling rows)."""
         rows, sources, used = [], [], 0
         for s in seqs:
-            start, end = s.num_draft_cached, s.num_tokens
+            start, end = s.num_draft_cached, s.num_tokens - self.shift
             while start < end:
                 if used == self.max_tokens or len(rows) == self.max_rows:
                     yield rows, sources
@@ -69,7 +77,9 @@ class DraftProposer:
                 last = stop == end
                 if last:
                     sources.append((len(rows), s))
-                rows.append(Row(s.token_ids[start:stop], start, s.pages, row_sampling(s, top_logprobs=False),
+                # A head's position i takes token i + 1 (shift 1).
+                rows.append(Row(s.token_ids[start + self.shift:stop + self.shift], start, s.pages,
+                                row_sampling(s, top_logprobs=False),
                                 s.slot if last else -1, samples=last))
                 used += stop - start
                 start = stop
