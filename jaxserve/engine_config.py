@@ -81,8 +81,9 @@ class EngineConfig:
     quantize_embeddings: also the LM head (same method) and the embedding table (int8 rows).
     kv_cache_dtype: "auto" (the model's dtype) or "int8" (a float32 scale per token and KV head beside the pages:
         about twice the sequences in the same memory as bfloat16; dequantized as the attention reads them).
-    speculative_config: speculative decoding, as vLLM's: {"method": "ngram" | "draft_model" | "eagle3",
-        "num_speculative_tokens": k, "model": DRAFT (draft_model) or HEAD (eagle3: a checkpoint directory),
+    speculative_config: speculative decoding, as vLLM's: {"method": "ngram" | "draft_model" | "eagle3" | "mtp",
+        "num_speculative_tokens": k, "model": DRAFT (draft_model) or HEAD (eagle3: a checkpoint directory; mtp:
+        none, the target checkpoint's own MTP layer),
         "prompt_lookup_max": 4, "prompt_lookup_min": 2
         (ngram), "adaptive": True (speculate only where measured acceptance and step costs say it pays)}, or a
         SpeculativeConfig; held parsed. The draft shares the KV budget (its pages beside the target's) and the dtype.

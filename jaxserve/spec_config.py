@@ -5,9 +5,9 @@ import argparse
 import dataclasses
 import json
 
-METHODS = ("ngram", "draft_model", "eagle3")
+METHODS = ("ngram", "draft_model", "eagle3", "mtp")
 # Methods whose proposer is a head over the target's hidden states, not a model of its own.
-HEAD_METHODS = ("eagle3",)
+HEAD_METHODS = ("eagle3", "mtp")
 MAX_SPECULATIVE_TOKENS = 15  # a verification row scores k + 1 tokens; past this, acceptance never pays for it
 
 
@@ -16,7 +16,8 @@ class SpeculativeConfig:
     method: str
     num_speculative_tokens: int
     # The draft (draft_model): a .gguf file, a HF directory or a jaxserve checkpoint; the head (eagle3): a directory
-    # in the EAGLE-3 reference layout or the speculators one (`jaxserve.weights.eagle3`).
+    # in the EAGLE-3 reference layout or the speculators one (`jaxserve.weights.eagle3`); mtp: none (the MTP layer
+    # is in the target's own checkpoint, as vLLM reads it), or that checkpoint's directory.
     model: str | None = None
     prompt_lookup_max: int = 4  # ngram: the longest suffix looked up
     prompt_lookup_min: int = 2  # ngram: the shortest
@@ -32,7 +33,7 @@ class SpeculativeConfig:
             raise ValueError(f"num_speculative_tokens must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
         if self.method == "draft_model" and not self.model:
             raise ValueError("speculative method 'draft_model' needs a draft model ('model' / --draft-model)")
-        if self.method in HEAD_METHODS and not self.model:
+        if self.method == "eagle3" and not self.model:
             raise ValueError(f"speculative method {self.method!r} needs its head's checkpoint directory ('model')")
         if self.method == "ngram" and self.model:
             raise ValueError("speculative method 'ngram' uses no model; drop 'model' or use method 'draft_model'")
@@ -87,8 +88,9 @@ def add_speculative_cli_args(p: argparse.ArgumentParser) -> None:
                         '\'{"method": "eagle3", "model": "HEAD_DIR", "num_speculative_tokens": 3}\' '
                         "(instead of the flags below)")
     p.add_argument("--speculative-method", default=None, choices=list(METHODS),
-                   help="speculative decoding: ngram (prompt lookup, no model), draft_model (--draft-model) or "
-                        "eagle3 (--draft-model: an EAGLE-3 head's directory)")
+                   help="speculative decoding: ngram (prompt lookup, no model), draft_model (--draft-model), "
+                        "eagle3 (--draft-model: an EAGLE-3 head's directory) or mtp (the target checkpoint's own "
+                        "multi-token-prediction layer, no --draft-model)")
     p.add_argument("--num-speculative-tokens", type=int, default=None,
                    help="tokens proposed per verification (default 4 with a speculative method)")
     p.add_argument("--draft-model", default=None,

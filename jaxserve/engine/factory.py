@@ -155,7 +155,8 @@ def _load_models(c: EngineConfig, pools: list[tuple[str, int, list]], dtype) -> 
                              "{'rope_scaling': {'rope_type': 'yarn', 'factor': 4.0, "
                              "'original_max_position_embeddings': N}}")
         max_model_len = c.max_model_len or limit
-        speculators = load_speculators(c.speculative_config, loaded, dtype, max_model_len, c.tensor_parallel_size)
+        speculators = load_speculators(c.speculative_config, loaded, dtype, max_model_len, c.tensor_parallel_size,
+                                       c.model)
         # What the runners hold: over a mesh wider than the KV heads, each device gets a copy of the head it reads.
         split = {pool_tp: split_for(loaded.config, loaded.params, pool_tp, dcp=c.decode_context_parallel_size)
                  for _, pool_tp, _ in pools}

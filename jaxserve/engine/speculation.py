@@ -13,8 +13,9 @@ from jaxserve.cache import bytes_per_page
 from jaxserve.runner.head_runner import HeadRunner
 from jaxserve.runner.model_runner import ModelRunner, RunnerConfig
 from jaxserve.spec_config import SpeculativeConfig, check_draft
-from jaxserve.weights import LoadedModel, load_model
+from jaxserve.weights import LoadedModel, load_model, resolve_model_path
 from jaxserve.weights.eagle3 import LoadedHead, load_head
+from jaxserve.weights.mtp import load_mtp_head
 from jaxserve.weights.params import param_bytes
 
 
@@ -48,8 +49,9 @@ class Speculators:
 
 
 def load_speculators(spec: SpeculativeConfig | None, target: LoadedModel, dtype, max_model_len: int,
-                     tensor_parallel_size: int) -> Speculators:
-    """The draft model or head speculative_config names, checked to propose for the target."""
+                     tensor_parallel_size: int, target_model: str | None = None) -> Speculators:
+    """The draft model or head speculative_config names, checked to propose for the target. target_model: the
+    target as the engine was given it (an MTP head is read from its checkpoint, as vLLM reads it)."""
     if spec is None or spec.method == "ngram":
         return Speculators()
     if spec.method == "draft_model":
@@ -57,7 +59,10 @@ def load_speculators(spec: SpeculativeConfig | None, target: LoadedModel, dtype,
         check_draft(draft.config, target.config, max_model_len)
         check_same_tokenizer(draft.tokenizer, target.tokenizer)
         return Speculators(draft=draft)
-    head = load_head(spec.model, target.config, dtype)
+    if spec.method == "mtp":
+        head = load_mtp_head(resolve_model_path(spec.model or target_model), target.config, dtype)
+    else:
+        head = load_head(spec.model, target.config, dtype)
     if head.config.num_kv_heads % tensor_parallel_size or head.config.num_heads % tensor_parallel_size:
         raise ValueError(f"the head's {head.config.num_heads} attention heads and {head.config.num_kv_heads} KV "
                          f"heads do not split over tensor_parallel_size {tensor_parallel_size}")

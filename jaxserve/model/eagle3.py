@@ -14,14 +14,10 @@ import functools
 from typing import Any
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from jaxserve.batch import RaggedRows
-from jaxserve.cache import init_kv_cache
 from jaxserve.model.attention import attention
-from jaxserve.model.decoder import DeclaredParams
 from jaxserve.model.head_config import HeadConfig
 from jaxserve.model.layers import Linear, RMSNorm
 from jaxserve.model.quant import embed
@@ -80,12 +76,7 @@ class Eagle3Head(nn.Module):
         hidden), [(k, v)] of this step, each [T, kv_heads, head_dim]).
         """
         c = self.config
-        init = nn.with_logical_partitioning(nn.initializers.normal(0.02), ("vocab", "embed"))
-        if self.has_variable("params", "embed_tokens"):  # the target's table, float or int8 rows
-            table = self.get_variable("params", "embed_tokens")
-        else:
-            table = self.param("embed_tokens", init, (c.vocab_size, c.hidden_size), self.dtype)
-        embeds = embed_over_vocab(functools.partial(embed, dtype=self.dtype), self.mesh, table, token_ids)
+        embeds = head_embeddings(self, c, self.dtype, self.mesh, token_ids)  # [T, H]
         # [T, F] -> [T, H]: computed for chained tokens too (one row each), which then take `hidden`.
         projected = Linear(c.hidden_size, ("embed", "embed"), False, self.dtype, name="fc")(features.astype(self.dtype))
         hidden = jnp.where(from_target[:, None], projected, hidden.astype(self.dtype))
@@ -98,6 +89,17 @@ class Eagle3Head(nn.Module):
         return logits.astype(jnp.float32), out, [kv]
 
 
+def head_embeddings(head: nn.Module, c: HeadConfig, dtype, mesh, token_ids):
+    """A head's embeddings of token_ids [T] -> [T, H], from the table in its params: the target's (float or int8
+    rows, split by vocabulary as the target's) or its own. Called inside the head's compact __call__."""
+    if head.has_variable("params", "embed_tokens"):
+        table = head.get_variable("params", "embed_tokens")
+    else:
+        init = nn.with_logical_partitioning(nn.initializers.normal(0.02), ("vocab", "embed"))
+        table = head.param("embed_tokens", init, (c.vocab_size, c.hidden_size), dtype)
+    return embed_over_vocab(functools.partial(embed, dtype=dtype), mesh, table, token_ids)
+
+
 def to_target_vocab(logits, d2t, vocab_size: int):
     """Draft-vocabulary logits [..., Vd] as the target vocabulary's [..., V]: draft id i is target id i + d2t[i]
     (the public checkpoints' offsets); every other target token gets -inf, so nothing samples it."""
@@ -105,17 +107,3 @@ def to_target_vocab(logits, d2t, vocab_size: int):
     full = jnp.full(logits.shape[:-1] + (vocab_size,), -jnp.inf, logits.dtype)
     return full.at[..., ids].set(logits)
 
-
-def declared_head_params(config: HeadConfig, dtype=jnp.float32) -> DeclaredParams:
-    """The head's params tree (shapes, each leaf's logical axes) as its layers declare them: what a loader must
-    build (`jaxserve.weights.eagle3`) and how a mesh splits it."""
-    def init():
-        one = jnp.zeros(1, jnp.int32)
-        rows = RaggedRows(positions=one, token_row=one, query_start=jnp.zeros(2, jnp.int32), cached_lens=one,
-                          page_table=jnp.zeros((1, 1), jnp.int32))
-        return Eagle3Head(config, dtype).init(
-            jax.random.key(0), one, jnp.zeros((1, config.feature_size), dtype), jnp.zeros((1, config.hidden_size),
-                                                                                          dtype),
-            jnp.ones(1, bool), init_kv_cache(config.layer_config(), 2, 16, dtype), rows)
-    boxed = jax.eval_shape(init)
-    return DeclaredParams(nn.meta.unbox(boxed), nn.get_partition_spec(boxed))

@@ -3,8 +3,8 @@
 The head keeps its K/V in a one-layer cache of its own, indexed by the target's page ids (as a draft model's is:
 pages are allocated, freed and rolled back once, for both), and reads the target runner's captured features, the
 array the target's last dispatched step left (JAX orders the read after that step's write, and the target's next
-step, which donates the array, after this read). It shares the target's embedding table: the same device array, no
-copy.
+step, which donates the array, after this read). It shares the target's embedding table (an MTP head also its final
+norm and LM head: `jaxserve.model.heads.shared_params`): the same device arrays, no copy.
 """
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import numpy as np
 
 from jaxserve.cache import init_kv_cache
 from jaxserve.cache.kv_cache import bf16_pages_as_bits
-from jaxserve.model.eagle3 import declared_head_params
 from jaxserve.model.head_config import HeadConfig
+from jaxserve.model.heads import declared_head_params, shared_params
 from jaxserve.multihost import LeaderFollower
 from jaxserve.pallas_kernels import page_head_dim_multiple
 from jaxserve.parallel.mesh import log_placement, param_shardings, place, replicated
@@ -45,12 +45,14 @@ class HeadRunner(ModelRunner):
             placed = jax.tree.map(lambda x: jnp.asarray(x, x.dtype), tree)
         else:
             axes = declared_head_params(head).axes
-            axes = {"params": {k: v for k, v in axes["params"].items() if k != "embed_tokens"}}
+            axes = {"params": {k: v for k, v in axes["params"].items() if k in own}}
             placed = place(tree, {**param_shardings(mesh, {"params": own}, axes), "d2t": replicated(mesh)})
             log_placement("speculative head", placed)
         embed = params["params"].get("embed_tokens")
         embed = target.params["params"]["embed_tokens"] if embed is None else place_like(embed, target)
-        self.params = {"params": {**placed["params"], "embed_tokens": embed}, "d2t": placed["d2t"]}
+        # What the head shares with the target (an MTP head: its final norm and LM head too), as the same arrays.
+        taken = {name: target.params["params"][name] for name in shared_params(head) if name not in own}
+        self.params = {"params": {**placed["params"], **taken, "embed_tokens": embed}, "d2t": placed["d2t"]}
 
         def new_cache():
             return init_kv_cache(self.config, rc.num_pages, rc.page_size, rc.dtype, rc.kv_cache_dtype,

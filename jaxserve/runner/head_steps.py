@@ -1,4 +1,5 @@
-"""The jitted step of a speculative head (EAGLE-3): a ragged batch of head positions, proposals sampled on device.
+"""The jitted step of a speculative head (EAGLE-3 or MTP: `jaxserve.model.heads`): a ragged batch of head
+positions, proposals sampled on device.
 
 f(params, kv_cache, last_tokens, last_hidden, features, batch) -> (sampled, kv_cache, last_tokens, last_hidden),
 all but params and features donated. A token reads the target's captured features at its own cache slot (the
@@ -17,8 +18,9 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.batch import StepInput, StepOutput
-from jaxserve.model.eagle3 import Eagle3Head, to_target_vocab
+from jaxserve.model.eagle3 import to_target_vocab
 from jaxserve.model.head_config import HeadConfig
+from jaxserve.model.heads import head_module
 from jaxserve.parallel.mesh import kv_pages_spec, replicated, sample_over_vocab, shardings
 from jaxserve.runner.placement import BatchPlacer
 from jaxserve.runner.steps import IN_PLACE_WRITES, input_tokens, write_cache
@@ -29,7 +31,7 @@ class HeadSteps:
     def __init__(self, config: HeadConfig, dtype, attention_backend: str = "reference", mesh=None,
                  kv_cache_dtype: str = "auto"):
         self.config = config
-        self.model = Eagle3Head(config, dtype, attention_backend, mesh)
+        self.model = head_module(config, dtype, attention_backend, mesh)
         self.mesh = mesh
         self.placer = BatchPlacer(mesh)
         platform = (mesh.devices.flat[0] if mesh is not None else jax.devices()[0]).platform

@@ -193,12 +193,18 @@ def params_from_tensors(tensors: dict, c: HeadConfig, layout: str, dtype, path: 
         if value.shape != shape:
             raise ValueError(f"{path}: tensor {name} has shape {list(value.shape)}, the config gives {list(shape)}"
                              f"{fc_note(c) if name == 'fc.weight' else ''}")
-        node = params
-        for key in where[:-1]:
-            node = node.setdefault(key, {})
-        value = value.astype(np.float32)
-        node[where[-1]] = (value.T if where[-1] == "kernel" else value).astype(dtype)
+        put_leaf(params, where, value, dtype)
     return params
+
+
+def put_leaf(tree: dict, where: tuple[str, ...], value, dtype) -> None:
+    """A checkpoint's tensor at path `where` of a params tree: a linear's weight, written [out, in], as the
+    kernel [in, out] the model multiplies by."""
+    node = tree
+    for key in where[:-1]:
+        node = node.setdefault(key, {})
+    value = np.asarray(value).astype(np.float32)
+    node[where[-1]] = (value.T if where[-1] == "kernel" else value).astype(dtype)
 
 
 def fc_note(c: HeadConfig) -> str:

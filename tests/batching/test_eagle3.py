@@ -9,9 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from eagle3_heads import write_tiny_head
+from head_chains import dense_rows, recorded_proposals
 
 from jaxserve import SamplingParams
-from jaxserve.batch import RaggedRows
 from jaxserve.cache import init_kv_cache
 from jaxserve.model.decoder import DecoderModel
 from jaxserve.model.eagle3 import Eagle3Head, to_target_vocab
@@ -45,13 +45,6 @@ def mixed(rng):
     shared = rng.integers(0, 320, 12).tolist()
     return prompts(rng, [2, 9, 17, 30]) + [{"prompt_token_ids": shared + rng.integers(0, 320, n).tolist()}
                                            for n in (3, 6)]
-
-
-def dense_rows(n):
-    zeros = jnp.zeros(n, jnp.int32)
-    return RaggedRows(positions=jnp.arange(n, dtype=jnp.int32), token_row=zeros,
-                      query_start=jnp.array([0, n], jnp.int32), cached_lens=jnp.zeros(1, jnp.int32),
-                      page_table=jnp.zeros((1, 1), jnp.int32))
 
 
 def reference_chain(tiny_dir, head_dir, seq_tokens, k):
@@ -99,15 +92,7 @@ def test_proposals_are_the_heads_chain(tiny_dir, head_dir):
     seed = int(np.random.default_rng().integers(2**31))
     ps = prompts(np.random.default_rng(seed), [3, 21, 40])
     llm = make_llm(tiny_dir, speculative_config=eagle(head_dir, k=3))
-    seen = []
-    propose = llm.core.proposer.propose
-
-    def recording(batch):
-        got = propose(batch)
-        seen.extend((s.token_ids[:], list(p)) for s, p in got.tokens.items() if p)
-        return got
-    llm.core.proposer.propose = recording  # type: ignore[method-assign]
-    tokens(llm, ps, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    seen = recorded_proposals(llm, ps, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
     assert len(seen) > 10
     rng = np.random.default_rng(seed)
     for i in rng.choice(len(seen), 6, replace=False):
