@@ -8,8 +8,6 @@ hidden states), through chunked prompts, prefix hits, preemption and aborts.
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from eagle3_heads import write_tiny_head
-from head_chains import dense_rows, recorded_proposals
 
 from jaxserve import SamplingParams
 from jaxserve.cache import init_kv_cache
@@ -18,6 +16,8 @@ from jaxserve.model.eagle3 import Eagle3Head, to_target_vocab
 from jaxserve.weights import load_model
 from jaxserve.weights.eagle3 import load_head
 
+from eagle3_heads import write_tiny_head
+from head_chains import dense_rows, recorded_proposals
 from tiny import TINY_PAGE_BYTES, make_llm, prompts
 
 GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
@@ -146,3 +146,18 @@ def test_a_head_for_another_target_is_refused(tiny_dir, target_config, tmp_path)
         make_llm(tiny_dir, speculative_config=eagle(bad))
     with pytest.raises(ValueError, match="kv_offloading_size"):
         make_llm(tiny_dir, speculative_config=eagle(bad), kv_offloading_size=0.01)
+
+
+def test_sampled_tokens_follow_the_targets_distribution(tiny_dir, head_dir):
+    """The second and third tokens (the first a verification emits) of many seeded samples, with and without the
+    head: the same distribution (the exactness proof is test_verification.py's; this catches wiring)."""
+    p = {"prompt_token_ids": [5, 17, 99, 3]}
+    sp = SamplingParams(n=300, temperature=1.0, top_k=4, max_tokens=3, ignore_eos=True, seed=11)
+    draws = []
+    for config in (None, eagle(head_dir, 2)):
+        llm = make_llm(tiny_dir, max_num_seqs=32, max_num_batched_tokens=128, speculative_config=config)
+        draws.append([tuple(o.token_ids[1:3]) for o in llm.generate(p, sp, use_tqdm=False)[0].outputs])
+    keys = sorted(set(draws[0]) | set(draws[1]))
+    a, b = (np.array([d.count(k) for k in keys], float) for d in draws)
+    tv = 0.5 * np.abs(a / a.sum() - b / b.sum()).sum()
+    assert tv < 0.22, (tv, keys, a, b)  # as test_speculative's: two samples of 300 over at most 16 outcomes

@@ -10,8 +10,6 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from head_chains import dense_rows, recorded_proposals
-from mtp_models import LAYERS, write_mtp_model
 
 from jaxserve import SamplingParams
 from jaxserve.cache import init_kv_cache
@@ -21,6 +19,8 @@ from jaxserve.spec_config import SpeculativeConfig, add_speculative_cli_args, sp
 from jaxserve.weights import load_model
 from jaxserve.weights.mtp import load_mtp_head, mtp_head_config
 
+from head_chains import dense_rows, recorded_proposals
+from mtp_models import LAYERS, write_mtp_model
 from tiny import make_llm, prompts
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)

@@ -8,6 +8,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from safetensors.numpy import load_file
+
+from jaxserve.batch import RaggedRows
+from jaxserve.cache.kv_cache import init_kv_cache
+from jaxserve.model.eagle3 import Eagle3Head
+from jaxserve.model.head_config import default_feature_layers
+from jaxserve.weights.eagle3 import load_head, save_head
+
 from eagle3_heads import (
     TINY_TARGET,
     checkpoint_config,
@@ -16,13 +24,6 @@ from eagle3_heads import (
     write_checkpoint,
     write_tiny_head,
 )
-from safetensors.numpy import load_file
-
-from jaxserve.batch import RaggedRows
-from jaxserve.cache.kv_cache import init_kv_cache
-from jaxserve.model.eagle3 import Eagle3Head
-from jaxserve.model.head_config import default_feature_layers
-from jaxserve.weights.eagle3 import load_head, save_head
 
 LAYOUTS_AND_FILES = [("eagle3", "safetensors"), ("eagle3", "bin"), ("speculators", "safetensors")]
 
