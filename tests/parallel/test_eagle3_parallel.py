@@ -6,7 +6,9 @@ import pytest
 from eagle3_heads import write_tiny_head
 
 from jaxserve import SamplingParams
-from jaxserve.parallel.mesh import MODEL
+from jaxserve.model.eagle3 import to_target_vocab
+from jaxserve.parallel.mesh import MODEL, make_mesh
+from jaxserve.runner.head_steps import target_logits
 from jaxserve.weights import load_model
 
 from tiny import make_llm, prompts
@@ -52,3 +54,20 @@ def test_tensor_parallel_head_gives_one_devices_text_and_proposals(tiny_dir, tmp
     for shard in head.kv_cache[0][0].addressable_shards:  # [num_pages, kv_heads, page_size, head_dim]: 1 head each
         assert shard.data.shape[1] == 1
     llm.core.assert_idle_and_clean()
+
+
+@pytest.mark.parametrize("draft_vocab_size", [24, 22])  # split over 4 devices, and whole on each
+def test_draft_logits_land_in_each_devices_vocabulary_slice(draft_vocab_size):
+    """Each device builds only its slice of the [S, V] target logits from the gathered draft logits: the values
+    to_target_vocab gives, split as sampling reads them."""
+    seed = int(np.random.default_rng().integers(2**31))
+    rng = np.random.default_rng(seed)
+    V, mesh = 64, make_mesh(4, 1, jax.devices()[:4])
+    ids = np.sort(rng.choice(V, draft_vocab_size, replace=False))
+    d2t = jax.numpy.asarray(ids - np.arange(draft_vocab_size), jax.numpy.int32)
+    logits = jax.numpy.asarray(rng.standard_normal((5, draft_vocab_size)), jax.numpy.float32)
+    spec = jax.sharding.PartitionSpec(None, MODEL if draft_vocab_size % 4 == 0 else None)
+    got = jax.jit(lambda x, d: target_logits(mesh, x, d, V))(
+        jax.device_put(logits, jax.sharding.NamedSharding(mesh, spec)), d2t)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(to_target_vocab(logits, d2t, V)), f"seed {seed}")
+    assert got.sharding.spec == jax.sharding.PartitionSpec(None, MODEL)
