@@ -140,6 +140,8 @@ def collective_problems(compiled, config: ModelConfig, params, num_pages: int, p
     # The most values the rows (or the prompt scorer's tokens) exchange; below one row's vocabulary slice at
     # serving shapes (Llama 3 8B, 64 tokens over 8 devices: 10240 against 16032), so a row of logits shows.
     per_row = max(tokens, scored) * tp * MAX_LOGPROBS
+    # A head's draft logits gathered: the whole, and (an async start's tuple holds its operand) one device's part.
+    draft = {scored * draft_vocab_size, scored * draft_vocab_size // tp} if draft_vocab_size else set()
     problems = []
     # (one collective may reduce several arrays: a combined all-reduce counts once per activation array in it)
     # (a one-token step's row-parallel products on GPU are of two rows, the second zero: jaxserve.model.quant.matmul)
@@ -166,7 +168,7 @@ def collective_problems(compiled, config: ModelConfig, params, num_pages: int, p
             size = math.prod(array[1])
             if array[1] in by_shape or size in whole:
                 problems.append(f"{c.kind} of a whole {by_shape.get(array[1]) or whole[size]}: {c}")
-            elif size > per_row and size not in activations and size != scored * draft_vocab_size:
+            elif size > per_row and size not in activations and size not in draft:
                 what = "the logits" if size == numel["logits"] else f"{per_row} per-row values"
                 problems.append(f"{c.kind} bigger than {what}: {c}")
     return problems
