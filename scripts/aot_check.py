@@ -47,6 +47,7 @@ import jax.numpy as jnp  # noqa: E402
 
 from jaxserve.aot import deviceless as aot  # noqa: E402
 from jaxserve.aot.collectives import collective_problems  # noqa: E402
+from jaxserve.aot.head_programs import HEAD_CONFIGS, abstract_head_params, head_for  # noqa: E402
 from jaxserve.cache import bytes_per_page, pages_needed  # noqa: E402
 from jaxserve.pallas_kernels import page_head_dim_multiple  # noqa: E402
 from jaxserve.weights.params import param_bytes  # noqa: E402
@@ -59,12 +60,16 @@ def lanes_of(target: str) -> int:
     return page_head_dim_multiple("pallas-" + aot.chip_of(target).platform)
 
 
-def kv_pages(config, chip, weight_bytes, args, lanes: int = 1, tp: int = 1) -> int:
+def kv_pages(config, chip, weight_bytes, args, lanes: int = 1, tp: int = 1, head=None) -> int:
     """Pages from what the chip holds after the weights (90%, as LLM's default budget), within what the engine's
     sequences can use and never less than one max_model_len sequence (so the program still compiles and the table
-    can say it does not fit). Tensor parallel: each chip holds 1/tp of the weights and of every page."""
+    can say it does not fit). Tensor parallel: each chip holds 1/tp of the weights and of every page. head: an
+    EAGLE-3 head's page and its tokens' captured features cost each page id too (as the engine's budget counts)."""
     page_size = 16 * args.decode_context_parallel_size  # the host's pages (DCP: 16 tokens a device)
     per_page = bytes_per_page(config, page_size, jnp.bfloat16, args.kv_cache_dtype, lanes) // tp
+    if head is not None:  # the features are replicated: each chip holds them whole
+        per_page += (bytes_per_page(head.layer_config(), page_size, jnp.bfloat16, args.kv_cache_dtype, lanes) // tp
+                     + page_size * head.feature_size * 2)
     per_seq = pages_needed(args.max_model_len, page_size)
     budget = int(chip.hbm_bytes * 0.9) - weight_bytes // tp
     return max(per_seq + 1, min(budget // per_page, args.max_num_seqs * per_seq + 1))
@@ -96,6 +101,9 @@ def main() -> None:
                         "shared memory and temporaries at long page tables)")
     p.add_argument("--num-speculative-tokens", type=int, default=0,
                    help="also compile the speculative verification step for k proposals a row")
+    p.add_argument("--speculative", default=None, choices=("eagle3",),
+                   help="also compile the model's public EAGLE-3 head's step (and cache write) at each bucket, with "
+                        f"the target's steps capturing its features (heads of: {', '.join(HEAD_CONFIGS)})")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="compile the steps over a mesh of this many of the target's devices (e.g. 4 on v5e:2x2, "
                         "8 on h100:8) and check their collectives")
@@ -119,7 +127,16 @@ def main() -> None:
         if tp > 1 and args.decode_context_parallel_size == 1:
             config = aot.tensor_parallel_config(config, tp)  # KV heads repeated where tp exceeds them
         params = aot.abstract_params(config, jnp.bfloat16, args.quantization)
-        weight_bytes = param_bytes(params)
+        head = head_params = None
+        if args.speculative:
+            if name not in HEAD_CONFIGS:
+                raise SystemExit(f"--speculative eagle3: no public head's shape for {name}; known: "
+                                 f"{', '.join(HEAD_CONFIGS)}")
+            head = head_for(name, config)
+            head_params = abstract_head_params(head, jnp.bfloat16)
+        # (the head's embedding is the target's: not counted twice)
+        weight_bytes = param_bytes(params) + (param_bytes(head_params) - param_bytes(
+            head_params["params"]["embed_tokens"]) if head else 0)
         for target in args.target or list(aot.TARGETS):
             chip = aot.chip_of(target)
             devices = aot.target_devices(target)
@@ -127,7 +144,7 @@ def main() -> None:
                 raise SystemExit(f"--tensor-parallel-size {tp} needs {tp} devices; {target} has {len(devices)}")
             device = devices[0]
             lanes = lanes_of(target)
-            num_pages = kv_pages(config, chip, weight_bytes, args, lanes, tp)
+            num_pages = kv_pages(config, chip, weight_bytes, args, lanes, tp, head)
             kv_per_token = bytes_per_page(config, 16, jnp.bfloat16, args.kv_cache_dtype, lanes) / 16
             start = time.perf_counter()
             results = aot.compile_serving(config, jnp.bfloat16, devices if tp > 1 else device,
@@ -139,7 +156,7 @@ def main() -> None:
                                           num_speculative_tokens=args.num_speculative_tokens,
                                           tensor_parallel_size=tp, kernel_only=args.kernel_only,
                                           decode_context_parallel_size=args.decode_context_parallel_size,
-                                          page_size=16 * args.decode_context_parallel_size)
+                                          page_size=16 * args.decode_context_parallel_size, head=head)
             split = (f" over {tp} devices (tensor parallel; sizes per device, weights "
                      f"{weight_bytes / tp / 1e9:.2f} GB each)") if tp > 1 else ""
             print(f"\n{name} ({config.num_layers} layers) on {target} ({device.device_kind}, "
@@ -171,9 +188,13 @@ def main() -> None:
                 if len(r.traffic) > SHOWN_TRAFFIC:
                     print(f"    HBM: ... {len(r.traffic) - SHOWN_TRAFFIC} more (--out has them all)")
                 if tp > 1 and r.program != "ragged attention":  # (DCP's own: tests/aot/test_aot_dcp.py)
+                    # A head's program: its one layer's (the target's vocabulary, which its proposals are drawn from).
+                    of_head = r.program.startswith("head")
                     row["collective_problems"] = [] if args.decode_context_parallel_size > 1 else collective_problems(
-                        r, config, params, num_pages, kv_cache_dtype=args.kv_cache_dtype,
-                        num_speculative_tokens=args.num_speculative_tokens, head_dim_multiple=lanes)
+                        r, head.layer_config() if of_head else config, head_params if of_head else params,
+                        num_pages, kv_cache_dtype=args.kv_cache_dtype,
+                        num_speculative_tokens=args.num_speculative_tokens, head_dim_multiple=lanes,
+                        draft_vocab_size=head.draft_vocab_size if of_head else 0)
                     ops = collections.Counter(r.collective_ops)
                     print("    collectives: " + (", ".join(f"{n} x {op}" for op, n in ops.items()) or "none")
                           + f"; largest all-gather {r.largest_all_gather_bytes / 1e6:.2f} MB")

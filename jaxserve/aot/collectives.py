@@ -115,7 +115,7 @@ def most_in_one_run(collectives) -> int:
 
 def collective_problems(compiled, config: ModelConfig, params, num_pages: int, page_size: int = 16,
                         kv_cache_dtype: str = "auto", num_speculative_tokens: int = 0,
-                        head_dim_multiple: int = 1) -> list[str]:
+                        head_dim_multiple: int = 1, draft_vocab_size: int = 0) -> list[str]:
     """What is unexpected in a tensor-parallel program's collectives (`compile_serving`'s record; config and params
     as compiled, i.e. `tensor_parallel_config`'s). Expected: a step reduces its [tokens, hidden] activations once
     after each row-parallel layer (o_proj, down_proj) and once after the vocab-split embedding (2 x layers + 1; an
@@ -124,11 +124,13 @@ def collective_problems(compiled, config: ModelConfig, params, num_pages: int, p
     (`jaxserve.sample.sampling`, `jaxserve.sample.prompt_logprobs`), at most tp x MAX_LOGPROBS values a row or token; a
     cache write moves nothing. Unexpected: any other count of activation reductions, any other collective bigger than
     those per-row values (logits gathered: even one row's slice of the vocabulary is bigger), and any of a whole
-    weight's or cache page array's size (a weight or the cache gathered)."""
+    weight's or cache page array's size (a weight or the cache gathered). draft_vocab_size: a speculative head's
+    program (config: its layer's), which gathers its rows' draft logits [rows, draft_vocab_size] once, to scatter
+    each device's slice of the target vocabulary from them (`jaxserve.runner.head_steps.target_logits`)."""
     if compiled.error or compiled.tensor_parallel_size == 1:
         return []
     census = compiled.census
-    if compiled.program == "cache write":
+    if compiled.program.endswith("cache write"):
         return [f"a cache write has collectives: {', '.join(map(str, census))}"] if census else []
     tokens, _, _, rows, _ = compiled.shape.split()
     tokens, rows = int(tokens), int(rows)
@@ -138,6 +140,8 @@ def collective_problems(compiled, config: ModelConfig, params, num_pages: int, p
     # The most values the rows (or the prompt scorer's tokens) exchange; below one row's vocabulary slice at
     # serving shapes (Llama 3 8B, 64 tokens over 8 devices: 10240 against 16032), so a row of logits shows.
     per_row = max(tokens, scored) * tp * MAX_LOGPROBS
+    # A head's draft logits gathered: the whole, and (an async start's tuple holds its operand) one device's part.
+    draft = {scored * draft_vocab_size, scored * draft_vocab_size // tp} if draft_vocab_size else set()
     problems = []
     # (one collective may reduce several arrays: a combined all-reduce counts once per activation array in it)
     # (a one-token step's row-parallel products on GPU are of two rows, the second zero: jaxserve.model.quant.matmul)
@@ -164,7 +168,7 @@ def collective_problems(compiled, config: ModelConfig, params, num_pages: int, p
             size = math.prod(array[1])
             if array[1] in by_shape or size in whole:
                 problems.append(f"{c.kind} of a whole {by_shape.get(array[1]) or whole[size]}: {c}")
-            elif size > per_row and size not in activations:
+            elif size > per_row and size not in activations and size not in draft:
                 what = "the logits" if size == numel["logits"] else f"{per_row} per-row values"
                 problems.append(f"{c.kind} bigger than {what}: {c}")
     return problems

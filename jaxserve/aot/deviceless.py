@@ -23,16 +23,18 @@ import numpy as np
 
 from jaxserve.aot import hbm_audit
 from jaxserve.aot.collectives import collective_census
+from jaxserve.aot.head_programs import compile_head
+from jaxserve.aot.step_programs import abstract_batch, step_and_write
 from jaxserve.batch import RaggedRows
 from jaxserve.buckets import Buckets
 from jaxserve.cache import init_kv_cache, pages_needed
 from jaxserve.config import FULL, SLIDING, ModelConfig
 from jaxserve.model.decoder import declared_params
+from jaxserve.model.head_config import HeadConfig
 from jaxserve.model.quant import quantize_params
 from jaxserve.pallas_kernels import page_head_dim_multiple, ragged_kernel_for
 from jaxserve.parallel.layouts import param_formats
 from jaxserve.parallel.mesh import check_tensor_parallel, make_mesh, replicated
-from jaxserve.runner.batch_builder import build_batch
 from jaxserve.runner.steps import Steps
 
 
@@ -235,7 +237,8 @@ def compile_serving(config: ModelConfig, dtype, device, *, max_num_seqs: int, ma
                     max_model_len: int, num_pages: int, page_size: int = 16, kv_cache_dtype: str = "auto",
                     params=None, only_extremes: bool = False, num_speculative_tokens: int = 0,
                     tensor_parallel_size: int = 1, attention_backend: str | None = None,
-                    decode_context_parallel_size: int = 1, kernel_only: bool = False) -> list[Compiled]:
+                    decode_context_parallel_size: int = 1, kernel_only: bool = False,
+                    head: HeadConfig | None = None) -> list[Compiled]:
     """Every program an engine of this shape runs, compiled for `device` with its Pallas attention kernel: the step
     (forward + sampling) of each token bucket and its cache write, and the ragged attention kernel alone at the
     largest step. only_extremes: of the buckets, only the smallest, the largest that can be all decode rows
@@ -250,6 +253,8 @@ def compile_serving(config: ModelConfig, dtype, device, *, max_num_seqs: int, ma
     be of that config), each record with its collectives. The attention kernel alone is compiled at one device's
     shapes (its heads), as shard_map runs it.
     attention_backend: default the device's Pallas kernel (DCP: the jnp one, pages of tp x page_size; "reference").
+    head: a speculative head (EAGLE-3) the engine runs: the target's steps then capture its features, and the
+    head's own programs compile at each bucket (`jaxserve.aot.head_programs`).
     kernel_only: only the attention kernel alone, at every shape (its scalar memory, VMEM or shared memory at a long
     max_model_len's page tables, in seconds where the steps take minutes)."""
     tp = tensor_parallel_size
@@ -261,49 +266,41 @@ def compile_serving(config: ModelConfig, dtype, device, *, max_num_seqs: int, ma
     if tp > 1:
         config = config if decode_context_parallel_size > 1 else tensor_parallel_config(config, tp)
         mesh = make_mesh(tp, 1, devices[:tp])
-    steps = Steps(config, dtype, backend, k, mesh, kv_cache_dtype, device.platform, decode_context_parallel_size)
+    capture = head.feature_layers if head is not None else ()
+    steps = Steps(config, dtype, backend, k, mesh, kv_cache_dtype, device.platform, decode_context_parallel_size,
+                  capture)
     params = abstract_params(config, dtype) if params is None else params
     lanes = page_head_dim_multiple(backend)
     kv = jax.eval_shape(lambda: init_kv_cache(config, num_pages, page_size, dtype, kv_cache_dtype, lanes))
     buckets = Buckets.for_limits(max_num_seqs, max_num_batched_tokens, pages_needed(max_model_len, page_size))
     last_tokens = jax.ShapeDtypeStruct((max_num_seqs + 1,), jnp.int32)
-    shapes = list(buckets.shapes())  # (tokens, rows)
-    if only_extremes:
-        decode = [s for s in shapes if s[0] == s[1]][-1:]
-        shapes = sorted(set(shapes[:1] + decode + shapes[-1:]))
-    if mesh is None:
-        def compile_(program, shape, fn, args, arg_shardings, roles):
-            return compile_program(program, shape, fn, args, device, arg_shardings=arg_shardings, roles=roles)
-    else:
-        rep = replicated(mesh)
-
-        def compile_(program, shape, fn, args, arg_shardings, roles):
-            # None: replicated (every leaf of that argument)
-            arg_shardings = tuple(jax.tree.map(lambda _: rep, a) if s is None else s
-                                  for a, s in zip(args, arg_shardings))
-            return compile_program(program, shape, fn, args, device, mesh=mesh, arg_shardings=arg_shardings,
-                                   roles=roles)
+    shapes = step_shapes(buckets, only_extremes)
+    compile_ = _compiler(device, mesh)
     # The params as the runner places them (the embedding table row-major: jaxserve.parallel.layouts).
     where = (jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(device), params) if mesh is None
              else steps.param_shardings(params))
-    step_shardings = (param_formats(params, where), None if mesh is None else steps.cache_sharding, None, None)
+    step_shardings = (param_formats(params, where), None if mesh is None else steps.cache_sharding, None, None,
+                      None, None)
+    # With a head: the target's captured features [pages x page_size, F] (replicated), the steps' last argument.
+    features = None if head is None else jax.ShapeDtypeStruct((num_pages * page_size, head.feature_size), dtype)
     write_shardings = (None, None, None) if mesh is None else (steps.cache_sharding, steps.new_kv_sharding, None)
     results = []
     for tokens, rows in [] if kernel_only else shapes:
-        batch = build_batch([], page_size, config.vocab_size, tokens, rows, buckets.pages_per_row)
-        batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), batch)
+        batch = abstract_batch(page_size, config.vocab_size, tokens, rows, buckets.pages_per_row)
         shape = f"{tokens} tokens x {rows} rows"
-        results.append(compile_("step", shape, steps._forward, (params, kv, last_tokens, batch), step_shardings,
-                                ("weights", "cache")))
-        if not steps.writes_in_forward:  # the cache write is a program of its own (jaxserve.runner.steps)
-            new_kv = jax.eval_shape(steps._forward, params, kv, last_tokens, batch)[1]
-            results.append(compile_("cache write", shape, steps._write, (kv, new_kv, batch.slot_mapping),
-                                    write_shardings, ("cache",)))
+        results += step_and_write(compile_, "", shape, steps, steps._forward, (params, kv, last_tokens, batch, None,
+                                                                              features), step_shardings,
+                                  write_shardings)
         if k and tokens > 1:
-            batch = build_batch([], page_size, config.vocab_size, tokens, rows, buckets.pages_per_row, k + 1)
-            batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), batch)
-            results.append(compile_("verify step", shape, steps._verify, (params, kv, last_tokens, batch),
-                                    step_shardings, ("weights", "cache")))
+            batch = abstract_batch(page_size, config.vocab_size, tokens, rows, buckets.pages_per_row, k + 1)
+            results.append(compile_("verify step", shape, steps._verify, (params, kv, last_tokens, batch, None,
+                                                                          features), step_shardings,
+                                    ("weights", "cache")))
+    if head is not None and not kernel_only:
+        results += compile_head(head, dtype, shapes, compile_, device=device, mesh=mesh, platform=device.platform,
+                                attention_backend=backend, num_pages=num_pages, page_size=page_size,
+                                pages_per_row=buckets.pages_per_row, max_num_seqs=max_num_seqs,
+                                kv_cache_dtype=kv_cache_dtype, lanes=lanes)
     if not backend.startswith("pallas"):
         return results
     local = config if tp == 1 else dataclasses.replace(config, num_heads=config.num_heads // tp,
@@ -311,6 +308,31 @@ def compile_serving(config: ModelConfig, dtype, device, *, max_num_seqs: int, ma
     pages = jax.eval_shape(lambda: init_kv_cache(local, num_pages, page_size, dtype, kv_cache_dtype, lanes))[0][0]
     return results + [_compile_kernel(local, dtype, device, backend, pages, tokens, rows, buckets.pages_per_row)
                       for tokens, rows in (shapes if kernel_only else shapes[-1:])]
+
+
+def step_shapes(buckets: Buckets, only_extremes: bool) -> list[tuple[int, int]]:
+    """The (tokens, rows) to compile: every bucket, or only the smallest, the largest that can be all decode rows
+    and the largest."""
+    shapes = list(buckets.shapes())
+    if only_extremes:
+        decode = [s for s in shapes if s[0] == s[1]][-1:]
+        shapes = sorted(set(shapes[:1] + decode + shapes[-1:]))
+    return shapes
+
+
+def _compiler(device, mesh):
+    """compile_(program, shape, fn, args, arg_shardings, roles): compile_program for device, or over mesh, where an
+    arg's sharding None means replicated (every leaf of it)."""
+    if mesh is None:
+        def compile_(program, shape, fn, args, arg_shardings, roles):
+            return compile_program(program, shape, fn, args, device, arg_shardings=arg_shardings, roles=roles)
+        return compile_
+    rep = replicated(mesh)
+
+    def compile_mesh(program, shape, fn, args, arg_shardings, roles):
+        arg_shardings = tuple(jax.tree.map(lambda _: rep, a) if s is None else s for a, s in zip(args, arg_shardings))
+        return compile_program(program, shape, fn, args, device, mesh=mesh, arg_shardings=arg_shardings, roles=roles)
+    return compile_mesh
 
 
 def _compile_kernel(config, dtype, device, backend, pages, tokens, rows, pages_per_row) -> Compiled:

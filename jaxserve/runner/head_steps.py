@@ -16,12 +16,14 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from jaxserve.batch import StepInput, StepOutput
 from jaxserve.model.eagle3 import to_target_vocab
 from jaxserve.model.head_config import HeadConfig
 from jaxserve.model.heads import head_module
-from jaxserve.parallel.mesh import kv_pages_spec, replicated, sample_over_vocab, shardings
+from jaxserve.parallel.layouts import lookup_compiler_options
+from jaxserve.parallel.mesh import HEADS, MODEL, kv_pages_spec, model_size, replicated, sample_over_vocab, shardings
 from jaxserve.runner.placement import BatchPlacer
 from jaxserve.runner.steps import IN_PLACE_WRITES, input_tokens, write_cache
 from jaxserve.sample.sampling import sample
@@ -29,24 +31,31 @@ from jaxserve.sample.sampling import sample
 
 class HeadSteps:
     def __init__(self, config: HeadConfig, dtype, attention_backend: str = "reference", mesh=None,
-                 kv_cache_dtype: str = "auto"):
+                 kv_cache_dtype: str = "auto", platform: str | None = None):
+        """platform: what the programs compile for (None: the mesh's devices', or the default device's), as the
+        target's `Steps` take it (deviceless compiles: `jaxserve.aot.head_programs`)."""
         self.config = config
         self.model = head_module(config, dtype, attention_backend, mesh)
         self.mesh = mesh
         self.placer = BatchPlacer(mesh)
-        platform = (mesh.devices.flat[0] if mesh is not None else jax.devices()[0]).platform
+        platform = platform or (mesh.devices.flat[0] if mesh is not None else jax.devices()[0]).platform
+        # The step looks rows of the embedding table up, as the target's forward does.
+        options = lookup_compiler_options(platform) or {}
         # As the target's steps (`jaxserve.runner.steps`): on one CPU device the forward writes the cache in place.
         self.writes_in_forward = mesh is None and platform == "cpu"
         if self.writes_in_forward:
-            self._step = jax.jit(self._and_write, donate_argnums=(1, 2, 3), compiler_options=IN_PLACE_WRITES)
+            self._step = jax.jit(self._and_write, donate_argnums=(1, 2, 3),
+                                 compiler_options={**options, **IN_PLACE_WRITES})
             self._write = None
         else:
             out: dict = {}
             if mesh is not None:
                 rep = replicated(mesh)
                 self.cache_sharding = [(shardings(mesh, kv_pages_spec(kv_cache_dtype)),) * 2]
-                out = dict(out_shardings=(rep, None, rep, rep))
-            self._step = jax.jit(self._forward, donate_argnums=(2, 3), **out)
+                # This step's (k, v), split with the cache's heads: the cache write takes them where they are.
+                self.new_kv_sharding = [(shardings(mesh, HEADS),) * 2]
+                out = dict(out_shardings=(rep, self.new_kv_sharding, rep, rep))
+            self._step = jax.jit(self._forward, donate_argnums=(2, 3), compiler_options=options or None, **out)
             self._write = jax.jit(write_cache, donate_argnums=0)
 
     def step(self, params, kv_cache, last_tokens, last_hidden, features, batch: StepInput):
@@ -68,7 +77,7 @@ class HeadSteps:
             {"params": params["params"]}, tokens, features[batch.slot_mapping], hidden, ~chained, kv_cache,
             batch.rows, jnp.maximum(index, 0))
         logits, out_hidden, new_kv = heads
-        logits = to_target_vocab(logits, params["d2t"], self.config.vocab_size)  # [S, V]
+        logits = target_logits(self.mesh, logits, params["d2t"], self.config.vocab_size)  # [S, V]
         s = sample_over_vocab(sample, self.mesh, logits, batch.sampling)
         out = StepOutput(tokens=s.tokens[:, None], num_tokens=jnp.greater_equal(index, 0).astype(jnp.int32),
                          logprobs=s.logprobs[:, None], ranks=s.ranks[:, None], top_ids=s.top_ids[:, None],
@@ -88,6 +97,28 @@ class HeadSteps:
         programs = [self._step] + ([self._write] if self._write is not None else [])
         # The ignore: jit's C++ wrapper has _cache_size; the JitWrapped stub does not declare it.
         return sum(f._cache_size() for f in programs)  # type: ignore[attr-defined]
+
+
+def target_logits(mesh, logits, d2t, vocab_size: int):
+    """`to_target_vocab` of draft logits [S, Vd] (split by draft vocabulary over a mesh, as the LM head's outputs
+    are) into target logits [S, V] split by vocabulary, as `sample_over_vocab` samples them: each device gathers
+    the [S, Vd] draft logits and scatters those of its own slice of target ids, so neither the [S, V] logits nor
+    the index vector are made whole anywhere (left to the partitioner, the scatter was done replicated, its ids
+    exchanged by an all-reduce)."""
+    tp = model_size(mesh)
+    if tp == 1 or vocab_size % tp:
+        return to_target_vocab(logits, d2t, vocab_size)
+    split = logits.shape[-1] % tp == 0  # the LM head's outputs split (else whole on every device)
+    width = vocab_size // tp
+
+    def local(x, d2t):  # x: [S, Vd / tp] (or [S, Vd])
+        if split:
+            x = jax.lax.all_gather(x, MODEL, axis=1, tiled=True)  # [S, Vd]
+        ids = jnp.arange(x.shape[-1]) + d2t - jax.lax.axis_index(MODEL) * width  # [Vd], in this device's slice
+        ids = jnp.where((ids >= 0) & (ids < width), ids, width)  # width: out of range, dropped
+        return jnp.full(x.shape[:-1] + (width,), -jnp.inf, x.dtype).at[..., ids].set(x, mode="drop")
+    return jax.shard_map(local, mesh=mesh, in_specs=(P(None, MODEL) if split else P(), P()),
+                         out_specs=P(None, MODEL), check_vma=False)(logits, d2t)
 
 
 @functools.cache
