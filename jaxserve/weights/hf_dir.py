@@ -17,6 +17,11 @@ def load_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, np.ndarray]]:
         config = ModelConfig.from_hf_config(json.loads(config_file.read_text()))
     except (KeyError, json.JSONDecodeError) as e:
         raise ValueError(f"{config_file} is not a usable model config: {e!r}") from None
+    return config, read_safetensors(path)
+
+
+def read_safetensors(path: Path) -> dict[str, np.ndarray]:
+    """Every tensor of a directory's *.safetensors files (one or sharded) as numpy arrays, by name."""
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ValueError(f"{path} holds no *.safetensors weights")
@@ -29,4 +34,4 @@ def load_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, np.ndarray]]:
         except (SafetensorError, OSError) as e:
             raise ValueError(f"cannot read weights file {f}: {e}") from None
     # bf16 has no numpy dtype of its own; ml_dtypes' bfloat16 arrays convert to float32 like any other.
-    return config, tensors
+    return tensors
