@@ -23,8 +23,8 @@ from the target's own generations:
      chain feeds as long as it is accepted.
   4. Evaluation, before and after, on held-out prompts: top-1 agreement with the target at unroll step 1, 2, 3 and
      the chain estimate: from every start position, the tokens a k-token greedy chain would have accepted.
-  5. The head is written in the public `speculators` layout (config.json + model.safetensors with d2t/t2d), with a
-     JSON report beside it.
+  5. The head is written in the public `speculators` layout (config.json + model.safetensors with d2t/t2d,
+     `jaxserve.weights.eagle3.save_head`), with a JSON report (train_eagle3.json) beside it.
 
 Run (the defaults; see the module's report for the measured wall time on 2 shared CPU cores):
 
@@ -417,71 +417,17 @@ def print_eval(before: dict, after: dict | None, num_steps: int) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Writing the head. STAND-IN for `jaxserve.weights.eagle3.save_head(path, LoadedHead(config, params, d2t),
-# layout="speculators")` (h50-load, not on main yet): replace save_head_standin / load_head_standin with
-# save_head / load_head once it lands.
+# Writing the head
 
 
-def save_head_standin(path: Path, config: HeadConfig, params: dict, d2t: np.ndarray, target_name: str) -> None:
-    """speculators' layout: config.json (speculators_model_type eagle3, a one-layer Llama transformer_layer_config)
-    and model.safetensors with torch-style [out, in] weights, d2t [Vd] int64 and t2d [V] bool. The embedding is
-    not written: the engine uses the target's."""
-    from safetensors.numpy import save_file
-    p = params["params"]
-    layer = p["layers_0"]
-    t = lambda x: np.ascontiguousarray(np.asarray(x, np.float32).T)  # noqa: E731 [in, out] -> [out, in]
-    tensors = {"fc.weight": t(p["fc"]["kernel"]), "norm.weight": np.asarray(p["norm"]["weight"], np.float32),
-               "lm_head.weight": t(p["lm_head"]["kernel"]), "d2t": np.asarray(d2t, np.int64)}
-    for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-        tensors[f"layers.0.self_attn.{name}.weight"] = t(layer[name]["kernel"])
-    for name in ("gate_proj", "up_proj", "down_proj"):
-        tensors[f"layers.0.mlp.{name}.weight"] = t(layer[name]["kernel"])
-    for name in ("input_layernorm", "hidden_norm", "post_attention_layernorm"):
-        tensors[f"layers.0.{name}.weight"] = np.asarray(layer[name]["weight"], np.float32)
-    t2d = np.zeros(config.vocab_size, bool)
-    t2d[np.arange(len(d2t)) + d2t] = True
-    tensors["t2d"] = t2d
-    path.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(path / "model.safetensors"))
-    layer_config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": config.hidden_size,
-                    "intermediate_size": config.intermediate_size, "num_hidden_layers": 1,
-                    "num_attention_heads": config.num_heads, "num_key_value_heads": config.num_kv_heads,
-                    "head_dim": config.head_dim, "rms_norm_eps": config.rms_norm_eps, "rope_theta": config.rope_theta,
-                    "rope_scaling": dict(config.rope_scaling) if config.rope_scaling else None,
-                    "max_position_embeddings": config.max_position_embeddings, "vocab_size": config.vocab_size,
-                    "attention_bias": config.attention_bias, "hidden_act": "silu"}
-    cfg = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
-           "transformer_layer_config": layer_config, "draft_vocab_size": config.draft_vocab_size,
-           "norm_before_residual": config.norm_before_residual, "target_hidden_size": config.target_hidden_size,
-           "eagle_aux_hidden_state_layer_ids": list(config.feature_layers),
-           "speculators_config": {"algorithm": "eagle3", "default_proposal_method": "greedy",
-                                  "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3}],
-                                  "verifier": {"name_or_path": target_name, "architectures": []}}}
-    (path / "config.json").write_text(json.dumps(cfg, indent=1))
-
-
-def load_head_standin(path: Path, target_params: dict) -> tuple[HeadConfig, dict, np.ndarray]:
-    """Reads save_head_standin's files back (the embedding from the target): (config, {"params": ...}, d2t)."""
-    from safetensors.numpy import load_file
-    cfg = json.loads((path / "config.json").read_text())
-    lc = cfg["transformer_layer_config"]
-    config = HeadConfig(kind="eagle3", hidden_size=lc["hidden_size"], intermediate_size=lc["intermediate_size"],
-                        num_heads=lc["num_attention_heads"], num_kv_heads=lc["num_key_value_heads"],
-                        head_dim=lc["head_dim"], vocab_size=lc["vocab_size"],
-                        draft_vocab_size=cfg["draft_vocab_size"], target_hidden_size=cfg["target_hidden_size"],
-                        feature_layers=cfg["eagle_aux_hidden_state_layer_ids"], rms_norm_eps=lc["rms_norm_eps"],
-                        rope_theta=lc["rope_theta"], rope_scaling=lc["rope_scaling"],
-                        max_position_embeddings=lc["max_position_embeddings"],
-                        norm_before_residual=cfg["norm_before_residual"])
-    w = load_file(str(path / "model.safetensors"))
-    kernel = lambda name: {"kernel": jnp.asarray(w[name].T)}  # noqa: E731
-    layer = {n: kernel(f"layers.0.self_attn.{n}.weight") for n in ("q_proj", "k_proj", "v_proj", "o_proj")}
-    layer |= {n: kernel(f"layers.0.mlp.{n}.weight") for n in ("gate_proj", "up_proj", "down_proj")}
-    layer |= {n: {"weight": jnp.asarray(w[f"layers.0.{n}.weight"])}
-              for n in ("input_layernorm", "hidden_norm", "post_attention_layernorm")}
-    params = {"embed_tokens": target_params["params"]["embed_tokens"], "fc": kernel("fc.weight"),
-              "layers_0": layer, "norm": {"weight": jnp.asarray(w["norm.weight"])}, "lm_head": kernel("lm_head.weight")}
-    return config, {"params": params}, w["d2t"]
+def write_head(path: Path, config: HeadConfig, params: dict, d2t: np.ndarray, target_name: str,
+               speculative_tokens: int) -> None:
+    """The head in speculators' public layout (`jaxserve.weights.eagle3.save_head`), without the embedding: the
+    engine uses the target's, and it is most of the head's bytes."""
+    from jaxserve.weights.eagle3 import LoadedHead, save_head
+    tree = jax.tree.map(np.asarray, {k: v for k, v in params["params"].items() if k != "embed_tokens"})
+    save_head(path, LoadedHead(config, {"params": tree}, np.asarray(d2t, np.int32)), layout="speculators",
+              target_name=target_name, speculative_tokens=speculative_tokens)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -573,7 +519,7 @@ def main(argv=None) -> int:
                            args.steps, args.seed, args.log_every)
     timings["train_s"] = time.perf_counter() - t
     after = evaluate_(params)
-    save_head_standin(out, config, params, d2t, model_name)  # STAND-IN: save_head(..., layout="speculators")
+    write_head(out, config, params, d2t, model_name, args.ttt_steps)
     timings["total_s"] = time.perf_counter() - t0
 
     print()
