@@ -158,7 +158,8 @@ def save_data(path: Path, seqs: list[dict]) -> None:
 
 
 def load_data(path: Path) -> list[dict]:
-    d = np.load(path)
+    with np.load(path) as npz:  # each key read once: an NpzFile re-reads an array on every access
+        d = {k: npz[k] for k in npz.files}
     starts = np.concatenate([[0], d["ends"][:-1]])
     return [{"kind": str(kind), "prompt_len": int(p), "tokens": d["tokens"][a:b], "labels": d["labels"][a:b],
              "features": d["features"][a:b]}
@@ -443,9 +444,9 @@ def parse_args(argv=None):
     ap.add_argument("--max-tokens", type=int, default=128, help="tokens the target generates per prompt")
     ap.add_argument("--temperature", type=float, default=0.0, help="the target's sampling temperature")
     ap.add_argument("--steps", type=int, default=150, help="optimizer steps")
-    ap.add_argument("--batch-size", type=int, default=4, help="sequences per step")
+    ap.add_argument("--batch-size", type=int, default=2, help="sequences per step")
     ap.add_argument("--seq-len", type=int, default=256, help="head positions per sequence (cut/padded)")
-    ap.add_argument("--draft-vocab", type=int, default=8192, help="draft vocabulary size (the LM head's rows)")
+    ap.add_argument("--draft-vocab", type=int, default=4096, help="draft vocabulary size (the LM head's rows)")
     ap.add_argument("--ttt-steps", type=int, default=3, help="training-time-test unroll steps")
     ap.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
     ap.add_argument("--seed", type=int, default=0)
