@@ -94,8 +94,9 @@ def make_prompts(n: int, seed: int) -> list[dict]:
 
 
 def held_out(i: int) -> bool:
-    """Every 8th prompt is held out: each kind (period 4) lands in both splits."""
-    return i % 8 == 7
+    """Every 8th run of four prompts (one of each kind, which cycle with period 4) is held out, so every kind is
+    in both splits (every 8th prompt alone would hold out one kind only)."""
+    return (i // len(KINDS)) % 8 == 7
 
 
 # ---------------------------------------------------------------------------------------------------------------

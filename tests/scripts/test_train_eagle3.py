@@ -116,3 +116,11 @@ def test_trains_a_head_that_writes_and_reads_back(tiny_dir, tmp_path):
     want = {k: v for k, v in trained["params"].items() if k != "embed_tokens"}  # the engine uses the target's
     same = jax.tree.map(lambda a, b: bool(np.array_equal(np.asarray(a), np.asarray(b))), back.params["params"], want)
     assert all(jax.tree.leaves(same))
+
+
+def test_prompts_and_the_held_out_split_cover_every_kind():
+    prompts = te.make_prompts(64, seed=0)
+    assert prompts == te.make_prompts(64, seed=0) and prompts != te.make_prompts(64, seed=1)
+    held = [p for i, p in enumerate(prompts) if te.held_out(i)]
+    assert len(held) == 8 and {p["kind"] for p in held} == set(te.KINDS)
+    assert {p["kind"] for i, p in enumerate(prompts) if not te.held_out(i)} == set(te.KINDS)
