@@ -27,8 +27,8 @@ from the target's own generations:
      `jaxserve.weights.eagle3.save_head`), with a JSON report (train_eagle3.json) beside it.
 
 Measured with the defaults on 2 CPU cores shared with other jobs (load average 4-19): generating 256 x <= 128
-tokens 269 s (26k tokens), capturing 210 s (40k tokens), training 150 steps 996 s (3.4 s a step when the machine
-was quiet, 11-12 s when not), evaluating ~70 s: ~26 min in all, ~18 min on a quiet machine. A rerun with the same
+tokens 269 s (26k tokens), capturing 210 s (40k tokens), training 200 steps 1097 s (3.4 s a step when the machine
+was quiet, 5-12 s when not), evaluating ~50 s: ~27 min in all, ~21 min on a quiet machine. A rerun with the same
 data options reads the cache and only trains.
 
     nice -n 5 python scripts/train_eagle3.py --out /work/heads/smollm2-eagle3 --work-dir /tmp/eagle3-work
@@ -447,7 +447,7 @@ def parse_args(argv=None):
     ap.add_argument("--num-prompts", type=int, default=256, help="prompts the target continues (1/8 held out)")
     ap.add_argument("--max-tokens", type=int, default=128, help="tokens the target generates per prompt")
     ap.add_argument("--temperature", type=float, default=0.0, help="the target's sampling temperature")
-    ap.add_argument("--steps", type=int, default=150, help="optimizer steps")
+    ap.add_argument("--steps", type=int, default=200, help="optimizer steps")
     ap.add_argument("--batch-size", type=int, default=2, help="sequences per step")
     ap.add_argument("--seq-len", type=int, default=256, help="head positions per sequence (cut/padded)")
     ap.add_argument("--draft-vocab", type=int, default=4096, help="draft vocabulary size (the LM head's rows)")
