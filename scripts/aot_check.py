@@ -194,7 +194,8 @@ def main() -> None:
                         r, head.layer_config() if of_head else config, head_params if of_head else params,
                         num_pages, kv_cache_dtype=args.kv_cache_dtype,
                         num_speculative_tokens=args.num_speculative_tokens, head_dim_multiple=lanes,
-                        draft_vocab_size=head.draft_vocab_size if of_head else 0)
+                        draft_vocab_size=head.draft_vocab_size if of_head else 0,
+                        feature_size=head.feature_size if of_head else 0)
                     ops = collections.Counter(r.collective_ops)
                     print("    collectives: " + (", ".join(f"{n} x {op}" for op, n in ops.items()) or "none")
                           + f"; largest all-gather {r.largest_all_gather_bytes / 1e6:.2f} MB")

@@ -115,7 +115,7 @@ def most_in_one_run(collectives) -> int:
 
 def collective_problems(compiled, config: ModelConfig, params, num_pages: int, page_size: int = 16,
                         kv_cache_dtype: str = "auto", num_speculative_tokens: int = 0,
-                        head_dim_multiple: int = 1, draft_vocab_size: int = 0) -> list[str]:
+                        head_dim_multiple: int = 1, draft_vocab_size: int = 0, feature_size: int = 0) -> list[str]:
     """What is unexpected in a tensor-parallel program's collectives (`compile_serving`'s record; config and params
     as compiled, i.e. `tensor_parallel_config`'s). Expected: a step reduces its [tokens, hidden] activations once
     after each row-parallel layer (o_proj, down_proj) and once after the vocab-split embedding (2 x layers + 1; an
@@ -126,7 +126,9 @@ def collective_problems(compiled, config: ModelConfig, params, num_pages: int, p
     those per-row values (logits gathered: even one row's slice of the vocabulary is bigger), and any of a whole
     weight's or cache page array's size (a weight or the cache gathered). draft_vocab_size: a speculative head's
     program (config: its layer's), which gathers its rows' draft logits [rows, draft_vocab_size] once, to scatter
-    each device's slice of the target vocabulary from them (`jaxserve.runner.head_steps.target_logits`)."""
+    each device's slice of the target vocabulary from them (`jaxserve.runner.head_steps.target_logits`), and reduces
+    its fc's products over the captured features [tokens, feature_size], split by column (XLA:GPU at one token sums
+    the features' row itself instead, once for the embedding's reduction and fc's)."""
     if compiled.error or compiled.tensor_parallel_size == 1:
         return []
     census = compiled.census
@@ -146,13 +148,18 @@ def collective_problems(compiled, config: ModelConfig, params, num_pages: int, p
     # (one collective may reduce several arrays: a combined all-reduce counts once per activation array in it)
     # (a one-token step's row-parallel products on GPU are of two rows, the second zero: jaxserve.model.quant.matmul)
     activations = {numel["activations"], (2 if tokens == 1 else 1) * numel["activations"]}
-    reductions = most_in_one_run(
+    row_of_features = tokens * feature_size if feature_size else None
+    folded = any(math.prod(dims) == row_of_features for c in census if c.kind == "all-reduce" for _, dims in c.arrays)
+    reductions = folded + most_in_one_run(
         [c for c in census if c.kind == "all-reduce" for _, dims in c.arrays if math.prod(dims) in activations]
         + [c for c in census if c.kind == "reduce-scatter" for _, dims in c.arrays[-1:]
            if math.prod(dims) * tp in activations])
-    if reductions != 2 * config.num_layers + 1:
+    # A head also reduces its fc's products over the captured features, which are split by column (or, folded,
+    # the features' row once for that and the embedding's).
+    expected = 2 * config.num_layers + 1 + bool(draft_vocab_size) - folded
+    if reductions != expected:
         problems.append(f"{reductions} reductions of the [{tokens}, {config.hidden_size}] activations, expected "
-                        f"{2 * config.num_layers + 1} (2 per layer + the embedding)")
+                        f"{expected} (2 per layer + the embedding{' + the head fc' if draft_vocab_size else ''})")
     kv = jax.eval_shape(lambda: init_kv_cache(config, num_pages, page_size, jnp.bfloat16, kv_cache_dtype,
                                               head_dim_multiple))
     named = [("/".join(str(getattr(k, "key", k)) for k in path[-2:]), x.shape)
@@ -168,7 +175,7 @@ def collective_problems(compiled, config: ModelConfig, params, num_pages: int, p
             size = math.prod(array[1])
             if array[1] in by_shape or size in whole:
                 problems.append(f"{c.kind} of a whole {by_shape.get(array[1]) or whole[size]}: {c}")
-            elif size > per_row and size not in activations and size not in draft:
+            elif size > per_row and size not in activations and size not in draft and size != row_of_features:
                 what = "the logits" if size == numel["logits"] else f"{per_row} per-row values"
                 problems.append(f"{c.kind} bigger than {what}: {c}")
     return problems

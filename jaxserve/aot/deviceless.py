@@ -280,8 +280,8 @@ def compile_serving(config: ModelConfig, dtype, device, *, max_num_seqs: int, ma
     where = (jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(device), params) if mesh is None
              else steps.param_shardings(params))
     step_shardings = (param_formats(params, where), None if mesh is None else steps.cache_sharding, None, None,
-                      None, None)
-    # With a head: the target's captured features [pages x page_size, F] (replicated), the steps' last argument.
+                      None, None if mesh is None or head is None else steps.features_sharding)
+    # With a head: the target's captured features [pages x page_size, F] (split by column), the steps' last argument.
     features = None if head is None else jax.ShapeDtypeStruct((num_pages * page_size, head.feature_size), dtype)
     write_shardings = (None, None, None) if mesh is None else (steps.cache_sharding, steps.new_kv_sharding, None)
     results = []

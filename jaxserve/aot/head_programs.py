@@ -1,7 +1,7 @@
 """Deviceless compile of a speculative head's program (EAGLE-3): the head's step at each of the engine's buckets,
 with its cache write where that is a program of its own, from abstract parameters, as `HeadSteps` runs it (its
 params split as `declared_head_params` declares them, the embedding the target's table, its one-layer cache split
-over KV heads, the target's captured features replicated). The target's steps that capture those features are
+over KV heads, the captured features split by column). The target's steps that capture those features are
 `compile_serving`'s (head=...)."""
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ import jax.numpy as jnp
 from jaxserve.aot.step_programs import abstract_batch, step_and_write
 from jaxserve.cache import init_kv_cache
 from jaxserve.config import ModelConfig
-from jaxserve.model.eagle3 import declared_head_params
 from jaxserve.model.head_config import HeadConfig
+from jaxserve.model.heads import declared_head_params
 from jaxserve.parallel.layouts import param_formats
-from jaxserve.parallel.mesh import param_shardings, replicated
+from jaxserve.parallel.mesh import features_sharding, param_shardings, replicated
 from jaxserve.runner.head_steps import HeadSteps
 
 # Public heads' shapes (their config.json): yuhuili/EAGLE3-LLaMA3.1-Instruct-8B, for Llama 3.1 8B Instruct (the
@@ -74,7 +74,8 @@ def compile_head(head: HeadConfig, dtype, shapes, compile_, *, device, mesh, pla
         axes = declared_head_params(head, dtype).axes
         where = {**param_shardings(mesh, {"params": params["params"]}, axes), "d2t": replicated(mesh)}
         cache, new_kv = steps.cache_sharding, steps.new_kv_sharding
-    step_shardings = (param_formats(params, where), cache, None, None, None, None)
+    features_at = None if mesh is None else features_sharding(mesh, head.feature_size)
+    step_shardings = (param_formats(params, where), cache, None, None, features_at, None)
     results = []
     for tokens, rows in shapes:
         batch = abstract_batch(page_size, head.vocab_size, tokens, rows, pages_per_row)

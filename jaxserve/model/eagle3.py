@@ -78,7 +78,8 @@ class Eagle3Head(nn.Module):
         c = self.config
         embeds = head_embeddings(self, c, self.dtype, self.mesh, token_ids)  # [T, H]
         # [T, F] -> [T, H]: computed for chained tokens too (one row each), which then take `hidden`.
-        projected = Linear(c.hidden_size, ("embed", "embed"), False, self.dtype, name="fc")(features.astype(self.dtype))
+        projected = Linear(c.hidden_size, ("features", "embed"), False, self.dtype, model_size(self.mesh) == 1,
+                           name="fc")(features.astype(self.dtype))
         hidden = jnp.where(from_target[:, None], projected, hidden.astype(self.dtype))
         out, kv = Eagle3Layer(c, self.dtype, self.attention_backend, self.mesh, name="layers_0")(
             embeds, hidden, kv_cache[0], rows)

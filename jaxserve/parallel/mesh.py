@@ -39,6 +39,9 @@ RULES = {
     "kv_heads": MODEL,  # KV heads (k_proj and v_proj outputs, the cache's head axis)
     "head_dim": None,   # within one head (q_norm, k_norm)
     "mlp": MODEL,       # FFN features
+    # A speculative head's captured hidden states (the target's steps keep them by slot): split by column, so the
+    # head's fc reduces over them as down_proj does, and no device holds all of them.
+    "features": MODEL,
     "vocab": MODEL,     # vocabulary
     "tokens": None, "pages": None, "page": None,  # activations and cache pages: every device has all of them
 }
@@ -86,6 +89,11 @@ def check_tensor_parallel(config, tp: int, what: str = "the model") -> None:
 
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
+
+
+def features_sharding(mesh: Mesh, size: int) -> NamedSharding:
+    """A speculative head's captured features [slots, size]: split by column where size divides (RULES)."""
+    return NamedSharding(mesh, P(None, None if size % mesh.shape[MODEL] else MODEL))
 
 
 def mesh_spec(logical: P) -> P:

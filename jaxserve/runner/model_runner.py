@@ -137,7 +137,7 @@ class ModelRunner:
         if rc.capture:
             shape = (rc.num_pages * rc.page_size, len(rc.capture) * config.hidden_size)
             self.features = (jnp.zeros(shape, rc.dtype) if mesh is None else
-                             jax.jit(lambda: jnp.zeros(shape, rc.dtype), out_shardings=replicated(mesh))())
+                             jax.jit(lambda: jnp.zeros(shape, rc.dtype), out_shardings=self.steps.features_sharding)())
         # Seconds per step by (tokens, scored per row), measured at warm-up: what speculation's controller weighs.
         self.step_times: dict[tuple[int, int], float] = {}
         self.max_loras, self.max_lora_rank, self.dtype = rc.max_loras, rc.max_lora_rank, rc.dtype

@@ -30,6 +30,7 @@ from jaxserve.parallel.context_parallel import (
 from jaxserve.parallel.layouts import lookup_compiler_options
 from jaxserve.parallel.mesh import (
     HEADS,
+    features_sharding,
     head_over_vocab,
     kv_pages_spec,
     model_size,
@@ -103,7 +104,9 @@ class Steps:
             pages = (pages_by_token(mesh, kv_cache_dtype, platform) if self.context_parallel
                      else shardings(mesh, kv_pages_spec(kv_cache_dtype)))
             self.cache_sharding = [(pages,) * 2] * config.num_layers
-            forward = dict(out_shardings=(rep, self.new_kv_sharding, rep, rep))
+            # The captured features [slots, F], split by column (a device writes its columns of the replicated states).
+            self.features_sharding = features_sharding(mesh, len(self.capture) * config.hidden_size)
+            forward = dict(out_shardings=(rep, self.new_kv_sharding, rep, self.features_sharding))
             logits = dict(out_shardings=(rep, self.new_kv_sharding))
             write = dict(out_shardings=self.cache_sharding)
         else:
@@ -159,7 +162,12 @@ class Steps:
         """features with this step's captured [T, F] written at its tokens' slots (padding: the scratch page's)."""
         if not self.capture:
             return features
-        return features.at[batch.slot_mapping].set(hidden_and_features[1].astype(features.dtype))
+        captured = hidden_and_features[1].astype(features.dtype)  # [T, F]
+        if self.mesh is not None:
+            # Whole on every device, as the residual stream is: each keeps its own columns. Left free, the partitioner
+            # carries the buffer's column split back into the layers and exchanges their states (all-to-alls).
+            captured = jax.lax.with_sharding_constraint(captured, replicated(self.mesh))
+        return features.at[batch.slot_mapping].set(captured)
 
     def forward_logits(self, params, kv_cache, batch: StepInput, lora=None):
         """Logits of every new token, [T, V] float32, and the updated cache (for tests and perplexity)."""

@@ -53,6 +53,9 @@ def test_tensor_parallel_head_gives_one_devices_text_and_proposals(tiny_dir, tmp
     assert head.params["params"]["lm_head"]["kernel"].sharding.spec[-1] == MODEL  # the draft vocabulary split
     for shard in head.kv_cache[0][0].addressable_shards:  # [num_pages, kv_heads, page_size, head_dim]: 1 head each
         assert shard.data.shape[1] == 1
+    # The target's captured features [slots, F] split by column, and fc's rows with them: no device holds them all.
+    assert llm.runner.features.sharding.spec == jax.sharding.PartitionSpec(None, MODEL)
+    assert head.params["params"]["fc"]["kernel"].sharding.spec == jax.sharding.PartitionSpec(MODEL, None)
     llm.core.assert_idle_and_clean()
 
 
