@@ -2,11 +2,11 @@
 nor the head's, nor any other program (an eager op on a device array compiles one too)."""
 import jax
 import numpy as np
-from eagle3_heads import write_tiny_head
 
 from jaxserve import SamplingParams
 from jaxserve.weights import load_model
 
+from eagle3_heads import write_tiny_head
 from tiny import make_llm, prompts
 
 

@@ -3,7 +3,6 @@ target's are, and the text and every proposal are one device's."""
 import jax
 import numpy as np
 import pytest
-from eagle3_heads import write_tiny_head
 
 from jaxserve import SamplingParams
 from jaxserve.model.eagle3 import to_target_vocab
@@ -11,6 +10,7 @@ from jaxserve.parallel.mesh import MODEL, make_mesh
 from jaxserve.runner.head_steps import target_logits
 from jaxserve.weights import load_model
 
+from eagle3_heads import write_tiny_head
 from tiny import make_llm, prompts
 
 pytestmark = pytest.mark.skipif(len(jax.devices()) < 2,
