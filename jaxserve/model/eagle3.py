@@ -11,7 +11,7 @@ of the target's features (a chain). Names are the public checkpoints' (`jaxserve
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, Callable
 
 import flax.linen as nn
 import jax.numpy as jnp
@@ -26,10 +26,13 @@ from jaxserve.parallel.mesh import attention_over_heads, embed_over_vocab, model
 
 
 class Eagle3Layer(nn.Module):
+    """attend: None runs the engine's paged attention (`attention` by attention_backend); training passes its own
+    (same arguments as `attention`, `kv` whatever it expects), so one definition of the layer serves both."""
     config: HeadConfig
     dtype: Any
     attention_backend: str = "reference"
     mesh: Mesh | None = None
+    attend: Callable | None = None
 
     @nn.compact
     def __call__(self, embeds, hidden, kv, rows):
@@ -48,7 +51,7 @@ class Eagle3Layer(nn.Module):
         inv_freq, factor = rope_parameters(c.head_dim, c.rope_theta, c.rope_scaling, c.max_position_embeddings)
         q = apply_rope(q, rows.positions, inv_freq, factor)
         k = apply_rope(k, rows.positions, inv_freq, factor)
-        attend = functools.partial(attention, backend=self.attention_backend)
+        attend = self.attend or functools.partial(attention, backend=self.attention_backend)
         attn = attention_over_heads(attend, self.mesh, q, k, v, kv[0], kv[1], rows)
         out = Linear(c.hidden_size, ("heads", "embed"), False, dt, whole, name="o_proj")(attn.reshape(T, -1))
         x = residual + out
@@ -64,6 +67,7 @@ class Eagle3Head(nn.Module):
     dtype: Any = jnp.float32
     attention_backend: str = "reference"
     mesh: Mesh | None = None
+    attend: Callable | None = None  # Eagle3Layer's: None is the engine's paged attention
 
     @nn.compact
     def __call__(self, token_ids, features, hidden, from_target, kv_cache, rows, logits_index=None):
@@ -81,7 +85,7 @@ class Eagle3Head(nn.Module):
         projected = Linear(c.hidden_size, ("features", "embed"), False, self.dtype, model_size(self.mesh) == 1,
                            name="fc")(features.astype(self.dtype))
         hidden = jnp.where(from_target[:, None], projected, hidden.astype(self.dtype))
-        out, kv = Eagle3Layer(c, self.dtype, self.attention_backend, self.mesh, name="layers_0")(
+        out, kv = Eagle3Layer(c, self.dtype, self.attention_backend, self.mesh, self.attend, name="layers_0")(
             embeds, hidden, kv_cache[0], rows)
         x = out if logits_index is None else out[logits_index]
         x = RMSNorm(c.rms_norm_eps, self.dtype, name="norm")(x)

@@ -90,6 +90,26 @@ def test_training_time_test_is_the_engines_chain(tiny_dir):
                                        err_msg=f"seed 7, chain from {p}, step {j + 1}")
 
 
+def test_chain_attention_unrolls_as_the_paged_chain(tiny_dir):
+    """The training path (chain_attention: one [T, T] matmul and diagonal terms) gives the unroll of the engine's
+    paged attention over chain_page_tables, padding included, at every valid position of every step."""
+    rng = np.random.default_rng(11)
+    target = load_model(tiny_dir, jnp.float32)
+    config = te.make_head_config(target.config, (0, 1, 2), 40)
+    params = te.init_head(config, target.params, np.arange(0, 320, 8), seed=11)
+    params = jax.tree.map(lambda x: x + 0.05 * jnp.asarray(rng.normal(size=x.shape), x.dtype), params)
+    T, S, n = 12, 4, 9  # positions n .. T - 1 are padding
+    tokens = jnp.asarray(rng.integers(0, 320, T), jnp.int32)
+    features = jnp.asarray(rng.normal(size=(T, config.feature_size)), jnp.float32)
+    positions = jnp.asarray(np.where(np.arange(T) < n, np.arange(T), -1), jnp.int32)
+    paged = te.head_unroll(te.Eagle3Head(config, jnp.float32, "dense"), params, tokens, features, positions,
+                           jnp.asarray(te.chain_page_tables(T, S)), S)
+    fast = te.head_unroll(te.Eagle3Head(config, jnp.float32, attend=te.chain_attention), params, tokens, features,
+                          positions, None, S)
+    for j in range(S):
+        np.testing.assert_allclose(fast[j, j:n], paged[j, j:n], atol=2e-5, rtol=2e-5, err_msg=f"seed 11, step {j}")
+
+
 def test_trains_a_head_that_writes_and_reads_back(tiny_dir, tmp_path):
     target, capture, seqs = tiny_data(tiny_dir, seed=0, num_prompts=8, max_tokens=16)
     ids, d2t, _ = te.choose_draft_vocab(seqs, 320, 64)
