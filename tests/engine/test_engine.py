@@ -57,13 +57,13 @@ def test_no_compilation_after_warmup(tiny_tokenized_dir, other_tiny_dir, specula
     per_size = 1 if llm.runner.steps.writes_in_forward else 2
     assert compiled[0] == per_size * len(shapes) + len(verify_shapes)
     used = set()
-    step = llm.runner.steps.step
+    step = llm.runner.steps.step_with_features
 
-    def recording(params, kv_cache, last_tokens, batch, lora=None):
+    def recording(params, kv_cache, last_tokens, features, batch, lora=None):
         used.add((batch.num_tokens, batch.num_rows, batch.logits_index.shape[1] > 1))
-        return step(params, kv_cache, last_tokens, batch, lora)
+        return step(params, kv_cache, last_tokens, features, batch, lora)
 
-    llm.runner.steps.step = recording
+    llm.runner.steps.step_with_features = recording
     # Count every XLA compilation, not only the steps': an eager op on a device array compiles a program too.
     compiles = []
 
