@@ -187,13 +187,19 @@ def params_from_tensors(tensors: dict, c: HeadConfig, layout: str, dtype, path: 
     if extra:
         raise ValueError(f"{path}: the head's checkpoint has tensors this head does not use: {extra} ({layout} "
                          f"layout; its config: attention_bias {c.attention_bias})")
+    return tree_of(tensors, expected, dtype, str(path), lambda name: fc_note(c) if name == "fc.weight" else "")
+
+
+def tree_of(tensors: dict, expected: dict, dtype, where: str, note=lambda name: "") -> dict:
+    """The params tree of the tensors `expected` names ({name: (path in the tree, shape)}), each shape checked
+    (a mismatch raises naming the tensor at `where`, with note(name) after)."""
     params: dict = {}
-    for name, (where, shape) in expected.items():
+    for name, (leaf, shape) in expected.items():
         value = np.asarray(tensors[name])
         if value.shape != shape:
-            raise ValueError(f"{path}: tensor {name} has shape {list(value.shape)}, the config gives {list(shape)}"
-                             f"{fc_note(c) if name == 'fc.weight' else ''}")
-        put_leaf(params, where, value, dtype)
+            raise ValueError(f"{where}: tensor {name} has shape {list(value.shape)}, the config gives {list(shape)}"
+                             f"{note(name)}")
+        put_leaf(params, leaf, value, dtype)
     return params
 
 

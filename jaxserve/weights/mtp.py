@@ -19,7 +19,7 @@ import numpy as np
 from jaxserve.config import ModelConfig
 from jaxserve.model.families import LINEARS, family_of
 from jaxserve.model.head_config import HeadConfig
-from jaxserve.weights.eagle3 import LoadedHead, put_leaf
+from jaxserve.weights.eagle3 import LoadedHead, tree_of
 
 # What the MTP layer computes only as the target's dense Llama-style layer: (field, the value it computes).
 PLAIN_LAYER = (("qk_norm", False), ("sandwich_norm", False), ("hidden_activation", "silu"),
@@ -124,11 +124,4 @@ def params_from_tensors(tensors: dict, c: HeadConfig, target: ModelConfig, dtype
     extra = sorted(n for n in tensors.keys() - expected.keys() if not n.endswith(UNUSED))
     if extra:
         raise ValueError(f"{where_}: the MTP layer has tensors a dense Llama-style layer does not use: {extra[:8]}")
-    params: dict = {}
-    for name, (where, shape) in expected.items():
-        value = np.asarray(tensors[name])
-        if value.shape != shape:
-            raise ValueError(f"{where_}: tensor {name} has shape {list(value.shape)}, the target's config gives "
-                             f"{list(shape)}")
-        put_leaf(params, where, value, dtype)
-    return params
+    return tree_of(tensors, expected, dtype, where_)
