@@ -55,19 +55,20 @@ def tp_dir(tmp_path_factory):
     return str(path)
 
 
-def start_workers(tp_dir, n, out_dir, *extra, lws=False):
-    """n processes of multihost_worker.py, told their place by flags or (lws) only by LeaderWorkerSet's variables."""
+def start_workers(tp_dir, n, out_dir, *extra, lws=None):
+    """n processes of multihost_worker.py, told their place by flags or, given lws (the leader's host), only by
+    LeaderWorkerSet's variables."""
     port = free_port()
     return [subprocess.Popen([sys.executable, str(WORKER), tp_dir, f"lws:{port}" if lws else f"127.0.0.1:{port}",
                               str(n), str(i), str(n), str(out_dir / f"{i}.json"), *extra],
-                             env=lws_env(n, i) if lws else ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                             text=True) for i in range(n)]
+                             env=lws_env(n, i, lws) if lws else ENV, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True) for i in range(n)]
 
 
-def lws_env(n, i):
+def lws_env(n, i, leader="127.0.0.1"):
     """What LeaderWorkerSet sets in pod i of a group of n, its leader on this host (the secret comes from a
-    Secret in a real deployment)."""
-    return {**ENV, "LWS_LEADER_ADDRESS": "127.0.0.1", "LWS_GROUP_SIZE": str(n), "LWS_WORKER_INDEX": str(i)}
+    Secret in a real deployment). A name ("localhost", as a pod's DNS name) has the leader bind every interface."""
+    return {**ENV, "LWS_LEADER_ADDRESS": leader, "LWS_GROUP_SIZE": str(n), "LWS_WORKER_INDEX": str(i)}
 
 
 @pytest.fixture(scope="module")
@@ -77,12 +78,12 @@ def one_process_outputs(tp_dir):
     return [[o.outputs[0].token_ids for o in llm.generate(PROMPTS, p, use_tqdm=False)] for p in PARAMS]
 
 
-@pytest.mark.parametrize("n, options, lws", [(2, ["keep=4"], False), (4, [], False), (2, [], True)])
+@pytest.mark.parametrize("n, options, lws", [(2, ["keep=4"], None), (4, [], None), (2, [], "localhost")])
 def test_offline_api_over_processes_gives_one_process_outputs(tp_dir, one_process_outputs, tmp_path, n, options,
                                                               lws):
     """Every process runs the same script; process 0 schedules; all of them return the outputs, greedy and seeded
     sampling alike equal to one process's (with 2, through a window of 4 messages: acknowledged every one; and
-    with 2 told only `lws:PORT` and LeaderWorkerSet's variables)."""
+    with 2 told only `lws:PORT` and LeaderWorkerSet's variables, the leader a host name)."""
     workers = start_workers(tp_dir, n, tmp_path, *options, lws=lws)
     logs = [w.communicate(timeout=240)[0] for w in workers]
     assert [w.returncode for w in workers] == [0] * n, logs[0][-3000:]
@@ -139,8 +140,8 @@ def assert_one_process_completions(url, tp_dir, stream):
         assert got == pytest.approx(want, abs=1e-4)
 
 
-@pytest.mark.parametrize("victim, how, lws", [(1, signal.SIGKILL, False), (0, signal.SIGKILL, False),
-                                              (1, signal.SIGSTOP, False), (1, signal.SIGKILL, True)])
+@pytest.mark.parametrize("victim, how, lws", [(1, signal.SIGKILL, None), (0, signal.SIGKILL, None),
+                                              (1, signal.SIGSTOP, None), (1, signal.SIGKILL, "127.0.0.1")])
 def test_a_lost_process_takes_the_others_down(tp_dir, tmp_path, victim, how, lws):
     """kill -9 of a follower (or of the leader), or a follower that hangs (SIGSTOP), mid-run: the survivor exits
     with an error naming the lost process well within 60 s, never hangs (a LeaderWorkerSet group's leader too, which
