@@ -15,11 +15,14 @@ from jaxserve.cache import KV_CACHE_DTYPES, check_kv_options
 from jaxserve.cli_flags import FlagGroup, add_flags, flag, read_flags
 from jaxserve.config import check_hf_overrides, hf_overrides_from_json
 from jaxserve.model.quant import QUANTIZATIONS
+from jaxserve.multihost.cluster_env import GROUP_SIZE_ENV, WORKER_INDEX_ENV, lws_port
 from jaxserve.options import (
     ATTENTION_BACKENDS,
     AUTO_CLUSTER,
     CPU_KV_CACHE_BYTES,
     DTYPES,
+    LWS_CLUSTER,
+    LWS_DEFAULT_PORT,
     ROLES,
     SCHEDULING_POLICIES,
     check_choice,
@@ -100,10 +103,12 @@ class EngineConfig:
         servers (`jaxserve serve --role`): a prefill engine hands every sequence off after its first token, a
         decode engine takes sequences prefilled elsewhere (EngineCore.add_prefilled).
     coordinator_address, num_processes, process_id: jax.distributed over several hosts ("host:port" of process 0,
-        how many processes, this one's index); all three or none, or coordinator_address "auto" alone (JAX's own
-        cluster detection: TPU pod slices, SLURM).
+        how many processes, this one's index); all three or none, or coordinator_address alone: "auto" (JAX's own
+        cluster detection: TPU pod slices, SLURM), or "lws" / "lws:PORT" (a Kubernetes LeaderWorkerSet group: its
+        LWS_LEADER_ADDRESS, LWS_GROUP_SIZE and LWS_WORKER_INDEX, port 8476 unless given; see
+        jaxserve.multihost.cluster_env).
     coordinator_bind_address: "host:port" process 0's coordination service listens on (default: the host of
-        coordinator_address, not every interface).
+        coordinator_address, not every interface; with "lws", every interface when LWS_LEADER_ADDRESS is a name).
     coordinator_secret_file: a file holding the secret every process authenticates the leader's messages with
         (default: $JAXSERVE_COORDINATOR_SECRET); required by every multi-process run (see jaxserve.multihost).
     chat_template: a jinja chat template file to use instead of the model's own (or where the model has none).
@@ -172,13 +177,16 @@ class EngineConfig:
     role: str = flag("this server's part in disaggregated prefill across servers: prefill (hands sequences off after "
                      "their first token) or decode (takes them)", default="both", choices=ROLES, serve_only=True)
     coordinator_address: str | None = flag(
-        "host:port of process 0, to run over several hosts (jax.distributed; with --num-processes and --process-id), "
-        "or 'auto' for JAX's cluster detection (TPU pod slices, SLURM)")
+        "host:port of process 0, to run over several hosts (jax.distributed; with --num-processes and --process-id); "
+        f"'{AUTO_CLUSTER}' for JAX's cluster detection (TPU pod slices, SLURM); or '{LWS_CLUSTER}' / "
+        f"'{LWS_CLUSTER}:PORT' for a Kubernetes LeaderWorkerSet group (LWS_LEADER_ADDRESS, LWS_GROUP_SIZE, "
+        f"LWS_WORKER_INDEX; port {LWS_DEFAULT_PORT} unless given)")
     num_processes: int | None = flag("processes in a multi-host run")
     process_id: int | None = flag("this process's index in a multi-host run, 0 to --num-processes - 1")
     coordinator_bind_address: str | None = flag(
         "where process 0's coordination service listens (default: --coordinator-address's host, not every "
-        "interface)", metavar="HOST:PORT")
+        f"interface; with '{LWS_CLUSTER}', every interface of the pod when LWS_LEADER_ADDRESS is a name)",
+        metavar="HOST:PORT")
     coordinator_secret_file: str | None = flag(
         "a file with the secret (16+ bytes, the same on every process) that authenticates process 0's messages; "
         "default $JAXSERVE_COORDINATOR_SECRET; required by every multi-process run", metavar="FILE")
@@ -303,7 +311,12 @@ class EngineConfig:
         if self.coordinator_address == AUTO_CLUSTER and any(given[1:]):
             raise ValueError(f"coordinator_address {AUTO_CLUSTER!r} finds the processes itself: give no num_processes "
                              "or process_id")
-        if any(given) and not all(given) and self.coordinator_address != AUTO_CLUSTER:
+        lws = lws_port(self.coordinator_address) is not None  # a bad port is a ValueError here
+        if lws and any(given[1:]):
+            raise ValueError(f"coordinator_address {self.coordinator_address!r} reads the processes from "
+                             f"LeaderWorkerSet's {GROUP_SIZE_ENV} and {WORKER_INDEX_ENV}: give no num_processes or "
+                             "process_id")
+        if any(given) and not all(given) and not lws and self.coordinator_address != AUTO_CLUSTER:
             raise ValueError("coordinator_address, num_processes and process_id go together: give all three or none")
         if all(given) and self.process_id >= self.num_processes:
             raise ValueError(f"process_id must be in [0, num_processes = {self.num_processes}), got {self.process_id}")

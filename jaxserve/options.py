@@ -24,6 +24,11 @@ CPU_KV_CACHE_BYTES = 2 << 30
 
 # coordinator_address for JAX's own cluster detection (TPU pod slices, SLURM).
 AUTO_CLUSTER = "auto"
+# coordinator_address ("lws" or "lws:PORT") for the processes of a Kubernetes LeaderWorkerSet group, read from the
+# variables it sets in every pod (see jaxserve.multihost.cluster_env), and the coordinator's port where none is given
+# (older JAX's for TPU pod slices, which TPU recipes on LeaderWorkerSet use).
+LWS_CLUSTER = "lws"
+LWS_DEFAULT_PORT = 8476
 
 
 # The checks EngineConfig (and the options defined beside the code that implements them) run on a value.

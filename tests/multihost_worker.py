@@ -2,7 +2,9 @@
 
     python multihost_worker.py MODEL_DIR COORDINATOR NUM_PROCESSES PROCESS_ID TENSOR_PARALLEL OUT_JSON [OPTION...]
 
-Every process runs this same script, as on a real multi-host slice; each writes the outputs it got. Options:
+Every process runs this same script, as on a real multi-host slice; each writes the outputs it got. A COORDINATOR
+of "lws:PORT" reads the processes from LeaderWorkerSet's variables (LWS_GROUP_SIZE, LWS_WORKER_INDEX) instead:
+NUM_PROCESSES and PROCESS_ID then go unused. Options:
 `forever`: write OUT_JSON.ready once the engine is up, then generate until killed; `keep=N`: keep N published
 messages (multihost.channel.KEEP_MESSAGES), so followers must acknowledge often; `no-warmup`: compile on first use;
 `fail-step`: process 0's fifth step after start-up raises once it is published, and the script carries on
@@ -37,8 +39,10 @@ if __name__ == "__main__":
     for option in options:
         if option.startswith("keep="):
             multihost.channel.KEEP_MESSAGES = int(option[5:])
-    llm = LLM(model, coordinator_address=coordinator, num_processes=int(num_processes), process_id=int(process_id),
-              tensor_parallel_size=int(tp), warmup="no-warmup" not in options, **ENGINE)
+    processes = {} if coordinator.startswith("lws") else dict(num_processes=int(num_processes),
+                                                               process_id=int(process_id))
+    llm = LLM(model, coordinator_address=coordinator, **processes, tensor_parallel_size=int(tp),
+              warmup="no-warmup" not in options, **ENGINE)
     if "forever" in options:
         Path(out + ".ready").touch()
         while True:

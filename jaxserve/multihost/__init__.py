@@ -7,6 +7,8 @@ the others (followers) run what it published, in order. One module a concept:
 - `process`: starting the processes (`initialize`, which holds an early SIGTERM for `take_held_sigterm`), the
   secret they share (`shared_secret`), `is_leader`, and failures bounded by the coordination service's heartbeats
   (`exit_now`);
+- `cluster_env`: the processes from a cluster manager's environment (`--coordinator-address lws`: Kubernetes
+  LeaderWorkerSet's LWS_LEADER_ADDRESS, LWS_GROUP_SIZE, LWS_WORKER_INDEX);
 - `messages`: what the leader sends (`StepMessage`, `EndMessage`, `ErrorMessage`, `AbortMessage`,
   `ShutdownMessage`);
 - `wire`: a message as authenticated bytes, data only, never code (`encode`, `decode`, `MessageRefused`);

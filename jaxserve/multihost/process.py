@@ -22,6 +22,7 @@ from pathlib import Path
 
 import jax
 
+from jaxserve.multihost.cluster_env import lws_bind_address, lws_cluster, lws_port
 from jaxserve.options import AUTO_CLUSTER
 
 logger = logging.getLogger("jaxserve")
@@ -38,9 +39,14 @@ _held_sigterm = threading.Event()
 def initialize(coordinator_address: str, num_processes: int | None, process_id: int | None,
                bind_address: str | None = None) -> None:
     """jax.distributed.initialize, before anything starts JAX's backends, with bounded failure detection. Process
-    0's coordination service binds bind_address (default: the coordinator address's own interface, not all)."""
+    0's coordination service binds bind_address (default: the coordinator address's own interface, not all).
+    coordinator_address "auto" is JAX's cluster detection; "lws" or "lws:PORT" reads LeaderWorkerSet's variables
+    (jaxserve.multihost.cluster_env), num_processes and process_id then None."""
     if jax.distributed.is_initialized():
         return
+    if lws_port(coordinator_address) is not None:
+        coordinator_address, num_processes, process_id = lws_cluster(coordinator_address, os.environ)
+        bind_address = bind_address or lws_bind_address(coordinator_address)
     if coordinator_address == AUTO_CLUSTER:
         args = {} if bind_address is None else dict(coordinator_bind_address=bind_address)
     else:

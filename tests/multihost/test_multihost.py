@@ -55,11 +55,20 @@ def tp_dir(tmp_path_factory):
     return str(path)
 
 
-def start_workers(tp_dir, n, out_dir, *extra):
-    coordinator = f"127.0.0.1:{free_port()}"
-    return [subprocess.Popen([sys.executable, str(WORKER), tp_dir, coordinator, str(n), str(i), str(n),
-                              str(out_dir / f"{i}.json"), *extra], env=ENV, stdout=subprocess.PIPE,
+def start_workers(tp_dir, n, out_dir, *extra, lws=None):
+    """n processes of multihost_worker.py, told their place by flags or, given lws (the leader's host), only by
+    LeaderWorkerSet's variables."""
+    port = free_port()
+    return [subprocess.Popen([sys.executable, str(WORKER), tp_dir, f"lws:{port}" if lws else f"127.0.0.1:{port}",
+                              str(n), str(i), str(n), str(out_dir / f"{i}.json"), *extra],
+                             env=lws_env(n, i, lws) if lws else ENV, stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True) for i in range(n)]
+
+
+def lws_env(n, i, leader="127.0.0.1"):
+    """What LeaderWorkerSet sets in pod i of a group of n, its leader on this host (the secret comes from a
+    Secret in a real deployment). A name ("localhost", as a pod's DNS name) has the leader bind every interface."""
+    return {**ENV, "LWS_LEADER_ADDRESS": leader, "LWS_GROUP_SIZE": str(n), "LWS_WORKER_INDEX": str(i)}
 
 
 @pytest.fixture(scope="module")
@@ -69,11 +78,13 @@ def one_process_outputs(tp_dir):
     return [[o.outputs[0].token_ids for o in llm.generate(PROMPTS, p, use_tqdm=False)] for p in PARAMS]
 
 
-@pytest.mark.parametrize("n, options", [(2, ["keep=4"]), (4, [])])
-def test_offline_api_over_processes_gives_one_process_outputs(tp_dir, one_process_outputs, tmp_path, n, options):
+@pytest.mark.parametrize("n, options, lws", [(2, ["keep=4"], None), (4, [], None), (2, [], "localhost")])
+def test_offline_api_over_processes_gives_one_process_outputs(tp_dir, one_process_outputs, tmp_path, n, options,
+                                                              lws):
     """Every process runs the same script; process 0 schedules; all of them return the outputs, greedy and seeded
-    sampling alike equal to one process's (with 2, through a window of 4 messages: acknowledged every one)."""
-    workers = start_workers(tp_dir, n, tmp_path, *options)
+    sampling alike equal to one process's (with 2, through a window of 4 messages: acknowledged every one; and
+    with 2 told only `lws:PORT` and LeaderWorkerSet's variables, the leader a host name)."""
+    workers = start_workers(tp_dir, n, tmp_path, *options, lws=lws)
     logs = [w.communicate(timeout=240)[0] for w in workers]
     assert [w.returncode for w in workers] == [0] * n, logs[0][-3000:]
     for i in range(n):
@@ -105,30 +116,37 @@ def test_serving_over_two_processes(tp_dir):
     try:
         url = f"http://127.0.0.1:{port}"
         wait_ready(url, [launcher])
-        prompt = [5, 6, 7, 8, 9, 10, 11]
-        body = {"model": tp_dir, "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True,
-                "logprobs": 0}
-        out = LLM(tp_dir, max_model_len=96, block_size=4, warmup=False).generate(
-            {"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0),
-            use_tqdm=False)[0].outputs[0]
-        want = [entry[t].logprob for t, entry in zip(out.token_ids, out.logprobs)]
-        whole = requests.post(url + "/v1/completions", json=body, timeout=60).json()
-        assert whole["choices"][0]["logprobs"]["token_logprobs"] == pytest.approx(want, abs=1e-4)
-        streamed = requests.post(url + "/v1/completions", json={**body, "stream": True}, timeout=60).text
-        chunks = [json.loads(line[6:])["choices"] for line in streamed.splitlines() if line.startswith("data: {")]
-        got = [lp for c in chunks if c for lp in c[0]["logprobs"]["token_logprobs"]]
-        assert got == pytest.approx(want, abs=1e-4)
+        assert_one_process_completions(url, tp_dir, stream=True)
     finally:
         launcher.send_signal(signal.SIGTERM)  # to process 0, which drains and stops the follower
         log = launcher.communicate(timeout=60)[0]
     assert launcher.returncode == 0, log[-3000:]
 
 
-@pytest.mark.parametrize("victim, how", [(1, signal.SIGKILL), (0, signal.SIGKILL), (1, signal.SIGSTOP)])
-def test_a_lost_process_takes_the_others_down(tp_dir, tmp_path, victim, how):
+def assert_one_process_completions(url, tp_dir, stream):
+    """A greedy completion (and, if stream, the same streamed) from the server at url has one process's logprobs."""
+    prompt = [5, 6, 7, 8, 9, 10, 11]
+    body = {"model": tp_dir, "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True, "logprobs": 0}
+    out = LLM(tp_dir, max_model_len=96, block_size=4, warmup=False).generate(
+        {"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0),
+        use_tqdm=False)[0].outputs[0]
+    want = [entry[t].logprob for t, entry in zip(out.token_ids, out.logprobs)]
+    whole = requests.post(url + "/v1/completions", json=body, timeout=60).json()
+    assert whole["choices"][0]["logprobs"]["token_logprobs"] == pytest.approx(want, abs=1e-4)
+    if stream:
+        streamed = requests.post(url + "/v1/completions", json={**body, "stream": True}, timeout=60).text
+        chunks = [json.loads(line[6:])["choices"] for line in streamed.splitlines() if line.startswith("data: {")]
+        got = [lp for c in chunks if c for lp in c[0]["logprobs"]["token_logprobs"]]
+        assert got == pytest.approx(want, abs=1e-4)
+
+
+@pytest.mark.parametrize("victim, how, lws", [(1, signal.SIGKILL, None), (0, signal.SIGKILL, None),
+                                              (1, signal.SIGSTOP, None), (1, signal.SIGKILL, "127.0.0.1")])
+def test_a_lost_process_takes_the_others_down(tp_dir, tmp_path, victim, how, lws):
     """kill -9 of a follower (or of the leader), or a follower that hangs (SIGSTOP), mid-run: the survivor exits
-    with an error naming the lost process well within 60 s, never hangs."""
-    workers = start_workers(tp_dir, 2, tmp_path, "forever")
+    with an error naming the lost process well within 60 s, never hangs (a LeaderWorkerSet group's leader too, which
+    its RecreateGroupOnPodRestart policy then restarts with the group)."""
+    workers = start_workers(tp_dir, 2, tmp_path, "forever", lws=lws)
     try:
         deadline = time.monotonic() + 180
         while not (tmp_path / "0.json.ready").exists():  # then generating: every step waits on both processes
@@ -650,14 +668,19 @@ def test_a_failed_published_step_ends_every_process(tp_dir, tmp_path):
     assert not (tmp_path / "0.json").exists()
 
 
-def serve_processes(tp_dir, port, grace):
-    coordinator = f"127.0.0.1:{free_port()}"
+def serve_processes(tp_dir, port, grace, lws=False):
+    """`jaxserve serve` as two processes, each told its place by flags or (lws) the same command in each, its place
+    from LeaderWorkerSet's variables alone."""
+    coordinator = free_port()
+    places = [["--coordinator-address", f"lws:{coordinator}"]] * 2 if lws else [
+        ["--coordinator-address", f"127.0.0.1:{coordinator}", "--num-processes", "2", "--process-id", str(i)]
+        for i in range(2)]
     return [subprocess.Popen(
         [sys.executable, "-m", "jaxserve.cli", "serve", "--model", tp_dir, "--port", str(port),
          "--tensor-parallel-size", "2", "--max-model-len", "96", "--block-size", "4", "--max-num-seqs", "4",
-         "--max-num-batched-tokens", "16", "--no-warmup", "--shutdown-grace-period", str(grace),
-         "--coordinator-address", coordinator, "--num-processes", "2", "--process-id", str(i)],
-        env=ENV, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+         "--max-num-batched-tokens", "16", "--no-warmup", "--shutdown-grace-period", str(grace), *place],
+        env=lws_env(2, i) if lws else ENV, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for i, place in enumerate(places)]
 
 
 def test_sigterm_to_a_follower_ends_the_run_cleanly(tp_dir):
@@ -674,6 +697,44 @@ def test_sigterm_to_a_follower_ends_the_run_cleanly(tp_dir):
     finally:
         for p in procs:
             p.kill()
+
+
+def test_serve_in_a_leader_worker_set_group(tp_dir):
+    """The command a LeaderWorkerSet manifest gives every pod, `--coordinator-address lws:PORT`: the pod with
+    LWS_WORKER_INDEX 0 alone listens for HTTP, its completions are one process's, and SIGTERM (what Kubernetes sends
+    every pod) ends the group cleanly."""
+    port = free_port()
+    procs = serve_processes(tp_dir, port, 5, lws=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_ready(url, procs)
+        assert [listens(p.pid, port) for p in procs] == [True, False]
+        assert_one_process_completions(url, tp_dir, stream=False)
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+        logs = [p.communicate(timeout=60)[0] for p in procs]
+        assert [p.returncode for p in procs] == [0, 0], logs[0][-2000:] + logs[1][-2000:]
+    finally:
+        for p in procs:
+            p.kill()
+
+
+def listens(pid, port):
+    """Whether process pid holds a TCP socket listening on port (Linux's /proc)."""
+    sockets = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == "0A":  # 0A: LISTEN
+                sockets.add(f"socket:[{fields[9]}]")
+    return any(link in sockets for link in map(read_link, Path(f"/proc/{pid}/fd").iterdir()))
+
+
+def read_link(path):
+    try:
+        return os.readlink(path)
+    except OSError:  # closed since listed
+        return None
 
 
 def test_a_sigterm_while_the_model_loads_is_held_for_the_run():
