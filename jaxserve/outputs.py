@@ -56,6 +56,9 @@ class RequestOutput:
     # A prefill engine's (role "prefill") last output of a request: its sequence left for a decode engine with its
     # KV pages (a jaxserve.batching.kv_handoff.HandOff), the export dispatched. None otherwise.
     handed_off: object | None = None
+    # Prompt tokens served from the prefix cache (device or host tier) rather than computed, as vLLM's: the
+    # request's usage.prompt_tokens_details.cached_tokens. None before the request is first scheduled.
+    num_cached_tokens: int | None = None
 
 
 def merged(deltas: list[CompletionOutput]) -> list[CompletionOutput]:

@@ -97,3 +97,11 @@ def metric_samples(text: str) -> dict:
             name, _, labels = series.partition("{")
             samples[name, frozenset(labels.rstrip("}").split(","))] = float(value)
     return samples
+
+
+def token_counts(usage) -> tuple[int, int, int]:
+    """A usage's prompt, completion and total tokens (a dict or the openai client's object): what two servers'
+    answers to one request share; prompt_tokens_details.cached_tokens is each server's prefix cache's own."""
+    if not isinstance(usage, dict):
+        usage = usage.model_dump()
+    return usage["prompt_tokens"], usage["completion_tokens"], usage["total_tokens"]

@@ -123,6 +123,8 @@ class Admission(Residency):
                                              seq.num_preemptions))
         seq.num_cached = seq.num_written = (len(hit) + len(host)) * self.page_size
         seq.num_published = len(hit)
+        if seq.num_cached_prompt_tokens is None:
+            seq.num_cached_prompt_tokens = seq.num_cached
         if not seq.scores_prompt:
             self.cache.count_lookup(len(tokens), (len(hit) + len(host)) * self.page_size, len(host) * self.page_size)
         self._start(seq)
@@ -150,6 +152,7 @@ class Admission(Residency):
         # Written once the import has run, which comes before any step that reads or publishes them.
         seq.num_cached = seq.num_written = num_cached
         seq.num_published = 0
+        seq.num_cached_prompt_tokens = 0  # computed elsewhere: none found in this engine's prefix cache
         self._admitted_imports.append((seq, seq.pages[:pages_needed(num_cached, self.page_size)], kv))
         self._start(seq)
         return True

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import time
 
 from jaxserve.batching.kv_handoff import KVTransfers
 from jaxserve.batching.scheduler import Scheduler
@@ -59,6 +60,15 @@ class EngineStats:
     kv_offload_used_bytes: int = 0
     # Per pool (disaggregated prefill): (pool, running, waiting).
     pools: tuple[tuple[str, int, int], ...] = ()
+    # The KV cache's layout (the gateway's prefix-cache scorer reads it): tokens per page.
+    page_size: int = 0
+    # LoRA (the gateway's adapter affinity reads these): the adapters of the running and of the waiting sequences
+    # (sorted names), and how many adapters can run at once (max_loras; 0: LoRA is not enabled).
+    running_lora_adapters: tuple[str, ...] = ()
+    waiting_lora_adapters: tuple[str, ...] = ()
+    max_lora: int = 0
+    # When this snapshot was taken (time.time()): vLLM's lora_requests_info carries it, the newest series wins.
+    snapshot_time: float = 0.0
 
 
 class StepCounters:
@@ -113,7 +123,15 @@ def replica_stats(s: Scheduler, counters: StepCounters, transfers: KVTransfers, 
         generation_tokens_per_s=counters.rate.per_second(), steps=counters.steps, num_replicas_healthy=int(healthy),
         kv_transfers=transfers.count, kv_transfer_bytes=transfers.num_bytes, kv_transfer_seconds=transfers.seconds,
         decode_admitted=s.num_prefilled_admitted, decode_queue_seconds=s.prefilled_wait_seconds,
+        page_size=cache.page_size, running_lora_adapters=adapter_names(s.running),
+        waiting_lora_adapters=adapter_names(s.waiting),
+        max_lora=0 if s.lora_slots is None else s.lora_slots.num_slots, snapshot_time=time.time(),
         **spec_stats(controller), **host_stats(host, cache.host_hits))
+
+
+def adapter_names(seqs) -> tuple[str, ...]:
+    """The LoRA adapters these sequences run with, each once, sorted."""
+    return tuple(sorted({q.lora_request.lora_name for q in seqs if q.lora is not None}))
 
 
 def host_stats(t: HostTier | None, hits: int) -> dict:

@@ -115,6 +115,15 @@ def request_metrics(seqs: list[Sequence]) -> RequestMetrics:
                           max(finished) if len(finished) == len(seqs) else None, sum(s.num_preemptions for s in seqs))
 
 
+def cached_prompt_tokens(seqs: list[Sequence]) -> int | None:
+    """A request's prompt tokens served from the prefix cache (vLLM's RequestOutput.num_cached_tokens): the fewest
+    any of its n sequences found, which are the tokens none of them computed (the prompt counts once in usage, as
+    prompt_tokens does; a sibling admitted after the first finds the first's pages, not the request's own hits).
+    None before any of them is admitted."""
+    found = [s.num_cached_prompt_tokens for s in seqs if s.num_cached_prompt_tokens is not None]
+    return min(found) if found else None
+
+
 def _take_token(seq: Sequence, token: int, logprob: float, rank: int, top: list[tuple[int, float]]) -> bool:
     """Takes a token into the sequence's output; False if its grammar refused it (or failed on it): then nothing
     of it is kept (text, count, logprobs), and the sequence ends with an error after the tokens before it."""

@@ -132,6 +132,10 @@ class Sequence:
         self.num_cached = 0  # tokens whose K/V are in the cache, or written by a step already dispatched
         self.num_written = 0  # of those, tokens written by steps that have completed
         self.num_draft_cached = 0  # tokens whose K/V a draft model has in its own cache (same pages)
+        # Prompt tokens found in the prefix cache (device or host tier) when first admitted, as vLLM's
+        # num_cached_tokens (usage.prompt_tokens_details.cached_tokens); None until then. A preemption's readmission
+        # finds its own pages again: not counted.
+        self.num_cached_prompt_tokens: int | None = None
         self.pending = 0  # rows sampled by a dispatched step and not yet read back (0 or 1)
         self.slot: int | None = None  # its row in the device-side buffer of last sampled tokens, while running
         self.lora_slot = -1  # the device slot of its adapter, while running (-1: none)

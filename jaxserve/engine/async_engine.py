@@ -20,7 +20,7 @@ from typing import AsyncIterator
 
 from jaxserve.batching.engine_core import MAX_FAILED_STEPS, EngineCore, EngineDeadError, StepError
 from jaxserve.batching.engine_stats import EngineStats
-from jaxserve.batching.output_processor import SequenceDelta, request_metrics
+from jaxserve.batching.output_processor import SequenceDelta, cached_prompt_tokens, request_metrics
 from jaxserve.batching.pools.data_parallel import DataParallel
 from jaxserve.batching.pools.disaggregated import Disaggregated
 from jaxserve.cache import pages_needed
@@ -324,7 +324,7 @@ class AsyncEngine:
             r = stream.request
             metrics = request_metrics(r.seqs) if done else None
             stream.put(RequestOutput(request_id, r.prompt, r.prompt_token_ids, outputs, done, metrics,
-                                     stream.take_prompt_logprobs()))
+                                     stream.take_prompt_logprobs(), num_cached_tokens=cached_prompt_tokens(r.seqs)))
 
     def _hand_off(self, hand_offs) -> None:
         """Each handed-off request ends here: its last output carries the hand-off (one sequence a request)."""
@@ -334,7 +334,8 @@ class AsyncEngine:
                 continue  # aborted meanwhile: its pages are free, the export is dropped
             r = stream.request
             stream.put(RequestOutput(r.request_id, r.prompt, r.prompt_token_ids, [], True, request_metrics(r.seqs),
-                                     stream.take_prompt_logprobs(), handed_off=h))
+                                     stream.take_prompt_logprobs(), handed_off=h,
+                                     num_cached_tokens=cached_prompt_tokens(r.seqs)))
 
     def _fail_all(self, error: BaseException) -> None:
         # pop(.., None): a request being added on the event loop may take itself out at the same time.

@@ -12,7 +12,7 @@ import random
 from typing import Iterable
 
 from jaxserve.batching.engine_stats import EngineStats
-from jaxserve.batching.output_processor import SequenceDelta, completion_output, request_metrics
+from jaxserve.batching.output_processor import SequenceDelta, cached_prompt_tokens, completion_output, request_metrics
 from jaxserve.batching.sequence import Sequence
 from jaxserve.engine.factory import EngineParts, build_engine
 from jaxserve.engine_config import EngineConfig
@@ -62,7 +62,8 @@ class LLM:
         s = parts.replicas[0].scheduler
         llm.engine_config = engine_config or EngineConfig(
             max_model_len=parts.max_model_len, max_num_seqs=s.max_num_seqs, block_size=s.page_size,
-            max_num_batched_tokens=s.max_num_batched_tokens, data_parallel_size=len(parts.replicas))
+            max_num_batched_tokens=s.max_num_batched_tokens, data_parallel_size=len(parts.replicas),
+            enable_lora=s.lora_slots is not None, max_loras=1 if s.lora_slots is None else s.lora_slots.num_slots)
         llm._serve(parts)
         return llm
 
@@ -276,7 +277,8 @@ class LLM:
             self.abort_all()  # whatever failed (or was interrupted), the engine is clean for the next call
             raise
         return [RequestOutput(r.request_id, r.prompt, r.prompt_token_ids, [completion_output(s) for s in r.seqs],
-                              True, request_metrics(r.seqs), r.seqs[0].output.prompt_logprobs) for r in requests]
+                              True, request_metrics(r.seqs), r.seqs[0].output.prompt_logprobs,
+                              num_cached_tokens=cached_prompt_tokens(r.seqs)) for r in requests]
 
     def _run_until_done(self, total: int, use_tqdm: bool) -> None:
         bar = None

@@ -18,6 +18,20 @@ REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.
                     480.0, 960.0, 1920.0, 7680.0)
 
 
+# The Gateway API Inference Extension's model-server protocol (its docs/proposals/003-model-server-protocol): what
+# the endpoint picker reads -> our metric. Each is vLLM's with our prefix (vLLM's: `vllm:` + the part after ours);
+# the picker is pointed at ours by its metric-name settings. BlockSize and NumGPUBlocks are cache_config_info's
+# labels block_size and num_gpu_blocks; the LoRA info's labels are max_lora, running_lora_adapters and
+# waiting_lora_adapters. Every series also carries model_name.
+GATEWAY_METRICS = {
+    "TotalQueuedRequests": "jaxserve:num_requests_waiting",
+    "TotalRunningRequests": "jaxserve:num_requests_running",
+    "KVCacheUtilization": "jaxserve:kv_cache_usage_perc",
+    "LoRAInfo": "jaxserve:lora_requests_info",
+    "CacheInfo": "jaxserve:cache_config_info",
+}
+
+
 class ServerMetrics:
     """A server's registry: for each engine, series labelled with its model_name, all in one exposition."""
 
@@ -147,14 +161,17 @@ class _EngineCollector:
             for model_name, s in snapshots:
                 f.add_metric([model_name], getattr(s, field))
             return f
-        yield family(GaugeMetricFamily, "num_requests_running", "Sequences in the running batch.", "num_running")
-        yield family(GaugeMetricFamily, "num_requests_waiting", "Sequences waiting to be scheduled.", "num_waiting")
+        # Per sequence, as vLLM's: it runs a request of n sequences as n child requests, each queued on its own.
+        yield family(GaugeMetricFamily, "num_requests_running", "Requests in the running batch (a request of n "
+                     "sequences counts n, as vLLM's child requests).", "num_running")
+        yield family(GaugeMetricFamily, "num_requests_waiting", "Requests waiting to be scheduled, preempted ones "
+                     "included (a request of n sequences counts n, as vLLM's child requests).", "num_waiting")
         yield family(GaugeMetricFamily, "num_replicas", "Data-parallel engine replicas.", "num_replicas")
         yield family(GaugeMetricFamily, "num_replicas_healthy",
                      "Replicas still serving (one stops after repeated failed steps; its requests fail).",
                      "num_replicas_healthy")
-        yield family(GaugeMetricFamily, "kv_cache_usage_perc", "Fraction of KV pages held by sequences (0-1).",
-                     "kv_cache_usage")
+        yield family(GaugeMetricFamily, "kv_cache_usage_perc", "Fraction of KV pages held by sequences (0-1; "
+                     "cached prefixes no sequence holds count as free).", "kv_cache_usage")
         yield family(CounterMetricFamily, "prompt_tokens", "Prompt tokens computed (prefix-cache hits excluded).",
                      "prompt_tokens")
         yield family(CounterMetricFamily, "generation_tokens", "Tokens generated.", "generation_tokens")
@@ -184,6 +201,30 @@ class _EngineCollector:
                      "spec_decode_num_speculating")
         yield from _disaggregated_families(snapshots)
         yield from _host_tier_families(snapshots)
+        yield from _gateway_info_families(snapshots)
+
+
+def _gateway_info_families(snapshots):
+    """vLLM's info gauges, which the gateway's endpoint picker reads: the KV cache's layout (value 1), and with LoRA
+    enabled (vLLM has no series without) the adapters running and waiting (value: the snapshot's unix time, so the
+    picker can take the newest series). Data-parallel replicas: pages and max_lora add up, adapters are any
+    replica's."""
+    cache = GaugeMetricFamily("jaxserve:cache_config_info", "The KV cache's layout, as vLLM's: tokens per page "
+                              "(block_size) and pages (num_gpu_blocks).",
+                              labels=["model_name", "block_size", "num_gpu_blocks"])
+    for model_name, s in snapshots:
+        cache.add_metric([model_name, str(s.page_size), str(s.pages_total)], 1)
+    yield cache
+    lora = [(model_name, s) for model_name, s in snapshots if s.max_lora]
+    if lora:
+        f = GaugeMetricFamily("jaxserve:lora_requests_info", "LoRA adapters of the running and of the waiting "
+                              "requests (comma-separated) and how many can run at once (max_lora); the value is "
+                              "when they were read (unix seconds).",
+                              labels=["model_name", "max_lora", "running_lora_adapters", "waiting_lora_adapters"])
+        for model_name, s in lora:
+            f.add_metric([model_name, str(s.max_lora), ",".join(s.running_lora_adapters),
+                          ",".join(s.waiting_lora_adapters)], s.snapshot_time)
+        yield f
 
 
 def _host_tier_families(snapshots):

@@ -12,9 +12,12 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """cached_tokens: of the prompt tokens, those served from the prefix cache. Always sent, 0 included, as OpenAI
+    sends it (vLLM sends it only under --enable-prompt-tokens-details, and then only when not 0)."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def completion_logprobs(out: CompletionOutput, token_text, offset: int) -> dict | None:

@@ -70,7 +70,9 @@ class JoinedAnswer:
 
     def _usage(self, decoded: int) -> dict:
         u = self.first.get("usage") or {}
-        return usage(u.get("prompt_tokens", 0), u.get("completion_tokens", 0) + decoded)
+        # The prompt is the prefill server's: so are its tokens found in the prefix cache.
+        cached = (u.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+        return usage(u.get("prompt_tokens", 0), u.get("completion_tokens", 0) + decoded, cached)
 
     def _join_logprobs(self, first: dict | None, rest: list[dict]) -> dict | None:
         if first is None:

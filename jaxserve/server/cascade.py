@@ -268,7 +268,7 @@ class _Collected:
         assert out is not None, "output() before any add()"
         return RequestOutput(out.request_id, out.prompt, out.prompt_token_ids,
                              [self.choices[i] for i in sorted(self.choices)], out.finished, out.metrics,
-                             self.prompt_logprobs)
+                             self.prompt_logprobs, num_cached_tokens=out.num_cached_tokens)
 
 
 async def _collected(outputs, num_requests: int) -> list[RequestOutput]:

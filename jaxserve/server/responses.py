@@ -99,6 +99,7 @@ class CompletionResponse:
         self.prompts: list = [None] * num_prompts  # (token ids, text, scores) per prompt
         self.started: set[int] = set()  # choices whose first chunk has gone out (with the prompt, if asked)
         self.prompt_tokens = [0] * num_prompts
+        self.cached_tokens = [0] * num_prompts  # of those, served from the prefix cache (each prompt's latest count)
         choices = params.n * num_prompts
         self.text = [""] * choices
         self.text_offset = [0] * choices  # completions logprobs: where the next token's text starts
@@ -149,6 +150,8 @@ class CompletionResponse:
             async for k, out in outputs:
                 now = time.monotonic()
                 self.prompt_tokens[k] = len(out.prompt_token_ids)
+                if out.num_cached_tokens is not None:
+                    self.cached_tokens[k] = out.num_cached_tokens
                 if self.prompts[k] is None:  # the first output of a request carries its prompt logprobs, if asked
                     self.prompts[k] = (out.prompt_token_ids, out.prompt, out.prompt_logprobs)
                 if not self.first_token_seen and any(c.token_ids for c in out.outputs):
@@ -178,7 +181,7 @@ class CompletionResponse:
             raise ApiError(500, f"generation failed: {type(e).__name__}: {e}") from None
 
     def _usage(self) -> dict:
-        return usage(sum(self.prompt_tokens), sum(self.tokens))
+        return usage(sum(self.prompt_tokens), sum(self.tokens), sum(self.cached_tokens))
 
     def _echo(self, i: int) -> tuple[str, dict | None]:
         """Choice i's prompt, echoed: its text (a token-id prompt's decoded) and, with logprobs, theirs; the text

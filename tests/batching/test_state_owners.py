@@ -14,8 +14,9 @@ SCHEDULER = ("batching/scheduler.py", "batching/admission.py", "batching/residen
 OUTPUT_PROCESSOR = ("batching/output_processor.py",)
 OWNERS = {
     **dict.fromkeys(["output_token_ids", "status", "boost", "waited_steps", "num_preemptions", "pages", "page_keys",
-                     "num_published", "num_cached", "num_written", "num_draft_cached", "pending", "slot",
-                     "lora_slot", "first_scheduled_time", "first_token_time", "finish_time", "token_ids_array"],
+                     "num_published", "num_cached", "num_written", "num_draft_cached", "num_cached_prompt_tokens",
+                     "pending", "slot", "lora_slot", "first_scheduled_time", "first_token_time", "finish_time",
+                     "token_ids_array"],
                     SCHEDULER),
     # OutputState's, reached as `seq.output.<field>` or through a local `out = seq.output`.
     **dict.fromkeys(["num_tokens", "text", "sent", "finish_reason", "stop_reason", "cumulative_logprob",

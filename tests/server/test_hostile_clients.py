@@ -291,8 +291,8 @@ def test_a_prompt_certainly_too_long_is_refused_before_it_is_tokenized(st, chat)
             status, _, reply = call(st, "POST", "/v1/completions", {"prompt": ["a", "b" * 961], "max_tokens": 16})
             assert status == 400 and "256" in reply["error"]["message"] and calls == []
         status, _, reply = ask("a" * 960)
-        assert status == 200 and reply["usage"] == {"prompt_tokens": 240, "completion_tokens": 16,
-                                                    "total_tokens": 256}, reply
+        counts = {k: v for k, v in reply.get("usage", {}).items() if k != "prompt_tokens_details"}
+        assert status == 200 and counts == {"prompt_tokens": 240, "completion_tokens": 16, "total_tokens": 256}, reply
         assert calls == [960]
     finally:
         st.server.default.tokenizer = tokenizer

@@ -148,14 +148,23 @@ def _holds_adapter(scheduler, seq: Sequence) -> bool:
         scheduler.lora_slots.slot_of(seq.lora) is not None
 
 
+# EngineStats' numbers that do not add up over replicas: the same in each (page size), or the latest (time).
+_NOT_SUMMED = ("page_size", "snapshot_time")
+
+
 def merge_stats(parts: list[EngineStats]) -> EngineStats:
-    """The replicas' stats as one engine's: counts add up, rates are recomputed from the sums."""
+    """The replicas' stats as one engine's: counts add up, rates are recomputed from the sums, the LoRA adapters
+    running or waiting are those of any replica. max_lora adds up too: each replica runs its own adapters, so the
+    server runs up to that many at once (what the gateway compares the running adapters, all replicas', with)."""
     total = {f.name: sum(getattr(p, f.name) for p in parts) for f in dataclasses.fields(EngineStats)
-             if f.type in ("int", "float")}
+             if f.type in ("int", "float") and f.name not in _NOT_SUMMED}
     per_pos = [sum(xs) for xs in zip(*(p.spec_decode_num_accepted_tokens_per_pos for p in parts))]
     total.update(kv_cache_usage=total["pages_used"] / total["pages_total"],
                  prefix_cache_hit_rate=total["prefix_cache_hits"] / max(1, total["prefix_cache_queries"]),
                  spec_decode_acceptance_rate=total["spec_decode_num_accepted_tokens"]
                  / max(1, total["spec_decode_num_draft_tokens"]),
-                 spec_decode_num_accepted_tokens_per_pos=tuple(per_pos))
+                 spec_decode_num_accepted_tokens_per_pos=tuple(per_pos),
+                 running_lora_adapters=tuple(sorted({a for p in parts for a in p.running_lora_adapters})),
+                 waiting_lora_adapters=tuple(sorted({a for p in parts for a in p.waiting_lora_adapters})),
+                 snapshot_time=max(p.snapshot_time for p in parts))
     return dataclasses.replace(parts[0], **total)
