@@ -23,6 +23,7 @@ import pytest
 import yaml
 
 from jaxserve.cli.parser import build_parser
+from jaxserve.openai.metrics import GATEWAY_METRICS
 
 from locations import DATA, ROOT
 
@@ -30,15 +31,11 @@ DEPLOY = ROOT / "deploy"
 CRDS = DATA / "crds"
 KUBERNETES_VERSION = "1.37.0"  # kubernetes-validate's newest schemas (pinned in pyproject's test extras)
 SECRET_ENV = "JAXSERVE_COORDINATOR_SECRET"  # jaxserve.multihost.process.SECRET_ENV, without importing jax's runtime
-# The gateway's metrics as issue 51's parts agree them (CONTRACT51): the EndpointPickerConfig field of llm-d-router
-# v0.9.0's core-metrics-extractor, and the series jaxserve exports at /metrics (jaxserve/openai/metrics.py).
-GATEWAY_METRICS = {
-    "queuedRequestsSpec": "jaxserve:num_requests_waiting",
-    "runningRequestsSpec": "jaxserve:num_requests_running",
-    "kvUsageSpec": "jaxserve:kv_cache_usage_perc",
-    "loraSpec": "jaxserve:lora_requests_info",
-    "cacheInfoSpec": "jaxserve:cache_config_info",
-}
+# The EndpointPickerConfig field of llm-d-router v0.9.0's core-metrics-extractor for each metric of the gateway's
+# model-server protocol; the names are those the server exports (jaxserve.openai.metrics.GATEWAY_METRICS).
+EPP_FIELDS = {"queuedRequestsSpec": "TotalQueuedRequests", "runningRequestsSpec": "TotalRunningRequests",
+              "kvUsageSpec": "KVCacheUtilization", "loraSpec": "LoRAInfo", "cacheInfoSpec": "CacheInfo"}
+EPP_METRICS = {field: GATEWAY_METRICS[metric] for field, metric in EPP_FIELDS.items()}
 # Plugin types registered by llm-d-router v0.9.0's EPP (cmd/epp/runner/runner.go) that the example uses.
 EPP_PLUGIN_TYPES = {"metrics-data-source", "core-metrics-extractor", "queue-scorer", "kv-cache-utilization-scorer",
                     "prefix-cache-scorer", "lora-affinity-scorer", "max-score-picker", "single-profile-handler"}
@@ -410,7 +407,7 @@ def test_endpoint_picker_reads_jaxserve_metric_names():
     engines = {e["name"]: e for e in extractor["engineConfigs"]}
     assert extractor["defaultEngine"] in engines
     for name, engine in engines.items():
-        assert {k: engine[k] for k in GATEWAY_METRICS} == GATEWAY_METRICS, name
+        assert {k: engine[k] for k in EPP_METRICS} == EPP_METRICS, name
     # Every server pod names an engine the picker knows (the label it reads).
     for where, template, _ in jaxserve_containers():
         if not where.endswith("/worker"):
