@@ -22,6 +22,8 @@ DEPLOYMENT_KEYS = ("num_replicas", "autoscaling_config", "ray_actor_options", "m
                    "start_timeout_s")
 HOP_BY_HOP = {"host", "connection", "keep-alive", "transfer-encoding", "content-length", "te", "upgrade",
               "proxy-connection", "proxy-authorization", "trailer"}
+# Serve's own HTTP server writes these on the answer: the server's would come twice.
+SERVER_WRITTEN = {"date", "server"}
 REPLICA_HEADER = "x-jaxserve-replica"  # which replica answered (its Serve replica id): for logs and tests
 
 
@@ -95,7 +97,7 @@ class JaxserveReplica:
         except aiohttp.ClientError as e:
             error = ApiError(503, f"this replica's jaxserve server is unreachable ({type(e).__name__}: {e})")
             return JSONResponse(error.body(), status_code=503, headers={REPLICA_HEADER: self.replica_id})
-        kept = {k: v for k, v in answer.headers.items() if k.lower() not in HOP_BY_HOP}
+        kept = {k: v for k, v in answer.headers.items() if k.lower() not in HOP_BY_HOP | SERVER_WRITTEN}
         return StreamingResponse(self.relay(answer), status_code=answer.status,
                                  headers={**kept, REPLICA_HEADER: self.replica_id})
 
