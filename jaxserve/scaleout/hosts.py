@@ -133,13 +133,20 @@ def launch_hosts(num_hosts: int, serve_args: list[str], bundle: dict | None = No
                            f"{placement_timeout_s:.0f} s (the cluster has {ray.cluster_resources()})")
     actors = [host_actor().options(**actor_options(bundle), scheduling_strategy=PlacementGroupSchedulingStrategy(
         group, placement_group_bundle_index=i)).remote() for i in range(num_hosts)]
-    hosts = [Host(i, w["node_id"], w["node_ip"], w["resources"])
-             for i, w in enumerate(ray.get([a.where.remote() for a in actors]))]
-    leader_ip = hosts[0].node_ip
-    coordinator = f"{_bracketed(leader_ip)}:{coordinator_port or ray.get(actors[0].free_port.remote())}"
-    env = {**(env or {}), SECRET_ENV: secret or secrets.token_hex(16)}
-    ray.get([a.start.remote([*serve_args, "--coordinator-address", coordinator, "--num-processes", str(num_hosts),
-                             "--process-id", str(i)], env, f"jaxserve process {i}") for i, a in enumerate(actors)])
+    try:
+        hosts = [Host(i, w["node_id"], w["node_ip"], w["resources"])
+                 for i, w in enumerate(ray.get([a.where.remote() for a in actors]))]
+        leader_ip = hosts[0].node_ip
+        coordinator = f"{_bracketed(leader_ip)}:{coordinator_port or ray.get(actors[0].free_port.remote())}"
+        env = {**(env or {}), SECRET_ENV: secret or secrets.token_hex(16)}
+        ray.get([a.start.remote([*serve_args, "--coordinator-address", coordinator, "--num-processes",
+                                 str(num_hosts), "--process-id", str(i)], env, f"jaxserve process {i}")
+                 for i, a in enumerate(actors)])
+    except BaseException:
+        for actor in actors:  # their processes end with them
+            ray.kill(actor)
+        remove_placement_group(group)
+        raise
     url_host = leader_ip if host in WILDCARDS else host
     health_host = "127.0.0.1" if host in WILDCARDS else host  # asked by process 0's actor, on its own node
     return HostGroup(group, actors, hosts, f"http://{_bracketed(url_host)}:{port}",
