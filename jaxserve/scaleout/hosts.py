@@ -172,12 +172,16 @@ class HostGroup:
     def actors(self) -> list:
         return list(self._actors)
 
-    def wait_ready(self, timeout_s: float = 600.0) -> None:
-        """Until process 0 serves (/health answers 200). RuntimeError if a process ends first (the others are then
-        stopped) or timeout_s passes (the group is stopped)."""
+    def wait_ready(self, timeout_s: float = 600.0, cancelled=lambda: False) -> bool:
+        """Until process 0 serves (/health answers 200): True. RuntimeError if a process ends first (the others are
+        then stopped) or timeout_s passes (the group is stopped). False as soon as cancelled() is true (asked every
+        second; the group still runs)."""
         ray = require_ray()
         ready = self._actors[0].wait_http.remote(self._health_url, timeout_s)
-        done = ray.wait([ready, *self._exits], num_returns=1)[0][0]
+        while not (found := ray.wait([ready, *self._exits], num_returns=1, timeout=1.0)[0]):
+            if cancelled():
+                return False
+        done = found[0]
         if done is not ready:
             ended = self._end(done)
             raise RuntimeError(f"the group ended before it served: {ended}\n{ended.log_tail}")
@@ -186,6 +190,7 @@ class HostGroup:
         except ray.exceptions.RayError as e:
             self.stop()
             raise RuntimeError(f"process 0 did not serve: {e}") from None
+        return True
 
     def wait(self, timeout_s: float | None = None) -> Ended | None:
         """Until one process ends (or its actor dies): the others are stopped, and the first is returned. None if

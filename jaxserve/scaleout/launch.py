@@ -49,7 +49,8 @@ def serve_on_ray(args, argv: list[str]) -> None:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
-        group.wait_ready()
+        if not group.wait_ready(cancelled=stop.is_set):
+            return  # SIGTERM while it started
         nodes = ", ".join(f"{h.process_id}: {h.node_ip} ({h.node_id[:8]})" for h in group.hosts)
         print(f"jaxserve: serving at {group.url} (processes on nodes {nodes})", flush=True)
         ended = None

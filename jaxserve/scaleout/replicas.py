@@ -19,7 +19,7 @@ from jaxserve.scaleout.child import ServeProcess, free_port
 
 # Keys of build_app's arguments that configure the Serve deployment; every other key is a `jaxserve serve` flag.
 DEPLOYMENT_KEYS = ("num_replicas", "autoscaling_config", "ray_actor_options", "max_ongoing_requests", "name",
-                   "start_timeout_s")
+                   "start_timeout_s", "health_check_period_s", "health_check_timeout_s")
 HOP_BY_HOP = {"host", "connection", "keep-alive", "transfer-encoding", "content-length", "te", "upgrade",
               "proxy-connection", "proxy-authorization", "trailer"}
 # Serve's own HTTP server writes these on the answer: the server's would come twice.
@@ -125,7 +125,8 @@ def build_app(args: dict):
     dict or JSON), ray_actor_options (each replica's resources, e.g. {"num_gpus": 1} or {"resources": {"TPU": 4}};
     its runtime_env's env_vars reach the server), max_ongoing_requests (requests Serve hands one replica at once;
     default 64: the engine batches them), name (the deployment's), start_timeout_s (how long a replica's server may
-    take to load and compile; default 900). Every other key is a `jaxserve serve` flag (serve_flags)."""
+    take to load and compile; default 900), health_check_period_s and health_check_timeout_s (Serve's: how often a
+    replica is asked whether its server still runs). Every other key is a `jaxserve serve` flag (serve_flags)."""
     require_ray()
     from ray import serve
     deployment = {k: _json_option(args[k]) for k in DEPLOYMENT_KEYS if k in args}
@@ -136,6 +137,9 @@ def build_app(args: dict):
                "name": deployment.get("name", "jaxserve")}
     if isinstance(options["num_replicas"], str) and options["num_replicas"] != "auto":
         options["num_replicas"] = int(options["num_replicas"])
+    for key in ("health_check_period_s", "health_check_timeout_s"):  # Serve's own, passed through
+        if key in deployment:
+            options[key] = float(deployment[key])
     if "autoscaling_config" in deployment:
         options["autoscaling_config"] = deployment["autoscaling_config"]
         options.pop("num_replicas")

@@ -171,7 +171,8 @@ def serve_url(ray_cluster, tiny_tokenized_dir):
     serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
     flags = dict(zip((f[2:] for f in ENGINE_FLAGS[:-1:2]), ENGINE_FLAGS[1::2]))
     serve.run(build_app({"model": tiny_tokenized_dir, "served_model_name": "tiny", **flags, "no_warmup": True,
-                         "num_replicas": 2, "ray_actor_options": {"num_cpus": 0.5}}), name="jaxserve")
+                         "num_replicas": 2, "ray_actor_options": {"num_cpus": 0.5}, "health_check_period_s": 1}),
+              name="jaxserve")
     yield f"http://127.0.0.1:{port}"
     serve.shutdown()
 
@@ -253,9 +254,24 @@ def test_a_killed_replica_fails_only_the_requests_it_held(serve_url, direct):
     for (p, stream), f in zip([(p, s) for p in prompts for s in (False, True)], after):
         text, replica = f.result(timeout=150)
         assert text == want[p] and replica != victim_id, f"seed {seed}, {p!r}, stream {stream}"
-
-    def replaced():
-        states = serve.status().applications["jaxserve"].deployments["jaxserve"].replica_states
-        return states.get("RUNNING") == 2 and victim_id not in replica_actors()
-    wait_until(replaced, "Serve replaced the killed replica", timeout_s=300)
+    wait_until(lambda: replaced(victim_id), "Serve replaced the killed replica", timeout_s=300)
     pool.shutdown()
+
+
+def replaced(replica_id: str) -> bool:
+    """Two replicas run again, and this one is not among them."""
+    states = serve.status().applications["jaxserve"].deployments["jaxserve"].replica_states
+    return states.get("RUNNING") == 2 and replica_id not in replica_actors()
+
+
+def test_a_replica_whose_server_ended_is_replaced(serve_url, direct):
+    """One replica's jaxserve server killed (the replica lives on): Serve's health check finds it ended and replaces
+    the replica, after which every request succeeds."""
+    wait_until(lambda: replaced(""), "two replicas run")
+    victim_id, victim = sorted(replica_actors().items())[0]
+    jaxserve_child(victim).kill()
+    wait_until(lambda: replaced(victim_id), "Serve replaced the replica whose server ended", timeout_s=300)
+    seed = int(np.random.SeedSequence().entropy % 2**31)
+    for prompt in seeded_prompts(seed, 2):
+        for stream in (False, True):
+            assert complete(serve_url, prompt, stream)[0] == complete(direct, prompt, stream)[0], f"seed {seed}"
