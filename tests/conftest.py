@@ -96,8 +96,8 @@ TIER_SIGNALS = {
     "reference": re.compile(r"\b(torch|transformers|peft)\."),
     # the real TPU and GPU compilers, deviceless (the .aot-venv beside the project)
     "aot": re.compile(r"\baot\.|aot[-_]venv|\btopologies\b|\bget_topology_desc\b"),
-    # real processes: a CLI run, a server or a multi-host group in subprocesses
-    "processes": re.compile(r"\b(subprocess|Popen|multiprocessing|sys\.executable)\b"),
+    # real processes: a CLI run, a server or a multi-host group in subprocesses, a Ray cluster (its actors' servers)
+    "processes": re.compile(r"\b(subprocess|Popen|multiprocessing|sys\.executable|cluster_utils)\b|\bray\.init\("),
     # a mesh of several CPU devices (tensor or data parallelism): every program compiled again, partitioned
     "multi_device": re.compile(r"\b(tensor_parallel_size|data_parallel_size|make_mesh|device_groups)\b|\bMesh\("),
     # tiny checkpoints of other families than the shared tiny Llama: an engine (and its programs) per family

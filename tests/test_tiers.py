@@ -14,6 +14,7 @@ TIER_SIGNALS = sys.modules["conftest"].TIER_SIGNALS
     ("hf = transformers.AutoModelForCausalLM.from_pretrained(path)", {"reference"}),
     ("rows = aot.compile_serving(config, chip)", {"aot"}),
     ("r = subprocess.run([sys.executable, '-m', 'jaxserve.cli'])", {"processes"}),
+    ("cluster = ray.cluster_utils.Cluster(); ray.init(address=cluster.address)", {"processes"}),
     ("llm = make_llm(tiny_dir, tensor_parallel_size=2)", {"multi_device"}),
     ("save_tiny_model('qwen3', path)", {"model_zoo"}),
     ("llm = make_llm(tiny_dir, warmup=True)", {"warmup"}),

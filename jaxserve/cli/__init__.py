@@ -3,6 +3,7 @@ command line (parser.py), `main` runs one command: generate.py (generate, chat),
 convert, build-kernels); the engine, the server and the router are imported by the command that runs them."""
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import sys
@@ -18,9 +19,13 @@ HANDLERS = {"generate": generate.cmd_generate, "chat": generate.cmd_chat, "serve
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
     handler = HANDLERS[args.command]
+    if getattr(args, "distributed_executor_backend", None) == "ray":  # the command placed on Ray nodes (docs/ray.md)
+        from jaxserve.scaleout.launch import serve_on_ray
+        handler = functools.partial(serve_on_ray, argv=argv)
     if getattr(args, "coordinator_address", None) is not None:
         _answers_only_on_stdout()
     try:

@@ -57,6 +57,7 @@ def _add_serve(sub) -> None:
     _server_flags(srv)
     _lora_and_kv_transfer_flags(srv)
     _cascade_flags(srv)
+    _ray_flags(srv)
     EngineConfig.add_cli_args(srv, serving=True)
     _verbose_arg(srv)
 
@@ -116,6 +117,17 @@ def _lora_and_kv_transfer_flags(srv: argparse.ArgumentParser) -> None:
                      help="--role prefill: the address to bind that port on and the one decode servers are told "
                           "(default: --host; bound to a wildcard such as 0.0.0.0, decode servers are told the address "
                           "each request came in on)")
+
+
+def _ray_flags(srv: argparse.ArgumentParser) -> None:
+    srv.add_argument("--distributed-executor-backend", default=None, choices=["ray", "external_launcher"],
+                     help="ray: run on the Ray head to place --num-processes processes of this command, one per Ray "
+                          "node (a placement group, STRICT_SPREAD; docs/ray.md), and print process 0's URL; "
+                          "external_launcher (the default): this process is one of a group another launcher started "
+                          "(--coordinator-address ...)")
+    srv.add_argument("--ray-bundle", default=None, metavar="JSON",
+                     help="with --distributed-executor-backend ray: the resources each process holds on its node, "
+                          "e.g. '{\"TPU\": 4}' (a TPU host's chips) or '{\"GPU\": 8}' (default: '{\"CPU\": 1}')")
 
 
 def _cascade_flags(srv: argparse.ArgumentParser) -> None:
