@@ -445,7 +445,7 @@ def test_finishing_a_sequence_already_taken_from_the_hand_offs_is_harmless():
 def test_a_server_over_pools_streams_and_shows_them_in_metrics():
     import requests
 
-    from serving import ServerThread, metric_samples
+    from serving import ServerThread, metric_samples, wait_idle
 
     want = fake_llm(vocab_size=VOCAB).generate({"prompt_token_ids": [5, 6, 7]}, GREEDY, use_tqdm=False)
     st = ServerThread(disaggregated_llm(1, 2), "pd")
@@ -455,6 +455,7 @@ def test_a_server_over_pools_streams_and_shows_them_in_metrics():
         stream = requests.post(st.url + "/v1/completions", json={**body, "stream": True}, timeout=60)
         chunks = [line for line in stream.text.splitlines() if line.startswith("data: {")]
         assert got["usage"]["completion_tokens"] == len(want[0].outputs[0].token_ids) == 10 and len(chunks) > 2
+        wait_idle(st)  # the stats are taken after the step whose tokens ended the stream: not before the client saw it
         samples = metric_samples(requests.get(st.url + "/metrics", timeout=10).text)
         label = frozenset(['model_name="pd"'])
         assert samples["jaxserve:kv_transfer_bytes_count", label] == 2
