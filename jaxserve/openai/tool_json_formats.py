@@ -20,7 +20,14 @@ import secrets
 import string
 from collections.abc import Mapping
 
-from jaxserve.openai.tool_parsers import BlockCalls, arguments_delta, header_delta, json_arguments, loads
+from jaxserve.openai.tool_parsers import (
+    BlockCalls,
+    arguments_delta,
+    header_delta,
+    json_arguments,
+    loads,
+    names_tool,
+)
 
 PYTHON_TAG = "<|python_tag|>"
 TOOL_CALLS, ARGS = "[TOOL_CALLS]", "[ARGS]"
@@ -156,8 +163,7 @@ class Llama3JsonCalls:
 
     def _call(self, text: str) -> tuple[str, str] | None:
         obj = loads(text)
-        if not (isinstance(obj, dict) and obj.get("name") in self.functions
-                and set(obj) in ({"name", "parameters"}, {"name", "arguments"})):
+        if not (names_tool(obj, self.functions) and set(obj) in ({"name", "parameters"}, {"name", "arguments"})):
             return None
         arguments = json_arguments(obj.get("parameters", obj.get("arguments")))
         return None if arguments is None else (obj["name"], arguments)
@@ -223,8 +229,7 @@ class MistralCalls(BlockCalls):
             return None
         out = []
         for call in calls:
-            if not (isinstance(call, dict) and call.get("name") in self.functions
-                    and set(call) <= {"name", "arguments", "id"}):
+            if not (names_tool(call, self.functions) and set(call) <= {"name", "arguments", "id"}):
                 return None
             arguments = json_arguments(call.get("arguments", {}))
             if arguments is None:

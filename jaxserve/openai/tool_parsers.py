@@ -288,7 +288,7 @@ class HermesCalls(BlockCalls):
     def parse_block(self, block: str) -> list[tuple[str, str]] | None:
         """A whole block's calls (None: it is no call)."""
         obj = loads(block)
-        if not (isinstance(obj, dict) and set(obj) <= {"name", "arguments"} and obj.get("name") in self.functions):
+        if not (names_tool(obj, self.functions) and set(obj) <= {"name", "arguments"}):
             return None
         arguments = json_arguments(obj.get("arguments", {}))
         return None if arguments is None else [(obj["name"], arguments)]
@@ -304,6 +304,12 @@ def loads(text: str):
         return json.loads(text)
     except (ValueError, RecursionError):
         return _NOTHING
+
+
+def names_tool(obj, functions: Mapping[str, object]) -> bool:
+    """Whether a parsed call is an object whose name is one of the tools (a name that is a list or an object, which
+    no dict lookup takes, is none)."""
+    return isinstance(obj, dict) and isinstance(obj.get("name"), str) and obj["name"] in functions
 
 
 def json_arguments(arguments) -> str | None:

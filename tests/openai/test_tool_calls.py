@@ -225,6 +225,9 @@ T = {"name": "get_time", "arguments": '{"zone": "CET"}'}
     ('<tool_call>{"name": "launch", "arguments": {}}</tool_call>',  # not one of the tools
      ('<tool_call>{"name": "launch", "arguments": {}}</tool_call>', [])),
     ('<tool_call>["get_time"]</tool_call>', ('<tool_call>["get_time"]</tool_call>', [])),
+    # A name no dict lookup takes (a TypeError out of the parser, once).
+    ('<tool_call>{"name": ["get_time"], "arguments": {}}</tool_call>',
+     ('<tool_call>{"name": ["get_time"], "arguments": {}}</tool_call>', [])),
     ('<tool_call>{"name": "get_time", "arguments": [1]}</tool_call>',
      ('<tool_call>{"name": "get_time", "arguments": [1]}</tool_call>', [])),
     # A good call beside a malformed one: the call, and the bad block as text.

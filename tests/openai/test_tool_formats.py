@@ -93,11 +93,13 @@ MALFORMED = [
     (Llama3JsonCalls, '{"name": "square_the_number", "parameters": {"input_num": 1}, "arguments": {}}'),
     (Llama3JsonCalls, '{"name": "square_the_number", "parameters": {"input_num": 1'),  # ended inside
     (Llama3JsonCalls, '{"answer": 42}'),  # JSON, but no call
+    (Llama3JsonCalls, '{"name": ["square_the_number"], "parameters": {}}'),  # a name no dict lookup takes
     (Llama3JsonCalls, "<|python_tag|>brave_search.call(query=\"weather\")"),  # a built-in tool: not JSON
     (Llama3JsonCalls, "[" * 5000 + "]" * 5000),
     (MistralCalls, "[TOOL_CALLS] Sorry, I cannot."),
     (MistralCalls, '[TOOL_CALLS][{"name": "get_current_weather", "arguments": "Paris"}]'),
     (MistralCalls, '[TOOL_CALLS][{"name": "launch", "arguments": {}}]'),
+    (MistralCalls, '[TOOL_CALLS][{"name": {"a": 1}, "arguments": {}}]'),
     (MistralCalls, '[TOOL_CALLS][{"name": "square_the_number", "arguments": {"input_num": 1}}'),  # unclosed
     (MistralCalls, '[TOOL_CALLS]launch[ARGS]{"a": 1}'),
     (MistralCalls, '[TOOL_CALLS]square_the_number[ARGS]{"input_num": '),
