@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from jaxserve.engine_config import EngineConfig, add_quantization_cli_args
+from jaxserve.openai.tool_call_parsers import TOOL_PARSERS
 from jaxserve.weights.default_model import DEFAULT_MODEL
 
 
@@ -55,6 +56,7 @@ def _add_serve(sub) -> None:
                                      "--model serve several models at once, an engine each, picked by the request's "
                                      "'model' (none: the first); every other flag applies to each.")
     _server_flags(srv)
+    _tool_flags(srv)
     _lora_and_kv_transfer_flags(srv)
     _cascade_flags(srv)
     _ray_flags(srv)
@@ -91,6 +93,16 @@ def _server_flags(srv: argparse.ArgumentParser) -> None:
                      help="seconds a request gets to send its whole body before a 408")
     srv.add_argument("--shutdown-grace-period", type=float, default=30.0,
                      help="seconds running requests get to finish after SIGTERM")
+
+
+def _tool_flags(srv: argparse.ArgumentParser) -> None:
+    """tool_choice auto, as vLLM's flags (docs/structured-output-and-tools.md)."""
+    srv.add_argument("--enable-auto-tool-choice", action="store_true",
+                     help="serve tool_choice auto (the default with tools): the model's own tool calls parsed from its "
+                          "output; without it auto is a 400, as vLLM's")
+    srv.add_argument("--tool-call-parser", default=None, choices=list(TOOL_PARSERS),
+                     help="the format of the model's tool calls (default: the one its chat template writes, where "
+                          "recognised)")
 
 
 def _lora_and_kv_transfer_flags(srv: argparse.ArgumentParser) -> None:

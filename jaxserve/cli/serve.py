@@ -13,6 +13,7 @@ def cmd_serve(args) -> None:
     from jaxserve.engine.async_engine import AsyncEngine
     from jaxserve.server import Server
     from jaxserve.server.lora_modules import LoRAModulePath, check_lora_modules
+    from jaxserve.server.served_model import AutoTools
     _check_server_flags(args)
     # Names and configs are checked before anything loads.
     names = _served_model_names(args.served_model_name, args.model or [None])
@@ -32,6 +33,7 @@ def cmd_serve(args) -> None:
                        stream_write_timeout_s=args.stream_write_timeout, header_timeout_s=args.header_timeout,
                        body_timeout_s=args.body_timeout, allow_runtime_lora_updating=runtime_lora,
                        prefill_side=_prefill_side(args, role, trust), kv_trust=trust, cascade=cascade,
+                       auto_tools=AutoTools(args.tool_call_parser, args.enable_auto_tool_choice),
                        **({"kv_fetch_timeout_s": args.kv_fetch_timeout} if args.kv_fetch_timeout is not None else {}))
 
     def run(llms) -> None:

@@ -5,8 +5,9 @@ a choice's generated text into OpenAI tool-call deltas.
 - `required`: the output is a JSON array of calls, `[{"name": ..., "arguments": {...}}, ...]` (at least one; one
   unless parallel_tool_calls), each an anyOf over the tools with that function's `parameters` schema (vLLM's way).
 - a named function: the output is that function's arguments (its `parameters` schema).
-- `auto`: the model writes calls in its own format; Hermes (`<tool_call>...</tool_call>`) is the one parsed,
-  recognised by the chat template mentioning `<tool_call>`.
+- `auto`: the model writes calls in its own format, read by the served model's parser (`--tool-call-parser`, or
+  the one its chat template's format implies: jaxserve.openai.tool_call_parsers); a server serves auto only with
+  `--enable-auto-tool-choice`, as vLLM.
 - `none`: the tools still reach the template (as vLLM sends them), the output is never parsed.
 """
 from __future__ import annotations
@@ -15,7 +16,7 @@ import dataclasses
 import re
 
 from jaxserve.openai.structured import FieldError, check_text
-from jaxserve.openai.tool_parsers import ArrayCalls, HermesCalls, NamedCall, is_hermes
+from jaxserve.openai.tool_parsers import ArrayCalls, NamedCall
 from jaxserve.sampling_params import StructuredOutputsParams
 
 FIELDS = {"tools": (list,), "tool_choice": (str, dict), "parallel_tool_calls": (bool,)}
@@ -56,20 +57,21 @@ class ToolRequest:
             array["maxItems"] = 1
         return StructuredOutputsParams(json=array)
 
-    def parser(self, chat_template: str | None):
-        """A new parser for one choice's output (None: the output is plain content)."""
+    def parser(self, auto: type | None):
+        """A new parser for one choice's output (None: the output is plain content). auto: the parser class of
+        tool_choice auto on this model (None: it has none)."""
         if self.choice == "function":
             assert self.named is not None  # set whenever choice is "function"
             return NamedCall(self.named)
         if self.choice == "required":
             return ArrayCalls()
         if self.choice == "auto":
-            if not is_hermes(chat_template):
-                raise FieldError("tool_choice auto needs a chat template whose tool calls this server parses "
-                                 "(Hermes <tool_call> JSON, as Qwen2.5/Qwen3 write them); this model's has none: "
-                                 "use tool_choice required or a named function, which a grammar enforces",
-                                 "tool_choice")
-            return HermesCalls(self.functions, self.parallel)
+            if auto is None:
+                raise FieldError("tool_choice auto needs a tool-call parser for this model's format: start the "
+                                 "server with --tool-call-parser (hermes, llama3_json, mistral or qwen3_coder), or "
+                                 "use a chat template whose format is recognised; or use tool_choice required or a "
+                                 "named function, which a grammar enforces", "tool_choice")
+            return auto(self.functions, self.parallel)
         return None
 
 

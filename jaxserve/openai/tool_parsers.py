@@ -6,7 +6,8 @@
 - `HermesCalls` (tool_choice auto, on a Hermes template: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`,
   as Qwen2.5 / Qwen3 and Hermes templates write them): text outside the tags is content, a block that is not a JSON
   object naming a tool (with object arguments) stays text, and each call is sent once its block is complete (a
-  stream cannot take back a call).
+  stream cannot take back a call). `BlockCalls` is its streaming over blocks, shared with the other formats
+  (jaxserve.openai.tool_call_parsers lists them all).
 
 A parser's `feed(text)` / `finish()` return chat deltas, each {"content": ...} or {"tool_calls": [one entry]}, a call
 first as {index, id, type, function: {name, arguments: ""}}, then {index, function: {arguments: fragment}}, as
@@ -21,28 +22,25 @@ from collections.abc import Mapping
 HERMES_START, HERMES_END = "<tool_call>", "</tool_call>"
 
 
-def is_hermes(chat_template: str | None) -> bool:
-    """Whether a chat template writes tool calls in the Hermes format (it spells the tag out)."""
-    return chat_template is not None and HERMES_START in chat_template
-
-
-def tags_are_special(tokenizer) -> bool:
-    """Whether the Hermes tags are special tokens of this vocabulary, which decoding drops unless told to keep
-    them (Qwen's are ordinary added tokens; some Hermes models' are special)."""
-    return any(tokenizer.decode(tokenizer.encode(tag, add_special_tokens=False)) != tag
-               for tag in (HERMES_START, HERMES_END))
+def tags_are_special(tokenizer, tags: tuple[str, ...] = (HERMES_START, HERMES_END)) -> bool:
+    """Whether a format's tags are special tokens of this vocabulary, which decoding drops unless told to keep
+    them (Qwen's are ordinary added tokens; some Hermes models' are special, as are Mistral's [TOOL_CALLS] and
+    Llama's <|python_tag|>)."""
+    return any(tokenizer.decode(tokenizer.encode(tag, add_special_tokens=False)) != tag for tag in tags)
 
 
 def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def _header(index: int, name: str) -> dict:
-    return {"tool_calls": [{"index": index, "id": new_call_id(), "type": "function",
+def header_delta(index: int, name: str, call_id: str | None = None) -> dict:
+    """A call's first stream entry: its index, its id (default: a new one), its type and name, and empty
+    arguments."""
+    return {"tool_calls": [{"index": index, "id": call_id or new_call_id(), "type": "function",
                             "function": {"name": name, "arguments": ""}}]}
 
 
-def _arguments(index: int, fragment: str) -> dict:
+def arguments_delta(index: int, fragment: str) -> dict:
     return {"tool_calls": [{"index": index, "function": {"arguments": fragment}}]}
 
 
@@ -55,10 +53,10 @@ class NamedCall:
     def feed(self, text: str) -> list[dict]:
         deltas: list[dict] = []
         if not self.calls:
-            deltas.append(_header(0, self.name))
+            deltas.append(header_delta(0, self.name))
             self.calls = 1
         if text:
-            deltas.append(_arguments(0, text))
+            deltas.append(arguments_delta(0, text))
         return deltas
 
     def finish(self) -> list[dict]:
@@ -94,7 +92,7 @@ class ArrayCalls:
 
     def _flush_arguments(self, deltas: list) -> None:
         if self._sent_header and self._args:
-            deltas.append(_arguments(self.calls - 1, "".join(self._args)))
+            deltas.append(arguments_delta(self.calls - 1, "".join(self._args)))
             self._args = []
 
     def _step(self, c: str, deltas: list) -> None:
@@ -158,7 +156,7 @@ class ArrayCalls:
         if self._key == "name":
             self._name = json.loads(token)
             self.calls += 1
-            deltas.append(_header(self.calls - 1, self._name))
+            deltas.append(header_delta(self.calls - 1, self._name))
             self._sent_header = True
             self._flush_arguments(deltas)
         elif self._in_arguments:  # a string or scalar argument value
@@ -172,11 +170,20 @@ class ArrayCalls:
         self._key = None
 
 
-class HermesCalls:
-    """tool_choice auto on a Hermes template: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks in
-    the text. Whitespace between content and a call, and between calls, is not content. Without
-    parallel_tool_calls only the first call is kept (what follows it is dropped). `functions`: the request's
-    tools by name (only the names are read)."""
+class BlockCalls:
+    """Content with calls in blocks that open with `START` (a subclass reads where a block ends and what calls it
+    holds: `read_block`). Whitespace between content and a call, and between calls, is not content. A block that is
+    no call stays text, as it came; each call is sent once its block is complete (a stream cannot take back a
+    call). Without parallel_tool_calls only the first call is kept (what follows it is dropped). `functions`: the
+    request's tools by name."""
+
+    START = ""
+    TAGS: tuple[str, ...] = ()  # the format's markers: kept in the text where they are special tokens
+
+    @staticmethod
+    def new_id() -> str:
+        """A new call's id, in the format's family's own shape."""
+        return new_call_id()
 
     def __init__(self, functions: Mapping[str, object], parallel: bool = True):
         self.functions, self.parallel = functions, parallel
@@ -187,6 +194,11 @@ class HermesCalls:
         self._gap = ""  # the whitespace before the open block
         self._done = False
 
+    def read_block(self, text: str, final: bool) -> tuple[int, list[tuple[str, str]] | None] | None:
+        """The open block's text so far (after START) -> None while it may go on (never when `final`: the output
+        has ended), else (where it ends in `text`, its calls as (name, arguments JSON text), or None: no call)."""
+        raise NotImplementedError
+
     def feed(self, text: str) -> list[dict]:
         if self._done:
             return []
@@ -194,11 +206,10 @@ class HermesCalls:
         deltas: list[dict] = []
         while True:
             if self._in_block:
-                end = self._text.find(HERMES_END)
-                if end < 0:
+                block = self.read_block(self._text, final=False)
+                if block is None:
                     return deltas
-                self._close_block(self._text[:end], deltas)
-                self._text = self._text[end + len(HERMES_END):]
+                self._close_block(block, deltas)
                 if self._done:
                     return deltas
                 continue
@@ -207,17 +218,17 @@ class HermesCalls:
                 if not self._text:
                     return deltas
                 self._after_call = False
-            start = self._text.find(HERMES_START)
+            start = self._text.find(self.START)
             if start >= 0:
                 before = self._text[:start].rstrip()
                 self._content(before, deltas)
                 self._gap = self._text[len(before):start]  # text again if the block is no call
-                self._text, self._in_block = self._text[start + len(HERMES_START):], True
+                self._text, self._in_block = self._text[start + len(self.START):], True
                 continue
             # Send what cannot begin a tag; hold back trailing whitespace (it may precede one) and a partial tag.
             keep = len(self._text) - len(self._text.rstrip())
-            for k in range(min(len(HERMES_START) - 1, len(self._text)), 0, -1):
-                if HERMES_START.startswith(self._text[-k:]):
+            for k in range(min(len(self.START) - 1, len(self._text)), 0, -1):
+                if self.START.startswith(self._text[-k:]):
                     keep = max(keep, len(self._text) - len(self._text[:-k].rstrip()))
                     break
             self._content(self._text[:len(self._text) - keep], deltas)
@@ -226,12 +237,13 @@ class HermesCalls:
 
     def finish(self) -> list[dict]:
         deltas: list[dict] = []
-        if self._done:
-            return deltas
-        if self._in_block:  # the output ended inside a block: a call if what came is one, else text
-            self._close_block(self._text, deltas, closed=False)
-        else:
-            self._content(self._text, deltas)
+        while self._in_block and not self._done:  # the output ended inside a block: calls if what came is, else text
+            block = self.read_block(self._text, final=True)
+            assert block is not None  # final: a block always ends
+            self._close_block(block, deltas)
+            deltas += self.feed("")
+        if not self._done:
+            self._content(self._text.lstrip() if self._after_call else self._text, deltas)
         self._text = ""
         return deltas
 
@@ -239,36 +251,74 @@ class HermesCalls:
         if text:
             deltas.append({"content": text})
 
-    def _close_block(self, block: str, deltas: list, closed: bool = True) -> None:
+    def _close_block(self, block: tuple[int, list | None], deltas: list) -> None:
+        end, calls = block
+        text, self._text = self._text[:end], self._text[end:]
         self._in_block = False
-        call = self._call(block)
-        if call is None:
-            self._content(self._gap + HERMES_START + block + (HERMES_END if closed else ""), deltas)
+        if calls is None:
+            self._content(self._gap + self.START + text, deltas)
             return
-        name, arguments = call
-        deltas += [_header(self.calls, name), _arguments(self.calls, arguments)]
-        self.calls += 1
+        for name, arguments in calls[:len(calls) if self.parallel else 1]:
+            deltas += [header_delta(self.calls, name, self.new_id()), arguments_delta(self.calls, arguments)]
+            self.calls += 1
         self._after_call = True
         self._done = not self.parallel
 
-    def _call(self, block: str) -> tuple[str, str] | None:
-        # RecursionError: JSON nested past Python's recursion limit (a model can write "[" a thousand times) is
-        # text like any other block that is no call.
-        try:
-            obj = json.loads(block)
-        except (ValueError, RecursionError):
+
+class HermesCalls(BlockCalls):
+    """tool_choice auto on a Hermes template: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks in
+    the text (Qwen2.5, Qwen3, Hermes). A block that is not a JSON object naming a tool (with object arguments) is
+    text; a block still open when the output ends is a call if what came is one."""
+
+    START, END = HERMES_START, HERMES_END
+    TAGS = (HERMES_START, HERMES_END)
+
+    _searched = 0  # how far the open block has no end tag (a search per delta from its start would be quadratic)
+
+    def read_block(self, text: str, final: bool):
+        end = text.find(self.END, self._searched)
+        if end < 0 and not final:
+            self._searched = max(0, len(text) - len(self.END) + 1)
             return None
-        if not (isinstance(obj, dict) and set(obj) <= {"name", "arguments"} and obj.get("name") in self.functions):
+        self._searched = 0
+        if end < 0:
+            return len(text), self.parse_block(text)
+        return end + len(self.END), self.parse_block(text[:end])
+
+    def parse_block(self, block: str) -> list[tuple[str, str]] | None:
+        """A whole block's calls (None: it is no call)."""
+        obj = loads(block)
+        if not (names_tool(obj, self.functions) and set(obj) <= {"name", "arguments"}):
             return None
-        arguments = obj.get("arguments", {})
-        try:
-            if isinstance(arguments, str):  # some models write the arguments as JSON text
-                arguments = json.loads(arguments)
-            if not isinstance(arguments, dict):
-                return None
-            return obj["name"], json.dumps(arguments, ensure_ascii=False)
-        except (ValueError, RecursionError):
-            return None
+        arguments = json_arguments(obj.get("arguments", {}))
+        return None if arguments is None else [(obj["name"], arguments)]
+
+
+_NOTHING = object()
+
+
+def loads(text: str):
+    """json.loads, or a sentinel no call matches where the text is not JSON. RecursionError: JSON nested past
+    Python's recursion limit (a model can write "[" a thousand times) is text like any other that is no JSON."""
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):
+        return _NOTHING
+
+
+def names_tool(obj, functions: Mapping[str, object]) -> bool:
+    """Whether a parsed call is an object whose name is one of the tools (a name that is a list or an object, which
+    no dict lookup takes, is none)."""
+    return isinstance(obj, dict) and isinstance(obj.get("name"), str) and obj["name"] in functions
+
+
+def json_arguments(arguments) -> str | None:
+    """A call's arguments as JSON text: an object, or JSON text of one (some models write that); None: neither."""
+    if isinstance(arguments, str):
+        arguments = loads(arguments)
+    if not isinstance(arguments, dict):
+        return None
+    return json.dumps(arguments, ensure_ascii=False)
 
 
 def assemble(deltas: list[dict]) -> tuple[str | None, list[dict]]:

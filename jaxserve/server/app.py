@@ -28,7 +28,7 @@ from jaxserve.server.disaggregated import PrefillSide
 from jaxserve.server.kv_trust import KVTrust
 from jaxserve.server.lora_modules import LoRAModules, ServedAdapter
 from jaxserve.server.responses import CompletionResponse, answered_off_loop, merged
-from jaxserve.server.served_model import ServedModel
+from jaxserve.server.served_model import AutoTools, ServedModel
 from jaxserve.server.tokenizer_endpoints import detokenize, tokenize, tokenizer_info
 
 logger = logging.getLogger("jaxserve")
@@ -44,7 +44,8 @@ class Server:
     the threads each model tokenizes and renders chat templates on; allow_runtime_lora_updating: vLLM's
     /v1/load_lora_adapter and /v1/unload_lora_adapter, off by default as there). Adapters: `lora` (LoRAModules).
     cascade: a CascadeConfig over served models, whose name requests may give as their model (`cascade`).
-    max_logprobs, max_logprob_entries: how large one answer's logprobs may be (jaxserve.openai.answer_size)."""
+    max_logprobs, max_logprob_entries: how large one answer's logprobs may be (jaxserve.openai.answer_size).
+    auto_tools: tool_choice auto (--enable-auto-tool-choice, --tool-call-parser: jaxserve.server.served_model)."""
 
     def __init__(self, engine: EngineClient | dict[str, EngineClient], model_name: str | None = None, *,
                  api_key: str | None = None, max_queued_requests: int = 256, max_request_sequences: int | None = None,
@@ -52,7 +53,8 @@ class Server:
                  tokenizer_threads: int = 2, allow_runtime_lora_updating: bool = False,
                  prefill_side: PrefillSide | None = None, kv_fetch_timeout_s: float = 30.0,
                  kv_trust: KVTrust | None = None, cascade: CascadeConfig | None = None,
-                 max_logprobs: int = MAX_LOGPROBS, max_logprob_entries: int = DEFAULT_MAX_LOGPROB_ENTRIES):
+                 max_logprobs: int = MAX_LOGPROBS, max_logprob_entries: int = DEFAULT_MAX_LOGPROB_ENTRIES,
+                 auto_tools: AutoTools | None = None):
         if isinstance(engine, dict):
             if model_name is not None:
                 raise TypeError("with several engines ({name: engine}) the names are the dict's keys: no model_name")
@@ -67,7 +69,7 @@ class Server:
         self.metrics = ServerMetrics()
         limits = LogprobLimits(max_logprobs, max_logprob_entries)
         self.models = {name: ServedModel(name, e, self.metrics.add_model(name, e.stats), max_queued_requests,
-                                         max_request_sequences, tokenizer_threads, limits)
+                                         max_request_sequences, tokenizer_threads, limits, auto_tools)
                        for name, e in engines.items()}
         self.default = next(iter(self.models.values()))
         self.cascade = ServedCascade(cascade, self.models, self.metrics) if cascade is not None else None

@@ -110,9 +110,8 @@ class CompletionResponse:
         # Tool calls: each choice's text goes through its own parser (None: plain content), its deltas kept for a
         # whole response.
         self.parsers = [None] * choices
-        if tools is not None:  # (only then is the tokenizer's template read: the rest need none)
-            template = model.tokenizer.chat_template if model.tokenizer is not None else None
-            self.parsers = [tools.parser(template) for _ in range(choices)]
+        if tools is not None:
+            self.parsers = [model.tool_parser(tools) for _ in range(choices)]
         self.deltas: list[list[dict]] = [[] for _ in range(choices)]
         self.headers: dict = {}  # of the response (a decode server's KV fetch report)
         self.handed_off = None  # a prefill server's: the HandOff its engine ended the request with

@@ -12,7 +12,20 @@ from jaxserve.openai.answer_size import LogprobLimits
 from jaxserve.openai.errors import ApiError, context_length_error
 from jaxserve.openai.metrics import ModelMetrics
 from jaxserve.openai.structured import FieldError
+from jaxserve.openai.tool_call_parsers import tool_parser_class
 from jaxserve.openai.tool_parsers import tags_are_special
+
+
+@dataclasses.dataclass(frozen=True)
+class AutoTools:
+    """tool_choice auto, as vLLM serves it: only with --enable-auto-tool-choice (`enabled`); the calls read by the
+    parser named by --tool-call-parser (`parser`), or where none is named, by the one the model's chat template's
+    format implies (jaxserve.openai.tool_call_parsers)."""
+    parser: str | None = None
+    enabled: bool = False
+
+    def __post_init__(self):
+        tool_parser_class(self.parser, None)  # a name that is none of the parsers' fails here, before serving
 
 
 class ServedModel:
@@ -20,8 +33,9 @@ class ServedModel:
 
     def __init__(self, name: str, engine: EngineClient, metrics: ModelMetrics, max_queued_requests: int,
                  max_request_sequences: int | None, tokenizer_threads: int,
-                 logprob_limits: LogprobLimits | None = None):
+                 logprob_limits: LogprobLimits | None = None, auto_tools: AutoTools | None = None):
         self.name, self.engine, self.metrics = name, engine, metrics
+        self.auto_tools = auto_tools or AutoTools()
         self.logprob_limits = logprob_limits or LogprobLimits()
         self.tokenizer = engine.tokenizer
         # Sequences (n per request) admitted and not finished: bounded, so a burst gets 429s, not an endless queue.
@@ -86,16 +100,33 @@ class ServedModel:
     def chat_params(self, params, tools):
         """A chat request's params for this model: refused if its tool calls cannot be parsed from this model's
         output; with tool_choice auto and tags that are special tokens, those are kept in the text (the parser
-        reads them, as vLLM's Hermes parser asks)."""
+        reads them, as vLLM's parsers ask)."""
         if tools is None:
             return params
-        try:
-            tools.parser(self.tokenizer.chat_template)  # auto: refused where the model's calls cannot be parsed
-        except FieldError as e:
-            raise ApiError(400, str(e), e.field) from None
-        if tools.choice == "auto" and tags_are_special(self.tokenizer):
+        self.tool_parser(tools)  # refused here, before anything runs, where the calls cannot be parsed
+        if tools.choice == "auto" and tags_are_special(self.tokenizer, self.auto_tool_parser().TAGS):
             return dataclasses.replace(params, skip_special_tokens=False)
         return params
+
+    def auto_tool_parser(self) -> type:
+        """The parser class of tool_choice auto on this model; a 400 where the server does not serve auto."""
+        if not self.auto_tools.enabled:
+            raise ApiError(400, '"auto" tool choice requires --enable-auto-tool-choice (and --tool-call-parser '
+                                'where the chat template\'s tool-call format is not recognised)', "tool_choice")
+        template = self.tokenizer.chat_template if self.tokenizer is not None else None
+        parser = tool_parser_class(self.auto_tools.parser, template)
+        if parser is None:
+            raise ApiError(400, '"auto" tool choice requires --tool-call-parser for this model (hermes, llama3_json, '
+                                "mistral or qwen3_coder): its chat template's tool-call format is not recognised",
+                           "tool_choice")
+        return parser
+
+    def tool_parser(self, tools):
+        """A new parser of one choice's output for a request's tools (None: the output is plain content)."""
+        try:
+            return tools.parser(self.auto_tool_parser() if tools.choice == "auto" else None)
+        except FieldError as e:
+            raise ApiError(400, str(e), e.field) from None
 
     def fits_by_length(self, text: str, params) -> None:
         """Refuses a text certainly too long from its length alone: tokenizing 1 MB takes over a second."""

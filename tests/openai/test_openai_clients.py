@@ -7,24 +7,14 @@ import openai
 import pydantic
 import pytest
 
+from jaxserve.server.served_model import AutoTools
+
 from fake_runner import ScriptedRunner, fake_llm
 from locations import DATA
 from serving import ServerThread, wait_idle
+from tool_call_checks import ASK, TOOLS, GetTime, GetWeather
 
 TEMPLATE = (DATA / "hermes_tools_template.jinja").read_text()
-
-
-class GetWeather(pydantic.BaseModel):
-    city: str
-    days: int
-
-
-class GetTime(pydantic.BaseModel):
-    zone: str
-
-
-TOOLS = [openai.pydantic_function_tool(GetWeather), openai.pydantic_function_tool(GetTime)]
-ASK = [{"role": "user", "content": "Weather in Paris for 2 days, and the time in CET?"}]
 
 
 def client(st):
@@ -44,14 +34,15 @@ def default_tokenizer(default_gguf_path):
     return Tokenizer.from_gguf_fields(open_gguf(default_gguf_path))
 
 
-def scripted_server(tokenizer, text: str) -> ServerThread:
-    """A server whose model writes `text` (then <|im_end|>) whatever it is asked, under a Hermes chat template."""
+def scripted_server(tokenizer, text: str, **server_args) -> ServerThread:
+    """A server whose model writes `text` (then <|im_end|>) whatever it is asked, under a Hermes chat template, with
+    tool_choice auto served (--enable-auto-tool-choice) unless server_args say otherwise."""
     tokenizer.chat_template = TEMPLATE
     runner = ScriptedRunner(tokenizer.encode(text, add_special_tokens=False), tokenizer.eos_token_ids[0],
                             tokenizer.vocab_size)
     llm = fake_llm(vocab_size=tokenizer.vocab_size, max_model_len=512, tokenizer=tokenizer, num_pages=512,
                    max_num_batched_tokens=128, runner=runner)
-    return ServerThread(llm, "scripted")
+    return ServerThread(llm, "scripted", **{"auto_tools": AutoTools(enabled=True), **server_args})
 
 
 @pytest.fixture(scope="module")
@@ -146,11 +137,29 @@ def test_auto_with_tags_that_are_special_tokens(default_gguf_path):
 
 def test_auto_on_a_template_without_tool_calls_is_400(tmp_path, default_tokenizer):
     st = ServerThread(fake_llm(vocab_size=49152, max_model_len=64, tokenizer=default_tokenizer.__class__.from_hf_dir(
-        _saved(default_tokenizer, tmp_path, "{% for m in messages %}{{ m.content }}{% endfor %}"))), "plain")
+        _saved(default_tokenizer, tmp_path, "{% for m in messages %}{{ m.content }}{% endfor %}"))), "plain",
+        auto_tools=AutoTools(enabled=True))
     try:
         with pytest.raises(openai.BadRequestError) as e:
             client(st).chat.completions.create(model="plain", messages=ASK, tools=TOOLS)
-        assert e.value.body["param"] == "tool_choice"
+        assert e.value.body["param"] == "tool_choice" and "--tool-call-parser" in e.value.body["message"]
+    finally:
+        st.stop()
+
+
+def test_auto_needs_the_flag(default_tokenizer):
+    """As vLLM: tool_choice auto (the default with tools) is a 400 naming --enable-auto-tool-choice without it,
+    even where the template's format is known; the other choices need no flag."""
+    st = scripted_server(default_tokenizer, SCRIPT, auto_tools=None)
+    try:
+        c = client(st)
+        for choice in ("auto", None):
+            with pytest.raises(openai.BadRequestError) as e:
+                c.chat.completions.create(model="scripted", messages=ASK, tools=TOOLS,
+                                          **({"tool_choice": choice} if choice else {}))
+            assert e.value.body["param"] == "tool_choice" and "--enable-auto-tool-choice" in e.value.body["message"]
+        r = c.chat.completions.create(model="scripted", messages=ASK, tools=TOOLS, tool_choice="none")
+        assert r.choices[0].message.content == SCRIPT
     finally:
         st.stop()
 
@@ -337,7 +346,7 @@ def test_auto_on_a_tiny_qwen3_with_a_hermes_template(tmp_path):
     from hf_models import save_tiny_chat_model
     save_tiny_chat_model("qwen3", tmp_path, TEMPLATE)
     st = ServerThread(LLM(str(tmp_path), max_model_len=512, max_num_seqs=2, max_num_batched_tokens=128,
-                          warmup=False), "qwen3")
+                          warmup=False), "qwen3", auto_tools=AutoTools("hermes", enabled=True))
     call = {"type": "object", "properties": {"name": {"const": "Forecast"},
                                              "arguments": REAL_TOOLS[0]["function"]["parameters"]},
             "required": ["name", "arguments"], "additionalProperties": False,

@@ -11,6 +11,7 @@ from jaxserve.openai.chat_messages import render_chat
 from jaxserve.openai.errors import ApiError
 from jaxserve.openai.requests import parse_chat
 from jaxserve.openai.structured import FieldError
+from jaxserve.openai.tool_call_parsers import detect_tool_parser
 from jaxserve.openai.tool_calls import parse_tools
 from jaxserve.openai.tool_parsers import (
     HERMES_END,
@@ -19,10 +20,10 @@ from jaxserve.openai.tool_parsers import (
     HermesCalls,
     NamedCall,
     assemble,
-    is_hermes,
 )
 
 from locations import DATA
+from tool_call_checks import check_stream_shape
 
 TEMPLATE = (DATA / "hermes_tools_template.jinja").read_text()
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer", "minimum": 1}},
@@ -110,12 +111,13 @@ def test_auto_and_none_leave_room_for_response_format():
         assert params.structured_outputs.json_object and tools.choice == choice
 
 
-def test_auto_needs_a_template_it_can_parse():
+def test_auto_needs_a_parser():
     tools = parse_tools({"tools": TOOLS})
-    assert is_hermes(TEMPLATE) and not is_hermes("{{ messages }}") and not is_hermes(None)
-    assert isinstance(tools.parser(TEMPLATE), HermesCalls)
+    assert detect_tool_parser(TEMPLATE) == "hermes"
+    assert detect_tool_parser("{{ messages }}") is None and detect_tool_parser(None) is None
+    assert isinstance(tools.parser(HermesCalls), HermesCalls)
     with pytest.raises(FieldError) as e:
-        tools.parser("{% for m in messages %}{{ m.content }}{% endfor %}")
+        tools.parser(None)
     assert e.value.field == "tool_choice"
     # required and named need no template support: the grammar makes the format.
     assert isinstance(parse_tools({"tools": TOOLS, "tool_choice": "required"}).parser(None), ArrayCalls)
@@ -132,20 +134,6 @@ def fed(parser, text: str, rng: random.Random) -> list[dict]:
         deltas += parser.feed(text[i:i + k])
         i += k
     return deltas + parser.finish()
-
-
-def check_stream_shape(deltas: list[dict]) -> None:
-    """OpenAI's streaming shape: each call opens with index, id, type, name and arguments "", then fragments."""
-    seen = set()
-    for d in deltas:
-        assert set(d) in ({"content"}, {"tool_calls"})
-        for entry in d.get("tool_calls", []):
-            if entry["index"] not in seen:
-                assert entry["index"] == len(seen) and entry["id"].startswith("call_") and entry["type"] == "function"
-                assert entry["function"]["arguments"] == "" and entry["function"]["name"]
-                seen.add(entry["index"])
-            else:
-                assert set(entry) == {"index", "function"} and set(entry["function"]) == {"arguments"}
 
 
 def random_json(rng: random.Random, depth: int = 0):
@@ -237,6 +225,9 @@ T = {"name": "get_time", "arguments": '{"zone": "CET"}'}
     ('<tool_call>{"name": "launch", "arguments": {}}</tool_call>',  # not one of the tools
      ('<tool_call>{"name": "launch", "arguments": {}}</tool_call>', [])),
     ('<tool_call>["get_time"]</tool_call>', ('<tool_call>["get_time"]</tool_call>', [])),
+    # A name no dict lookup takes (a TypeError out of the parser, once).
+    ('<tool_call>{"name": ["get_time"], "arguments": {}}</tool_call>',
+     ('<tool_call>{"name": ["get_time"], "arguments": {}}</tool_call>', [])),
     ('<tool_call>{"name": "get_time", "arguments": [1]}</tool_call>',
      ('<tool_call>{"name": "get_time", "arguments": [1]}</tool_call>', [])),
     # A good call beside a malformed one: the call, and the bad block as text.

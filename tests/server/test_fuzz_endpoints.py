@@ -11,6 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from jaxserve.server.served_model import AutoTools
 from jaxserve.structured_output.grammar import MAX_SPEC_CHARS
 
 import deep_specs
@@ -124,7 +125,8 @@ def server(tiny_tokenized_dir, tmp_path_factory):
     template = tmp_path_factory.mktemp("fuzz-template") / "chat.jinja"
     template.write_text(TEMPLATE)
     st_ = ServerThread(make_llm(tiny_tokenized_dir, enable_lora=True, max_loras=2, max_lora_rank=8, max_model_len=256,
-                                chat_template=str(template)), "tiny", allow_runtime_lora_updating=True)
+                                chat_template=str(template)), "tiny", allow_runtime_lora_updating=True,
+                      auto_tools=AutoTools(enabled=True))
     yield st_
     st_.stop()
 

@@ -15,6 +15,7 @@ from jaxserve.cli import build_parser, main
 from jaxserve.engine_config import EngineConfig
 from jaxserve.options import CPU_KV_CACHE_BYTES
 from jaxserve.server import Server
+from jaxserve.server.served_model import AutoTools
 
 from serving import ServerThread, http, metric_samples, wait_idle
 from tiny import make_llm
@@ -192,6 +193,17 @@ def parse(*argv):
     return build_parser().parse_args(["serve", *argv])
 
 
+def test_tool_flags_as_vllms(capsys):
+    assert (parse().enable_auto_tool_choice, parse().tool_call_parser) == (False, None)
+    args = parse("--enable-auto-tool-choice", "--tool-call-parser", "llama3_json")
+    assert (args.enable_auto_tool_choice, args.tool_call_parser) == (True, "llama3_json")
+    with pytest.raises(SystemExit):
+        parse("--tool-call-parser", "pythonic")
+    assert "invalid choice: 'pythonic'" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="--tool-call-parser must be one of"):
+        AutoTools("pythonic")
+
+
 def test_one_config_per_model_with_the_budget_split():
     configs = EngineConfig.per_model_from_cli_args(parse("--model", "a.gguf", "--model", "b", "--max-num-seqs", "8",
                                                          "--quantization", "int8"))
@@ -233,12 +245,15 @@ def test_serve_builds_an_engine_per_model(tiny_dir, other_tiny_dir, monkeypatch)
 
     async def fake_serve(server, host, port, grace_period_s=30.0, ready=None):
         seen.update({name: m.engine.llm for name, m in server.models.items()})
+        seen["auto_tools"] = {m.auto_tools for m in server.models.values()}
         for engine in server.engines():
             engine.shutdown(30)
     monkeypatch.setattr(jaxserve.server, "serve", fake_serve)
     assert main(["serve", "--model", tiny_dir, "--model", other_tiny_dir, "--served-model-name", "first",
                  "--served-model-name", "second", "--max-model-len", "32", "--max-num-seqs", "2",
-                 "--max-num-batched-tokens", "16", "--block-size", "4", "--no-warmup"]) == 0
+                 "--max-num-batched-tokens", "16", "--block-size", "4", "--no-warmup", "--enable-auto-tool-choice",
+                 "--tool-call-parser", "qwen3_coder"]) == 0
+    assert seen.pop("auto_tools") == {AutoTools("qwen3_coder", enabled=True)}  # vLLM's flags, for every model
     assert list(seen) == ["first", "second"]
     assert [llm.engine_config.model for llm in seen.values()] == [tiny_dir, other_tiny_dir]
     assert all(llm.engine_config.kv_cache_memory_bytes == CPU_SHARE for llm in seen.values())
