@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import time
 from typing import Any
@@ -17,7 +16,15 @@ from jaxserve.engine.client import EngineClient, EngineDeadError
 from jaxserve.openai.answer_size import DEFAULT_MAX_LOGPROB_ENTRIES, LogprobLimits
 from jaxserve.openai.chat_messages import render_chat
 from jaxserve.openai.errors import ApiError
-from jaxserve.openai.http import DISCARD_PATH, KV_TRANSFER_FIELD, drain, errors, json_body, run_until_signalled
+from jaxserve.openai.http import (
+    DISCARD_PATH,
+    KV_TRANSFER_FIELD,
+    api_key_auth,
+    drain,
+    errors,
+    json_body,
+    run_until_signalled,
+)
 from jaxserve.openai.kv_transfer_params import KVTransferParams
 from jaxserve.openai.metrics import ServerMetrics
 from jaxserve.openai.requests import grammar_error, parse_chat, parse_completion, wants_usage_in_stream
@@ -63,7 +70,7 @@ class Server:
             engines = {model_name: engine}
         if not engines or not all(isinstance(name, str) and name for name in engines):
             raise ValueError("a server needs at least one engine, each under a non-empty name")
-        self._api_key = api_key.encode() if api_key else None
+        self.auth = api_key_auth(api_key, _TOKENIZER_PATHS)  # /v1/ and these: by API key, if given one
         self.metrics = ServerMetrics()
         limits = LogprobLimits(max_logprobs, max_logprob_entries)
         self.models = {name: ServedModel(name, e, self.metrics.add_model(name, e.stats), max_queued_requests,
@@ -98,7 +105,7 @@ class Server:
     def app(self) -> web.Application:
         # aiohttp closes a connection whose next request head is not complete within keepalive_timeout of its
         # opening or of the previous response (idle keep-alive connections alike): that is the header timeout.
-        app = web.Application(middlewares=[errors, self._auth],
+        app = web.Application(middlewares=[errors, self.auth],
                               handler_args={"keepalive_timeout": self.header_timeout_s})
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.prometheus)
@@ -122,18 +129,6 @@ class Server:
         await self.prefill_side.start()
         yield
         await self.prefill_side.close()
-
-    # ---- middleware ----
-
-    @web.middleware
-    async def _auth(self, request, handler):
-        if self._api_key is not None and (request.path.startswith("/v1/") or request.path in _TOKENIZER_PATHS):
-            given = request.headers.get("Authorization", "")
-            # surrogateescape: aiohttp decodes non-UTF-8 header bytes that way; they must compare, not raise.
-            token = given[len("Bearer "):].encode("utf-8", "surrogateescape") if given.startswith("Bearer ") else b""
-            if not hmac.compare_digest(token, self._api_key):  # constant time
-                raise ApiError(401, "invalid or missing API key (Authorization: Bearer KEY)", code="invalid_api_key")
-        return await handler(request)
 
     # ---- plain endpoints ----
 
