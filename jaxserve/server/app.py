@@ -29,7 +29,7 @@ from jaxserve.openai.kv_transfer_params import KVTransferParams
 from jaxserve.openai.metrics import ServerMetrics
 from jaxserve.openai.requests import grammar_error, parse_chat, parse_completion, wants_usage_in_stream
 from jaxserve.sampling_params import MAX_LOGPROBS
-from jaxserve.server import disaggregated
+from jaxserve.server import disaggregated, messages
 from jaxserve.server.cascade import ServedCascade
 from jaxserve.server.disaggregated import PrefillSide
 from jaxserve.server.kv_trust import KVTrust
@@ -105,13 +105,14 @@ class Server:
     def app(self) -> web.Application:
         # aiohttp closes a connection whose next request head is not complete within keepalive_timeout of its
         # opening or of the previous response (idle keep-alive connections alike): that is the header timeout.
-        app = web.Application(middlewares=[errors, self.auth],
+        app = web.Application(middlewares=[errors, messages.errors, self.auth],
                               handler_args={"keepalive_timeout": self.header_timeout_s})
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.prometheus)
         app.router.add_get("/v1/models", self.list_models)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
+        messages.add_routes(app, self)  # Anthropic's /v1/messages
         # vLLM's tokenizer endpoints (lm-evaluation-harness's remote tokenizer reads them)
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/detokenize", self.detokenize)
