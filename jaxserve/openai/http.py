@@ -5,6 +5,7 @@ names both sides use."""
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import signal
 import socket
@@ -29,29 +30,61 @@ async def errors(request, handler):
     with their status, a bug as 500 (logged; the server goes on)."""
     try:
         return await handler(request)
-    except ApiError as e:
-        return error_response(e)
-    except web.HTTPException as e:
+    except Exception as e:  # noqa: BLE001 - a bug answers 500 and the server goes on
+        error, headers = as_api_error(request, e)
+        return error_response(error, headers)
+
+
+def as_api_error(request, e: Exception) -> tuple[ApiError, dict]:
+    """The ApiError an exception a handler raised is answered with, and the headers that go with it (Allow on a
+    405); an HTTPException below 400 (a redirect) is re-raised, a bug logged and answered 500."""
+    if isinstance(e, ApiError):
+        return e, {}
+    if isinstance(e, web.HTTPException):
         if e.status < 400:
-            raise
+            raise e
         # Its headers stay (Allow on a 405); its body is replaced.
         headers = {k: v for k, v in e.headers.items() if k.lower() not in ("content-type", "content-length")}
         if isinstance(e, web.HTTPRequestEntityTooLarge):  # the client's body, past client_max_size: its text says it
-            return error_response(ApiError(413, f"the request body is too large: {e.text}",
-                                           code="request_too_large"), headers)
-        return error_response(ApiError(e.status, e.reason or "error"), headers)
-    except Exception:  # noqa: BLE001 - a bug answers 500 and the server goes on
-        logger.exception("request %s %s failed", request.method, request.path)
-        return error_response(ApiError(500, "internal server error"))
+            return ApiError(413, f"the request body is too large: {e.text}", code="request_too_large"), headers
+        return ApiError(e.status, e.reason or "error"), headers
+    logger.exception("request %s %s failed", request.method, request.path)
+    return ApiError(500, "internal server error"), {}
 
 
-def error_response(e: ApiError, headers: dict | None = None) -> web.Response:
+def error_response(e: ApiError, headers: dict | None = None, body: dict | None = None) -> web.Response:
+    """e answered (body: another API's shape of it; OpenAI's by default)."""
     headers = dict(headers or {})
     if e.status in (429, 503):
         headers["Retry-After"] = "1"
     if e.status == 401:
         headers["WWW-Authenticate"] = "Bearer"  # RFC 6750: says which credentials were expected
-    return web.json_response(e.body(), status=e.status, headers=headers)
+    return web.json_response(e.body() if body is None else body, status=e.status, headers=headers)
+
+
+def api_key_auth(api_key: str | None, paths: tuple[str, ...]):
+    """The middleware that asks requests to /v1/ and to `paths` for `api_key` (none: lets all through), presented as
+    `Authorization: Bearer KEY` (OpenAI's clients) or `x-api-key: KEY` (Anthropic's), compared in constant time."""
+    key = api_key.encode() if api_key else None
+
+    @web.middleware
+    async def auth(request, handler):
+        if key is not None and (request.path.startswith("/v1/") or request.path in paths):
+            if not any(hmac.compare_digest(given, key) for given in given_api_keys(request.headers)):
+                raise ApiError(401, "invalid or missing API key (Authorization: Bearer KEY, or x-api-key: KEY)",
+                               code="invalid_api_key")
+        return await handler(request)
+    return auth
+
+
+def given_api_keys(headers) -> list[bytes]:
+    """The API keys a request presents (Authorization: Bearer, x-api-key), as bytes."""
+    given = headers.get("Authorization", "")
+    # surrogateescape: aiohttp decodes non-UTF-8 header bytes that way; they must compare, not raise.
+    keys = [given[len("Bearer "):]] if given.startswith("Bearer ") else []
+    if "x-api-key" in headers:
+        keys.append(headers["x-api-key"])
+    return [k.encode("utf-8", "surrogateescape") for k in keys]
 
 
 def json_bytes_response(data: bytes, headers: dict | None = None) -> web.Response:

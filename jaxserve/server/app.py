@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import time
 from typing import Any
@@ -17,12 +16,20 @@ from jaxserve.engine.client import EngineClient, EngineDeadError
 from jaxserve.openai.answer_size import DEFAULT_MAX_LOGPROB_ENTRIES, LogprobLimits
 from jaxserve.openai.chat_messages import render_chat
 from jaxserve.openai.errors import ApiError
-from jaxserve.openai.http import DISCARD_PATH, KV_TRANSFER_FIELD, drain, errors, json_body, run_until_signalled
+from jaxserve.openai.http import (
+    DISCARD_PATH,
+    KV_TRANSFER_FIELD,
+    api_key_auth,
+    drain,
+    errors,
+    json_body,
+    run_until_signalled,
+)
 from jaxserve.openai.kv_transfer_params import KVTransferParams
 from jaxserve.openai.metrics import ServerMetrics
 from jaxserve.openai.requests import grammar_error, parse_chat, parse_completion, wants_usage_in_stream
 from jaxserve.sampling_params import MAX_LOGPROBS
-from jaxserve.server import disaggregated
+from jaxserve.server import disaggregated, messages
 from jaxserve.server.cascade import ServedCascade
 from jaxserve.server.disaggregated import PrefillSide
 from jaxserve.server.kv_trust import KVTrust
@@ -65,7 +72,7 @@ class Server:
             engines = {model_name: engine}
         if not engines or not all(isinstance(name, str) and name for name in engines):
             raise ValueError("a server needs at least one engine, each under a non-empty name")
-        self._api_key = api_key.encode() if api_key else None
+        self.auth = api_key_auth(api_key, _TOKENIZER_PATHS)  # /v1/ and these: by API key, if given one
         self.metrics = ServerMetrics()
         limits = LogprobLimits(max_logprobs, max_logprob_entries)
         self.models = {name: ServedModel(name, e, self.metrics.add_model(name, e.stats), max_queued_requests,
@@ -100,13 +107,14 @@ class Server:
     def app(self) -> web.Application:
         # aiohttp closes a connection whose next request head is not complete within keepalive_timeout of its
         # opening or of the previous response (idle keep-alive connections alike): that is the header timeout.
-        app = web.Application(middlewares=[errors, self._auth],
+        app = web.Application(middlewares=[errors, messages.errors, self.auth],
                               handler_args={"keepalive_timeout": self.header_timeout_s})
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.prometheus)
         app.router.add_get("/v1/models", self.list_models)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
+        messages.add_routes(app, self)  # Anthropic's /v1/messages
         # vLLM's tokenizer endpoints (lm-evaluation-harness's remote tokenizer reads them)
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/detokenize", self.detokenize)
@@ -124,18 +132,6 @@ class Server:
         await self.prefill_side.start()
         yield
         await self.prefill_side.close()
-
-    # ---- middleware ----
-
-    @web.middleware
-    async def _auth(self, request, handler):
-        if self._api_key is not None and (request.path.startswith("/v1/") or request.path in _TOKENIZER_PATHS):
-            given = request.headers.get("Authorization", "")
-            # surrogateescape: aiohttp decodes non-UTF-8 header bytes that way; they must compare, not raise.
-            token = given[len("Bearer "):].encode("utf-8", "surrogateescape") if given.startswith("Bearer ") else b""
-            if not hmac.compare_digest(token, self._api_key):  # constant time
-                raise ApiError(401, "invalid or missing API key (Authorization: Bearer KEY)", code="invalid_api_key")
-        return await handler(request)
 
     # ---- plain endpoints ----
 

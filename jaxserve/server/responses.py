@@ -226,6 +226,13 @@ class CompletionResponse:
         entries[-1]["finish_reason"] = self._finish_reason(i, c.finish_reason)
         return entries
 
+    async def chat_deltas(self, outputs):
+        """(choice, its chat chunk entries, the CompletionOutput delta) for each new piece, as a chat stream would send
+        them (tool calls parsed): what another API's answer (Anthropic's Messages) is built from, so that it shares
+        the chat path's parsing, accounting and metrics."""
+        async for i, c in self._each(outputs):
+            yield i, self._choices(i, c), c
+
     def _finish_reason(self, i: int, reason: str | None) -> str | None:
         """A choice that called tools and stopped by itself (or by its grammar's end) ends with "tool_calls"."""
         parser = self.parsers[i]

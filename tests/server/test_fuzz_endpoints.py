@@ -197,3 +197,75 @@ def test_lora_load_bodies_never_answer_5xx(server, junk_files, data):
     if status == 200:  # a junk path never loads; if something did, take it out again so that slots stay free
         answered(server.url, "/v1/unload_lora_adapter", {"lora_name": body["lora_name"]})
     alive_and_clean(server)
+
+
+# ---- Anthropic's Messages API: bodies right in shape but for a value here and there ----
+
+BLOCK_TYPES = ["text", "text", "tool_result", "tool_use", "thinking", "image", "document", "redacted_thinking", "x"]
+BLOCK_FIELDS = {"text": ["type", "text"], "tool_use": ["type", "id", "name", "input"],
+                "tool_result": ["type", "tool_use_id", "content"], "thinking": ["type", "thinking", "signature"]}
+
+
+def rarely(draw, right, wrong=json_values):
+    """right, or one time in eight `wrong` (hypothesis leans to small draws: the wrong one comes at 7)."""
+    return draw(wrong) if draw(st.integers(0, 7)) == 7 else draw(right)
+
+
+@st.composite
+def blocks(draw):
+    """A block of its kind's fields (now and then some missing or others added), or any JSON value."""
+    kind = draw(st.sampled_from(BLOCK_TYPES))
+    block = {"type": kind, "text": rarely(draw, st.text(max_size=8)), "id": "t1", "name": "f",
+             "input": rarely(draw, st.just({"x": 1})), "tool_use_id": "t1",
+             "content": rarely(draw, st.one_of(st.text(max_size=8), st.lists(st.fixed_dictionaries(
+                 {"type": st.sampled_from(["text", "image"]), "text": st.text(max_size=5)}), max_size=2))),
+             "thinking": "hm", "signature": "s", "data": "d", "cache_control": {"type": "ephemeral"},
+             "is_error": draw(scalars), "citations": draw(json_values)}
+    fields = set(BLOCK_FIELDS.get(kind, ["type"]))
+    keep = rarely(draw, st.just(fields), st.sets(st.sampled_from(sorted(block)), max_size=5))
+    return rarely(draw, st.just({k: block[k] for k in keep | {"type"}}))
+
+
+@st.composite
+def message_bodies(draw, count: bool):
+    turn = st.builds(lambda role, content: {"role": role, "content": content},
+                     st.sampled_from(["user", "assistant", "user", "assistant", "user", "system", "tool"]),
+                     st.one_of(st.text(max_size=8), st.lists(blocks(), max_size=3)))
+    tool = st.fixed_dictionaries({"name": st.sampled_from(["f", "g", "", "a b"]), "input_schema": schemas()})
+    optional = {
+        "system": st.one_of(st.text(max_size=8), st.lists(blocks(), max_size=2)),
+        "tools": st.lists(tool, max_size=2),
+        "tool_choice": st.fixed_dictionaries({"type": st.sampled_from(["auto", "any", "none", "tool", "x"])},
+                                             optional={"name": st.sampled_from(["f", "g"]),
+                                                       "disable_parallel_tool_use": scalars}),
+        "stop_sequences": st.lists(st.text(max_size=4), max_size=3), "temperature": st.floats(-1, 3),
+        "top_p": st.floats(-1, 2), "top_k": st.integers(-2, 400),
+        "thinking": st.fixed_dictionaries({"type": st.sampled_from(["enabled", "adaptive", "disabled", "x"])},
+                                          optional={"budget_tokens": st.integers(0, 3000)}),
+        "stream": st.booleans(), "metadata": st.fixed_dictionaries({"user_id": st.text(max_size=4)}),
+        "service_tier": st.sampled_from(["auto", "priority"]), "container": scalars,
+        "model": st.sampled_from(["tiny", "other"])}
+    if count:  # count_tokens takes no sampling fields
+        optional = {k: v for k, v in optional.items() if k in ("system", "tools", "tool_choice", "thinking", "model")}
+    body = {"model": "tiny", "messages": rarely(draw, st.lists(turn, min_size=1, max_size=3))}
+    for key in draw(st.sets(st.sampled_from(sorted(optional)), max_size=3)):
+        body[key] = rarely(draw, optional[key])
+    if not count:
+        body["max_tokens"] = rarely(draw, st.integers(1, 3), st.one_of(st.integers(-1, 0), json_values))
+    return rarely(draw, st.just(body))
+
+
+@FUZZ
+@given(data=st.data(), count=st.booleans())
+def test_messages_bodies_never_answer_5xx(server, data, count):
+    body = data.draw(message_bodies(count))
+    path = "/v1/messages/count_tokens" if count else "/v1/messages"
+    status, raw = http("POST", server.url + path, body)
+    assert status < 500, f"{status} for {json.dumps(body)[:2000]}: {raw[:500]!r}"
+    if status >= 400:  # Anthropic's error, never a traceback
+        error = json.loads(raw)
+        assert error["type"] == "error" and error["error"]["type"] and error["error"]["message"], error
+        assert "Traceback" not in error["error"]["message"]
+    elif not count and isinstance(body, dict) and body.get("stream") is True:
+        assert raw.endswith(b"event: message_stop\ndata: {\"type\": \"message_stop\"}\n\n"), raw[-300:]
+    alive_and_clean(server)

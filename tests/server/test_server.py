@@ -361,6 +361,10 @@ def test_api_key(tiny):
     assert raw_header.status_code == 401  # a header that is not UTF-8: refused, not a 500
     assert http("GET", tiny.url + "/v1/models").status_code == 401
     assert post(tiny, "/v1/completions", body).status_code == 200
+    # Anthropic's header is taken on every route, as Authorization is
+    assert http("POST", tiny.url + "/v1/completions", body, headers={"x-api-key": KEY}).status_code == 200
+    assert http("POST", tiny.url + "/v1/completions", body, headers={"x-api-key": "sk-wrong"}).status_code == 401
+    assert http("GET", tiny.url + "/v1/models", headers={"x-api-key": KEY}).status_code == 200
     assert http("GET", tiny.url + "/health").status_code == 200  # open, for load balancers
 
 
