@@ -32,6 +32,7 @@ def cmd_serve(args) -> None:
                        stream_write_timeout_s=args.stream_write_timeout, header_timeout_s=args.header_timeout,
                        body_timeout_s=args.body_timeout, allow_runtime_lora_updating=runtime_lora,
                        prefill_side=_prefill_side(args, role, trust), kv_trust=trust, cascade=cascade,
+                       reasoning_parser=args.reasoning_parser,
                        **({"kv_fetch_timeout_s": args.kv_fetch_timeout} if args.kv_fetch_timeout is not None else {}))
 
     def run(llms) -> None:

@@ -107,3 +107,9 @@ def split_whole(parser: ThinkParser, text: str) -> tuple[str, str]:
     r1, a1 = parser.feed(text)
     r2, a2 = parser.finish()
     return r1 + r2, a1 + a2
+
+
+def reasoning_fields(text: str | None) -> dict:
+    """Reasoning text as a chat message or delta carries it: `reasoning_content` (DeepSeek's name, which most
+    clients read) and `reasoning` (vLLM's since it renamed the field), both, as vLLM sent during the change."""
+    return {"reasoning_content": text, "reasoning": text}

@@ -26,11 +26,10 @@ def is_hermes(chat_template: str | None) -> bool:
     return chat_template is not None and HERMES_START in chat_template
 
 
-def tags_are_special(tokenizer) -> bool:
-    """Whether the Hermes tags are special tokens of this vocabulary, which decoding drops unless told to keep
-    them (Qwen's are ordinary added tokens; some Hermes models' are special)."""
-    return any(tokenizer.decode(tokenizer.encode(tag, add_special_tokens=False)) != tag
-               for tag in (HERMES_START, HERMES_END))
+def tags_are_special(tokenizer, tags: tuple[str, ...] = (HERMES_START, HERMES_END)) -> bool:
+    """Whether the tags (default: Hermes's) are special tokens of this vocabulary, which decoding drops unless told
+    to keep them (Qwen's are ordinary added tokens; some Hermes models' are special)."""
+    return any(tokenizer.decode(tokenizer.encode(tag, add_special_tokens=False)) != tag for tag in tags)
 
 
 def new_call_id() -> str:

@@ -15,7 +15,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from jaxserve.cascade.policy import CascadeConfig
 from jaxserve.engine.client import EngineClient, EngineDeadError
 from jaxserve.openai.answer_size import DEFAULT_MAX_LOGPROB_ENTRIES, LogprobLimits
-from jaxserve.openai.chat_messages import render_chat
+from jaxserve.openai.chat_messages import chat_template_kwargs, render_chat
 from jaxserve.openai.errors import ApiError
 from jaxserve.openai.http import DISCARD_PATH, KV_TRANSFER_FIELD, drain, errors, json_body, run_until_signalled
 from jaxserve.openai.kv_transfer_params import KVTransferParams
@@ -37,14 +37,14 @@ logger = logging.getLogger("jaxserve")
 _TOKENIZER_PATHS = ("/tokenize", "/detokenize", "/tokenizer_info")
 
 
-
 class Server:
     """Server(engine, model_name, ...) serves one engine; Server({model_name: engine, ...}, ...) several, the first
     being the default for requests that name no model. The other arguments apply to each engine (tokenizer_threads:
     the threads each model tokenizes and renders chat templates on; allow_runtime_lora_updating: vLLM's
     /v1/load_lora_adapter and /v1/unload_lora_adapter, off by default as there). Adapters: `lora` (LoRAModules).
     cascade: a CascadeConfig over served models, whose name requests may give as their model (`cascade`).
-    max_logprobs, max_logprob_entries: how large one answer's logprobs may be (jaxserve.openai.answer_size)."""
+    max_logprobs, max_logprob_entries: how large one answer's logprobs may be (jaxserve.openai.answer_size).
+    reasoning_parser: vLLM's --reasoning-parser (jaxserve.openai.reasoning), for every model."""
 
     def __init__(self, engine: EngineClient | dict[str, EngineClient], model_name: str | None = None, *,
                  api_key: str | None = None, max_queued_requests: int = 256, max_request_sequences: int | None = None,
@@ -52,7 +52,8 @@ class Server:
                  tokenizer_threads: int = 2, allow_runtime_lora_updating: bool = False,
                  prefill_side: PrefillSide | None = None, kv_fetch_timeout_s: float = 30.0,
                  kv_trust: KVTrust | None = None, cascade: CascadeConfig | None = None,
-                 max_logprobs: int = MAX_LOGPROBS, max_logprob_entries: int = DEFAULT_MAX_LOGPROB_ENTRIES):
+                 max_logprobs: int = MAX_LOGPROBS, max_logprob_entries: int = DEFAULT_MAX_LOGPROB_ENTRIES,
+                 reasoning_parser: str | None = None):
         if isinstance(engine, dict):
             if model_name is not None:
                 raise TypeError("with several engines ({name: engine}) the names are the dict's keys: no model_name")
@@ -67,7 +68,7 @@ class Server:
         self.metrics = ServerMetrics()
         limits = LogprobLimits(max_logprobs, max_logprob_entries)
         self.models = {name: ServedModel(name, e, self.metrics.add_model(name, e.stats), max_queued_requests,
-                                         max_request_sequences, tokenizer_threads, limits)
+                                         max_request_sequences, tokenizer_threads, limits, reasoning_parser)
                        for name, e in engines.items()}
         self.default = next(iter(self.models.values()))
         self.cascade = ServedCascade(cascade, self.models, self.metrics) if cascade is not None else None
@@ -249,17 +250,18 @@ class Server:
         params = m.chat_params(params, tools)
         m.logprob_limits.check_counts(params, chat=True)
         with self._admitted(m, params.n):
-            prompt = await self.chat_prompt(m, messages, params, tools)
+            prompt = await self.chat_prompt(m, messages, params, tools, template_kwargs=chat_template_kwargs(body))
             return await self._generate(m, adapter, request, body, [prompt], params, chat=True, tools=tools,
                                         kv_params=kv_params)
 
-    async def chat_prompt(self, m: ServedModel, messages: list[dict], params, tools, seqs: int | None = None) -> dict:
-        """The conversation rendered by model m's chat template and tokenized (within its admission of `seqs`,
-        params.n unless given: a cascade's scoring pass holds one)."""
+    async def chat_prompt(self, m: ServedModel, messages: list[dict], params, tools, seqs: int | None = None,
+                          template_kwargs: dict | None = None) -> dict:
+        """The conversation rendered by model m's chat template (with the request's chat_template_kwargs) and
+        tokenized (within its admission of `seqs`, params.n unless given: a cascade's scoring pass holds one)."""
         # Off the event loop too: the template renders the conversation, then it is refused by its length or
         # tokenized.
         return await m.off_loop(params.n if seqs is None else seqs, lambda: m.tokenized(
-            render_chat(messages, m.tokenizer, tools), params, add_special_tokens=False))
+            render_chat(messages, m.tokenizer, tools, template_kwargs), params, add_special_tokens=False))
 
     async def _body(self, request) -> dict:
         return await json_body(request, self.body_timeout_s)
@@ -310,6 +312,7 @@ class Server:
         if stream and self.role == "prefill":
             raise ApiError(400, "a prefill server answers whole (stream: false): the decode server streams", "stream")
         include_usage = wants_usage_in_stream(body)
+        params = m.reasoning_params(params, prompts[0]) if chat else params  # a grammar starts after the reasoning
         # The answer names the model asked for (an adapter: its name, as vLLM's).
         run = CompletionResponse(m, body, params, chat, len(prompts), self.stream_write_timeout_s, tools,
                                  adapter.name if adapter is not None else m.name)
@@ -366,7 +369,6 @@ class Server:
                 for reason in run.finish:
                     if reason is None:
                         m.metrics.finished("abort")
-
 
     async def _prefill_answer(self, m: ServedModel, request, run: CompletionResponse, outputs) -> web.Response:
         """The first token's answer; unless that token ended the request, its pages go to the KV store and the

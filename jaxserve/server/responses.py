@@ -16,6 +16,7 @@ from jaxserve.engine.client import EngineDeadError
 from jaxserve.openai.answer_size import encode_json
 from jaxserve.openai.errors import ApiError
 from jaxserve.openai.http import json_bytes_response, write_stream
+from jaxserve.openai.reasoning import ThinkParser, reasoning_fields
 from jaxserve.openai.responses import (
     chat_logprobs,
     completion_body,
@@ -114,6 +115,10 @@ class CompletionResponse:
             template = model.tokenizer.chat_template if model.tokenizer is not None else None
             self.parsers = [tools.parser(template) for _ in range(choices)]
         self.deltas: list[list[dict]] = [[] for _ in range(choices)]
+        # Reasoning (a chat answer of a model served with --reasoning-parser): each choice's parser, made with its
+        # first delta (when the prompt is known: it may have closed the block), and its reasoning text.
+        self.reasoners: list[ThinkParser | None] = [None] * choices
+        self.reasoning = [""] * choices
         self.headers: dict = {}  # of the response (a decode server's KV fetch report)
         self.handed_off = None  # a prefill server's: the HandOff its engine ended the request with
 
@@ -210,6 +215,10 @@ class CompletionResponse:
         if prefix_lp is not None:  # the prompt's were counted by _echo
             lp = merge_logprobs([prefix_lp, lp])
         c = dataclasses.replace(c, text=prefix + c.text) if prefix else c
+        thought = ""
+        if self.chat and self.model.reasoning_parser is not None:  # the answer goes on; the reasoning apart
+            thought, answer = self._split(i, c.text, c.finish_reason is not None)
+            c = dataclasses.replace(c, text=answer)
         self.text[i] += c.text
         if not self.chat:
             choice = {"index": i, "text": c.text, "logprobs": lp, "finish_reason": c.finish_reason}
@@ -217,15 +226,33 @@ class CompletionResponse:
                 choice["prompt_logprobs"] = self._prompt_logprobs(i // self.params.n)
             return [choice]
         parser = self.parsers[i]
+        deltas: list[dict]
         if parser is None:
-            return [{"index": i, "delta": {"content": c.text} if c.text else {}, "logprobs": lp,
-                     "finish_reason": c.finish_reason}]
-        deltas = parser.feed(c.text) + (parser.finish() if c.finish_reason is not None else [])
-        self.deltas[i] += deltas
-        entries = [{"index": i, "delta": d, "logprobs": None, "finish_reason": None} for d in deltas or [{}]]
+            deltas = [{"content": c.text}] if c.text else []
+        else:
+            deltas = parser.feed(c.text) + (parser.finish() if c.finish_reason is not None else [])
+            self.deltas[i] += deltas
+        if thought:  # before the answer's deltas: its text came first
+            deltas = [reasoning_fields(thought), *deltas]
+        entries: list[dict[str, Any]] = [{"index": i, "delta": d, "logprobs": None, "finish_reason": None}
+                                         for d in deltas or [{}]]
         entries[0]["logprobs"] = lp
         entries[-1]["finish_reason"] = self._finish_reason(i, c.finish_reason)
         return entries
+
+    def _split(self, i: int, text: str, last: bool) -> tuple[str, str]:
+        """Choice i's new text as (reasoning, answer), through its reasoning parser."""
+        reasoner = self.reasoners[i]
+        if reasoner is None:
+            kind = self.model.reasoning_parser
+            assert kind is not None  # (called only then)
+            reasoner = self.reasoners[i] = kind(kind.prompt_ends_reasoning(self.prompts[i // self.params.n][1] or ""))
+        thought, answer = reasoner.feed(text)
+        if last:
+            more_thought, more_answer = reasoner.finish()
+            thought, answer = thought + more_thought, answer + more_answer
+        self.reasoning[i] += thought
+        return thought, answer
 
     def _finish_reason(self, i: int, reason: str | None) -> str | None:
         """A choice that called tools and stopped by itself (or by its grammar's end) ends with "tool_calls"."""
@@ -266,6 +293,8 @@ class CompletionResponse:
                     message["content"], calls = assemble(self.deltas[i])
                     if calls:
                         message["tool_calls"] = calls
+                if self.model.reasoning_parser is not None:
+                    message.update(reasoning_fields(self.reasoning[i] or None))
                 choices.append({"index": i, "message": message, "logprobs": lp, "finish_reason": finish})
             else:
                 choices.append({"index": i, "text": self.text[i], "logprobs": lp, "finish_reason": finish})
