@@ -29,6 +29,8 @@ class ServedModel:
         self.tokenizer = engine.tokenizer
         if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
             raise ValueError(f"unknown reasoning parser {reasoning_parser!r}: one of {', '.join(REASONING_PARSERS)}")
+        if reasoning_parser is not None and engine.role != "both":  # (as tool calls: the first token is elsewhere)
+            raise ValueError("--reasoning-parser is not supported with disaggregated prefill (--role) yet")
         self.reasoning_parser: type[ThinkParser] | None = REASONING_PARSERS.get(reasoning_parser or "")
         # Sequences (n per request) admitted and not finished: bounded, so a burst gets 429s, not an endless queue.
         max_num_seqs = engine.max_num_seqs

@@ -152,9 +152,13 @@ def test_bad_chat_template_kwargs_are_a_400(serve, kwargs):
     assert status == 400 and json.loads(raw)["error"]["param"] == "chat_template_kwargs", raw
 
 
-def test_an_unknown_parser_is_refused(tokenizer):
+def test_an_unknown_parser_or_a_role_server_is_refused(tokenizer):
     with pytest.raises(ValueError, match="unknown reasoning parser 'r2'"):
         ServerThread(fake_llm(vocab_size=tokenizer.vocab_size, tokenizer=tokenizer), "x", reasoning_parser="r2")
+    # A decode server never sees the first token's text (the prefill server's): the split would start mid-tag.
+    with pytest.raises(ValueError, match="disaggregated prefill"):
+        ServerThread(fake_llm(vocab_size=tokenizer.vocab_size, tokenizer=tokenizer, role="decode"), "x",
+                     reasoning_parser="qwen3")
 
 
 def test_tool_calls_are_parsed_from_the_answer_only(serve):
@@ -172,3 +176,24 @@ def test_tool_calls_are_parsed_from_the_answer_only(serve):
         final = stream.get_final_completion()
     assert final.choices[0].message.tool_calls[0].function.parsed_arguments == Answer(a=4)
     wait_idle(st)
+
+
+def test_serve_takes_the_flag(tiny_tokenized_dir, monkeypatch, capsys):
+    """`jaxserve serve --reasoning-parser NAME` reaches every served model; an unknown name is a one-line exit."""
+    import jaxserve.server
+    from jaxserve.cli import main
+    from jaxserve.openai.reasoning import DeepSeekR1ReasoningParser
+    seen = {}
+
+    async def fake_serve(server, host, port, grace_period_s=30.0, ready=None):
+        seen.update({name: m.reasoning_parser for name, m in server.models.items()})
+        for engine in server.engines():
+            engine.shutdown(30)
+    monkeypatch.setattr(jaxserve.server, "serve", fake_serve)
+    assert main(["serve", "--model", tiny_tokenized_dir, "--served-model-name", "r1", "--reasoning-parser",
+                 "deepseek_r1", "--max-model-len", "32", "--max-num-seqs", "2", "--max-num-batched-tokens", "16",
+                 "--block-size", "4", "--no-warmup"]) == 0
+    assert seen == {"r1": DeepSeekR1ReasoningParser}
+    with pytest.raises(SystemExit):
+        main(["serve", "--reasoning-parser", "r2"])
+    assert "invalid choice: 'r2'" in capsys.readouterr().err
