@@ -44,10 +44,10 @@ def test_every_two_piece_split_gives_the_same(case):
         assert fed(parser, pieces_at(text, [cut])) == (case["reasoning"], case["answer"]), f"cut at {cut}"
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=300, deadline=None, derandomize=True, database=None)
 @given(case=st.sampled_from(CASES), data=st.data())
 def test_any_chunking_gives_the_same(case, data):
-    """Random chunkings (hypothesis: seeded, the failing chunking printed), one character at a time included."""
+    """Random chunkings (hypothesis, derandomized: a failure reproduces, its chunking printed)."""
     text = case["output"]
     cuts = data.draw(st.lists(st.integers(0, len(text)), max_size=len(text)), label="cuts")
     parser = REASONING_PARSERS[case["parser"]]()
