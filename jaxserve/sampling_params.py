@@ -33,6 +33,9 @@ class StructuredOutputsParams:
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    # The grammar applies from the token after these appear in the output (a reasoning model's end tag, as the
+    # tokenizer spells it: jaxserve.openai.reasoning); before them the output is free. None: from the first token.
+    starts_after: list[int] | None = None
 
     def __post_init__(self):
         kinds = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
@@ -46,6 +49,10 @@ class StructuredOutputsParams:
         _check(self.choice is None or (isinstance(self.choice, list) and self.choice
                                        and all(isinstance(c, str) for c in self.choice)),
                "structured_outputs.choice must be a non-empty list of strings")
+        _check(self.starts_after is None or (isinstance(self.starts_after, list) and self.starts_after
+                                             and all(type(t) is int and 0 <= t < INT32_LIMIT
+                                                     for t in self.starts_after)),
+               "structured_outputs.starts_after must be a non-empty list of token ids")
 
     @property
     def kind(self) -> str:

@@ -8,7 +8,8 @@ in OpenAI's and vLLM's APIs.
 
 Under a grammar (structured output) each token taken advances the sequence's matcher, and the token that completes
 the grammar ends the sequence ("stop"); stop strings, EOS and max_tokens end it as they would any other (max_tokens
-may cut the output short of the grammar's end, as in OpenAI's API).
+may cut the output short of the grammar's end, as in OpenAI's API). A grammar that starts after a reasoning model's
+end tag (`GrammarGate`) is neither advanced nor masked before the tag's last token.
 
 A sequence that cannot go on within its constraints ends with finish reason "error" (vLLM's FinishReason.ERROR):
 a row whose masks and bans left no token (the device's NO_TOKEN, nothing taken), a grammar that failed, and a
@@ -128,7 +129,9 @@ def _take_token(seq: Sequence, token: int, logprob: float, rank: int, top: list[
     """Takes a token into the sequence's output; False if its grammar refused it (or failed on it): then nothing
     of it is kept (text, count, logprobs), and the sequence ends with an error after the tokens before it."""
     out, params, rules = seq.output, seq.params, seq.stop_rules
-    grammar = _advance_grammar(seq, token) if out.grammar is not None else None
+    grammar = _advance_grammar(seq, token) if out.grammar is not None and out.gate is None else None
+    if out.gate is not None and out.gate.passes(token):  # the reasoning's end tag: the grammar applies from here
+        out.gate = None
     if grammar == FAILED:
         out.finish_reason, out.stop_reason = "error", None
         return False

@@ -18,7 +18,7 @@ import numpy as np
 from jaxserve.outputs import Logprob
 from jaxserve.sample.logit_controls import NONE, LogitControls
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.structured_output import GrammarMatcher
+from jaxserve.structured_output import GrammarGate, GrammarMatcher
 
 if TYPE_CHECKING:
     from jaxserve.lora.request import LoRARequest
@@ -81,6 +81,7 @@ class OutputState:
     cumulative_logprob: float = 0.0
     logprobs: list[dict[int, Logprob]] | None = None  # per token, when logprobs were asked
     grammar: GrammarMatcher | None = None  # structured output: where the text stands in its grammar, while it runs
+    gate: GrammarGate | None = None  # while the grammar waits for a reasoning end tag (None: it applies)
     # Prompt logprobs (vLLM's layout): None for the first prompt token, then per position the prompt token's and the
     # top n at it; collected chunk by chunk (None when not asked, and for a request's sequences but its first).
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
@@ -93,7 +94,7 @@ class Sequence:
     def __init__(self, request_id: str, index: int, prompt_token_ids: list[int], params: SamplingParams, seed: int,
                  max_model_len: int, eos_token_ids: list[int], detokenizer: IncrementalDetokenizer | None = None,
                  priority: int = 0, controls: LogitControls = NONE, grammar: GrammarMatcher | None = None,
-                 lora: LoadedAdapter | None = None):
+                 lora: LoadedAdapter | None = None, gate: GrammarGate | None = None):
         # What the request asked: never changes.
         self.request_id = request_id
         self.index = index  # which of the request's n completions
@@ -145,6 +146,7 @@ class Sequence:
         # The output processor's.
         self.stop_rules = StopRules.of(params, self.eos_token_ids)
         self.output = OutputState(detokenizer, logprobs=[] if params.logprobs is not None else None, grammar=grammar,
+                                  gate=gate if grammar is not None else None,
                                   prompt_logprobs=[None] if params.prompt_logprobs is not None and index == 0 else None)
 
     @property

@@ -74,9 +74,14 @@ def _slot(seq: Sequence) -> int:
 def constrain(plan: ScheduledBatch) -> None:
     """Fills the masks of the rows that sample under a grammar, all at once (llguidance's threads, without the
     GIL), each ANDed with any mask the row has already. A mask that allows nothing is sent as it is: the device
-    sees it with the row's other bans and answers NO_TOKEN (`jaxserve.sample.sampling`)."""
-    constrained = [(row, seq.output.grammar) for row, seq in zip(plan.rows, plan.row_seqs)
-                   if row.samples and seq.output.grammar is not None]
+    sees it with the row's other bans and answers NO_TOKEN (`jaxserve.sample.sampling`). A row whose grammar waits
+    for a reasoning end tag samples unmasked, but the plan counts as constrained all the same: this step's token
+    may be the tag's last, after which the next step's mask needs it."""
+    under = [(row, seq.output) for row, seq in zip(plan.rows, plan.row_seqs)
+             if row.samples and seq.output.grammar is not None]
+    constrained = [(row, out.grammar) for row, out in under if out.gate is None and out.grammar is not None]
+    if under:
+        plan.constrained = True
     if not constrained:
         return
     if any(row.chained for row, _ in constrained):  # the engine reads such a row's last step back first
@@ -86,4 +91,3 @@ def constrain(plan: ScheduledBatch) -> None:
         if grammar.failed:  # its mask allows EOS, as a complete grammar's would: none instead, so it ends in error
             mask[:] = 0
         row.sampling.token_mask = both(row.sampling.token_mask, mask)
-    plan.constrained = True

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from jaxserve.engine_config import EngineConfig, add_quantization_cli_args
+from jaxserve.openai.reasoning import REASONING_PARSERS
 from jaxserve.openai.tool_call_parsers import TOOL_PARSERS
 from jaxserve.weights.default_model import DEFAULT_MODEL
 
@@ -93,6 +94,9 @@ def _server_flags(srv: argparse.ArgumentParser) -> None:
                      help="seconds a request gets to send its whole body before a 408")
     srv.add_argument("--shutdown-grace-period", type=float, default=30.0,
                      help="seconds running requests get to finish after SIGTERM")
+    srv.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                     help="split the model's <think>...</think> from its chat answers into reasoning_content "
+                          "(vLLM's flag and names; structured output then applies to the answer after it)")
 
 
 def _tool_flags(srv: argparse.ArgumentParser) -> None:

@@ -34,6 +34,7 @@ def cmd_serve(args) -> None:
                        body_timeout_s=args.body_timeout, allow_runtime_lora_updating=runtime_lora,
                        prefill_side=_prefill_side(args, role, trust), kv_trust=trust, cascade=cascade,
                        auto_tools=AutoTools(args.tool_call_parser, args.enable_auto_tool_choice),
+                       reasoning_parser=args.reasoning_parser,
                        **({"kv_fetch_timeout_s": args.kv_fetch_timeout} if args.kv_fetch_timeout is not None else {}))
 
     def run(llms) -> None:

@@ -21,7 +21,7 @@ from jaxserve.lora.slot_cache import HostAdapters, LoadedAdapter
 from jaxserve.outputs import RequestOutput
 from jaxserve.sample.logit_controls import check_first_token, resolve
 from jaxserve.sampling_params import MAX_BANNED_TOKENS, SamplingParams
-from jaxserve.structured_output import compile_grammar, fill_masks
+from jaxserve.structured_output import GrammarGate, compile_grammar, fill_masks
 from jaxserve.tokenizer import IncrementalDetokenizer
 
 
@@ -130,9 +130,11 @@ class LLM:
                              f"{len(eos)} EOS ids and the stop_token_ids make {len(ending)}")
         controls = resolve(params, self.vocab_size, self.tokenizer)
         grammar = None
+        # A grammar that starts after a reasoning end tag: the first token is free of it.
+        starts_after = params.structured_outputs.starts_after if params.structured_outputs is not None else None
         if params.structured_outputs is not None:
             grammar = compile_grammar(params.structured_outputs, self.tokenizer, self.vocab_size)
-            if controls.token_mask is not None or params.min_tokens:  # a first token the grammar and they allow?
+            if (controls.token_mask is not None or params.min_tokens) and starts_after is None:
                 check_first_token(params, controls, fill_masks([grammar.matcher()])[0], ending, self.vocab_size)
         lora = self._adapter(lora_request)  # last: loading from disk is the slowest check
         seqs = []
@@ -142,7 +144,8 @@ class LLM:
                 detok = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
             seed = (base_seed + i * 0x9E3779B1) % (1 << 32)  # distinct streams for the n samples of one seed
             seqs.append(Sequence(request_id, i, ids, params, seed, self.max_model_len, eos, detok, priority,
-                                 controls, grammar.matcher() if grammar is not None else None, lora))
+                                 controls, grammar.matcher() if grammar is not None else None, lora,
+                                 GrammarGate(starts_after) if starts_after else None))
         return Request(request_id, text, ids, seqs)
 
     # ---- LoRA adapters (vLLM's names) ----

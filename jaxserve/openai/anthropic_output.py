@@ -6,10 +6,10 @@ The stream, as Anthropic sends it: message_start, ping, then per block content_b
 input_json_delta, thinking_delta) and content_block_stop, then message_delta (stop_reason, stop_sequence, usage) and
 message_stop; each an `event:` line and a `data:` line.
 
-Reasoning: with a reasoning parser (the served model's, `jaxserve.openai.reasoning`'s interface: feed(text) ->
-(reasoning, answer), finish()), the text is split; the reasoning becomes thinking blocks when the request asked for
-them (`thinking` enabled or adaptive), and is dropped otherwise, as Anthropic returns no thinking unasked. A chat
-delta that already holds `reasoning_content` is taken the same way.
+Reasoning: the chat path splits it from the answer (the served model's --reasoning-parser, `jaxserve.openai.reasoning`)
+into `reasoning_content` deltas, before its tool-call parser reads the answer; they become thinking blocks when the
+request asked for them (`thinking` enabled or adaptive), and are dropped otherwise, as Anthropic returns no thinking
+unasked.
 """
 from __future__ import annotations
 
@@ -59,21 +59,16 @@ class MessageBuilder:
     """One answer's content blocks, built from the chat path's deltas as they come; each step returns the stream
     events that carry what it added (a whole answer ignores them and reads `content()`)."""
 
-    def __init__(self, reasoning=None, show_thinking: bool = False):
-        """reasoning: a reasoning parser object for this answer (None: the text is all answer)."""
-        self.reasoning, self.show_thinking = reasoning, show_thinking
+    def __init__(self, show_thinking: bool = False):
+        """show_thinking: the reasoning_content deltas as thinking blocks (else dropped)."""
+        self.show_thinking = show_thinking
         self.blocks: list[dict] = []
         self._args: dict[int, str] = {}  # a tool_use block's arguments, as JSON text so far
         self._open = False
 
     def feed(self, delta: dict) -> bytes:
         """Events for one chat delta: {"content"}, {"reasoning_content"} or {"tool_calls": [entry]}."""
-        out = [self._thinking(delta.get("reasoning_content") or "")]
-        text = delta.get("content") or ""
-        if text and self.reasoning is not None:
-            thought, text = self.reasoning.feed(text)
-            out.append(self._thinking(thought))
-        out.append(self._text(text))
+        out = [self._thinking(delta.get("reasoning_content") or ""), self._text(delta.get("content") or "")]
         for entry in delta.get("tool_calls") or []:
             fn = entry.get("function") or {}
             if entry.get("id") is not None:  # a new call
@@ -86,12 +81,8 @@ class MessageBuilder:
         return b"".join(out)
 
     def finish(self) -> bytes:
-        """The events of what the reasoning parser held back, and the last block's end."""
-        out = []
-        if self.reasoning is not None:
-            thought, text = self.reasoning.finish()
-            out += [self._thinking(thought), self._text(text)]
-        return b"".join(out) + self._stop()
+        """The last block's end (the chat path flushed what its parsers held back with the last delta)."""
+        return self._stop()
 
     def content(self) -> list[dict]:
         """The blocks, each tool_use's input parsed (arguments cut short by max_tokens: {}, as nothing can be read

@@ -60,10 +60,34 @@ def _past_tool_call(call, where: str) -> dict:
     return {**call, "type": "function", "function": {**fn, "arguments": arguments}}
 
 
-def render_chat(messages: list[dict], tokenizer, tools: ToolRequest | None = None) -> str:
-    """The prompt text of parsed messages: the model's chat template (which writes any BOS itself), given the tools
-    as HF's apply_chat_template(tools=...) gives them (also under tool_choice none, as vLLM does)."""
+# Template variables the server sets itself: a request's chat_template_kwargs may not replace them.
+_TEMPLATE_OWN = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"})
+
+
+def chat_template_kwargs(body: dict) -> dict:
+    """vLLM's chat_template_kwargs (checked: a JSON object of variables for the template, e.g. Qwen3's
+    enable_thinking), or {}."""
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is None:
+        return {}
+    own = sorted(_TEMPLATE_OWN.intersection(kwargs))
+    if own or not all(k.isidentifier() for k in kwargs):
+        raise ApiError(400, f"chat_template_kwargs must name template variables other than {sorted(_TEMPLATE_OWN)}"
+                            f", got {own or sorted(k for k in kwargs if not k.isidentifier())}", "chat_template_kwargs")
     try:
-        return tokenizer.apply_chat_template(messages, **({"tools": tools.tools} if tools is not None else {}))
+        openai_structured.check_text(kwargs, "chat_template_kwargs")
+    except FieldError as e:
+        raise ApiError(400, str(e), e.field) from None
+    return kwargs
+
+
+def render_chat(messages: list[dict], tokenizer, tools: ToolRequest | None = None,
+                template_kwargs: dict | None = None) -> str:
+    """The prompt text of parsed messages: the model's chat template (which writes any BOS itself), given the tools
+    as HF's apply_chat_template(tools=...) gives them (also under tool_choice none, as vLLM does), and the
+    request's chat_template_kwargs as more variables."""
+    try:
+        return tokenizer.apply_chat_template(messages, **(template_kwargs or {}),
+                                             **({"tools": tools.tools} if tools is not None else {}))
     except ValueError as e:
         raise ApiError(400, str(e), "messages") from None

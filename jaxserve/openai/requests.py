@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from jaxserve.openai import structured as openai_structured
 from jaxserve.openai import tool_calls
-from jaxserve.openai.chat_messages import parse_message
+from jaxserve.openai.chat_messages import chat_template_kwargs, parse_message
 from jaxserve.openai.errors import ApiError, check_request_text
 from jaxserve.openai.structured import FieldError
 from jaxserve.openai.tool_calls import ToolRequest
@@ -35,6 +35,7 @@ _COMMON = {
 _COMPLETION = {**_COMMON, "prompt": (str, list), "logprobs": (int,), "echo": (bool,), "suffix": (str,),
                "prompt_logprobs": (int,), **tool_calls.FIELDS}  # tools: accepted at their neutral values only
 _CHAT = {**_COMMON, "messages": (list,), "logprobs": (bool,), "top_logprobs": (int,), "prompt_logprobs": (int,),
+         "chat_template_kwargs": (dict,),  # vLLM's: more template variables (chat_messages.chat_template_kwargs)
          **tool_calls.FIELDS}  # tools, tool_choice, parallel_tool_calls
 
 
@@ -203,6 +204,7 @@ def parse_chat(body) -> tuple[list[dict], SamplingParams, ToolRequest | None]:
     if not messages:
         raise ApiError(400, "messages must be a non-empty array", "messages")
     messages = [parse_message(m, i) for i, m in enumerate(messages)]
+    chat_template_kwargs(body)  # checked here, with the rest of the body: a 400 before anything is admitted
     try:
         tools = tool_calls.parse_tools(body)
     except FieldError as e:

@@ -14,7 +14,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from jaxserve.cascade.policy import CascadeConfig
 from jaxserve.engine.client import EngineClient, EngineDeadError
 from jaxserve.openai.answer_size import DEFAULT_MAX_LOGPROB_ENTRIES, LogprobLimits
-from jaxserve.openai.chat_messages import render_chat
+from jaxserve.openai.chat_messages import chat_template_kwargs, render_chat
 from jaxserve.openai.errors import ApiError
 from jaxserve.openai.http import (
     DISCARD_PATH,
@@ -44,7 +44,6 @@ logger = logging.getLogger("jaxserve")
 _TOKENIZER_PATHS = ("/tokenize", "/detokenize", "/tokenizer_info")
 
 
-
 class Server:
     """Server(engine, model_name, ...) serves one engine; Server({model_name: engine, ...}, ...) several, the first
     being the default for requests that name no model. The other arguments apply to each engine (tokenizer_threads:
@@ -52,7 +51,8 @@ class Server:
     /v1/load_lora_adapter and /v1/unload_lora_adapter, off by default as there). Adapters: `lora` (LoRAModules).
     cascade: a CascadeConfig over served models, whose name requests may give as their model (`cascade`).
     max_logprobs, max_logprob_entries: how large one answer's logprobs may be (jaxserve.openai.answer_size).
-    auto_tools: tool_choice auto (--enable-auto-tool-choice, --tool-call-parser: jaxserve.server.served_model)."""
+    auto_tools: tool_choice auto (--enable-auto-tool-choice, --tool-call-parser: jaxserve.server.served_model).
+    reasoning_parser: vLLM's --reasoning-parser (jaxserve.openai.reasoning), for every model."""
 
     def __init__(self, engine: EngineClient | dict[str, EngineClient], model_name: str | None = None, *,
                  api_key: str | None = None, max_queued_requests: int = 256, max_request_sequences: int | None = None,
@@ -61,7 +61,7 @@ class Server:
                  prefill_side: PrefillSide | None = None, kv_fetch_timeout_s: float = 30.0,
                  kv_trust: KVTrust | None = None, cascade: CascadeConfig | None = None,
                  max_logprobs: int = MAX_LOGPROBS, max_logprob_entries: int = DEFAULT_MAX_LOGPROB_ENTRIES,
-                 auto_tools: AutoTools | None = None):
+                 auto_tools: AutoTools | None = None, reasoning_parser: str | None = None):
         if isinstance(engine, dict):
             if model_name is not None:
                 raise TypeError("with several engines ({name: engine}) the names are the dict's keys: no model_name")
@@ -76,7 +76,8 @@ class Server:
         self.metrics = ServerMetrics()
         limits = LogprobLimits(max_logprobs, max_logprob_entries)
         self.models = {name: ServedModel(name, e, self.metrics.add_model(name, e.stats), max_queued_requests,
-                                         max_request_sequences, tokenizer_threads, limits, auto_tools)
+                                         max_request_sequences, tokenizer_threads, limits, auto_tools,
+                                         reasoning_parser)
                        for name, e in engines.items()}
         self.default = next(iter(self.models.values()))
         self.cascade = ServedCascade(cascade, self.models, self.metrics) if cascade is not None else None
@@ -247,17 +248,18 @@ class Server:
         params = m.chat_params(params, tools)
         m.logprob_limits.check_counts(params, chat=True)
         with self._admitted(m, params.n):
-            prompt = await self.chat_prompt(m, messages, params, tools)
+            prompt = await self.chat_prompt(m, messages, params, tools, template_kwargs=chat_template_kwargs(body))
             return await self._generate(m, adapter, request, body, [prompt], params, chat=True, tools=tools,
                                         kv_params=kv_params)
 
-    async def chat_prompt(self, m: ServedModel, messages: list[dict], params, tools, seqs: int | None = None) -> dict:
-        """The conversation rendered by model m's chat template and tokenized (within its admission of `seqs`,
-        params.n unless given: a cascade's scoring pass holds one)."""
+    async def chat_prompt(self, m: ServedModel, messages: list[dict], params, tools, seqs: int | None = None,
+                          template_kwargs: dict | None = None) -> dict:
+        """The conversation rendered by model m's chat template (with the request's chat_template_kwargs) and
+        tokenized (within its admission of `seqs`, params.n unless given: a cascade's scoring pass holds one)."""
         # Off the event loop too: the template renders the conversation, then it is refused by its length or
         # tokenized.
         return await m.off_loop(params.n if seqs is None else seqs, lambda: m.tokenized(
-            render_chat(messages, m.tokenizer, tools), params, add_special_tokens=False))
+            render_chat(messages, m.tokenizer, tools, template_kwargs), params, add_special_tokens=False))
 
     async def _body(self, request) -> dict:
         return await json_body(request, self.body_timeout_s)
@@ -340,6 +342,8 @@ class Server:
         prefilled)."""
         if isinstance(run, CompletionResponse):  # (a cascade's scoring pass shows the client nothing)
             run.check_size(prompts)  # before anything is submitted: a 400, no engine work
+            if run.chat:  # every chat-built API (Messages too): a grammar starts after the reasoning
+                params = m.reasoning_params(params, prompts[0])
         admitted = []
         try:
             streams = []
@@ -364,7 +368,6 @@ class Server:
                 for reason in run.finish:
                     if reason is None:
                         m.metrics.finished("abort")
-
 
     async def _prefill_answer(self, m: ServedModel, request, run: CompletionResponse, outputs) -> web.Response:
         """The first token's answer; unless that token ended the request, its pages go to the KV store and the

@@ -85,9 +85,9 @@ class Messages:
         m, adapter = self._model(chat)
         messages, params, tools = parse_chat(chat)
         params = m.chat_params(params, tools)
-        # The served model's reasoning parser class (--reasoning-parser; None without one).
-        reasoning = getattr(m, "reasoning_parser", None)
-        if thinking.required and reasoning is None:
+        # The chat path splits the reasoning (the served model's --reasoning-parser) into reasoning_content deltas,
+        # before its tool-call parser reads the answer: the builder shows them as thinking blocks, or drops them.
+        if thinking.required and m.reasoning_parser is None:
             raise ApiError(400, "thinking needs a server started with --reasoning-parser (this model's reasoning "
                                 "cannot be told from its answer)", "thinking")
         with server._admitted(m, params.n):
@@ -95,7 +95,7 @@ class Messages:
             name = adapter.name if adapter is not None else m.name
             run = CompletionResponse(m, chat, params, True, 1, server.stream_write_timeout_s, tools, name)
             lora = {"lora_request": adapter.lora_request} if adapter is not None else {}
-            answer = Answer(run, MessageBuilder(reasoning() if reasoning is not None else None, thinking.shown))
+            answer = Answer(run, MessageBuilder(thinking.shown))
             async with server.running(m, adapter, run, chat, [prompt], params, lora) as outputs:
                 if chat.get("stream"):
                     return await answer.stream(request, outputs, len(prompt["prompt_token_ids"]))

@@ -16,6 +16,7 @@ from jaxserve.engine.client import EngineDeadError
 from jaxserve.openai.answer_size import encode_json
 from jaxserve.openai.errors import ApiError
 from jaxserve.openai.http import json_bytes_response, write_stream
+from jaxserve.openai.reasoning import ThinkParser, reasoning_fields
 from jaxserve.openai.responses import (
     chat_logprobs,
     completion_body,
@@ -113,6 +114,10 @@ class CompletionResponse:
         if tools is not None:
             self.parsers = [model.tool_parser(tools) for _ in range(choices)]
         self.deltas: list[list[dict]] = [[] for _ in range(choices)]
+        # Reasoning (a chat answer of a model served with --reasoning-parser): each choice's parser, made with its
+        # first delta (when the prompt is known: it may have closed the block), and its reasoning text.
+        self.reasoners: list[ThinkParser | None] = [None] * choices
+        self.reasoning = [""] * choices
         self.headers: dict = {}  # of the response (a decode server's KV fetch report)
         self.handed_off = None  # a prefill server's: the HandOff its engine ended the request with
 
@@ -209,19 +214,28 @@ class CompletionResponse:
         if prefix_lp is not None:  # the prompt's were counted by _echo
             lp = merge_logprobs([prefix_lp, lp])
         c = dataclasses.replace(c, text=prefix + c.text) if prefix else c
+        thought = ""
+        if self.chat and self.model.reasoning_parser is not None:  # the answer goes on; the reasoning apart
+            thought, answer = self._split(i, c.text, c.finish_reason is not None)
+            c = dataclasses.replace(c, text=answer)
         self.text[i] += c.text
         if not self.chat:
             choice = {"index": i, "text": c.text, "logprobs": lp, "finish_reason": c.finish_reason}
             if first and self.show_prompt_logprobs is not None:  # vLLM's, per choice (streamed: in its first chunk)
                 choice["prompt_logprobs"] = self._prompt_logprobs(i // self.params.n)
             return [choice]
-        parser = self.parsers[i]
+        parser, reasoner = self.parsers[i], self.reasoners[i]
+        deltas: list[dict] = []
         if parser is None:
-            return [{"index": i, "delta": {"content": c.text} if c.text else {}, "logprobs": lp,
-                     "finish_reason": c.finish_reason}]
-        deltas = parser.feed(c.text) + (parser.finish() if c.finish_reason is not None else [])
-        self.deltas[i] += deltas
-        entries = [{"index": i, "delta": d, "logprobs": None, "finish_reason": None} for d in deltas or [{}]]
+            deltas = [{"content": c.text}] if c.text else []
+        elif c.text or c.finish_reason is not None or reasoner is None or reasoner.ended:
+            # (not while the reasoning goes on: a named call's header would come before the reasoning's end)
+            deltas = parser.feed(c.text) + (parser.finish() if c.finish_reason is not None else [])
+            self.deltas[i] += deltas
+        if thought:  # before the answer's deltas: its text came first
+            deltas = [reasoning_fields(thought), *deltas]
+        entries: list[dict[str, Any]] = [{"index": i, "delta": d, "logprobs": None, "finish_reason": None}
+                                         for d in deltas or [{}]]
         entries[0]["logprobs"] = lp
         entries[-1]["finish_reason"] = self._finish_reason(i, c.finish_reason)
         return entries
@@ -232,6 +246,20 @@ class CompletionResponse:
         the chat path's parsing, accounting and metrics."""
         async for i, c in self._each(outputs):
             yield i, self._choices(i, c), c
+
+    def _split(self, i: int, text: str, last: bool) -> tuple[str, str]:
+        """Choice i's new text as (reasoning, answer), through its reasoning parser."""
+        reasoner = self.reasoners[i]
+        if reasoner is None:
+            kind = self.model.reasoning_parser
+            assert kind is not None  # (called only then)
+            reasoner = self.reasoners[i] = kind(kind.prompt_ends_reasoning(self.prompts[i // self.params.n][1] or ""))
+        thought, answer = reasoner.feed(text)
+        if last:
+            more_thought, more_answer = reasoner.finish()
+            thought, answer = thought + more_thought, answer + more_answer
+        self.reasoning[i] += thought
+        return thought, answer
 
     def _finish_reason(self, i: int, reason: str | None) -> str | None:
         """A choice that called tools and stopped by itself (or by its grammar's end) ends with "tool_calls"."""
@@ -272,6 +300,8 @@ class CompletionResponse:
                     message["content"], calls = assemble(self.deltas[i])
                     if calls:
                         message["tool_calls"] = calls
+                if self.model.reasoning_parser is not None:
+                    message.update(reasoning_fields(self.reasoning[i] or None))
                 choices.append({"index": i, "message": message, "logprobs": lp, "finish_reason": finish})
             else:
                 choices.append({"index": i, "text": self.text[i], "logprobs": lp, "finish_reason": finish})

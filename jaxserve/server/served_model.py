@@ -11,6 +11,7 @@ from jaxserve.engine.client import EngineClient
 from jaxserve.openai.answer_size import LogprobLimits
 from jaxserve.openai.errors import ApiError, context_length_error
 from jaxserve.openai.metrics import ModelMetrics
+from jaxserve.openai.reasoning import REASONING_PARSERS, ThinkParser
 from jaxserve.openai.structured import FieldError
 from jaxserve.openai.tool_call_parsers import tool_parser_class
 from jaxserve.openai.tool_parsers import tags_are_special
@@ -33,11 +34,19 @@ class ServedModel:
 
     def __init__(self, name: str, engine: EngineClient, metrics: ModelMetrics, max_queued_requests: int,
                  max_request_sequences: int | None, tokenizer_threads: int,
-                 logprob_limits: LogprobLimits | None = None, auto_tools: AutoTools | None = None):
+                 logprob_limits: LogprobLimits | None = None, auto_tools: AutoTools | None = None,
+                 reasoning_parser: str | None = None):
+        """reasoning_parser: vLLM's --reasoning-parser name (jaxserve.openai.reasoning), or None: no reasoning
+        split from chat answers."""
         self.name, self.engine, self.metrics = name, engine, metrics
         self.auto_tools = auto_tools or AutoTools()
         self.logprob_limits = logprob_limits or LogprobLimits()
         self.tokenizer = engine.tokenizer
+        if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"unknown reasoning parser {reasoning_parser!r}: one of {', '.join(REASONING_PARSERS)}")
+        if reasoning_parser is not None and engine.role != "both":  # (as tool calls: the first token is elsewhere)
+            raise ValueError("--reasoning-parser is not supported with disaggregated prefill (--role) yet")
+        self.reasoning_parser: type[ThinkParser] | None = REASONING_PARSERS.get(reasoning_parser or "")
         # Sequences (n per request) admitted and not finished: bounded, so a burst gets 429s, not an endless queue.
         max_num_seqs = engine.max_num_seqs
         self.capacity = max_num_seqs + max_queued_requests
@@ -99,8 +108,12 @@ class ServedModel:
 
     def chat_params(self, params, tools):
         """A chat request's params for this model: refused if its tool calls cannot be parsed from this model's
-        output; with tool_choice auto and tags that are special tokens, those are kept in the text (the parser
-        reads them, as vLLM's parsers ask)."""
+        output; with tool_choice auto (or a reasoning parser) and tags that are special tokens, those are kept in
+        the text (the parser reads them, as vLLM's parsers ask)."""
+        parser = self.reasoning_parser
+        if parser is not None and self.tokenizer is not None and tags_are_special(self.tokenizer,
+                                                                                  (parser.start_tag, parser.end_tag)):
+            params = dataclasses.replace(params, skip_special_tokens=False)
         if tools is None:
             return params
         self.tool_parser(tools)  # refused here, before anything runs, where the calls cannot be parsed
@@ -127,6 +140,16 @@ class ServedModel:
             return tools.parser(self.auto_tool_parser() if tools.choice == "auto" else None)
         except FieldError as e:
             raise ApiError(400, str(e), e.field) from None
+
+    def reasoning_params(self, params, prompt: dict):
+        """A chat request's params with its grammar (structured output, enforced tool calls) starting after the
+        reasoning's end tag, unless the prompt has closed the block already (vLLM's reasoning_ended)."""
+        parser, grammar = self.reasoning_parser, params.structured_outputs
+        if parser is None or grammar is None or self.tokenizer is None or \
+                parser.prompt_ends_reasoning(prompt.get("prompt") or ""):
+            return params
+        after = self.tokenizer.encode(parser.end_tag, add_special_tokens=False)
+        return dataclasses.replace(params, structured_outputs=dataclasses.replace(grammar, starts_after=after))
 
     def fits_by_length(self, text: str, params) -> None:
         """Refuses a text certainly too long from its length alone: tokenizing 1 MB takes over a second."""

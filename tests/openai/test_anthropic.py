@@ -1,5 +1,6 @@
 """Anthropic's Messages API without a server: a body turned into the chat body it means (and what is refused), the
-chat path's deltas turned into content blocks and stream events, with and without a reasoning parser."""
+chat path's deltas turned into content blocks and stream events, with and without reasoning split off by the real
+reasoning parser."""
 import json
 
 import pytest
@@ -7,8 +8,7 @@ import pytest
 from jaxserve.openai.anthropic import chat_body, error_body
 from jaxserve.openai.anthropic_output import MessageBuilder, stop_reason, usage
 from jaxserve.openai.errors import ApiError
-
-from reasoning_fake import FakeThink
+from jaxserve.openai.reasoning import Qwen3ReasoningParser, reasoning_fields, split_whole
 
 WEATHER = {"name": "get_weather", "description": "The weather", "input_schema": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
@@ -127,27 +127,40 @@ def test_chat_deltas_become_blocks_and_their_events():
     assert cut.content()[0]["input"] == {}
 
 
+def reasoned(pieces: list[str]) -> list[dict]:
+    """The chat deltas of these output pieces under --reasoning-parser qwen3, as the chat path makes them: each
+    piece split by the parser (flushed at the last), its reasoning's delta before its answer's."""
+    parser, deltas = Qwen3ReasoningParser(), []
+    for k, piece in enumerate(pieces):
+        thought, answer = split_whole(parser, piece) if k == len(pieces) - 1 else parser.feed(piece)
+        deltas += [reasoning_fields(thought)] if thought else []
+        deltas += [{"content": answer}] if answer else []
+    return deltas
+
+
 def test_reasoning_becomes_thinking_blocks_only_when_asked():
-    pieces = [{"content": "<think>Two "}, {"content": "steps.</thi"}, {"content": "nk>Paris"}, {"content": "."}]
-    shown = MessageBuilder(FakeThink(), show_thinking=True)
+    pieces = reasoned(["<think>Two ", "steps.</thi", "nk>Paris", "."])
+    shown = MessageBuilder(show_thinking=True)
     data = b"".join(shown.feed(d) for d in pieces) + shown.finish()
     assert shown.content() == [{"type": "thinking", "thinking": "Two steps.", "signature": ""},
                                {"type": "text", "text": "Paris."}]
     assert [e.get("delta", {}).get("type") for _, e in events(data)] == [
-        None, "thinking_delta", None, None, "text_delta", "text_delta", None]
-    hidden = MessageBuilder(FakeThink(), show_thinking=False)
-    for d in pieces:
-        hidden.feed(d)
-    hidden.finish()
+        None, "thinking_delta", "thinking_delta", None, None, "text_delta", "text_delta", None]
+    hidden = MessageBuilder(show_thinking=False)
+    data = b"".join(hidden.feed(d) for d in pieces) + hidden.finish()
     assert hidden.content() == [{"type": "text", "text": "Paris."}]
-    # reasoning the chat path split already (vLLM's reasoning_content)
-    split = MessageBuilder(show_thinking=True)
-    split.feed({"reasoning_content": "Hmm."}), split.feed({"content": "Yes."}), split.finish()
-    assert split.content() == [{"type": "thinking", "thinking": "Hmm.", "signature": ""},
-                               {"type": "text", "text": "Yes."}]
+    assert "thinking" not in data.decode()
+    # reasoning, then a tool call (the chat path parsed it from the answer only)
+    called = MessageBuilder(show_thinking=True)
+    for d in [*reasoned(["<think>Hmm.</think>"]), *CALL]:
+        called.feed(d)
+    called.finish()
+    assert [b["type"] for b in called.content()] == ["thinking", "tool_use"]
     # a reasoning that never ended: all of it is reasoning
-    unended = MessageBuilder(FakeThink(), show_thinking=True)
-    unended.feed({"content": "<think>still going"}), unended.finish()
+    unended = MessageBuilder(show_thinking=True)
+    for d in reasoned(["<think>still ", "going"]):
+        unended.feed(d)
+    unended.finish()
     assert unended.content() == [{"type": "thinking", "thinking": "still going", "signature": ""}]
 
 

@@ -160,6 +160,17 @@ def test_tool_bodies_never_answer_5xx(server, body):
     alive_and_clean(server)
 
 
+@FUZZ
+@given(kwargs=st.one_of(json_values, st.dictionaries(st.one_of(st.sampled_from(
+    ["enable_thinking", "messages", "tools", "add_generation_prompt", "bos_token", "x"]), st.text(max_size=6)),
+    json_values, max_size=4)))
+def test_chat_template_kwargs_never_answer_5xx(server, kwargs):
+    """vLLM's chat_template_kwargs: any JSON is a 200 or a 400, whatever the template makes of it."""
+    answered(server.url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                                                  "chat_template_kwargs": kwargs})
+    alive_and_clean(server)
+
+
 @pytest.fixture(scope="module")
 def junk_files(tmp_path_factory):
     """Paths a LoRA load may be pointed at: missing, a file, empty dirs, dirs with broken configs and weights."""

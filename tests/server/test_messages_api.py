@@ -1,18 +1,19 @@
 """Anthropic's Messages API end to end, through the official `anthropic` client, unmodified, against the server:
 whole and streamed answers, tool use (Hermes calls a scripted model writes; a call the default model is held to by
-tool_choice, then its result continued), stop sequences, count_tokens, thinking through a reasoning parser, and
-errors in Anthropic's shape."""
+tool_choice, then its result continued), stop sequences, count_tokens, thinking through the real reasoning parser
+(--reasoning-parser qwen3: the chat path's reasoning_content, tool calls and grammars after </think>), and errors
+in Anthropic's shape."""
 import json
 
 import anthropic
 import openai
 import pytest
 
+from jaxserve.server.served_model import AutoTools
 from jaxserve.tokenizer import Tokenizer
 
 from fake_runner import ScriptedRunner, fake_llm
 from locations import DATA
-from reasoning_fake import FakeThink
 from serving import ServerThread, http, wait_idle
 
 KEY = "sk-messages"
@@ -29,15 +30,30 @@ def client(st, **kw):
     return anthropic.Anthropic(base_url=st.url, max_retries=0, **({"api_key": KEY} | kw))
 
 
-@pytest.fixture(scope="module")
-def scripted(tiny_tokenized_dir):
-    """The tiny byte tokenizer under a Hermes chat template; the model writes SCRIPT whatever it is asked."""
+def scripted_server(tiny_tokenized_dir, **server_args) -> tuple[ServerThread, ScriptedRunner, Tokenizer]:
+    """The tiny byte tokenizer under a Hermes chat template; the model writes the runner's script (SCRIPT unless a
+    test sets another) whatever it is asked; tool_choice auto served."""
     tok = Tokenizer.from_hf_dir(tiny_tokenized_dir)
     tok.chat_template = (DATA / "hermes_tools_template.jinja").read_text()
     runner = ScriptedRunner(tok.encode(SCRIPT, add_special_tokens=False), tok.eos_token_ids[0], tok.vocab_size)
     st = ServerThread(fake_llm(vocab_size=tok.vocab_size, max_model_len=4096, tokenizer=tok, num_pages=2048,
-                               max_num_batched_tokens=256, runner=runner), "scripted", api_key=KEY)
+                               max_num_batched_tokens=256, runner=runner), "scripted", api_key=KEY,
+                      auto_tools=AutoTools(enabled=True), **server_args)
+    return st, runner, tok
+
+
+@pytest.fixture(scope="module")
+def scripted(tiny_tokenized_dir):
+    st, _, _ = scripted_server(tiny_tokenized_dir)
     yield st
+    st.stop()
+
+
+@pytest.fixture(scope="module")
+def thinker(tiny_tokenized_dir):
+    """The scripted model served with --reasoning-parser qwen3 (SCRIPT opens its <think> block itself)."""
+    st, runner, tok = scripted_server(tiny_tokenized_dir, reasoning_parser="qwen3")
+    yield st, runner, tok
     st.stop()
 
 
@@ -129,26 +145,54 @@ def test_stop_sequences_and_max_tokens(scripted):
     wait_idle(scripted)
 
 
-def test_thinking_through_a_reasoning_parser(scripted):
-    c = client(scripted)
+def test_thinking_through_the_reasoning_parser(scripted, thinker):
     thinking = {"type": "enabled", "budget_tokens": 1024}
     with pytest.raises(anthropic.BadRequestError) as e:  # no parser: reasoning cannot be told from the answer
-        c.messages.create(model="scripted", max_tokens=2000, messages=ASK, thinking=thinking)
+        client(scripted).messages.create(model="scripted", max_tokens=2000, messages=ASK, thinking=thinking)
     assert "--reasoning-parser" in e.value.body["error"]["message"]
-    model = scripted.server.models["scripted"]
-    model.reasoning_parser = FakeThink
+    st, runner, tok = thinker
+    runner.script = tok.encode(SCRIPT, add_special_tokens=False)
+    c = client(st)
+    # The <tool_call> is parsed from the answer after </think>; the reasoning is never read as a call.
+    r = c.messages.create(model="scripted", max_tokens=2000, messages=ASK, thinking=thinking, tools=[WEATHER])
+    assert [b.type for b in r.content] == ["thinking", "text", "tool_use"] and r.stop_reason == "tool_use"
+    assert (r.content[0].thinking, r.content[1].text, r.content[2].input) == (THOUGHT, ANSWER,
+                                                                              {"city": "Paris"})
+    with c.messages.stream(model="scripted", max_tokens=2000, messages=ASK, thinking=thinking) as stream:
+        events = list(stream)
+        final = stream.get_final_message()
+    assert [b.type for b in final.content] == ["thinking", "text"] and final.content[0].thinking == THOUGHT
+    assert "".join(e.delta.thinking for e in events if e.type == "content_block_delta"
+                   and e.delta.type == "thinking_delta") == THOUGHT
+    assert not any("think>" in getattr(b, "text", "") for b in final.content)
+    unasked = c.messages.create(model="scripted", max_tokens=2000, messages=ASK)  # dropped, as Anthropic
+    assert [b.type for b in unasked.content] == ["text"] and unasked.content[0].text == f"{ANSWER}\n{CALL}"
+    # the tokens counted are all the model wrote, its reasoning's too (and the EOS)
+    assert unasked.usage.output_tokens == len(tok.encode(SCRIPT, add_special_tokens=False)) + 1
+    wait_idle(st)
+
+
+@pytest.mark.parametrize("choice, answer", [
+    ({"type": "tool", "name": "get_weather"}, '{"city": "Paris"}'),
+    ({"type": "any"}, '[{"name": "get_weather", "arguments": {"city": "Paris"}}]')])
+def test_a_forced_tool_call_is_held_to_its_grammar_after_the_reasoning(thinker, choice, answer):
+    """tool_choice any / tool: the grammar applies from the token after </think> (the reasoning, here text no
+    JSON grammar takes, is free), as in chat completions; without that the first token is refused."""
+    st, runner, tok = thinker
+    thought = 'The schema wants {"city": a string, so { "city": "Paris" } it is.\n'
+    runner.script = tok.encode(f"<think>{thought}</think>{answer}", add_special_tokens=False)
     try:
-        r = c.messages.create(model="scripted", max_tokens=2000, messages=ASK, thinking=thinking, tools=[WEATHER])
-        assert [b.type for b in r.content] == ["thinking", "text", "tool_use"]
-        assert (r.content[0].thinking, r.content[1].text) == (THOUGHT, ANSWER)
-        with c.messages.stream(model="scripted", max_tokens=2000, messages=ASK, thinking=thinking) as stream:
-            final = stream.get_final_message()
-        assert [b.type for b in final.content] == ["thinking", "text"] and final.content[0].thinking == THOUGHT
-        unasked = c.messages.create(model="scripted", max_tokens=2000, messages=ASK)  # dropped, as Anthropic
-        assert [b.type for b in unasked.content] == ["text"] and unasked.content[0].text == f"{ANSWER}\n{CALL}"
+        for thinking in ({"type": "enabled", "budget_tokens": 1024}, None):
+            r = client(st).messages.create(model="scripted", max_tokens=2000, messages=ASK, tools=[WEATHER],
+                                           tool_choice=choice, **({"thinking": thinking} if thinking else {}))
+            assert [b.type for b in r.content] == ["thinking", "tool_use"][0 if thinking else 1:], r.content
+            assert (r.content[-1].name, r.content[-1].input, r.stop_reason) == ("get_weather", {"city": "Paris"},
+                                                                                "tool_use")
+            if thinking:
+                assert r.content[0].thinking == thought
     finally:
-        del model.reasoning_parser
-    wait_idle(scripted)
+        runner.script = tok.encode(SCRIPT, add_special_tokens=False)
+    wait_idle(st)
 
 
 def test_errors_in_anthropic_shape(scripted):
