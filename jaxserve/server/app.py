@@ -29,19 +29,15 @@ from jaxserve.openai.kv_transfer_params import KVTransferParams
 from jaxserve.openai.metrics import ServerMetrics
 from jaxserve.openai.requests import grammar_error, parse_chat, parse_completion, wants_usage_in_stream
 from jaxserve.sampling_params import MAX_LOGPROBS
-from jaxserve.server import disaggregated, messages
+from jaxserve.server import disaggregated, messages, tokenizer_routes
 from jaxserve.server.cascade import ServedCascade
 from jaxserve.server.disaggregated import PrefillSide
 from jaxserve.server.kv_trust import KVTrust
 from jaxserve.server.lora_modules import LoRAModules, ServedAdapter
-from jaxserve.server.responses import CompletionResponse, answered_off_loop, merged
+from jaxserve.server.responses import CompletionResponse, merged
 from jaxserve.server.served_model import AutoTools, ServedModel
-from jaxserve.server.tokenizer_endpoints import detokenize, tokenize, tokenizer_info
 
 logger = logging.getLogger("jaxserve")
-
-# Outside /v1 (where vLLM has them), behind the API key all the same: they cost tokenizing work.
-_TOKENIZER_PATHS = ("/tokenize", "/detokenize", "/tokenizer_info")
 
 
 class Server:
@@ -72,7 +68,7 @@ class Server:
             engines = {model_name: engine}
         if not engines or not all(isinstance(name, str) and name for name in engines):
             raise ValueError("a server needs at least one engine, each under a non-empty name")
-        self.auth = api_key_auth(api_key, _TOKENIZER_PATHS)  # /v1/ and these: by API key, if given one
+        self.auth = api_key_auth(api_key, tokenizer_routes.PATHS)  # /v1/ and these: by API key, if given one
         self.metrics = ServerMetrics()
         limits = LogprobLimits(max_logprobs, max_logprob_entries)
         self.models = {name: ServedModel(name, e, self.metrics.add_model(name, e.stats), max_queued_requests,
@@ -116,10 +112,7 @@ class Server:
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         messages.add_routes(app, self)  # Anthropic's /v1/messages
-        # vLLM's tokenizer endpoints (lm-evaluation-harness's remote tokenizer reads them)
-        app.router.add_post("/tokenize", self.tokenize)
-        app.router.add_post("/detokenize", self.detokenize)
-        app.router.add_get("/tokenizer_info", self.tokenizer_info)
+        tokenizer_routes.add_routes(app, self)  # vLLM's (lm-evaluation-harness's remote tokenizer reads them)
         if self.allow_runtime_lora_updating:  # else 404s, as vLLM's without VLLM_ALLOW_RUNTIME_LORA_UPDATING
             app.router.add_post("/v1/load_lora_adapter", self.load_lora_adapter)
             app.router.add_post("/v1/unload_lora_adapter", self.unload_lora_adapter)
@@ -189,26 +182,6 @@ class Server:
         name = body.get("lora_name")
         await self.lora.unload(name)
         return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
-
-    # ---- tokenizer endpoints ----
-
-    async def tokenize(self, request):
-        body = await self._body(request)
-        m, _ = self._target(body)
-        # A 1 MiB prompt takes a while, and its answer (500,000 ids, their strings) too: off the event loop, within
-        # the capacity.
-        with self._admitted(m, 1):
-            return await answered_off_loop(m, tokenize, body, m.tokenizer, m.engine.max_model_len)
-
-    async def detokenize(self, request):
-        body = await self._body(request)
-        m, _ = self._target(body)
-        with self._admitted(m, 1):
-            return await answered_off_loop(m, detokenize, body, m.tokenizer, m.engine.vocab_size)
-
-    async def tokenizer_info(self, request):
-        m, _ = self._target({"model": request.query["model"]} if "model" in request.query else {})
-        return web.json_response(tokenizer_info(m.tokenizer, m.engine.max_model_len))
 
     # ---- generation ----
 

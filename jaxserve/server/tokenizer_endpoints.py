@@ -1,6 +1,6 @@
 """vLLM's tokenizer endpoints, so that a client needs no local tokenizer (lm-evaluation-harness's remote tokenizer
 reads exactly these): `POST /tokenize`, `POST /detokenize`, `GET /tokenizer_info`. Bodies checked and answered
-here, pure functions of the served model's tokenizer; `jaxserve.server.app` routes them."""
+here, pure functions of the served model's tokenizer; `jaxserve.server.tokenizer_routes` routes them."""
 from __future__ import annotations
 
 from jaxserve.openai.errors import ApiError
