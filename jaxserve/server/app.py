@@ -28,6 +28,7 @@ from jaxserve.server.disaggregated import PrefillSide
 from jaxserve.server.kv_trust import KVTrust
 from jaxserve.server.lora_modules import LoRAModules, ServedAdapter
 from jaxserve.server.responses import CompletionResponse, answered_off_loop, merged
+from jaxserve.server.responses_api import DEFAULT_STORE_SIZE, ResponsesRoutes
 from jaxserve.server.served_model import ServedModel
 from jaxserve.server.tokenizer_endpoints import detokenize, tokenize, tokenizer_info
 
@@ -35,7 +36,6 @@ logger = logging.getLogger("jaxserve")
 
 # Outside /v1 (where vLLM has them), behind the API key all the same: they cost tokenizing work.
 _TOKENIZER_PATHS = ("/tokenize", "/detokenize", "/tokenizer_info")
-
 
 
 class Server:
@@ -52,7 +52,8 @@ class Server:
                  tokenizer_threads: int = 2, allow_runtime_lora_updating: bool = False,
                  prefill_side: PrefillSide | None = None, kv_fetch_timeout_s: float = 30.0,
                  kv_trust: KVTrust | None = None, cascade: CascadeConfig | None = None,
-                 max_logprobs: int = MAX_LOGPROBS, max_logprob_entries: int = DEFAULT_MAX_LOGPROB_ENTRIES):
+                 max_logprobs: int = MAX_LOGPROBS, max_logprob_entries: int = DEFAULT_MAX_LOGPROB_ENTRIES,
+                 responses_store_size: int = DEFAULT_STORE_SIZE):
         if isinstance(engine, dict):
             if model_name is not None:
                 raise TypeError("with several engines ({name: engine}) the names are the dict's keys: no model_name")
@@ -86,6 +87,7 @@ class Server:
         # Whom kv_transfer_params are trusted from (a prefill server's is its prefill_side's: its KV port uses it).
         self.kv_trust = self.prefill_side.trust if self.prefill_side is not None else (kv_trust or KVTrust())
         self.kv_fetch_timeout_s = kv_fetch_timeout_s
+        self.responses = ResponsesRoutes(self, responses_store_size)  # /v1/responses, its stored answers
 
     @property
     def in_flight(self) -> int:
@@ -105,6 +107,7 @@ class Server:
         app.router.add_get("/v1/models", self.list_models)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
+        self.responses.add_routes(app)
         # vLLM's tokenizer endpoints (lm-evaluation-harness's remote tokenizer reads them)
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/detokenize", self.detokenize)

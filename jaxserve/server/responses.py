@@ -180,6 +180,13 @@ class CompletionResponse:
         except Exception as e:  # noqa: BLE001 - a failed engine step fails this request only
             raise ApiError(500, f"generation failed: {type(e).__name__}: {e}") from None
 
+    async def chat_deltas(self, outputs):
+        """Each chat stream entry ({index, delta, logprobs, finish_reason}) as the outputs come, tool calls parsed:
+        what another API's answer is built from (jaxserve.server.responses_api)."""
+        async for i, c in self._each(outputs):
+            for entry in self._choices(i, c):
+                yield entry
+
     def _usage(self) -> dict:
         return usage(sum(self.prompt_tokens), sum(self.tokens), sum(self.cached_tokens))
 
