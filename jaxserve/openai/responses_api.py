@@ -95,7 +95,7 @@ def parse_responses(body) -> ResponsesRequest:
     if set(text) - {"format"} or (text.get("format") is not None and not isinstance(text["format"], dict)):
         raise ApiError(400, "text must be {format: {type: text | json_object | json_schema, ...}} (verbosity is not "
                             "supported)", "text")
-    if "input" not in body or body["input"] in ("", []):
+    if not isinstance(body.get("input"), (str, list)) or not body["input"]:
         raise ApiError(400, "input must be a non-empty string or array of items", "input")
     inp = body["input"]
     items = [{"type": "message", "role": "user", "content": inp}] if isinstance(inp, str) else inp
