@@ -49,17 +49,23 @@ class ResponsesRoutes:
             raise ApiError(400, "the cascade serves /v1/completions and /v1/chat/completions only", "model")
         m, adapter = s._target(chat_body)
         m.check_chat()
-        try:
-            messages, params, tools = parse_chat(chat_body)
-            params = m.chat_params(params, tools)
+        try:  # the chat path's 400s name the Responses fields they came from
+            builder, answer = await self._answered(request, req, m, adapter, chat_body)
         except ApiError as e:
             raise chat_error(e) from None
+        if req.store and builder.body["status"] != "in_progress":
+            self.store.put(builder.body, history + req.items + builder.body["output"])
+        return answer
+
+    async def _answered(self, request, req, m: ServedModel, adapter, chat_body: dict):
+        """Runs the chat request chat_body on model m (its adapter, if any) as the chat route does: (the builder of
+        the response, finished; the HTTP answer, a stream already sent)."""
+        s = self.server
+        messages, params, tools = parse_chat(chat_body)
+        params = m.chat_params(params, tools)
         name = adapter.name if adapter is not None else m.name
         with s._admitted(m, 1):
-            try:
-                prompt = await s.chat_prompt(m, messages, params, tools)
-            except ApiError as e:
-                raise chat_error(e) from None
+            prompt = await s.chat_prompt(m, messages, params, tools)
             run = CompletionResponse(m, chat_body, params, True, 1, s.stream_write_timeout_s, tools, name)
             builder = ResponseBuilder(response_body(item_id("resp"), name, req.body), _reasoning_parser(m))
             lora = {"lora_request": adapter.lora_request} if adapter is not None else {}
@@ -70,9 +76,7 @@ class ResponsesRoutes:
                     async for _ in self._events(m, run, builder, outputs):
                         pass
                     answer = web.json_response(builder.body)
-        if req.store and builder.body["status"] != "in_progress":
-            self.store.put(builder.body, history + req.items + builder.body["output"])
-        return answer
+        return builder, answer
 
     async def _events(self, m: ServedModel, run: CompletionResponse, builder: ResponseBuilder, outputs):
         """The events of the response, a list per chat delta, the last list ending it."""

@@ -3,7 +3,8 @@ what each test needs (a scripted fake over a byte tokenizer, behind a Hermes too
 whole and streamed (typed events with their sequence numbers, and the client's stream helper), tool calls and a
 function_call_output continuing them, json_schema through responses.parse, previous_response_id and the store, usage
 with the prefix cache's hits, reasoning items through a reasoning parser (a small fake of the interface), and
-every unsupported field a 400 naming it."""
+every unsupported field a 400 naming it; the Agents SDK's streamed run reading the events."""
+import asyncio
 import json
 
 import openai
@@ -214,6 +215,9 @@ def test_store_is_bounded_and_unknown_ids_are_404(scripted):
     ({"top_logprobs": 3}, "top_logprobs"),
     ({"text": {"format": {"type": "text"}, "verbosity": "low"}}, "text"),
     ({"text": {"format": {"type": "xml"}}}, "text"),
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "string", "pattern": "(a"}}}},
+     "text"),  # a grammar that does not compile
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": []}}}, "text"),
     ({"tool_choice": {"type": "web_search_preview"}}, "tool_choice"),
     ({"frobnicate": 1}, "frobnicate"),
     ({"max_output_tokens": "ten"}, "max_output_tokens"),
@@ -228,4 +232,39 @@ def test_unsupported_and_bad_fields_are_400_naming_them(scripted, fields, param)
     status, raw = http("POST", scripted.url + "/v1/responses", {"model": "scripted", "input": "Hi", **fields})
     error = json.loads(raw)["error"]
     assert status == 400 and error["param"] == param and error["type"] == "invalid_request_error", error
+    wait_idle(scripted)
+
+
+def test_store_size_zero_keeps_none_and_a_negative_flag_is_refused(tiny_dir):
+    from jaxserve.cli import main
+    from jaxserve.openai.responses_store import ResponseStore
+    store = ResponseStore(0)
+    store.put({"id": "resp_1"}, [])
+    assert len(store) == 0
+    assert main(["serve", "--model", tiny_dir, "--responses-store-size", "-1"]) == 1
+
+
+def test_agents_sdk_streamed_run_reads_the_events(scripted):
+    """The Agents SDK's streamed run over this server's events: the model's call runs the tool, whose result ends
+    the run (stop_on_first_tool: the scripted model would call it again forever)."""
+    from agents import Agent, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
+    set_tracing_disabled(True)
+    scripted.script(SCRIPT)
+
+    @function_tool
+    def GetWeather(city: str, days: int) -> str:  # noqa: N802 - the scripted model's tool name
+        """The weather in a city."""
+        return f"sunny in {city} for {days} days"
+
+    model = OpenAIResponsesModel(model="scripted", openai_client=openai.AsyncOpenAI(
+        base_url=scripted.url + "/v1", api_key="unused", max_retries=0))
+    agent = Agent(name="weather", tools=[GetWeather], model=model, tool_use_behavior="stop_on_first_tool")
+
+    async def run():
+        result = Runner.run_streamed(agent, "Weather in Paris for 2 days?")
+        kinds = [e.type async for e in result.stream_events()]
+        return result, kinds
+    result, kinds = asyncio.run(run())
+    assert result.final_output == "sunny in Paris for 2 days"
+    assert "raw_response_event" in kinds and "run_item_stream_event" in kinds
     wait_idle(scripted)
