@@ -184,6 +184,12 @@ def test_reasoning_items_through_a_reasoning_parser(scripted):
         events = list(c.responses.create(model="scripted", input="Weather?", stream=True))
         assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == "Paris is in France."
         assert [e.output_index for e in events if e.type == "response.output_item.done"] == [0, 1]
+        # Continued: the earlier reasoning is not rendered again (the answer is), as templates drop it.
+        scripted.script("<think>Still sunny.</think>Yes.")
+        nxt = c.responses.create(model="scripted", input="Sure?", previous_response_id=r.id)
+        assert nxt.output_text == "Yes."
+        text = "<|im_start|>assistant\nIt is sunny.<|im_end|>\n<|im_start|>user\nSure?<|im_end|>\n"
+        assert nxt.usage.input_tokens == r.usage.input_tokens + len(text)
     finally:
         del model.reasoning_parser
     wait_idle(scripted)
