@@ -6,6 +6,7 @@ import argparse
 
 from jaxserve.engine_config import EngineConfig, add_quantization_cli_args
 from jaxserve.openai.reasoning import REASONING_PARSERS
+from jaxserve.openai.responses_store import DEFAULT_STORE_SIZE
 from jaxserve.openai.tool_call_parsers import TOOL_PARSERS
 from jaxserve.weights.default_model import DEFAULT_MODEL
 
@@ -78,6 +79,9 @@ def _server_flags(srv: argparse.ArgumentParser) -> None:
     srv.add_argument("--max-request-sequences", type=int, default=None,
                      help="most sequences (n x prompts) one request may ask for; more is a 400 (default: "
                           "--max-num-seqs)")
+    srv.add_argument("--responses-store-size", type=int, default=DEFAULT_STORE_SIZE,
+                     help="most responses kept in memory for /v1/responses' previous_response_id and GET (the least "
+                          "recently used go first; 0: none stored)")
     srv.add_argument("--max-logprobs", type=int, default=20,
                      help="most top logprobs one position may show (logprobs, top_logprobs, prompt_logprobs; "
                           "vLLM's flag; at most 20); more is a 400")

@@ -29,7 +29,7 @@ def cmd_serve(args) -> None:
     trust = _kv_trust(args, role)
     server_args = dict(api_key=args.api_key, max_queued_requests=args.max_queued_requests,
                        max_request_sequences=args.max_request_sequences, max_logprobs=args.max_logprobs,
-                       max_logprob_entries=args.max_logprob_entries,
+                       max_logprob_entries=args.max_logprob_entries, responses_store_size=args.responses_store_size,
                        stream_write_timeout_s=args.stream_write_timeout, header_timeout_s=args.header_timeout,
                        body_timeout_s=args.body_timeout, allow_runtime_lora_updating=runtime_lora,
                        prefill_side=_prefill_side(args, role, trust), kv_trust=trust, cascade=cascade,
@@ -53,6 +53,8 @@ def _check_server_flags(args) -> None:
         raise ValueError(f"--port must be in 1-65535, got {args.port}")
     if args.max_queued_requests < 0:
         raise ValueError(f"--max-queued-requests must be >= 0, got {args.max_queued_requests}")
+    if args.responses_store_size < 0:
+        raise ValueError(f"--responses-store-size must be >= 0, got {args.responses_store_size}")
     if args.max_request_sequences is not None and args.max_request_sequences < 1:
         raise ValueError(f"--max-request-sequences must be >= 1, got {args.max_request_sequences}")
     from jaxserve.openai.answer_size import LogprobLimits

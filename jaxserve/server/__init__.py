@@ -1,7 +1,8 @@
 """`jaxserve serve`: an OpenAI-compatible HTTP server (aiohttp) over an AsyncEngine, which it knows only through the
 `jaxserve.engine.client.EngineClient` protocol (nothing of the scheduler, the KV cache or the runner below it).
 
-/v1/completions and /v1/chat/completions (streamed as server-sent events or whole), /v1/models, /health and
+/v1/completions and /v1/chat/completions (streamed as server-sent events or whole), OpenAI's Responses API
+(/v1/responses, over the chat path: `responses_api`), /v1/models, /health and
 /metrics (Prometheus). Every error is an OpenAI-style body with a 4xx/5xx status; a bad request never reaches
 the engine. A client that goes away aborts its request (its pages are freed before the next step). When more
 sequences are admitted than the engine runs plus `max_queued_requests`, the answer is 429 with Retry-After. On

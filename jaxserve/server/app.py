@@ -35,6 +35,7 @@ from jaxserve.server.disaggregated import PrefillSide
 from jaxserve.server.kv_trust import KVTrust
 from jaxserve.server.lora_modules import LoRAModules, ServedAdapter
 from jaxserve.server.responses import CompletionResponse, merged
+from jaxserve.server.responses_api import DEFAULT_STORE_SIZE, ResponsesRoutes
 from jaxserve.server.served_model import AutoTools, ServedModel
 
 logger = logging.getLogger("jaxserve")
@@ -48,7 +49,8 @@ class Server:
     cascade: a CascadeConfig over served models, whose name requests may give as their model (`cascade`).
     max_logprobs, max_logprob_entries: how large one answer's logprobs may be (jaxserve.openai.answer_size).
     auto_tools: tool_choice auto (--enable-auto-tool-choice, --tool-call-parser: jaxserve.server.served_model).
-    reasoning_parser: vLLM's --reasoning-parser (jaxserve.openai.reasoning), for every model."""
+    reasoning_parser: vLLM's --reasoning-parser (jaxserve.openai.reasoning), for every model.
+    responses_store_size: the responses /v1/responses keeps for previous_response_id and GET (responses_store)."""
 
     def __init__(self, engine: EngineClient | dict[str, EngineClient], model_name: str | None = None, *,
                  api_key: str | None = None, max_queued_requests: int = 256, max_request_sequences: int | None = None,
@@ -57,7 +59,8 @@ class Server:
                  prefill_side: PrefillSide | None = None, kv_fetch_timeout_s: float = 30.0,
                  kv_trust: KVTrust | None = None, cascade: CascadeConfig | None = None,
                  max_logprobs: int = MAX_LOGPROBS, max_logprob_entries: int = DEFAULT_MAX_LOGPROB_ENTRIES,
-                 auto_tools: AutoTools | None = None, reasoning_parser: str | None = None):
+                 auto_tools: AutoTools | None = None, reasoning_parser: str | None = None,
+                 responses_store_size: int = DEFAULT_STORE_SIZE):
         if isinstance(engine, dict):
             if model_name is not None:
                 raise TypeError("with several engines ({name: engine}) the names are the dict's keys: no model_name")
@@ -92,6 +95,7 @@ class Server:
         # Whom kv_transfer_params are trusted from (a prefill server's is its prefill_side's: its KV port uses it).
         self.kv_trust = self.prefill_side.trust if self.prefill_side is not None else (kv_trust or KVTrust())
         self.kv_fetch_timeout_s = kv_fetch_timeout_s
+        self.responses = ResponsesRoutes(self, responses_store_size)  # /v1/responses, its stored answers
 
     @property
     def in_flight(self) -> int:
@@ -112,6 +116,7 @@ class Server:
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         messages.add_routes(app, self)  # Anthropic's /v1/messages
+        self.responses.add_routes(app)  # OpenAI's /v1/responses
         tokenizer_routes.add_routes(app, self)  # vLLM's (lm-evaluation-harness's remote tokenizer reads them)
         if self.allow_runtime_lora_updating:  # else 404s, as vLLM's without VLLM_ALLOW_RUNTIME_LORA_UPDATING
             app.router.add_post("/v1/load_lora_adapter", self.load_lora_adapter)
@@ -264,6 +269,17 @@ class Server:
                                               *([self.cascade.name] if self.cascade is not None else [])])
         raise ApiError(404, f"The model `{name}` does not exist; this server serves {served}", "model",
                        "model_not_found")
+
+    def chat_built_target(self, body: dict, route: str) -> tuple[ServedModel, ServedAdapter | None]:
+        """The model (and adapter) a request of another API built on the chat path (Messages, Responses) names:
+        served by neither a role server nor the cascade (a 400 naming `route`)."""
+        if self.role != "both":
+            raise ApiError(400, f"a {self.role} server (--role {self.role}) serves chat and completions, not {route}")
+        if self._cascade_named(body):
+            raise ApiError(400, f"the cascade serves chat and completions, not {route}", "model")
+        m, adapter = self._target(body)
+        m.check_chat()
+        return m, adapter
 
     @contextlib.contextmanager
     def _admitted(self, m: ServedModel, seqs: int):

@@ -55,14 +55,7 @@ class Messages:
 
     def _model(self, chat: dict) -> tuple[ServedModel, Any]:
         """The served model (and adapter) the request names, refused where these routes are not served."""
-        server = self.server
-        if server.role != "both":
-            raise ApiError(400, f"a {server.role} server (--role {server.role}) serves the OpenAI routes only")
-        if server._cascade_named(chat):
-            raise ApiError(400, "the cascade answers /v1/chat/completions and /v1/completions only", "model")
-        m, adapter = server._target(chat)
-        m.check_chat()
-        return m, adapter
+        return self.server.chat_built_target(chat, PATH)
 
     async def count_tokens(self, request) -> web.Response:
         """{"input_tokens"}: the prompt the same request would be, rendered by the chat template and tokenized (not

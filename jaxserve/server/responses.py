@@ -242,8 +242,8 @@ class CompletionResponse:
 
     async def chat_deltas(self, outputs):
         """(choice, its chat chunk entries, the CompletionOutput delta) for each new piece, as a chat stream would send
-        them (tool calls parsed): what another API's answer (Anthropic's Messages) is built from, so that it shares
-        the chat path's parsing, accounting and metrics."""
+        them (reasoning split, tool calls parsed): what another API's answer (Anthropic's Messages, OpenAI's Responses)
+        is built from, so that it shares the chat path's parsing, grammars, accounting and metrics."""
         async for i, c in self._each(outputs):
             yield i, self._choices(i, c), c
 

@@ -494,6 +494,19 @@ def test_tiers_of_different_vocabularies_take_text_only(served):
     idle(st)
 
 
+def test_the_apis_built_on_chat_refuse_the_cascade(served):
+    """Anthropic's Messages and OpenAI's Responses run one model's chat path: the cascade's name is a 400 there, in
+    each API's error shape, naming the route."""
+    st, _ = served
+    status, content = http("POST", st.url + "/v1/messages", {"model": "auto", "max_tokens": 4, "messages": [
+        {"role": "user", "content": "hi"}]})
+    assert status == 400 and "not /v1/messages" in json.loads(content)["error"]["message"], content
+    status, content = http("POST", st.url + "/v1/responses", {"model": "auto", "input": "hi"})
+    error = json.loads(content)["error"]
+    assert (status, error["param"]) == (400, "model") and "not /v1/responses" in error["message"], content
+    idle(st)
+
+
 def test_after_refuses_max_tokens_0(served):
     st, ref = served
     use(st, CascadeConfig(TIERS, router=after_router(ref)[0]))
