@@ -2,11 +2,12 @@
 `jaxserve.engine.client.EngineClient` protocol (nothing of the scheduler, the KV cache or the runner below it).
 
 /v1/completions and /v1/chat/completions (streamed as server-sent events or whole), OpenAI's Responses API
-(/v1/responses, over the chat path: `responses_api`), /v1/models, /health and
-/metrics (Prometheus). Every error is an OpenAI-style body with a 4xx/5xx status; a bad request never reaches
-the engine. A client that goes away aborts its request (its pages are freed before the next step). When more
-sequences are admitted than the engine runs plus `max_queued_requests`, the answer is 429 with Retry-After. On
-SIGTERM the server stops accepting, lets running requests finish for a grace period, aborts the rest, exits 0.
+(/v1/responses, over the chat path: `responses_api`), Anthropic's Messages API (/v1/messages, over the chat path:
+`messages`), /v1/models, /health and /metrics (Prometheus). Every error is an OpenAI-style body (Anthropic's on its
+routes) with a 4xx/5xx status; a bad request never reaches the engine. A client that goes away aborts its request
+(its pages are freed before the next step). When more sequences are admitted than the engine runs plus
+`max_queued_requests`, the answer is 429 with Retry-After. On SIGTERM the server stops accepting, lets running
+requests finish for a grace period, aborts the rest, exits 0.
 
 One client must not hurt another: a request asks for at most `max_request_sequences` (n x prompts); admission is
 decided before any costly work, a prompt certainly too long for the context (by its length in characters, see
