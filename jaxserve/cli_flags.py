@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 from typing import Callable, Iterable
 
 _AS_SERVE = object()  # offline_default not given: generate and chat default as serve does
@@ -111,3 +112,15 @@ def read_flags(cls, args: argparse.Namespace, names: Iterable[str] | None = None
         if "cli" in field.metadata and (names is None or field.name in names):
             given.update(field.metadata["cli"].read(field, args))
     return given
+
+
+def json_object_flag(flag: str, text: str, example: str) -> dict:
+    """A flag's value that is a JSON object (vLLM's --hf-overrides, --speculative-config; --ray-bundle): parsed, or
+    a ValueError naming the flag and showing an example."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{flag} must be a JSON object such as '{example}': {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{flag} must be a JSON object such as '{example}', got {text!r}")
+    return value

@@ -4,6 +4,8 @@ from __future__ import annotations
 import dataclasses
 import json
 
+from jaxserve.cli_flags import json_object_flag
+
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                            "Gemma3ForCausalLM")
 FULL, SLIDING = "full_attention", "sliding_attention"  # HF's layer_types
@@ -225,11 +227,6 @@ def hf_overrides_from_json(text: str | None) -> dict | None:
     """`--hf-overrides JSON` (vLLM's flag): a JSON object, checked as check_hf_overrides does."""
     if text is None:
         return None
-    try:
-        overrides = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"--hf-overrides must be a JSON object, e.g. '{{\"rope_scaling\": {{...}}}}': {e}") from None
-    if not isinstance(overrides, dict):
-        raise ValueError(f"--hf-overrides must be a JSON object (a dict of HF config keys), got {text!r}")
+    overrides = json_object_flag("--hf-overrides", text, '{"rope_scaling": {...}}')
     check_hf_overrides(overrides)
     return overrides

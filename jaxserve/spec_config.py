@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
+
+from jaxserve.cli_flags import json_object_flag
 
 METHODS = ("ngram", "draft_model", "eagle3", "mtp")
 # Methods whose proposer is a head over the target's hidden states, not a model of its own.
@@ -110,13 +111,8 @@ def speculative_config_from_args(args: argparse.Namespace) -> dict | None:
         if given:
             raise ValueError(f"--speculative-config holds the whole speculative configuration: drop "
                              f"{', '.join('--' + g.replace('_', '-') for g in given)}")
-        try:
-            value = json.loads(args.speculative_config)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"--speculative-config is not valid JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"--speculative-config must be a JSON object, got {args.speculative_config!r}")
-        return value
+        return json_object_flag("--speculative-config", args.speculative_config,
+                                '{"method": "eagle3", "model": "DIR", "num_speculative_tokens": 3}')
     method = args.speculative_method or ("draft_model" if args.draft_model else None)
     if method is None:
         if args.num_speculative_tokens is not None:

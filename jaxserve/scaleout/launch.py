@@ -4,11 +4,11 @@
 that ended is named: a non-zero exit) or until Ctrl-C / SIGTERM (every process stopped: process 0 drains)."""
 from __future__ import annotations
 
-import json
 import signal
 import sys
 import threading
 
+from jaxserve.cli_flags import json_object_flag
 from jaxserve.scaleout import require_ray
 from jaxserve.scaleout.hosts import launch_hosts
 
@@ -17,11 +17,8 @@ def ray_bundle(text: str | None) -> dict | None:
     """--ray-bundle's JSON object of resource amounts (None: the default bundle)."""
     if text is None:
         return None
-    try:
-        bundle = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"--ray-bundle must be a JSON object such as '{{\"TPU\": 4}}': {e}") from None
-    if not (isinstance(bundle, dict) and bundle and all(
+    bundle = json_object_flag("--ray-bundle", text, '{"TPU": 4}')
+    if not (bundle and all(
             isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in bundle.values())):
         raise ValueError(f"--ray-bundle must map resource names to amounts > 0, such as '{{\"TPU\": 4}}'; got {text}")
     return bundle

@@ -25,20 +25,19 @@ class TokenizerRoutes:
         self.server = server
 
     async def tokenize(self, request):
+        return await self._answer(request, lambda body, m: tokenize(body, m.tokenizer, m.engine.max_model_len))
+
+    async def detokenize(self, request):
+        return await self._answer(request, lambda body, m: detokenize(body, m.tokenizer, m.engine.vocab_size))
+
+    async def _answer(self, request, answer):
         s = self.server
         body = await s._body(request)
         m, _ = s._target(body)
         # A 1 MiB prompt takes a while, and its answer (500,000 ids, their strings) too: off the event loop, within
         # the capacity.
         with s._admitted(m, 1):
-            return await answered_off_loop(m, tokenize, body, m.tokenizer, m.engine.max_model_len)
-
-    async def detokenize(self, request):
-        s = self.server
-        body = await s._body(request)
-        m, _ = s._target(body)
-        with s._admitted(m, 1):
-            return await answered_off_loop(m, detokenize, body, m.tokenizer, m.engine.vocab_size)
+            return await answered_off_loop(m, answer, body, m)
 
     async def tokenizer_info(self, request):
         m, _ = self.server._target({"model": request.query["model"]} if "model" in request.query else {})
