@@ -7,9 +7,9 @@ and every adapter sequence after it, waiting: see `Scheduler._admit_waiting`.)
 
 Disaggregated serving (`jaxserve.batching.pools.disaggregated`): a decode scheduler (role "decode", or "both") takes
 a sequence prefilled elsewhere with its KV pages (`add_prefilled`): it waits like any other, and once its KV has
-landed and a slot and pages for all its tokens are free it is admitted with its prompt counted as computed and the
-pages to import listed in the step (`ScheduledBatch.imports`), which the engine writes into the cache before the
-step runs; then it decodes as any other, and a preemption later recomputes it from its tokens as usual.
+landed and a slot and pages for all its tokens are free it is admitted (one a step) with its prompt counted as
+computed and the pages to import listed in the step (`ScheduledBatch.imports`), which the engine writes into the
+cache before the step runs; then it decodes as any other, and a preemption later recomputes it from its tokens as usual.
 """
 from __future__ import annotations
 
@@ -79,9 +79,11 @@ class Admission(Residency):
         """A prefilled sequence waits for its KV to land."""
         return any(not landed() for _, _, _, landed in self._imports.values())
 
-    def _kv_landed(self, seq: Sequence) -> bool:
-        """False only for a prefilled sequence whose KV is still on its way."""
-        return seq not in self._imports or self._imports[seq][3]()
+    def _importable(self, seq: Sequence) -> bool:
+        """False only for a prefilled sequence whose KV is still on its way, or that another import this step
+        comes before: one import a step, so the engine thread's work before a step (its scatter into the cache) is
+        one sequence's pages at most, never a burst's (issue 53: imports stalled the decode steps)."""
+        return seq not in self._imports or (not self._admitted_imports and self._imports[seq][3]())
 
     def _admit(self, seq: Sequence, cap: int) -> bool:
         """Gives a waiting sequence a slot, its adapter's slot (the caller saw one can be had), its cached prefix,

@@ -7,7 +7,9 @@ export (a gather on the device, `export_handed_off`) and only then gives them ba
 runs after the gather. A decode engine takes it with those pages (`EngineCore.add_prefilled`), copies them to its
 own devices at once (`copy_in`), and writes them into its cache when the scheduler admits it (once the copy has
 landed, so a decode step never waits for the prefill devices, which may still be running the step after the
-export), before the step that first reads them is dispatched (`write_imports`).
+export), before the step that first reads them is dispatched (`write_imports`). A decode server copies fetched pages
+to its devices before it adds the sequence, on its import thread (`staged`), so its engine thread only scatters
+them; and its scheduler admits one import a step (`Admission`), so a burst of them never stalls one step.
 """
 from __future__ import annotations
 
@@ -93,6 +95,16 @@ def copy_in(runner: Runner, seq: Sequence, kv: KVPages, num_cached: int, page_si
         return runner.put_pages(kv)
     except ValueError as e:
         raise ValueError(f"request {seq.request_id}: {e}") from e
+
+
+def staged(runner: Runner, seq: Sequence, kv: KVPages, num_cached: int, page_size: int) -> KVPages:
+    """copy_in, waited for: kv on this runner's devices, padded to its bucket, landed. What a decode server's import
+    thread (`jaxserve.kv_transfer.worker`) does with fetched pages before the engine thread sees them, so that
+    add_prefilled's copy_in finds them in place (no padding, no copy) and the engine thread's only work for an
+    import is its scatter into the cache (`write_imports`). It reads only the cache's layout, never writes it: the
+    engine thread stays the cache's one writer."""
+    kv = copy_in(runner, seq, kv, num_cached, page_size)
+    return jax.block_until_ready(kv)
 
 
 def write_imports(runner: Runner, batch: ScheduledBatch) -> dict[str, BaseException]:

@@ -184,8 +184,8 @@ class Scheduler(Admission):
                 break
             if seq.pending:
                 continue  # preempted with a token in flight: resumable once it lands
-            if not self._kv_landed(seq):
-                continue  # its KV is still on its way
+            if not self._importable(seq):
+                continue  # its KV is still on its way, or another import goes first this step
             if seq.lora is not None and (slot_short or not self._adapter_slots().can_take(seq.lora)):
                 slot_short = True
                 continue

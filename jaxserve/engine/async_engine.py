@@ -20,6 +20,7 @@ from typing import AsyncIterator
 
 from jaxserve.batching.engine_core import MAX_FAILED_STEPS, EngineCore, EngineDeadError, StepError
 from jaxserve.batching.engine_stats import EngineStats
+from jaxserve.batching.kv_handoff import staged
 from jaxserve.batching.output_processor import SequenceDelta, cached_prompt_tokens, request_metrics
 from jaxserve.batching.pools.data_parallel import DataParallel
 from jaxserve.batching.pools.disaggregated import Disaggregated
@@ -28,6 +29,7 @@ from jaxserve.cache.transfer import trimmed
 from jaxserve.engine.client import HandedOff, Prefilled
 from jaxserve.engine.llm import LLM, Request
 from jaxserve.engine_config import EngineConfig
+from jaxserve.kv_transfer.worker import import_executor
 from jaxserve.lora.adapter import LOADS
 from jaxserve.lora.request import LoRARequest
 from jaxserve.outputs import CompletionOutput, RequestOutput, merged
@@ -137,6 +139,10 @@ class AsyncEngine:
                 None, self.llm.make_request, prompt, params, priority, request_id, lora_request)
             if request_id in self._streams:  # taken while it compiled
                 raise ValueError(f"request id {request_id!r} is already running")
+        if prefilled is not None:
+            prefilled = await self._staged(request, prefilled)
+            if request_id in self._streams:  # taken while its pages were staged
+                raise ValueError(f"request id {request_id!r} is already running")
         stream = _Stream(asyncio.get_running_loop(), request)
         self._streams[request_id] = stream
         if self._stopping:  # shut down while this request was being checked
@@ -144,6 +150,19 @@ class AsyncEngine:
             raise EngineDeadError("the engine is shut down")
         self._commands.put(_Add(request, prefilled))
         return self._iterate(request_id, stream)
+
+    async def _staged(self, request: Request, prefilled: Prefilled) -> Prefilled:
+        """prefilled with its pages copied to the decode engine's devices and landed, on the KV import thread (below
+        the engine thread's priority: `jaxserve.kv_transfer.worker`), so the engine thread only scatters them into
+        its cache between steps (`kv_handoff.staged`). Pages that do not fit raise ValueError here, before anything
+        is queued. A pool of replicas stages on the engine thread as before: which replica takes it is chosen there."""
+        core = _one_pool(self.llm)
+        if not isinstance(core, EngineCore):
+            return prefilled
+        kv = await asyncio.get_running_loop().run_in_executor(
+            import_executor(), staged, core.runner, request.seqs[0], prefilled.kv, prefilled.num_cached,
+            core.scheduler.page_size)
+        return dataclasses.replace(prefilled, kv=kv)
 
     async def _iterate(self, request_id: str, stream: _Stream) -> AsyncIterator[RequestOutput]:
         finished = False

@@ -14,6 +14,7 @@ from jaxserve.kv_transfer.errors import KVTransferError
 from jaxserve.kv_transfer.jax_transfer import JaxTransferEndpoint, wait_ready
 from jaxserve.kv_transfer.layout import DTYPES, check_shapes, unflatten_pages
 from jaxserve.kv_transfer.protocol import frame, read_message, recv_exactly, recv_into, send_all
+from jaxserve.kv_transfer.worker import import_executor
 
 
 async def fetch_pages(host: str, port: int, transfer_id: str, timeout: float = 30.0,
@@ -77,7 +78,13 @@ async def _receive_bytes(sock: socket.socket, peer: str, max_bytes: int | None) 
         raise KVTransferError(f"{peer}: no memory for {payload_bytes} bytes of KV pages: {e}") from e
     data[:len(prefix)] = np.frombuffer(prefix, np.uint8)
     await recv_into(sock, memoryview(data)[len(prefix):], peer, "the pages")
-    return await asyncio.to_thread(decode_pages, data)  # the checksum of 400 MB: 0.2 s off the loop
+    # The checksum (400 MB: 0.2 s) off the loop and below the engine's priority: see worker.py
+    return await loop_run(decode_pages, data)
+
+
+async def loop_run(fn, *args):
+    """fn(*args) on the KV import thread (`worker.import_executor`), awaited."""
+    return await asyncio.get_running_loop().run_in_executor(import_executor(), fn, *args)
 
 
 def _check_size(num_bytes: int, max_bytes: int | None, peer: str) -> None:

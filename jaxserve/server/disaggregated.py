@@ -31,6 +31,7 @@ import numpy as np
 from jaxserve.engine.client import HandedOff, Prefilled
 from jaxserve.kv_transfer import KVServer, KVStore, KVTransferError, fetch_pages
 from jaxserve.kv_transfer.auth import pages_digest
+from jaxserve.kv_transfer.client import loop_run
 from jaxserve.kv_transfer.store import KVStoreFull
 from jaxserve.openai.errors import ApiError
 from jaxserve.openai.http import KV_BYTES_HEADER, KV_SECONDS_HEADER
@@ -150,7 +151,7 @@ async def fetch_prefilled(remote: RemoteKV, timeout_s: float, max_bytes: int | N
     try:
         kv = await fetch_pages(remote.remote_host, remote.remote_port, remote.transfer_id, timeout_s,
                                max_bytes=max_bytes, secret=trust.secret)
-        if await asyncio.to_thread(pages_digest, kv) != remote.kv_digest:
+        if await loop_run(pages_digest, kv) != remote.kv_digest:  # (on the import thread, as the checksum)
             raise KVTransferError("the pages fetched are not those the prefill server's MAC covers")
     except (KVTransferError, OSError, ValueError) as e:  # (ValueError: a host name no resolver takes, say)
         logger.warning("KV transfer %r from %s:%d failed: %s", remote.transfer_id, remote.remote_host,
