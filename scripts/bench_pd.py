@@ -9,6 +9,10 @@ against OpenAI-compatible servers, the servers launched (and pinned) here.
     python scripts/bench_pd.py --smoke
     # servers already running (nothing launched): a name and a base URL each
     python scripts/bench_pd.py --url colocated=http://127.0.0.1:8000/v1 --url disaggregated=http://127.0.0.1:8100/v1
+    # another tree's code as the baseline, in the same run (issue 53: the decode server's TPOT before and after):
+    # its servers and this tree's, interleaved, --repeats times each, and the medians side by side
+    python scripts/bench_pd.py --setups disaggregated --rates 0.08,0.16 --num-requests 12 --ttft-slo 10 \
+        --tpot-slo 0.2 --baseline-pythonpath /path/to/main --repeats 2 --out scripts/bench_results/pd_imports.json
 
 Setups (--setups; each one's servers started, health-checked, warmed and stopped in turn; commands are templates,
 flags to adjust, logs beside --out):
@@ -16,7 +20,10 @@ flags to adjust, logs beside --out):
   - disaggregated: `taskset -c 0 jaxserve serve --role prefill`, `taskset -c 1 jaxserve serve --role decode`
     and `jaxserve router --prefill URL --decode URL` (--prefill-cmd, --decode-cmd, --router-cmd).
   Placeholders: {python}, {port}, {serve_args} (--serve-args, the same for every server), {prefill_url},
-  {decode_url}.
+  {decode_url}. The role servers and the router share a KV transfer secret (JAXSERVE_KV_SECRET: a random one unless
+  set). With --baseline-pythonpath DIR each setup also runs as SETUP@baseline with PYTHONPATH=DIR (another checkout's
+  code: main's, say), the two alternating --repeats times on the same workload; the summary gives the medians of
+  each one's TPOT and inter-token latency percentiles and their ratios.
 
 Workload (scripts/workload.py with the same seed at every rate and setup, so each sees the same lengths and arrival
 times): Poisson arrivals at each --rates, prompts log-normal in --prompt-len (default median 1400, 1024-2048 tokens,
@@ -61,6 +68,7 @@ from bench_serving import (  # noqa: E402
 )
 from workload import describe, synth_requests  # noqa: E402
 
+SECRET_ENV = "JAXSERVE_KV_SECRET"  # (jaxserve.openai.kv_transfer_params.SECRET_ENV: this script imports no jaxserve)
 SERVE = "{python} -m jaxserve.cli serve --port {port} {serve_args}"
 DEFAULT_CMDS = {
     "colocated": "taskset -c 0,1 " + SERVE,
@@ -79,6 +87,7 @@ class Server:
     port: int
     log: Path
     proc: subprocess.Popen | None = None
+    env: dict = dataclasses.field(default_factory=dict)  # over os.environ (PYTHONPATH for a baseline's code)
 
     @property
     def url(self) -> str:
@@ -89,7 +98,7 @@ class Server:
         print(f"  starting {self.name}: {self.command}  (log {self.log})", flush=True)
         # A session of its own, so stopping it stops what taskset started too.
         self.proc = subprocess.Popen(shlex.split(self.command), stdout=self.log.open("w"), stderr=subprocess.STDOUT,
-                                     start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                     start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1", **self.env})
 
     def wait_healthy(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -128,6 +137,45 @@ def servers_for(setup: str, args, logs: Path) -> list[Server]:
     router = Server("router", args.router_cmd.format(port=port, prefill_url=prefill.url, decode_url=decode.url,
                                                      **fill), port, logs / "router.log")
     return [prefill, decode, router]
+
+
+def variants(args) -> list[tuple[str, dict]]:
+    """(label suffix, environment) of each code under test: this tree's, and a baseline's before it if asked."""
+    ours = ("", {})
+    return [("@baseline", {"PYTHONPATH": args.baseline_pythonpath}), ours] if args.baseline_pythonpath else [ours]
+
+
+def compare(rows: list[dict]) -> list[dict]:
+    """Per setup label and rate: the medians over repeats of TPOT and ITL P50/P95 (ms) and P95/P50; beside a
+    baseline, each one's ratio to it."""
+    groups: dict[tuple[str, float], list[dict]] = {}
+    for r in rows:
+        if r["tpot_s"] and r["itl_s"]:
+            groups.setdefault((r["setup"], r["request_rate"]), []).append(r)
+    out = []
+    for (label, rate), rs in groups.items():
+        med = {f"{m}_{k}_ms": round(float(np.median([r[f"{m}_s"][k] for r in rs]) * 1e3), 1)
+               for m in ("tpot", "itl") for k in ("p50", "p95", "p99")}
+        out.append({"setup": label, "request_rate": rate, "repeats": len(rs), **med,
+                    "tpot_p95_over_p50": round(med["tpot_p95_ms"] / med["tpot_p50_ms"], 2),
+                    "itl_p95_over_p50": round(med["itl_p95_ms"] / med["itl_p50_ms"], 2)})
+    base = {(o["setup"].removesuffix("@baseline"), o["request_rate"]): o
+            for o in out if o["setup"].endswith("@baseline")}
+    for o in out:
+        b = base.get((o["setup"], o["request_rate"]))
+        if b is not None:
+            o["vs_baseline"] = {k: round(o[k] / b[k], 2) for k in ("tpot_p50_ms", "tpot_p95_ms", "itl_p50_ms",
+                                                                   "itl_p95_ms", "itl_p99_ms")}
+    print(f"\nmedians over repeats{'':<8}{'TPOT p50/p95 ms':>18}{'p95/p50':>8}{'ITL p50/p95/p99 ms':>20}"
+          f"{'p95/p50':>8}  against the baseline (TPOT p50, p95; ITL p50, p95, p99)")
+    for o in sorted(out, key=lambda o: (o["request_rate"], o["setup"])):
+        v = o.get("vs_baseline")
+        against = "" if v is None else ("  " + ", ".join(f"{v[k]:.2f}x" for k in ("tpot_p50_ms", "tpot_p95_ms"))
+                                        + "; " + ", ".join(f"{v[f'itl_{p}_ms']:.2f}x" for p in ("p50", "p95", "p99")))
+        itl = "/".join(f"{o[f'itl_{p}_ms']:.0f}" for p in ("p50", "p95", "p99"))
+        print(f"{o['setup']:<22}{o['request_rate']:>6g}{o['tpot_p50_ms']:>9.0f}/{o['tpot_p95_ms']:<8.0f}"
+              f"{o['tpot_p95_over_p50']:>8.2f}{itl:>20}{o['itl_p95_over_p50']:>8.2f}{against}")
+    return out
 
 
 def request_record(r, prompt_target: int) -> dict:
@@ -220,6 +268,9 @@ def main(argv=None):
     ap.add_argument("--base-port", type=int, default=8470, help="client-facing port; prefill +1, decode +2")
     ap.add_argument("--start-timeout", type=float, default=900, help="seconds for a server to compile and listen")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per request")
+    ap.add_argument("--baseline-pythonpath", default=None, metavar="DIR",
+                    help="also run each setup on the code under DIR (PYTHONPATH=DIR), alternating with this tree's")
+    ap.add_argument("--repeats", type=int, default=1, help="runs of each setup (and its baseline), alternating")
     ap.add_argument("--smoke", action="store_true", help="6 short requests at 1 req/s against one small colocated "
                     "server: checks this script in about a minute (figures meaningless; other flags still apply)")
     ap.add_argument("--out", default=None, help="default: bench_results/pd.json (--smoke: pd_smoke.json)")
@@ -236,18 +287,26 @@ def main(argv=None):
           f"{args.ttft_slo:g} s, TPOT <= {args.tpot_slo * 1e3:g} ms", flush=True)
     tokenizer = None if args.tokenizer_model == "none" else load_tokenizer(args.tokenizer_model or None)
     out = Path(args.out)
+    # Role servers serve kv_transfer_params only under a secret shared with the router (issue 48)
+    os.environ.setdefault(SECRET_ENV, os.urandom(16).hex())
     rows, setups = [], list(urls) if urls else args.setups
-    for i, setup in enumerate(setups):
-        servers = [] if setup in urls else servers_for(setup, args, out.parent / f"{out.stem}_logs")
-        try:
-            for server in servers:
-                server.start()
-                server.wait_healthy(args.start_timeout)
-            base = urls[setup] if setup in urls else f"{servers[-1].url}/v1"
-            rows += asyncio.run(measure(base.rstrip("/"), setup, args, tokenizer, i))
-        finally:
-            for server in reversed(servers):
-                server.stop()
+    for repeat in range(args.repeats):
+        for i, setup in enumerate(setups):
+            for suffix, env in ([("", {})] if setup in urls else variants(args)):
+                label = setup + suffix
+                logs = out.parent / f"{out.stem}_logs" / (label if args.repeats == 1 else f"{label}_{repeat}")
+                servers = [] if setup in urls else servers_for(setup, args, logs)
+                for server in servers:
+                    server.env = env
+                try:
+                    for server in servers:
+                        server.start()
+                        server.wait_healthy(args.start_timeout)
+                    base = urls[setup] if setup in urls else f"{servers[-1].url}/v1"
+                    rows += asyncio.run(measure(base.rstrip("/"), label, args, tokenizer, i))  # (i: same prompts)
+                finally:
+                    for server in reversed(servers):
+                        server.stop()
     result = {"date": time.strftime("%Y-%m-%d %H:%M"), "command": " ".join(sys.argv),
               "machine": {"cores": os.cpu_count(), "loadavg_1m_at_end": round(os.getloadavg()[0], 2)},
               "commands": {s.name: s.command for setup in setups if setup not in urls
@@ -261,6 +320,9 @@ def main(argv=None):
     out.write_text(json.dumps(finite_json(result), indent=1))
     print(json.dumps(result["workload"]))
     table(rows, args.ttft_slo, args.tpot_slo)
+    if args.baseline_pythonpath or args.repeats > 1:
+        result["compared"] = compare(rows)
+        out.write_text(json.dumps(finite_json(result), indent=1))
     print(f"wrote {out}")
     return result
 
