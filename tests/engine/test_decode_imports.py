@@ -3,6 +3,7 @@ thread before the engine thread sees them, so decode rows keep stepping while an
 thread then admits one import a step; imported sequences give the colocated tokens; pages that do not fit are refused
 before anything is held. Over fake runners, held at gates (no timing)."""
 import asyncio
+import os
 import threading
 
 import numpy as np
@@ -169,3 +170,11 @@ def test_one_import_a_step_and_each_gives_the_colocated_tokens():
         assert request.seqs[0].status is Status.FINISHED
         assert request.seqs[0].output_token_ids == colocated(prompt, sp)
     core.assert_idle_and_clean()
+
+
+@pytest.mark.skipif(not hasattr(os, "setpriority"), reason="per-thread priorities are Linux's")
+def test_the_import_thread_runs_below_the_engines_priority():
+    def niceness():
+        return threading.current_thread().name, os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    name, nice = import_executor().submit(niceness).result(TIMEOUT_S)
+    assert name.startswith("jaxserve-kv-import") and nice > os.getpriority(os.PRIO_PROCESS, 0)
