@@ -56,7 +56,8 @@ class EngineConfig:
     max_model_len: longest prompt + output (default: the model's context length, stretched by RoPE scaling).
     hf_overrides: HF config keys that replace the model's, as vLLM's (e.g. {"rope_scaling": {"rope_type": "yarn",
         "factor": 4.0, "original_max_position_embeddings": 8192}}); see jaxserve.config.HF_OVERRIDABLE.
-    dtype: "auto" (float32 on CPU, bfloat16 on GPU/TPU), "float32", "bfloat16" or "float16".
+    dtype: "auto" (bfloat16 on GPU/TPU and on CPUs with native bf16, avx512_bf16 or amx_bf16; float32 on other
+        CPUs), "float32", "bfloat16" or "float16".
     max_num_seqs: most sequences running together.
     max_num_batched_tokens: tokens computed per step, one per decoding sequence and the rest prompt chunks: the
         chunk size of chunked prefill, so the knob between TTFT (bigger) and TPOT under load (smaller).
@@ -125,8 +126,8 @@ class EngineConfig:
     max_model_len: int | None = flag("longest prompt + output in tokens (default: the model's context length)")
     hf_overrides: dict | None = dataclasses.field(default=None, metadata={"cli": FlagGroup(
         _add_hf_overrides_cli_arg, lambda args: hf_overrides_from_json(getattr(args, "hf_overrides", None)))})
-    dtype: str = flag("parameter and activation dtype (auto: float32 on CPU, bfloat16 on GPU/TPU)", default="auto",
-                      choices=DTYPES)
+    dtype: str = flag("parameter and activation dtype (auto: bfloat16 on GPU/TPU and on CPUs with avx512_bf16 or "
+                      "amx_bf16, else float32)", default="auto", choices=DTYPES)
     max_num_seqs: int = flag("most sequences decoding together", default=64, serve_only=True, offline_default=1)
     max_num_batched_tokens: int = flag("tokens per step: one per decoding sequence, the rest prompt chunks",
                                        default=512, serve_only=True)
