@@ -17,7 +17,7 @@ import transformers
 import jaxserve
 from jaxserve import EngineConfig, LoRARequest
 from jaxserve.lora.adapter import LoRAError, load_adapter
-from jaxserve.model.lora import METHODS, lora_delta
+from jaxserve.model.lora import METHODS, lora_delta, one_slot
 from jaxserve.parallel.mesh import MODEL
 from jaxserve.runner.batch_builder import Row, build_batch
 
@@ -209,6 +209,28 @@ def test_each_lora_delta_method_is_each_tokens_own_adapter(method, num_tokens, n
     want = np.stack([x[t] @ a[s] @ b[s] if s >= 0 else np.zeros(40, np.float32) for t, s in enumerate(slot)])
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=f"seed {seed}")
     assert (got[slot < 0] == 0).all(), f"seed {seed}: a base token's LoRA term is not exactly 0"
+
+
+@pytest.mark.parametrize("num_tokens", [1, 7, 64, 512])
+def test_a_one_adapter_chunk_takes_the_indexed_term_and_equals_the_sorted_one(num_tokens):
+    """A step whose adapter tokens all name one slot (one sequence's prefill chunk, base rows beside it or not) takes
+    the segmented method's one-slot branch, which gives the sorted blocks' term to float32 rounding; a step of two
+    slots does not."""
+    seed = int(np.random.default_rng().integers(1 << 31))
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((num_tokens, 24), np.float32)
+    a = rng.standard_normal((8, 24, 4), np.float32)
+    b = rng.standard_normal((8, 4, 40), np.float32)
+    s = int(rng.integers(0, 8))
+    slot = np.where(rng.random(num_tokens) < 0.7, s, -1).astype(np.int32)
+    assert bool(one_slot(slot)), f"seed {seed}"
+    got = np.asarray(jax.jit(lora_delta, static_argnames="method")(x, a, b, slot, method="segmented"))
+    sorted_ = np.asarray(jax.jit(lora_delta, static_argnames="method")(x, a, b, slot, method="sorted"))
+    np.testing.assert_allclose(got, sorted_, rtol=1e-5, atol=1e-5, err_msg=f"seed {seed}")
+    assert (got[slot < 0] == 0).all(), f"seed {seed}"
+    assert bool(one_slot(np.full(num_tokens, -1, np.int32)))  # no adapter token: nothing to sort either
+    if num_tokens > 1:
+        assert not bool(one_slot(np.array([s, (s + 1) % 8] + [-1] * (num_tokens - 2), np.int32)))
 
 
 # ---- adapters refused: each error names the adapter and the field ----
