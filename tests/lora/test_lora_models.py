@@ -124,3 +124,35 @@ def test_no_compilation_after_warmup_while_adapters_swap(tiny_adapters, tiny_lor
     assert compiles == []
     assert llm.scheduler.lora_slots.num_loads - loads >= 6
     llm.core.assert_idle_and_clean()
+
+
+def test_base_only_steps_run_the_base_program_with_a_plain_engines_tokens(tiny_dir, tiny_adapters, tiny_lora_llm,
+                                                                          monkeypatch):
+    """With enable_lora and an adapter in its slot, a step whose rows are all on the base model runs the base
+    model's program (no LoRA term: the step gets no adapter buffers) and gives an engine without LoRA's tokens and
+    logprobs exactly; a step with an adapter row runs the LoRA program."""
+    llm = tiny_lora_llm
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1)
+    prompts = [{"prompt_token_ids": [3 + i, 40 + i, 7, 11 + i]} for i in range(3)]
+    llm.generate(prompts[0], sp, use_tqdm=False, lora_request=tiny_adapters[0])  # the slot now holds an adapter
+    steps = llm.runner.steps
+    with_adapters = []
+
+    def spy(*args, **kw):
+        with_adapters.append(args[-1] is not None)
+        return type(steps).step_with_features(steps, *args, **kw)
+    monkeypatch.setattr(steps, "step_with_features", spy)
+    got = llm.generate(prompts, sp, use_tqdm=False)
+    assert with_adapters and not any(with_adapters)
+    monkeypatch.undo()
+    plain = make_llm(tiny_dir, **{k: v for k, v in TINY_LORA.items() if "lora" not in k})
+    assert plain.runner.lora is None
+    want = plain.generate(prompts, sp, use_tqdm=False)
+    for g, w in zip(got, want):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        assert g.outputs[0].logprobs == w.outputs[0].logprobs
+    monkeypatch.setattr(steps, "step_with_features", spy)
+    with_adapters.clear()
+    llm.generate(prompts[1], sp, use_tqdm=False, lora_request=tiny_adapters[0])
+    assert all(with_adapters)
+    llm.core.assert_idle_and_clean()
