@@ -17,6 +17,7 @@ import transformers
 import jaxserve
 from jaxserve import EngineConfig, LoRARequest
 from jaxserve.lora.adapter import LoRAError, load_adapter
+from jaxserve.model.fused import FUSED
 from jaxserve.model.lora import METHODS, lora_delta, one_slot
 from jaxserve.parallel.mesh import MODEL
 from jaxserve.runner.batch_builder import Row, build_batch
@@ -145,10 +146,16 @@ def test_int8_base_weights_with_adapters_match_peft_over_the_dequantized_model(l
     model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     with torch.no_grad():
         for i, layer in enumerate(model.model.layers):
-            for name, linear in [*layer.self_attn.named_children(), *layer.mlp.named_children()]:
-                w = llm.runner.params["params"][f"layers_{i}"].get(name, {}).get("kernel")
-                if w is not None:  # [in, out] int8 values * scale per output
-                    linear.weight.copy_(torch.tensor(np.asarray(w.values, np.float32) * np.asarray(w.scale)).T)
+            linears = dict([*layer.self_attn.named_children(), *layer.mlp.named_children()])
+            # [in, out] int8 values * scale per output, by projection (the runner serves q/k/v and gate/up fused)
+            kernels = {name: np.asarray(p["kernel"].values, np.float32) * np.asarray(p["kernel"].scale)
+                       for name, p in llm.runner.params["params"][f"layers_{i}"].items() if "kernel" in p}
+            for fused, names in FUSED.items():
+                widths = np.cumsum([linears[n].out_features for n in names])[:-1]
+                kernels.update(zip(names, np.split(kernels.pop(fused), widths, axis=1)))
+            for name, linear in linears.items():
+                if name in kernels:
+                    linear.weight.copy_(torch.tensor(kernels[name]).T)
     model.save_pretrained(tmp_path / "dequantized")
     ps = prompts()
     got = ragged_logits(llm.runner, [(p, SLOTS.get(name, -1)) for p, (name, _) in zip(ps, ROWS)])
