@@ -27,7 +27,7 @@ from jaxserve.cache import SCRATCH_PAGE, init_kv_cache, pages_needed
 from jaxserve.cache.kv_cache import bf16_pages_as_bits, values_dtype
 from jaxserve.cache.transfer import KVPages, gather_pages, kv_bytes, num_pages, padded_ids, scatter_pages
 from jaxserve.lora.adapter import LoRAAdapter
-from jaxserve.lora.buffers import empty_lora, lora_axes, slot_arrays
+from jaxserve.lora.buffers import SlotArrays, empty_lora, lora_axes
 from jaxserve.model.fused import with_fused_projections
 from jaxserve.model.quant import Int8Weight, is_quantized, quantize_int8
 from jaxserve.multihost import LeaderFollower
@@ -230,6 +230,14 @@ class ModelRunner:
         def write_slot(lora, slot, arrays):  # slot: a traced int32 scalar, so every slot shares the program
             return jax.tree.map(lambda buf, x: buf.at[slot].set(x), lora, arrays)
         self._write_lora = jax.jit(write_slot, donate_argnums=0, **write)
+        self.slot_arrays = SlotArrays(self.config, self.max_lora_rank, self.dtype)
+
+    def prepare_lora(self, adapter: LoRAAdapter) -> None:
+        """Builds the adapter's padded slot arrays ahead of load_lora, on the calling thread (any: the host's loader
+        calls it where an adapter is loaded, so that the engine thread only writes them to the device)."""
+        if self.lora is None:
+            raise ValueError("this runner has no LoRA slots (enable_lora is off)")
+        self.slot_arrays.prepare(adapter)
 
     def load_lora(self, slot: int, adapter: LoRAAdapter) -> None:
         """Writes adapter into device slot `slot` (in place; a step dispatched before runs with the slot's old
@@ -245,8 +253,7 @@ class ModelRunner:
             raise ValueError("this runner has no LoRA slots (enable_lora is off)")
         if not isinstance(slot, int) or not 0 <= slot < self.max_loras:
             raise ValueError(f"LoRA slot must be an integer in [0, {self.max_loras}), got {slot!r}")
-        arrays = slot_arrays(adapter, self.config, self.max_lora_rank, self.dtype)
-        self.lora = self._write_lora(self.lora, np.int32(slot), arrays)
+        self.lora = self._write_lora(self.lora, np.int32(slot), self.slot_arrays.get(adapter))
 
     def lora_compiled(self) -> int:
         """Programs compiled so far to fill LoRA slots (at most one)."""

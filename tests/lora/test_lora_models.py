@@ -1,11 +1,14 @@
 """LoRA adapters made with PEFT, served by real engines: the default model against HF transformers + PEFT in
 float32 (two adapters of different ranks and targets in one batch beside base rows), bad adapters, and on the tiny
 model n-gram speculation and warm-up with adapters swapping through too few slots."""
+import threading
+
 import jax
 import pytest
 import transformers
 
 from jaxserve import LLM, SamplingParams
+from jaxserve.lora import buffers
 from jaxserve.lora.adapter import LoRAError
 from jaxserve.lora.request import LoRARequest
 from jaxserve.runner.steps import steps_for
@@ -155,4 +158,31 @@ def test_base_only_steps_run_the_base_program_with_a_plain_engines_tokens(tiny_d
     with_adapters.clear()
     llm.generate(prompts[1], sp, use_tqdm=False, lora_request=tiny_adapters[0])
     assert all(with_adapters)
+    llm.core.assert_idle_and_clean()
+
+
+def test_the_engine_thread_never_builds_an_adapters_slot_arrays(tiny_dir, tiny_adapters, monkeypatch):
+    """An adapter's padded slot arrays are built where it is loaded (here a worker thread adding it, as the server's
+    loader pool does), never on the thread that steps, which only writes them into a device slot."""
+    llm = make_llm(tiny_dir, **TINY_LORA)
+    builders, real = [], buffers.slot_arrays
+
+    def spy(adapter, *args):
+        if adapter is not None:
+            builders.append(threading.get_ident())
+        return real(adapter, *args)
+    monkeypatch.setattr(buffers, "slot_arrays", spy)
+    worker: list[int] = []
+
+    def add():
+        worker.append(threading.get_ident())
+        llm.add_lora(tiny_adapters[1])
+    thread = threading.Thread(target=add)
+    thread.start()
+    thread.join()
+    sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    out = llm.generate({"prompt_token_ids": [3, 40, 7]}, sp, use_tqdm=False, lora_request=tiny_adapters[1])[0]
+    assert len(out.outputs[0].token_ids) == 4 and llm.scheduler.lora_slots.num_loads == 1
+    assert builders == worker and threading.get_ident() not in builders
+    assert llm.runner.slot_arrays.built_on_demand == 0
     llm.core.assert_idle_and_clean()
