@@ -111,7 +111,7 @@ def test_serving_over_two_processes(tp_dir):
     launcher = subprocess.Popen(
         ["bash", str(ROOT / "scripts/launch_multihost.sh"), "2", "serve", "--model", tp_dir, "--port", str(port),
          "--tensor-parallel-size", "2", "--max-model-len", "96", "--block-size", "4", "--max-num-seqs", "4",
-         "--max-num-batched-tokens", "16"], env={**ENV, "XLA_FLAGS": ""}, stdout=subprocess.PIPE,
+         "--max-num-batched-tokens", "16", "--dtype", "float32"], env={**ENV, "XLA_FLAGS": ""}, stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True)
     try:
         url = f"http://127.0.0.1:{port}"
@@ -678,7 +678,8 @@ def serve_processes(tp_dir, port, grace, lws=False):
     return [subprocess.Popen(
         [sys.executable, "-m", "jaxserve.cli", "serve", "--model", tp_dir, "--port", str(port),
          "--tensor-parallel-size", "2", "--max-model-len", "96", "--block-size", "4", "--max-num-seqs", "4",
-         "--max-num-batched-tokens", "16", "--no-warmup", "--shutdown-grace-period", str(grace), *place],
+         "--max-num-batched-tokens", "16", "--no-warmup", "--shutdown-grace-period", str(grace), "--dtype", "float32",
+         *place],
         env=lws_env(2, i) if lws else ENV, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for i, place in enumerate(places)]
 
@@ -761,7 +762,8 @@ def test_generate_over_processes_prints_only_the_answer(tp_dir, tmp_path):
     save_byte_tokenizer(model)
     launched = subprocess.run(["bash", str(ROOT / "scripts/launch_multihost.sh"), "2", "generate", "--model",
                                str(model), "--prompt", "Hello there", "--max-tokens", "6", "--max-model-len", "96",
-                               "--block-size", "4", "--tensor-parallel-size", "2"], env={**ENV, "XLA_FLAGS": ""},
+                               "--block-size", "4", "--tensor-parallel-size", "2", "--dtype", "float32"],
+                              env={**ENV, "XLA_FLAGS": ""},
                               cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert launched.returncode == 0, launched.stderr[-3000:]
     answer = LLM(str(model), dtype="float32", max_model_len=96, block_size=4, max_num_seqs=1, warmup=False).stream(

@@ -653,7 +653,7 @@ def test_killing_the_decode_server_mid_stream_ends_the_request_with_an_error(pd,
     proc = subprocess.Popen([sys.executable, "-m", "jaxserve.cli", "serve", "--model", tiny_tokenized_dir,
                              "--served-model-name", "tiny", "--role", "decode", "--port", str(port),
                              "--max-model-len", "128", "--max-num-seqs", "4", "--max-num-batched-tokens", "16",
-                             "--block-size", "4", "--no-warmup", "--chat-template", template],
+                             "--block-size", "4", "--no-warmup", "--chat-template", template, "--dtype", "float32"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             env={**os.environ, "JAX_PLATFORMS": "cpu", "JAXSERVE_KV_SECRET": SECRET})
     decode_url = f"http://127.0.0.1:{port}"
