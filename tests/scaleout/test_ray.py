@@ -38,7 +38,7 @@ OBJECT_STORE = 80 * 2**20  # Ray's smallest is 75 MiB
 # Each jaxserve process on one CPU device (the tests' own conftest gives this process eight).
 ONE_DEVICE = {"XLA_FLAGS": "--xla_force_host_platform_device_count=1", "JAX_PLATFORMS": "cpu"}
 ENGINE_FLAGS = ["--max-model-len", "96", "--block-size", "4", "--max-num-seqs", "4", "--max-num-batched-tokens", "16",
-                "--no-warmup", "--dtype", "float32"]  # tiny.make_llm's engine
+                "--dtype", "float32", "--no-warmup"]  # tiny.make_llm's engine (flag pairs, then the switch)
 MAX_TOKENS = 12
 
 
