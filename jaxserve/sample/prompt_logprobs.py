@@ -50,11 +50,14 @@ def score_targets(hidden, targets, want_top, score_block, vocab_size: int,
     want_top = want_top & (targets >= 0)
     wanted = targets >= 0
     order = jnp.nonzero(wanted, size=nb * B, fill_value=0)[0]  # [nb * B]: the asking tokens first, in order
-    num_blocks = (jnp.sum(wanted) + B - 1) // B
+    count = jnp.sum(wanted)
+    num_blocks = (count + B - 1) // B
 
     def block(i, acc):
         idx = jax.lax.dynamic_slice(order, (i * B,), (B,))  # [B]
-        new = score_block(hidden[idx], (jnp.maximum(targets[idx], 0), jnp.any(want_top[idx])))
+        # The last block's padding points at token 0: were token 0 to want its top-n, it must not make the block's.
+        real = i * B + jnp.arange(B) < count  # [B]
+        new = score_block(hidden[idx], (jnp.maximum(targets[idx], 0), jnp.any(want_top[idx] & real)))
         return tuple(jax.lax.dynamic_update_slice_in_dim(a, x, i * B, axis=0) for a, x in zip(acc, new))
 
     acc = (jnp.zeros(nb * B, jnp.float32), jnp.zeros(nb * B, jnp.int32),

@@ -59,6 +59,7 @@ def test_blocked_scores_equal_a_plain_log_softmax():
     hidden = rng.normal(size=(T, H)).astype(np.float32)
     w = rng.normal(size=(H, V)).astype(np.float32)
     targets = np.where(rng.random(T) < 0.4, rng.integers(0, V, T), -1).astype(np.int32)
+    targets[0] = rng.integers(0, V)  # token 0 asks: the index the last block's padding points at
     assert block_size(T, V, 8 * V) == 8  # blocks of 8 tokens: several, and a last one part padding
     scorer = jax.jit(lambda h, t, top: score_targets(h, t, top, lambda x, a: block_scores(x @ w, a), V, 8 * V))
     got = scorer(hidden, targets, np.ones(T, bool))
@@ -75,7 +76,7 @@ def test_blocked_scores_equal_a_plain_log_softmax():
     np.testing.assert_array_equal(bare.ranks, got.ranks, err_msg=f"seed {seed}")
     assert not np.any(bare.top_ids) and not np.any(bare.top_logprobs), f"seed {seed}"
     # A block holding one token that wants its top-n computes the block's; the packed entries of blocks without
-    # one stay zeros.
+    # one stay zeros, the last block's too, whose padding points at token 0, the one that wants it here.
     one = np.zeros(T, bool)
     one[asked[0]] = True
     mixed = scorer(hidden, targets, one)
