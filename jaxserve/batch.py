@@ -75,6 +75,9 @@ class StepInput:
     # Prompt logprobs: the prompt token after each token, whose logprob the step reports (-1: not wanted; a
     # `constant` when no row wants any, so a plain batch copies nothing for it).
     prompt_targets: StepArray  # int32 [T]
+    # Whether a scored token's top MAX_LOGPROBS are wanted (its request's prompt_logprobs > 0): a block of tokens none
+    # of which wants them skips the top-k over the vocabulary (a `constant` False when no row wants any).
+    prompt_top: StepArray  # bool [T]
     # Multi-LoRA: each token's adapter slot in the runner's LoRA buffers (`jaxserve.lora`), -1 for the base model (a
     # `constant` when no row has an adapter).
     lora_slot: StepArray  # int32 [T]

@@ -25,7 +25,8 @@ def prompt_targets(chunk: Chunk) -> dict:
     end = min(chunk.start + chunk.length, len(prompt) - 1)
     if first >= end:
         return {}
-    return dict(prompt_targets=prompt[first + 1:end + 1], score_from=first - chunk.start)
+    return dict(prompt_targets=prompt[first + 1:end + 1], score_from=first - chunk.start,
+                prompt_top=bool(seq.params.prompt_logprobs))
 
 
 def row_sampling(seq: Sequence, ahead: int = 0, top_logprobs: bool = True) -> RowSampling:

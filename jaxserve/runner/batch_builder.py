@@ -52,6 +52,7 @@ class Row:
     # prompt token after it).
     prompt_targets: list[int] = dataclasses.field(default_factory=list)
     score_from: int = 0
+    prompt_top: bool = False  # the step also reports each scored position's top MAX_LOGPROBS
     lora_slot: int = -1  # the device slot of the row's LoRA adapter (-1: the base model)
 
     @property
@@ -135,6 +136,9 @@ def _padded_batch(rows: list[Row], page_size: int, vocab_size: int, num_tokens: 
     prompt_targets = constant((T,), np.int32, -1)
     if any(r.prompt_targets for r in rows):
         prompt_targets = np.full(T, -1, np.int32)
+    prompt_top = constant((T,), bool, False)
+    if any(r.prompt_targets and r.prompt_top for r in rows):
+        prompt_top = np.zeros(T, bool)
     lora_slot = constant((T,), np.int32, -1)
     if any(r.lora_slot >= 0 for r in rows):
         lora_slot = np.full(T, -1, np.int32)
@@ -147,7 +151,7 @@ def _padded_batch(rows: list[Row], page_size: int, vocab_size: int, num_tokens: 
     return StepInput(token_ids=np.zeros(T, np.int32), chain_slot=np.full(T, -1, np.int32), slot_mapping=slot_mapping,
                      rows=rows_in, logits_index=np.full((S, Q), -1, np.int32), num_draft=np.zeros(S, np.int32),
                      out_slot=np.full(S, -1, np.int32), sampling=sampling, prompt_targets=prompt_targets,
-                     lora_slot=lora_slot)
+                     prompt_top=prompt_top, lora_slot=lora_slot)
 
 
 def _place_tokens(batch: StepInput, i: int, row: Row, t: int, page_size: int) -> None:
@@ -197,6 +201,8 @@ def _place_scoring(batch: StepInput, i: int, row: Row, t: int) -> None:
                              f"of {n}")
         start = t + row.score_from
         batch.prompt_targets[start:start + len(row.prompt_targets)] = row.prompt_targets
+        if row.prompt_top:
+            batch.prompt_top[start:start + len(row.prompt_targets)] = True
 
 
 def _fill_sampling(sampling: SamplingInput, i: int, row: Row) -> None:

@@ -182,7 +182,7 @@ class Steps:
         specs = None if self.mesh is None else jax.tree.map(lambda s: s.spec, self.param_shardings(params))
         score = head_over_vocab(block_scores, functools.partial(lm_head, self.config, self.model.dtype), self.mesh,
                                 params, specs)
-        return score_targets(hidden, batch.prompt_targets, score, self.config.vocab_size)
+        return score_targets(hidden, batch.prompt_targets, batch.prompt_top, score, self.config.vocab_size)
 
     def _apply(self, params, lora, batch: StepInput, *args, **kw):
         """The model over params, with the LoRA adapters if there are any (None: exactly the base model's program:
