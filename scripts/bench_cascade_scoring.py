@@ -8,8 +8,8 @@ Each mode is one batch of the cascade benchmark's few-shot prompts (`scripts/cas
 - prefill: one greedy token (the LM head at each prompt's last token only);
 - score: `jaxserve.cascade.features.score_params` (the prompt's own logprobs, prompt_logprobs 0: the head and a
   log-softmax at every prompt position, no top-k);
-- score+top1: the same with prompt_logprobs 1, which makes the step run the top-k at every prompt position as
-  every scoring pass did before (the old cost, for comparison).
+- score, old: the same pass with the step made to run the top-k at every prompt position anyway (each row's
+  prompt_top forced on), as every scoring pass did before: the old cost, in the same process.
 The modes alternate within each repeat; the table gives each one's median and its ratio to prefill's.
 """
 import argparse
@@ -23,16 +23,26 @@ sys.path.insert(0, str(Path(__file__).parent))
 import cascade_questions as cq  # noqa: E402
 
 from jaxserve import LLM, SamplingParams  # noqa: E402
+from jaxserve.batching import step_rows  # noqa: E402
 from jaxserve.cascade.features import score_params  # noqa: E402
 
 ENGINE = dict(max_model_len=512, max_num_seqs=32, max_num_batched_tokens=512)  # eval_cascade.py's
+_PROMPT_TARGETS = step_rows.prompt_targets
 
 
-def modes() -> dict[str, SamplingParams]:
-    score = score_params()
-    old = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1, logprobs=score.logprobs, ignore_eos=True)
-    return {"prefill": SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True), "score": score,
-            "score+top1": old}
+MODES = ("prefill", "score", "score, old")
+
+
+def old_top_k(on: bool) -> None:
+    """Makes every scored prompt position ask the step for its top-n (on), as before prompt_top, or not."""
+    targets = _PROMPT_TARGETS
+    step_rows.prompt_targets = (lambda chunk: {**targets(chunk), "prompt_top": True} if targets(chunk) else {}) \
+        if on else targets
+
+
+def params(mode: str) -> SamplingParams:
+    old_top_k(mode == "score, old")
+    return SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True) if mode == "prefill" else score_params()
 
 
 def main(argv=None) -> int:
@@ -45,11 +55,12 @@ def main(argv=None) -> int:
     llm = LLM(args.model, warmup=True, **ENGINE) if args.model else LLM(warmup=True, **ENGINE)
     prompts = [q["prompt"] for q in cq.build(4) if q["kind"] == "generate"][:args.prompts]
     tokens = [len(llm.tokenizer.encode(p)) for p in prompts]
-    times: dict[str, list[float]] = {m: [] for m in modes()}
-    for m, p in modes().items():  # compile whatever warm-up missed (the scorer's branches)
-        llm.generate(prompts[:2], p, use_tqdm=False)
+    times: dict[str, list[float]] = {m: [] for m in MODES}
+    for m in MODES:  # compile whatever warm-up missed (the scorer's branches)
+        llm.generate(prompts[:2], params(m), use_tqdm=False)
     for _ in range(args.repeats):
-        for m, p in modes().items():
+        for m in MODES:
+            p = params(m)
             llm.reset_prefix_cache()
             start = time.perf_counter()
             llm.generate(prompts, p, use_tqdm=False)
