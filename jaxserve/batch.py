@@ -65,7 +65,7 @@ class SamplingInput:
     penalty_init: StepArray  # bool [S]
     # The device's PenaltyCounts, set inside a step program (None as the host sends it, and where the runner keeps
     # none: the penalties then count past_tokens, sent whole every step).
-    penalty_state: Any = None
+    penalty_state: Any = dataclasses.field(default=None, metadata={"device_only": True})  # never on a wire
 
 
 @jax.tree_util.register_dataclass
