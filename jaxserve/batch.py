@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 
 import jax
 import numpy as np
@@ -57,6 +58,14 @@ class SamplingInput:
     #                                the host fills those before the row's start, the step its new ones (vocab_size
     #                                elsewhere); counted by the penalties
     prompt_len: StepArray  # int32 [S]   positions from this one on are generated tokens
+    # The penalties' counts kept on device (`jaxserve.sample.penalty_counts`): each row's slot there (-1: none), and
+    # whether the slot starts over from past_tokens (else past_tokens is not sent: the slot holds the row's tokens up
+    # to its start already).
+    penalty_slot: StepArray  # int32 [S]
+    penalty_init: StepArray  # bool [S]
+    # The device's PenaltyCounts, set inside a step program (None as the host sends it, and where the runner keeps
+    # none: the penalties then count past_tokens, sent whole every step).
+    penalty_state: Any = dataclasses.field(default=None, metadata={"device_only": True})  # never on a wire
 
 
 @jax.tree_util.register_dataclass
@@ -75,6 +84,9 @@ class StepInput:
     # Prompt logprobs: the prompt token after each token, whose logprob the step reports (-1: not wanted; a
     # `constant` when no row wants any, so a plain batch copies nothing for it).
     prompt_targets: StepArray  # int32 [T]
+    # Whether a scored token's top MAX_LOGPROBS are wanted (its request's prompt_logprobs > 0): a block of tokens none
+    # of which wants them skips the top-k over the vocabulary (a `constant` False when no row wants any).
+    prompt_top: StepArray  # bool [T]
     # Multi-LoRA: each token's adapter slot in the runner's LoRA buffers (`jaxserve.lora`), -1 for the base model (a
     # `constant` when no row has an adapter).
     lora_slot: StepArray  # int32 [T]

@@ -25,7 +25,8 @@ def prompt_targets(chunk: Chunk) -> dict:
     end = min(chunk.start + chunk.length, len(prompt) - 1)
     if first >= end:
         return {}
-    return dict(prompt_targets=prompt[first + 1:end + 1], score_from=first - chunk.start)
+    return dict(prompt_targets=prompt[first + 1:end + 1], score_from=first - chunk.start,
+                prompt_top=bool(seq.params.prompt_logprobs))
 
 
 def row_sampling(seq: Sequence, ahead: int = 0, top_logprobs: bool = True) -> RowSampling:
@@ -46,7 +47,9 @@ def row_sampling(seq: Sequence, ahead: int = 0, top_logprobs: bool = True) -> Ro
                        token_mask=c.token_mask, bad_word_bans=bans, logit_bias=c.logit_bias,
                        presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
                        repetition_penalty=p.repetition_penalty, past_tokens=seq.token_ids_array,
-                       prompt_len=len(seq.prompt_token_ids))
+                       prompt_len=len(seq.prompt_token_ids),
+                       # where the device counts the row's tokens (`jaxserve.runner.penalty_slots`)
+                       penalty_slot=-1 if seq.token_ids_array is None or seq.slot is None else seq.slot)
 
 
 def lay_out_rows(plan: ScheduledBatch) -> list[Row]:

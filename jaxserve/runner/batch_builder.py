@@ -35,6 +35,10 @@ class RowSampling:
     repetition_penalty: float = 1.0
     past_tokens: np.ndarray | None = None
     prompt_len: int = 0
+    # The row's slot of the device's penalty counts (-1: none), and whether it starts over from past_tokens (set by
+    # the runner, `jaxserve.runner.penalty_slots`; without init a step sends no history).
+    penalty_slot: int = -1
+    penalty_init: bool = False
 
 
 @dataclasses.dataclass
@@ -52,6 +56,7 @@ class Row:
     # prompt token after it).
     prompt_targets: list[int] = dataclasses.field(default_factory=list)
     score_from: int = 0
+    prompt_top: bool = False  # the step also reports each scored position's top MAX_LOGPROBS
     lora_slot: int = -1  # the device slot of the row's LoRA adapter (-1: the base model)
 
     @property
@@ -79,7 +84,7 @@ def neutral_sampling(num_rows: int, vocab_size: int, max_len: int = 1) -> Sampli
         logit_bias=constant((S, MAX_LOGIT_BIAS), np.float32, 0),
         presence_penalty=np.zeros(S, np.float32), frequency_penalty=np.zeros(S, np.float32),
         repetition_penalty=np.ones(S, np.float32), past_tokens=constant((S, max_len), np.int32, V),
-        prompt_len=np.zeros(S, np.int32))
+        prompt_len=np.zeros(S, np.int32), penalty_slot=np.full(S, -1, np.int32), penalty_init=np.zeros(S, bool))
 
 
 # SamplingInput's per-row arrays that stay a `constant` unless a row uses them, and how a RowSampling uses them.
@@ -94,7 +99,8 @@ _USED = {
 
 # RowSampling's fields that SamplingInput holds as they are, one entry per row.
 _SCALARS = ("temperature", "top_k", "top_p", "min_p", "seed", "step", "min_tokens", "want_top_logprobs",
-            "presence_penalty", "frequency_penalty", "repetition_penalty", "prompt_len")
+            "presence_penalty", "frequency_penalty", "repetition_penalty", "prompt_len", "penalty_slot",
+            "penalty_init")
 
 
 def build_batch(rows: list[Row], page_size: int, vocab_size: int, num_tokens: int, num_rows: int,
@@ -135,6 +141,9 @@ def _padded_batch(rows: list[Row], page_size: int, vocab_size: int, num_tokens: 
     prompt_targets = constant((T,), np.int32, -1)
     if any(r.prompt_targets for r in rows):
         prompt_targets = np.full(T, -1, np.int32)
+    prompt_top = constant((T,), bool, False)
+    if any(r.prompt_targets and r.prompt_top for r in rows):
+        prompt_top = np.zeros(T, bool)
     lora_slot = constant((T,), np.int32, -1)
     if any(r.lora_slot >= 0 for r in rows):
         lora_slot = np.full(T, -1, np.int32)
@@ -147,7 +156,7 @@ def _padded_batch(rows: list[Row], page_size: int, vocab_size: int, num_tokens: 
     return StepInput(token_ids=np.zeros(T, np.int32), chain_slot=np.full(T, -1, np.int32), slot_mapping=slot_mapping,
                      rows=rows_in, logits_index=np.full((S, Q), -1, np.int32), num_draft=np.zeros(S, np.int32),
                      out_slot=np.full(S, -1, np.int32), sampling=sampling, prompt_targets=prompt_targets,
-                     lora_slot=lora_slot)
+                     prompt_top=prompt_top, lora_slot=lora_slot)
 
 
 def _place_tokens(batch: StepInput, i: int, row: Row, t: int, page_size: int) -> None:
@@ -197,6 +206,8 @@ def _place_scoring(batch: StepInput, i: int, row: Row, t: int) -> None:
                              f"of {n}")
         start = t + row.score_from
         batch.prompt_targets[start:start + len(row.prompt_targets)] = row.prompt_targets
+        if row.prompt_top:
+            batch.prompt_top[start:start + len(row.prompt_targets)] = True
 
 
 def _fill_sampling(sampling: SamplingInput, i: int, row: Row) -> None:

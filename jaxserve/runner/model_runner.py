@@ -35,6 +35,7 @@ from jaxserve.pallas_kernels import page_head_dim_multiple
 from jaxserve.parallel.layouts import param_formats, with_row_major_tables
 from jaxserve.parallel.mesh import log_placement, param_shardings, place, replicated
 from jaxserve.runner.batch_builder import Row, build_batch
+from jaxserve.runner.penalty_slots import PenaltySlots
 from jaxserve.runner.protocol import StepHandle
 from jaxserve.runner.steps import steps_for
 
@@ -132,6 +133,8 @@ class ModelRunner:
             # Replicated, made on every device of the group (of every process).
             self.last_tokens = jax.jit(lambda: jnp.zeros(rc.num_slots + 1, jnp.int32),
                                        out_shardings=replicated(mesh))()
+        # The penalties' counts per slot, kept on device (made at the first row with a penalty).
+        self.penalties = PenaltySlots(rc.num_slots + 1, config.vocab_size, mesh)
         # [pages x page_size, F]: the captured hidden states of every cached token, by slot (None: no head reads them).
         self.features = None
         if rc.capture:
@@ -261,6 +264,7 @@ class ModelRunner:
         scored = self.num_speculative_tokens + 1 if any(r.num_draft for r in rows) else 1
         if table_width is None:
             table_width = self.buckets.table_width(max(pages_needed(r.end, self.page_size) for r in rows))
+        rows = self.penalties.place(rows)
         batch = build_batch(rows, self.page_size, self.config.vocab_size, tokens, self.buckets.num_rows(tokens),
                             table_width, scored)
         if self.leader is None:
@@ -281,8 +285,11 @@ class ModelRunner:
 
     def run(self, batch: StepInput) -> StepOutput:
         """The device side of a step whose batch is built (all a multi-process follower does of it)."""
-        out, self.kv_cache, self.last_tokens, self.features = self.steps.step_with_features(
-            self.params, self.kv_cache, self.last_tokens, self.features, batch, self.lora)
+        counts = self.penalties.counts(batch)
+        out, self.kv_cache, self.last_tokens, self.features, counts = self.steps.step_with_features(
+            self.params, self.kv_cache, self.last_tokens, self.features, batch, self.lora, penalties=counts)
+        if counts is not None:
+            self.penalties.state = counts
         return out
 
     def wait(self, handle: StepHandle, until: float | None = None) -> bool:

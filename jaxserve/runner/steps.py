@@ -11,6 +11,7 @@ program call less a step, whose host time a CPU takes from the step itself (BENC
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -106,7 +107,7 @@ class Steps:
             self.cache_sharding = [(pages,) * 2] * config.num_layers
             # The captured features [slots, F], split by column (a device writes its columns of the replicated states).
             self.features_sharding = features_sharding(mesh, len(self.capture) * config.hidden_size)
-            forward = dict(out_shardings=(rep, self.new_kv_sharding, rep, self.features_sharding))
+            forward = dict(out_shardings=(rep, self.new_kv_sharding, rep, self.features_sharding, rep))
             logits = dict(out_shardings=(rep, self.new_kv_sharding))
             write = dict(out_shardings=self.cache_sharding)
         else:
@@ -119,12 +120,12 @@ class Steps:
         if self.writes_in_forward:
             in_place: dict[str, Any] = dict(compiler_options={**(embeds["compiler_options"] or {}), **IN_PLACE_WRITES})
             self._forward = jax.jit(functools.partial(self._and_write, self._forward_and_sample),
-                                    donate_argnums=(1, 2, 5), **in_place)
+                                    donate_argnums=(1, 2, 5, 6), **in_place)
             self._verify = jax.jit(functools.partial(self._and_write, self._forward_and_verify),
-                                   donate_argnums=(1, 2, 5), **in_place)
+                                   donate_argnums=(1, 2, 5, 6), **in_place)
         else:
-            self._forward = jax.jit(self._forward_and_sample, donate_argnums=(2, 5), **forward)
-            self._verify = jax.jit(self._forward_and_verify, donate_argnums=(2, 5), **forward)
+            self._forward = jax.jit(self._forward_and_sample, donate_argnums=(2, 5, 6), **forward)
+            self._verify = jax.jit(self._forward_and_verify, donate_argnums=(2, 5, 6), **forward)
         self._logits = jax.jit(self._forward_logits, **logits)
         self._write = jax.jit(self._write_cache, donate_argnums=0, **write)
         self.placer = BatchPlacer(mesh)
@@ -148,15 +149,19 @@ class Steps:
         adapters: the base model's programs)."""
         return self.step_with_features(params, kv_cache, last_tokens, None, batch, lora)[:3]
 
-    def step_with_features(self, params, kv_cache, last_tokens, features, batch: StepInput, lora=None):
+    def step_with_features(self, params, kv_cache, last_tokens, features, batch: StepInput, lora=None,
+                           penalties=None):
         """step(), also keeping the captured layers' inputs of each new token at its cache slot: features
-        [num_pages * page_size, F] (None without capture), donated and returned as the fourth result."""
+        [num_pages * page_size, F] (None without capture), donated and returned as the fourth result; and the
+        penalties' counts per slot (`jaxserve.sample.penalty_counts.PenaltyCounts`, None: the runner keeps none
+        and the penalties count each row's past_tokens), donated and returned as the fifth."""
         batch = self.put_batch(batch)
         program = self._verify if batch.logits_index.shape[1] > 1 else self._forward
         # kv: the cache, or its new K/V
-        out, kv, last_tokens, features = program(params, kv_cache, last_tokens, batch, lora, features)
+        out, kv, last_tokens, features, penalties = program(params, kv_cache, last_tokens, batch, lora, features,
+                                                            penalties)
         kv = kv if self.writes_in_forward else self._write(kv_cache, kv, batch.slot_mapping)
-        return out, kv, last_tokens, features
+        return out, kv, last_tokens, features, penalties
 
     def _keep_features(self, features, hidden_and_features, batch: StepInput):
         """features with this step's captured [T, F] written at its tokens' slots (padding: the scratch page's)."""
@@ -182,7 +187,7 @@ class Steps:
         specs = None if self.mesh is None else jax.tree.map(lambda s: s.spec, self.param_shardings(params))
         score = head_over_vocab(block_scores, functools.partial(lm_head, self.config, self.model.dtype), self.mesh,
                                 params, specs)
-        return score_targets(hidden, batch.prompt_targets, score, self.config.vocab_size)
+        return score_targets(hidden, batch.prompt_targets, batch.prompt_top, score, self.config.vocab_size)
 
     def _apply(self, params, lora, batch: StepInput, *args, **kw):
         """The model over params, with the LoRA adapters if there are any (None: exactly the base model's program:
@@ -191,12 +196,14 @@ class Steps:
             return self.model.apply(params, *args, **kw)
         return self.model.apply({**params, "lora": lora}, *args, **kw, lora_slot=batch.lora_slot)
 
-    def _forward_and_sample(self, params, kv_cache, last_tokens, batch: StepInput, lora=None, features=None):
+    def _forward_and_sample(self, params, kv_cache, last_tokens, batch: StepInput, lora=None, features=None,
+                            penalties=None):
         tokens = input_tokens(batch, last_tokens)
         logits, new_kv, *captured = self._apply(params, lora, batch, tokens, kv_cache, batch.rows,
                                                 batch.logits_index[:, 0], return_hidden=True, capture=self.capture)
         hidden = captured[0]
-        sampling = with_step_tokens(batch.sampling, tokens, batch.rows, batch.logits_index[:, 0])
+        sampling = with_step_tokens(dataclasses.replace(batch.sampling, penalty_state=penalties), tokens, batch.rows,
+                                    batch.logits_index[:, 0])
         if self.mesh is None and batch.logits_index.shape[0] > HEAD_ROWS[0]:
             s = self._sample_used_rows(params, hidden, batch.logits_index[:, 0], sampling)
         else:
@@ -206,7 +213,7 @@ class Steps:
                          logprobs=s.logprobs[:, None], ranks=s.ranks[:, None], top_ids=s.top_ids[:, None],
                          top_logprobs=s.top_logprobs[:, None], prompt=self._prompt_scores(params, hidden, batch))
         last_tokens = last_tokens.at[batch.out_slot].set(s.tokens)  # -1 wraps to the padding slot
-        return out, new_kv, last_tokens, self._keep_features(features, captured, batch)
+        return out, new_kv, last_tokens, self._keep_features(features, captured, batch), sampling.penalty_state
 
     def _sample_used_rows(self, params, hidden, last_index, sampling):
         """sample() over the rows up to the last that samples, the LM head included, run at the smallest of
@@ -221,7 +228,9 @@ class Steps:
 
         def over(b):
             def run(x, sampling):
-                rows = jax.tree.map(lambda a: a[:b], sampling)
+                # The counts are by slot, not by row: only the rows' own arrays are cut.
+                rows = jax.tree.map(lambda a: a[:b], dataclasses.replace(sampling, penalty_state=None))
+                rows = dataclasses.replace(rows, penalty_state=sampling.penalty_state)
                 s = sample(lm_head(self.config, self.model.dtype, params, x[:b]), rows)
                 return jax.tree.map(lambda a: jnp.pad(a, [(0, S - b)] + [(0, 0)] * (a.ndim - 1)), s)
             return run
@@ -229,7 +238,8 @@ class Steps:
         which = sum((used > b).astype(jnp.int32) for b in sizes[:-1])
         return jax.lax.switch(which, [over(b) for b in sizes], x, sampling)
 
-    def _forward_and_verify(self, params, kv_cache, last_tokens, batch: StepInput, lora=None, features=None):
+    def _forward_and_verify(self, params, kv_cache, last_tokens, batch: StepInput, lora=None, features=None,
+                            penalties=None):
         tokens = input_tokens(batch, last_tokens)  # [T]
         index = jnp.maximum(batch.logits_index, 0)  # [S, Q]
         T, (S, Q) = tokens.shape[0], index.shape
@@ -244,21 +254,25 @@ class Steps:
         # The proposal a scored position is checked against is the token after it in the row.
         drafts = tokens[jnp.minimum(index[:, :-1] + 1, T - 1)]  # [S, Q - 1]
         # Rows whose logit controls depend on the tokens before a position do not speculate: position 0 is theirs.
-        sampling = with_step_tokens(batch.sampling, tokens, batch.rows, batch.logits_index[:, 0])
+        sampling = with_step_tokens(dataclasses.replace(batch.sampling, penalty_state=penalties), tokens, batch.rows,
+                                    batch.logits_index[:, 0])
         v = sample_over_vocab(verify, self.mesh, logits, drafts, batch.num_draft, sampling)
         num_tokens = jnp.where(batch.logits_index[:, 0] >= 0, v.num_tokens, 0)  # [S]
         out = StepOutput(tokens=v.tokens, num_tokens=num_tokens, logprobs=v.logprobs, ranks=v.ranks,
                          top_ids=v.top_ids, top_logprobs=v.top_logprobs,
                          prompt=self._prompt_scores(params, hidden, batch))
         last = jnp.take_along_axis(v.tokens, jnp.maximum(num_tokens - 1, 0)[:, None], axis=1)[:, 0]  # [S]
-        return out, new_kv, last_tokens.at[batch.out_slot].set(last), self._keep_features(features, captured, batch)
+        return (out, new_kv, last_tokens.at[batch.out_slot].set(last), self._keep_features(features, captured, batch),
+                sampling.penalty_state)
 
     @staticmethod
-    def _and_write(forward, params, kv_cache, last_tokens, batch: StepInput, lora=None, features=None):
+    def _and_write(forward, params, kv_cache, last_tokens, batch: StepInput, lora=None, features=None,
+                   penalties=None):
         """forward's results with the cache written, every write after every layer's read (module docstring)."""
-        out, new_kv, last_tokens, features = forward(params, kv_cache, last_tokens, batch, lora, features)
+        out, new_kv, last_tokens, features, penalties = forward(params, kv_cache, last_tokens, batch, lora, features,
+                                                                penalties)
         kv_cache, out = jax.lax.optimization_barrier((kv_cache, out))
-        return out, write_cache(kv_cache, new_kv, batch.slot_mapping), last_tokens, features
+        return out, write_cache(kv_cache, new_kv, batch.slot_mapping), last_tokens, features, penalties
 
     def _write_cache(self, kv_cache, new_kv, slot_mapping):  # a method, so each Steps counts its own programs
         if self.context_parallel:

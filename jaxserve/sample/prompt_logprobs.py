@@ -27,12 +27,14 @@ def block_size(num_tokens: int, vocab_size: int, block_elements: int = BLOCK_ELE
     return b
 
 
-def score_targets(hidden, targets, score_block, vocab_size: int,
+def score_targets(hidden, targets, want_top, score_block, vocab_size: int,
                   block_elements: int = BLOCK_ELEMENTS) -> PromptScores:
     """hidden [T, H]: the final hidden states (before the final norm); targets [T]: the token whose logprob each
-    position reports (-1: none); score_block(h [B, H], targets [B]) -> (logprobs [B], ranks [B], top ids and
-    logprobs [B, MAX_LOGPROBS]): `block_scores` of the head's logits (of each device's slice over a
-    vocabulary-split head). Returns the scores packed (see `jaxserve.batch.PromptScores`)."""
+    position reports (-1: none); want_top [T] bool: whether a position's top MAX_LOGPROBS are wanted too (a block
+    where none is skips the top-k: its top ids and logprobs are zeros); score_block(h [B, H], (targets [B], want
+    scalar bool)) -> (logprobs [B], ranks [B], top ids and logprobs [B, MAX_LOGPROBS]): `block_scores` of the head's
+    logits (of each device's slice over a vocabulary-split head). Returns the scores packed (see
+    `jaxserve.batch.PromptScores`)."""
     T = targets.shape[0]
     B = block_size(T, vocab_size, block_elements)
     # One block more than T needs, never used: were one block to span all of `order`, its slice would not depend on
@@ -45,13 +47,14 @@ def score_targets(hidden, targets, score_block, vocab_size: int,
         # loop: XLA hoisted it (a log-softmax and a sort of the vocabulary) into every batch-1 decode step. A second
         # row, never read (the only real index is 0), makes the index matter.
         hidden = jnp.concatenate([hidden, jnp.zeros_like(hidden)])  # [2, H]
+    want_top = want_top & (targets >= 0)
     wanted = targets >= 0
     order = jnp.nonzero(wanted, size=nb * B, fill_value=0)[0]  # [nb * B]: the asking tokens first, in order
     num_blocks = (jnp.sum(wanted) + B - 1) // B
 
     def block(i, acc):
         idx = jax.lax.dynamic_slice(order, (i * B,), (B,))  # [B]
-        new = score_block(hidden[idx], jnp.maximum(targets[idx], 0))
+        new = score_block(hidden[idx], (jnp.maximum(targets[idx], 0), jnp.any(want_top[idx])))
         return tuple(jax.lax.dynamic_update_slice_in_dim(a, x, i * B, axis=0) for a, x in zip(acc, new))
 
     acc = (jnp.zeros(nb * B, jnp.float32), jnp.zeros(nb * B, jnp.int32),
@@ -60,9 +63,12 @@ def score_targets(hidden, targets, score_block, vocab_size: int,
     return PromptScores(logprobs[:T], ranks[:T], top_ids[:T], top_logprobs[:T])
 
 
-def block_scores(logits, targets, axis=None):
-    """logits [B, V] float32, targets [B] -> (the targets' logprobs [B], ranks [B], top ids and logprobs [B, K]).
-    Over a mesh axis (in a shard_map) logits are this device's slice of the vocabulary: the devices exchange
-    per-token scalars and their top K, never the [B, V] logits (`jaxserve.sample.sampling.token_logprobs`)."""
-    chosen, rank, top_ids, top_logprobs = token_logprobs(log_softmax(logits, axis), targets, jnp.bool_(True), axis)
+def block_scores(logits, asked, axis=None):
+    """logits [B, V] float32, asked (targets [B], want_top: a scalar bool) -> (the targets' logprobs [B], ranks [B],
+    top ids and logprobs [B, K]: zeros unless want_top, the top-k skipped: a scoring pass that reads only its
+    prompt's own logprobs, `jaxserve.cascade.features`, pays for no top-k at each position). Over a mesh axis (in a
+    shard_map) logits are this device's slice of the vocabulary: the devices exchange per-token scalars and their
+    top K, never the [B, V] logits (`jaxserve.sample.sampling.token_logprobs`)."""
+    targets, want_top = asked
+    chosen, rank, top_ids, top_logprobs = token_logprobs(log_softmax(logits, axis), targets, want_top, axis)
     return chosen, rank.astype(jnp.int32), top_ids.astype(jnp.int32), top_logprobs

@@ -60,13 +60,27 @@ def test_blocked_scores_equal_a_plain_log_softmax():
     w = rng.normal(size=(H, V)).astype(np.float32)
     targets = np.where(rng.random(T) < 0.4, rng.integers(0, V, T), -1).astype(np.int32)
     assert block_size(T, V, 8 * V) == 8  # blocks of 8 tokens: several, and a last one part padding
-    got = jax.jit(lambda h, t: score_targets(h, t, lambda x, t: block_scores(x @ w, t), V, 8 * V))(hidden, targets)
+    scorer = jax.jit(lambda h, t, top: score_targets(h, t, top, lambda x, a: block_scores(x @ w, a), V, 8 * V))
+    got = scorer(hidden, targets, np.ones(T, bool))
     ref = np.asarray(jax.nn.log_softmax(hidden @ w, -1))
     asked = np.flatnonzero(targets >= 0)
     n = len(asked)
     np.testing.assert_allclose(got.logprobs[:n], ref[asked, targets[asked]], atol=1e-5, err_msg=f"seed {seed}")
     np.testing.assert_array_equal(got.ranks[:n], 1 + np.sum(ref[asked] > ref[asked, targets[asked]][:, None], -1))
     np.testing.assert_array_equal(got.top_ids[:n, :5], np.argsort(-ref[asked], -1, kind="stable")[:, :5])
+    # Without top-n (prompt_logprobs 0: a cascade's scoring pass): the same logprobs and ranks, and no top-k run
+    # (its results stay the zeros of the skipped branch).
+    bare = scorer(hidden, targets, np.zeros(T, bool))
+    np.testing.assert_array_equal(bare.logprobs, got.logprobs, err_msg=f"seed {seed}")
+    np.testing.assert_array_equal(bare.ranks, got.ranks, err_msg=f"seed {seed}")
+    assert not np.any(bare.top_ids) and not np.any(bare.top_logprobs), f"seed {seed}"
+    # A block holding one token that wants its top-n computes the block's; the packed entries of blocks without
+    # one stay zeros.
+    one = np.zeros(T, bool)
+    one[asked[0]] = True
+    mixed = scorer(hidden, targets, one)
+    np.testing.assert_array_equal(mixed.top_ids[:1], got.top_ids[:1], err_msg=f"seed {seed}")
+    assert not np.any(mixed.top_ids[8:]), f"seed {seed}"
 
 
 def test_prompt_logprobs_equal_hf_across_chunks_prefix_hits_and_n(tiny):
@@ -290,7 +304,7 @@ def test_no_head_runs_when_no_token_asks(T):
     once one block spans all T tokens)."""
     H, V = 16, 96
     w = np.ones((H, V), np.float32)
-    scorer = jax.jit(lambda h, t: score_targets(h, t, lambda x, t: block_scores(x @ w, t), V, 8 * V))
+    scorer = jax.jit(lambda h, t: score_targets(h, t, t >= 0, lambda x, a: block_scores(x @ w, a), V, 8 * V))
     hlo = scorer.lower(np.ones((T, H), np.float32), -np.ones(T, np.int32)).compile().as_text()
     entry = hlo[hlo.index("ENTRY"):]
     entry = entry[:entry.index("\n}")]
