@@ -56,10 +56,13 @@ class EngineConfig:
     max_model_len: longest prompt + output (default: the model's context length, stretched by RoPE scaling).
     hf_overrides: HF config keys that replace the model's, as vLLM's (e.g. {"rope_scaling": {"rope_type": "yarn",
         "factor": 4.0, "original_max_position_embeddings": 8192}}); see jaxserve.config.HF_OVERRIDABLE.
-    dtype: "auto" (float32 on CPU, bfloat16 on GPU/TPU), "float32", "bfloat16" or "float16".
+    dtype: "auto" (bfloat16 on GPU/TPU and on CPUs with native bf16, avx512_bf16 or amx_bf16; float32 on other
+        CPUs), "float32", "bfloat16" or "float16".
     max_num_seqs: most sequences running together.
     max_num_batched_tokens: tokens computed per step, one per decoding sequence and the rest prompt chunks: the
-        chunk size of chunked prefill, so the knob between TTFT (bigger) and TPOT under load (smaller).
+        chunk size of chunked prefill, so the knob between TTFT (bigger) and TPOT under load (smaller). None (the
+        default): 512, growing to 2048 while many prompts wait (jaxserve.batching.token_budget); given, every
+        step's budget, as vLLM's.
     block_size: tokens per KV-cache page. kv_cache_memory_bytes: the KV budget per device (default: 2 GiB on CPU,
     gpu_memory_utilization of device memory less the weights on an accelerator).
     seed: seeds the sampling of requests that give no seed of their own.
@@ -125,11 +128,12 @@ class EngineConfig:
     max_model_len: int | None = flag("longest prompt + output in tokens (default: the model's context length)")
     hf_overrides: dict | None = dataclasses.field(default=None, metadata={"cli": FlagGroup(
         _add_hf_overrides_cli_arg, lambda args: hf_overrides_from_json(getattr(args, "hf_overrides", None)))})
-    dtype: str = flag("parameter and activation dtype (auto: float32 on CPU, bfloat16 on GPU/TPU)", default="auto",
-                      choices=DTYPES)
+    dtype: str = flag("parameter and activation dtype (auto: bfloat16 on GPU/TPU and on CPUs with avx512_bf16 or "
+                      "amx_bf16, else float32)", default="auto", choices=DTYPES)
     max_num_seqs: int = flag("most sequences decoding together", default=64, serve_only=True, offline_default=1)
-    max_num_batched_tokens: int = flag("tokens per step: one per decoding sequence, the rest prompt chunks",
-                                       default=512, serve_only=True)
+    max_num_batched_tokens: int | None = flag(
+        "tokens per step: one per decoding sequence, the rest prompt chunks (default: 512, up to 2048 while many "
+        "prompts wait)", serve_only=True)
     block_size: int = flag("tokens per KV-cache page", default=16)
     kv_cache_memory_bytes: int | None = flag(
         "KV-cache budget per device, in bytes (default: 2 GiB on CPU, --gpu-memory-utilization of device memory less "
@@ -204,13 +208,14 @@ class EngineConfig:
         check_int("max_model_len", self.max_model_len, 2, optional=True)  # the model's own limit: at load
         check_hf_overrides(self.hf_overrides)
         check_choice("dtype", self.dtype, DTYPES)
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "tensor_parallel_size",
-                     "data_parallel_size", "decode_context_parallel_size"):
+        for name in ("max_num_seqs", "block_size", "tensor_parallel_size", "data_parallel_size",
+                     "decode_context_parallel_size"):
             check_int(name, getattr(self, name), 1)
+        check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1, optional=True)
         if self.decode_context_parallel_size not in (1, self.tensor_parallel_size):
             raise ValueError(f"decode_context_parallel_size must be 1 or tensor_parallel_size "
                              f"({self.tensor_parallel_size}), got {self.decode_context_parallel_size}")
-        if self.max_num_batched_tokens < self.max_num_seqs:
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least max_num_seqs "
                              f"({self.max_num_seqs}): every running sequence decodes a token per step")
         check_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes, 1, optional=True)

@@ -31,7 +31,7 @@ def hf_default_model(default_gguf_path):
 def default_llm():
     """The default model in an engine sized for tests (compiles lazily, shared by every test that needs it)."""
     from jaxserve import LLM
-    return LLM(max_model_len=512, max_num_seqs=4, max_num_batched_tokens=256, warmup=False)
+    return LLM(dtype="float32", max_model_len=512, max_num_seqs=4, max_num_batched_tokens=256, warmup=False)
 
 
 @pytest.fixture(scope="session")
@@ -40,7 +40,8 @@ def gemma3_llm():
     its file is the slowest load in the suite. 1024 tokens: a prompt longer than its 512-token sliding window; 8
     sequences: every kind of structured output in one batch."""
     from jaxserve import LLM
-    return LLM("gemma3-270m", max_model_len=1024, max_num_seqs=8, max_num_batched_tokens=256, warmup=False)
+    return LLM("gemma3-270m", dtype="float32", max_model_len=1024, max_num_seqs=8, max_num_batched_tokens=256,
+               warmup=False)
 
 
 @pytest.fixture(scope="session")

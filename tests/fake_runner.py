@@ -227,17 +227,19 @@ def fake_replica(num_pages: int = 32, page_size: int = 4, max_num_seqs: int = 4,
                  draft: bool = False, scheduling_policy: str = "fcfs", runner: FakeRunner | None = None,
                  max_loras: int = 0, role: str = "both", async_scheduling: bool | None = None,
                  plan_lead: tuple[float, float] | None = (PLAN_LEAD_FACTOR, PLAN_LEAD_S),
-                 host_tier_bytes: int = 0) -> EngineCore:
+                 host_tier_bytes: int = 0, max_step_tokens: int | None = None) -> EngineCore:
     """An engine core over a FakeRunner. ngram=k: speculating up to k proposals for every sequence every step, from
     `proposer` (default: n-gram lookup; draft=True: a fake draft model, right two times in three). max_loras: LoRA
     slots (0: adapters not enabled). async_scheduling, plan_lead: EngineCore's (async_scheduling default:
-    ASYNC_SCHEDULING). host_tier_bytes: a host KV tier of that size (0: none)."""
+    ASYNC_SCHEDULING). host_tier_bytes: a host KV tier of that size (0: none). max_step_tokens: the budget a deep
+    queue may grow a step to (jaxserve.batching.token_budget; default: max_num_batched_tokens, a fixed budget)."""
     async_scheduling = ASYNC_SCHEDULING if async_scheduling is None else async_scheduling
     runner = runner or FakeRunner(vocab_size, ngram, num_pages=num_pages, page_size=page_size)
     tier = HostTier(host_tier_bytes) if host_tier_bytes else None
     scheduler = Scheduler(PrefixCache(PageAllocator(num_pages), page_size, enable_prefix_caching, tier), max_num_seqs,
                           max_num_batched_tokens, policy=scheduling_policy,
-                          lora_slots=LoRASlots(max_loras, runner.load_lora) if max_loras else None, role=role)
+                          lora_slots=LoRASlots(max_loras, runner.load_lora) if max_loras else None, role=role,
+                          max_step_tokens=max_step_tokens)
     if not ngram:
         return EngineCore(scheduler, runner, async_scheduling=async_scheduling, plan_lead=plan_lead, host_tier=tier)
     if draft:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from jaxserve import LLM, SamplingParams, multihost
 
-ENGINE = dict(max_model_len=96, block_size=4, max_num_seqs=4, max_num_batched_tokens=16)
+ENGINE = dict(dtype="float32", max_model_len=96, block_size=4, max_num_seqs=4, max_num_batched_tokens=16)
 PROMPTS = [{"prompt_token_ids": [(7 * i + 3 * j) % 320 for j in range(n)]} for i, n in enumerate([3, 9, 17, 30])]
 PARAMS = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
           SamplingParams(temperature=0.9, top_p=0.9, seed=5, max_tokens=24, ignore_eos=True)]

@@ -8,7 +8,10 @@ TINY_PAGE_BYTES = 2 * 2 * 4 * 2 * 16 * 4  # K and V, 2 layers, 4 tokens, 2 KV he
 
 
 def make_llm(tiny_dir, **kw):
-    args = dict(max_model_len=96, block_size=4, max_num_seqs=4, max_num_batched_tokens=16, warmup=False)
+    # float32 on any CPU (auto is bfloat16 where the CPU has native bf16): the tests hold the engine to float32
+    # references (jnp, HF) and TINY_PAGE_BYTES counts float32 pages.
+    args = dict(dtype="float32", max_model_len=96, block_size=4, max_num_seqs=4, max_num_batched_tokens=16,
+                warmup=False)
     return LLM(tiny_dir, **{**args, **kw})
 
 

@@ -1,6 +1,7 @@
 """The host loop's decisions, re-made every step: who decodes, whose prompt advances by how much, who waits.
 
-Each step, under a token budget (`max_num_batched_tokens`) and a sequence cap (`max_num_seqs`, or less when an SLO
+Each step, under a token budget (`max_num_batched_tokens`, grown up to `max_step_tokens` by queue depth:
+`jaxserve.batching.token_budget`) and a sequence cap (`max_num_seqs`, or less when an SLO
 policy says so):
   1. every running sequence past its prompt decodes one token, best priority first, and then any proposals it
      speculates (unless a waiting prompt's TTFT is at risk, which then keeps its first chunk's share of the budget
@@ -41,6 +42,7 @@ from jaxserve.batching.slo import SloController
 from jaxserve.batching.speculation.proposer import Proposals
 from jaxserve.batching.step_plan import Chunk, ScheduledBatch, Write
 from jaxserve.batching.step_rows import constrain, lay_out_rows
+from jaxserve.batching.token_budget import budget_for_queue
 from jaxserve.buckets import round_up
 from jaxserve.cache import PrefixCache, pages_needed
 from jaxserve.lora.slot_cache import LoRASlots
@@ -56,17 +58,20 @@ COMPUTE_BOUND_TOKENS = 64
 class Scheduler(Admission):
     def __init__(self, cache: PrefixCache, max_num_seqs: int, max_num_batched_tokens: int,
                  token_buckets: tuple[int, ...] | None = None, policy: str = "fcfs",
-                 slo: SloController | None = None, lora_slots: LoRASlots | None = None, role: str = "both"):
+                 slo: SloController | None = None, lora_slots: LoRASlots | None = None, role: str = "both",
+                 max_step_tokens: int | None = None):
         """lora_slots: the runner's LoRA adapter slots (None: adapters are not enabled). role: "prefill" hands
-        every sequence off after its first token (see the module's docstring)."""
+        every sequence off after its first token (see the module's docstring). max_step_tokens: the most tokens a
+        step may take when many prompts wait (default max_num_batched_tokens: a fixed budget)."""
         if policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {policy!r}")
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         super().__init__(cache, max_num_seqs, policy, lora_slots)
         self.role = role
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.token_buckets = token_buckets or (max_num_batched_tokens,)  # the step sizes that compile, ascending
+        self.max_num_batched_tokens = max_num_batched_tokens  # the budget with few prompts waiting
+        self.max_step_tokens = max(max_step_tokens or max_num_batched_tokens, max_num_batched_tokens)
+        self.token_buckets = token_buckets or (self.max_step_tokens,)  # the step sizes that compile, ascending
         self.slo = slo
 
     # ---- requests ----
@@ -116,7 +121,7 @@ class Scheduler(Admission):
         self._admitted_imports, self._admitted_loads = [], []
         reserved = self._prompt_reserve()
         preemptions = self.num_preemptions
-        budget = self._plan_decodes(plan, self.max_num_batched_tokens, reserved)
+        budget = self._plan_decodes(plan, self.step_budget(), reserved)
         if num_draft:
             budget = self._grant_proposals(plan, num_draft, budget, reserved)
         # Short of pages: a sequence admitted now would only be the next victim.
@@ -143,6 +148,13 @@ class Scheduler(Admission):
         plan.writes = [Write(s, s.num_tokens, s.num_preemptions) for s in plan.decode] + \
                       [Write(c.seq, c.start + c.length, c.seq.num_preemptions) for c in plan.prefill]
         return plan
+
+    def step_budget(self) -> int:
+        """This step's token budget, by the prompts waiting to be computed: running ones still in prefill, and
+        waiting ones as far as there are slots to admit them into."""
+        prefilling = sum(1 for s in self.running if s.num_to_compute > 1)
+        depth = prefilling + min(len(self.waiting), len(self._free_slots))
+        return budget_for_queue(depth, self.max_num_batched_tokens, self.max_step_tokens)
 
     def _plan_decodes(self, plan: ScheduledBatch, budget: int, reserved: int) -> int:
         """One decode token for each running sequence past its prompt, best priority first, a page grown for it

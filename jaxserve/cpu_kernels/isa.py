@@ -64,6 +64,17 @@ def cpu_features() -> frozenset[str]:
     return frozenset()
 
 
+# Native bfloat16 arithmetic: AVX-512's bf16 dot products or AMX's bf16 tiles. With either, XLA:CPU's bf16 steps ran
+# 1.1-1.9x float32's serving throughput (BENCHMARKS.md, "bfloat16 on CPU"); without (AVX2 only), bf16 decode was
+# 5-10x slower than float32, its products widened in software.
+NATIVE_BF16 = frozenset({"avx512_bf16", "amx_bf16"})
+
+
+def has_native_bf16(features: frozenset[str] | None = None) -> bool:
+    """Whether the CPU (or these /proc/cpuinfo flags) computes bfloat16 products natively."""
+    return bool(NATIVE_BF16 & (cpu_features() if features is None else features))
+
+
 def supported() -> tuple[Variant, ...]:
     """The variants this CPU runs, best first ($JAXSERVE_CPU_KERNELS_ISA's alone, if set and run); never empty
     without that variable: the baseline needs nothing."""

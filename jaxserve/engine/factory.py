@@ -19,6 +19,7 @@ from jaxserve.batching.pools.data_parallel import DataParallel
 from jaxserve.batching.pools.disaggregated import Disaggregated
 from jaxserve.batching.scheduler import Scheduler
 from jaxserve.batching.slo import SloController
+from jaxserve.batching.token_budget import step_budgets
 from jaxserve.buckets import MIN_TABLE_TOKENS, Buckets, geometric
 from jaxserve.cache import HostTier, PageAllocator, PrefixCache, bytes_per_page, num_pages_for_budget, pages_needed
 from jaxserve.engine.kv_budget import default_kv_budget, fitted_max_model_len
@@ -103,7 +104,8 @@ def build_engine(c: EngineConfig) -> EngineParts:
     for num_pages in pages.values():  # a sequence of max_model_len fits every pool
         max_model_len = fitted_max_model_len(max_model_len, num_pages, c.block_size,
                                               asked=c.max_model_len is not None)
-    buckets = Buckets.for_limits(c.max_num_seqs, c.max_num_batched_tokens, pages_needed(max_model_len, c.block_size),
+    ceiling = step_budgets(c.max_num_batched_tokens, c.max_num_seqs)[1]  # the steps a deep queue may take compile too
+    buckets = Buckets.for_limits(c.max_num_seqs, ceiling, pages_needed(max_model_len, c.block_size),
                                  pages_needed(MIN_TABLE_TOKENS, c.block_size))
     by_role, backend = _build_pools(c, pools, models, pages, buckets, dtype, backend, processes, runners)
     replicas = [replica for pool in by_role.values() for replica in pool]
@@ -289,8 +291,9 @@ def _replica(c: EngineConfig, runner_config: RunnerConfig, config, params, specu
     cache = PrefixCache(PageAllocator(runner_config.num_pages), c.block_size, c.enable_prefix_caching, tier)
     # Each replica's runner has its own adapter slots; a draft model has none (its proposals are only proposals).
     lora_slots = LoRASlots(c.max_loras, runner.load_lora) if c.enable_lora else None
-    scheduler = Scheduler(cache, c.max_num_seqs, c.max_num_batched_tokens, runner_config.buckets.num_tokens,
-                          c.scheduling_policy, slo, lora_slots, role)
+    base, ceiling = step_budgets(c.max_num_batched_tokens, c.max_num_seqs)  # the step's budget grows by queue depth
+    scheduler = Scheduler(cache, c.max_num_seqs, base, runner_config.buckets.num_tokens, c.scheduling_policy, slo,
+                          lora_slots, role, max_step_tokens=ceiling)
     # By default on CPU a server plans each step once the one before is read back (its requests' first tokens a
     # step sooner, measured better there), while stepping at once overlaps (BENCHMARKS.md, issue 28).
     overlap = c.async_scheduling is not False
@@ -298,7 +301,7 @@ def _replica(c: EngineConfig, runner_config: RunnerConfig, config, params, specu
     if spec is None:
         return EngineCore(scheduler, runner, async_scheduling=overlap, plan_lead=lead, host_tier=tier)
     proposer, controller = proposer_for(spec, speculators, runner, runner_config, add_runner,
-                                        c.max_num_batched_tokens, c.max_num_seqs)
+                                        ceiling, c.max_num_seqs)
     return EngineCore(scheduler, runner, proposer=proposer, controller=controller, adaptive=spec.adaptive,
                       async_scheduling=overlap, plan_lead=lead, host_tier=tier)
 

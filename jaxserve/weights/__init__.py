@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.config import ModelConfig
+from jaxserve.cpu_kernels.isa import NATIVE_BF16, cpu_features, has_native_bf16
 from jaxserve.weights.params import param_bytes, params_from_hf_tensors
 
 if TYPE_CHECKING:  # imported where a tokenizer is loaded: the model alone needs none
@@ -31,12 +32,29 @@ class LoadedModel:
 
 
 def resolve_dtype(dtype: str):
+    """"auto" is the fastest format whose quality check passes where it runs: bfloat16 on accelerators, and on a CPU
+    with native bf16 products (avx512_bf16 or amx_bf16: see cpu_kernels.isa.NATIVE_BF16); float32 on other CPUs,
+    where XLA:CPU widens bf16 in software. bfloat16's check: perplexity within 0.1% of float32's on the default model
+    and Gemma 3 (scripts/eval_quality.py; docs/quantization.md)."""
     if dtype == "auto":
-        # XLA:CPU has no fast bf16 (decode is 5-10x slower than f32 there); accelerators want bf16.
-        return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+        chosen = auto_dtype(jax.default_backend(), cpu_features())
+        logger.info("dtype auto: %s (%s)", jnp.dtype(chosen).name, _auto_reason(jax.default_backend()))
+        return chosen
     if dtype not in _DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choose auto, {', '.join(_DTYPES)}")
     return _DTYPES[dtype]
+
+
+def auto_dtype(backend: str, features: frozenset[str]):
+    """What "auto" means on a backend; features: the CPU's /proc/cpuinfo flags (read only on "cpu")."""
+    return jnp.bfloat16 if backend != "cpu" or has_native_bf16(features) else jnp.float32
+
+
+def _auto_reason(backend: str) -> str:
+    if backend != "cpu":
+        return f"the {backend} backend"
+    native = sorted(NATIVE_BF16 & cpu_features())
+    return f"the CPU has {', '.join(native)}" if native else "the CPU has no native bfloat16 (no avx512_bf16, amx_bf16)"
 
 
 def resolve_model_path(model: str | None) -> Path:

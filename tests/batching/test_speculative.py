@@ -358,7 +358,7 @@ def default_spec_llm():
     # Not adaptive: whether speculation pays depends on this machine's measured step times (the controller's
     # decisions are tested on fixed costs above); this test is about the real model's text. Compiled on first use:
     # only the shapes this prompt takes (warm-up compiles every bucket, each a 30-layer program).
-    return LLM(max_model_len=512, max_num_seqs=4, max_num_batched_tokens=16,
+    return LLM(dtype="float32", max_model_len=512, max_num_seqs=4, max_num_batched_tokens=16,
                speculative_config=spec("ngram", k=4), warmup=False)
 
 

@@ -252,7 +252,7 @@ def test_max_model_len_must_fit_the_kv_cache(tiny_dir):
 
 def test_request_api_step_by_step(tiny_dir):
     """The public request API, driven as AsyncEngine drives it: the same tokens as generate, aborts free pages."""
-    llm = LLM.from_config(EngineConfig(model=tiny_dir, max_model_len=96, block_size=4, max_num_seqs=4,
+    llm = LLM.from_config(EngineConfig(dtype="float32", model=tiny_dir, max_model_len=96, block_size=4, max_num_seqs=4,
                                        max_num_batched_tokens=16, warmup=False))
     assert llm.engine_config.max_num_seqs == 4
     ps = prompts(np.random.default_rng(), [7, 12])

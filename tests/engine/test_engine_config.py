@@ -9,7 +9,8 @@ from jaxserve.cli import build_parser
 
 def test_defaults_and_frozen():
     c = EngineConfig()
-    assert (c.model, c.max_num_seqs, c.max_num_batched_tokens, c.block_size, c.warmup) == (None, 64, 512, 16, True)
+    # max_num_batched_tokens None: 512 a step, growing by queue depth (jaxserve.batching.token_budget)
+    assert (c.model, c.max_num_seqs, c.max_num_batched_tokens, c.block_size, c.warmup) == (None, 64, None, 16, True)
     assert (c.tensor_parallel_size, c.data_parallel_size, c.coordinator_address) == (1, 1, None)
     with pytest.raises(dataclasses.FrozenInstanceError):
         c.max_num_seqs = 8

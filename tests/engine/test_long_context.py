@@ -26,8 +26,8 @@ def test_a_128k_request_equals_a_streaming_reference_and_compiles_nothing_after_
     seed = 49
     rng = np.random.default_rng(seed)
     prompt = rng.integers(0, 320, LONG_CONTEXT - DECODE).tolist()
-    llm = LLM(path, max_model_len=LONG_CONTEXT, block_size=16, max_num_seqs=2, max_num_batched_tokens=2048,
-              kv_cache_memory_bytes=64 << 20, warmup=True)
+    llm = LLM(path, dtype="float32", max_model_len=LONG_CONTEXT, block_size=16, max_num_seqs=2,
+              max_num_batched_tokens=2048, kv_cache_memory_bytes=64 << 20, warmup=True)
     buckets = llm.runner.buckets
     assert buckets.widths() == (512, 2048, 8192)  # the tables of 8K, 32K and 128K tokens' pages
     compiled = llm.runner.steps.num_compiled()

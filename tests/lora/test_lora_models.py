@@ -19,7 +19,7 @@ NEW_TOKENS = 12
 
 @pytest.fixture(scope="module")
 def lora_default_llm():
-    return LLM(enable_lora=True, max_loras=2, max_lora_rank=16, max_model_len=256, max_num_seqs=6,
+    return LLM(dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=16, max_model_len=256, max_num_seqs=6,
                max_num_batched_tokens=64, warmup=False)
 
 

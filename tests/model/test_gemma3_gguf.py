@@ -122,6 +122,6 @@ def test_chat_template_option_replaces_the_models(tmp_path):
         with pytest.raises(ValueError, match=f"cannot use chat template file {tmp_path / bad}"):
             EngineConfig(chat_template=str(tmp_path / bad))
     from jaxserve import LLM
-    llm = LLM(chat_template=str(path), max_model_len=64, max_num_seqs=1, max_num_batched_tokens=16,
+    llm = LLM(dtype="float32", chat_template=str(path), max_model_len=64, max_num_seqs=1, max_num_batched_tokens=16,
               kv_cache_memory_bytes=16 << 20, warmup=False)  # the default model: its own template is ChatML
     assert llm.get_tokenizer().apply_chat_template([{"role": "user", "content": "hi"}]) == "[user] hi\n"

@@ -57,7 +57,8 @@ def test_greedy_continuation_matches_hf(tiny):
     path, hf = tiny
     rng = np.random.default_rng()
     cases = [hf_greedy_with_clear_margins(hf, n, rng) for n in (5, 17, 33)]
-    llm = LLM(str(path), max_model_len=128, block_size=4, max_num_seqs=4, max_num_batched_tokens=16, warmup=False)
+    llm = LLM(str(path), dtype="float32", max_model_len=128, block_size=4, max_num_seqs=4, max_num_batched_tokens=16,
+              warmup=False)
     outs = llm.generate([{"prompt_token_ids": p} for p, _ in cases],
                         SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), use_tqdm=False)
     for (prompt, want), out in zip(cases, outs):

@@ -183,12 +183,12 @@ def test_max_model_len_past_native_context_needs_scaling(tmp_path):
     path = tmp_path / "llama"
     save_tiny_model("llama", path)  # native context 256
     with pytest.raises(ValueError, match=r"\[2, 256\].*rope_scaling"):
-        LLM(str(path), max_model_len=512, warmup=False)
+        LLM(str(path), dtype="float32", max_model_len=512, warmup=False)
     yarn = {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256}}
     with pytest.raises(ValueError, match=r"\[2, 1024\]"):
-        LLM(str(path), hf_overrides=yarn, max_model_len=2048, warmup=False)
-    llm = LLM(str(path), hf_overrides=yarn, max_model_len=1024, block_size=16, max_num_batched_tokens=512,
-              warmup=False)
+        LLM(str(path), dtype="float32", hf_overrides=yarn, max_model_len=2048, warmup=False)
+    llm = LLM(str(path), dtype="float32", hf_overrides=yarn, max_model_len=1024, block_size=16,
+              max_num_batched_tokens=512, warmup=False)
     assert llm.max_model_len == 1024 and dict(llm.config.rope_scaling)["factor"] == 4.0
     out = llm.generate([{"prompt_token_ids": list(range(1, 301))}], SamplingParams(max_tokens=4, ignore_eos=True),
                        use_tqdm=False)

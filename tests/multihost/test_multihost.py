@@ -127,7 +127,7 @@ def assert_one_process_completions(url, tp_dir, stream):
     """A greedy completion (and, if stream, the same streamed) from the server at url has one process's logprobs."""
     prompt = [5, 6, 7, 8, 9, 10, 11]
     body = {"model": tp_dir, "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True, "logprobs": 0}
-    out = LLM(tp_dir, max_model_len=96, block_size=4, warmup=False).generate(
+    out = LLM(tp_dir, dtype="float32", max_model_len=96, block_size=4, warmup=False).generate(
         {"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0),
         use_tqdm=False)[0].outputs[0]
     want = [entry[t].logprob for t, entry in zip(out.token_ids, out.logprobs)]
@@ -764,7 +764,7 @@ def test_generate_over_processes_prints_only_the_answer(tp_dir, tmp_path):
                                "--block-size", "4", "--tensor-parallel-size", "2"], env={**ENV, "XLA_FLAGS": ""},
                               cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert launched.returncode == 0, launched.stderr[-3000:]
-    answer = LLM(str(model), max_model_len=96, block_size=4, max_num_seqs=1, warmup=False).stream(
+    answer = LLM(str(model), dtype="float32", max_model_len=96, block_size=4, max_num_seqs=1, warmup=False).stream(
         "Hello there", SamplingParams(temperature=0, max_tokens=6))  # what `jaxserve generate` prints alone
     assert launched.stdout == "".join(answer) + "\n"
     assert "Gloo" in launched.stderr  # the line this is about: on stderr, not gone

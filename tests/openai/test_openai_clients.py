@@ -345,7 +345,7 @@ def test_auto_on_a_tiny_qwen3_with_a_hermes_template(tmp_path):
 
     from hf_models import save_tiny_chat_model
     save_tiny_chat_model("qwen3", tmp_path, TEMPLATE)
-    st = ServerThread(LLM(str(tmp_path), max_model_len=512, max_num_seqs=2, max_num_batched_tokens=128,
+    st = ServerThread(LLM(str(tmp_path), dtype="float32", max_model_len=512, max_num_seqs=2, max_num_batched_tokens=128,
                           warmup=False), "qwen3", auto_tools=AutoTools("hermes", enabled=True))
     call = {"type": "object", "properties": {"name": {"const": "Forecast"},
                                              "arguments": REAL_TOOLS[0]["function"]["parameters"]},

@@ -121,7 +121,8 @@ def test_default_model_over_three_devices(default_llm):
     sp = SamplingParams(temperature=0, max_tokens=32)
     chat = [{"role": "user", "content": "Name three primary colors."}]
     want = default_llm.chat(chat, sp, use_tqdm=False)[0].outputs[0].text
-    llm = LLM(max_model_len=256, max_num_seqs=1, max_num_batched_tokens=1, warmup=False, tensor_parallel_size=3)
+    llm = LLM(dtype="float32", max_model_len=256, max_num_seqs=1, max_num_batched_tokens=1, warmup=False,
+              tensor_parallel_size=3)
     assert llm.chat(chat, sp, use_tqdm=False)[0].outputs[0].text == want
     assert len(bytes_per_device(llm.runner.kv_cache)) == 3
 

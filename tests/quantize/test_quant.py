@@ -284,7 +284,7 @@ def test_bfloat16_costs_under_one_percent_of_perplexity(model):
 def test_engine_generates_with_quantized_weights(default_gguf_path):
     """int4 quantized as the engine loads (int8 weights are served by the convert test below, from a checkpoint).
     One token a step, the prompt's included: one step shape of the 30-layer model to compile."""
-    llm = LLM(str(default_gguf_path), max_model_len=256, max_num_seqs=1, max_num_batched_tokens=1,
+    llm = LLM(str(default_gguf_path), dtype="float32", max_model_len=256, max_num_seqs=1, max_num_batched_tokens=1,
               quantization="int4", warmup=False)
     out = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
     assert "Paris" in out[0].outputs[0].text
@@ -317,7 +317,7 @@ def test_convert_writes_a_quantized_checkpoint_that_loads_directly(default_gguf_
                           group_size=64 if method == "awq" else None).quantization == loaded.quantization
     with pytest.raises(ValueError, match="already quantized"):
         quantize_model(loaded, "int4")
-    llm = LLM(str(dst), max_model_len=128, max_num_seqs=1, max_num_batched_tokens=32, warmup=False)
+    llm = LLM(str(dst), dtype="float32", max_model_len=128, max_num_seqs=1, max_num_batched_tokens=32, warmup=False)
     out = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
     assert "Paris" in out[0].outputs[0].text
 

@@ -758,8 +758,9 @@ def test_the_default_model_through_the_router_with_the_openai_client(default_llm
 
     name = "SmolLM2-135M-Instruct"
     both = ServerThread(default_llm, name)
-    prefill, decode = (ServerThread(LLM(role=role, max_model_len=512, max_num_seqs=4, max_num_batched_tokens=256,
-                                        warmup=False), name, kv_trust=TRUST) for role in ("prefill", "decode"))
+    prefill, decode = (ServerThread(LLM(dtype="float32", role=role, max_model_len=512, max_num_seqs=4,
+                                        max_num_batched_tokens=256, warmup=False), name, kv_trust=TRUST)
+                       for role in ("prefill", "decode"))
     router = RouterThread([prefill.url], [decode.url], prefill_timeout_s=120, decode_timeout_s=120, kv_secret=SECRET)
     try:
         c, ref = (openai.OpenAI(base_url=st.url + "/v1", api_key="unused", max_retries=0) for st in (router, both))
