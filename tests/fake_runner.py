@@ -172,6 +172,9 @@ class FakeRunner:
             draw = self.next_token(draw)
         return draw
 
+    def join_masks(self, handle: StepHandle, masks) -> None:
+        raise AssertionError("a fake runner never splits a step (splits_sampling is False)")
+
     def wait(self, handle: FakeHandle, until: float | None = None) -> bool:
         if self.gate is not None:
             self.gate.wait(60)
