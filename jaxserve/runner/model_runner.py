@@ -99,6 +99,15 @@ class RunnerConfig:
     capture: tuple[int, ...] = ()
 
 
+def _trimmed(out: StepOutput, rows: list[Row]) -> StepOutput:
+    """out less what no row reads: nothing of it is then copied back."""
+    if not any(r.sampling.want_top_logprobs for r in rows):
+        out = dataclasses.replace(out, top_ids=None, top_logprobs=None)
+    if not any(r.prompt_targets for r in rows):
+        out = dataclasses.replace(out, prompt=None)
+    return out
+
+
 class ModelRunner:
     def __init__(self, config, params, rc: RunnerConfig, mesh=None, leader: LeaderFollower | None = None,
                  index: int = 0):
@@ -255,10 +264,18 @@ class ModelRunner:
         """Programs compiled so far to fill LoRA slots (at most one)."""
         return 0 if self.lora is None else self._write_lora._cache_size()
 
-    def dispatch(self, rows: list[Row], table_width: int | None = None) -> StepHandle:
+    @property
+    def splits_sampling(self) -> bool:
+        """Whether `dispatch(masks_later=True)` splits a step (one device, one process; elsewhere it never does)."""
+        one_process = self.leader is None or self.leader.channel is None
+        return (self.mesh is None or self.mesh.devices.size == 1) and one_process
+
+    def dispatch(self, rows: list[Row], table_width: int | None = None, *,
+                 masks_later: bool = False) -> StepHandle:
         """Starts a step over `rows` without waiting for it; returns the handle `fetch` reads it back with.
         table_width: the page table's (a bucket; default: the narrowest that spans every row's tokens, this step's
-        new ones included, as the penalties' past tokens must)."""
+        new ones included, as the penalties' past tokens must). masks_later (where `splits_sampling`): the forward
+        alone; the rows sample once `join_masks` brings their masks."""
         self._check_lora_slots(rows)
         tokens = round_up(sum(len(r.token_ids) for r in rows), self.buckets.num_tokens)
         scored = self.num_speculative_tokens + 1 if any(r.num_draft for r in rows) else 1
@@ -267,15 +284,31 @@ class ModelRunner:
         rows = self.penalties.place(rows)
         batch = build_batch(rows, self.page_size, self.config.vocab_size, tokens, self.buckets.num_rows(tokens),
                             table_width, scored)
+        if masks_later and self.splits_sampling:
+            counts = self.penalties.counts(batch)
+            pending, self.kv_cache, self.features, counts = self.steps.forward_for_masks(
+                self.params, self.kv_cache, self.last_tokens, self.features, batch, self.lora, penalties=counts)
+            if counts is not None:
+                self.penalties.state = counts
+            return StepHandle(len(rows), None, (pending, rows, batch.sampling.token_mask.shape))
         if self.leader is None:
             out = self.run(batch)
         else:  # a multi-process leader: every process runs the same step
             out = self.leader.lead_step(self.index, batch, self.run)
-        if not any(r.sampling.want_top_logprobs for r in rows):
-            out = dataclasses.replace(out, top_ids=None, top_logprobs=None)  # nothing to copy back
-        if not any(r.prompt_targets for r in rows):
-            out = dataclasses.replace(out, prompt=None)
-        return StepHandle(len(rows), out)
+        return StepHandle(len(rows), _trimmed(out, rows))
+
+    def join_masks(self, handle: StepHandle, masks: np.ndarray | None) -> None:
+        """Samples the rows of a step dispatched with masks_later, each under its masks [rows, ceil(V / 32)] int32
+        as well as its own (-1 words: no more than its own; None: every row under its own); without waiting. A
+        step dispatched whole (this runner does not split) takes none: it is never dispatched so with such rows."""
+        if handle.pending is None:
+            return
+        pending, rows, shape = handle.pending
+        joined = np.full(shape, -1, np.int32)  # [S, W]: the padding rows allow everything
+        if masks is not None:
+            joined[:len(masks)] = masks
+        out, self.last_tokens = self.steps.sample_joined(self.params, pending, self.last_tokens, joined)
+        handle.output, handle.pending = _trimmed(out, rows), None
 
     def _check_lora_slots(self, rows: list[Row]) -> None:
         for i, r in enumerate(rows):

@@ -123,9 +123,14 @@ class Steps:
                                     donate_argnums=(1, 2, 5, 6), **in_place)
             self._verify = jax.jit(functools.partial(self._and_write, self._forward_and_verify),
                                    donate_argnums=(1, 2, 5, 6), **in_place)
+            # The split step's first half (`forward_for_masks`): last_tokens is read, not donated.
+            self._split_forward = jax.jit(functools.partial(self._and_write, self._forward_rows),
+                                          donate_argnums=(1, 5, 6), **in_place)
         else:
             self._forward = jax.jit(self._forward_and_sample, donate_argnums=(2, 5, 6), **forward)
             self._verify = jax.jit(self._forward_and_verify, donate_argnums=(2, 5, 6), **forward)
+            self._split_forward = jax.jit(self._forward_rows, donate_argnums=(5, 6), **forward)
+        self._split_sample = jax.jit(self._sample_joined, donate_argnums=2)
         self._logits = jax.jit(self._forward_logits, **logits)
         self._write = jax.jit(self._write_cache, donate_argnums=0, **write)
         self.placer = BatchPlacer(mesh)
@@ -163,6 +168,51 @@ class Steps:
         kv = kv if self.writes_in_forward else self._write(kv_cache, kv, batch.slot_mapping)
         return out, kv, last_tokens, features, penalties
 
+    def forward_for_masks(self, params, kv_cache, last_tokens, features, batch: StepInput, lora=None,
+                          penalties=None):
+        """The first half of a split step, for rows whose token masks the host fills only once the step before is
+        read back (structured output): the forward and the cache write, dispatched at once; the rows sample when
+        `sample_joined` brings the masks. Returns (pending, kv_cache, features, penalties): pending holds each row's
+        final hidden state and sampling parameters on device; last_tokens is read, not written (the sampling writes
+        it); the penalties' counts (donated) have this step's tokens counted in, all the sampling half reads."""
+        batch = self.put_batch(batch)
+        pending, kv, _, features, penalties = self._split_forward(params, kv_cache, last_tokens, batch, lora,
+                                                                  features, penalties)
+        kv = kv if self.writes_in_forward else self._write(kv_cache, kv, batch.slot_mapping)
+        return (pending, batch.logits_index[:, 0], batch.out_slot, penalties), kv, features, penalties
+
+    def sample_joined(self, params, pending, last_tokens, masks):
+        """The second half of a split step: each row's masks [S, ceil(V / 32)] int32 ANDed on device with the
+        row's own (allowed tokens, bans), then the rows sample as a whole step's would. Returns (StepOutput,
+        last_tokens), last_tokens donated."""
+        (x, sampling, prompt), last_index, out_slot, penalties = pending
+        return self._split_sample(params, (x, sampling, prompt, last_index, out_slot, penalties), last_tokens, masks)
+
+    def _forward_rows(self, params, kv_cache, last_tokens, batch: StepInput, lora=None, features=None,
+                      penalties=None):
+        """`_forward_and_sample` up to the sampling: each row's hidden state [S, hidden] at its last token."""
+        _, new_kv, captured, sampling = self._plain_forward(params, kv_cache, last_tokens, batch, lora, penalties)
+        hidden = captured[0]
+        x = hidden[jnp.maximum(batch.logits_index[:, 0], 0)]  # [S, hidden]
+        # The counts leave as their own output (donated at the next step), read by the sampling half beside pending.
+        pending = (x, dataclasses.replace(sampling, penalty_state=None), self._prompt_scores(params, hidden, batch))
+        return (pending, new_kv, last_tokens, self._keep_features(features, captured, batch),
+                sampling.penalty_state)
+
+    def _sample_joined(self, params, pending, last_tokens, masks):
+        x, sampling, prompt, last_index, out_slot, penalties = pending
+        sampling = dataclasses.replace(sampling, token_mask=sampling.token_mask & masks, penalty_state=penalties)
+        s = self._sample_used_rows(params, x, last_index, sampling, gathered=True)
+        return self._step_output(s, last_index, prompt), last_tokens.at[out_slot].set(s.tokens)
+
+    @staticmethod
+    def _step_output(s, last_index, prompt) -> StepOutput:
+        """A plain step's output from its rows' samples s; last_index [S] (-1: the row samples nothing)."""
+        num_tokens = jnp.greater_equal(last_index, 0).astype(jnp.int32)  # [S] 1: the row samples
+        return StepOutput(tokens=s.tokens[:, None], num_tokens=num_tokens,
+                          logprobs=s.logprobs[:, None], ranks=s.ranks[:, None], top_ids=s.top_ids[:, None],
+                          top_logprobs=s.top_logprobs[:, None], prompt=prompt)
+
     def _keep_features(self, features, hidden_and_features, batch: StepInput):
         """features with this step's captured [T, F] written at its tokens' slots (padding: the scratch page's)."""
         if not self.capture:
@@ -196,33 +246,37 @@ class Steps:
             return self.model.apply(params, *args, **kw)
         return self.model.apply({**params, "lora": lora}, *args, **kw, lora_slot=batch.lora_slot)
 
-    def _forward_and_sample(self, params, kv_cache, last_tokens, batch: StepInput, lora=None, features=None,
-                            penalties=None):
+    def _plain_forward(self, params, kv_cache, last_tokens, batch: StepInput, lora=None, penalties=None):
+        """A plain step's forward: (logits, new K/V, [hidden, captured features], the rows' sampling parameters with
+        what only the device knows of their tokens, the penalties' counts included)."""
         tokens = input_tokens(batch, last_tokens)
         logits, new_kv, *captured = self._apply(params, lora, batch, tokens, kv_cache, batch.rows,
                                                 batch.logits_index[:, 0], return_hidden=True, capture=self.capture)
-        hidden = captured[0]
         sampling = with_step_tokens(dataclasses.replace(batch.sampling, penalty_state=penalties), tokens, batch.rows,
                                     batch.logits_index[:, 0])
+        return logits, new_kv, captured, sampling
+
+    def _forward_and_sample(self, params, kv_cache, last_tokens, batch: StepInput, lora=None, features=None,
+                            penalties=None):
+        logits, new_kv, captured, sampling = self._plain_forward(params, kv_cache, last_tokens, batch, lora, penalties)
+        hidden = captured[0]
         if self.mesh is None and batch.logits_index.shape[0] > HEAD_ROWS[0]:
             s = self._sample_used_rows(params, hidden, batch.logits_index[:, 0], sampling)
         else:
             s = sample_over_vocab(sample, self.mesh, logits, sampling)
-        num_tokens = jnp.greater_equal(batch.logits_index[:, 0], 0).astype(jnp.int32)  # [S] 1: the row samples
-        out = StepOutput(tokens=s.tokens[:, None], num_tokens=num_tokens,
-                         logprobs=s.logprobs[:, None], ranks=s.ranks[:, None], top_ids=s.top_ids[:, None],
-                         top_logprobs=s.top_logprobs[:, None], prompt=self._prompt_scores(params, hidden, batch))
+        out = self._step_output(s, batch.logits_index[:, 0], self._prompt_scores(params, hidden, batch))
         last_tokens = last_tokens.at[batch.out_slot].set(s.tokens)  # -1 wraps to the padding slot
         return out, new_kv, last_tokens, self._keep_features(features, captured, batch), sampling.penalty_state
 
-    def _sample_used_rows(self, params, hidden, last_index, sampling):
+    def _sample_used_rows(self, params, hidden, last_index, sampling, gathered: bool = False):
         """sample() over the rows up to the last that samples, the LM head included, run at the smallest of
         HEAD_ROWS that holds them: a step's rows are min(tokens, max_num_seqs) (`jaxserve.buckets`), so a lone
         prompt's 64-token step has 64 rows, and a head over them all is most of its time where the vocabulary is
         large (Gemma 3's 262k). The other rows' results are zeros: nothing reads them. The model's own logits go
-        unused, and jit drops their head. hidden [T, hidden]; last_index [S] (-1: the row samples nothing)."""
+        unused, and jit drops their head. hidden [T, hidden]; last_index [S] (-1: the row samples nothing);
+        gathered: hidden is already each row's [S, hidden] at last_index."""
         S = last_index.shape[0]
-        x = hidden[jnp.maximum(last_index, 0)]  # [S, hidden]
+        x = hidden if gathered else hidden[jnp.maximum(last_index, 0)]  # [S, hidden]
         used = jnp.max(jnp.where(last_index >= 0, jnp.arange(1, S + 1), 0))
         sizes = [b for b in HEAD_ROWS if b < S] + [S]
 
