@@ -114,7 +114,7 @@ def build_engine(c: EngineConfig) -> EngineParts:
         core = Disaggregated(by_role["prefill"], by_role["decode"])
     else:
         core = replicas[0] if len(replicas) == 1 else DataParallel(replicas)
-    loaded, loras = models.loaded, _host_adapters(c, models.loaded, dtype)
+    loaded, loras = models.loaded, _host_adapters(c, models.loaded, dtype, runners)
     parts = EngineParts(core, replicas, loaded.name, loaded.config.vocab_size, max_model_len, loaded.tokenizer,
                         loaded.config, runners, processes, backend, loaded.quantization, loras)
     _warm_up(c, parts)
@@ -227,13 +227,18 @@ def _build_pools(c: EngineConfig, pools: list[tuple[str, int, list]], models: _M
     return by_role, backend
 
 
-def _host_adapters(c: EngineConfig, loaded: LoadedModel, dtype) -> HostAdapters | None:
+def _host_adapters(c: EngineConfig, loaded: LoadedModel, dtype, runners: list) -> HostAdapters | None:
     """The LoRA adapters on the host, checked against the model's own shapes (a runner splits them as it splits the
-    model); None without enable_lora."""
+    model), each runner's slot arrays built where one is loaded; None without enable_lora."""
     if not c.enable_lora:
         return None
+    with_slots = [r for r in runners if getattr(r, "lora", None) is not None]  # not a draft model's
+
+    def prepare(adapter) -> None:
+        for runner in with_slots:
+            runner.prepare_lora(adapter)
     return HostAdapters(lambda request: load_adapter(request, loaded.config, c.max_lora_rank, dtype),
-                        c.max_cpu_loras or c.max_loras)
+                        c.max_cpu_loras or c.max_loras, prepare)
 
 
 def _warm_up(c: EngineConfig, parts: EngineParts) -> None:

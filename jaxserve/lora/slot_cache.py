@@ -66,11 +66,15 @@ class HostAdapters:
     """Adapters loaded on the host, by lora_int_id: at most `capacity`, the least recently used forgotten first.
     Thread-safe (requests are checked, and adapters added, on other threads than the one stepping)."""
 
-    def __init__(self, load: Callable[[LoRARequest], LoRAAdapter], capacity: int):
-        """load(request): reads an adapter (raises LoRAError if it is bad)."""
+    def __init__(self, load: Callable[[LoRARequest], LoRAAdapter], capacity: int,
+                 prepare: Callable[[LoRAAdapter], None] | None = None):
+        """load(request): reads an adapter (raises LoRAError if it is bad). prepare(adapter): builds what the runners'
+        slot writes read (their padded arrays: `jaxserve.lora.buffers.SlotArrays`), on the thread that gets the
+        adapter, so that the engine thread does not."""
         if capacity < 1:
             raise ValueError(f"max_cpu_loras must be at least 1, got {capacity}")
         self._load = load
+        self._prepare = prepare
         self.capacity = capacity
         self._by_id: OrderedDict[int, LoadedAdapter] = OrderedDict()  # least recently used first
         self._lock = threading.Lock()
@@ -85,6 +89,7 @@ class HostAdapters:
         with self._lock:
             held = self._held(request)
         if held is not None:
+            self._prepared(held)  # built when it was loaded (at once), unless that failed
             return held
         with self._reading:
             with self._lock:  # read while this one waited?
@@ -93,11 +98,16 @@ class HostAdapters:
                 return held
             adapter = self._load(request)  # raises before anything changes
             loaded = LoadedAdapter(request, adapter, content_key(adapter.weights))
+            self._prepared(loaded)
             with self._lock:
                 self._by_id[request.lora_int_id] = loaded
                 while len(self._by_id) > self.capacity:
                     self._by_id.popitem(last=False)
                 return loaded
+
+    def _prepared(self, loaded: LoadedAdapter) -> None:
+        if self._prepare is not None:
+            self._prepare(loaded.adapter)
 
     def _held(self, request: LoRARequest) -> LoadedAdapter | None:
         """The adapter held under the request's id (now the most recently used), if any; under the lock."""

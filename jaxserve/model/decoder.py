@@ -24,7 +24,7 @@ from jaxserve.batch import RaggedRows
 from jaxserve.cache import init_kv_cache
 from jaxserve.config import ModelConfig
 from jaxserve.model.attention import attention, partial_attention
-from jaxserve.model.layers import Linear, RMSNorm, rms_norm
+from jaxserve.model.layers import Linear, RMSNorm, rms_norm, with_lora
 from jaxserve.model.quant import embed, logical_axes, matmul
 from jaxserve.model.rope import apply_rope, rope_parameters
 from jaxserve.parallel.context_parallel import attention_over_tokens
@@ -109,12 +109,9 @@ class DecoderLayer(nn.Module):
         # Logical axes of each kernel's [in, out]: q/k/v split their outputs by head (jaxserve.parallel.mesh.RULES).
         q_axes, kv_axes = ("embed", "heads"), ("embed", "kv_heads")
         nq, nkv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        # Each group fuses on its own (jaxserve.model.fused), and adapters are per projection: a runner with LoRA
-        # serves them unfused, so either fused group with adapters is a mistake, not a silently dropped adapter.
-        if lora_slot is not None and any(self.has_variable("params", n) for n in ("qkv_proj", "gate_up_proj")):
-            raise ValueError("fused q/k/v and gate/up projections cannot take LoRA adapters")
         if self.has_variable("params", "qkv_proj"):  # served fused: one dot, split
             qkv = Linear(nq + 2 * nkv, q_axes, c.attention_bias, dt, whole, name="qkv_proj")(h)  # [T, nq + 2 nkv]
+            qkv = self._fused_lora(qkv, h, ("q_proj", "k_proj", "v_proj"), lora_slot, whole)
             q, k, v = jnp.split(qkv, [nq, nq + nkv], axis=-1)
         else:
             q = Linear(nq, q_axes, c.attention_bias, dt, whole, name="q_proj")(h, lora_slot)
@@ -147,8 +144,8 @@ class DecoderLayer(nn.Module):
         # The FFN's input norm, under Llama's name for it.
         h = RMSNorm(c.rms_norm_eps, dt, name="post_attention_layernorm")(x)
         if self.has_variable("params", "gate_up_proj"):
-            gate, up = jnp.split(Linear(2 * c.intermediate_size, ("embed", "mlp"), False, dt, whole,
-                                        name="gate_up_proj")(h), 2, axis=-1)
+            gate_up = Linear(2 * c.intermediate_size, ("embed", "mlp"), False, dt, whole, name="gate_up_proj")(h)
+            gate, up = jnp.split(self._fused_lora(gate_up, h, ("gate_proj", "up_proj"), lora_slot, whole), 2, axis=-1)
         else:
             gate = Linear(c.intermediate_size, ("embed", "mlp"), False, dt, whole, name="gate_proj")(h, lora_slot)
             up = Linear(c.intermediate_size, ("embed", "mlp"), False, dt, whole, name="up_proj")(h, lora_slot)
@@ -157,6 +154,14 @@ class DecoderLayer(nn.Module):
         if c.sandwich_norm:
             out = RMSNorm(c.rms_norm_eps, dt, name="ffn_output_norm")(out)
         return x + out, (k, v)
+
+    def _fused_lora(self, y, x, targets: tuple[str, ...], lora_slot, whole: bool):
+        """A fused projection's output y with its targets' LoRA terms (adapters are per projection: the "lora"
+        collection keeps the checkpoint's names, `jaxserve.lora.buffers`), where the step has adapters."""
+        if lora_slot is None or not all(self.has_variable("lora", t) for t in targets):
+            return y
+        ab = [self.get_variable("lora", t) for t in targets]
+        return with_lora(y, x, [(t["a"], t["b"]) for t in ab], lora_slot, whole)
 
 
 class DecoderModel(nn.Module):

@@ -39,12 +39,19 @@ class Linear(nn.Module):
             init = nn.with_logical_partitioning(nn.initializers.zeros, self.axes[1:])
             y = y + self.param("bias", init, (self.features,), self.dtype)
         if lora_slot is not None and self.has_variable("lora", "a"):  # after the bias, as PEFT adds it
-            delta = lora_delta(x, self.get_variable("lora", "a"), self.get_variable("lora", "b"), lora_slot,
-                               kernels=self.whole)
-            # A base token keeps the base output bit for bit: selected, not y + 0, which XLA may fold into the
-            # matmul's accumulation (C += A @ B rounds differently).
-            y = jnp.where(lora_slot[:, None] >= 0, y + delta, y)
+            y = with_lora(y, x, [(self.get_variable("lora", "a"), self.get_variable("lora", "b"))], lora_slot,
+                          self.whole)
         return y
+
+
+def with_lora(y, x, adapters: list, lora_slot, kernels: bool = True):
+    """y [T, out] plus the LoRA term of x [T, in] on each token's slot: adapters, the (a [N, in, R], b [N, R, o])
+    buffers of the targets whose outputs y holds in turn (one, or a fused projection's q/k/v or gate/up:
+    `jaxserve.model.fused`)."""
+    delta = jnp.concatenate([lora_delta(x, a, b, lora_slot, kernels=kernels) for a, b in adapters], axis=-1)
+    # A base token keeps the base output bit for bit: selected, not y + 0, which XLA may fold into the matmul's
+    # accumulation (C += A @ B rounds differently).
+    return jnp.where(lora_slot[:, None] >= 0, y + delta, y)
 
 
 class RMSNorm(nn.Module):

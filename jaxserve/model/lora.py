@@ -6,8 +6,11 @@ where slot[t] is -1 (a base-model token): one program for any mix of adapters, w
 Ways to compute it, all in jnp (scripts/bench_lora.py measures them):
 - "gather" (BGMV): each token gathers its slot's A and B and multiplies them. Work grows with T, not with N;
   the gathered copies are T x R x (in + out) values per layer.
-- "segmented" (SGMV): tokens sorted by slot into blocks of one slot each (each slot's run padded to a whole block),
+- "sorted" (SGMV): tokens sorted by slot into blocks of one slot each (each slot's run padded to a whole block),
   each block gathers its slot's A and B once. Gathers (T / block + N) copies instead of T.
+- "segmented": "sorted", except for a step whose adapter tokens all name one slot (a prefill chunk of one sequence,
+  every row on one adapter: the common case), which indexes that slot's A and B once and multiplies x by them as
+  they are: no sort, no scatter into blocks, no gathers back (a `lax.cond`: both compiled in the one program).
 - "ragged": tokens sorted by slot, then `jax.lax.ragged_dot`. XLA:CPU expands it to a dense product per group
   with masks, so its work grows with N (as would a one-hot einsum over slots).
 On TPU and GPU the term is the Pallas kernels' (`jaxserve.pallas_kernels.lora`: each token block reads each adapter it
@@ -25,7 +28,9 @@ F32 = jnp.float32
 
 # The method the model uses (read when a step is traced; scripts/bench_lora.py sets it to compare them). Segmented,
 # by bench_lora's figures on XLA:CPU (BENCHMARKS.md): a 64-row decode step with 8 adapters at ~1.0x the base step
-# (gather 1.2x, ragged 1.0x), a 512-token prefill at 1.4-1.7x (gather 5x, ragged 2x).
+# (gather 1.2x, ragged 1.0x), a 512-token prefill at 1.4-1.7x (gather 5x, ragged 2x) when sorted, and one sorted
+# 512-token term costs ~0.35x its base product where one slot's, indexed once, costs ~0.06x (a micro-benchmark
+# measured once: [512, 576] x [576, 1536], rank 16, 8 slots, 2026-12-07).
 METHOD = "segmented"
 
 
@@ -67,7 +72,25 @@ def segment_block(num_tokens: int) -> int:
     return max(8, num_tokens // 8)
 
 
+def one_slot(slot):
+    """Whether every token on an adapter names the same slot (true too where none does)."""
+    return jnp.all((slot < 0) | (slot == jnp.max(slot)))
+
+
+def _one_slot(x, a, b, slot):
+    """The term where every adapter token names slot max(slot): that slot's A and B indexed once ([in, R], [R, out]),
+    every token multiplied by them, base tokens' rows then zeroed."""
+    s = jnp.maximum(jnp.max(slot), 0)
+    h = jnp.dot(x, a[s], preferred_element_type=F32)  # [T, R]
+    h = jnp.where(slot[:, None] >= 0, h, 0).astype(b.dtype)
+    return jnp.dot(h, b[s], preferred_element_type=F32).astype(x.dtype)
+
+
 def _segmented(x, a, b, slot):
+    return jax.lax.cond(one_slot(slot), _one_slot, _sorted_blocks, x, a, b, slot)
+
+
+def _sorted_blocks(x, a, b, slot):
     (T, n_in), N = x.shape, a.shape[0]
     block = segment_block(T)
     K = -(-T // block) + N  # blocks: each slot's run adds at most one partial block
@@ -86,4 +109,4 @@ def _segmented(x, a, b, slot):
     return jnp.take(y, dest, axis=0, mode="fill", fill_value=0).astype(x.dtype)
 
 
-METHODS = {"gather": _gather, "segmented": _segmented, "ragged": _ragged}
+METHODS = {"gather": _gather, "sorted": _sorted_blocks, "segmented": _segmented, "ragged": _ragged}

@@ -27,7 +27,7 @@ from jaxserve.cache import SCRATCH_PAGE, init_kv_cache, pages_needed
 from jaxserve.cache.kv_cache import bf16_pages_as_bits, values_dtype
 from jaxserve.cache.transfer import KVPages, gather_pages, kv_bytes, num_pages, padded_ids, scatter_pages
 from jaxserve.lora.adapter import LoRAAdapter
-from jaxserve.lora.buffers import empty_lora, lora_axes, slot_arrays
+from jaxserve.lora.buffers import SlotArrays, empty_lora, lora_axes
 from jaxserve.model.fused import with_fused_projections
 from jaxserve.model.quant import Int8Weight, is_quantized, quantize_int8
 from jaxserve.multihost import LeaderFollower
@@ -71,7 +71,7 @@ def with_serving_head(config, params, platform: str):
 def served_params(config, params, platform: str, fuse: bool = True):
     """The params a runner on one device serves, what its steps read: the LM head in its serving format
     (`with_serving_head`), the embedding table row-major (`jaxserve.parallel.layouts`), and on CPU each layer's q/k/v
-    and gate/up fused (`jaxserve.model.fused`; fuse=False keeps them apart, as LoRA adapters need)."""
+    and gate/up fused (`jaxserve.model.fused`; LoRA adapters add their terms to the fused outputs)."""
     params = with_row_major_tables(with_serving_head(config, params, platform))
     return with_fused_projections(params) if platform == "cpu" and fuse else params
 
@@ -130,7 +130,7 @@ class ModelRunner:
         platform = (mesh.devices.flat[0] if mesh is not None else jax.devices()[0]).platform
         # The embedding table row-major, where the chip's default is not: its lookup then reads rows in place.
         if mesh is None:
-            self.params = served_params(config, params, platform, fuse=not rc.max_loras)
+            self.params = served_params(config, params, platform)
             self.kv_cache = new_cache()
             self.last_tokens = jnp.zeros(rc.num_slots + 1, jnp.int32)  # [slots + 1]: the last one takes padding rows
         else:
@@ -242,6 +242,14 @@ class ModelRunner:
         def write_slot(lora, slot, arrays):  # slot: a traced int32 scalar, so every slot shares the program
             return jax.tree.map(lambda buf, x: buf.at[slot].set(x), lora, arrays)
         self._write_lora = jax.jit(write_slot, donate_argnums=0, **write)
+        self.slot_arrays = SlotArrays(self.config, self.max_lora_rank, self.dtype)
+
+    def prepare_lora(self, adapter: LoRAAdapter) -> None:
+        """Builds the adapter's padded slot arrays ahead of load_lora, on the calling thread (any: the host's loader
+        calls it where an adapter is loaded, so that the engine thread only writes them to the device)."""
+        if self.lora is None:
+            raise ValueError("this runner has no LoRA slots (enable_lora is off)")
+        self.slot_arrays.prepare(adapter)
 
     def load_lora(self, slot: int, adapter: LoRAAdapter) -> None:
         """Writes adapter into device slot `slot` (in place; a step dispatched before runs with the slot's old
@@ -257,8 +265,7 @@ class ModelRunner:
             raise ValueError("this runner has no LoRA slots (enable_lora is off)")
         if not isinstance(slot, int) or not 0 <= slot < self.max_loras:
             raise ValueError(f"LoRA slot must be an integer in [0, {self.max_loras}), got {slot!r}")
-        arrays = slot_arrays(adapter, self.config, self.max_lora_rank, self.dtype)
-        self.lora = self._write_lora(self.lora, np.int32(slot), arrays)
+        self.lora = self._write_lora(self.lora, np.int32(slot), self.slot_arrays.get(adapter))
 
     def lora_compiled(self) -> int:
         """Programs compiled so far to fill LoRA slots (at most one)."""
@@ -287,7 +294,8 @@ class ModelRunner:
         if masks_later and self.splits_sampling:
             counts = self.penalties.counts(batch)
             pending, self.kv_cache, self.features, counts = self.steps.forward_for_masks(
-                self.params, self.kv_cache, self.last_tokens, self.features, batch, self.lora, penalties=counts)
+                self.params, self.kv_cache, self.last_tokens, self.features, batch, self.step_lora(batch),
+                penalties=counts)
             if counts is not None:
                 self.penalties.state = counts
             return StepHandle(len(rows), None, (pending, rows, batch.sampling.token_mask.shape))
@@ -317,13 +325,20 @@ class ModelRunner:
                                  f"{self.max_loras} (enable_lora {'on' if self.lora is not None else 'off'})")
 
     def run(self, batch: StepInput) -> StepOutput:
-        """The device side of a step whose batch is built (all a multi-process follower does of it)."""
+        """The device side of a step whose batch is built (all a multi-process follower does of it). A step with no
+        token on an adapter runs the base model's program (no LoRA term at all), one with any runs the LoRA program:
+        warm-up compiles both."""
         counts = self.penalties.counts(batch)
         out, self.kv_cache, self.last_tokens, self.features, counts = self.steps.step_with_features(
-            self.params, self.kv_cache, self.last_tokens, self.features, batch, self.lora, penalties=counts)
+            self.params, self.kv_cache, self.last_tokens, self.features, batch, self.step_lora(batch), penalties=counts)
         if counts is not None:
             self.penalties.state = counts
         return out
+
+    def step_lora(self, batch: StepInput):
+        """The adapters' buffers if any token of the batch is on one (its lora_slot, int32 [T], on the host), else
+        None: the base model's program."""
+        return self.lora if self.lora is not None and bool(np.any(np.asarray(batch.lora_slot) >= 0)) else None
 
     def wait(self, handle: StepHandle, until: float | None = None) -> bool:
         if until is None:
@@ -370,8 +385,12 @@ class ModelRunner:
             drafts = [min(num_draft, lengths[0] - 1)] + [0] * (len(lengths) - 1)
             rows = [Row([0] * n, 0, [0] * pages_needed(n + 1, self.page_size), num_draft=d)
                     for n, d in zip(lengths, drafts)]
-            for width in self.buckets.widths():  # the tables' widths are the same programs' shapes
-                self.fetch(self.dispatch(rows, width))
+            # With LoRA, the adapters' program too: the same rows on slot 0 (zeros or an adapter; the scratch page's
+            # content is never read back).
+            variants = [rows] + ([[dataclasses.replace(r, lora_slot=0) for r in rows]] if self.lora is not None else [])
+            for batch_rows in variants:
+                for width in self.buckets.widths():  # the tables' widths are the same programs' shapes
+                    self.fetch(self.dispatch(batch_rows, width))
             if time_steps:  # the fastest of a few: one page fault or GC pause must not set a cost for good
                 self.step_times[tokens, 1 + k if num_draft else 1] = min(self._time(rows) for _ in range(3))
         compiled = self.steps.num_compiled() - before

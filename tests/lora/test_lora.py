@@ -17,7 +17,8 @@ import transformers
 import jaxserve
 from jaxserve import EngineConfig, LoRARequest
 from jaxserve.lora.adapter import LoRAError, load_adapter
-from jaxserve.model.lora import METHODS, lora_delta
+from jaxserve.model.fused import FUSED
+from jaxserve.model.lora import METHODS, lora_delta, one_slot
 from jaxserve.parallel.mesh import MODEL
 from jaxserve.runner.batch_builder import Row, build_batch
 
@@ -145,10 +146,16 @@ def test_int8_base_weights_with_adapters_match_peft_over_the_dequantized_model(l
     model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     with torch.no_grad():
         for i, layer in enumerate(model.model.layers):
-            for name, linear in [*layer.self_attn.named_children(), *layer.mlp.named_children()]:
-                w = llm.runner.params["params"][f"layers_{i}"].get(name, {}).get("kernel")
-                if w is not None:  # [in, out] int8 values * scale per output
-                    linear.weight.copy_(torch.tensor(np.asarray(w.values, np.float32) * np.asarray(w.scale)).T)
+            linears = dict([*layer.self_attn.named_children(), *layer.mlp.named_children()])
+            # [in, out] int8 values * scale per output, by projection (the runner serves q/k/v and gate/up fused)
+            kernels = {name: np.asarray(p["kernel"].values, np.float32) * np.asarray(p["kernel"].scale)
+                       for name, p in llm.runner.params["params"][f"layers_{i}"].items() if "kernel" in p}
+            for fused, names in FUSED.items():
+                widths = np.cumsum([linears[n].out_features for n in names])[:-1]
+                kernels.update(zip(names, np.split(kernels.pop(fused), widths, axis=1)))
+            for name, linear in linears.items():
+                if name in kernels:
+                    linear.weight.copy_(torch.tensor(kernels[name]).T)
     model.save_pretrained(tmp_path / "dequantized")
     ps = prompts()
     got = ragged_logits(llm.runner, [(p, SLOTS.get(name, -1)) for p, (name, _) in zip(ps, ROWS)])
@@ -209,6 +216,28 @@ def test_each_lora_delta_method_is_each_tokens_own_adapter(method, num_tokens, n
     want = np.stack([x[t] @ a[s] @ b[s] if s >= 0 else np.zeros(40, np.float32) for t, s in enumerate(slot)])
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=f"seed {seed}")
     assert (got[slot < 0] == 0).all(), f"seed {seed}: a base token's LoRA term is not exactly 0"
+
+
+@pytest.mark.parametrize("num_tokens", [1, 7, 64, 512])
+def test_a_one_adapter_chunk_takes_the_indexed_term_and_equals_the_sorted_one(num_tokens):
+    """A step whose adapter tokens all name one slot (one sequence's prefill chunk, base rows beside it or not) takes
+    the segmented method's one-slot branch, which gives the sorted blocks' term to float32 rounding; a step of two
+    slots does not."""
+    seed = int(np.random.default_rng().integers(1 << 31))
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((num_tokens, 24), np.float32)
+    a = rng.standard_normal((8, 24, 4), np.float32)
+    b = rng.standard_normal((8, 4, 40), np.float32)
+    s = int(rng.integers(0, 8))
+    slot = np.where(rng.random(num_tokens) < 0.7, s, -1).astype(np.int32)
+    assert bool(one_slot(slot)), f"seed {seed}"
+    got = np.asarray(jax.jit(lora_delta, static_argnames="method")(x, a, b, slot, method="segmented"))
+    sorted_ = np.asarray(jax.jit(lora_delta, static_argnames="method")(x, a, b, slot, method="sorted"))
+    np.testing.assert_allclose(got, sorted_, rtol=1e-5, atol=1e-5, err_msg=f"seed {seed}")
+    assert (got[slot < 0] == 0).all(), f"seed {seed}"
+    assert bool(one_slot(np.full(num_tokens, -1, np.int32)))  # no adapter token: nothing to sort either
+    if num_tokens > 1:
+        assert not bool(one_slot(np.array([s, (s + 1) % 8] + [-1] * (num_tokens - 2), np.int32)))
 
 
 # ---- adapters refused: each error names the adapter and the field ----

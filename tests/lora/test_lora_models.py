@@ -1,11 +1,14 @@
 """LoRA adapters made with PEFT, served by real engines: the default model against HF transformers + PEFT in
 float32 (two adapters of different ranks and targets in one batch beside base rows), bad adapters, and on the tiny
 model n-gram speculation and warm-up with adapters swapping through too few slots."""
+import threading
+
 import jax
 import pytest
 import transformers
 
 from jaxserve import LLM, SamplingParams
+from jaxserve.lora import buffers
 from jaxserve.lora.adapter import LoRAError
 from jaxserve.lora.request import LoRARequest
 from jaxserve.runner.steps import steps_for
@@ -123,4 +126,63 @@ def test_no_compilation_after_warmup_while_adapters_swap(tiny_adapters, tiny_lor
         jax.monitoring.unregister_event_duration_listener(on_compile)
     assert compiles == []
     assert llm.scheduler.lora_slots.num_loads - loads >= 6
+    llm.core.assert_idle_and_clean()
+
+
+def test_base_only_steps_run_the_base_program_with_a_plain_engines_tokens(tiny_dir, tiny_adapters, tiny_lora_llm,
+                                                                          monkeypatch):
+    """With enable_lora and an adapter in its slot, a step whose rows are all on the base model runs the base
+    model's program (no LoRA term: the step gets no adapter buffers) and gives an engine without LoRA's tokens and
+    logprobs exactly; a step with an adapter row runs the LoRA program."""
+    llm = tiny_lora_llm
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1)
+    prompts = [{"prompt_token_ids": [3 + i, 40 + i, 7, 11 + i]} for i in range(3)]
+    llm.generate(prompts[0], sp, use_tqdm=False, lora_request=tiny_adapters[0])  # the slot now holds an adapter
+    steps = llm.runner.steps
+    with_adapters = []
+
+    def spy(*args, **kw):
+        with_adapters.append(args[-1] is not None)
+        return type(steps).step_with_features(steps, *args, **kw)
+    monkeypatch.setattr(steps, "step_with_features", spy)
+    got = llm.generate(prompts, sp, use_tqdm=False)
+    assert with_adapters and not any(with_adapters)
+    monkeypatch.undo()
+    plain = make_llm(tiny_dir, **{k: v for k, v in TINY_LORA.items() if "lora" not in k})
+    assert plain.runner.lora is None
+    want = plain.generate(prompts, sp, use_tqdm=False)
+    for g, w in zip(got, want):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        assert g.outputs[0].logprobs == w.outputs[0].logprobs
+    monkeypatch.setattr(steps, "step_with_features", spy)
+    with_adapters.clear()
+    llm.generate(prompts[1], sp, use_tqdm=False, lora_request=tiny_adapters[0])
+    assert all(with_adapters)
+    llm.core.assert_idle_and_clean()
+
+
+def test_the_engine_thread_never_builds_an_adapters_slot_arrays(tiny_dir, tiny_adapters, monkeypatch):
+    """An adapter's padded slot arrays are built where it is loaded (here a worker thread adding it, as the server's
+    loader pool does), never on the thread that steps, which only writes them into a device slot."""
+    llm = make_llm(tiny_dir, **TINY_LORA)
+    builders, real = [], buffers.slot_arrays
+
+    def spy(adapter, *args):
+        if adapter is not None:
+            builders.append(threading.get_ident())
+        return real(adapter, *args)
+    monkeypatch.setattr(buffers, "slot_arrays", spy)
+    worker: list[int] = []
+
+    def add():
+        worker.append(threading.get_ident())
+        llm.add_lora(tiny_adapters[1])
+    thread = threading.Thread(target=add)
+    thread.start()
+    thread.join()
+    sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    out = llm.generate({"prompt_token_ids": [3, 40, 7]}, sp, use_tqdm=False, lora_request=tiny_adapters[1])[0]
+    assert len(out.outputs[0].token_ids) == 4 and llm.scheduler.lora_slots.num_loads == 1
+    assert builders == worker and threading.get_ident() not in builders
+    assert llm.runner.slot_arrays.built_on_demand == 0
     llm.core.assert_idle_and_clean()

@@ -6,7 +6,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.batching.engine_core import StepError
 from jaxserve.cpu_kernels import few_row_matmul
 from jaxserve.model.fused import fuse_kernels, with_fused_projections
 from jaxserve.model.quant import Int4Weight, Int8Weight, quantize_int4, quantize_params
@@ -70,7 +69,7 @@ def dots(hlo: str) -> int:
 
 def test_the_cpu_runner_serves_fused_projections_with_fewer_dots(tiny_dir, monkeypatch):
     """Per layer, q/k/v's three dots become one and gate/up's two one: two layers, six dots fewer a step. A LoRA
-    runner keeps its projections apart (adapters are per projection)."""
+    runner serves them fused too (its adapters' terms are added to the fused outputs)."""
     rows = [Row([5], 8, [1, 2, 3], slot=0, chained=True)]
     for quantization, kind in ((None, jnp.ndarray), ("int8", Int8Weight)):
         llm = make_llm(tiny_dir, quantization=quantization)
@@ -82,13 +81,4 @@ def test_the_cpu_runner_serves_fused_projections_with_fewer_dots(tiny_dir, monke
         assert "q_proj" in apart.runner.params["params"]["layers_1"]
         assert fused == dots(step_program(apart, rows)) - 2 * 3, quantization
     lora = make_llm(tiny_dir, enable_lora=True, max_loras=1, max_lora_rank=4)
-    assert "q_proj" in lora.runner.params["params"]["layers_0"]
-
-
-def test_fused_projections_refuse_lora_adapters(tiny_dir):
-    """A runner with adapter slots steps with every token's slot: fused params there raise rather than drop the
-    adapters of the fused projections."""
-    lora = make_llm(tiny_dir, enable_lora=True, max_loras=1, max_lora_rank=4)
-    lora.runner.params = with_fused_projections(lora.runner.params)
-    with pytest.raises(StepError, match="cannot take LoRA adapters"):  # the engine's wrapping of the ValueError
-        lora.generate([{"prompt_token_ids": [1, 2, 3]}], use_tqdm=False)
+    assert "qkv_proj" in lora.runner.params["params"]["layers_0"]
