@@ -238,3 +238,14 @@ def _fill_logit_controls(sampling: SamplingInput, i: int, row: Row) -> None:
         sampling.logit_bias[i, :len(ids)] = biases
     if s.past_tokens is not None:
         sampling.past_tokens[i, :row.start_pos] = s.past_tokens[:row.start_pos]
+
+
+def warmup_rows(tokens: int, num_rows: int, num_draft: int, page_size: int) -> list[Row]:
+    """Rows of a warm-up step: tokens spread over num_rows (the first with num_draft proposals), every page the
+    scratch page: the bucket's real shapes, no cache content touched."""
+    per_row, extra = divmod(tokens, num_rows)
+    lengths = [per_row + (i < extra) for i in range(num_rows)]
+    if num_draft and lengths[0] == 1:  # a verification row needs a proposal after its token
+        lengths = [2] + lengths[1:-1]
+    drafts = [min(num_draft, lengths[0] - 1)] + [0] * (len(lengths) - 1)
+    return [Row([0] * n, 0, [0] * pages_needed(n + 1, page_size), num_draft=d) for n, d in zip(lengths, drafts)]

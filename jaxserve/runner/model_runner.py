@@ -34,7 +34,7 @@ from jaxserve.multihost import LeaderFollower
 from jaxserve.pallas_kernels import page_head_dim_multiple
 from jaxserve.parallel.layouts import param_formats, with_row_major_tables
 from jaxserve.parallel.mesh import log_placement, param_shardings, place, replicated
-from jaxserve.runner.batch_builder import Row, build_batch
+from jaxserve.runner.batch_builder import Row, build_batch, warmup_rows
 from jaxserve.runner.penalty_slots import PenaltySlots
 from jaxserve.runner.protocol import StepHandle
 from jaxserve.runner.steps import steps_for
@@ -336,8 +336,7 @@ class ModelRunner:
         return out
 
     def step_lora(self, batch: StepInput):
-        """The adapters' buffers if any token of the batch is on one (its lora_slot, int32 [T], on the host), else
-        None: the base model's program."""
+        """The adapters' buffers if any token of the batch is on one (lora_slot [T] >= 0), else None: no LoRA term."""
         return self.lora if self.lora is not None and bool(np.any(np.asarray(batch.lora_slot) >= 0)) else None
 
     def wait(self, handle: StepHandle, until: float | None = None) -> bool:
@@ -377,14 +376,7 @@ class ModelRunner:
             from tqdm import tqdm
             iterator = tqdm(shapes, desc="compiling step buckets", unit="shape")
         for tokens, num_rows, num_draft in iterator:
-            # Rows whose pages are all the scratch page: real shapes, no cache content touched.
-            per_row, extra = divmod(tokens, num_rows)
-            lengths = [per_row + (i < extra) for i in range(num_rows)]
-            if num_draft and lengths[0] == 1:  # a verification row needs a proposal after its token
-                lengths = [2] + lengths[1:-1]
-            drafts = [min(num_draft, lengths[0] - 1)] + [0] * (len(lengths) - 1)
-            rows = [Row([0] * n, 0, [0] * pages_needed(n + 1, self.page_size), num_draft=d)
-                    for n, d in zip(lengths, drafts)]
+            rows = warmup_rows(tokens, num_rows, num_draft, self.page_size)
             # With LoRA, the adapters' program too: the same rows on slot 0 (zeros or an adapter; the scratch page's
             # content is never read back).
             variants = [rows] + ([[dataclasses.replace(r, lora_slot=0) for r in rows]] if self.lora is not None else [])
