@@ -125,7 +125,7 @@ class FakeRunner:
         now = time.perf_counter()
         start = max([now] + [end for _, _, end in self.device_times[-1:]])
         self.device_times.append((now, start, start + self.step_seconds))
-        return FakeHandle(S, out, rows, start + self.step_seconds)
+        return FakeHandle(S, out, rows=rows, ends=start + self.step_seconds)
 
     def _write_kv(self, rows: list[Row]) -> None:
         page_size = self.kv.shape[1]

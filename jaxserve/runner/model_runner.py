@@ -309,14 +309,14 @@ class ModelRunner:
         """Samples the rows of a step dispatched with masks_later, each under its masks [rows, ceil(V / 32)] int32
         as well as its own (-1 words: no more than its own; None: every row under its own); without waiting. A
         step dispatched whole (this runner does not split) takes none: it is never dispatched so with such rows."""
-        if handle.pending is None:
+        if handle.forward is None:
             return
-        pending, rows, shape = handle.pending
+        pending, rows, shape = handle.forward
         joined = np.full(shape, -1, np.int32)  # [S, W]: the padding rows allow everything
         if masks is not None:
             joined[:len(masks)] = masks
         out, self.last_tokens = self.steps.sample_joined(self.params, pending, self.last_tokens, joined)
-        handle.output, handle.pending = _trimmed(out, rows), None
+        handle.output, handle.forward = _trimmed(out, rows), None
 
     def _check_lora_slots(self, rows: list[Row]) -> None:
         for i, r in enumerate(rows):

@@ -17,9 +17,10 @@ from jaxserve.sample.penalty_counts import PenaltyCounts, empty_counts
 
 
 class PenaltySlots:
-    def __init__(self, num_slots: int, vocab_size: int, mesh=None):
-        """num_slots: the runner's slots of sampled tokens (`last_tokens`, its padding slot included)."""
-        self.num_slots, self.vocab_size, self.mesh = num_slots, vocab_size, mesh
+    def __init__(self, num_slots: int, vocab_size: int, mesh=None, keep_counts: bool = True):
+        """num_slots: the runner's slots of sampled tokens (`last_tokens`, its padding slot included). keep_counts
+        False: every step counts its rows' histories (a speculative head, whose steps carry no counts)."""
+        self.num_slots, self.vocab_size, self.mesh, self.keep_counts = num_slots, vocab_size, mesh, keep_counts
         self.state: PenaltyCounts | None = None
         # slot -> (the sequence's token array, the tokens counted in: [0, end)). The array is the sequence's own
         # (`Sequence.token_ids_array`): held here, its identity is never reused by another sequence while listed.
@@ -32,7 +33,7 @@ class PenaltySlots:
         asking = [r for r in rows if r.sampling.past_tokens is not None]
         if not asking:
             return rows
-        if any(r.sampling.penalty_slot < 0 for r in asking):  # no slot to count in: the step counts histories
+        if not self.keep_counts or any(r.sampling.penalty_slot < 0 for r in asking):  # the step counts histories
             for r in asking:
                 self._held.pop(r.sampling.penalty_slot, None)
             return [dataclasses.replace(r, sampling=dataclasses.replace(r.sampling, penalty_slot=-1)) for r in rows]

@@ -19,7 +19,7 @@ class StepHandle:
     """A dispatched step: its output still on the device (or in flight), and how many of its rows are real."""
     num_rows: int
     output: StepOutput | None  # None until a split step's masks are joined (`Runner.join_masks`)
-    pending: Any = None  # a split step's forward, on device, until its masks are joined
+    forward: Any = None  # a split step's forward, on device, until its masks are joined
 
 
 class Runner(Protocol):

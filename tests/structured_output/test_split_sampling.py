@@ -18,8 +18,8 @@ GRAMMARS = [Structured(json=SCHEMA), Structured(regex=r"[a-z]{2,6}-[0-9]{1,4}"),
 
 
 def requests(seed: int):
-    """Constrained requests (greedy and seeded random draws) beside plain ones, with prompts of several lengths so
-    that prefill chunks and constrained decode rows share steps."""
+    """Constrained requests (greedy and seeded random draws, some with penalties) beside plain ones, with prompts of
+    several lengths so that prefill chunks and constrained decode rows share steps."""
     rng = np.random.default_rng(seed)
     prompts, params = [], []
     for i in range(8):
@@ -27,7 +27,10 @@ def requests(seed: int):
         temperature = 0.0 if i % 3 == 0 else 1.0
         grammar = GRAMMARS[i % len(GRAMMARS)] if i % 4 != 3 else None
         params.append(SamplingParams(temperature=temperature, seed=seed + i, max_tokens=24, ignore_eos=grammar is None,
-                                     structured_outputs=grammar, logprobs=2 if i == 1 else None))
+                                     structured_outputs=grammar, logprobs=2 if i == 1 else None,
+                                     # penalties counted on device per slot, through the split step's two halves too
+                                     presence_penalty=0.7 if i % 2 == 0 else 0.0, frequency_penalty=0.4 * (i == 2),
+                                     repetition_penalty=1.3 if i == 5 else 1.0))
     return prompts, params
 
 
