@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 
 import jax
 import numpy as np
@@ -57,6 +58,14 @@ class SamplingInput:
     #                                the host fills those before the row's start, the step its new ones (vocab_size
     #                                elsewhere); counted by the penalties
     prompt_len: StepArray  # int32 [S]   positions from this one on are generated tokens
+    # The penalties' counts kept on device (`jaxserve.sample.penalty_counts`): each row's slot there (-1: none), and
+    # whether the slot starts over from past_tokens (else past_tokens is not sent: the slot holds the row's tokens up
+    # to its start already).
+    penalty_slot: StepArray  # int32 [S]
+    penalty_init: StepArray  # bool [S]
+    # The device's PenaltyCounts, set inside a step program (None as the host sends it, and where the runner keeps
+    # none: the penalties then count past_tokens, sent whole every step).
+    penalty_state: Any = dataclasses.field(default=None, metadata={"device_only": True})  # never on a wire
 
 
 @jax.tree_util.register_dataclass

@@ -2,13 +2,16 @@
 plain rows, and the host's work to build a step's batch with them.
 
     python scripts/bench_logit_controls.py [--rows 64] [--context 512] [--steps 16] [--repeats 3]
+                                           [--parts device,host,long] [--long-contexts 8192,32768,131072]
                                            [--out scripts/bench_results/logit_controls.json]
 
 Decode: ms per engine step (host loop included: planning, the batch, the step, the one copy back) over `steps`
 steps of `rows` greedy sequences after the same `context`-token prompt (prefix-cached), the median of `repeats`;
 every row plain, every row controlled, or one row controlled among plain ones (a batch pays for a control once any
 row uses it). Host: ms to lay out `rows` decode rows of `context` tokens (row_sampling for each, then build_batch),
-and with the penalties' history copied from the token lists instead of each sequence's token array.
+and with the penalties' history copied from the token lists instead of each sequence's token array. Long (not run
+by default): the penalties' work on a decode step at long contexts, their history sent each step (before) against
+their counts kept on device per slot (after) and plain rows (`long_context_ms`).
 """
 import argparse
 import json
@@ -26,7 +29,7 @@ from jaxserve import LLM, SamplingParams  # noqa: E402
 from jaxserve.batching.sequence import Sequence  # noqa: E402
 from jaxserve.batching.step_rows import row_sampling  # noqa: E402
 from jaxserve.buckets import round_up  # noqa: E402
-from jaxserve.runner.batch_builder import Row, build_batch  # noqa: E402
+from jaxserve.runner.batch_builder import Row, RowSampling, build_batch  # noqa: E402
 from jaxserve.sample.logit_controls import resolve  # noqa: E402
 from jaxserve.sampling_params import MAX_LOGIT_BIAS  # noqa: E402
 
@@ -100,6 +103,56 @@ def sampler_ms(llm, batches: dict, rounds: int) -> dict:
     return {name: statistics.median(t[1:]) for name, t in times.items()}
 
 
+def long_context_ms(llm, rows: int, contexts: list[int], rounds: int) -> list[dict]:
+    """A decode step's penalty work at long contexts, without the model (whose KV cache would not fit): the host's
+    batch (build_batch), its copy to the device and the sampler (the step's tokens into the controls, then sample())
+    on random logits, median ms of `rounds`, each case in turn: every row plain; every row with the penalties
+    counted from its history (`past_tokens` [rows, context] sent each step: before); counted in its slot of the
+    device's counts (`jaxserve.sample.penalty_counts`: after, no history sent)."""
+    import dataclasses
+
+    import jax
+
+    from jaxserve.sample.penalty_counts import empty_counts
+    from jaxserve.sample.sampling import sample, with_step_tokens
+
+    def step(logits, batch, state):
+        p = with_step_tokens(dataclasses.replace(batch.sampling, penalty_state=state), batch.token_ids, batch.rows,
+                             batch.logits_index[:, 0])
+        return sample(logits, p).tokens, p.penalty_state
+    sampler = jax.jit(step, donate_argnums=2)
+    r, V = llm.runner, llm.config.vocab_size
+    rng = np.random.default_rng(0)
+    logits = jax.random.normal(jax.random.key(0), (rows, V)) * 3
+    tokens = round_up(rows, r.buckets.num_tokens)
+    results = []
+    for context in contexts:
+        history = [rng.integers(0, V, context).astype(np.int32) for _ in range(rows)]
+        width = -(-context // r.page_size)
+        pages = list(range(1, width + 1))
+
+        def sampling(case, i):
+            if case == "plain":
+                return RowSampling()
+            return RowSampling(**PENALTIES, prompt_len=context - 8, past_tokens=history[i] if case == "before" else
+                               None, penalty_slot=-1 if case == "before" else i)
+        cases = ("plain", "before", "after")
+        state = {"after": empty_counts(rows + 1, V)}
+        times: dict[str, list[float]] = {c: [] for c in cases}
+        for _ in range(rounds + 1):
+            for case in cases:
+                t = time.perf_counter()
+                batch = build_batch([Row([int(history[i][-1])], context - 1, pages, sampling(case, i), i)
+                                     for i in range(rows)], r.page_size, V, tokens, r.buckets.num_rows(tokens), width)
+                out, state[case] = sampler(logits, r.steps.put_batch(batch), state.get(case))
+                jax.block_until_ready(out)
+                times[case].append((time.perf_counter() - t) * 1e3)
+        ms = {c: statistics.median(t[1:]) for c, t in times.items()}  # the first round compiles
+        results += [dict(context=context, case=c, ms=round(ms[c], 3), vs_plain=round(ms[c] / ms["plain"], 3))
+                    for c in cases]
+    return results
+
+
 def host_ms(llm, prompt, rows, extra: dict | None, from_lists=False, repeats=200) -> dict:
     """row_sampling + build_batch for `rows` decode rows of len(prompt) + 8 tokens: the median and the fastest (the
     least disturbed by other work on a shared machine) of `repeats`."""
@@ -127,7 +180,9 @@ def main():
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--rounds", type=int, default=20, help="steps of each batch, taken in turn")
     ap.add_argument("--max-model-len", type=int, default=8192, help="the default model's own: the past tokens' width")
-    ap.add_argument("--parts", default="device,host", help="comma list of device, host")
+    ap.add_argument("--parts", default="device,host", help="comma list of device, host, long")
+    ap.add_argument("--long-contexts", default="8192,32768,131072",
+                    help="the contexts of the long part (the penalties' counts against their history)")
     ap.add_argument("--out", default="scripts/bench_results/logit_controls.json")
     args = ap.parse_args()
     llm = LLM(max_model_len=args.max_model_len, max_num_seqs=args.rows, max_num_batched_tokens=512, warmup=False)
@@ -140,7 +195,9 @@ def main():
         return build_batch(decode_rows(llm, prompt, args.rows, extra, controlled)[1], r.page_size,
                            llm.config.vocab_size, tokens, r.buckets.num_rows(tokens), r.buckets.pages_per_row)
     parts = set(args.parts.split(","))
-    decode, host = [], []
+    decode, host, long = [], [], []
+    if "long" in parts:
+        long = long_context_ms(llm, args.rows, [int(c) for c in args.long_contexts.split(",")], args.rounds)
     if "device" in parts:
         batches = {("plain", 0): batch(None, 0)}
         for name, extra in cases.items():
@@ -166,7 +223,8 @@ def main():
     results.update({"date": time.strftime("%Y-%m-%d"), "backend": jax.default_backend(), "rows": args.rows,
                     "context": args.context, "max_model_len": args.max_model_len,
                     "vocab_size": llm.config.vocab_size})
-    results.update({k: v for k, v in (("decode", decode), ("host_batch", host)) if v})
+    results.update({k: v for k, v in (("decode", decode), ("host_batch", host), ("long_context_penalties", long))
+                    if v})
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=1))
     if decode:
@@ -182,6 +240,11 @@ def main():
         print(f"{'case':42} {'median ms':>10} {'min ms':>8}")
         for h in host:
             print(f"{h['case']:42} {h['ms']['median']:10.3f} {h['ms']['min']:8.3f}")
+    if long:
+        print(f"\npenalties at long contexts, {args.rows} decode rows: batch + copy + sampler, no model")
+        print(f"{'context':>8} {'case':8} {'ms':>9} {'vs plain':>9}")
+        for d in long:
+            print(f"{d['context']:8d} {d['case']:8} {d['ms']:9.3f} {d['vs_plain']:9.3f}")
     print(f"\nwrote {out}")
 
 

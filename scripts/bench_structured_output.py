@@ -1,6 +1,7 @@
 """What structured output costs: the host's mask fill per row, and decode speed with constrained rows in the batch.
 
     python scripts/bench_structured_output.py [--rows 1,8,64] [--batch-sizes 1,64] [--constrained 0,8,64]
+                                              [--model gemma3-270m] [--steps 8] [--repeats 3] [--skip-fill]
                                               [--out scripts/bench_results/structured_output.json]
 
 Mask fill: `jaxserve.structured_output.fill_masks` (llguidance's parallel fill, without the GIL) over R matchers of
@@ -8,11 +9,13 @@ a JSON schema, each at its own place in a document of that schema (a generation'
 for SmolLM2's vocabulary (49k tokens) and Gemma 3's (262k): microseconds per row = time of one fill / R, the median
 over the document's steps (goal <= 100 us).
 
-Decode: tok/s of the default model with B sequences after a 128-token prompt, of which C follow a JSON schema whose
-language is long (an array of at least 50 records, so no sequence finishes while measured); tok/s = B x steps /
-time of `steps` engine steps (host loop included: reading back, the output processor, the masks, the step). Each
-configuration against the unconstrained one (goal >= 0.9x at 64 rows). A batch holding a constrained row reads its
-step back before planning the next (`jaxserve.batching.engine_core`), so this measures that too.
+Decode: tok/s of the default model (or --model, e.g. gemma3-270m) with B sequences after a 16-token prompt, of which
+C follow a JSON schema whose language is long (an array of at least 50 records, so no sequence finishes while
+measured); tok/s = B x steps / time of `steps` engine steps (host loop included: reading back, the output processor,
+the masks, the step). Each configuration against the unconstrained one, measured in the same run with the
+configurations interleaved (goal >= 0.9x at 64 rows). A batch holding constrained rows runs split steps (the next
+forward dispatched before the step in flight is read back, the masks joined on device: `jaxserve.batching.
+engine_core`), so this measures that too.
 """
 import argparse
 import json
@@ -64,39 +67,50 @@ def bench_fill(tokenizer: Tokenizer, rows: list[int], steps: int = 200) -> dict[
     return result
 
 
-def bench_decode(batch_sizes: list[int], constrained: list[int], prompt_len: int = 128, steps: int = 16,
-                 repeats: int = 3) -> list[dict]:
-    llm = LLM(None, max_model_len=1024, max_num_seqs=max(batch_sizes), max_num_batched_tokens=512, warmup=False)
+def bench_decode(batch_sizes: list[int], constrained: list[int], model: str | None = None, prompt_len: int = 16,
+                 steps: int = 8, repeats: int = 3) -> list[dict]:
+    """tok/s of each (batch, constrained rows) configuration, the configurations of a batch size interleaved
+    (plain, 8, 64, plain, 8, 64, ...: `repeats` rounds, the median of each), so that the machine's load weighs on
+    each alike."""
+    # A KV budget for the few tokens each run holds, not the default 2 GiB: the machine's memory is shared.
+    llm = LLM(model, max_model_len=1024, max_num_seqs=max(batch_sizes), max_num_batched_tokens=512, warmup=False,
+              kv_cache_memory_bytes=512 << 20)
     prompt = {"prompt_token_ids": peers._prompt_ids(prompt_len, llm.config.vocab_size)}
-    rows = []
-    for b in batch_sizes:
-        for c in sorted({min(c, b) for c in constrained}):
-            # Room for the steps that prefill the batch (the first sequences decode meanwhile) and the measured ones.
-            plain = SamplingParams(temperature=0, max_tokens=1024 - prompt_len, ignore_eos=True)
-            schema = SamplingParams(temperature=0, max_tokens=plain.max_tokens, ignore_eos=True,
-                                    structured_outputs=StructuredOutputsParams(json=SCHEMA))
-            requests = [llm.add_request(prompt, schema if i < c else plain) for i in range(b)]
-            while any(s.num_to_compute > 1 for s in llm.scheduler.running) or llm.scheduler.waiting:
-                llm.step()
-            for _ in range(3):
-                llm.step()  # this batch's decode bucket compiled, and the pipeline (or not) settled
-            runs = []
-            for _ in range(repeats):
-                t = time.perf_counter()
-                for _ in range(steps):
-                    llm.step()
-                runs.append(b * steps / (time.perf_counter() - t))
-            ended = [(s.finish_reason, s.text[-80:]) for r in requests for s in r.seqs if s.finished]
-            assert not ended, f"a sequence ended while measured: {ended}"
-            rows.append({"batch": b, "constrained": c, "decode_tok_s": round(statistics.median(runs), 1)})
-            for r in requests:
-                llm.abort_request(r.request_id)
-            while llm.has_unfinished_requests():
-                llm.step()
+    # Room for the steps that prefill the batch (the first sequences decode meanwhile) and the measured ones.
+    plain = SamplingParams(temperature=0, max_tokens=1024 - prompt_len, ignore_eos=True)
+    schema = SamplingParams(temperature=0, max_tokens=plain.max_tokens, ignore_eos=True,
+                            structured_outputs=StructuredOutputsParams(json=SCHEMA))
+    runs: dict[tuple[int, int], list[float]] = {}
+    for _ in range(repeats):
+        for b in batch_sizes:
+            for c in sorted({min(c, b) for c in constrained}):
+                runs.setdefault((b, c), []).append(_decode_run(llm, prompt, b, c, plain, schema, steps))
+    rows = [{"batch": b, "constrained": c, "decode_tok_s": round(statistics.median(r), 1), "runs": r}
+            for (b, c), r in runs.items()]
     for row in rows:
         base = next(r for r in rows if r["batch"] == row["batch"] and r["constrained"] == 0)
         row["vs_unconstrained"] = round(row["decode_tok_s"] / base["decode_tok_s"], 3)
     return rows
+
+
+def _decode_run(llm, prompt, b: int, c: int, plain, schema, steps: int) -> float:
+    """tok/s of `steps` decode steps of b sequences, c of them under the schema."""
+    requests = [llm.add_request(prompt, schema if i < c else plain) for i in range(b)]
+    while any(s.num_to_compute > 1 for s in llm.scheduler.running) or llm.scheduler.waiting:
+        llm.step()
+    for _ in range(3):
+        llm.step()  # this batch's decode bucket compiled, and the pipeline (or not) settled
+    t = time.perf_counter()
+    for _ in range(steps):
+        llm.step()
+    tok_s = b * steps / (time.perf_counter() - t)
+    ended = [(s.finish_reason, s.text[-80:]) for r in requests for s in r.seqs if s.finished]
+    assert not ended, f"a sequence ended while measured: {ended}"
+    for r in requests:
+        llm.abort_request(r.request_id)
+    while llm.has_unfinished_requests():
+        llm.step()
+    return round(tok_s, 2)
 
 
 def main():
@@ -104,23 +118,29 @@ def main():
     ap.add_argument("--rows", default="1,8,64")
     ap.add_argument("--batch-sizes", default="1,64")
     ap.add_argument("--constrained", default="0,8,64")
+    ap.add_argument("--model", default=None, help="decode model (default: the default model; e.g. gemma3-270m)")
+    ap.add_argument("--steps", type=int, default=8, help="measured decode steps a run")
+    ap.add_argument("--repeats", type=int, default=3, help="rounds of the interleaved configurations")
+    ap.add_argument("--skip-fill", action="store_true", help="decode only")
     ap.add_argument("--out", default=str(Path(__file__).parent / "bench_results" / "structured_output.json"))
     args = ap.parse_args()
     ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
     vocabularies = {"SmolLM2 (49k)": resolve_model_path(None), "Gemma 3 (262k)": resolve_model_path("gemma3-270m")}
     fill = {}
-    for name, path in vocabularies.items():
+    for name, path in ({} if args.skip_fill else vocabularies).items():
         fill[name] = bench_fill(Tokenizer.from_gguf_fields(open_gguf(path)), ints(args.rows))
     print("\nHost mask fill (llguidance's parallel fill), microseconds per row")
     print(f"{'vocabulary':<16}" + "".join(f"{f'{r} rows':>10}" for r in ints(args.rows)))
     for name, per_rows in fill.items():
         print(f"{name:<16}" + "".join(f"{per_rows[r]:>10}" for r in ints(args.rows)))
-    decode = bench_decode(ints(args.batch_sizes), ints(args.constrained))
-    print("\nDecode, default model (tok/s, host loop included)")
+    decode = bench_decode(ints(args.batch_sizes), ints(args.constrained), args.model, steps=args.steps,
+                          repeats=args.repeats)
+    print(f"\nDecode, {args.model or 'default model'} (tok/s, host loop included; configurations interleaved)")
     print(f"{'batch':>6}{'constrained':>13}{'tok/s':>10}{'vs none':>9}")
     for r in decode:
         print(f"{r['batch']:>6}{r['constrained']:>13}{r['decode_tok_s']:>10}{r['vs_unconstrained']:>9}")
-    out = {"mask_fill_us_per_row": fill, "decode": decode, "schema": SCHEMA, "machine": machine()}
+    out = {"mask_fill_us_per_row": fill, "decode": decode, "decode_model": args.model or "default", "schema": SCHEMA,
+           "machine": machine()}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1))
     print(f"\nwrote {args.out}")

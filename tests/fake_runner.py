@@ -47,6 +47,7 @@ class Fault:
 
 
 class FakeRunner:
+    splits_sampling = False  # structured output runs on real models: a constrained step is read back first
     def __init__(self, vocab_size: int = 64, num_speculative_tokens: int = 0, successor=None, num_pages: int = 0,
                  page_size: int = 0):
         """successor(token) -> the token after it (default: the next id): a fake draft model guesses with another
@@ -124,7 +125,7 @@ class FakeRunner:
         now = time.perf_counter()
         start = max([now] + [end for _, _, end in self.device_times[-1:]])
         self.device_times.append((now, start, start + self.step_seconds))
-        return FakeHandle(S, out, rows, start + self.step_seconds)
+        return FakeHandle(S, out, rows=rows, ends=start + self.step_seconds)
 
     def _write_kv(self, rows: list[Row]) -> None:
         page_size = self.kv.shape[1]
@@ -170,6 +171,9 @@ class FakeRunner:
         while generated < row.sampling.min_tokens and draw in row.sampling.banned:
             draw = self.next_token(draw)
         return draw
+
+    def join_masks(self, handle: StepHandle, masks) -> None:
+        raise AssertionError("a fake runner never splits a step (splits_sampling is False)")
 
     def wait(self, handle: FakeHandle, until: float | None = None) -> bool:
         if self.gate is not None:

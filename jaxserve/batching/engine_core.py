@@ -18,13 +18,15 @@ still overlaps step N+1.
 A speculative step (proposals to verify) is the exception: its proposals must continue the latest tokens and the
 plan after it must know how many were accepted, so it reads the step before back first and is waited for itself.
 
-Structured output is the other: a row under a grammar may sample only what its grammar allows after its latest
-token, so its mask cannot be filled before that token is known. While a step in flight holds such a row, the next
-step is planned only once that one is read back (as a speculative step does). Constrained rows so keep their full
-rate (a token per step) and their mask costs no extra step; what a batch holding one loses is the overlap of the
-host's work on step N (reading it back, detokenizing, filling the next masks) with the device's on step N+1, while
-batches without one keep it (what that costs: BENCHMARKS.md). Constrained rows never speculate; the others of the
-batch may.
+Structured output: a row under a grammar may sample only what its grammar allows after its latest token, so its
+mask cannot be filled before that token is known. The step is split instead (`Runner.splits_sampling`): step N+1's
+forward is dispatched at once, its constrained rows' input tokens chained on device as any other's; then step N is
+read back, the matchers advance on its tokens, the masks of N+1's constrained rows are filled
+(`jaxserve.batching.step_rows.masks_after_read_back`) and joined on device with the rows' own, and N+1's rows
+sample. The device runs N+1's forward while the host reads N back and fills the masks, so a constrained batch keeps
+the overlap. A runner that cannot split (over a mesh, several processes) plans the step after one holding a
+constrained row only once that one is read back (as a speculative step does), losing the overlap. Constrained rows
+never speculate; the others of the batch may.
 
 Disaggregated prefill: a prefill engine hands its sequences off with their KV pages (`take_handed_off`), a decode
 engine takes them in (`add_prefilled`) and writes their pages before the step that first reads them; see
@@ -52,6 +54,7 @@ from jaxserve.batching.speculation.controller import SpecController
 from jaxserve.batching.speculation.proposer import Proposer
 from jaxserve.batching.step_plan import ScheduledBatch
 from jaxserve.batching.step_reader import StepReader
+from jaxserve.batching.step_rows import masks_after_read_back
 from jaxserve.batching.step_timing import InFlight
 from jaxserve.cache.host_tier import HostTier
 from jaxserve.cache.transfer import KVPages
@@ -180,7 +183,8 @@ class EngineCore(StepReader):
         calls this before it takes new requests in). Without async scheduling: until the step in flight has run.
         With it: until that step is about to end (`plan_at`), so that the device still goes from one step to the
         next without waiting and only a request that comes in those last moments waits a step more; a step of a
-        shape not yet timed, or one whose read-back must come first (a constrained row), is waited for. With it and
+        shape not yet timed, or one whose read-back must come first (a constrained row on a runner that cannot split
+        a step), is waited for. With it and
         no plan_lead: until the step in flight has run, and the next step reads it back before it is planned. A
         failure is left for `step` to read back and report."""
         if self._in_flight is not None:
@@ -194,7 +198,7 @@ class EngineCore(StepReader):
     def plan_at(self) -> float | None:
         """When a server should plan the next step (time.perf_counter()): the step in flight's predicted end less
         the host's time to plan and dispatch one (`plan_lead`: a factor of that time, and seconds more); None:
-        once it has run (not timed yet, constrained, or nothing in flight)."""
+        once it has run (not timed yet, read back first, or nothing in flight)."""
         return self.clock.plan_at(self._in_flight, self.plan_lead)
 
     def wait_until(self, until: float | None) -> None:
@@ -249,7 +253,7 @@ class EngineCore(StepReader):
                 return self._speculative_step(lengths)
             _, controller = self._speculation()
             controller.num_speculating = 0
-        if self._in_flight is not None and (self._in_flight.batch.constrained or not self.async_scheduling
+        if self._in_flight is not None and (self._in_flight.reads_back_first or not self.async_scheduling
                                             or read_back_first):
             self._read_back(timed=not self.async_scheduling or read_back_first)
         planning = waited_at or time.perf_counter()  # a server's from the end of its wait (new requests taken in)
@@ -263,6 +267,8 @@ class EngineCore(StepReader):
         if dispatched is not None:
             self.clock.planned(dispatched.dispatched - planning)
         done, self._in_flight = self._in_flight, dispatched
+        if done is None:
+            self._join_masks(dispatched)
         if dispatched is None and self.host is not None:  # nothing more to run: its copies land now, not when polled
             self.host.poll(wait=True)
         if done is None:
@@ -274,6 +280,12 @@ class EngineCore(StepReader):
                 raise RuntimeError("the scheduler can neither run nor admit any sequence")  # a bug, never a wait
             return
         self._read_back_behind(done, start, dispatched is not None)
+        self._join_masks(dispatched)  # the matchers now stand after the tokens its rows take as input
+
+    def _join_masks(self, dispatched: InFlight | None) -> None:
+        """A split step's rows sampled, under the grammar masks filled now (module docstring)."""
+        if dispatched is not None and dispatched.batch.masks_later:
+            self.runner.join_masks(dispatched.handle, masks_after_read_back(dispatched.batch))
 
     def _speculation_lengths(self) -> dict[Sequence, int]:
         """Proposals wanted per decoding sequence. Decided on what the host knows: a token still in flight is
@@ -323,9 +335,14 @@ class EngineCore(StepReader):
             batch.drop(set(self._failed_imports))
 
     def _dispatch(self, batch: ScheduledBatch) -> InFlight:
-        handle = self.runner.dispatch(batch.rows)
+        split = self.runner.splits_sampling
+        if batch.masks_later and not split:  # the engine reads such a row's last step back first
+            raise RuntimeError("a row under a grammar was planned before its previous token was known")
+        handle = self.runner.dispatch(batch.rows, masks_later=True) if batch.masks_later \
+            else self.runner.dispatch(batch.rows)
         self.counters.prompt_tokens += sum(c.length for c in batch.prefill)
-        return InFlight(batch, handle, time.perf_counter())
+        # A constrained row's mask needs this step's token: a runner that cannot split plans after reading it back.
+        return InFlight(batch, handle, time.perf_counter(), reads_back_first=batch.constrained and not split)
 
     def stats(self) -> EngineStats:
         return replica_stats(self.scheduler, self.counters, self.transfers, self.controller, self.healthy,

@@ -55,6 +55,9 @@ class ScheduledBatch:
     # The step's rows, laid out once the batch is complete: decode rows, then prompt chunks.
     rows: list[Row] = dataclasses.field(default_factory=list)
     constrained: bool = False  # a row samples under a grammar: the next step needs this one's tokens to plan
+    # Sequences under a grammar whose row's input token is still in flight: their masks are filled once the step
+    # before is read back, and joined on device before the rows sample (a split step: `jaxserve.batching.engine_core`).
+    masks_later: list[Sequence] = dataclasses.field(default_factory=list)
     # Sequences prefilled elsewhere and admitted now: (the sequence, its first pages, the KV to write there before
     # the step).
     imports: list[tuple[Sequence, list[int], KVPages]] = dataclasses.field(default_factory=list)
@@ -78,6 +81,7 @@ class ScheduledBatch:
         self.writes = [w for w in self.writes if kept(w.seq)]
         self.imports = [i for i in self.imports if kept(i[0])]
         self.loads = [load for load in self.loads if kept(load.seq)]
+        self.masks_later = [s for s in self.masks_later if kept(s)]
 
     @property
     def num_tokens(self) -> int:

@@ -4,6 +4,8 @@ sample under one, filled all at once. Reads sequences, never writes them (the sc
 """
 from __future__ import annotations
 
+import numpy as np
+
 from jaxserve.batching.sequence import Sequence
 from jaxserve.batching.step_plan import Chunk, ScheduledBatch
 from jaxserve.runner.batch_builder import Row, RowSampling
@@ -47,7 +49,9 @@ def row_sampling(seq: Sequence, ahead: int = 0, top_logprobs: bool = True) -> Ro
                        token_mask=c.token_mask, bad_word_bans=bans, logit_bias=c.logit_bias,
                        presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
                        repetition_penalty=p.repetition_penalty, past_tokens=seq.token_ids_array,
-                       prompt_len=len(seq.prompt_token_ids))
+                       prompt_len=len(seq.prompt_token_ids),
+                       # where the device counts the row's tokens (`jaxserve.runner.penalty_slots`)
+                       penalty_slot=-1 if seq.token_ids_array is None or seq.slot is None else seq.slot)
 
 
 def lay_out_rows(plan: ScheduledBatch) -> list[Row]:
@@ -77,18 +81,41 @@ def constrain(plan: ScheduledBatch) -> None:
     GIL), each ANDed with any mask the row has already. A mask that allows nothing is sent as it is: the device
     sees it with the row's other bans and answers NO_TOKEN (`jaxserve.sample.sampling`). A row whose grammar waits
     for a reasoning end tag samples unmasked, but the plan counts as constrained all the same: this step's token
-    may be the tag's last, after which the next step's mask needs it."""
-    under = [(row, seq.output) for row, seq in zip(plan.rows, plan.row_seqs)
+    may be the tag's last, after which the next step's mask needs it. A row whose input token is still in flight
+    (chained) cannot have its mask yet: it is left for `masks_after_read_back` (`plan.masks_later`)."""
+    under = [(row, seq) for row, seq in zip(plan.rows, plan.row_seqs)
              if row.samples and seq.output.grammar is not None]
-    constrained = [(row, out.grammar) for row, out in under if out.gate is None and out.grammar is not None]
     if under:
         plan.constrained = True
+    plan.masks_later = [seq for row, seq in under if row.chained]
+    constrained = [(row, seq.output.grammar) for row, seq in under
+                   if not row.chained and seq.output.gate is None and seq.output.grammar is not None]
     if not constrained:
         return
-    if any(row.chained for row, _ in constrained):  # the engine reads such a row's last step back first
-        raise RuntimeError("a row under a grammar was planned before its previous token was known")
     masks = fill_masks([grammar for _, grammar in constrained])  # [R, W]
     for (row, grammar), mask in zip(constrained, masks):
-        if grammar.failed:  # its mask allows EOS, as a complete grammar's would: none instead, so it ends in error
-            mask[:] = 0
-        row.sampling.token_mask = both(row.sampling.token_mask, mask)
+        row.sampling.token_mask = both(row.sampling.token_mask, _checked(grammar, mask))
+
+
+def masks_after_read_back(plan: ScheduledBatch) -> np.ndarray | None:
+    """The grammar masks of the rows `constrain` left for later, now that the step before is read back (each
+    matcher stands after the token the row takes as input): int32 [rows, ceil(V / 32)], -1 (all allowed) for the
+    other rows, for the device to AND with the rows' own masks; None: none to apply. A sequence that ended on that
+    token (its row's token will be dropped) or whose grammar still waits for a reasoning end tag gets none."""
+    index = {id(seq): i for i, seq in enumerate(plan.row_seqs)}
+    due = [(index[id(seq)], seq.output.grammar) for seq in plan.masks_later
+           if seq.output.gate is None and seq.output.grammar is not None]
+    if not due:
+        return None
+    filled = fill_masks([grammar for _, grammar in due])  # [R, W]
+    masks = np.full((len(plan.rows), filled.shape[1]), -1, np.int32)  # [rows, W]
+    for (i, grammar), mask in zip(due, filled):
+        masks[i] = _checked(grammar, mask)
+    return masks
+
+
+def _checked(grammar, mask: np.ndarray) -> np.ndarray:
+    """A failed grammar's mask allows EOS, as a complete grammar's would: none instead, so it ends in error."""
+    if grammar.failed:
+        mask[:] = 0
+    return mask

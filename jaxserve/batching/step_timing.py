@@ -21,6 +21,7 @@ class InFlight:
     handle: StepHandle
     dispatched: float  # time.perf_counter() when its dispatch returned
     ended: float | None = None  # when a wait saw it end (wait_in_flight), if one did
+    reads_back_first: bool = False  # the next step is planned only once this one is read back (engine_core)
 
 
 def step_shape(batch: ScheduledBatch) -> tuple[int, int]:
@@ -60,11 +61,11 @@ class StepClock:
     def plan_at(self, f: InFlight | None, plan_lead: tuple[float, float] | None) -> float | None:
         """When to plan the next step (time.perf_counter()): the end predicted for `f` less the host's time to plan
         and dispatch one (plan_lead: a factor of that time, and seconds more); None: once it has run (not timed
-        yet, constrained, or nothing in flight)."""
+        yet, read back first, or nothing in flight)."""
         if f is None:
             return None
         seconds = self.step_seconds.get(step_shape(f.batch))
-        if seconds is None or self.plan_seconds is None or f.batch.constrained or plan_lead is None:
+        if seconds is None or self.plan_seconds is None or f.reads_back_first or plan_lead is None:
             return None
         start = max(f.dispatched, self.ended_at or 0.0)  # it runs once the step before it has
         factor, slack = plan_lead

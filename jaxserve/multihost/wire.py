@@ -41,8 +41,13 @@ _PREFIX = struct.Struct(">QI")
 _MAC_BYTES = 32
 
 
+def _sent(cls) -> list[dataclasses.Field]:
+    """cls's fields a message carries: not those a step program sets on device (`jaxserve.batch`'s device_only)."""
+    return [f for f in dataclasses.fields(cls) if not f.metadata.get("device_only")]
+
+
 def _fields(cls=StepInput, prefix: str = "") -> list[str]:
-    return [name for f in dataclasses.fields(cls)
+    return [name for f in _sent(cls)
             for name in (_fields(_NESTED[f.name], f"{prefix}{f.name}.") if f.name in _NESTED else [prefix + f.name])]
 
 
@@ -52,7 +57,7 @@ _TRIMMED = ("rows.page_table", "sampling.past_tokens")
 
 def _build(arrays: dict, cls=StepInput, prefix: str = ""):
     return cls(**{f.name: _build(arrays, _NESTED[f.name], f"{prefix}{f.name}.") if f.name in _NESTED
-                  else arrays[prefix + f.name] for f in dataclasses.fields(cls)})
+                  else arrays[prefix + f.name] for f in _sent(cls)})
 
 
 def mac(secret: bytes, *parts: bytes) -> bytes:

@@ -35,6 +35,10 @@ class RowSampling:
     repetition_penalty: float = 1.0
     past_tokens: np.ndarray | None = None
     prompt_len: int = 0
+    # The row's slot of the device's penalty counts (-1: none), and whether it starts over from past_tokens (set by
+    # the runner, `jaxserve.runner.penalty_slots`; without init a step sends no history).
+    penalty_slot: int = -1
+    penalty_init: bool = False
 
 
 @dataclasses.dataclass
@@ -80,7 +84,7 @@ def neutral_sampling(num_rows: int, vocab_size: int, max_len: int = 1) -> Sampli
         logit_bias=constant((S, MAX_LOGIT_BIAS), np.float32, 0),
         presence_penalty=np.zeros(S, np.float32), frequency_penalty=np.zeros(S, np.float32),
         repetition_penalty=np.ones(S, np.float32), past_tokens=constant((S, max_len), np.int32, V),
-        prompt_len=np.zeros(S, np.int32))
+        prompt_len=np.zeros(S, np.int32), penalty_slot=np.full(S, -1, np.int32), penalty_init=np.zeros(S, bool))
 
 
 # SamplingInput's per-row arrays that stay a `constant` unless a row uses them, and how a RowSampling uses them.
@@ -95,7 +99,8 @@ _USED = {
 
 # RowSampling's fields that SamplingInput holds as they are, one entry per row.
 _SCALARS = ("temperature", "top_k", "top_p", "min_p", "seed", "step", "min_tokens", "want_top_logprobs",
-            "presence_penalty", "frequency_penalty", "repetition_penalty", "prompt_len")
+            "presence_penalty", "frequency_penalty", "repetition_penalty", "prompt_len", "penalty_slot",
+            "penalty_init")
 
 
 def build_batch(rows: list[Row], page_size: int, vocab_size: int, num_tokens: int, num_rows: int,
@@ -233,3 +238,14 @@ def _fill_logit_controls(sampling: SamplingInput, i: int, row: Row) -> None:
         sampling.logit_bias[i, :len(ids)] = biases
     if s.past_tokens is not None:
         sampling.past_tokens[i, :row.start_pos] = s.past_tokens[:row.start_pos]
+
+
+def warmup_rows(tokens: int, num_rows: int, num_draft: int, page_size: int) -> list[Row]:
+    """Rows of a warm-up step: tokens spread over num_rows (the first with num_draft proposals), every page the
+    scratch page: the bucket's real shapes, no cache content touched."""
+    per_row, extra = divmod(tokens, num_rows)
+    lengths = [per_row + (i < extra) for i in range(num_rows)]
+    if num_draft and lengths[0] == 1:  # a verification row needs a proposal after its token
+        lengths = [2] + lengths[1:-1]
+    drafts = [min(num_draft, lengths[0] - 1)] + [0] * (len(lengths) - 1)
+    return [Row([0] * n, 0, [0] * pages_needed(n + 1, page_size), num_draft=d) for n, d in zip(lengths, drafts)]

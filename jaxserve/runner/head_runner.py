@@ -21,6 +21,7 @@ from jaxserve.pallas_kernels import page_head_dim_multiple
 from jaxserve.parallel.mesh import log_placement, param_shardings, place, replicated
 from jaxserve.runner.head_steps import head_steps_for
 from jaxserve.runner.model_runner import ModelRunner, RunnerConfig
+from jaxserve.runner.penalty_slots import PenaltySlots
 
 
 class HeadRunner(ModelRunner):
@@ -69,6 +70,7 @@ class HeadRunner(ModelRunner):
             self.last_hidden = jax.jit(lambda: jnp.zeros((slots, head.hidden_size), rc.dtype),
                                        out_shardings=replicated(mesh))()
         self.features = None  # it reads the target's
+        self.penalties = PenaltySlots(slots, self.config.vocab_size, mesh, keep_counts=False)
         self.step_times: dict[tuple[int, int], float] = {}
         self.max_loras, self.max_lora_rank, self.dtype, self.lora = 0, 0, rc.dtype, None
         self._init_transfer(False)

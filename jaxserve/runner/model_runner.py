@@ -34,7 +34,8 @@ from jaxserve.multihost import LeaderFollower
 from jaxserve.pallas_kernels import page_head_dim_multiple
 from jaxserve.parallel.layouts import param_formats, with_row_major_tables
 from jaxserve.parallel.mesh import log_placement, param_shardings, place, replicated
-from jaxserve.runner.batch_builder import Row, build_batch
+from jaxserve.runner.batch_builder import Row, build_batch, warmup_rows
+from jaxserve.runner.penalty_slots import PenaltySlots
 from jaxserve.runner.protocol import StepHandle
 from jaxserve.runner.steps import steps_for
 
@@ -98,6 +99,15 @@ class RunnerConfig:
     capture: tuple[int, ...] = ()
 
 
+def _trimmed(out: StepOutput, rows: list[Row]) -> StepOutput:
+    """out less what no row reads: nothing of it is then copied back."""
+    if not any(r.sampling.want_top_logprobs for r in rows):
+        out = dataclasses.replace(out, top_ids=None, top_logprobs=None)
+    if not any(r.prompt_targets for r in rows):
+        out = dataclasses.replace(out, prompt=None)
+    return out
+
+
 class ModelRunner:
     def __init__(self, config, params, rc: RunnerConfig, mesh=None, leader: LeaderFollower | None = None,
                  index: int = 0):
@@ -132,6 +142,8 @@ class ModelRunner:
             # Replicated, made on every device of the group (of every process).
             self.last_tokens = jax.jit(lambda: jnp.zeros(rc.num_slots + 1, jnp.int32),
                                        out_shardings=replicated(mesh))()
+        # The penalties' counts per slot, kept on device (made at the first row with a penalty).
+        self.penalties = PenaltySlots(rc.num_slots + 1, config.vocab_size, mesh)
         # [pages x page_size, F]: the captured hidden states of every cached token, by slot (None: no head reads them).
         self.features = None
         if rc.capture:
@@ -259,26 +271,52 @@ class ModelRunner:
         """Programs compiled so far to fill LoRA slots (at most one)."""
         return 0 if self.lora is None else self._write_lora._cache_size()
 
-    def dispatch(self, rows: list[Row], table_width: int | None = None) -> StepHandle:
+    @property
+    def splits_sampling(self) -> bool:
+        """Whether `dispatch(masks_later=True)` splits a step (one device, one process; elsewhere it never does)."""
+        one_process = self.leader is None or self.leader.channel is None
+        return (self.mesh is None or self.mesh.devices.size == 1) and one_process
+
+    def dispatch(self, rows: list[Row], table_width: int | None = None, *,
+                 masks_later: bool = False) -> StepHandle:
         """Starts a step over `rows` without waiting for it; returns the handle `fetch` reads it back with.
         table_width: the page table's (a bucket; default: the narrowest that spans every row's tokens, this step's
-        new ones included, as the penalties' past tokens must)."""
+        new ones included, as the penalties' past tokens must). masks_later (where `splits_sampling`): the forward
+        alone; the rows sample once `join_masks` brings their masks."""
         self._check_lora_slots(rows)
         tokens = round_up(sum(len(r.token_ids) for r in rows), self.buckets.num_tokens)
         scored = self.num_speculative_tokens + 1 if any(r.num_draft for r in rows) else 1
         if table_width is None:
             table_width = self.buckets.table_width(max(pages_needed(r.end, self.page_size) for r in rows))
+        rows = self.penalties.place(rows)
         batch = build_batch(rows, self.page_size, self.config.vocab_size, tokens, self.buckets.num_rows(tokens),
                             table_width, scored)
+        if masks_later and self.splits_sampling:
+            counts = self.penalties.counts(batch)
+            pending, self.kv_cache, self.features, counts = self.steps.forward_for_masks(
+                self.params, self.kv_cache, self.last_tokens, self.features, batch, self.step_lora(batch),
+                penalties=counts)
+            if counts is not None:
+                self.penalties.state = counts
+            return StepHandle(len(rows), None, (pending, rows, batch.sampling.token_mask.shape))
         if self.leader is None:
             out = self.run(batch)
         else:  # a multi-process leader: every process runs the same step
             out = self.leader.lead_step(self.index, batch, self.run)
-        if not any(r.sampling.want_top_logprobs for r in rows):
-            out = dataclasses.replace(out, top_ids=None, top_logprobs=None)  # nothing to copy back
-        if not any(r.prompt_targets for r in rows):
-            out = dataclasses.replace(out, prompt=None)
-        return StepHandle(len(rows), out)
+        return StepHandle(len(rows), _trimmed(out, rows))
+
+    def join_masks(self, handle: StepHandle, masks: np.ndarray | None) -> None:
+        """Samples the rows of a step dispatched with masks_later, each under its masks [rows, ceil(V / 32)] int32
+        as well as its own (-1 words: no more than its own; None: every row under its own); without waiting. A
+        step dispatched whole (this runner does not split) takes none: it is never dispatched so with such rows."""
+        if handle.forward is None:
+            return
+        pending, rows, shape = handle.forward
+        joined = np.full(shape, -1, np.int32)  # [S, W]: the padding rows allow everything
+        if masks is not None:
+            joined[:len(masks)] = masks
+        out, self.last_tokens = self.steps.sample_joined(self.params, pending, self.last_tokens, joined)
+        handle.output, handle.forward = _trimmed(out, rows), None
 
     def _check_lora_slots(self, rows: list[Row]) -> None:
         for i, r in enumerate(rows):
@@ -290,13 +328,15 @@ class ModelRunner:
         """The device side of a step whose batch is built (all a multi-process follower does of it). A step with no
         token on an adapter runs the base model's program (no LoRA term at all), one with any runs the LoRA program:
         warm-up compiles both."""
-        out, self.kv_cache, self.last_tokens, self.features = self.steps.step_with_features(
-            self.params, self.kv_cache, self.last_tokens, self.features, batch, self.step_lora(batch))
+        counts = self.penalties.counts(batch)
+        out, self.kv_cache, self.last_tokens, self.features, counts = self.steps.step_with_features(
+            self.params, self.kv_cache, self.last_tokens, self.features, batch, self.step_lora(batch), penalties=counts)
+        if counts is not None:
+            self.penalties.state = counts
         return out
 
     def step_lora(self, batch: StepInput):
-        """The adapters' buffers if any token of the batch is on one (its lora_slot, int32 [T], on the host), else
-        None: the base model's program."""
+        """The adapters' buffers if any token of the batch is on one (lora_slot [T] >= 0), else None: no LoRA term."""
         return self.lora if self.lora is not None and bool(np.any(np.asarray(batch.lora_slot) >= 0)) else None
 
     def wait(self, handle: StepHandle, until: float | None = None) -> bool:
@@ -336,14 +376,7 @@ class ModelRunner:
             from tqdm import tqdm
             iterator = tqdm(shapes, desc="compiling step buckets", unit="shape")
         for tokens, num_rows, num_draft in iterator:
-            # Rows whose pages are all the scratch page: real shapes, no cache content touched.
-            per_row, extra = divmod(tokens, num_rows)
-            lengths = [per_row + (i < extra) for i in range(num_rows)]
-            if num_draft and lengths[0] == 1:  # a verification row needs a proposal after its token
-                lengths = [2] + lengths[1:-1]
-            drafts = [min(num_draft, lengths[0] - 1)] + [0] * (len(lengths) - 1)
-            rows = [Row([0] * n, 0, [0] * pages_needed(n + 1, self.page_size), num_draft=d)
-                    for n, d in zip(lengths, drafts)]
+            rows = warmup_rows(tokens, num_rows, num_draft, self.page_size)
             # With LoRA, the adapters' program too: the same rows on slot 0 (zeros or an adapter; the scratch page's
             # content is never read back).
             variants = [rows] + ([[dataclasses.replace(r, lora_slot=0) for r in rows]] if self.lora is not None else [])

@@ -6,7 +6,7 @@ with a fake whose tokens can be worked out by hand (`tests/fake_runner.py`), and
 from __future__ import annotations
 
 import dataclasses
-from typing import Protocol
+from typing import Any, Protocol
 
 from jaxserve.batch import StepOutput
 from jaxserve.cache.transfer import KVPages
@@ -18,7 +18,8 @@ from jaxserve.runner.batch_builder import Row
 class StepHandle:
     """A dispatched step: its output still on the device (or in flight), and how many of its rows are real."""
     num_rows: int
-    output: StepOutput
+    output: StepOutput | None  # None until a split step's masks are joined (`Runner.join_masks`)
+    forward: Any = None  # a split step's forward, on device, until its masks are joined
 
 
 class Runner(Protocol):
@@ -28,8 +29,19 @@ class Runner(Protocol):
     # each once at warm-up, so no transfer compiles while serving.
     page_buckets: tuple[int, ...]
 
-    def dispatch(self, rows: list[Row]) -> StepHandle:
-        """Starts a step over `rows` without waiting for it."""
+    @property
+    def splits_sampling(self) -> bool:
+        """Whether a step may be split (`dispatch(masks_later=True)`): the forward dispatched before some rows'
+        token masks are known, the sampling once they are (`join_masks`). A runner that cannot ignores masks_later."""
+
+    def dispatch(self, rows: list[Row], *, masks_later: bool = False) -> StepHandle:
+        """Starts a step over `rows` without waiting for it. masks_later: the rows sample only once `join_masks`
+        brings more of their masks (the grammar masks of structured output: a split step)."""
+
+    def join_masks(self, handle: StepHandle, masks) -> None:
+        """A split step's rows sampled under masks (int32 [rows, ceil(V / 32)]; None: all -1) ANDed with their own;
+        dispatched, not waited for. Must come before the handle is waited for or read back, and before the next
+        step is dispatched."""
 
     def wait(self, handle: StepHandle, until: float | None = None) -> bool:
         """Blocks until a dispatched step has run, copying nothing (fetch then returns at once), or until

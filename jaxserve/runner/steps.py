@@ -11,6 +11,7 @@ program call less a step, whose host time a CPU takes from the step itself (BENC
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -106,7 +107,7 @@ class Steps:
             self.cache_sharding = [(pages,) * 2] * config.num_layers
             # The captured features [slots, F], split by column (a device writes its columns of the replicated states).
             self.features_sharding = features_sharding(mesh, len(self.capture) * config.hidden_size)
-            forward = dict(out_shardings=(rep, self.new_kv_sharding, rep, self.features_sharding))
+            forward = dict(out_shardings=(rep, self.new_kv_sharding, rep, self.features_sharding, rep))
             logits = dict(out_shardings=(rep, self.new_kv_sharding))
             write = dict(out_shardings=self.cache_sharding)
         else:
@@ -119,12 +120,17 @@ class Steps:
         if self.writes_in_forward:
             in_place: dict[str, Any] = dict(compiler_options={**(embeds["compiler_options"] or {}), **IN_PLACE_WRITES})
             self._forward = jax.jit(functools.partial(self._and_write, self._forward_and_sample),
-                                    donate_argnums=(1, 2, 5), **in_place)
+                                    donate_argnums=(1, 2, 5, 6), **in_place)
             self._verify = jax.jit(functools.partial(self._and_write, self._forward_and_verify),
-                                   donate_argnums=(1, 2, 5), **in_place)
+                                   donate_argnums=(1, 2, 5, 6), **in_place)
+            # The split step's first half (`forward_for_masks`): last_tokens is read, not donated.
+            self._split_forward = jax.jit(functools.partial(self._and_write, self._forward_rows),
+                                          donate_argnums=(1, 5, 6), **in_place)
         else:
-            self._forward = jax.jit(self._forward_and_sample, donate_argnums=(2, 5), **forward)
-            self._verify = jax.jit(self._forward_and_verify, donate_argnums=(2, 5), **forward)
+            self._forward = jax.jit(self._forward_and_sample, donate_argnums=(2, 5, 6), **forward)
+            self._verify = jax.jit(self._forward_and_verify, donate_argnums=(2, 5, 6), **forward)
+            self._split_forward = jax.jit(self._forward_rows, donate_argnums=(5, 6), **forward)
+        self._split_sample = jax.jit(self._sample_joined, donate_argnums=2)
         self._logits = jax.jit(self._forward_logits, **logits)
         self._write = jax.jit(self._write_cache, donate_argnums=0, **write)
         self.placer = BatchPlacer(mesh)
@@ -148,15 +154,64 @@ class Steps:
         adapters: the base model's programs)."""
         return self.step_with_features(params, kv_cache, last_tokens, None, batch, lora)[:3]
 
-    def step_with_features(self, params, kv_cache, last_tokens, features, batch: StepInput, lora=None):
+    def step_with_features(self, params, kv_cache, last_tokens, features, batch: StepInput, lora=None,
+                           penalties=None):
         """step(), also keeping the captured layers' inputs of each new token at its cache slot: features
-        [num_pages * page_size, F] (None without capture), donated and returned as the fourth result."""
+        [num_pages * page_size, F] (None without capture), donated and returned as the fourth result; and the
+        penalties' counts per slot (`jaxserve.sample.penalty_counts.PenaltyCounts`, None: the runner keeps none
+        and the penalties count each row's past_tokens), donated and returned as the fifth."""
         batch = self.put_batch(batch)
         program = self._verify if batch.logits_index.shape[1] > 1 else self._forward
         # kv: the cache, or its new K/V
-        out, kv, last_tokens, features = program(params, kv_cache, last_tokens, batch, lora, features)
+        out, kv, last_tokens, features, penalties = program(params, kv_cache, last_tokens, batch, lora, features,
+                                                            penalties)
         kv = kv if self.writes_in_forward else self._write(kv_cache, kv, batch.slot_mapping)
-        return out, kv, last_tokens, features
+        return out, kv, last_tokens, features, penalties
+
+    def forward_for_masks(self, params, kv_cache, last_tokens, features, batch: StepInput, lora=None,
+                          penalties=None):
+        """The first half of a split step, for rows whose token masks the host fills only once the step before is
+        read back (structured output): the forward and the cache write, dispatched at once; the rows sample when
+        `sample_joined` brings the masks. Returns (pending, kv_cache, features, penalties): pending holds each row's
+        final hidden state and sampling parameters on device; last_tokens is read, not written (the sampling writes
+        it); the penalties' counts (donated) have this step's tokens counted in, all the sampling half reads."""
+        batch = self.put_batch(batch)
+        pending, kv, _, features, penalties = self._split_forward(params, kv_cache, last_tokens, batch, lora,
+                                                                  features, penalties)
+        kv = kv if self.writes_in_forward else self._write(kv_cache, kv, batch.slot_mapping)
+        return (pending, batch.logits_index[:, 0], batch.out_slot, penalties), kv, features, penalties
+
+    def sample_joined(self, params, pending, last_tokens, masks):
+        """The second half of a split step: each row's masks [S, ceil(V / 32)] int32 ANDed on device with the
+        row's own (allowed tokens, bans), then the rows sample as a whole step's would. Returns (StepOutput,
+        last_tokens), last_tokens donated."""
+        (x, sampling, prompt), last_index, out_slot, penalties = pending
+        return self._split_sample(params, (x, sampling, prompt, last_index, out_slot, penalties), last_tokens, masks)
+
+    def _forward_rows(self, params, kv_cache, last_tokens, batch: StepInput, lora=None, features=None,
+                      penalties=None):
+        """`_forward_and_sample` up to the sampling: each row's hidden state [S, hidden] at its last token."""
+        _, new_kv, captured, sampling = self._plain_forward(params, kv_cache, last_tokens, batch, lora, penalties)
+        hidden = captured[0]
+        x = hidden[jnp.maximum(batch.logits_index[:, 0], 0)]  # [S, hidden]
+        # The counts leave as their own output (donated at the next step), read by the sampling half beside pending.
+        pending = (x, dataclasses.replace(sampling, penalty_state=None), self._prompt_scores(params, hidden, batch))
+        return (pending, new_kv, last_tokens, self._keep_features(features, captured, batch),
+                sampling.penalty_state)
+
+    def _sample_joined(self, params, pending, last_tokens, masks):
+        x, sampling, prompt, last_index, out_slot, penalties = pending
+        sampling = dataclasses.replace(sampling, token_mask=sampling.token_mask & masks, penalty_state=penalties)
+        s = self._sample_used_rows(params, x, last_index, sampling, gathered=True)
+        return self._step_output(s, last_index, prompt), last_tokens.at[out_slot].set(s.tokens)
+
+    @staticmethod
+    def _step_output(s, last_index, prompt) -> StepOutput:
+        """A plain step's output from its rows' samples s; last_index [S] (-1: the row samples nothing)."""
+        num_tokens = jnp.greater_equal(last_index, 0).astype(jnp.int32)  # [S] 1: the row samples
+        return StepOutput(tokens=s.tokens[:, None], num_tokens=num_tokens,
+                          logprobs=s.logprobs[:, None], ranks=s.ranks[:, None], top_ids=s.top_ids[:, None],
+                          top_logprobs=s.top_logprobs[:, None], prompt=prompt)
 
     def _keep_features(self, features, hidden_and_features, batch: StepInput):
         """features with this step's captured [T, F] written at its tokens' slots (padding: the scratch page's)."""
@@ -191,37 +246,45 @@ class Steps:
             return self.model.apply(params, *args, **kw)
         return self.model.apply({**params, "lora": lora}, *args, **kw, lora_slot=batch.lora_slot)
 
-    def _forward_and_sample(self, params, kv_cache, last_tokens, batch: StepInput, lora=None, features=None):
+    def _plain_forward(self, params, kv_cache, last_tokens, batch: StepInput, lora=None, penalties=None):
+        """A plain step's forward: (logits, new K/V, [hidden, captured features], the rows' sampling parameters with
+        what only the device knows of their tokens, the penalties' counts included)."""
         tokens = input_tokens(batch, last_tokens)
         logits, new_kv, *captured = self._apply(params, lora, batch, tokens, kv_cache, batch.rows,
                                                 batch.logits_index[:, 0], return_hidden=True, capture=self.capture)
+        sampling = with_step_tokens(dataclasses.replace(batch.sampling, penalty_state=penalties), tokens, batch.rows,
+                                    batch.logits_index[:, 0])
+        return logits, new_kv, captured, sampling
+
+    def _forward_and_sample(self, params, kv_cache, last_tokens, batch: StepInput, lora=None, features=None,
+                            penalties=None):
+        logits, new_kv, captured, sampling = self._plain_forward(params, kv_cache, last_tokens, batch, lora, penalties)
         hidden = captured[0]
-        sampling = with_step_tokens(batch.sampling, tokens, batch.rows, batch.logits_index[:, 0])
         if self.mesh is None and batch.logits_index.shape[0] > HEAD_ROWS[0]:
             s = self._sample_used_rows(params, hidden, batch.logits_index[:, 0], sampling)
         else:
             s = sample_over_vocab(sample, self.mesh, logits, sampling)
-        num_tokens = jnp.greater_equal(batch.logits_index[:, 0], 0).astype(jnp.int32)  # [S] 1: the row samples
-        out = StepOutput(tokens=s.tokens[:, None], num_tokens=num_tokens,
-                         logprobs=s.logprobs[:, None], ranks=s.ranks[:, None], top_ids=s.top_ids[:, None],
-                         top_logprobs=s.top_logprobs[:, None], prompt=self._prompt_scores(params, hidden, batch))
+        out = self._step_output(s, batch.logits_index[:, 0], self._prompt_scores(params, hidden, batch))
         last_tokens = last_tokens.at[batch.out_slot].set(s.tokens)  # -1 wraps to the padding slot
-        return out, new_kv, last_tokens, self._keep_features(features, captured, batch)
+        return out, new_kv, last_tokens, self._keep_features(features, captured, batch), sampling.penalty_state
 
-    def _sample_used_rows(self, params, hidden, last_index, sampling):
+    def _sample_used_rows(self, params, hidden, last_index, sampling, gathered: bool = False):
         """sample() over the rows up to the last that samples, the LM head included, run at the smallest of
         HEAD_ROWS that holds them: a step's rows are min(tokens, max_num_seqs) (`jaxserve.buckets`), so a lone
         prompt's 64-token step has 64 rows, and a head over them all is most of its time where the vocabulary is
         large (Gemma 3's 262k). The other rows' results are zeros: nothing reads them. The model's own logits go
-        unused, and jit drops their head. hidden [T, hidden]; last_index [S] (-1: the row samples nothing)."""
+        unused, and jit drops their head. hidden [T, hidden]; last_index [S] (-1: the row samples nothing);
+        gathered: hidden is already each row's [S, hidden] at last_index."""
         S = last_index.shape[0]
-        x = hidden[jnp.maximum(last_index, 0)]  # [S, hidden]
+        x = hidden if gathered else hidden[jnp.maximum(last_index, 0)]  # [S, hidden]
         used = jnp.max(jnp.where(last_index >= 0, jnp.arange(1, S + 1), 0))
         sizes = [b for b in HEAD_ROWS if b < S] + [S]
 
         def over(b):
             def run(x, sampling):
-                rows = jax.tree.map(lambda a: a[:b], sampling)
+                # The counts are by slot, not by row: only the rows' own arrays are cut.
+                rows = jax.tree.map(lambda a: a[:b], dataclasses.replace(sampling, penalty_state=None))
+                rows = dataclasses.replace(rows, penalty_state=sampling.penalty_state)
                 s = sample(lm_head(self.config, self.model.dtype, params, x[:b]), rows)
                 return jax.tree.map(lambda a: jnp.pad(a, [(0, S - b)] + [(0, 0)] * (a.ndim - 1)), s)
             return run
@@ -229,7 +292,8 @@ class Steps:
         which = sum((used > b).astype(jnp.int32) for b in sizes[:-1])
         return jax.lax.switch(which, [over(b) for b in sizes], x, sampling)
 
-    def _forward_and_verify(self, params, kv_cache, last_tokens, batch: StepInput, lora=None, features=None):
+    def _forward_and_verify(self, params, kv_cache, last_tokens, batch: StepInput, lora=None, features=None,
+                            penalties=None):
         tokens = input_tokens(batch, last_tokens)  # [T]
         index = jnp.maximum(batch.logits_index, 0)  # [S, Q]
         T, (S, Q) = tokens.shape[0], index.shape
@@ -244,21 +308,25 @@ class Steps:
         # The proposal a scored position is checked against is the token after it in the row.
         drafts = tokens[jnp.minimum(index[:, :-1] + 1, T - 1)]  # [S, Q - 1]
         # Rows whose logit controls depend on the tokens before a position do not speculate: position 0 is theirs.
-        sampling = with_step_tokens(batch.sampling, tokens, batch.rows, batch.logits_index[:, 0])
+        sampling = with_step_tokens(dataclasses.replace(batch.sampling, penalty_state=penalties), tokens, batch.rows,
+                                    batch.logits_index[:, 0])
         v = sample_over_vocab(verify, self.mesh, logits, drafts, batch.num_draft, sampling)
         num_tokens = jnp.where(batch.logits_index[:, 0] >= 0, v.num_tokens, 0)  # [S]
         out = StepOutput(tokens=v.tokens, num_tokens=num_tokens, logprobs=v.logprobs, ranks=v.ranks,
                          top_ids=v.top_ids, top_logprobs=v.top_logprobs,
                          prompt=self._prompt_scores(params, hidden, batch))
         last = jnp.take_along_axis(v.tokens, jnp.maximum(num_tokens - 1, 0)[:, None], axis=1)[:, 0]  # [S]
-        return out, new_kv, last_tokens.at[batch.out_slot].set(last), self._keep_features(features, captured, batch)
+        return (out, new_kv, last_tokens.at[batch.out_slot].set(last), self._keep_features(features, captured, batch),
+                sampling.penalty_state)
 
     @staticmethod
-    def _and_write(forward, params, kv_cache, last_tokens, batch: StepInput, lora=None, features=None):
+    def _and_write(forward, params, kv_cache, last_tokens, batch: StepInput, lora=None, features=None,
+                   penalties=None):
         """forward's results with the cache written, every write after every layer's read (module docstring)."""
-        out, new_kv, last_tokens, features = forward(params, kv_cache, last_tokens, batch, lora, features)
+        out, new_kv, last_tokens, features, penalties = forward(params, kv_cache, last_tokens, batch, lora, features,
+                                                                penalties)
         kv_cache, out = jax.lax.optimization_barrier((kv_cache, out))
-        return out, write_cache(kv_cache, new_kv, batch.slot_mapping), last_tokens, features
+        return out, write_cache(kv_cache, new_kv, batch.slot_mapping), last_tokens, features, penalties
 
     def _write_cache(self, kv_cache, new_kv, slot_mapping):  # a method, so each Steps counts its own programs
         if self.context_parallel:

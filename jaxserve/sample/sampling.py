@@ -13,6 +13,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jaxserve.sample.penalty_counts import counted, row_counts
 from jaxserve.sampling_params import MAX_LOGPROBS
 
 # The token a row "samples" when its masks and bans leave it none (a grammar's next-token set disjoint from
@@ -150,18 +151,22 @@ def biased(logits, p, axis=None):
 def penalized(logits, p, axis=None):
     """vLLM's penalties on logits [S, V]: a token among the row's prompt and generated tokens has its logit divided
     by repetition_penalty if positive, multiplied if not (HF's rule); then minus frequency_penalty per time it was
-    generated and presence_penalty once if it was (OpenAI's). Counted from past_tokens [S, H], which must hold the
-    row's tokens up to its last (`with_step_tokens`); positions >= prompt_len are generated. Free where no row has
-    a penalty, and a row without one keeps its logits bit for bit."""
+    generated and presence_penalty once if it was (OpenAI's). Counted from the device's counts per slot
+    (p.penalty_state, `jaxserve.sample.penalty_counts`) where the runner keeps them, else from past_tokens [S, H],
+    which must hold the row's tokens up to its last (`with_step_tokens`); positions >= prompt_len are generated.
+    Free where no row has a penalty, and a row without one keeps its logits bit for bit."""
     S, V = logits.shape
     uses = _uses_penalties(p)
 
     def apply(x):
-        rows = jnp.arange(S)[:, None]
-        generated = (jnp.arange(p.past_tokens.shape[1]) >= p.prompt_len[:, None]).astype(jnp.float32)  # [S, H]
-        past = _local_ids(p.past_tokens, V, axis)  # [S, H]
-        counts = jnp.zeros((S, V), jnp.float32).at[rows, past].add(generated, mode="drop")  # [S, V]
-        seen = jnp.zeros((S, V), bool).at[rows, past].set(True, mode="drop")  # [S, V]: prompt or generated
+        if p.penalty_state is not None:  # kept on device per slot: no history to count
+            counts, seen = row_counts(p.penalty_state, p.penalty_slot, _offset(V, axis), V)
+        else:
+            rows = jnp.arange(S)[:, None]
+            generated = (jnp.arange(p.past_tokens.shape[1]) >= p.prompt_len[:, None]).astype(jnp.float32)  # [S, H]
+            past = _local_ids(p.past_tokens, V, axis)  # [S, H]
+            counts = jnp.zeros((S, V), jnp.float32).at[rows, past].add(generated, mode="drop")  # [S, V]
+            seen = jnp.zeros((S, V), bool).at[rows, past].set(True, mode="drop")  # [S, V]: prompt or generated
         r = p.repetition_penalty[:, None]
         y = jnp.where(seen, jnp.where(x > 0, x / r, x * r), x)
         y = y - p.frequency_penalty[:, None] * counts - p.presence_penalty[:, None] * (counts > 0)
@@ -176,8 +181,10 @@ def _uses_penalties(p):
 def with_step_tokens(p, tokens, rows, last_index):
     """p with what only the device knows of each row's tokens (a chained decode row's input is the token the step
     before sampled, `jaxserve.runner.steps.input_tokens`): the step's new tokens written into past_tokens at their
-    positions, for the penalties; and the bad words whose other tokens the row's last token completes (the host
-    matched all but that one: `jaxserve.sample.logit_controls`), their last token cleared from its token mask.
+    positions, for the penalties (or, where the device keeps their counts, p.penalty_state: counted into each row's
+    slot, `jaxserve.sample.penalty_counts.counted`); and the bad words whose other tokens the row's last token
+    completes (the host matched all but that one: `jaxserve.sample.logit_controls`), their last token cleared from
+    its token mask.
     tokens [T]: the step's; rows: its `jaxserve.batch.RaggedRows`; last_index [S]: each row's last token in tokens
     (-1: none). Each part is free where no row needs it."""
     S, H = p.past_tokens.shape
@@ -199,8 +206,11 @@ def with_step_tokens(p, tokens, rows, last_index):
         kept = jax.lax.bitcast_convert_type(mask, jnp.uint32) & ~cleared
         return jax.lax.bitcast_convert_type(kept, jnp.int32)
 
-    past = jax.lax.cond(jnp.any(_uses_penalties(p)), write, lambda x: x, p.past_tokens)
     mask = jax.lax.cond(jnp.any(hit), ban, lambda x: x, p.token_mask)
+    if p.penalty_state is not None:  # the slots' counts take the step's tokens: no history is written
+        state = counted(p.penalty_state, p, tokens, rows, _uses_penalties(p))
+        return dataclasses.replace(p, penalty_state=state, token_mask=mask)
+    past = jax.lax.cond(jnp.any(_uses_penalties(p)), write, lambda x: x, p.past_tokens)
     return dataclasses.replace(p, past_tokens=past, token_mask=mask)
 
 

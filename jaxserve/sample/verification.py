@@ -56,9 +56,10 @@ def verify(logits, draft_tokens, num_draft, p, axis: str | None = None) -> Verif
 
 def per_position(p, Q):
     """p of S rows as S * Q rows, one per scored position, each with its own generated token number."""
-    flat = jax.tree.map(lambda a: jnp.repeat(a, Q, axis=0), p)
+    # The penalties' counts are by slot, not by row: each position reads its row's (penalty_slot, repeated).
+    flat = jax.tree.map(lambda a: jnp.repeat(a, Q, axis=0), dataclasses.replace(p, penalty_state=None))
     step = (p.step[:, None] + jnp.arange(Q, dtype=p.step.dtype)[None, :]).reshape(-1)  # [S * Q]
-    return dataclasses.replace(flat, step=step)
+    return dataclasses.replace(flat, step=step, penalty_state=p.penalty_state)
 
 
 def _leading(ok, num_draft):

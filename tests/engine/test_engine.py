@@ -59,9 +59,9 @@ def test_no_compilation_after_warmup(tiny_tokenized_dir, other_tiny_dir, specula
     used = set()
     step = llm.runner.steps.step_with_features
 
-    def recording(params, kv_cache, last_tokens, features, batch, lora=None):
+    def recording(params, kv_cache, last_tokens, features, batch, lora=None, **kw):
         used.add((batch.num_tokens, batch.num_rows, batch.logits_index.shape[1] > 1))
-        return step(params, kv_cache, last_tokens, features, batch, lora)
+        return step(params, kv_cache, last_tokens, features, batch, lora, **kw)
 
     llm.runner.steps.step_with_features = recording
     # Count every XLA compilation, not only the steps': an eager op on a device array compiles a program too.
