@@ -56,7 +56,8 @@ class SamplingInput:
     repetition_penalty: StepArray  # float32 [S]
     past_tokens: StepArray  # int32 [S, H]   each row's tokens by position, H = its most (pages_per_row x page_size):
     #                                the host fills those before the row's start, the step its new ones (vocab_size
-    #                                elsewhere); counted by the penalties
+    #                                elsewhere); counted by the penalties where a row has no slot in the device's
+    #                                counts (`jaxserve.runner.penalty_slots`)
     prompt_len: StepArray  # int32 [S]   positions from this one on are generated tokens
     # The penalties' counts kept on device (`jaxserve.sample.penalty_counts`): each row's slot there (-1: none), and
     # whether the slot starts over from past_tokens (else past_tokens is not sent: the slot holds the row's tokens up
@@ -90,6 +91,9 @@ class StepInput:
     # Multi-LoRA: each token's adapter slot in the runner's LoRA buffers (`jaxserve.lora`), -1 for the base model (a
     # `constant` when no row has an adapter).
     lora_slot: StepArray  # int32 [T]
+    # Whether the step samples its rows (a `constant` True; False: the first half of a split step, whose rows sample
+    # once the host has filled their grammar masks: `jaxserve.runner.steps.Steps.sample_joined`).
+    sample_rows: StepArray  # bool []
 
     @property
     def num_tokens(self) -> int:

@@ -104,11 +104,13 @@ _SCALARS = ("temperature", "top_k", "top_p", "min_p", "seed", "step", "min_token
 
 
 def build_batch(rows: list[Row], page_size: int, vocab_size: int, num_tokens: int, num_rows: int,
-                pages_per_row: int, num_scored: int = 1) -> StepInput:
+                pages_per_row: int, num_scored: int = 1, sample_rows: bool = True) -> StepInput:
     """Lays `rows` back to back in `num_tokens` tokens, with `num_rows` rows and a [num_rows, pages_per_row] table;
-    each row scores up to `num_scored` tokens (1, or k + 1 for a verification program)."""
+    each row scores up to `num_scored` tokens (1, or k + 1 for a verification program). sample_rows False: the
+    first half of a split step (`StepInput.sample_rows`)."""
     total = _check_sizes(rows, num_tokens, num_rows)
     batch = _padded_batch(rows, page_size, vocab_size, num_tokens, num_rows, pages_per_row, num_scored, total)
+    batch.sample_rows = constant((), bool, sample_rows)
     t = 0  # the row's first token in the batch
     for i, row in enumerate(rows):
         _place_tokens(batch, i, row, t, page_size)
@@ -156,7 +158,7 @@ def _padded_batch(rows: list[Row], page_size: int, vocab_size: int, num_tokens: 
     return StepInput(token_ids=np.zeros(T, np.int32), chain_slot=np.full(T, -1, np.int32), slot_mapping=slot_mapping,
                      rows=rows_in, logits_index=np.full((S, Q), -1, np.int32), num_draft=np.zeros(S, np.int32),
                      out_slot=np.full(S, -1, np.int32), sampling=sampling, prompt_targets=prompt_targets,
-                     prompt_top=prompt_top, lora_slot=lora_slot)
+                     prompt_top=prompt_top, lora_slot=lora_slot, sample_rows=constant((), bool, True))
 
 
 def _place_tokens(batch: StepInput, i: int, row: Row, t: int, page_size: int) -> None:

@@ -75,6 +75,10 @@ class HeadRunner(ModelRunner):
         self.max_loras, self.max_lora_rank, self.dtype, self.lora = 0, 0, rc.dtype, None
         self._init_transfer(False)
 
+    @property
+    def splits_sampling(self) -> bool:
+        return False  # its rows are proposals: never under a grammar (constrained rows do not speculate)
+
     def run(self, batch):
         out, self.kv_cache, self.last_tokens, self.last_hidden = self.steps.step(
             self.params, self.kv_cache, self.last_tokens, self.last_hidden, self.target.features, batch)

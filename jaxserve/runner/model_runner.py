@@ -34,10 +34,11 @@ from jaxserve.multihost import LeaderFollower
 from jaxserve.pallas_kernels import page_head_dim_multiple
 from jaxserve.parallel.layouts import param_formats, with_row_major_tables
 from jaxserve.parallel.mesh import log_placement, param_shardings, place, replicated
-from jaxserve.runner.batch_builder import Row, build_batch, warmup_rows
+from jaxserve.runner.batch_builder import Row, build_batch
 from jaxserve.runner.penalty_slots import PenaltySlots
 from jaxserve.runner.protocol import StepHandle
-from jaxserve.runner.steps import steps_for
+from jaxserve.runner.steps import SplitForward, steps_for
+from jaxserve.runner.warmup import warm_up
 
 logger = logging.getLogger("jaxserve")
 
@@ -142,7 +143,7 @@ class ModelRunner:
             # Replicated, made on every device of the group (of every process).
             self.last_tokens = jax.jit(lambda: jnp.zeros(rc.num_slots + 1, jnp.int32),
                                        out_shardings=replicated(mesh))()
-        # The penalties' counts per slot, kept on device (made at the first row with a penalty).
+        # The penalties' counts per slot, kept on device (made at the first step).
         self.penalties = PenaltySlots(rc.num_slots + 1, config.vocab_size, mesh)
         # [pages x page_size, F]: the captured hidden states of every cached token, by slot (None: no head reads them).
         self.features = None
@@ -288,21 +289,20 @@ class ModelRunner:
         scored = self.num_speculative_tokens + 1 if any(r.num_draft for r in rows) else 1
         if table_width is None:
             table_width = self.buckets.table_width(max(pages_needed(r.end, self.page_size) for r in rows))
-        rows = self.penalties.place(rows)
+        split = masks_later and self.splits_sampling
+        if split and scored > 1:  # the engine reads a speculative step's last step back first: nothing to split
+            raise ValueError("a split step verifies no proposals")
+        rows = self.penalties.place(rows, split)
         batch = build_batch(rows, self.page_size, self.config.vocab_size, tokens, self.buckets.num_rows(tokens),
-                            table_width, scored)
-        if masks_later and self.splits_sampling:
-            counts = self.penalties.counts(batch)
-            pending, self.kv_cache, self.features, counts = self.steps.forward_for_masks(
-                self.params, self.kv_cache, self.last_tokens, self.features, batch, self.step_lora(batch),
-                penalties=counts)
-            if counts is not None:
-                self.penalties.state = counts
-            return StepHandle(len(rows), None, (pending, rows, batch.sampling.token_mask.shape))
+                            table_width, scored, sample_rows=not split)
+        if split:
+            # The same forward program as a whole step's, its rows' head and sampling skipped (`sample_joined`).
+            return StepHandle(len(rows), None, (self.run(batch), rows, batch.sampling.token_mask.shape))
         if self.leader is None:
             out = self.run(batch)
         else:  # a multi-process leader: every process runs the same step
             out = self.leader.lead_step(self.index, batch, self.run)
+        assert isinstance(out, StepOutput)  # a whole step's
         return StepHandle(len(rows), _trimmed(out, rows))
 
     def join_masks(self, handle: StepHandle, masks: np.ndarray | None) -> None:
@@ -311,11 +311,11 @@ class ModelRunner:
         step dispatched whole (this runner does not split) takes none: it is never dispatched so with such rows."""
         if handle.forward is None:
             return
-        pending, rows, shape = handle.forward
+        split, rows, shape = handle.forward
         joined = np.full(shape, -1, np.int32)  # [S, W]: the padding rows allow everything
         if masks is not None:
             joined[:len(masks)] = masks
-        out, self.last_tokens = self.steps.sample_joined(self.params, pending, self.last_tokens, joined)
+        out, self.last_tokens = self.steps.sample_joined(self.params, split, self.last_tokens, joined)
         handle.output, handle.forward = _trimmed(out, rows), None
 
     def _check_lora_slots(self, rows: list[Row]) -> None:
@@ -324,11 +324,11 @@ class ModelRunner:
                 raise ValueError(f"row {i}: LoRA slot {r.lora_slot} is not one of this runner's "
                                  f"{self.max_loras} (enable_lora {'on' if self.lora is not None else 'off'})")
 
-    def run(self, batch: StepInput) -> StepOutput:
+    def run(self, batch: StepInput) -> StepOutput | SplitForward:
         """The device side of a step whose batch is built (all a multi-process follower does of it). A step with no
         token on an adapter runs the base model's program (no LoRA term at all), one with any runs the LoRA program:
-        warm-up compiles both."""
-        counts = self.penalties.counts(batch)
+        warm-up compiles both. A batch with sample_rows False gives the first half of a split step."""
+        counts = self.penalties.counts()
         out, self.kv_cache, self.last_tokens, self.features, counts = self.steps.step_with_features(
             self.params, self.kv_cache, self.last_tokens, self.features, batch, self.step_lora(batch), penalties=counts)
         if counts is not None:
@@ -358,43 +358,7 @@ class ModelRunner:
         per_row = jax.tree.map(lambda x: x[:handle.num_rows], dataclasses.replace(got, prompt=None))
         return dataclasses.replace(per_row, prompt=got.prompt)  # per scored token, not per row
 
-    def _time(self, rows: list[Row]) -> float:
-        start = time.perf_counter()
-        self.fetch(self.dispatch(rows))
-        return time.perf_counter() - start
-
     def warmup(self, progress: bool = True, time_steps: bool = False) -> int:
-        """Compiles every bucket before serving (plain and, with speculation, verification programs); returns how
-        many programs were compiled. time_steps: also time each shape once compiled (into step_times)."""
-        k = self.num_speculative_tokens
-        shapes = [(t, r, 0) for t, r in self.buckets.shapes()]
-        shapes += [(t, r, k) for t, r in self.buckets.shapes() if k and t > 1]  # a verification row has 2 tokens
-        before = self.steps.num_compiled()
-        start = time.perf_counter()
-        iterator = shapes
-        if progress:
-            from tqdm import tqdm
-            iterator = tqdm(shapes, desc="compiling step buckets", unit="shape")
-        for tokens, num_rows, num_draft in iterator:
-            rows = warmup_rows(tokens, num_rows, num_draft, self.page_size)
-            # With LoRA, the adapters' program too: the same rows on slot 0 (zeros or an adapter; the scratch page's
-            # content is never read back).
-            variants = [rows] + ([[dataclasses.replace(r, lora_slot=0) for r in rows]] if self.lora is not None else [])
-            for batch_rows in variants:
-                for width in self.buckets.widths():  # the tables' widths are the same programs' shapes
-                    self.fetch(self.dispatch(batch_rows, width))
-            if time_steps:  # the fastest of a few: one page fault or GC pause must not set a cost for good
-                self.step_times[tokens, 1 + k if num_draft else 1] = min(self._time(rows) for _ in range(3))
-        compiled = self.steps.num_compiled() - before
-        if self.kv_transfer:  # after the steps: the cache is a program's output now, as it is while serving
-            before_transfer = self.transfer_compiled()
-            self._warm_transfer()
-            compiled += self.transfer_compiled() - before_transfer
-        if self.lora is not None and not self.lora_compiled():
-            # The slot-filling program too, so that loading an adapter never compiles (no slot was ever filled,
-            # so slot 0 is empty already).
-            self.clear_lora(0)
-            compiled += 1
-        logger.info("warm-up compiled %d programs (%d shapes) in %.1f s", compiled, len(shapes),
-                    time.perf_counter() - start)
-        return compiled
+        """Compiles every program a step may run before serving (`jaxserve.runner.warmup`); returns how many.
+        time_steps: also time each shape once compiled (into step_times)."""
+        return warm_up(self, progress, time_steps)

@@ -12,7 +12,7 @@ from jaxserve.parallel.mesh import replicated
 
 # The fields of a StepInput that a batch holds as a `jaxserve.batch.constant` when no row uses them (batch_builder).
 MAYBE_CONSTANT = frozenset({"token_mask", "bad_word_bans", "logit_bias_ids", "logit_bias", "past_tokens",
-                            "prompt_targets", "prompt_top", "lora_slot"})
+                            "prompt_targets", "prompt_top", "lora_slot", "sample_rows"})
 
 
 class BatchPlacer:

@@ -17,8 +17,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from jaxserve.batch import StepInput, StepOutput
+from jaxserve.batch import StepInput, StepOutput, constant
 from jaxserve.config import ModelConfig
 from jaxserve.model.attention import write_kv
 from jaxserve.model.decoder import DecoderModel, lm_head, param_axes
@@ -42,7 +43,7 @@ from jaxserve.parallel.mesh import (
 )
 from jaxserve.runner.placement import BatchPlacer
 from jaxserve.sample.prompt_logprobs import block_scores, score_targets
-from jaxserve.sample.sampling import sample, with_step_tokens
+from jaxserve.sample.sampling import sample, skipped_sample, with_step_tokens
 from jaxserve.sample.verification import verify
 
 # The row counts a step's LM head and sampler run at below its own (`Steps._sample_used_rows`): a step of few
@@ -55,6 +56,15 @@ IN_PLACE_WRITES = {"xla_cpu_copy_insertion_use_region_analysis": True}
 def write_cache(kv_cache, new_kv, slot_mapping):
     """kv_cache: per layer (k_pages, v_pages); new_kv: per layer (k, v) [T, kv_heads, head_dim]."""
     return [write_kv(k_pages, v_pages, k, v, slot_mapping) for (k_pages, v_pages), (k, v) in zip(kv_cache, new_kv)]
+
+
+@dataclasses.dataclass
+class SplitForward:
+    """A split step's first half, on device (`Steps.sample_joined` samples its rows)."""
+    output: StepOutput  # its prompt scores; its rows sampled nothing
+    rows: jax.Array  # [S, hidden]: each row's final hidden state at its last token
+    batch: StepInput  # as placed
+    penalties: Any  # the penalties' counts with this step's tokens counted in (None: none kept)
 
 
 def input_tokens(batch: StepInput, last_tokens):
@@ -123,14 +133,11 @@ class Steps:
                                     donate_argnums=(1, 2, 5, 6), **in_place)
             self._verify = jax.jit(functools.partial(self._and_write, self._forward_and_verify),
                                    donate_argnums=(1, 2, 5, 6), **in_place)
-            # The split step's first half (`forward_for_masks`): last_tokens is read, not donated.
-            self._split_forward = jax.jit(functools.partial(self._and_write, self._forward_rows),
-                                          donate_argnums=(1, 5, 6), **in_place)
         else:
             self._forward = jax.jit(self._forward_and_sample, donate_argnums=(2, 5, 6), **forward)
             self._verify = jax.jit(self._forward_and_verify, donate_argnums=(2, 5, 6), **forward)
-            self._split_forward = jax.jit(self._forward_rows, donate_argnums=(5, 6), **forward)
-        self._split_sample = jax.jit(self._sample_joined, donate_argnums=2)
+        # A split step's sampling half (`sample_joined`): one program per row bucket, compiled at warm-up.
+        self._split_sample = jax.jit(self._sample_joined, donate_argnums=6)
         self._logits = jax.jit(self._forward_logits, **logits)
         self._write = jax.jit(self._write_cache, donate_argnums=0, **write)
         self.placer = BatchPlacer(mesh)
@@ -160,50 +167,41 @@ class Steps:
         [num_pages * page_size, F] (None without capture), donated and returned as the fourth result; and the
         penalties' counts per slot (`jaxserve.sample.penalty_counts.PenaltyCounts`, None: the runner keeps none
         and the penalties count each row's past_tokens), donated and returned as the fifth."""
+        split = not self.samples(batch)
         batch = self.put_batch(batch)
         program = self._verify if batch.logits_index.shape[1] > 1 else self._forward
-        # kv: the cache, or its new K/V
-        out, kv, last_tokens, features, penalties = program(params, kv_cache, last_tokens, batch, lora, features,
-                                                            penalties)
+        # kv: the cache, or its new K/V; rows: a plain step's rows' final hidden states (`sample_joined`)
+        (out, rows), kv, last_tokens, features, penalties = program(params, kv_cache, last_tokens, batch, lora,
+                                                                    features, penalties)
         kv = kv if self.writes_in_forward else self._write(kv_cache, kv, batch.slot_mapping)
+        if split:
+            out = SplitForward(out, rows, batch, penalties)
         return out, kv, last_tokens, features, penalties
 
-    def forward_for_masks(self, params, kv_cache, last_tokens, features, batch: StepInput, lora=None,
-                          penalties=None):
-        """The first half of a split step, for rows whose token masks the host fills only once the step before is
-        read back (structured output): the forward and the cache write, dispatched at once; the rows sample when
-        `sample_joined` brings the masks. Returns (pending, kv_cache, features, penalties): pending holds each row's
-        final hidden state and sampling parameters on device; last_tokens is read, not written (the sampling writes
-        it); the penalties' counts (donated) have this step's tokens counted in, all the sampling half reads."""
-        batch = self.put_batch(batch)
-        pending, kv, _, features, penalties = self._split_forward(params, kv_cache, last_tokens, batch, lora,
-                                                                  features, penalties)
-        kv = kv if self.writes_in_forward else self._write(kv_cache, kv, batch.slot_mapping)
-        return (pending, batch.logits_index[:, 0], batch.out_slot, penalties), kv, features, penalties
+    @staticmethod
+    def samples(batch: StepInput) -> bool:
+        """Whether a step over batch samples its rows (False: the first half of a split step)."""
+        return bool(np.asarray(batch.sample_rows))
 
-    def sample_joined(self, params, pending, last_tokens, masks):
-        """The second half of a split step: each row's masks [S, ceil(V / 32)] int32 ANDed on device with the
-        row's own (allowed tokens, bans), then the rows sample as a whole step's would. Returns (StepOutput,
-        last_tokens), last_tokens donated."""
-        (x, sampling, prompt), last_index, out_slot, penalties = pending
-        return self._split_sample(params, (x, sampling, prompt, last_index, out_slot, penalties), last_tokens, masks)
+    def sample_joined(self, params, split: SplitForward, last_tokens, masks):
+        """The second half of a split step (whose first, `step_with_features` over a batch with sample_rows False,
+        ran the forward, wrote the cache and counted the penalties, and sampled no row): each row's masks
+        [S, ceil(V / 32)] int32 ANDed on device with the row's own (allowed tokens, bans), then the rows sample as a
+        whole step's would. One program for each row bucket, whatever the step's tokens or table. Returns
+        (StepOutput, last_tokens), last_tokens donated."""
+        batch = split.batch
+        # No row's history ([S, 1] of none, so that one program serves every table width): a split step's penalty
+        # rows count in their slots (`jaxserve.runner.penalty_slots`).
+        S = batch.num_rows
+        sampling = dataclasses.replace(batch.sampling, past_tokens=constant((S, 1), np.int32, self.config.vocab_size))
+        out, last_tokens = self._split_sample(params, split.rows, sampling, batch.logits_index[:, 0], batch.out_slot,
+                                              split.penalties, last_tokens, masks)
+        return dataclasses.replace(out, prompt=split.output.prompt), last_tokens
 
-    def _forward_rows(self, params, kv_cache, last_tokens, batch: StepInput, lora=None, features=None,
-                      penalties=None):
-        """`_forward_and_sample` up to the sampling: each row's hidden state [S, hidden] at its last token."""
-        _, new_kv, captured, sampling = self._plain_forward(params, kv_cache, last_tokens, batch, lora, penalties)
-        hidden = captured[0]
-        x = hidden[jnp.maximum(batch.logits_index[:, 0], 0)]  # [S, hidden]
-        # The counts leave as their own output (donated at the next step), read by the sampling half beside pending.
-        pending = (x, dataclasses.replace(sampling, penalty_state=None), self._prompt_scores(params, hidden, batch))
-        return (pending, new_kv, last_tokens, self._keep_features(features, captured, batch),
-                sampling.penalty_state)
-
-    def _sample_joined(self, params, pending, last_tokens, masks):
-        x, sampling, prompt, last_index, out_slot, penalties = pending
+    def _sample_joined(self, params, x, sampling, last_index, out_slot, penalties, last_tokens, masks):
         sampling = dataclasses.replace(sampling, token_mask=sampling.token_mask & masks, penalty_state=penalties)
         s = self._sample_used_rows(params, x, last_index, sampling, gathered=True)
-        return self._step_output(s, last_index, prompt), last_tokens.at[out_slot].set(s.tokens)
+        return self._step_output(s, last_index, None), last_tokens.at[out_slot].set(s.tokens)
 
     @staticmethod
     def _step_output(s, last_index, prompt) -> StepOutput:
@@ -260,21 +258,26 @@ class Steps:
                             penalties=None):
         logits, new_kv, captured, sampling = self._plain_forward(params, kv_cache, last_tokens, batch, lora, penalties)
         hidden = captured[0]
+        x = hidden[jnp.maximum(batch.logits_index[:, 0], 0)]  # [S, hidden]: each row's, for a split step's sampling
         if self.mesh is None and batch.logits_index.shape[0] > HEAD_ROWS[0]:
-            s = self._sample_used_rows(params, hidden, batch.logits_index[:, 0], sampling)
-        else:
+            # The first half of a split step (sample_rows False) runs no head: its rows sample in `sample_joined`.
+            s = self._sample_used_rows(params, x, batch.logits_index[:, 0], sampling, gathered=True,
+                                       skip=~batch.sample_rows)
+        else:  # few rows: their logits are the model's already, and sampling them twice costs little
             s = sample_over_vocab(sample, self.mesh, logits, sampling)
         out = self._step_output(s, batch.logits_index[:, 0], self._prompt_scores(params, hidden, batch))
         last_tokens = last_tokens.at[batch.out_slot].set(s.tokens)  # -1 wraps to the padding slot
-        return out, new_kv, last_tokens, self._keep_features(features, captured, batch), sampling.penalty_state
+        return ((out, x), new_kv, last_tokens, self._keep_features(features, captured, batch),
+                sampling.penalty_state)
 
-    def _sample_used_rows(self, params, hidden, last_index, sampling, gathered: bool = False):
+    def _sample_used_rows(self, params, hidden, last_index, sampling, gathered: bool = False, skip=False):
         """sample() over the rows up to the last that samples, the LM head included, run at the smallest of
         HEAD_ROWS that holds them: a step's rows are min(tokens, max_num_seqs) (`jaxserve.buckets`), so a lone
         prompt's 64-token step has 64 rows, and a head over them all is most of its time where the vocabulary is
         large (Gemma 3's 262k). The other rows' results are zeros: nothing reads them. The model's own logits go
         unused, and jit drops their head. hidden [T, hidden]; last_index [S] (-1: the row samples nothing);
-        gathered: hidden is already each row's [S, hidden] at last_index."""
+        gathered: hidden is already each row's [S, hidden] at last_index. skip (a traced bool): no row samples (all
+        zeros, no head)."""
         S = last_index.shape[0]
         x = hidden if gathered else hidden[jnp.maximum(last_index, 0)]  # [S, hidden]
         used = jnp.max(jnp.where(last_index >= 0, jnp.arange(1, S + 1), 0))
@@ -285,12 +288,14 @@ class Steps:
                 # The counts are by slot, not by row: only the rows' own arrays are cut.
                 rows = jax.tree.map(lambda a: a[:b], dataclasses.replace(sampling, penalty_state=None))
                 rows = dataclasses.replace(rows, penalty_state=sampling.penalty_state)
+                if b == 0:  # no row samples
+                    return skipped_sample(S)
                 s = sample(lm_head(self.config, self.model.dtype, params, x[:b]), rows)
                 return jax.tree.map(lambda a: jnp.pad(a, [(0, S - b)] + [(0, 0)] * (a.ndim - 1)), s)
             return run
 
-        which = sum((used > b).astype(jnp.int32) for b in sizes[:-1])
-        return jax.lax.switch(which, [over(b) for b in sizes], x, sampling)
+        which = jnp.where(skip, 0, 1 + sum((used > b).astype(jnp.int32) for b in sizes[:-1]))
+        return jax.lax.switch(which, [over(0)] + [over(b) for b in sizes], x, sampling)
 
     def _forward_and_verify(self, params, kv_cache, last_tokens, batch: StepInput, lora=None, features=None,
                             penalties=None):
@@ -316,8 +321,8 @@ class Steps:
                          top_ids=v.top_ids, top_logprobs=v.top_logprobs,
                          prompt=self._prompt_scores(params, hidden, batch))
         last = jnp.take_along_axis(v.tokens, jnp.maximum(num_tokens - 1, 0)[:, None], axis=1)[:, 0]  # [S]
-        return (out, new_kv, last_tokens.at[batch.out_slot].set(last), self._keep_features(features, captured, batch),
-                sampling.penalty_state)
+        return ((out, None), new_kv, last_tokens.at[batch.out_slot].set(last),
+                self._keep_features(features, captured, batch), sampling.penalty_state)
 
     @staticmethod
     def _and_write(forward, params, kv_cache, last_tokens, batch: StepInput, lora=None, features=None,
@@ -337,9 +342,9 @@ class Steps:
         return self._apply(params, lora, batch, batch.token_ids, kv_cache, batch.rows)
 
     def num_compiled(self) -> int:
-        """Programs compiled so far for serving (forwards and cache writes)."""
+        """Programs compiled so far for serving (forwards, cache writes, split steps' sampling halves)."""
         # The ignore: jit's C++ wrapper has _cache_size; the JitWrapped stub does not declare it.
-        return sum(f._cache_size() for f in (self._forward, self._verify, self._write))  # type: ignore[attr-defined]
+        return sum(f._cache_size() for f in (self._forward, self._verify, self._write, self._split_sample))  # type: ignore[attr-defined]
 
 
 @functools.cache

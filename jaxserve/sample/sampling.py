@@ -34,6 +34,13 @@ class Sampled:
     top_logprobs: jax.Array  # float32 [S, MAX_LOGPROBS] (zeros unless a row wants them)
 
 
+def skipped_sample(S: int) -> Sampled:
+    """What S rows that sample nothing give (the first half of a split step: `jaxserve.runner.steps`): zeros."""
+    return Sampled(tokens=jnp.zeros(S, jnp.int32), logprobs=jnp.zeros(S, jnp.float32), ranks=jnp.zeros(S, jnp.int32),
+                   top_ids=jnp.zeros((S, MAX_LOGPROBS), jnp.int32),
+                   top_logprobs=jnp.zeros((S, MAX_LOGPROBS), jnp.float32))
+
+
 def sample(logits, p, axis: str | None = None) -> Sampled:
     """logits: [S, V] float32 (this device's [S, V / n] slice with a mesh axis: see the module's doc). p: a
     `jaxserve.batch.SamplingInput`, per-row arrays
@@ -158,15 +165,22 @@ def penalized(logits, p, axis=None):
     S, V = logits.shape
     uses = _uses_penalties(p)
 
+    def from_history(x):
+        rows = jnp.arange(S)[:, None]
+        generated = (jnp.arange(p.past_tokens.shape[1]) >= p.prompt_len[:, None]).astype(jnp.float32)  # [S, H]
+        past = _local_ids(p.past_tokens, V, axis)  # [S, H]
+        counts = jnp.zeros((S, V), jnp.float32).at[rows, past].add(generated, mode="drop")  # [S, V]
+        return counts, jnp.zeros((S, V), bool).at[rows, past].set(True, mode="drop")  # [S, V]: prompt or generated
+
     def apply(x):
-        if p.penalty_state is not None:  # kept on device per slot: no history to count
+        if p.penalty_state is None:
+            counts, seen = from_history(x)
+        else:  # kept on device per slot: no history to count, but for a row without a slot (made by hand)
             counts, seen = row_counts(p.penalty_state, p.penalty_slot, _offset(V, axis), V)
-        else:
-            rows = jnp.arange(S)[:, None]
-            generated = (jnp.arange(p.past_tokens.shape[1]) >= p.prompt_len[:, None]).astype(jnp.float32)  # [S, H]
-            past = _local_ids(p.past_tokens, V, axis)  # [S, H]
-            counts = jnp.zeros((S, V), jnp.float32).at[rows, past].add(generated, mode="drop")  # [S, V]
-            seen = jnp.zeros((S, V), bool).at[rows, past].set(True, mode="drop")  # [S, V]: prompt or generated
+            slotless = uses & (p.penalty_slot < 0)  # [S]
+            hc, hs = jax.lax.cond(jnp.any(slotless), from_history,
+                                  lambda x: (jnp.zeros((S, V), jnp.float32), jnp.zeros((S, V), bool)), x)
+            counts, seen = counts + hc, seen | hs  # a slotless row's kept counts are zeros
         r = p.repetition_penalty[:, None]
         y = jnp.where(seen, jnp.where(x > 0, x / r, x * r), x)
         y = y - p.frequency_penalty[:, None] * counts - p.presence_penalty[:, None] * (counts > 0)
@@ -207,10 +221,12 @@ def with_step_tokens(p, tokens, rows, last_index):
         return jax.lax.bitcast_convert_type(kept, jnp.int32)
 
     mask = jax.lax.cond(jnp.any(hit), ban, lambda x: x, p.token_mask)
-    if p.penalty_state is not None:  # the slots' counts take the step's tokens: no history is written
-        state = counted(p.penalty_state, p, tokens, rows, _uses_penalties(p))
-        return dataclasses.replace(p, penalty_state=state, token_mask=mask)
-    past = jax.lax.cond(jnp.any(_uses_penalties(p)), write, lambda x: x, p.past_tokens)
+    uses = _uses_penalties(p)
+    if p.penalty_state is not None:  # the slots' counts take the step's tokens; a row without a slot, its history
+        state = counted(p.penalty_state, p, tokens, rows, uses)
+        past = jax.lax.cond(jnp.any(uses & (p.penalty_slot < 0)), write, lambda x: x, p.past_tokens)
+        return dataclasses.replace(p, penalty_state=state, past_tokens=past, token_mask=mask)
+    past = jax.lax.cond(jnp.any(uses), write, lambda x: x, p.past_tokens)
     return dataclasses.replace(p, past_tokens=past, token_mask=mask)
 
 

@@ -81,9 +81,9 @@ def test_the_default_budget_compiles_its_ceiling_at_warm_up_and_nothing_while_se
     sizes = []
     step = runner.steps.step_with_features
 
-    def recording(params, kv_cache, last_tokens, features, batch, lora=None):
+    def recording(params, kv_cache, last_tokens, features, batch, lora=None, **kw):
         sizes.append(batch.num_tokens)
-        return step(params, kv_cache, last_tokens, features, batch, lora)
+        return step(params, kv_cache, last_tokens, features, batch, lora, **kw)
 
     runner.steps.step_with_features = recording
     compiles = []

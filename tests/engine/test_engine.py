@@ -52,10 +52,11 @@ def test_no_compilation_after_warmup(tiny_tokenized_dir, other_tiny_dir, specula
     compiled = [r.steps.num_compiled() for r in runners]
     shapes = list(llm.runner.buckets.shapes())
     verify_shapes = [(t, r) for t, r in shapes if t > 1] if config else []
-    # A forward (and where it does not write the cache, a cache write) per step size, and a verification forward
-    # per size but one token.
+    # A forward (and where it does not write the cache, a cache write) per step size, a verification forward per
+    # size but one token, and a split step's sampling half per row count.
     per_size = 1 if llm.runner.steps.writes_in_forward else 2
-    assert compiled[0] == per_size * len(shapes) + len(verify_shapes)
+    split = len({r for _, r in shapes}) if llm.runner.splits_sampling else 0
+    assert compiled[0] == per_size * len(shapes) + len(verify_shapes) + split
     used = set()
     step = llm.runner.steps.step_with_features
 

@@ -86,12 +86,12 @@ def test_engine_tokens_equal_the_history_and_history_is_sent_once(tiny_dir):
                              frequency_penalty=1.1, repetition_penalty=0.7)]
     llm = make_llm(tiny_dir)
     llm.generate(ps[2], params[2], use_tqdm=False)
-    assert llm.runner.penalties.state is None, "a step without a penalty made the counts"
+    assert not np.any(np.asarray(llm.runner.penalties.state.generated)), "a step without a penalty counted"
     sent = []
     place = llm.runner.penalties.place
 
-    def recording(rows):
-        placed = place(rows)
+    def recording(rows, split=False):
+        placed = place(rows, split)
         sent.extend(r.sampling.penalty_init for r in placed if r.sampling.penalty_slot >= 0)
         return placed
     llm.runner.penalties.place = recording
@@ -100,8 +100,9 @@ def test_engine_tokens_equal_the_history_and_history_is_sent_once(tiny_dir):
     assert sum(sent) == 3 and len(sent) > 3 * 12, (seed, sum(sent), len(sent))  # once per penalty sequence
 
     old = make_llm(tiny_dir)
-    old.runner.penalties.place = lambda rows: [r if r.sampling.past_tokens is None else Row(
+    # Rows without slots (as rows made by hand are): every penalty counted from the history the step is sent.
+    old.runner.penalties.place = lambda rows, split=False: [r if r.sampling.past_tokens is None else Row(
         **{**vars(r), "sampling": RowSampling(**{**vars(r.sampling), "penalty_slot": -1})}) for r in rows]
     want = [o.outputs[0].token_ids for o in old.generate(ps, params, use_tqdm=False)]
-    assert old.runner.penalties.state is None
+    assert not np.any(np.asarray(old.runner.penalties.state.generated))
     assert got == want, seed

@@ -265,7 +265,7 @@ def every_control(S, V, rng, greedy=False):
     """S rows, each with its own mix of every sampling control (random ids anywhere in the vocabulary, so over a
     mesh they fall on every device's slice)."""
     p = vars(neutral_sampling(S, V, max_len=24))
-    p = {k: np.array(v) for k, v in p.items()}
+    p = {k: v if v is None else np.array(v) for k, v in p.items()}  # penalty_state None: penalties from histories
     p["temperature"] = np.zeros(S, np.float32) if greedy else rng.uniform(0.3, 2.0, S).astype(np.float32)
     p["temperature"][::5] = 0.0  # greedy rows among sampled ones
     p["top_k"] = np.where(rng.random(S) < 0.5, rng.integers(1, V, S), 0).astype(np.int32)
