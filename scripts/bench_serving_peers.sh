@@ -6,7 +6,8 @@
 #
 # NAME=FLAGS runs `jaxserve serve FLAGS`; NAME=llama runs LLAMA_SERVER on $GGUF (the default model's) with
 # $LLAMA_FLAGS (64 slots) and then FLAGS.
-# CONCURRENCY:REQUESTS pairs say how many clients and how many measured requests.
+# CONCURRENCY:REQUESTS pairs say how many clients and how many measured requests; rRATE:REQUESTS sends them at
+# Poisson arrival times instead (RATE requests/s), e.g. "r2:64 r4:128".
 #   e.g. bash scripts/bench_serving_peers.sh /tmp/s /work/llama-server/build/bin/llama-server "16:64 64:192" \
 #        f32='' int8='--quantization int8' bf16='--dtype bfloat16' llama=
 set -euo pipefail
@@ -41,9 +42,10 @@ for spec in "$@"; do
   metrics=(); [ "$name" = llama ] || metrics=(--server-metrics)
   for load in $LOADS; do
     c=${load%%:*}; n=${load#*:}
-    python "$HERE/bench_serving.py" --base-url "http://127.0.0.1:$PORT/v1" --concurrency "$c" --num-requests "$n" \
-      --prompt-len 32 --output-len 64 --seed 0 "${metrics[@]}" --out "$OUT/${name}_c$c.json" \
-      | tail -n 3 | sed "s/^/[$name c=$c] /"
+    if [ "${c#r}" != "$c" ]; then arrivals=(--request-rate "${c#r}"); else arrivals=(--concurrency "$c"); c=c$c; fi
+    python "$HERE/bench_serving.py" --base-url "http://127.0.0.1:$PORT/v1" "${arrivals[@]}" --num-requests "$n" \
+      --prompt-len 32 --output-len 64 --seed 0 "${metrics[@]}" --out "$OUT/${name}_$c.json" \
+      | tail -n 3 | sed "s/^/[$name $c] /"
   done
   kill "$pid"; wait "$pid" 2> /dev/null || true
 done

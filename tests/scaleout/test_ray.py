@@ -149,7 +149,11 @@ def test_the_command_line_places_the_group(ray_cluster, tiny_tokenized_dir, one_
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=lambda: [lines.put(line) for line in cli.stdout], daemon=True).start()
     try:
+        # Ray prints its workers' output on the driver's stdout too ("(pid=...) ...": a prestarted worker's libtpu
+        # log, say), before or after jaxserve's own line.
         first = lines.get(timeout=300)
+        while not first.startswith("jaxserve: "):
+            first = lines.get(timeout=300)
         assert first.startswith("jaxserve: serving at http://") and f":{port} " in first, first
         url = first.split()[3]
         prompt = seeded_prompts(int(np.random.SeedSequence().entropy % 2**31), 1)[0]
