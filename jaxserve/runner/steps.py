@@ -43,7 +43,13 @@ from jaxserve.parallel.mesh import (
 )
 from jaxserve.runner.placement import BatchPlacer
 from jaxserve.sample.prompt_logprobs import block_scores, score_targets
-from jaxserve.sample.sampling import sample, skipped_sample, with_step_tokens
+from jaxserve.sample.sampling import (
+    last_input_tokens,
+    sample,
+    skipped_sample,
+    with_step_tokens,
+    with_words_banned,
+)
 from jaxserve.sample.verification import verify
 
 # The row counts a step's LM head and sampler run at below its own (`Steps._sample_used_rows`): a step of few
@@ -63,6 +69,7 @@ class SplitForward:
     """A split step's first half, on device (`Steps.sample_joined` samples its rows)."""
     output: StepOutput  # its prompt scores; its rows sampled nothing
     rows: jax.Array  # [S, hidden]: each row's final hidden state at its last token
+    last: jax.Array  # int32 [S]: each row's last input token (a chained one's known only on device)
     batch: StepInput  # as placed
     penalties: Any  # the penalties' counts with this step's tokens counted in (None: none kept)
 
@@ -137,7 +144,7 @@ class Steps:
             self._forward = jax.jit(self._forward_and_sample, donate_argnums=(2, 5, 6), **forward)
             self._verify = jax.jit(self._forward_and_verify, donate_argnums=(2, 5, 6), **forward)
         # A split step's sampling half (`sample_joined`): one program per row bucket, compiled at warm-up.
-        self._split_sample = jax.jit(self._sample_joined, donate_argnums=6)
+        self._split_sample = jax.jit(self._sample_joined, donate_argnums=7)
         self._logits = jax.jit(self._forward_logits, **logits)
         self._write = jax.jit(self._write_cache, donate_argnums=0, **write)
         self.placer = BatchPlacer(mesh)
@@ -170,12 +177,13 @@ class Steps:
         split = not self.samples(batch)
         batch = self.put_batch(batch)
         program = self._verify if batch.logits_index.shape[1] > 1 else self._forward
-        # kv: the cache, or its new K/V; rows: a plain step's rows' final hidden states (`sample_joined`)
-        (out, rows), kv, last_tokens, features, penalties = program(params, kv_cache, last_tokens, batch, lora,
-                                                                    features, penalties)
+        # kv: the cache, or its new K/V; rows, last: a plain step's rows' final hidden states and last input tokens
+        # (`sample_joined`)
+        (out, rows, last), kv, last_tokens, features, penalties = program(params, kv_cache, last_tokens, batch, lora,
+                                                                          features, penalties)
         kv = kv if self.writes_in_forward else self._write(kv_cache, kv, batch.slot_mapping)
         if split:
-            out = SplitForward(out, rows, batch, penalties)
+            out = SplitForward(out, rows, last, batch, penalties)
         return out, kv, last_tokens, features, penalties
 
     @staticmethod
@@ -194,12 +202,14 @@ class Steps:
         # rows count in their slots (`jaxserve.runner.penalty_slots`).
         S = batch.num_rows
         sampling = dataclasses.replace(batch.sampling, past_tokens=constant((S, 1), np.int32, self.config.vocab_size))
-        out, last_tokens = self._split_sample(params, split.rows, sampling, batch.logits_index[:, 0], batch.out_slot,
-                                              split.penalties, last_tokens, masks)
+        out, last_tokens = self._split_sample(params, split.rows, split.last, sampling, batch.logits_index[:, 0],
+                                              batch.out_slot, split.penalties, last_tokens, masks)
         return dataclasses.replace(out, prompt=split.output.prompt), last_tokens
 
-    def _sample_joined(self, params, x, sampling, last_index, out_slot, penalties, last_tokens, masks):
-        sampling = dataclasses.replace(sampling, token_mask=sampling.token_mask & masks, penalty_state=penalties)
+    def _sample_joined(self, params, x, last, sampling, last_index, out_slot, penalties, last_tokens, masks):
+        # The bad words the rows' last input tokens complete, as the whole step bans them (`with_step_tokens`).
+        mask = with_words_banned(sampling, last) & masks
+        sampling = dataclasses.replace(sampling, token_mask=mask, penalty_state=penalties)
         s = self._sample_used_rows(params, x, last_index, sampling, gathered=True)
         return self._step_output(s, last_index, None), last_tokens.at[out_slot].set(s.tokens)
 
@@ -246,17 +256,18 @@ class Steps:
 
     def _plain_forward(self, params, kv_cache, last_tokens, batch: StepInput, lora=None, penalties=None):
         """A plain step's forward: (logits, new K/V, [hidden, captured features], the rows' sampling parameters with
-        what only the device knows of their tokens, the penalties' counts included)."""
+        what only the device knows of their tokens, the penalties' counts included, each row's last input token)."""
         tokens = input_tokens(batch, last_tokens)
         logits, new_kv, *captured = self._apply(params, lora, batch, tokens, kv_cache, batch.rows,
                                                 batch.logits_index[:, 0], return_hidden=True, capture=self.capture)
         sampling = with_step_tokens(dataclasses.replace(batch.sampling, penalty_state=penalties), tokens, batch.rows,
                                     batch.logits_index[:, 0])
-        return logits, new_kv, captured, sampling
+        return logits, new_kv, captured, sampling, last_input_tokens(tokens, batch.logits_index[:, 0])
 
     def _forward_and_sample(self, params, kv_cache, last_tokens, batch: StepInput, lora=None, features=None,
                             penalties=None):
-        logits, new_kv, captured, sampling = self._plain_forward(params, kv_cache, last_tokens, batch, lora, penalties)
+        logits, new_kv, captured, sampling, last = self._plain_forward(params, kv_cache, last_tokens, batch, lora,
+                                                                       penalties)
         hidden = captured[0]
         x = hidden[jnp.maximum(batch.logits_index[:, 0], 0)]  # [S, hidden]: each row's, for a split step's sampling
         if self.mesh is None and batch.logits_index.shape[0] > HEAD_ROWS[0]:
@@ -267,7 +278,7 @@ class Steps:
             s = sample_over_vocab(sample, self.mesh, logits, sampling)
         out = self._step_output(s, batch.logits_index[:, 0], self._prompt_scores(params, hidden, batch))
         last_tokens = last_tokens.at[batch.out_slot].set(s.tokens)  # -1 wraps to the padding slot
-        return ((out, x), new_kv, last_tokens, self._keep_features(features, captured, batch),
+        return ((out, x, last), new_kv, last_tokens, self._keep_features(features, captured, batch),
                 sampling.penalty_state)
 
     def _sample_used_rows(self, params, hidden, last_index, sampling, gathered: bool = False, skip=False):
@@ -321,7 +332,7 @@ class Steps:
                          top_ids=v.top_ids, top_logprobs=v.top_logprobs,
                          prompt=self._prompt_scores(params, hidden, batch))
         last = jnp.take_along_axis(v.tokens, jnp.maximum(num_tokens - 1, 0)[:, None], axis=1)[:, 0]  # [S]
-        return ((out, None), new_kv, last_tokens.at[batch.out_slot].set(last),
+        return ((out, None, None), new_kv, last_tokens.at[batch.out_slot].set(last),
                 self._keep_features(features, captured, batch), sampling.penalty_state)
 
     @staticmethod

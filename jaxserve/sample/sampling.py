@@ -192,23 +192,15 @@ def _uses_penalties(p):
     return (p.presence_penalty != 0) | (p.frequency_penalty != 0) | (p.repetition_penalty != 1)  # [S]
 
 
-def with_step_tokens(p, tokens, rows, last_index):
-    """p with what only the device knows of each row's tokens (a chained decode row's input is the token the step
-    before sampled, `jaxserve.runner.steps.input_tokens`): the step's new tokens written into past_tokens at their
-    positions, for the penalties (or, where the device keeps their counts, p.penalty_state: counted into each row's
-    slot, `jaxserve.sample.penalty_counts.counted`); and the bad words whose other tokens the row's last token
-    completes (the host matched all but that one: `jaxserve.sample.logit_controls`), their last token cleared from
-    its token mask.
-    tokens [T]: the step's; rows: its `jaxserve.batch.RaggedRows`; last_index [S]: each row's last token in tokens
-    (-1: none). Each part is free where no row needs it."""
-    S, H = p.past_tokens.shape
-    W = p.token_mask.shape[1]
+def last_input_tokens(tokens, last_index):
+    """Each row's last input token [S] (-1: none) of the step's tokens [T]; last_index [S] (-1: none)."""
+    return jnp.where(last_index >= 0, tokens[jnp.maximum(last_index, 0)], -1)
 
-    def write(past):
-        positions = jnp.where((rows.positions >= 0) & (rows.positions < H), rows.positions, H)  # padding: dropped
-        return past.at[rows.token_row, positions].set(tokens, mode="drop")
 
-    last = jnp.where(last_index >= 0, tokens[jnp.maximum(last_index, 0)], -1)  # [S]
+def with_words_banned(p, last):
+    """p.token_mask [S, W] less the last token of each bad word whose other tokens the row's last token `last` [S]
+    completes (the host matched all but that one: `jaxserve.sample.logit_controls`); free where none does."""
+    S, W = p.token_mask.shape
     trigger, banned = p.bad_word_bans[..., 0], p.bad_word_bans[..., 1]  # [S, N]; padding: trigger vocab_size
     hit = trigger == last[:, None]  # [S, N]
 
@@ -220,7 +212,25 @@ def with_step_tokens(p, tokens, rows, last_index):
         kept = jax.lax.bitcast_convert_type(mask, jnp.uint32) & ~cleared
         return jax.lax.bitcast_convert_type(kept, jnp.int32)
 
-    mask = jax.lax.cond(jnp.any(hit), ban, lambda x: x, p.token_mask)
+    return jax.lax.cond(jnp.any(hit), ban, lambda x: x, p.token_mask)
+
+
+def with_step_tokens(p, tokens, rows, last_index):
+    """p with what only the device knows of each row's tokens (a chained decode row's input is the token the step
+    before sampled, `jaxserve.runner.steps.input_tokens`): the step's new tokens written into past_tokens at their
+    positions, for the penalties (or, where the device keeps their counts, p.penalty_state: counted into each row's
+    slot, `jaxserve.sample.penalty_counts.counted`); and the bad words whose other tokens the row's last token
+    completes (the host matched all but that one: `jaxserve.sample.logit_controls`), their last token cleared from
+    its token mask.
+    tokens [T]: the step's; rows: its `jaxserve.batch.RaggedRows`; last_index [S]: each row's last token in tokens
+    (-1: none). Each part is free where no row needs it."""
+    S, H = p.past_tokens.shape
+
+    def write(past):
+        positions = jnp.where((rows.positions >= 0) & (rows.positions < H), rows.positions, H)  # padding: dropped
+        return past.at[rows.token_row, positions].set(tokens, mode="drop")
+
+    mask = with_words_banned(p, last_input_tokens(tokens, last_index))
     uses = _uses_penalties(p)
     if p.penalty_state is not None:  # the slots' counts take the step's tokens; a row without a slot, its history
         state = counted(p.penalty_state, p, tokens, rows, uses)

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from jaxserve import SamplingParams
+from jaxserve.runner.batch_builder import Row, RowSampling
 from jaxserve.sampling_params import StructuredOutputsParams as Structured
 
 from tiny import make_llm
@@ -92,4 +93,31 @@ def test_a_constrained_batch_dispatches_its_next_forward_before_reading_back(llm
     assert len(splits) >= 10, events  # every decode step after the first holds constrained rows
     for i in splits:
         assert events[i + 1:i + 3] == [("fetch",), ("join",)], events[i - 2:i + 4]
+    split.core.assert_idle_and_clean()
+
+
+@pytest.mark.parametrize("rows", [1, 6])  # the few-row sampler and the used-rows head (more than HEAD_ROWS[0] rows)
+def test_a_split_step_bans_the_bad_words_its_rows_last_tokens_complete(llms, rows):
+    """A bad word's last token is banned on device when the row's last input token completes the rest of it
+    (`with_step_tokens`): a split step's sampling half bans it too, as a whole step does."""
+    _, split = llms
+    runner = split.runner
+    seed = int(np.random.default_rng().integers(1 << 20))
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(1, 300, 4).tolist() for _ in range(rows)]  # 24 tokens at most: the largest bucket
+    pages = [[1 + 2 * i, 2 + 2 * i] for i in range(rows)]
+
+    def step(split_it, bans=None):
+        batch = [Row(p, 0, pg, RowSampling(bad_word_bans=(bans[i],) if bans else ()), slot=i)
+                 for i, (p, pg) in enumerate(zip(prompts, pages))]
+        handle = runner.dispatch(batch, masks_later=split_it)
+        runner.join_masks(handle, None)
+        return runner.fetch(handle).tokens[:, 0].tolist()
+
+    greedy = step(True)
+    assert greedy == step(False), f"seed {seed}"
+    bans = [(p[-1], g) for p, g in zip(prompts, greedy)]  # each row's greedy pick, completed by its last token
+    banned = step(True, bans)
+    assert banned == step(False, bans), f"seed {seed}"
+    assert all(b != g for b, g in zip(banned, greedy)), f"seed {seed}"
     split.core.assert_idle_and_clean()
