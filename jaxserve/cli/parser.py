@@ -219,10 +219,10 @@ def _add_convert(sub) -> None:
 def _add_build_kernels(sub) -> None:
     kb = sub.add_parser("build-kernels", help="compile the C++ CPU kernels ahead of time, for every CPU variant",
                         description="Compile the C++ CPU kernels for each instruction-set variant of this "
-                                    "architecture (x86-64-v4, x86-64-v3 and a baseline; armv8.2-a and armv8-a), so "
-                                    "a machine without a C++ compiler runs them: the best variant its CPU has is "
-                                    "picked at run time. Build it into an image or a wheel before the compiler is "
-                                    "removed.")
+                                    "architecture (x86-64-v4-bf16, x86-64-v4, x86-64-v3 and a baseline; armv8.2-a "
+                                    "and armv8-a), so a machine without a C++ compiler runs them: the best variant "
+                                    "its CPU has is picked at run time. Build it into an image or a wheel before the "
+                                    "compiler is removed.")
     kb.add_argument("--output", default=None, metavar="DIR",
                     help="where to write the libraries (default: the package's cpu_kernels/prebuilt directory; "
                          "jaxserve also looks in $JAXSERVE_CACHE/cpu_kernels)")

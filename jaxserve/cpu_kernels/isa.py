@@ -25,10 +25,14 @@ class Variant:
 
 
 _X86_V3 = frozenset({"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave"})
+_X86_V4 = _X86_V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
 _X86 = (
-    # GCC's default on AVX-512 machines is 256-bit vectors: the kernels are written for 512.
-    Variant("x86-64-v4", ("-march=x86-64-v4", "-mprefer-vector-width=512"),
-            _X86_V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}),
+    # GCC's default on AVX-512 machines is 256-bit vectors: the kernels are written for 512. With AVX-512-BF16
+    # (Intel since Cooper Lake, AMD since Zen 4), attention over bf16 pages takes two products an instruction
+    # (bf16_dots.h).
+    Variant("x86-64-v4-bf16", ("-march=x86-64-v4", "-mavx512bf16", "-mprefer-vector-width=512"),
+            _X86_V4 | {"avx512_bf16"}),
+    Variant("x86-64-v4", ("-march=x86-64-v4", "-mprefer-vector-width=512"), _X86_V4),
     Variant("x86-64-v3", ("-march=x86-64-v3",), _X86_V3),
     Variant("x86-64", ("-march=x86-64",)),
 )

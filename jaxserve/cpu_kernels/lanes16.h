@@ -8,6 +8,10 @@
 #include <cstdint>
 #include <cstring>
 
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 namespace jaxserve {
 
 typedef float F32x16 __attribute__((vector_size(64)));
@@ -28,12 +32,38 @@ inline V LoadFirst(const T* p, int count) {
   return v;
 }
 
+// Narrow lanes widened to int32. GCC 12 lowers __builtin_convertvector between these widths in per-half pieces on
+// AVX-512 (five instructions where vpmovzxwd is one) and in scalar conversions for int8, which made the widening,
+// not the memory, the bound of the paged-attention kernel on bf16 and int8 pages: x86's own conversions are named
+// where the target has them.
+#if defined(__AVX512F__)
+// (maskz: the plain forms start from _mm512_undefined_epi32, which GCC 12 warns of as uninitialized)
+inline I32x16 WidenLanes(U16x16 v) { return (I32x16)_mm512_maskz_cvtepu16_epi32(0xffff, (__m256i)v); }
+inline I32x16 WidenLanes(I8x16 v) { return (I32x16)_mm512_maskz_cvtepi8_epi32(0xffff, (__m128i)v); }
+#elif defined(__AVX2__)
+typedef int32_t I32x8 __attribute__((vector_size(32)));
+inline I32x16 Join(__m256i lo, __m256i hi) {
+  return __builtin_shufflevector((I32x8)lo, (I32x8)hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+}
+inline I32x16 WidenLanes(U16x16 v) {
+  const __m256i w = (__m256i)v;
+  return Join(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(w)), _mm256_cvtepu16_epi32(_mm256_extracti128_si256(w, 1)));
+}
+inline I32x16 WidenLanes(I8x16 v) {
+  const __m128i w = (__m128i)v;
+  return Join(_mm256_cvtepi8_epi32(w), _mm256_cvtepi8_epi32(_mm_unpackhi_epi64(w, w)));
+}
+#else
+inline I32x16 WidenLanes(U16x16 v) { return __builtin_convertvector(v, I32x16); }
+inline I32x16 WidenLanes(I8x16 v) { return __builtin_convertvector(v, I32x16); }
+#endif
+
 inline F32x16 Load16(const float* p, int count = 16) { return LoadFirst<F32x16>(p, count); }
 inline F32x16 Load16(const int8_t* p, int count = 16) {
-  return __builtin_convertvector(LoadFirst<I8x16>(p, count), F32x16);
+  return __builtin_convertvector(WidenLanes(LoadFirst<I8x16>(p, count)), F32x16);
 }
 inline F32x16 Load16(const uint16_t* p, int count = 16) {  // bfloat16 bits: the high half of a float32
-  return (F32x16)(__builtin_convertvector(LoadFirst<U16x16>(p, count), U32x16) << 16);
+  return (F32x16)(WidenLanes(LoadFirst<U16x16>(p, count)) << 16);
 }
 
 inline void Store16(float* p, F32x16 v, int count = 16) {

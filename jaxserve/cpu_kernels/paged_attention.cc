@@ -10,14 +10,15 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <initializer_list>
 #include <string>
 #include <type_traits>
 #include <vector>
 
-#include "parallel.h"
+#include "bf16_dots.h"
+#include "exp_non_positive.h"
 #include "lanes16.h"
+#include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -37,29 +38,11 @@ constexpr int64_t kMaxGroup = 64;  // query heads per KV head
 constexpr int64_t kPagesAhead = 2;
 constexpr int64_t kMaxSplits = 8;
 
+using jaxserve::ExpNonPositive;
 using jaxserve::F32x16;
 using jaxserve::Load16;
 using jaxserve::LaneSums;
 using jaxserve::Store16;
-
-// exp(x) for x <= 0 (a score minus its row's max), within ~2 float32 ulp; a loop of it vectorizes (std::exp would
-// be a scalar call per key).
-inline float ExpNonPositive(float x) {
-  x = std::max(x, -87.0f);
-  const float n = std::nearbyint(x * 1.44269504088896341f);  // x = n ln2 + r, |r| <= ln2 / 2
-  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
-}
 
 struct Pages {
   const void* data;  // [num_pages, kv_heads, page_size, stored_head_dim]
@@ -68,6 +51,7 @@ struct Pages {
 
 struct Step {
   int64_t tokens, kv_heads, group, head_dim, stored_head_dim, page_size, pages_per_token, sliding_window;
+  bool bf16_dots;  // may round q and the softmax weights to bf16 for bf16 pages' products (bf16_dots.h)
   const float* q;  // [T, kv_heads, G, D], scaled
   const float* k;  // [T, kv_heads, D]: the step's own keys
   const float* v;
@@ -145,7 +129,8 @@ void AccumulateBlock(const float* p, int64_t stride, const K* const (&value)[16]
 // summed together (LaneSums), each value row read once for all G queries. The default model after 512 tokens, one
 // row, a layer's call in the step (traced, median; 2 vCPU AMD EPYC): 120 us as first written, 84 by (KV head,
 // part) with a dot at a time, 44 now (a layer's 830 KB of K and V; 20 us when they are in the caches).
-template <typename K, int kChunks>
+// kDots: bf16 pages' products by bf16_dots.h (head_dim 32 * kChunks / 2); the step's own keys stay float32.
+template <typename K, int kChunks, bool kDots>
 void AttendPart(const Step& s, int64_t t, int64_t split, int64_t splits, std::vector<float>& scores,
                 std::vector<int32_t>& own, float* m_out, float* l_out, float* acc) {
   const int64_t H = s.kv_heads, G = s.group, D = s.head_dim, Ds = s.stored_head_dim, ps = s.page_size;
@@ -210,14 +195,26 @@ void AttendPart(const Step& s, int64_t t, int64_t split, int64_t splits, std::ve
   };
   for (int64_t i = lo / ps; i < lo / ps + kPagesAhead; ++i) prefetch(s.k_pages, i);
   const float* q = s.q + t * H * G * D;
+  thread_local std::vector<uint16_t> q_bf16;  // kDots: [H, G, D]
+  thread_local std::vector<float> acc_dots;  // kDots: [H, G, D], the cached keys' share in AccumulateBlockBf16's order
+  if constexpr (kDots) {
+    q_bf16.resize(H * G * D), acc_dots.assign(H * G * D, 0.0f);
+    for (int64_t i = 0; i < H * G * D; ++i) q_bf16[i] = jaxserve::ToBf16(q[i]);
+  }
   for_each_block(s.k_pages, s.k, [&](int64_t h, int64_t i, const auto& rows, const float(&scale)[16], int count) {
-    ScoreBlock<kChunks>(q + h * G * D, G, D, rows, scale, count, scores.data() + h * G * n + i, n);
+    if constexpr (kDots && std::is_same_v<std::decay_t<decltype(rows[0])>, const K*>) {  // a cached block
+      jaxserve::ScoreBlockBf16<kChunks / 2>(q_bf16.data() + h * G * D, G, D, rows, scale, count,
+                                            scores.data() + h * G * n + i, n);
+    } else {
+      ScoreBlock<kChunks>(q + h * G * D, G, D, rows, scale, count, scores.data() + h * G * n + i, n);
+    }
   });
   for (int64_t i = lo / ps; i < lo / ps + kPagesAhead; ++i) prefetch(s.v_pages, i);
   for (int64_t hg = 0; hg < H * G; ++hg) {
     float* sg = scores.data() + hg * n;
-    float m = kMasked;
-    for (int64_t i = 0; i < n; ++i) m = std::max(m, sg[i]);
+    float m = kMasked;  // a vector loop: std::max's order of comparisons would chain one scalar max per score
+#pragma omp simd reduction(max : m)
+    for (int64_t i = 0; i < n; ++i) m = sg[i] > m ? sg[i] : m;
     float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
     for (int64_t i = 0; i < n; ++i) {
@@ -227,8 +224,16 @@ void AttendPart(const Step& s, int64_t t, int64_t split, int64_t splits, std::ve
     m_out[hg] = m, l_out[hg] = sum;
   }
   for_each_block(s.v_pages, s.v, [&](int64_t h, int64_t i, const auto& rows, const float(&scale)[16], int count) {
-    AccumulateBlock<kChunks>(scores.data() + h * G * n + i, n, rows, scale, count, G, D, acc + h * G * D);
+    if constexpr (kDots && std::is_same_v<std::decay_t<decltype(rows[0])>, const K*>) {  // a cached block
+      jaxserve::AccumulateBlockBf16<kChunks / 2>(scores.data() + h * G * n + i, n, rows, scale, count, G, D,
+                                                 acc_dots.data() + h * G * D);
+    } else {
+      AccumulateBlock<kChunks>(scores.data() + h * G * n + i, n, rows, scale, count, G, D, acc + h * G * D);
+    }
   });
+  if constexpr (kDots) {
+    for (int64_t hg = 0; hg < H * G; ++hg) jaxserve::AddInDimOrder(acc_dots.data() + hg * D, D, acc + hg * D);
+  }
 }
 
 // Why the operands cannot be attended over (naming the operand), or success. Each shape is checked against q's and
@@ -283,7 +288,7 @@ ffi::Error CheckOperands(F32x4& q, F32x3& k, F32x3& v, S32x1& token_row, S32x1& 
 
 ffi::Error PagedAttention(ffi::ThreadPool pool, F32x4 q, F32x3 k, F32x3 v, S32x1 token_row, S32x1 positions,
                           S32x1 cached_lens, S32x2 page_ids, ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages,
-                          F32x1 k_scale, F32x1 v_scale, int64_t sliding_window, F32x4Result out) {
+                          F32x1 k_scale, F32x1 v_scale, int64_t sliding_window, bool bf16_dots, F32x4Result out) {
   if (auto error = CheckOperands(q, k, v, token_row, positions, cached_lens, page_ids, k_pages, v_pages, k_scale,
                                  v_scale, out);
       error.failure()) {
@@ -292,9 +297,9 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, F32x4 q, F32x3 k, F32x3 v, S32x1
   auto qd = q.dimensions(), pd = k_pages.dimensions();
   const int64_t T = qd[0], P = page_ids.dimensions()[1];
   if (T == 0) return ffi::Error::Success();
-  Step s{T, qd[1], qd[2], qd[3], pd[3], pd[2], P, sliding_window, q.typed_data(), k.typed_data(), v.typed_data(),
-         token_row.typed_data(), positions.typed_data(), cached_lens.typed_data(), page_ids.typed_data(),
-         {k_pages.untyped_data(), nullptr}, {v_pages.untyped_data(), nullptr}};
+  Step s{T, qd[1], qd[2], qd[3], pd[3], pd[2], P, sliding_window, bf16_dots, q.typed_data(), k.typed_data(),
+         v.typed_data(), token_row.typed_data(), positions.typed_data(), cached_lens.typed_data(),
+         page_ids.typed_data(), {k_pages.untyped_data(), nullptr}, {v_pages.untyped_data(), nullptr}};
   for (int64_t t = 0; t < T; ++t) {  // a bad table would read outside the cache
     if (s.positions[t] < 0) continue;
     if (s.cached_lens[t] > P * s.page_size) {
@@ -319,12 +324,19 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, F32x4 q, F32x3 k, F32x3 v, S32x1
   float *pm = part_m.data(), *pl = part_l.data(), *pacc = part_acc.data();
   auto attend = [&](auto key_type, auto chunks) {
     using K = decltype(key_type);
-    jaxserve::ParallelChunks(pool, T * splits, kMaxHelpers, [&](int64_t item, int) {
-      thread_local std::vector<float> scores;
-      thread_local std::vector<int32_t> own;
-      AttendPart<K, decltype(chunks)::value>(s, item / splits, item % splits, splits, scores, own,
-                                             pm + item * H * G, pl + item * H * G, pacc + item * H * G * D);
-    });
+    auto each = [&](auto dots) {
+      jaxserve::ParallelChunks(pool, T * splits, kMaxHelpers, [&](int64_t item, int) {
+        thread_local std::vector<float> scores;
+        thread_local std::vector<int32_t> own;
+        AttendPart<K, decltype(chunks)::value, decltype(dots)::value>(
+            s, item / splits, item % splits, splits, scores, own, pm + item * H * G, pl + item * H * G,
+            pacc + item * H * G * D);
+      });
+    };
+    if constexpr (std::is_same_v<K, uint16_t> && jaxserve::kBf16Dots && decltype(chunks)::value > 0) {
+      if (s.bf16_dots) return each(std::true_type{});
+    }
+    each(std::false_type{});
   };
   auto run = [&](auto key_type) {
     switch (D) {  // the head_dims with loops of their own (kChunks)
@@ -384,4 +396,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedAttention, PagedAttention,
                                   .Arg<F32x1>()  // k_scale (int8 pages; else empty)
                                   .Arg<F32x1>()  // v_scale
                                   .Attr<int64_t>("sliding_window")  // 0: none
+                                  .Attr<bool>("bf16_dots")  // bf16 pages' products may round q and weights to bf16
                                   .Ret<F32x4>());  // out [T, kv_heads, G, D]

@@ -24,7 +24,7 @@ def available() -> bool:
 
 
 def paged_attention(q, k, v, token_row, positions, cached_lens, page_ids, k_pages, v_pages, k_scale=None,
-                    v_scale=None, sliding_window=None):
+                    v_scale=None, sliding_window=None, bf16_dots=False):
     """Each token's attention to its row's cached keys 0 .. cached_lens[t] - 1 and to the step's own keys of its
     row up to its position (and after position - sliding_window, if given), in float32.
 
@@ -34,6 +34,9 @@ def paged_attention(q, k, v, token_row, positions, cached_lens, page_ids, k_page
     page_ids:    int32 [T, P]   each token's row's pages, in order
     k_pages, v_pages: [num_pages, kv_heads, page_size, head_dim'] float32, bf16 bits (uint16) or int8 with
                  k_scale, v_scale float32 [num_pages, kv_heads, page_size]
+    bf16_dots:   bf16 pages' products may round q and the softmax weights to bf16 (two exact products a lane
+                 summed in float32, where the CPU has AVX-512-BF16 and head_dim is 64, 128 or 256: bf16_dots.h);
+                 for a model that computes in bf16, whose q is bf16 already. Elsewhere the products are float32.
     Returns float32 [T, kv_heads, G, head_dim].
     """
     _registered()
@@ -44,7 +47,7 @@ def paged_attention(q, k, v, token_row, positions, cached_lens, page_ids, k_page
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
     return call(f32(q), f32(k), f32(v), i32(token_row), i32(positions), i32(cached_lens), i32(page_ids), k_pages,
                 v_pages, none if k_scale is None else k_scale, none if v_scale is None else v_scale,
-                sliding_window=sliding_window or 0)
+                sliding_window=sliding_window or 0, bf16_dots=bool(bf16_dots))
 
 
 PAGE_DTYPES = ("float32", "bfloat16", "uint16", "int8")  # uint16: bf16 pages stored as their bits

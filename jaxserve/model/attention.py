@@ -122,7 +122,7 @@ def _paged_attention_cpu(blocked, sliding_window, q, k, v, k_pages, v_pages, row
                                                 for p in (k_pages, v_pages))
     out = cpu_paged_attention.paged_attention(
         q.reshape(T, KVH, H // KVH, D) * (D ** -0.5), k, v, row, pos, rows.cached_lens[row], rows.page_table[row],
-        k_stored, v_stored, k_scale, v_scale, sliding_window)  # [T, KVH, G, D]
+        k_stored, v_stored, k_scale, v_scale, sliding_window, bf16_dots=q.dtype == jnp.bfloat16)  # [T, KVH, G, D]
     return out.reshape(T, H, D).astype(v.dtype)
 
 

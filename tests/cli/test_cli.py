@@ -82,7 +82,7 @@ def test_build_kernels_writes_every_variant_the_compiler_takes(tmp_path):
     r = run(sys.executable, "-m", "jaxserve.cli", "build-kernels", "--output", str(tmp_path / "out"),
             env={"CXX": str(compiler)})
     assert r.returncode == 0, r.stderr
-    taken = [v for v in isa.variants() if v.name not in ("x86-64-v4", "armv8.2-a")]
+    taken = [v for v in isa.variants() if "x86-64-v4" not in v.name and v.name != "armv8.2-a"]
     want = sorted(build.library_name(s, v) for s in build.sources() for v in taken)
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == want
     assert sorted(Path(line.removeprefix("wrote ")).name for line in r.stdout.splitlines()) == want

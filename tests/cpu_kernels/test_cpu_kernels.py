@@ -217,8 +217,10 @@ def test_the_library_name_holds_the_variant_jaxlib_and_the_ffi_headers(monkeypat
 def test_the_variant_is_the_best_the_cpu_runs(monkeypatch):
     monkeypatch.setattr(isa.platform, "machine", lambda: "x86_64")
     v3 = {"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave", "sse4_2"}
-    for flags, names in [(v3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"},
-                          ["x86-64-v4", "x86-64-v3", "x86-64"]),
+    v4 = v3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
+    for flags, names in [(v4 | {"avx512_bf16"}, ["x86-64-v4-bf16", "x86-64-v4", "x86-64-v3", "x86-64"]),
+                         (v4, ["x86-64-v4", "x86-64-v3", "x86-64"]),
+                         (v3 | {"avx512_bf16"}, ["x86-64-v3", "x86-64"]),  # (not a CPU, but no AVX-512 is no v4)
                          (v3 | {"avx512f"}, ["x86-64-v3", "x86-64"]),  # AVX-512 without BW/DQ/VL is not v4
                          (v3 - {"fma"}, ["x86-64"]),
                          (set(), ["x86-64"])]:  # no /proc/cpuinfo: the baseline
@@ -318,6 +320,46 @@ def test_paged_attention_is_the_blocked_walk(stored, window, head_dim, page_size
     np.testing.assert_allclose(got, walked, rtol=1e-4, atol=1e-5, err_msg=f"seed {seed}")
     if stored == "float32":
         np.testing.assert_allclose(got, expected(case, window), rtol=2e-4, atol=2e-5, err_msg=f"seed {seed}")
+
+
+@pytest.mark.parametrize("window", [None, 7])
+@pytest.mark.parametrize("head_dim,page_size", [(20, 4), (64, 32), (128, 16), (256, 8)])
+def test_bf16_dots_are_the_float32_products_within_bf16_rounding(window, head_dim, page_size):
+    """A bf16 model's step (q, k, v in bf16, pages of bf16 bits) asks the kernel for bf16 dots: where the CPU has
+    AVX-512-BF16 (and head_dim is 64, 128 or 256), the cached keys' products take q and the softmax weights rounded
+    to bf16, within bf16's rounding of the float32 products; other pages, and head_dims without a loop of their
+    own, are not touched by the request."""
+    seed = int(np.random.default_rng().integers(1 << 31))
+    rng = np.random.default_rng(seed)
+    lengths = [(int(rng.integers(1, 300)), 1) for _ in range(4)] + [(int(rng.integers(0, 60)), 20)]
+    case = random_ragged_case(rng, lengths, page_size=page_size, heads=6, kv_heads=2, head_dim=head_dim)
+    q, k, v = (jnp.asarray(a, jnp.bfloat16) for a in (case.q, case.k, case.v))
+    rows = case.rows
+    in_place = jax.jit(lambda *a: ragged_attention(*a, sliding_window=window))
+    call = jax.jit(paged_attention.paged_attention, static_argnames=("sliding_window", "bf16_dots"))
+    for stored in ("bf16 bits", "int8", "float32"):
+        k_pages, v_pages = (_stored_pages(p, stored, head_dim + 4) for p in (case.k_pages, case.v_pages))
+        scales = (k_pages.scale, v_pages.scale) if stored == "int8" else (None, None)
+        stored_k, stored_v = (p.values if stored == "int8" else p for p in (k_pages, v_pages))
+        G = q.shape[1] // k.shape[1]
+        operands = (q.reshape(q.shape[0], k.shape[1], G, head_dim) * head_dim ** -0.5, k, v,  # scaled in bf16
+                    rows.token_row, rows.positions, rows.cached_lens[rows.token_row], rows.page_table[rows.token_row],
+                    stored_k, stored_v, *scales)
+        dots, products = (np.asarray(call(*operands, sliding_window=window, bf16_dots=d)) for d in (True, False))
+        if stored != "bf16 bits" or head_dim == 20 or not _runs_bf16_dots():
+            np.testing.assert_array_equal(dots, products, err_msg=f"{stored}, seed {seed}")
+            continue
+        assert not np.array_equal(dots, products), f"the bf16 dots did not run, seed {seed}"
+        np.testing.assert_allclose(dots, products, rtol=1e-2, atol=1e-2, err_msg=f"seed {seed}")
+        # The model's path asks for them (its q may carry XLA's excess precision: rounded again in the kernel).
+        got = np.asarray(in_place(q, k, v, k_pages, v_pages, rows), np.float32)
+        np.testing.assert_allclose(got, products.reshape(got.shape), rtol=2e-2, atol=2e-2, err_msg=f"seed {seed}")
+
+
+def _runs_bf16_dots() -> bool:
+    """The kernel loaded is the variant with AVX-512-BF16 (its library's name says which)."""
+    library = build.load("paged_attention.cc")
+    return library is not None and Path(library._name).name.startswith("paged_attention-x86-64-v4-bf16-")
 
 
 def test_paged_attention_refuses_a_table_that_would_read_outside_the_cache():

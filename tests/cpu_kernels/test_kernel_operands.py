@@ -63,7 +63,7 @@ def call_ffi(ops, out_shape=None):
     call = jax.ffi.ffi_call(paged_attention.TARGET, jax.ShapeDtypeStruct(out_shape or ops["q"].shape, jnp.float32))
     args = [ops[n] for n in ("q", "k", "v", "token_row", "positions", "cached_lens", "page_ids", "k_pages",
                              "v_pages")] + [ops.get("k_scale", none), ops.get("v_scale", none)]
-    return jax.block_until_ready(jax.jit(lambda *a: call(*a, sliding_window=0))(*args))
+    return jax.block_until_ready(jax.jit(lambda *a: call(*a, sliding_window=0, bf16_dots=False))(*args))
 
 
 @pytest.mark.parametrize("operand,bad", BAD_ATTENTION, ids=[f"{n}-{i}" for i, (n, _) in enumerate(BAD_ATTENTION)])
