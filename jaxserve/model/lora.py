@@ -102,7 +102,10 @@ def _sorted_blocks(x, a, b, slot):
     keyc = jnp.minimum(key, N - 1)
     dest_sorted = jnp.where(key < N, starts[keyc] + jnp.arange(T) - first[keyc], K * block)  # base tokens: nowhere
     dest = jnp.zeros(T, jnp.int32).at[order].set(dest_sorted)  # [T]: each token's row in the blocks
-    xs = jnp.zeros((K * block, n_in), x.dtype).at[dest].set(x, mode="drop").reshape(K, block, n_in)
+    # The blocks' rows gathered from x (XLA:CPU copies a gathered row as one block but scatters element by element):
+    # src [K * block] is each row's token, T (a zero row) for padding.
+    src = jnp.full(K * block, T, jnp.int32).at[dest].set(jnp.arange(T, dtype=jnp.int32), mode="drop")
+    xs = jnp.take(x, src, axis=0, mode="fill", fill_value=0).reshape(K, block, n_in)
     block_slot = jnp.minimum(jnp.searchsorted(ends, jnp.arange(K) * block, side="right"), N - 1)  # [K]
     h = jnp.einsum("kti,kir->ktr", xs, a[block_slot], preferred_element_type=F32).astype(b.dtype)
     y = jnp.einsum("ktr,kro->kto", h, b[block_slot], preferred_element_type=F32).reshape(K * block, -1)
