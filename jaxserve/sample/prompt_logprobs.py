@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.batch import PromptScores
-from jaxserve.sample.sampling import log_softmax, token_logprobs
+from jaxserve.sample.sampling import token_logprobs
 from jaxserve.sampling_params import MAX_LOGPROBS
 
 # Logits (float32 elements) one block of the loop holds: 64 MB.
@@ -73,5 +73,5 @@ def block_scores(logits, asked, axis=None):
     shard_map) logits are this device's slice of the vocabulary: the devices exchange per-token scalars and their
     top K, never the [B, V] logits (`jaxserve.sample.sampling.token_logprobs`)."""
     targets, want_top = asked
-    chosen, rank, top_ids, top_logprobs = token_logprobs(log_softmax(logits, axis), targets, want_top, axis)
+    chosen, rank, top_ids, top_logprobs = token_logprobs(logits, targets, want_top, axis)
     return chosen, rank.astype(jnp.int32), top_ids.astype(jnp.int32), top_logprobs
