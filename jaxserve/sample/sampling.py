@@ -242,13 +242,16 @@ def token_logprobs(logits, tokens, want_top_logprobs, axis=None):
     S, V = logits.shape
     m = _max(logits, axis)  # [S, 1]
     lse = m[:, 0] + jnp.log(_sum(jnp.exp(logits - m), axis))  # [S]
+
+    def top(x):  # the top logits are the top logprobs
+        values, ids = _top_logprobs(x, axis)
+        return values - lse[:, None], ids
+
     top_logprobs, top_ids = jax.lax.cond(
-        jnp.any(want_top_logprobs),
-        lambda x: _top_logprobs(x, axis),
+        jnp.any(want_top_logprobs), top,
         lambda x: (jnp.zeros((S, MAX_LOGPROBS), x.dtype), jnp.zeros((S, MAX_LOGPROBS), jnp.int32)),
         logits)
     picked = _at(logits, tokens, axis)  # [S]
-    top_logprobs = jnp.where(jnp.any(want_top_logprobs), top_logprobs - lse[:, None], top_logprobs)
     return picked - lse, 1 + _sum(logits > picked[:, None], axis), top_ids, top_logprobs
 
 
@@ -263,7 +266,8 @@ def _at(x, tokens, axis=None):
 
 
 def _top_logprobs(logprobs, axis):
-    """The top MAX_LOGPROBS (values [S, K], ids [S, K]) of logprobs [S, V]: over a mesh axis, each device's own top
+    """The top MAX_LOGPROBS (values [S, K], ids [S, K]) of logprobs [S, V] (or of the logits: the same order, less
+    each row's logsumexp): over a mesh axis, each device's own top
     K, gathered in vocabulary order and cut again (top_k keeps the first of equals, so ties go to the lower id as on
     one device)."""
     if axis is None:
